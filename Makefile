@@ -1,0 +1,38 @@
+# The two entry points of the README: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint typecheck proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch from the local wheel first, so the engine extra does not pull a CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e '.[engine,dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m appliance demo
+
+test: $(STAMP) lint typecheck
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+# Regenerates the public API's Python code from appliance/v1/inference.proto (committed).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. appliance/v1/inference.proto
+
+bench: $(STAMP)
+	$(PY) -m bench.streaming
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .hypothesis
