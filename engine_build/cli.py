@@ -1,0 +1,167 @@
+"""``engine-build plan|build|repo|verify``.
+
+Every refusal is one line on stderr prefixed ``engine-build: error:`` and a non-zero exit:
+1 for bad input or a failed step, 3 when the model does not fit (so scripts can tell "fix the
+spec" from "buy memory"), 2 for command-line usage errors (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine_build import commands, gpu, planner, runner
+from engine_build.checkpoint import read_shape
+from engine_build.errors import BuildError, DoesNotFit
+from engine_build.repo import write_repository
+from engine_build.spec import BuildSpec, load_spec
+from engine_build.verify import verify_repository
+
+EXIT_ERROR = 1
+EXIT_NOFIT = 3
+
+
+def _gpu_memory(spec: BuildSpec, arg: str | None) -> int:
+    if arg is not None:
+        return gpu.parse_size(arg)
+    return gpu.nvml_total_memory(spec.gpu_ids)
+
+
+def planned_commands(spec: BuildSpec) -> list[list[str]]:
+    """The commands ``build`` runs, with their final output paths."""
+    return [
+        commands.version_command(spec),
+        commands.quantize_command(spec, spec.checkpoint_dir),
+        commands.build_command(spec, spec.checkpoint_dir, spec.engine_dir),
+    ]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.Plan:
+    """Print the table; raise :class:`DoesNotFit` with what to change when it does not fit."""
+    shape = read_shape(spec.hf_model_dir)
+    if spec.max_seq_len > shape.max_position_embeddings:
+        raise BuildError(
+            f"limits.max_seq_len {spec.max_seq_len} > max_position_embeddings "
+            f"{shape.max_position_embeddings} of {spec.hf_model_dir}"
+        )
+    plan = planner.make_plan(shape, spec, _gpu_memory(spec, gpu_memory))
+    print(planner.render_table(plan, spec))
+    if not plan.fits:
+        raise DoesNotFit(
+            f"{shape.architecture} does not fit: needs {plan.required_bytes / planner.GIB:.2f} GiB "
+            f"per GPU, has {plan.gpu_memory_bytes / planner.GIB:.2f} GiB; "
+            + "; ".join(planner.advice(plan, spec))
+        )
+    return plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    script = "\n".join(commands.render(c) for c in planned_commands(spec)) + "\n"
+    try:
+        check_fit(spec, args.gpu_memory)
+    finally:
+        print("\n# commands `engine-build build` runs:")
+        print(script, end="")
+        if args.commands_out is not None:
+            _write_atomic(args.commands_out, "#!/bin/sh\nset -eu\n" + script)
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    check_fit(spec, args.gpu_memory)
+    results = runner.Runner(spec, quiet=args.quiet).run(force=args.force)
+    built = [r.name for r in results if not r.skipped]
+    print(f"engine ready: {spec.engine_dir} (rebuilt: {', '.join(built) or 'nothing'})")
+    return 0
+
+
+def cmd_repo(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    out = write_repository(spec, args.output.resolve(), hf_only=args.hf_only, force=args.force)
+    print(f"model repository written and verified: {out}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    problems = verify_repository(args.repository)
+    for p in problems:
+        print(f"engine-build: error: {args.repository}: {p}", file=sys.stderr)
+    if problems:
+        return EXIT_ERROR
+    print(f"ok: {args.repository}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="engine-build",
+        description="Plan, build and lay out FP8 TensorRT-LLM 1.2 engines for batch-1 latency.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="fit table and the exact commands build would run")
+    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--gpu-memory", help="GPU size (e.g. 80GiB) instead of asking NVML")
+    p.add_argument("--commands-out", type=Path, help="also write the commands as a shell script")
+    p.set_defaults(func=cmd_plan)
+
+    b = sub.add_parser("build", help="quantize and build the engine (skips up-to-date stages)")
+    b.add_argument("--spec", type=Path, required=True)
+    b.add_argument("--gpu-memory", help="GPU size instead of asking NVML")
+    b.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    b.add_argument("--quiet", action="store_true", help="only progress lines; logs go to files")
+    b.set_defaults(func=cmd_build)
+
+    r = sub.add_parser("repo", help="write the Triton model repository")
+    r.add_argument("--spec", type=Path, required=True)
+    r.add_argument("--output", type=Path, required=True)
+    r.add_argument(
+        "--hf-only",
+        action="store_true",
+        help="point at the HF checkpoint only (engine server; no engine needed)",
+    )
+    r.add_argument("--force", action="store_true", help="replace an existing repository")
+    r.set_defaults(func=cmd_repo)
+
+    v = sub.add_parser("verify", help="check an existing model repository")
+    v.add_argument("repository", type=Path)
+    v.set_defaults(func=cmd_verify)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        rc: int = args.func(args)
+    except DoesNotFit as err:
+        print(f"engine-build: error: {err}", file=sys.stderr)
+        return EXIT_NOFIT
+    except BuildError as err:
+        print(f"engine-build: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("engine-build: interrupted", file=sys.stderr)
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

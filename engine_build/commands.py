@@ -1,0 +1,158 @@
+"""The exact TensorRT-LLM 1.2 command lines for a spec.
+
+Argument names and choices were read from NVIDIA/TensorRT-LLM sources (no code copied):
+``tensorrt_llm/commands/build.py`` @ 65f1d1536e18aea3380e6e270e00895a709333eb (trtllm-build's
+own arguments), ``tensorrt_llm/plugin/plugin.py`` @ c20322ffd3dc0740ca530c9fad989b22e64f6e06
+(``cli_plugin_args`` and the pydantic ``PluginConfig`` literals: the plugin/feature flags) and
+``examples/quantization/quantize.py`` @ 059c97c10c12e948e91676c8db3c9f137b0a2389. The same lists
+are recorded in tests/engine_build/data/trtllm_1_2_cli.json and the tests parse every argv built
+here against them.
+
+Every plugin/feature flag that applies to a dense decoder is passed explicitly, because their
+defaults moved between releases (e.g. ``tokens_per_block`` 128 -> 32, ``use_paged_context_fmha``
+off -> on); an engine must not change behaviour when the TensorRT-LLM patch release does.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from engine_build.spec import BuildSpec
+
+# The pinned line. 1.3 removed trtllm-build and the tensorrtllm Triton backend.
+TRTLLM_SUPPORTED = (1, 2)
+
+VERSION_PROBE = (
+    "import importlib.metadata as m; print('TRTLLM_VERSION=' + m.version('tensorrt_llm'))"
+)
+
+
+def _python(spec: BuildSpec) -> list[str]:
+    t = spec.trtllm
+    if t.venv is not None:
+        return [str(t.venv / "bin" / "python")]
+    return [*t.container, "python3"]
+
+
+def _tool(spec: BuildSpec, name: str) -> list[str]:
+    t = spec.trtllm
+    if t.venv is not None:
+        return [str(t.venv / "bin" / name)]
+    return [*t.container, name]
+
+
+def version_command(spec: BuildSpec) -> list[str]:
+    """Ask the installation for its version without importing tensorrt_llm (that needs a GPU
+    and takes seconds); package metadata is enough and works the same in a container."""
+    return [*_python(spec), "-c", VERSION_PROBE]
+
+
+def _enable(flag: bool) -> str:
+    return "enable" if flag else "disable"
+
+
+def quantize_args(spec: BuildSpec, output_dir: Path) -> list[str]:
+    """Arguments of quantize.py that turn the HF checkpoint into a TensorRT-LLM checkpoint.
+
+    ``--qformat full_prec`` exports an unquantized checkpoint, so one stage covers bf16 too.
+    """
+    args = [
+        "--model_dir",
+        str(spec.hf_model_dir),
+        "--dtype",
+        spec.dtype,
+        "--qformat",
+        "fp8" if spec.weights_fp8 else "full_prec",
+    ]
+    if spec.kv_fp8:
+        args += ["--kv_cache_dtype", "fp8"]
+    if spec.weights_fp8 or spec.kv_fp8:
+        args += ["--calib_size", str(spec.calib_size)]
+        if spec.calib_dataset is not None:
+            args += ["--calib_dataset", spec.calib_dataset]
+    args += ["--tp_size", str(spec.tp_size), "--output_dir", str(output_dir)]
+    return args
+
+
+def quantize_command(spec: BuildSpec, output_dir: Path) -> list[str]:
+    return [*_python(spec), spec.trtllm.quantize_script, *quantize_args(spec, output_dir)]
+
+
+def build_args(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[str]:
+    """trtllm-build arguments: the low-latency batch-1 recipe with every plugin flag explicit."""
+    fp8 = spec.weights_fp8
+    low_latency = spec.gemm == "low_latency_gemm_plugin"
+    multi_gpu = spec.tp_size > 1
+    args = [
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--output_dir",
+        str(output_dir),
+        "--max_batch_size",
+        str(spec.max_batch_size),
+        "--max_input_len",
+        str(spec.max_input_len),
+        "--max_seq_len",
+        str(spec.max_seq_len),
+        "--max_num_tokens",
+        str(spec.max_num_tokens),
+        "--max_beam_width",
+        "1",
+    ]
+    if spec.opt_num_tokens is not None:
+        args += ["--opt_num_tokens", str(spec.opt_num_tokens)]
+    args += [
+        "--kv_cache_type",
+        "paged",
+        "--workers",
+        str(spec.tp_size),
+        # Plugins
+        "--gpt_attention_plugin",
+        spec.dtype,
+        "--gemm_plugin",
+        ("disable" if low_latency else "fp8") if fp8 else spec.dtype,
+        "--low_latency_gemm_plugin",
+        "fp8" if low_latency else "disable",
+        "--gemm_swiglu_plugin",
+        "disable",
+        "--low_latency_gemm_swiglu_plugin",
+        "disable",
+        "--fp8_rowwise_gemm_plugin",
+        "disable",
+        "--lora_plugin",
+        "disable",
+        "--nccl_plugin",
+        spec.dtype if multi_gpu else "disable",
+        # Features
+        "--context_fmha",
+        "enable",
+        "--remove_input_padding",
+        "enable",
+        "--use_paged_context_fmha",
+        _enable(spec.use_paged_context_fmha),
+        "--tokens_per_block",
+        str(spec.tokens_per_block),
+        "--use_fp8_context_fmha",
+        _enable(fp8 and spec.kv_fp8),
+        "--multiple_profiles",
+        _enable(spec.multiple_profiles),
+        "--use_fused_mlp",
+        "enable",
+        "--reduce_fusion",
+        _enable(multi_gpu),
+        "--user_buffer",
+        "disable",
+        "--norm_quant_fusion",
+        "disable",
+    ]
+    return args
+
+
+def build_command(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[str]:
+    return [*_tool(spec, "trtllm-build"), *build_args(spec, checkpoint_dir, output_dir)]
+
+
+def render(argv: list[str]) -> str:
+    """A copy-pasteable shell line."""
+    return shlex.join(argv)

@@ -1,0 +1,138 @@
+"""The ``tensorrt_llm`` model's config.pbtxt, built as a protobuf message, never from a template.
+
+Building a ``model_config_pb2.ModelConfig`` and printing it with ``text_format`` means the file
+always parses and never contains a ``${...}`` placeholder; Triton's fill_template flow silently
+falls back to defaults for any key it forgot, which is exactly how an engine ends up running
+without CUDA graphs or with KV reuse it was not built for.
+
+The tensor names and types follow the TensorRT-LLM triton_backend template
+``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt`` @
+0c8de69a1ca6213eebb20a51873890ff128666c2 (the post-0.19 names: ``seed``, ``min_tokens``); only
+the inputs the gateway can send are declared. Parameter keys are those the backend reads
+(``gpt_model_path`` is the engine directory key in the backend's C++; ``engine_dir`` is written
+too because docs/MODEL_REPOSITORY.md names it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+MODEL_NAME = "tensorrt_llm"
+BACKEND = "tensorrtllm"
+
+# (name, data type, dims, optional, ragged)
+_INPUTS: tuple[tuple[str, int, tuple[int, ...], bool, bool], ...] = (
+    ("input_ids", mc.TYPE_INT32, (-1,), False, True),
+    ("input_lengths", mc.TYPE_INT32, (1,), False, False),
+    ("request_output_len", mc.TYPE_INT32, (1,), False, False),
+    ("end_id", mc.TYPE_INT32, (1,), True, False),
+    ("pad_id", mc.TYPE_INT32, (1,), True, False),
+    ("stop_words_list", mc.TYPE_INT32, (2, -1), True, True),
+    ("bad_words_list", mc.TYPE_INT32, (2, -1), True, True),
+    ("temperature", mc.TYPE_FP32, (1,), True, False),
+    ("runtime_top_k", mc.TYPE_INT32, (1,), True, False),
+    ("runtime_top_p", mc.TYPE_FP32, (1,), True, False),
+    ("seed", mc.TYPE_UINT64, (1,), True, False),
+    ("min_tokens", mc.TYPE_INT32, (1,), True, False),
+    ("repetition_penalty", mc.TYPE_FP32, (1,), True, False),
+    ("presence_penalty", mc.TYPE_FP32, (1,), True, False),
+    ("frequency_penalty", mc.TYPE_FP32, (1,), True, False),
+    ("exclude_input_in_output", mc.TYPE_BOOL, (1,), True, False),
+    ("stop", mc.TYPE_BOOL, (1,), True, False),
+    ("streaming", mc.TYPE_BOOL, (1,), True, False),
+)
+REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
+
+_OUTPUTS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
+    ("output_ids", mc.TYPE_INT32, (-1, -1)),
+    ("sequence_length", mc.TYPE_INT32, (-1,)),
+    ("cum_log_probs", mc.TYPE_FP32, (-1,)),
+    ("output_log_probs", mc.TYPE_FP32, (-1, -1)),
+    ("context_logits", mc.TYPE_FP32, (-1, -1)),
+    ("generation_logits", mc.TYPE_FP32, (-1, -1, -1)),
+    ("batch_index", mc.TYPE_INT32, (1,)),
+    ("sequence_index", mc.TYPE_INT32, (1,)),
+)
+REQUIRED_OUTPUTS = ("output_ids", "sequence_length")
+
+
+@dataclass(frozen=True)
+class RepoParams:
+    """Everything that varies between repositories; the rest is fixed by the latency goal."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    kv_cache_free_gpu_mem_fraction: float
+    enable_kv_cache_reuse: bool
+    cuda_graph_mode: bool
+    cuda_graph_cache_size: int
+    cancellation_check_period_ms: int
+    exclude_input_in_output: bool
+    gpu_device_ids: tuple[int, ...]
+    hf_model_dir: str
+    engine_dir: str | None
+
+
+def _bool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def parameters(p: RepoParams) -> dict[str, str]:
+    """The full parameters map; every value is a literal."""
+    params = {
+        "max_beam_width": "1",
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+        "gpt_model_type": "inflight_fused_batching",
+        "batch_scheduler_policy": "guaranteed_no_evict",
+        "kv_cache_free_gpu_mem_fraction": f"{p.kv_cache_free_gpu_mem_fraction:g}",
+        "enable_kv_cache_reuse": _bool(p.enable_kv_cache_reuse),
+        "enable_chunked_context": "false",
+        "max_attention_window_size": str(p.max_seq_len),
+        "exclude_input_in_output": _bool(p.exclude_input_in_output),
+        "cancellation_check_period_ms": str(p.cancellation_check_period_ms),
+        "cuda_graph_mode": _bool(p.cuda_graph_mode),
+        "cuda_graph_cache_size": str(p.cuda_graph_cache_size),
+        "gpu_device_ids": ",".join(str(i) for i in p.gpu_device_ids),
+        # Not read by the backend; they let the gateway and `verify` see the engine limits.
+        "max_input_len": str(p.max_input_len),
+        "max_seq_len": str(p.max_seq_len),
+        "hf_model_dir": p.hf_model_dir,
+    }
+    if p.engine_dir is not None:
+        params["gpt_model_path"] = p.engine_dir
+        params["engine_dir"] = p.engine_dir
+    return params
+
+
+def model_config(p: RepoParams) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name=MODEL_NAME, backend=BACKEND, max_batch_size=p.max_batch_size)
+    cfg.model_transaction_policy.decoupled = True
+    cfg.dynamic_batching.preferred_batch_size.append(p.max_batch_size)
+    cfg.dynamic_batching.max_queue_delay_microseconds = 0
+    for name, dtype, dims, optional, ragged in _INPUTS:
+        t = cfg.input.add(name=name, data_type=dtype, dims=list(dims), optional=optional)
+        if ragged:
+            t.allow_ragged_batch = True
+        if dims == (1,):
+            t.reshape.SetInParent()  # shape [] per request, as the template declares
+    for name, dtype, dims in _OUTPUTS:
+        cfg.output.add(name=name, data_type=dtype, dims=list(dims))
+    cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    for key, value in parameters(p).items():
+        cfg.parameters[key].string_value = value
+    return cfg
+
+
+def render(cfg: mc.ModelConfig) -> str:
+    return str(text_format.MessageToString(cfg))
+
+
+def parse(text: str) -> mc.ModelConfig:
+    """Parse protobuf text format; raises ``text_format.ParseError`` on bad input."""
+    cfg = mc.ModelConfig()
+    text_format.Parse(text, cfg)
+    return cfg

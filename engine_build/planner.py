@@ -1,0 +1,221 @@
+"""VRAM fit arithmetic: pure functions of the model shape, the spec and the GPU size.
+
+The rule being enforced is that the whole model lives in GPU memory. What Triton's
+``tensorrt_llm`` model actually does at start-up is load the weights, reserve activations and
+runtime buffers, then take ``kv_cache_free_gpu_mem_fraction`` of what is *left* for the paged KV
+pool. So the plan fits when that pool holds ``max_batch_size`` sequences of ``max_seq_len``
+tokens (rounded up to whole KV blocks) on every GPU.
+
+Precision model (TensorRT-LLM fp8 checkpoint from quantize.py ``--qformat fp8``): the linear
+layers of every decoder block (q, k, v, o, gate, up, down) are stored in FP8 (1 byte); the
+embedding table, ``lm_head`` and the RMSNorm weights stay in ``dtype`` (2 bytes) because
+quantize.py leaves them alone unless ``--quantize_lm_head``. Per-tensor scales (a few floats per
+layer) are ignored. Tensor parallelism splits the linear layers and ``lm_head`` across ranks;
+the embedding table is replicated (``use_parallel_embedding`` is off by default) and so are the
+norms. KV heads are split across ranks, but a rank never holds less than one.
+``lm_head`` is counted even for tied embeddings because the engine keeps its own copy.
+
+Activation/workspace headroom is an estimate, not a TensorRT measurement: two live buffers of
+the widest per-token activation (hidden + q/k/v + 2 × MLP intermediate, in ``dtype``) for
+``max_num_tokens`` tokens, float32 logits for the batch, and a fixed runtime overhead (CUDA
+context, cuBLAS workspaces, decoder buffers; ``[plan] runtime_overhead_mib``) plus 32 MiB per
+cached CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine_build.checkpoint import ModelShape
+from engine_build.spec import BuildSpec
+
+MIB = 1 << 20
+GIB = 1 << 30
+CUDA_GRAPH_RESERVE_BYTES = 32 * MIB
+ACTIVATION_BUFFERS = 2
+LOGITS_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Whole-model parameter counts by storage class."""
+
+    linear: int
+    embedding: int
+    lm_head: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.embedding + self.lm_head + self.norms
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every number of the fit table, in bytes per GPU unless the name says otherwise."""
+
+    params: ParamCounts
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_tokens_needed: int
+    kv_bytes_needed: int
+    activation_bytes: int
+    logits_bytes: int
+    overhead_bytes: int
+    gpu_memory_bytes: int
+    kv_pool_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_pool_bytes >= self.kv_bytes_needed
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return max(0, self.kv_pool_bytes) // self.kv_bytes_per_token
+
+    @property
+    def required_bytes(self) -> int:
+        """Memory this plan needs if the KV pool were exactly the configured sequences."""
+        return (
+            self.weight_bytes
+            + self.activation_bytes
+            + self.logits_bytes
+            + self.overhead_bytes
+            + self.kv_bytes_needed
+        )
+
+
+def count_params(shape: ModelShape) -> ParamCounts:
+    """Parameter counts of a Llama-layout decoder (no biases)."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q_out = shape.num_attention_heads * hd
+    kv_out = shape.num_key_value_heads * hd
+    attn = h * q_out + 2 * h * kv_out + q_out * h
+    mlp = 3 * h * shape.intermediate_size
+    layers = shape.num_hidden_layers
+    return ParamCounts(
+        linear=layers * (attn + mlp),
+        embedding=shape.vocab_size * h,
+        lm_head=shape.vocab_size * h,
+        norms=layers * 2 * h + h,
+    )
+
+
+def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
+    """KV heads on one rank: split when there are enough, replicated (1 per rank) when not."""
+    return max(1, math.ceil(shape.num_key_value_heads / tp))
+
+
+def weight_bytes_per_gpu(shape: ModelShape, spec: BuildSpec) -> int:
+    """Bytes of weights on one rank for the spec's precision and tensor parallelism."""
+    tp = spec.tp_size
+    h, hd = shape.hidden_size, shape.head_dim
+    q_out = shape.num_attention_heads * hd // tp
+    kv_out = kv_heads_per_gpu(shape, tp) * hd
+    attn = h * q_out + 2 * h * kv_out + q_out * h
+    mlp = 3 * h * (shape.intermediate_size // tp)
+    linear = shape.num_hidden_layers * (attn + mlp)
+    wide = 2  # bfloat16 / float16
+    linear_bytes = linear * (1 if spec.weights_fp8 else wide)
+    embedding = shape.vocab_size * h
+    lm_head = math.ceil(shape.vocab_size / tp) * h
+    norms = shape.num_hidden_layers * 2 * h + h
+    return linear_bytes + (embedding + lm_head + norms) * wide
+
+
+def kv_bytes_per_token(shape: ModelShape, spec: BuildSpec) -> int:
+    """K and V for one token across all layers on one rank."""
+    elem = 1 if spec.kv_fp8 else 2
+    return (
+        2 * shape.num_hidden_layers * kv_heads_per_gpu(shape, spec.tp_size) * shape.head_dim * elem
+    )
+
+
+def activation_bytes(shape: ModelShape, spec: BuildSpec) -> int:
+    """Estimated activation workspace for one ``max_num_tokens`` step on one rank."""
+    tp = spec.tp_size
+    q = shape.num_attention_heads * shape.head_dim // tp
+    kv = 2 * kv_heads_per_gpu(shape, tp) * shape.head_dim
+    widest = shape.hidden_size + q + kv + 2 * (shape.intermediate_size // tp)
+    return spec.max_num_tokens * widest * 2 * ACTIVATION_BUFFERS
+
+
+def make_plan(shape: ModelShape, spec: BuildSpec, gpu_memory_bytes: int) -> Plan:
+    """The fit table for one GPU of ``gpu_memory_bytes`` (the smallest of the spec's GPUs)."""
+    per_token = kv_bytes_per_token(shape, spec)
+    blocks = math.ceil(spec.max_seq_len / spec.tokens_per_block)
+    tokens = blocks * spec.tokens_per_block * spec.max_batch_size
+    weights = weight_bytes_per_gpu(shape, spec)
+    act = activation_bytes(shape, spec)
+    logits = spec.max_batch_size * shape.vocab_size * LOGITS_BYTES
+    cuda_graphs = spec.cuda_graph_cache_size if spec.cuda_graph_mode else 0
+    overhead = spec.runtime_overhead_mib * MIB + cuda_graphs * CUDA_GRAPH_RESERVE_BYTES
+    free_after = gpu_memory_bytes - weights - act - logits - overhead
+    pool = math.floor(free_after * spec.kv_cache_free_gpu_mem_fraction) if free_after > 0 else 0
+    return Plan(
+        params=count_params(shape),
+        weight_bytes=weights,
+        kv_bytes_per_token=per_token,
+        kv_tokens_needed=tokens,
+        kv_bytes_needed=tokens * per_token,
+        activation_bytes=act,
+        logits_bytes=logits,
+        overhead_bytes=overhead,
+        gpu_memory_bytes=gpu_memory_bytes,
+        kv_pool_bytes=pool,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.2f} GiB"
+
+
+def render_table(plan: Plan, spec: BuildSpec) -> str:
+    """Human table; the last line is the verdict so a log grep finds it."""
+    rows = [
+        ("parameters (whole model)", f"{plan.params.total / 1e9:9.3f} B"),
+        (
+            f"weights per GPU ({'fp8 linear' if spec.weights_fp8 else spec.dtype}, tp={spec.tp_size})",
+            _gib(plan.weight_bytes),
+        ),
+        ("activations (estimate)", _gib(plan.activation_bytes)),
+        ("logits", _gib(plan.logits_bytes)),
+        ("runtime overhead + CUDA graphs", _gib(plan.overhead_bytes)),
+        (f"KV cache per token ({spec.kv_cache_dtype})", f"{plan.kv_bytes_per_token:>9} B"),
+        (
+            f"KV needed ({spec.max_batch_size} x {spec.max_seq_len} tok, "
+            f"block {spec.tokens_per_block})",
+            _gib(plan.kv_bytes_needed),
+        ),
+        ("GPU memory", _gib(plan.gpu_memory_bytes)),
+        (
+            f"KV pool ({spec.kv_cache_free_gpu_mem_fraction:g} of the rest)",
+            _gib(plan.kv_pool_bytes),
+        ),
+        ("KV pool tokens", f"{plan.kv_pool_tokens:>9}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines.append(f"{'verdict'.ljust(width)}  {verdict}")
+    return "\n".join(lines)
+
+
+def advice(plan: Plan, spec: BuildSpec) -> list[str]:
+    """What to change when the plan does not fit, most effective first."""
+    out: list[str] = []
+    if not spec.weights_fp8:
+        out.append("set precision.quantization = 'fp8' (halves the linear-layer weights)")
+    if not spec.kv_fp8:
+        out.append("set precision.kv_cache_dtype = 'fp8' (halves the KV cache)")
+    short = plan.kv_bytes_needed - plan.kv_pool_bytes
+    if plan.kv_pool_bytes > 0 and short > 0:
+        fit_tokens = plan.kv_pool_tokens // max(1, spec.max_batch_size)
+        if fit_tokens > spec.max_input_len:
+            out.append(f"lower limits.max_seq_len to <= {fit_tokens}")
+    if spec.max_batch_size > 1:
+        out.append("lower limits.max_batch_size to 1")
+    out.append("raise parallel.tp_size (and add gpu_ids) to split weights across GPUs")
+    out.append("or use a GPU with more memory")
+    return out

@@ -1,0 +1,135 @@
+"""Writes the Triton model repository of docs/MODEL_REPOSITORY.md for a spec.
+
+The repository is assembled in a sibling temporary directory, verified with the same checks as
+``engine-build verify``, and only then renamed into place: a failure at any point leaves the
+previous repository (or nothing) behind, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from engine_build import pbtxt, runner
+from engine_build.checkpoint import fingerprint_tree, read_json, read_shape
+from engine_build.errors import BuildError
+from engine_build.spec import BuildSpec
+from engine_build.verify import cross_check_engine, engine_limits, verify_repository
+
+# What the gateway loads; tokenizer.json is mandatory, the rest is copied when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "config.json",
+    "tokenizer.model",
+)
+
+
+def repo_params(spec: BuildSpec, engine_dir: Path | None) -> pbtxt.RepoParams:
+    return pbtxt.RepoParams(
+        max_batch_size=spec.max_batch_size,
+        max_input_len=spec.max_input_len,
+        max_seq_len=spec.max_seq_len,
+        kv_cache_free_gpu_mem_fraction=spec.kv_cache_free_gpu_mem_fraction,
+        enable_kv_cache_reuse=spec.enable_kv_cache_reuse,
+        cuda_graph_mode=spec.cuda_graph_mode,
+        cuda_graph_cache_size=spec.cuda_graph_cache_size,
+        cancellation_check_period_ms=spec.cancellation_check_period_ms,
+        exclude_input_in_output=spec.exclude_input_in_output,
+        gpu_device_ids=spec.gpu_ids,
+        hf_model_dir=str(spec.hf_model_dir),
+        engine_dir=str(engine_dir) if engine_dir is not None else None,
+    )
+
+
+def engine_fingerprint(spec: BuildSpec, engine_dir: Path | None) -> str:
+    """What the gateway keys its caches on: it changes whenever generated tokens could.
+
+    For an engine, the build stamp (checkpoint + argv + TensorRT-LLM version) when present, else
+    the engine files' identity; for an HF-only repository, the checkpoint's identity.
+    """
+    h = hashlib.sha256()
+    if engine_dir is not None:
+        stamp = runner.read_stamp(engine_dir)
+        h.update(b"engine\0" + (stamp or fingerprint_tree(engine_dir)).encode())
+    else:
+        h.update(b"hf\0" + fingerprint_tree(spec.hf_model_dir).encode())
+    return h.hexdigest()
+
+
+def _copy_tokenizer(spec: BuildSpec, dest: Path) -> None:
+    if not (spec.hf_model_dir / "tokenizer.json").is_file():
+        raise BuildError(
+            f"{spec.hf_model_dir / 'tokenizer.json'} missing: the gateway needs a fast tokenizer"
+        )
+    dest.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        src = spec.hf_model_dir / name
+        if src.is_file():
+            shutil.copy2(src, dest / name)
+
+
+def write_repository(
+    spec: BuildSpec, output: Path, hf_only: bool = False, force: bool = False
+) -> Path:
+    """Write ``output`` for the spec's engine (or, with ``hf_only``, for its HF checkpoint)."""
+    shape = read_shape(spec.hf_model_dir)
+    if spec.max_seq_len > shape.max_position_embeddings:
+        raise BuildError(
+            f"limits.max_seq_len {spec.max_seq_len} > max_position_embeddings "
+            f"{shape.max_position_embeddings} of the checkpoint"
+        )
+    engine_dir: Path | None = None
+    if not hf_only:
+        engine_dir = spec.engine_dir
+        limits = engine_limits(read_json(engine_dir / "config.json", "engine config.json"))
+        expected = {
+            "max_batch_size": spec.max_batch_size,
+            "max_input_len": spec.max_input_len,
+            "max_seq_len": spec.max_seq_len,
+        }
+        for key, want in expected.items():
+            if limits[key] != want:
+                raise BuildError(
+                    f"engine {engine_dir} was built with {key} {limits[key]} but the spec says "
+                    f"{want}: rebuild with `engine-build build`"
+                )
+    if output.exists() and not force:
+        raise BuildError(f"{output} exists; pass --force to replace it")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        model_dir = tmp / pbtxt.MODEL_NAME
+        (model_dir / "1").mkdir(parents=True)
+        cfg = pbtxt.model_config(repo_params(spec, engine_dir))
+        if engine_dir is not None:
+            params = {k: v.string_value for k, v in cfg.parameters.items()}
+            limits = engine_limits(read_json(engine_dir / "config.json", "engine config.json"))
+            mismatch = cross_check_engine(cfg, params, limits)
+            if mismatch:
+                raise BuildError(f"engine {engine_dir} does not match the spec: {mismatch[0]}")
+        (model_dir / "config.pbtxt").write_text(pbtxt.render(cfg), encoding="utf-8")
+        _copy_tokenizer(spec, model_dir / "tokenizer")
+        (model_dir / "engine_fingerprint").write_text(
+            engine_fingerprint(spec, engine_dir) + "\n", encoding="utf-8"
+        )
+        problems = verify_repository(tmp)
+        if problems:
+            raise BuildError(f"refusing to publish {output}: {problems[0]}")
+        if output.exists():
+            old = output.with_name(f".{output.name}.old-{os.getpid()}")
+            output.rename(old)
+            tmp.rename(output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(output)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return output

@@ -1,0 +1,222 @@
+"""Checks a model repository, whether ``engine-build repo`` wrote it or an operator edited it.
+
+``repo`` runs these same checks on what it is about to publish, so a repository that passes
+``verify`` is byte-for-byte the kind ``repo`` produces. Problems are collected, not raised one at
+a time, so an operator fixing hand edits sees all of them in one run.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from engine_build import pbtxt
+from engine_build.checkpoint import read_json
+from engine_build.errors import BuildError
+
+_HEX = re.compile(r"^[0-9a-f]{16,128}$")
+_BOOL = ("true", "false")
+
+
+def _resolve(model_dir: Path, value: str) -> Path:
+    p = Path(value)
+    return p if p.is_absolute() else model_dir / p
+
+
+def _int_param(params: dict[str, str], key: str, problems: list[str]) -> int | None:
+    raw = params.get(key)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        problems.append(f"parameter {key} = {raw!r} is not an integer")
+        return None
+
+
+def engine_limits(engine_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The build-time limits of a TensorRT-LLM engine's config.json (``build_config`` section)."""
+    build = engine_cfg.get("build_config")
+    if not isinstance(build, dict):
+        raise BuildError(
+            "engine config.json has no build_config section; not a trtllm-build engine"
+        )
+    raw_plugin = build.get("plugin_config")
+    plugin: dict[str, Any] = raw_plugin if isinstance(raw_plugin, dict) else {}
+    pretrained = engine_cfg.get("pretrained_config")
+    mapping = pretrained.get("mapping", {}) if isinstance(pretrained, dict) else {}
+    return {
+        "max_batch_size": build.get("max_batch_size"),
+        "max_input_len": build.get("max_input_len"),
+        "max_seq_len": build.get("max_seq_len"),
+        "use_paged_context_fmha": plugin.get("use_paged_context_fmha"),
+        "world_size": mapping.get("world_size", 1) if isinstance(mapping, dict) else 1,
+    }
+
+
+def cross_check_engine(
+    cfg: mc.ModelConfig, params: dict[str, str], limits: dict[str, Any]
+) -> list[str]:
+    """Mismatches between config.pbtxt and what the engine was built for."""
+    problems: list[str] = []
+    if limits["max_batch_size"] != cfg.max_batch_size:
+        problems.append(
+            f"max_batch_size {cfg.max_batch_size} != engine max_batch_size "
+            f"{limits['max_batch_size']}"
+        )
+    for key in ("max_input_len", "max_seq_len"):
+        value = _int_param(params, key, problems)
+        if value is not None and value != limits[key]:
+            problems.append(f"parameter {key} = {value} != engine {key} {limits[key]}")
+    window = _int_param(params, "max_attention_window_size", problems)
+    if (
+        window is not None
+        and isinstance(limits["max_seq_len"], int)
+        and window > limits["max_seq_len"]
+    ):
+        problems.append(
+            f"parameter max_attention_window_size = {window} > engine max_seq_len "
+            f"{limits['max_seq_len']}"
+        )
+    if (
+        params.get("enable_kv_cache_reuse") == "true"
+        and limits["use_paged_context_fmha"] is not True
+    ):
+        problems.append(
+            "enable_kv_cache_reuse = true but the engine was built without paged context FMHA "
+            "(rebuild with kv_cache.enable_reuse = true, or set it false)"
+        )
+    ids = [i for i in params.get("gpu_device_ids", "").split(",") if i.strip()]
+    if ids and len(ids) != limits["world_size"]:
+        problems.append(
+            f"gpu_device_ids lists {len(ids)} GPUs but the engine has {limits['world_size']} ranks"
+        )
+    return problems
+
+
+def check_config(cfg: mc.ModelConfig) -> list[str]:
+    """Structural and latency checks that need nothing but the parsed config."""
+    problems: list[str] = []
+    if cfg.name and cfg.name != pbtxt.MODEL_NAME:
+        problems.append(f"name is {cfg.name!r}, expected {pbtxt.MODEL_NAME!r}")
+    if cfg.backend != pbtxt.BACKEND:
+        problems.append(f"backend is {cfg.backend!r}, expected {pbtxt.BACKEND!r}")
+    if cfg.max_batch_size != 1:
+        problems.append(f"max_batch_size is {cfg.max_batch_size}, the appliance serves batch 1")
+    if not cfg.model_transaction_policy.decoupled:
+        problems.append("model_transaction_policy.decoupled is not true: streaming needs it")
+    if cfg.dynamic_batching.max_queue_delay_microseconds != 0:
+        problems.append(
+            "dynamic_batching.max_queue_delay_microseconds is "
+            f"{cfg.dynamic_batching.max_queue_delay_microseconds}, must be 0"
+        )
+    inputs = {t.name for t in cfg.input}
+    outputs = {t.name for t in cfg.output}
+    for name in pbtxt.REQUIRED_INPUTS:
+        if name not in inputs:
+            problems.append(f"input {name} missing")
+    for name in pbtxt.REQUIRED_OUTPUTS:
+        if name not in outputs:
+            problems.append(f"output {name} missing")
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    if params.get("cuda_graph_mode") != "true":
+        problems.append(
+            f"parameter cuda_graph_mode is {params.get('cuda_graph_mode')!r}, not 'true'"
+        )
+    size = _int_param(params, "cuda_graph_cache_size", problems)
+    if size is None or size < 1:
+        problems.append("parameter cuda_graph_cache_size must be a positive integer")
+    reuse = params.get("enable_kv_cache_reuse")
+    if reuse not in _BOOL:
+        # The backend turns reuse ON when this is unset; say it explicitly.
+        problems.append(f"parameter enable_kv_cache_reuse must be 'true' or 'false', got {reuse!r}")
+    frac = params.get("kv_cache_free_gpu_mem_fraction")
+    try:
+        if frac is None or not 0.0 < float(frac) <= 1.0:
+            problems.append(f"parameter kv_cache_free_gpu_mem_fraction {frac!r} not in (0, 1]")
+    except ValueError:
+        problems.append(f"parameter kv_cache_free_gpu_mem_fraction {frac!r} is not a number")
+    period = _int_param(params, "cancellation_check_period_ms", problems)
+    if period is None or period < 1:
+        problems.append("parameter cancellation_check_period_ms must be a positive integer")
+    ids = params.get("gpu_device_ids", "")
+    if not re.fullmatch(r"\d+(,\d+)*", ids):
+        problems.append(f"parameter gpu_device_ids {ids!r} is not a comma-separated id list")
+    if params.get("exclude_input_in_output") not in _BOOL:
+        problems.append("parameter exclude_input_in_output must be 'true' or 'false'")
+    return problems
+
+
+def verify_repository(repo: Path) -> list[str]:
+    """Every problem found in ``repo``; an empty list means it can be served."""
+    model_dir = repo / pbtxt.MODEL_NAME
+    config_path = model_dir / "config.pbtxt"
+    try:
+        text = config_path.read_text(encoding="utf-8")
+    except OSError as err:
+        return [f"cannot read {config_path}: {err.strerror or err}"]
+    problems: list[str] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if "${" in line:
+            problems.append(
+                f"config.pbtxt line {lineno} has an unfilled placeholder: {line.strip()}"
+            )
+    try:
+        cfg = pbtxt.parse(text)
+    except text_format.ParseError as err:
+        problems.append(f"config.pbtxt does not parse as a ModelConfig: {err}")
+        return problems
+    problems += check_config(cfg)
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+
+    if not (model_dir / "1").is_dir():
+        problems.append(f"version directory {model_dir / '1'} missing")
+    if not (model_dir / "tokenizer" / "tokenizer.json").is_file():
+        problems.append(f"{model_dir / 'tokenizer' / 'tokenizer.json'} missing")
+    fp_path = model_dir / "engine_fingerprint"
+    try:
+        fp = fp_path.read_text(encoding="utf-8").strip()
+        if not _HEX.match(fp):
+            problems.append(f"{fp_path} is not one line of lowercase hex")
+    except OSError:
+        problems.append(f"{fp_path} missing")
+
+    engine = params.get("gpt_model_path") or params.get("engine_dir")
+    gpt_path, engine_param = params.get("gpt_model_path"), params.get("engine_dir")
+    if gpt_path and engine_param and gpt_path != engine_param:
+        problems.append("parameters gpt_model_path and engine_dir disagree")
+    hf = params.get("hf_model_dir")
+    if not engine and not hf:
+        problems.append(
+            "neither gpt_model_path/engine_dir nor hf_model_dir is set: nothing to serve"
+        )
+    if engine:
+        engine_dir = _resolve(model_dir, engine)
+        try:
+            limits = engine_limits(read_json(engine_dir / "config.json", "engine config.json"))
+        except BuildError as err:
+            problems.append(str(err))
+        else:
+            problems += cross_check_engine(cfg, params, limits)
+            for rank in range(int(limits["world_size"] or 1)):
+                if not (engine_dir / f"rank{rank}.engine").is_file():
+                    problems.append(f"engine file {engine_dir / f'rank{rank}.engine'} missing")
+    if hf:
+        hf_dir = _resolve(model_dir, hf)
+        try:
+            hf_cfg = read_json(hf_dir / "config.json", "hf_model_dir config.json")
+        except BuildError as err:
+            problems.append(str(err))
+        else:
+            seq = _int_param(params, "max_seq_len", problems)
+            limit = hf_cfg.get("max_position_embeddings")
+            if seq is not None and isinstance(limit, int) and seq > limit:
+                problems.append(
+                    f"parameter max_seq_len = {seq} > max_position_embeddings {limit} of "
+                    "hf_model_dir"
+                )
+    return problems
