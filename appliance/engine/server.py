@@ -1,0 +1,548 @@
+"""The engine server: Triton's GRPCInferenceService for the `tensorrt_llm` model, computed with torch.
+
+It is the inference process on hosts without the GPU stack and the peer every test runs against, so it
+keeps Triton's semantics on every point the gateway relies on: decoupled streaming with
+`triton_final_response` on every response; a flag-only final response sent (empty) only when the request
+set `triton_enable_empty_final_response`; in-band `error_message` with the stream left open (or a gRPC
+status with header `triton_grpc_error: true`); ModelInfer refused for decoupled models; `stop=true` with
+the same id cancels; closing the stream cancels what is in flight on it.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as ts
+from tritonclient.grpc import service_pb2_grpc as ts_grpc
+
+from appliance.engine.llama import CheckpointError, LlamaModel
+from appliance.engine.repository import ModelEntry, RepositoryError, load_repository
+from appliance.engine.runner import Emission, Job, Runner
+from appliance.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "appliance-engine"
+SERVER_VERSION = "1"
+LITTLE_ENDIAN = sys.byteorder == "little"
+_TYPECODES = {
+    "BOOL": "B",
+    "INT8": "b",
+    "UINT8": "B",
+    "INT32": "i",
+    "UINT32": "I",
+    "INT64": "q",
+    "UINT64": "Q",
+    "FP32": "f",
+    "FP64": "d",
+}
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT32": "int_contents",
+    "UINT8": "uint_contents",
+    "UINT32": "uint_contents",
+    "INT64": "int64_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+
+class InferError(Exception):
+    """A request Triton would answer with an error; `code` is used when errors go out of band."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def _dtype_name(value: int) -> str:
+    return str(mc.DataType.Name(value)).removeprefix("TYPE_").replace("STRING", "BYTES")
+
+
+@dataclass
+class ServedModel:
+    entry: ModelEntry
+    model: LlamaModel
+    runner: Runner
+    inputs: dict[str, mc.ModelInput]
+    max_len: int
+
+
+@dataclass
+class Decoded:
+    """The tensorrt_llm inputs of one request, with TensorRT-LLM's defaults filled in."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    end_id: int | None
+    params: SamplingParams
+    streaming: bool
+    stop: bool
+    exclude_input: bool
+
+
+def _read_tensor(
+    request: ts.ModelInferRequest, index: int, model: ServedModel
+) -> tuple[str, list[Any]]:
+    tensor = request.inputs[index]
+    spec = model.inputs.get(tensor.name)
+    name = model.entry.name
+    if spec is None:
+        raise InferError(f"unexpected inference input '{tensor.name}' for model '{name}'")
+    expected = _dtype_name(spec.data_type)
+    if tensor.datatype != expected:
+        raise InferError(
+            f"inference input '{tensor.name}' data-type is '{tensor.datatype}', but model "
+            f"'{name}' expects '{expected}'"
+        )
+    dims = list(spec.dims)
+    shape = list(tensor.shape)
+    if model.entry.config.max_batch_size > 0:
+        if not shape or shape[0] != 1:
+            raise InferError(f"inference request batch-size must be <= 1 for '{name}'")
+        shape = shape[1:]
+    if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape, strict=True)):
+        raise InferError(
+            f"unexpected shape for input '{tensor.name}' for model '{name}'. "
+            f"Expected {dims}, got {shape}"
+        )
+    count = prod(shape)
+    if request.raw_input_contents:
+        raw = request.raw_input_contents[index]
+        data = array.array(_TYPECODES[expected])
+        if len(raw) != count * data.itemsize:
+            raise InferError(
+                f"unexpected raw input size {len(raw)} bytes for input '{tensor.name}' "
+                f"for model '{name}', expecting {count * data.itemsize}"
+            )
+        data.frombytes(raw)
+        if not LITTLE_ENDIAN:
+            data.byteswap()
+        values: list[Any] = data.tolist()
+    else:
+        values = list(getattr(tensor.contents, _CONTENTS_FIELD[expected]))
+        if len(values) != count:
+            raise InferError(
+                f"unexpected number of elements {len(values)} for input '{tensor.name}' "
+                f"for model '{name}', expecting {count}"
+            )
+    return tensor.name, values
+
+
+def decode_request(request: ts.ModelInferRequest, model: ServedModel) -> Decoded:
+    """Validates a ModelInferRequest against the model's config like Triton core does."""
+    if request.raw_input_contents and len(request.raw_input_contents) != len(request.inputs):
+        raise InferError("raw_input_contents must hold one entry per input")
+    tensors = dict(_read_tensor(request, i, model) for i in range(len(request.inputs)))
+    required = [n for n, spec in model.inputs.items() if not spec.optional]
+    missing = [n for n in required if n not in tensors]
+    if missing:
+        raise InferError(
+            f"expected {len(required)} inputs but got {len(tensors)} inputs for model "
+            f"'{model.entry.name}'. Got input(s) {sorted(tensors)}, but missing required input(s) "
+            f"{missing}. Please provide all required input(s)."
+        )
+
+    def scalar(name: str, default: Any) -> Any:
+        values = tensors.get(name)
+        return values[0] if values else default
+
+    stop = bool(scalar("stop", False))
+    ids = [int(v) for v in tensors["input_ids"]]
+    length = int(scalar("input_lengths", len(ids)))
+    if not stop:
+        if length != len(ids) or length == 0:
+            raise InferError(
+                f"input_lengths {length} does not match the {len(ids)} input_ids given"
+            )
+        vocab = model.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InferError(f"input_ids must be token ids in [0, {vocab})")
+    max_new = int(scalar("request_output_len", 0))
+    if not stop and max_new <= 0:
+        raise InferError(f"request_output_len must be > 0, got {max_new}")
+    if not stop and len(ids) + max_new > model.max_len:
+        raise InferError(
+            f"Prompt length ({len(ids)}) + request_output_len ({max_new}) exceeds the maximum "
+            f"sequence length ({model.max_len})"
+        )
+    seed = scalar("random_seed", scalar("seed", None))
+    top_p = float(scalar("runtime_top_p", 0.0))
+    temperature = float(scalar("temperature", 1.0))
+    if not 0.0 <= top_p <= 1.0 or temperature < 0:
+        raise InferError(
+            f"runtime_top_p must be in [0, 1] and temperature >= 0 for '{model.entry.name}'"
+        )
+    exclude = model.entry.parameter("exclude_input_in_output", "false") == "true"
+    return Decoded(
+        prompt_ids=ids,
+        max_new_tokens=max_new,
+        end_id=scalar("end_id", None),
+        params=SamplingParams(
+            temperature=temperature,
+            top_k=max(0, int(scalar("runtime_top_k", 0))),
+            top_p=top_p,
+            seed=int(seed) if seed is not None else None,
+        ),
+        streaming=bool(scalar("streaming", False)),
+        stop=stop,
+        exclude_input=bool(scalar("exclude_input_in_output", exclude)),
+    )
+
+
+def _response(
+    model_name: str,
+    request: ts.ModelInferRequest,
+    tokens: list[int] | None,
+    final: bool,
+) -> ts.ModelInferResponse:
+    response = ts.ModelInferResponse(model_name=model_name, model_version="1", id=request.id)
+    response.parameters["triton_final_response"].bool_param = final
+    if tokens is None:
+        return response
+    wanted = {o.name for o in request.outputs}
+    data = array.array("i", tokens)
+    if not LITTLE_ENDIAN:
+        data.byteswap()
+    if not wanted or "output_ids" in wanted:
+        response.outputs.add(name="output_ids", datatype="INT32", shape=[1, 1, len(tokens)])
+        response.raw_output_contents.append(data.tobytes())
+    if not wanted or "sequence_length" in wanted:
+        response.outputs.add(name="sequence_length", datatype="INT32", shape=[1, 1])
+        length = array.array("i", [len(tokens)])
+        if not LITTLE_ENDIAN:
+            length.byteswap()
+        response.raw_output_contents.append(length.tobytes())
+    return response
+
+
+def _resolve(future: asyncio.Future[Emission], emission: Emission) -> None:
+    if not future.done():
+        future.set_result(emission)
+
+
+def _wants_empty_final(request: ts.ModelInferRequest) -> bool:
+    params = request.parameters
+    return (
+        "triton_enable_empty_final_response" in params
+        and params["triton_enable_empty_final_response"].bool_param
+    )
+
+
+class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(self, models: dict[str, ServedModel]) -> None:
+        self.models = models
+        # Request id -> cancel flag of the job running or queued under it (for stop=true).
+        self._by_id: dict[str, list[Job]] = {}
+
+    # --- health and metadata -------------------------------------------------------------------
+
+    async def ServerLive(
+        self, request: ts.ServerLiveRequest, context: Any
+    ) -> ts.ServerLiveResponse:
+        return ts.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: ts.ServerReadyRequest, context: Any
+    ) -> ts.ServerReadyResponse:
+        return ts.ServerReadyResponse(ready=True)
+
+    async def ServerMetadata(
+        self, request: ts.ServerMetadataRequest, context: Any
+    ) -> ts.ServerMetadataResponse:
+        return ts.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
+
+    async def ModelReady(
+        self, request: ts.ModelReadyRequest, context: Any
+    ) -> ts.ModelReadyResponse:
+        ok = request.name in self.models and request.version in ("", "1")
+        return ts.ModelReadyResponse(ready=ok)
+
+    async def _model(
+        self, name: str, version: str, context: grpc.aio.ServicerContext
+    ) -> ServedModel:
+        model = self.models.get(name)
+        if model is None or version not in ("", "1"):
+            what = f"'{name}'" + (f" version {version}" if version else "")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"Request for unknown model: {what} is not found"
+            )
+        assert model is not None
+        return model
+
+    async def ModelMetadata(
+        self, request: ts.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> ts.ModelMetadataResponse:
+        model = await self._model(request.name, request.version, context)
+        config = model.entry.config
+        batch = [-1] if config.max_batch_size > 0 else []
+        reply = ts.ModelMetadataResponse(name=config.name, versions=["1"], platform=config.backend)
+        for i in config.input:
+            reply.inputs.add(
+                name=i.name, datatype=_dtype_name(i.data_type), shape=batch + list(i.dims)
+            )
+        for o in config.output:
+            reply.outputs.add(
+                name=o.name, datatype=_dtype_name(o.data_type), shape=batch + list(o.dims)
+            )
+        return reply
+
+    async def ModelConfig(
+        self, request: ts.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> ts.ModelConfigResponse:
+        model = await self._model(request.name, request.version, context)
+        return ts.ModelConfigResponse(config=model.entry.config)
+
+    async def ModelStatistics(
+        self, request: ts.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> ts.ModelStatisticsResponse:
+        names = [request.name] if request.name else sorted(self.models)
+        reply = ts.ModelStatisticsResponse()
+        for name in names:
+            model = await self._model(name, request.version, context)
+            s = model.runner.stats
+            with s.lock:
+                stats = reply.model_stats.add(
+                    name=name,
+                    version="1",
+                    inference_count=s.started,
+                    execution_count=s.started,
+                )
+                ok = s.completed + s.cancelled
+                stats.inference_stats.success.count = ok
+                stats.inference_stats.success.ns = s.compute_ns
+                stats.inference_stats.fail.count = s.failed
+                stats.inference_stats.queue.count = s.started
+                stats.inference_stats.queue.ns = s.queue_ns
+        return reply
+
+    # --- inference -----------------------------------------------------------------------------
+
+    async def ModelInfer(
+        self, request: ts.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> ts.ModelInferResponse:
+        model = await self._model(request.model_name, request.model_version, context)
+        if model.entry.decoupled:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "ModelInfer RPC doesn't support models with decoupled transaction policy",
+            )
+        try:
+            decoded = decode_request(request, model)
+        except InferError as exc:
+            await context.abort(exc.code, exc.message)
+        decoded.streaming = False
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Emission] = loop.create_future()
+
+        def emit(e: Emission) -> None:
+            if e.final:
+                loop.call_soon_threadsafe(_resolve, done, e)
+
+        job = self._new_job(request, decoded)
+        job.emit = emit
+        model.runner.submit(job)
+        try:
+            emission = await done
+        finally:
+            job.cancel.set()
+            self._forget(job)
+        if emission.error:
+            await context.abort(grpc.StatusCode.INTERNAL, emission.error)
+        tokens = emission.tokens or []
+        if not decoded.exclude_input:
+            tokens = decoded.prompt_ids + tokens
+        return _response(model.entry.name, request, tokens, final=True)
+
+    def _new_job(self, request: ts.ModelInferRequest, decoded: Decoded) -> Job:
+        job = Job(
+            request_id=request.id,
+            prompt_ids=decoded.prompt_ids,
+            max_new_tokens=decoded.max_new_tokens,
+            end_id=decoded.end_id,
+            params=decoded.params,
+            streaming=decoded.streaming,
+            emit=lambda e: None,
+        )
+        if request.id:
+            self._by_id.setdefault(request.id, []).append(job)
+        return job
+
+    def _forget(self, job: Job) -> None:
+        jobs = self._by_id.get(job.request_id)
+        if jobs and job in jobs:
+            jobs.remove(job)
+            if not jobs:
+                del self._by_id[job.request_id]
+
+    def cancel_request(self, request_id: str) -> int:
+        """What `stop=true` does: cancels every job queued or running under this id."""
+        jobs = self._by_id.get(request_id, [])
+        for job in jobs:
+            job.cancel.set()
+        return len(jobs)
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[ts.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ts.ModelStreamInferResponse]:
+        metadata = dict(context.invocation_metadata() or ())
+        errors_out_of_band = str(metadata.get("triton_grpc_error", "")).lower() == "true"
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue[ts.ModelStreamInferResponse | InferError | None] = asyncio.Queue()
+        jobs: set[Job] = set()
+        reading = True
+
+        def start(request: ts.ModelInferRequest) -> None:
+            model = self.models.get(request.model_name)
+            if model is None or request.model_version not in ("", "1"):
+                raise InferError(
+                    f"Request for unknown model: '{request.model_name}' is not found",
+                    grpc.StatusCode.NOT_FOUND,
+                )
+            decoded = decode_request(request, model)
+            empty_final = _wants_empty_final(request)
+            if decoded.stop:
+                self.cancel_request(request.id)
+                if empty_final:
+                    outbox.put_nowait(
+                        ts.ModelStreamInferResponse(
+                            infer_response=_response(model.entry.name, request, None, True)
+                        )
+                    )
+                return
+            if not model.entry.decoupled:
+                decoded.streaming = False  # one response per request, like a non-decoupled model
+            job = self._new_job(request, decoded)
+
+            def deliver(e: Emission) -> None:
+                if e.error:
+                    outbox.put_nowait(ts.ModelStreamInferResponse(error_message=e.error))
+                elif e.tokens is not None or empty_final:
+                    tokens = e.tokens
+                    if tokens is not None and not decoded.streaming and not decoded.exclude_input:
+                        tokens = decoded.prompt_ids + tokens
+                    response = _response(model.entry.name, request, tokens, e.final)
+                    outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
+                if e.final:
+                    finish(job)
+
+
+            def emit(e: Emission) -> None:
+                loop.call_soon_threadsafe(deliver, e)
+
+            job.emit = emit
+            jobs.add(job)
+            model.runner.submit(job)
+
+        def finish(job: Job) -> None:
+            jobs.discard(job)
+            self._forget(job)
+            if not reading and not jobs:
+                outbox.put_nowait(None)
+
+        async def read_requests() -> None:
+            nonlocal reading
+            try:
+                async for request in request_iterator:
+                    try:
+                        start(request)
+                    except InferError as exc:
+                        outbox.put_nowait(exc)
+            finally:
+                reading = False
+                if not jobs:
+                    outbox.put_nowait(None)
+
+        reader = asyncio.ensure_future(read_requests())
+        try:
+            while (item := await outbox.get()) is not None:
+                if isinstance(item, InferError):
+                    if errors_out_of_band:
+                        await context.abort(item.code, item.message)
+                    item = ts.ModelStreamInferResponse(error_message=item.message)
+                yield item
+        finally:
+            # The client closed or cancelled the stream: whatever is in flight on it is cancelled.
+            for job in list(jobs):
+                job.cancel.set()
+                self._forget(job)
+            reader.cancel()
+
+
+def _served(entry: ModelEntry, device: str) -> ServedModel:
+    try:
+        model = LlamaModel.load(entry.hf_model_dir, device=device)
+    except CheckpointError as exc:
+        raise RepositoryError(f"model '{entry.name}': {exc}") from exc
+    return ServedModel(
+        entry=entry,
+        model=model,
+        runner=Runner(model),
+        inputs={i.name: i for i in entry.config.input},
+        max_len=model.config.max_position_embeddings,
+    )
+
+
+def load_models(repository: Path, device: str = "cpu") -> dict[str, ServedModel]:
+    entries = load_repository(repository)
+    return {name: _served(entry, device) for name, entry in entries.items()}
+
+
+async def start_engine(
+    models: dict[str, ServedModel], listen: str
+) -> tuple[grpc.aio.Server, EngineService, int]:
+    """Starts serving; returns the bound port (listen may end in :0 for a free port)."""
+    server = grpc.aio.server()
+    service = EngineService(models)
+    ts_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise RepositoryError(f"cannot listen on {listen}: {exc}") from exc
+    await server.start()
+    return server, service, port
+
+
+async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
+    """The `appliance engine` process: serve until SIGTERM/SIGINT."""
+    started = time.monotonic()
+    try:
+        models = load_models(repository, device)
+        server, _, _ = await start_engine(models, listen)
+    except RepositoryError as exc:
+        print(f"appliance engine: {exc}", flush=True)
+        return 2
+    log.info(
+        "engine serving %s on %s (loaded in %.1f s)",
+        ", ".join(models),
+        listen,
+        time.monotonic() - started,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for model in models.values():
+        model.runner.stats.running = None
+    await server.stop(grace=1.0)
+    for model in models.values():
+        model.runner.close()
+    return 0

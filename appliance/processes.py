@@ -1,0 +1,107 @@
+"""Starting and stopping the engine server and the gateway as real processes (demo, bench, tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Runs `python -m appliance ARGS` with its output in log_path."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = log_path.open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "appliance", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def write_gateway_config(
+    path: Path,
+    listen: str,
+    model: str,
+    backend: str,
+    tokenizer_dir: Path,
+    ready_timeout_s: float = 60.0,
+) -> Path:
+    path.write_text(
+        f"""# Written by the appliance for a local run.
+[server]
+listen = "{listen}"
+drain_seconds = 5.0
+
+[models.{model}]
+backend = "{backend}"
+tokenizer_dir = "{tokenizer_dir}"
+max_output_tokens = 512
+default_max_tokens = 64
+ready_timeout_s = {ready_timeout_s}
+"""
+    )
+    return path
+
+
+def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
+    """Waits until the gRPC health service says SERVING; fails early if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"{address} not serving after {timeout_s} s")
+
+
+def wait_engine_ready(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
+    from tritonclient.grpc import service_pb2 as ts
+    from tritonclient.grpc import service_pb2_grpc as ts_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = ts_grpc.GRPCInferenceServiceStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+            try:
+                if stub.ServerReady(ts.ServerReadyRequest(), timeout=1.0).ready:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"engine at {address} not ready after {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:
+    """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -1,0 +1,151 @@
+"""Validation and normalization of a GenerateRequest, before anything is sent to the engine.
+
+Pure logic over the request and the model's text side, so every bad input is tested without servers.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from appliance.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
+from appliance.v1 import inference_pb2 as pb
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_REQUEST_ID_LENGTH = 128
+
+
+class RequestError(Exception):
+    """A request the gateway refuses; carries the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_input_tokens: int
+    max_output_tokens: int
+    default_max_tokens: int
+    # Prompt + completion must fit the model's context.
+    context_length: int
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """TensorRT-LLM's sampling inputs: greedy is top_k=1 (temperature 0 maps to it)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stops: tuple[str, ...]
+    cache_policy: int
+
+
+def _sampling(req: pb.GenerateRequest) -> Sampling:
+    temperature = req.temperature if req.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise _invalid(f"temperature must be >= 0, got {temperature}")
+    top_p = req.top_p if req.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise _invalid(f"top_p must be in (0, 1], got {top_p}")
+    top_k = req.top_k if req.HasField("top_k") else 0
+    if top_k < 0:
+        raise _invalid(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+    seed = req.seed if req.HasField("seed") else None
+    if temperature == 0:
+        return Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=seed)
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _messages(req: pb.GenerateRequest) -> list[dict[str, str]]:
+    messages = list(req.messages.messages)
+    if not messages:
+        raise _invalid("messages is empty: send at least one message")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise _invalid(
+                f"messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
+        out.append({"role": m.role, "content": m.content})
+    if out[-1]["role"] == "assistant":
+        raise _invalid("the last message must not be from the assistant: nothing to answer")
+    return out
+
+
+def prepare(req: pb.GenerateRequest, text: ModelText, limits: Limits) -> PreparedRequest:
+    """Checks every field, tokenizes, and applies the model's limits; raises RequestError."""
+    request_id = req.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+
+    if req.HasField("max_tokens"):
+        max_tokens = req.max_tokens
+        if max_tokens <= 0:
+            raise _invalid(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens > limits.max_output_tokens:
+            raise _invalid(
+                f"max_tokens {max_tokens} exceeds this model's limit of {limits.max_output_tokens}"
+            )
+    else:
+        max_tokens = limits.default_max_tokens
+    sampling = _sampling(req)
+
+    stops = tuple(req.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise _invalid(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long")
+
+    which = req.WhichOneof("input")
+    if which == "prompt":
+        if not req.prompt:
+            raise _invalid("prompt is empty: send some text or chat messages")
+        prompt_ids = text.encode_prompt(req.prompt)
+    elif which == "messages":
+        try:
+            prompt_ids = text.encode_chat(_messages(req))
+        except ChatTemplateError as exc:
+            raise _invalid(str(exc)) from exc
+    else:
+        raise _invalid("prompt is empty: send some text or chat messages")
+
+    if len(prompt_ids) > limits.max_input_tokens:
+        raise _invalid(
+            f"prompt is {len(prompt_ids)} tokens; this model accepts at most "
+            f"{limits.max_input_tokens} input tokens"
+        )
+    if len(prompt_ids) + max_tokens > limits.context_length:
+        raise _invalid(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {limits.context_length} tokens; lower max_tokens or shorten the prompt"
+        )
+    return PreparedRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stops=stops,
+        cache_policy=req.cache_policy,
+    )

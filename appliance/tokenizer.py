@@ -1,0 +1,134 @@
+"""A model's text side, loaded once at start-up: tokenizer, chat template, limits, end token.
+
+The gateway tokenizes and detokenizes itself so the inference server only ever sees token ids; this is
+everything it needs from the model directory for that.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from appliance.detokenize import TokenTable, build_token_table
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer directory is missing something the gateway needs; the message says what."""
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered with the model's template (e.g. roles out of order)."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"{path}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+@dataclass(frozen=True)
+class ModelText:
+    tokenizer: Tokenizer
+    table: TokenTable
+    chat_template: jinja2.Template | None
+    bos_token: str
+    eos_token: str
+    end_id: int | None
+    pad_id: int | None
+    context_length: int | None
+
+    @classmethod
+    def load(cls, directory: Path) -> ModelText:
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerLoadError(
+                f"{path} not found: tokenizer_dir must hold a Hugging Face tokenizer.json"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:
+            raise TokenizerLoadError(f"{path}: cannot load tokenizer: {exc}") from exc
+        tok_config = _read_json(directory / "tokenizer_config.json")
+        model_config = _read_json(directory / "config.json")
+        template_source = tok_config.get("chat_template")
+        if isinstance(template_source, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template_source}
+            template_source = named.get("default")
+        template = None
+        if isinstance(template_source, str):
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            try:
+                template = env.from_string(template_source)
+            except jinja2.TemplateError as exc:
+                raise TokenizerLoadError(
+                    f"{directory}: chat_template does not compile: {exc}"
+                ) from exc
+        bos = _token_text(tok_config.get("bos_token")) or ""
+        eos = _token_text(tok_config.get("eos_token")) or ""
+        end_id: Any = tokenizer.token_to_id(eos) if eos else None
+        if end_id is None:
+            eos_ids = model_config.get("eos_token_id")
+            end_id = eos_ids[0] if isinstance(eos_ids, list) and eos_ids else eos_ids
+        pad = _token_text(tok_config.get("pad_token"))
+        pad_id = tokenizer.token_to_id(pad) if pad else None
+        context = model_config.get("max_position_embeddings")
+        return cls(
+            tokenizer=tokenizer,
+            table=build_token_table(tokenizer),
+            chat_template=template,
+            bos_token=bos,
+            eos_token=eos,
+            end_id=end_id if isinstance(end_id, int) else None,
+            pad_id=pad_id if pad_id is not None else (end_id if isinstance(end_id, int) else None),
+            context_length=context if isinstance(context, int) else None,
+        )
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Raw prompts get the model's special tokens (BOS) like the tokenizer adds them."""
+        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=True).ids
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat templates write BOS themselves, so the rendered text is encoded without extras."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; send a prompt instead")
+        try:
+            text = self.chat_template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids

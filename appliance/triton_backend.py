@@ -1,0 +1,355 @@
+"""Client of Triton's GRPCInferenceService for the `tensorrt_llm` model, called with token ids.
+
+Builds `ModelInferRequest` itself (tritonclient's stream helper refuses `triton_*` parameters, and
+`triton_enable_empty_final_response` is what lets a stream end on a flag-only final response), streams
+over `ModelStreamInfer`, and turns in-band errors into gRPC statuses. One persistent channel per model;
+one HTTP/2 stream per request.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from dataclasses import dataclass
+
+import grpc
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as ts
+from tritonclient.grpc import service_pb2_grpc as ts_grpc
+
+from appliance.request import Sampling
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly after the inference server restarts, instead of gRPC's default backoff of up to
+# two minutes; keepalive stays off (Triton's defaults GOAWAY clients that ping idle connections).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+STOP_REQUEST_TIMEOUT_S = 2.0
+LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+class BackendError(Exception):
+    """A failure talking to the inference server; carries the status the gateway's client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# In-band error texts of Triton and the TensorRT-LLM backend, first match wins.
+_INBAND_CODES = (
+    ("cancel", grpc.StatusCode.CANCELLED),
+    ("unknown model", grpc.StatusCode.UNAVAILABLE),
+    ("not found", grpc.StatusCode.UNAVAILABLE),
+    ("exceed", grpc.StatusCode.INVALID_ARGUMENT),
+    ("invalid", grpc.StatusCode.INVALID_ARGUMENT),
+    ("expected", grpc.StatusCode.INVALID_ARGUMENT),
+    ("must", grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_for_inband_error(message: str) -> grpc.StatusCode:
+    lowered = message.lower()
+    return next((code for key, code in _INBAND_CODES if key in lowered), grpc.StatusCode.INTERNAL)
+
+
+@dataclass(frozen=True)
+class InputNames:
+    """Input names of this model revision (several were renamed across TensorRT-LLM versions)."""
+
+    present: frozenset[str]
+    seed: str | None
+    min_tokens: str | None
+    batch_dim: bool
+
+    @classmethod
+    def from_config(cls, config: mc.ModelConfig) -> InputNames:
+        present = frozenset(i.name for i in config.input)
+        return cls(
+            present=present,
+            seed=next((n for n in ("random_seed", "seed") if n in present), None),
+            min_tokens=next((n for n in ("min_length", "min_tokens") if n in present), None),
+            batch_dim=config.max_batch_size > 0,
+        )
+
+
+REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
+
+
+def check_model_config(config: mc.ModelConfig, address: str) -> InputNames:
+    """Refuses a model the gateway cannot stream from, saying what to change in its config.pbtxt."""
+    name = config.name
+    if not config.model_transaction_policy.decoupled:
+        raise BackendError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"model '{name}' at {address} is not decoupled; streaming needs "
+            "'model_transaction_policy { decoupled: true }' in its config.pbtxt "
+            "(decoupled_mode:true when filled from the inflight_batcher_llm template)",
+        )
+    names = InputNames.from_config(config)
+    missing = [n for n in REQUIRED_INPUTS if n not in names.present]
+    if missing:
+        raise BackendError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"model '{name}' at {address} has no input {', '.join(missing)}: "
+            "the gateway calls the tensorrt_llm model directly with token ids, not an ensemble",
+        )
+    if "output_ids" not in {o.name for o in config.output}:
+        raise BackendError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"model '{name}' at {address} has no output output_ids",
+        )
+    return names
+
+
+class _TensorBuilder:
+    """Appends inputs to a ModelInferRequest with raw little-endian contents."""
+
+    def __init__(self, request: ts.ModelInferRequest, batch_dim: bool) -> None:
+        self.request = request
+        self.batch_dim = batch_dim
+
+    def add(self, name: str, datatype: str, typecode: str, values: Sequence[int | float]) -> None:
+        tensor = self.request.inputs.add()
+        tensor.name = name
+        tensor.datatype = datatype
+        tensor.shape.extend([1, len(values)] if self.batch_dim else [len(values)])
+        data = array.array(typecode, values)
+        if not LITTLE_ENDIAN:
+            data.byteswap()
+        self.request.raw_input_contents.append(data.tobytes())
+
+    def flag(self, name: str, value: bool) -> None:
+        tensor = self.request.inputs.add()
+        tensor.name = name
+        tensor.datatype = "BOOL"
+        tensor.shape.extend([1, 1] if self.batch_dim else [1])
+        self.request.raw_input_contents.append(b"\x01" if value else b"\x00")
+
+
+def _output_tokens(response: ts.ModelInferResponse) -> list[int]:
+    for index, output in enumerate(response.outputs):
+        if output.name == "output_ids":
+            if index < len(response.raw_output_contents):
+                data = array.array("i")
+                data.frombytes(response.raw_output_contents[index])
+                if not LITTLE_ENDIAN:
+                    data.byteswap()
+                return data.tolist()
+            return list(output.contents.int_contents)
+    return []
+
+
+def _is_final(response: ts.ModelInferResponse) -> bool:
+    params = response.parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+class TritonBackend:
+    """One model on one Triton-protocol server, behind one persistent channel."""
+
+    def __init__(self, address: str, model: str) -> None:
+        self.address = address
+        self.model = model
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = ts_grpc.GRPCInferenceServiceStub(self._channel)
+        self._names: InputNames | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._calls: set[
+            grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse]
+        ] = set()
+        self._shutting_down = False
+
+    async def wait_ready(self, timeout_s: float) -> mc.ModelConfig:
+        """Waits for ServerReady and ModelReady, then reads and checks the model's configuration."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BackendError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"inference server at {self.address} not ready for model '{self.model}' "
+                    f"after {timeout_s:g} s ({last})",
+                )
+            per_call = min(remaining, 2.0)
+            try:
+                server = await self._stub.ServerReady(ts.ServerReadyRequest(), timeout=per_call)
+                if not server.ready:
+                    last = "server not ready"
+                else:
+                    ready = await self._stub.ModelReady(
+                        ts.ModelReadyRequest(name=self.model), timeout=per_call
+                    )
+                    if ready.ready:
+                        reply = await self._stub.ModelConfig(
+                            ts.ModelConfigRequest(name=self.model), timeout=per_call
+                        )
+                        self._names = check_model_config(reply.config, self.address)
+                        return reply.config
+                    last = f"model '{self.model}' not ready"
+            except grpc.aio.AioRpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        end_id: int | None,
+        pad_id: int | None,
+        sampling: Sampling,
+    ) -> ts.ModelInferRequest:
+        names = self._names
+        if names is None:
+            raise RuntimeError("wait_ready() must succeed before requests are sent")
+        req = ts.ModelInferRequest(model_name=self.model, id=request_id)
+        req.parameters["triton_enable_empty_final_response"].bool_param = True
+        t = _TensorBuilder(req, names.batch_dim)
+        t.add("input_ids", "INT32", "i", prompt_ids)
+        t.add("input_lengths", "INT32", "i", [len(prompt_ids)])
+        t.add("request_output_len", "INT32", "i", [max_tokens])
+        present = names.present
+        if end_id is not None and "end_id" in present:
+            t.add("end_id", "INT32", "i", [end_id])
+        if pad_id is not None and "pad_id" in present:
+            t.add("pad_id", "INT32", "i", [pad_id])
+        if "streaming" in present:
+            t.flag("streaming", True)
+        if "exclude_input_in_output" in present:
+            t.flag("exclude_input_in_output", True)
+        if "temperature" in present:
+            t.add("temperature", "FP32", "f", [sampling.temperature])
+        if "runtime_top_k" in present:
+            t.add("runtime_top_k", "INT32", "i", [sampling.top_k])
+        if "runtime_top_p" in present:
+            t.add("runtime_top_p", "FP32", "f", [sampling.top_p])
+        if sampling.seed is not None:
+            if names.seed is None:
+                raise BackendError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model '{self.model}' takes no seed input (random_seed/seed); omit seed",
+                )
+            t.add(names.seed, "UINT64", "Q", [sampling.seed])
+        return req
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        end_id: int | None,
+        pad_id: int | None,
+        sampling: Sampling,
+        timeout: float | None,
+    ) -> AsyncGenerator[list[int], None]:
+        """Yields the new token ids of each response until the final one.
+
+        Leaving early (the caller stopped iterating, was cancelled, or hit a stop string) cancels
+        the HTTP/2 stream and also sends `stop=true` with the same request id, so the engine stops
+        generating even where stream cancellation is not propagated.
+        """
+        request = self._request(request_id, prompt_ids, max_tokens, end_id, pad_id, sampling)
+        call = self._stub.ModelStreamInfer(timeout=timeout)
+        self._calls.add(call)
+        finished = False
+        try:
+            await call.write(request)
+            await call.done_writing()
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    raise BackendError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"inference server at {self.address} closed the stream before the end",
+                    )
+                if message.error_message:
+                    finished = True
+                    raise BackendError(
+                        status_for_inband_error(message.error_message),
+                        f"inference server: {message.error_message}",
+                    )
+                response = message.infer_response
+                tokens = _output_tokens(response)
+                if _is_final(response):
+                    finished = True
+                    if tokens:
+                        yield tokens
+                    return
+                if tokens:
+                    yield tokens
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_error(exc) from exc
+        except asyncio.CancelledError:
+            if self._shutting_down and call.cancelled():
+                raise BackendError(grpc.StatusCode.CANCELLED, "gateway shutting down") from None
+            raise
+        finally:
+            self._calls.discard(call)
+            if not finished:
+                call.cancel()
+                self._spawn(self._send_stop(request_id, prompt_ids[:1]))
+
+    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> BackendError:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return BackendError(
+                code, f"inference server at {self.address} unavailable: {exc.details()}"
+            )
+        if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return BackendError(code, f"request {code.name.lower()} while generating")
+        return BackendError(code, f"inference server: {exc.details()}")
+
+    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_stop(self, request_id: str, some_ids: Sequence[int]) -> None:
+        """`stop=true` with the same id cancels the request in the TensorRT-LLM backend."""
+        names = self._names
+        if names is None or "stop" not in names.present:
+            return
+        req = ts.ModelInferRequest(model_name=self.model, id=request_id)
+        req.parameters["triton_enable_empty_final_response"].bool_param = True
+        t = _TensorBuilder(req, names.batch_dim)
+        # Triton checks required inputs before the backend sees `stop`, so they must be present.
+        t.add("input_ids", "INT32", "i", list(some_ids) or [0])
+        t.add("input_lengths", "INT32", "i", [len(some_ids) or 1])
+        t.add("request_output_len", "INT32", "i", [1])
+        if "streaming" in names.present:
+            t.flag("streaming", True)
+        t.flag("stop", True)
+        call = self._stub.ModelStreamInfer(timeout=STOP_REQUEST_TIMEOUT_S)
+        try:
+            await call.write(req)
+            await call.done_writing()
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as exc:
+            log.debug("stop request %s: %s", request_id, exc.details())
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+    def cancel_all(self) -> None:
+        """Ends every request in flight (the drain period is over)."""
+        self._shutting_down = True
+        for call in list(self._calls):
+            call.cancel()
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self._channel.close()
