@@ -1,0 +1,1 @@
+"""Torch compute of the appliance engine server (imports torch; the gateway must not import it)."""

@@ -1,0 +1,501 @@
+"""A plain Llama-architecture decoder in torch, for hosts that cannot run a TensorRT-LLM engine.
+
+Deliberately small (gpt-fast style, no framework): the engine server needs exactly one thing from
+it, "logits for the next token given a prefix and a per-request KV cache", and every extra layer of
+abstraction would be per-token latency on a single-stream appliance. Weights are kept as plain
+tensors; q/k/v and gate/up projections are fused at load time so a decode step does two matmuls per
+block instead of five.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+__all__ = [
+    "CheckpointError",
+    "KVCache",
+    "Llama3RopeScaling",
+    "LlamaConfig",
+    "LlamaModel",
+]
+
+
+class CheckpointError(Exception):
+    """The checkpoint cannot be served; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1-style RoPE frequency scaling, the only long-context scheme we implement."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def _cfg_int(raw: Mapping[str, Any], key: str, path: Path, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        raise CheckpointError(
+            f"{path}: config.json has no {key!r}; add it (see the HF LlamaConfig)"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(
+            f"{path}: config.json {key!r} must be a positive integer, got {value!r}"
+        )
+    return value
+
+
+def _cfg_float(raw: Mapping[str, Any], key: str, path: Path, default: float) -> float:
+    value = raw.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise CheckpointError(
+            f"{path}: config.json {key!r} must be a positive number, got {value!r}"
+        )
+    return float(value)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    return ()
+
+
+def _rope_scaling(raw: Mapping[str, Any], path: Path) -> Llama3RopeScaling | None:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_scaling`.
+    scaling = raw.get("rope_scaling")
+    if scaling is None:
+        scaling = raw.get("rope_parameters")
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise CheckpointError(
+            f"{path}: config.json rope_scaling must be an object, got {scaling!r}"
+        )
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise CheckpointError(
+            f"{path}: rope_scaling type {kind!r} is not supported; this engine implements only "
+            "no scaling and 'llama3'. Use a checkpoint with one of those, or serve it with "
+            "TensorRT-LLM (engine_dir) instead."
+        )
+    try:
+        return Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: llama3 rope_scaling needs numeric factor, low_freq_factor, high_freq_factor "
+            f"and original_max_position_embeddings; got {dict(scaling)!r}"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The subset of HF's LlamaConfig that determines the computation."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dir(cls, path: Path) -> LlamaConfig:
+        """Read `path/config.json`, refusing anything this decoder would compute wrong."""
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{path}: not a directory; hf_model_dir must name a Hugging Face checkpoint "
+                "directory"
+            )
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(
+                f"{path}: config.json not found; hf_model_dir must name a Hugging Face checkpoint "
+                "directory containing config.json and *.safetensors"
+            )
+        try:
+            raw = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{config_file}: cannot be read as JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{config_file}: must be a JSON object")
+
+        architectures = raw.get("architectures") or []
+        if "LlamaForCausalLM" not in architectures and raw.get("model_type") != "llama":
+            raise CheckpointError(
+                f"{path}: unsupported architecture (architectures={architectures!r}, "
+                f"model_type={raw.get('model_type')!r}); this engine runs only LlamaForCausalLM "
+                "checkpoints (model_type 'llama'). Serve other models with TensorRT-LLM."
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"{path}: hidden_act {act!r} is not supported; only 'silu' is")
+        if raw.get("attention_bias") or raw.get("mlp_bias"):
+            raise CheckpointError(
+                f"{path}: attention_bias/mlp_bias checkpoints are not supported by this engine"
+            )
+
+        hidden = _cfg_int(raw, "hidden_size", path)
+        heads = _cfg_int(raw, "num_attention_heads", path)
+        kv_heads = _cfg_int(raw, "num_key_value_heads", path, default=heads)
+        if heads % kv_heads:
+            raise CheckpointError(
+                f"{path}: num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        if raw.get("head_dim") is not None:
+            head_dim = _cfg_int(raw, "head_dim", path)
+        else:
+            if hidden % heads:
+                raise CheckpointError(
+                    f"{path}: hidden_size ({hidden}) is not divisible by num_attention_heads "
+                    f"({heads}) and config.json has no head_dim; add head_dim"
+                )
+            head_dim = hidden // heads
+        if head_dim % 2:
+            raise CheckpointError(f"{path}: head_dim must be even for RoPE, got {head_dim}")
+
+        rope_params = raw.get("rope_parameters")
+        theta_default = 10000.0
+        if isinstance(rope_params, Mapping) and rope_params.get("rope_theta") is not None:
+            theta_default = float(rope_params["rope_theta"])
+        bos = _token_ids(raw.get("bos_token_id"))
+        return cls(
+            vocab_size=_cfg_int(raw, "vocab_size", path),
+            hidden_size=hidden,
+            intermediate_size=_cfg_int(raw, "intermediate_size", path),
+            num_hidden_layers=_cfg_int(raw, "num_hidden_layers", path),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=_cfg_int(raw, "max_position_embeddings", path),
+            rms_norm_eps=_cfg_float(raw, "rms_norm_eps", path, 1e-6),
+            rope_theta=_cfg_float(raw, "rope_theta", path, theta_default),
+            rope_scaling=_rope_scaling(raw, path),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=bos[0] if bos else None,
+            eos_token_ids=_token_ids(raw.get("eos_token_id")),
+        )
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies (head_dim/2,), float32, with llama3 scaling applied if configured.
+
+    Mirrors transformers' `_compute_llama3_parameters` so logits match HF on long-context models.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class KVCache:
+    """Keys and values for one request, preallocated for `max_seq_len` so decode never allocates.
+
+    Layout (layers, kv_heads, max_seq_len, head_dim): a step writes one column per layer in place
+    and attention reads the contiguous prefix `[:, :, :end]`.
+    """
+
+    def __init__(
+        self, config: LlamaConfig, max_seq_len: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        if max_seq_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                f"{config.max_position_embeddings}"
+            )
+        self.max_seq_len = max_seq_len
+        shape = (
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            max_seq_len,
+            config.head_dim,
+        )
+        with torch.inference_mode():
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor  # (hidden,)
+    wqkv: torch.Tensor  # ((heads + 2 * kv_heads) * head_dim, hidden)
+    wo: torch.Tensor  # (hidden, heads * head_dim)
+    mlp_norm: torch.Tensor  # (hidden,)
+    w13: torch.Tensor  # (2 * intermediate, hidden): gate rows then up rows
+    w2: torch.Tensor  # (hidden, intermediate)
+
+
+class _TensorSource:
+    """Name -> tensor lookup across one or several safetensors shards, opened lazily by name."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        index_file = model_dir / "model.safetensors.index.json"
+        self.where: dict[str, Path] = {}
+        if index_file.is_file():
+            try:
+                weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_file}: unreadable shard index: {exc}") from exc
+            for name, shard in weight_map.items():
+                shard_path = model_dir / shard
+                if not shard_path.is_file():
+                    raise CheckpointError(
+                        f"{index_file} names shard {shard!r}, which is missing from {model_dir}; "
+                        "re-download the checkpoint"
+                    )
+                self.where[name] = shard_path
+            return
+        shards = sorted(model_dir.glob("*.safetensors"))
+        if not shards:
+            hint = ""
+            if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pth")):
+                hint = " (found PyTorch .bin/.pth weights: convert them to safetensors)"
+            raise CheckpointError(
+                f"{model_dir}: no *.safetensors weight files{hint}; the engine loads only "
+                "safetensors checkpoints"
+            )
+        for shard_path in shards:
+            try:
+                with safe_open(str(shard_path), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        self.where[name] = shard_path
+            except Exception as exc:  # safetensors raises its own, untyped errors
+                raise CheckpointError(
+                    f"{shard_path}: not a readable safetensors file: {exc}"
+                ) from exc
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        shard = self.where.get(name)
+        if shard is None:
+            raise CheckpointError(
+                f"{self.model_dir}: tensor {name!r} is missing from the safetensors files; "
+                "the checkpoint is incomplete or not in Hugging Face Llama naming"
+            )
+        with safe_open(str(shard), framework="pt") as f:
+            tensor: torch.Tensor = f.get_tensor(name)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"{shard}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{shape}; config.json does not belong to these weights"
+            )
+        return tensor
+
+
+class LlamaModel:
+    """Weights plus the forward pass; stateless between calls (all request state is in KVCache)."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        tensors: Mapping[str, torch.Tensor],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Build from HF-named tensors already checked for shape (see `load`)."""
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            return tensors[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers: list[_Layer] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                _Layer(
+                    attn_norm=w(p + "input_layernorm.weight"),
+                    wqkv=torch.cat(
+                        [w(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+                    ).contiguous(),
+                    wo=w(p + "self_attn.o_proj.weight"),
+                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                    w13=torch.cat(
+                        [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
+                    ).contiguous(),
+                    w2=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        # cos/sin for every position, computed in float32 (as HF does) then cast once.
+        positions = torch.arange(c.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(c))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        self._q_size = c.num_attention_heads * c.head_dim
+        self._kv_size = c.num_key_value_heads * c.head_dim
+
+    @staticmethod
+    def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor name the checkpoint must contain, with the shape config.json implies."""
+        c = config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+            "model.norm.weight": (c.hidden_size,),
+        }
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.weight": (q, c.hidden_size),
+                    p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+                    p + "self_attn.v_proj.weight": (kv, c.hidden_size),
+                    p + "self_attn.o_proj.weight": (c.hidden_size, q),
+                    p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                    p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+                    p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+                    p + "input_layernorm.weight": (c.hidden_size,),
+                    p + "post_attention_layernorm.weight": (c.hidden_size,),
+                }
+            )
+        return shapes
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> LlamaModel:
+        """Load a HF Llama checkpoint directory, checking every tensor before any is used."""
+        model_dir = Path(model_dir)
+        config = LlamaConfig.from_dir(model_dir)
+        source = _TensorSource(model_dir)
+        with torch.inference_mode():
+            tensors = {
+                name: source.get(name, shape) for name, shape in cls.expected_shapes(config).items()
+            }
+            return cls(config, tensors, device=device, dtype=dtype)
+
+    def new_cache(self, max_seq_len: int) -> KVCache:
+        """A zeroed cache for one request of at most `max_seq_len` tokens (prompt + generated)."""
+        return KVCache(self.config, max_seq_len, self.device, self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Variance in float32 as HF does, so bf16/fp16 runs do not drift from the reference.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # HF rotate_half convention: the two halves of head_dim are the (real, imaginary) pairs.
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, token_ids: Sequence[int], cache: KVCache, start_pos: int) -> torch.Tensor:
+        """Run `token_ids` at positions start_pos.. and return float32 logits (vocab,) of the last.
+
+        Positions before start_pos must already be in `cache` (from earlier calls); a call with
+        several tokens is a prefill (or a chunk of one), a call with one token is a decode step.
+        """
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if start_pos < 0 or start_pos + n > cache.max_seq_len:
+            raise ValueError(
+                f"positions {start_pos}..{start_pos + n - 1} do not fit a cache of "
+                f"{cache.max_seq_len} tokens"
+            )
+        vocab = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {list(token_ids)[:16]}")
+        with torch.inference_mode():
+            return self._forward(token_ids, cache, start_pos)
+
+    def _forward(self, token_ids: Iterable[int], cache: KVCache, start_pos: int) -> torch.Tensor:
+        c = self.config
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        n = ids.shape[0]
+        end = start_pos + n
+        cos = self.cos[start_pos:end]
+        sin = self.sin[start_pos:end]
+        mask: torch.Tensor | None = None
+        if n > 1:
+            # Causal mask aligned to absolute positions, so chunked prefill after a cached prefix
+            # is also correct (SDPA's is_causal aligns top-left, which is wrong when start_pos > 0).
+            q_pos = torch.arange(start_pos, end, device=self.device)
+            k_pos = torch.arange(end, device=self.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+
+        x = F.embedding(ids, self.embed)  # (n, hidden)
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm)
+            qkv = F.linear(h, layer.wqkv)
+            qs, kvs = self._q_size, self._kv_size
+            q, k, v = qkv[:, :qs], qkv[:, qs : qs + kvs], qkv[:, qs + kvs :]
+            q = q.view(n, c.num_attention_heads, c.head_dim).transpose(0, 1)
+            k = k.view(n, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+            v = v.view(n, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            cache.k[li, :, start_pos:end] = k
+            cache.v[li, :, start_pos:end] = v
+            attn = F.scaled_dot_product_attention(
+                q,
+                cache.k[li, :, :end],
+                cache.v[li, :, :end],
+                attn_mask=mask,
+                enable_gqa=c.num_key_value_heads != c.num_attention_heads,
+            )  # (heads, n, head_dim)
+            x = x + F.linear(attn.transpose(0, 1).reshape(n, self._q_size), layer.wo)
+            h = self._rms_norm(x, layer.mlp_norm)
+            gate, up = F.linear(h, layer.w13).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w2)
+        last = self._rms_norm(x[-1], self.norm)
+        return F.linear(last, self.lm_head).float()

@@ -1,0 +1,148 @@
+"""Token selection with TensorRT-LLM's request semantics, and the per-request generation loop.
+
+The engine server stands in for Triton's `tensorrt_llm` model, so a request must mean the same
+thing on both: `runtime_top_k`/`runtime_top_p` both 0 (or top_k 1) is greedy, a seed makes a run
+reproducible. Reproducibility comes from a private torch.Generator per request, never the global
+RNG, so concurrent or interleaved requests cannot perturb each other's draws.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from appliance.engine.llama import LlamaModel
+
+__all__ = ["Sampler", "SamplingParams", "generate"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs, named after Triton's tensorrt_llm inputs."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """TensorRT-LLM: top_k 1, or neither top_k nor top_p, is argmax; so is temperature 0."""
+        return self.top_k == 1 or (self.top_k == 0 and self.top_p == 0.0) or self.temperature == 0.0
+
+
+class Sampler:
+    """Picks one token from a logits vector; holds the request's generator between steps."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        if not params.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if params.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {params.top_k}")
+        if not 0.0 <= params.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {params.seed}")
+        self.params = params
+        self.seed = (
+            params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        )
+        self._generator: torch.Generator | None = None
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        # Created on first use so the generator lives on the logits' device (cpu or cuda).
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """Return the chosen token id for a (vocab,) logits vector."""
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits).item())
+        with torch.inference_mode():
+            scaled = logits.float() / p.temperature
+            vocab = scaled.shape[-1]
+            if 0 < p.top_k < vocab:
+                values, indices = torch.topk(scaled, p.top_k)  # sorted descending
+            elif 0.0 < p.top_p < 1.0:
+                values, indices = torch.sort(scaled, descending=True)
+            else:  # full distribution: no need to sort
+                values, indices = scaled, None
+            probs = torch.softmax(values, dim=-1)
+            if 0.0 < p.top_p < 1.0:
+                probs = probs * nucleus_mask(probs, p.top_p)
+            choice = torch.multinomial(probs, 1, generator=self._generator_for(probs.device))
+            if indices is not None:
+                choice = indices[choice]
+            return int(choice.item())
+
+
+def nucleus_mask(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of descending probabilities whose mass reaches top_p.
+
+    A token is kept when the mass *before* it is still below top_p, so the token that crosses the
+    threshold stays in (as in TensorRT-LLM) and the most likely token is always kept.
+    """
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    return (before < top_p).to(sorted_probs.dtype)
+
+
+def generate(
+    model: LlamaModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    end_id: int | None,
+    params: SamplingParams,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[int]:
+    """Stream new token ids for one request; nothing runs until the first token is requested.
+
+    Validation happens here, eagerly, so the caller can reject a request before it starts
+    streaming. `end_id` is not yielded; `should_stop` (cancellation) is polled before the prefill
+    and before every decode step, so a cancelled request costs at most one more forward pass.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must contain at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    total = len(prompt_ids) + max_new_tokens
+    limit = model.config.max_position_embeddings
+    if total > limit:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+            f"exceeds the model's max_position_embeddings ({limit})"
+        )
+    vocab = model.config.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    sampler = Sampler(params)
+    return _generate(model, list(prompt_ids), max_new_tokens, end_id, sampler, should_stop)
+
+
+def _generate(
+    model: LlamaModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    end_id: int | None,
+    sampler: Sampler,
+    should_stop: Callable[[], bool],
+) -> Iterator[int]:
+    if max_new_tokens == 0 or should_stop():
+        return
+    cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+    logits = model.forward(prompt_ids, cache, 0)
+    pos = len(prompt_ids)
+    for step in range(max_new_tokens):
+        token = sampler(logits)
+        if token == end_id:
+            return
+        yield token
+        if step == max_new_tokens - 1 or should_stop():
+            return
+        logits = model.forward((token,), cache, pos)
+        pos += 1

@@ -1,0 +1,64 @@
+"""A micro random Llama checkpoint written per test session, so engine tests need no tiny_model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from appliance.engine.llama import LlamaConfig, LlamaModel
+
+MICRO_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 97,
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+def write_micro_checkpoint(
+    dest: Path, overrides: dict[str, Any] | None = None, drop: tuple[str, ...] = ()
+) -> Path:
+    """Write config.json + model.safetensors with seeded random weights; `drop` omits tensors."""
+    dest.mkdir(parents=True, exist_ok=True)
+    raw = {**MICRO_CONFIG, **(overrides or {})}
+    (dest / "config.json").write_text(json.dumps(raw), encoding="utf-8")
+    config = LlamaConfig.from_dir(dest)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        name: (
+            1.0 + 0.1 * torch.randn(shape, generator=gen)
+            if len(shape) == 1
+            else 0.2 * torch.randn(shape, generator=gen)
+        )
+        for name, shape in LlamaModel.expected_shapes(config).items()
+        if name not in drop
+    }
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def micro_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_micro_checkpoint(tmp_path_factory.mktemp("micro"))
+
+
+@pytest.fixture(scope="session")
+def micro_model(micro_dir: Path) -> LlamaModel:
+    return LlamaModel.load(micro_dir)
