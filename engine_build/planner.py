@@ -168,6 +168,8 @@ def make_plan(shape: ModelShape, spec: BuildSpec, gpu_memory_bytes: int) -> Plan
 
 
 def _gib(n: int) -> str:
+    if n < GIB:
+        return f"{n / MIB:9.1f} MiB"
     return f"{n / GIB:9.2f} GiB"
 
 
@@ -182,7 +184,10 @@ def render_table(plan: Plan, spec: BuildSpec) -> str:
         ("activations (estimate)", _gib(plan.activation_bytes)),
         ("logits", _gib(plan.logits_bytes)),
         ("runtime overhead + CUDA graphs", _gib(plan.overhead_bytes)),
-        (f"KV cache per token ({spec.kv_cache_dtype})", f"{plan.kv_bytes_per_token:>9} B"),
+        (
+            f"KV cache per token ({'fp8' if spec.kv_fp8 else spec.dtype})",
+            f"{plan.kv_bytes_per_token:>9} B",
+        ),
         (
             f"KV needed ({spec.max_batch_size} x {spec.max_seq_len} tok, "
             f"block {spec.tokens_per_block})",

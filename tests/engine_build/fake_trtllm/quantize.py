@@ -1,0 +1,46 @@
+"""Stand-in for TensorRT-LLM's examples/quantization/quantize.py (tests only).
+
+Parses its argv with the recorded real argument list, prints a banner like the real tool,
+writes a checkpoint (config.json + rank{N}.safetensors) and fails on demand
+(FAKE_TRTLLM_FAIL=quantize) after writing part of its output, like a crash mid-export.
+Every call is appended to $FAKE_TRTLLM_CALLS.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(sys.prefix, "fake_support"))
+from recorded_cli import parse  # noqa: E402
+
+args = parse("quantize.py", sys.argv[1:])
+calls = os.environ.get("FAKE_TRTLLM_CALLS")
+if calls:
+    with open(calls, "a") as f:
+        f.write(json.dumps({"tool": "quantize.py", "argv": sys.argv[1:]}) + "\n")
+print("[TensorRT-LLM] TensorRT LLM version: fake", flush=True)
+os.makedirs(args.output_dir, exist_ok=True)
+with open(os.path.join(args.model_dir, "config.json")) as f:
+    hf = json.load(f)
+if os.environ.get("FAKE_TRTLLM_FAIL") == "quantize":
+    with open(os.path.join(args.output_dir, "rank0.safetensors"), "wb") as f:
+        f.write(b"half")
+    for i in range(30):
+        print(f"calibrating batch {i}", flush=True)
+    print("RuntimeError: CUDA out of memory (fake)", file=sys.stderr, flush=True)
+    sys.exit(1)
+config = {
+    "architecture": hf["architectures"][0],
+    "dtype": args.dtype,
+    "quantization": {
+        "quant_algo": "FP8" if args.qformat == "fp8" else None,
+        "kv_cache_quant_algo": "FP8" if args.kv_cache_dtype == "fp8" else None,
+    },
+    "mapping": {"world_size": args.tp_size, "tp_size": args.tp_size, "pp_size": 1},
+}
+with open(os.path.join(args.output_dir, "config.json"), "w") as f:
+    json.dump(config, f)
+for rank in range(args.tp_size):
+    with open(os.path.join(args.output_dir, f"rank{rank}.safetensors"), "wb") as f:
+        f.write(b"weights")
+print("Quantized model exported to " + args.output_dir, flush=True)

@@ -1,0 +1,108 @@
+"""Spec parsing: defaults, paths, and a one-line refusal for every contradictory value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_build.errors import BuildError
+from engine_build.spec import load_spec
+
+from .conftest import spec_sections, write_spec
+
+
+def _spec(tmp_path: Path, **overrides: dict[str, Any]) -> Path:
+    sections = spec_sections(tmp_path / "hf", tmp_path / "work", tmp_path / "venv", **overrides)
+    return write_spec(tmp_path / "spec.toml", sections)
+
+
+def test_defaults_are_the_low_latency_ones(tmp_path: Path) -> None:
+    s = load_spec(_spec(tmp_path))
+    assert s.max_batch_size == 1
+    assert s.quantization == "fp8" and s.kv_cache_dtype == "fp8"
+    assert s.cuda_graph_mode is True
+    assert s.enable_kv_cache_reuse is False and s.use_paged_context_fmha is False
+    assert s.gpu_ids == (0,)
+    assert s.checkpoint_dir == tmp_path / "work" / "checkpoint"
+    assert s.engine_dir == tmp_path / "work" / "engine"
+
+
+def test_relative_paths_are_relative_to_the_spec(tmp_path: Path) -> None:
+    path = write_spec(
+        tmp_path / "spec.toml",
+        {
+            "model": {"hf_model_dir": "models/m", "work_dir": "out"},
+            "trtllm": {"container": ["docker", "run", "--rm", "img"]},
+        },
+    )
+    s = load_spec(path)
+    assert s.hf_model_dir == (tmp_path / "models" / "m").resolve()
+    assert s.trtllm.container == ("docker", "run", "--rm", "img")
+    assert s.trtllm.venv is None
+
+
+def test_tp_size_defaults_gpu_ids(tmp_path: Path) -> None:
+    s = load_spec(_spec(tmp_path, parallel={"tp_size": 2}))
+    assert s.gpu_ids == (0, 1)
+
+
+BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
+    ({"limits": {"max_input_len": 8192, "max_seq_len": 4096}}, "max_input_len (8192) > limits"),
+    ({"limits": {"max_input_len": 4096, "max_seq_len": 4096}}, "no room left"),
+    (
+        {"limits": {"opt_num_tokens": 512, "multiple_profiles": True}},
+        "opt_num_tokens conflicts with limits.multiple_profiles",
+    ),
+    ({"limits": {"max_num_tokens": 1024}}, "max_num_tokens (1024) < limits.max_input_len"),
+    ({"limits": {"max_batch_size": 0}}, "limits.max_batch_size must be >= 1"),
+    ({"limits": {"max_batch_size": True}}, "expected int, got a boolean"),
+    ({"limits": {"max_seq_len": "4096"}}, "limits.max_seq_len: expected int, got str"),
+    ({"limits": {"max_seqlen": 4096}}, "unknown key limits.max_seqlen"),
+    ({"extra": {"x": 1}}, "unknown section [extra]"),
+    ({"precision": {"dtype": "float32"}}, "precision.dtype must be one of"),
+    ({"precision": {"quantization": "int4_awq"}}, "precision.quantization must be one of"),
+    (
+        {"precision": {"quantization": "none"}, "plugins": {"gemm": "low_latency_gemm_plugin"}},
+        "exists only for fp8 weights",
+    ),
+    ({"plugins": {"gemm": "cublas"}}, "plugins.gemm must be one of"),
+    ({"kv_cache": {"tokens_per_block": 48}}, "power of two"),
+    ({"kv_cache": {"free_gpu_mem_fraction": 1.5}}, "free_gpu_mem_fraction must be in (0, 1]"),
+    ({"parallel": {"tp_size": 2, "gpu_ids": [0]}}, "gpu_ids has 1 ids but parallel.tp_size is 2"),
+    ({"parallel": {"tp_size": 2, "gpu_ids": [1, 1]}}, "distinct"),
+    ({"trtllm": {"container": ["docker"]}}, "set exactly one of 'venv'"),
+    ({"trtllm": {"quantize": "x"}}, "unknown key 'quantize'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD)
+def test_contradictions_refused_with_one_line(
+    tmp_path: Path, overrides: dict[str, dict[str, Any]], message: str
+) -> None:
+    with pytest.raises(BuildError) as info:
+        load_spec(_spec(tmp_path, **overrides))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_trtllm_section(tmp_path: Path) -> None:
+    path = write_spec(tmp_path / "s.toml", {"model": {"hf_model_dir": "a", "work_dir": "b"}})
+    with pytest.raises(BuildError, match=r"missing \[trtllm\]"):
+        load_spec(path)
+
+
+def test_missing_model_dir(tmp_path: Path) -> None:
+    path = write_spec(tmp_path / "s.toml", {"model": {"work_dir": "b"}, "trtllm": {"venv": "v"}})
+    with pytest.raises(BuildError, match="missing model.hf_model_dir"):
+        load_spec(path)
+
+
+def test_unreadable_and_malformed_spec(tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match="cannot read spec"):
+        load_spec(tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nhf_model_dir = 1")
+    with pytest.raises(BuildError, match="is not valid TOML"):
+        load_spec(bad)
