@@ -129,10 +129,10 @@ def test_unsupported_architecture_refused() -> None:
 def test_missing_checkpoint_and_config_are_distinct_errors(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match="checkpoint directory missing"):
         read_shape(tmp_path / "nope")
-    with pytest.raises(BuildError, match="checkpoint config.json missing"):
+    with pytest.raises(BuildError, match=r"checkpoint config\.json missing"):
         read_shape(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(BuildError, match="not valid JSON"):
+    with pytest.raises(BuildError, match=r"not valid JSON"):
         read_shape(tmp_path)
 
 

@@ -95,7 +95,7 @@ def test_missing_trtllm_section(tmp_path: Path) -> None:
 
 def test_missing_model_dir(tmp_path: Path) -> None:
     path = write_spec(tmp_path / "s.toml", {"model": {"work_dir": "b"}, "trtllm": {"venv": "v"}})
-    with pytest.raises(BuildError, match="missing model.hf_model_dir"):
+    with pytest.raises(BuildError, match=r"missing model\.hf_model_dir"):
         load_spec(path)
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(sys.prefix, "fake_support"))
-from recorded_cli import parse  # noqa: E402
+from recorded_cli import parse
 
 args = parse("trtllm-build", sys.argv[1:])
 calls = os.environ.get("FAKE_TRTLLM_CALLS")
