@@ -23,8 +23,13 @@ from engine_build.spec import BuildSpec
 # The pinned line. 1.3 removed trtllm-build and the tensorrtllm Triton backend.
 TRTLLM_SUPPORTED = (1, 2)
 
+# Prints ``TRTLLM_VERSION=`` with an empty value when the package is absent, so "missing" is
+# told apart from "the interpreter itself failed".
 VERSION_PROBE = (
-    "import importlib.metadata as m; print('TRTLLM_VERSION=' + m.version('tensorrt_llm'))"
+    "import importlib.metadata as m; "
+    "d = {(x.metadata['Name'] or '').lower().replace('-', '_'): x.version "
+    "for x in m.distributions()}; "
+    "print('TRTLLM_VERSION=' + d.get('tensorrt_llm', ''))"
 )
 
 
