@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -222,9 +222,19 @@ async def load_models(config: GatewayConfig) -> dict[str, ServedModel]:
     return models
 
 
-async def start_server(
-    config: GatewayConfig, models: dict[str, ServedModel]
-) -> tuple[grpc.aio.Server, InferenceService, health.HealthServicer]:
+@dataclass
+class RunningGateway:
+    server: grpc.aio.Server
+    service: InferenceService
+    health: health.HealthServicer
+    models: dict[str, ServedModel]
+    port: int
+
+    async def drain(self, drain_seconds: float) -> None:
+        await drain(self.server, self.service, self.health, self.models, drain_seconds)
+
+
+async def start_server(config: GatewayConfig, models: dict[str, ServedModel]) -> RunningGateway:
     server = grpc.aio.server()
     service = InferenceService(models)
     pb_grpc.add_InferenceServicer_to_server(service, server)
@@ -247,7 +257,7 @@ async def start_server(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, service, health_servicer
+    return RunningGateway(server, service, health_servicer, models, port)
 
 
 async def drain(
@@ -276,7 +286,7 @@ async def serve(config: GatewayConfig) -> int:
     """Runs the gateway until SIGTERM or SIGINT. Returns the process exit status."""
     try:
         models = await load_models(config)
-        server, service, health_servicer = await start_server(config, models)
+        running = await start_server(config, models)
     except StartupError as exc:
         print(f"appliance serve: {exc}", flush=True)
         return 2
@@ -287,5 +297,5 @@ async def serve(config: GatewayConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining for up to %.1f s", config.server.drain_seconds)
-    await drain(server, service, health_servicer, models, config.server.drain_seconds)
+    await running.drain(config.server.drain_seconds)
     return 0

@@ -1,0 +1,187 @@
+"""Streaming-path benchmark: what the gateway adds on top of the engine, against a bare gRPC hop.
+
+In one run, with the engine server and the gateway as real processes:
+  (a) N streamed requests through the gateway (public API),
+  (b) the same token ids straight to the engine server with the gateway's own Triton-protocol client,
+  (c) a bare grpc.aio unary echo (separate process) of a payload the size of the request, as the floor.
+(a) and (b) alternate request by request so drift on the machine hits both alike. Client-side TTFT and
+inter-token latency use genai-perf's definitions (REFERENCE §4); "gap" is vLLM's pooled ITL.
+Targets (issue 2): added TTFT P99 <= echo P99; added inter-token P50 <= 50 µs.
+
+    python -m bench.streaming [--requests 200] [--prompt-tokens 128] [--output-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import uvloop
+from appliance.tiny_model import ensure_tiny_model
+
+from appliance import processes
+from appliance.client import generate
+from appliance.request import Sampling
+from appliance.tokenizer import ModelText
+from appliance.triton_backend import TritonBackend
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench.echo_server import METHOD
+
+MODEL = "tiny"
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def prompt_of(text: ModelText, n: int) -> str:
+    """A prompt of exactly n tokens (BOS included) for this tokenizer."""
+    words = ["the", "gateway", "streams", "tokens", "from", "the", "engine", "server", "over", "grpc"]
+    out: list[str] = []
+    i = 0
+    while len(text.encode_prompt(" ".join(out))) < n:
+        out.append(words[i % len(words)])
+        i += 1
+    while len(text.encode_prompt(" ".join(out))) > n:
+        out.pop()
+    return " ".join(out)
+
+
+async def direct(
+    backend: TritonBackend, ids: list[int], n_out: int, rid: str
+) -> tuple[float, float, list[float], int]:
+    sampling = Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=None)
+    sent = time.perf_counter()
+    first = 0.0
+    last = 0.0
+    gaps: list[float] = []
+    count = 0
+    async for tokens in backend.stream(rid, ids, n_out, None, None, sampling, 60.0):
+        now = time.perf_counter()
+        if not first:
+            first = now
+        else:
+            gaps.append(now - last)
+        last = now
+        count += len(tokens)
+    end = time.perf_counter()
+    ttft = first - sent
+    itl = (end - sent - ttft) / (count - 1) if count > 1 else 0.0
+    return ttft, itl, gaps, count
+
+
+async def run(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    _, repo = ensure_tiny_model(Path(args.model_root))
+    tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
+    text = ModelText.load(tok_dir)
+    engine_addr = f"127.0.0.1:{processes.free_port()}"
+    gateway_addr = f"127.0.0.1:{processes.free_port()}"
+    echo_port = processes.free_port()
+    config = processes.write_gateway_config(
+        work / "g.toml", gateway_addr, MODEL, engine_addr, tok_dir
+    )
+    engine = processes.spawn(
+        ["engine", "--repository", str(repo), "--listen", engine_addr], work / "engine.log"
+    )
+    gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
+    echo = subprocess.Popen([sys.executable, "-m", "bench.echo_server", "--port", str(echo_port)])
+    try:
+        processes.wait_serving(gateway_addr, gateway)
+        prompt = prompt_of(text, args.prompt_tokens)
+        ids = text.encode_prompt(prompt)
+        request = pb.GenerateRequest(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=args.output_tokens,
+            temperature=0,
+            cache_policy=pb.CACHE_POLICY_BYPASS,
+        )
+        payload = request.SerializeToString()
+        backend = TritonBackend(engine_addr, "tensorrt_llm")
+        await backend.wait_ready(30)
+        async with (
+            grpc.aio.insecure_channel(gateway_addr) as gch,
+            grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as ech,
+        ):
+            stub = pb_grpc.InferenceStub(gch)
+            echo_call = ech.unary_unary(METHOD)
+            for _ in range(args.warmup):
+                await generate(stub, request)
+                await direct(backend, ids, args.output_tokens, "warm")
+                await echo_call(payload, wait_for_ready=True)
+            a_ttft, a_itl, a_gaps, b_ttft, b_itl, b_gaps, echo_s = [], [], [], [], [], [], []
+            lengths = set()
+            for i in range(args.requests):
+                r = await generate(stub, request)
+                lengths.add(len(r.token_ids))
+                a_ttft.append(r.ttft_s)
+                a_itl.append(r.inter_token_s)
+                a_gaps.extend(r.gaps_s)
+                ttft, itl, gaps, count = await direct(backend, ids, args.output_tokens, f"b{i}")
+                lengths.add(count)
+                b_ttft.append(ttft)
+                b_itl.append(itl)
+                b_gaps.extend(gaps)
+                t0 = time.perf_counter()
+                await echo_call(payload)
+                echo_s.append(time.perf_counter() - t0)
+        await backend.close()
+    finally:
+        processes.stop(gateway)
+        processes.stop(engine)
+        echo.terminate()
+        echo.wait()
+
+    us = 1e6
+
+    def row(name: str, values: list[float]) -> str:
+        return f"| {name} | {pct(values, 0.5) * us:9.1f} | {pct(values, 0.99) * us:9.1f} | {statistics.fmean(values) * us:9.1f} |"
+
+    print(
+        f"\nstreaming path: {args.requests} requests, prompt {len(ids)} tokens, output {sorted(lengths)} tokens, payload {len(payload)} B"
+    )
+    print("| measure (µs) | P50 | P99 | mean |\n|---|---:|---:|---:|")
+    print(row("(a) TTFT via gateway", a_ttft))
+    print(row("(b) TTFT direct to engine", b_ttft))
+    print(row("(a) inter-token via gateway", a_itl))
+    print(row("(b) inter-token direct", b_itl))
+    print(row("(a) chunk gap via gateway (pooled)", a_gaps))
+    print(row("(b) chunk gap direct (pooled)", b_gaps))
+    print(row("(c) bare grpc.aio unary echo", echo_s))
+    added_ttft_p99 = (pct(a_ttft, 0.99) - pct(b_ttft, 0.99)) * us
+    added_itl_p50 = (pct(a_itl, 0.5) - pct(b_itl, 0.5)) * us
+    echo_p99 = pct(echo_s, 0.99) * us
+    print(
+        f"\nadded TTFT P99 (a-b): {added_ttft_p99:.1f} µs vs echo P99 {echo_p99:.1f} µs "
+        f"-> ratio {added_ttft_p99 / echo_p99:.2f} (target <= 1.00)"
+    )
+    print(f"added inter-token P50 (a-b): {added_itl_p50:.1f} µs (target <= 50 µs)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--model-root", default="var/tiny")
+    uvloop.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

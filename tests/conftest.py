@@ -1,0 +1,107 @@
+"""Shared fixtures: the tiny model, an in-process engine server on loopback, and Triton stubs.
+
+The engine server runs in the test's own event loop (real gRPC over 127.0.0.1) where a test asserts on
+its internal state (cancellation); end-to-end tests start real processes instead (tests/gateway).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from appliance.tiny_model import ensure_tiny_model
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2_grpc as ts_grpc
+
+from appliance.engine.server import EngineService, ServedModel, load_models, start_engine
+
+torch.set_num_threads(1)
+
+
+@dataclass(frozen=True)
+class Tiny:
+    model_dir: Path
+    repo: Path
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.repo / "tensorrt_llm" / "tokenizer"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    model_dir, repo = ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+    return Tiny(model_dir, repo)
+
+
+def add_model_variant(repo: Path, name: str, edit: dict[str, object]) -> None:
+    """Copies the tensorrt_llm model under another name with config fields changed."""
+    source = repo / "tensorrt_llm"
+    target = repo / name
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    config = text_format.Parse((source / "config.pbtxt").read_text(), mc.ModelConfig())
+    config.name = name
+    hf = config.parameters["hf_model_dir"].string_value
+    if not Path(hf).is_absolute():
+        config.parameters["hf_model_dir"].string_value = str((source / hf).resolve())
+    for key, value in edit.items():
+        if key == "decoupled":
+            config.model_transaction_policy.decoupled = bool(value)
+        elif key == "rename_inputs":
+            assert isinstance(value, dict)
+            for i in config.input:
+                i.name = value.get(i.name, i.name)
+    (target / "config.pbtxt").write_text(text_format.MessageToString(config))
+
+
+@pytest.fixture(scope="session")
+def engine_repo(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny repository plus a non-decoupled model and one with later input names."""
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(tiny.repo, repo, dirs_exist_ok=True)
+    config = repo / "tensorrt_llm" / "config.pbtxt"
+    parsed = text_format.Parse(config.read_text(), mc.ModelConfig())
+    hf = Path(parsed.parameters["hf_model_dir"].string_value)
+    if not hf.is_absolute():
+        parsed.parameters["hf_model_dir"].string_value = str(
+            (tiny.repo / "tensorrt_llm" / hf).resolve()
+        )
+        config.write_text(text_format.MessageToString(parsed))
+    add_model_variant(repo, "sync_llm", {"decoupled": False})
+    add_model_variant(
+        repo, "renamed_llm", {"rename_inputs": {"random_seed": "seed", "min_length": "min_tokens"}}
+    )
+    return repo
+
+
+@dataclass
+class Engine:
+    address: str
+    service: EngineService
+    models: dict[str, ServedModel]
+    server: grpc.aio.Server
+
+    def stats(self, model: str = "tensorrt_llm") -> object:
+        return self.models[model].runner.stats
+
+
+@pytest.fixture(scope="session")
+async def engine(engine_repo: Path) -> AsyncIterator[Engine]:
+    models = load_models(engine_repo)
+    server, service, port = await start_engine(models, "127.0.0.1:0")
+    yield Engine(f"127.0.0.1:{port}", service, models, server)
+    await server.stop(grace=None)
+    for m in models.values():
+        m.runner.close()
+
+
+@pytest.fixture
+async def triton(engine: Engine) -> AsyncIterator[ts_grpc.GRPCInferenceServiceStub]:
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        yield ts_grpc.GRPCInferenceServiceStub(channel)

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.config import ConfigError, load_config
+
+GOOD = """
+[server]
+listen = "127.0.0.1:50051"
+drain_seconds = 3
+
+[models.tiny]
+backend = "127.0.0.1:8001"
+tokenizer_dir = "tok"
+max_output_tokens = 256
+default_max_tokens = 32
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(text)
+    return path
+
+
+def test_good_config_loads_with_defaults_and_relative_paths(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, GOOD))
+    model = config.models["tiny"]
+    assert config.server.drain_seconds == 3.0
+    assert model.tokenizer_dir == tmp_path / "tok"
+    assert model.triton_model == "tensorrt_llm"
+    assert model.max_input_tokens is None
+    assert (model.max_output_tokens, model.default_max_tokens) == (256, 32)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            GOOD.replace("max_output_tokens = 256", "max_output_tokens = -3"),
+            r":9: key 'models.tiny.max_output_tokens': must be greater than 0, got -3",
+        ),
+        (
+            GOOD.replace("max_output_tokens = 256", 'max_output_tokens = "many"'),
+            r":9: key 'models.tiny.max_output_tokens': expected int, got str",
+        ),
+        (
+            GOOD.replace("drain_seconds = 3", "drain_secs = 3"),
+            r":4: key 'server.drain_secs': unknown key; known keys are drain_seconds, listen",
+        ),
+        (
+            GOOD.replace('backend = "127.0.0.1:8001"', 'backend = "localhost"'),
+            r":7: key 'models.tiny.backend': expected HOST:PORT, got 'localhost'",
+        ),
+        (
+            GOOD.replace('tokenizer_dir = "tok"\n', ""),
+            r":6: key 'models.tiny': missing required key 'tokenizer_dir'",
+        ),
+        (
+            GOOD.replace("default_max_tokens = 32", "default_max_tokens = 999"),
+            r":10: key 'models.tiny.default_max_tokens': 999 exceeds max_output_tokens 256",
+        ),
+        ('[server]\nlisten = "127.0.0.1:1"\n', r"key 'models': at least one \[models.NAME\]"),
+        ("[server\nlisten = 1\n", r"not valid TOML: .*line 1"),
+    ],
+)
+def test_bad_config_names_line_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_config(_write(tmp_path, text))
+
+
+def test_missing_file_is_one_clear_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read configuration: No such file"):
+        load_config(tmp_path / "absent.toml")

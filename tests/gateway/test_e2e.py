@@ -1,0 +1,201 @@
+"""End to end over loopback with real processes: engine server process ← gateway process ← client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from appliance import processes
+from appliance.client import generate
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Tiny
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def gateway_address(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    work = tmp_path_factory.mktemp("e2e")
+    engine_addr = f"127.0.0.1:{processes.free_port()}"
+    gateway_addr = f"127.0.0.1:{processes.free_port()}"
+    config = processes.write_gateway_config(
+        work / "gateway.toml", gateway_addr, MODEL, engine_addr, tiny.tokenizer_dir
+    )
+    engine = processes.spawn(
+        ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], work / "engine.log"
+    )
+    gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
+    try:
+        processes.wait_serving(gateway_addr, gateway)
+        yield gateway_addr
+    finally:
+        codes = processes.stop(gateway), processes.stop(engine)
+        assert codes == (0, 0), (work / "gateway.log").read_text()[-2000:]
+
+
+@pytest.fixture
+async def stub(gateway_address: str) -> AsyncIterator[pb_grpc.InferenceStub]:
+    async with grpc.aio.insecure_channel(gateway_address) as channel:
+        yield pb_grpc.InferenceStub(channel)
+
+
+def req(**fields: object) -> pb.GenerateRequest:
+    fields.setdefault("model", MODEL)
+    if "prompt" not in fields and "messages" not in fields:
+        fields["prompt"] = "The gateway streams tokens"
+    return pb.GenerateRequest(**fields)  # type: ignore[arg-type]
+
+
+async def test_streamed_generation_shape(stub: pb_grpc.InferenceStub) -> None:
+    result = await generate(stub, req(max_tokens=12, temperature=0, request_id="abc"))
+    assert result.request_id == "abc"
+    assert len(result.token_ids) == result.final.usage.completion_tokens
+    assert result.final.usage.prompt_tokens > 0
+    assert result.final.cache_tier == pb.CACHE_TIER_MISS
+    t = result.final.timings
+    assert 0 < t.queue_us <= t.ttft_us <= t.total_us
+    if result.final.finish_reason == pb.FINISH_REASON_LENGTH:
+        assert result.final.usage.completion_tokens == 12
+    else:
+        assert result.final.finish_reason == pb.FINISH_REASON_STOP
+
+
+async def test_request_id_is_generated_when_empty(stub: pb_grpc.InferenceStub) -> None:
+    result = await generate(stub, req(max_tokens=2))
+    assert len(result.request_id) == 32
+
+
+async def test_complete_equals_the_concatenated_stream(stub: pb_grpc.InferenceStub) -> None:
+    r = req(max_tokens=16, temperature=0.9, seed=42)
+    streamed = await generate(stub, r)
+    whole = await stub.Complete(r, timeout=60)
+    assert whole.text == streamed.text and list(whole.token_ids) == streamed.token_ids
+    assert whole.final.finish_reason == streamed.final.finish_reason
+
+
+async def test_chat_messages_use_the_template(stub: pb_grpc.InferenceStub) -> None:
+    chat = pb.ChatMessages(
+        messages=[
+            pb.ChatMessage(role="system", content="Be brief."),
+            pb.ChatMessage(role="user", content="Hello?"),
+        ]
+    )
+    result = await generate(stub, req(messages=chat, max_tokens=4, temperature=0))
+    assert result.final.usage.prompt_tokens > 5
+
+
+async def test_stop_string_cuts_the_text(stub: pb_grpc.InferenceStub) -> None:
+    base = await generate(stub, req(max_tokens=40, temperature=0, top_k=1))
+    text = base.text
+    stop = next(
+        text[i : i + 3]
+        for i in range(4, len(text) - 3)
+        if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
+    )
+    cut = await generate(stub, req(max_tokens=40, temperature=0, stop=[stop]))
+    assert cut.text == text[: text.index(stop)]
+    assert cut.final.finish_reason == pb.FINISH_REASON_STOP
+
+
+BAD = [
+    (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    (dict(prompt="word " * 3000), grpc.StatusCode.INVALID_ARGUMENT, "accepts at most"),
+    (dict(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1"),
+    (dict(max_tokens=-4), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1"),
+    (
+        dict(max_tokens=100000),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "exceeds this model's limit of 512",
+    ),
+    (dict(temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
+    (dict(top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+    (dict(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+    (dict(top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k must be >= 0"),
+    (dict(model="gpt-9"), grpc.StatusCode.NOT_FOUND, "unknown model 'gpt-9'; known models: tiny"),
+    (
+        dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="hi")])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages[0].role is 'robot'; expected one of system, user, assistant",
+    ),
+    (dict(messages=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages is empty"),
+]
+
+
+@pytest.mark.parametrize(("fields", "code", "message"), BAD)
+@pytest.mark.parametrize("rpc", ["Generate", "Complete"])
+async def test_bad_input_gets_a_clear_status(
+    stub: pb_grpc.InferenceStub, rpc: str, fields: dict, code: grpc.StatusCode, message: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        if rpc == "Generate":
+            await generate(stub, req(**fields))
+        else:
+            await stub.Complete(req(**fields), timeout=30)
+    assert err.value.code() == code
+    assert message in (err.value.details() or "")
+
+
+async def test_client_deadline_is_honoured(stub: pb_grpc.InferenceStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stub, req(max_tokens=500), timeout=0.05)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_health_and_reflection(gateway_address: str) -> None:
+    with grpc.insecure_channel(gateway_address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "appliance.v1.Inference"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert "appliance.v1.Inference" in db.get_services()
+        method = db.FindSymbol("appliance.v1.Inference").service[0].method
+        assert {m.name for m in method} == {"Generate", "Complete"}
+
+
+def _serve(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_engine_unreachable_at_start_up_exits_with_one_line(tiny: Tiny, tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{processes.free_port()}"
+    config = processes.write_gateway_config(
+        tmp_path / "g.toml",
+        f"127.0.0.1:{processes.free_port()}",
+        MODEL,
+        dead,
+        tiny.tokenizer_dir,
+        1.0,
+    )
+    done = _serve(config)
+    assert done.returncode == 2
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        f"appliance serve: model '{MODEL}': inference server at {dead} not ready"
+    )
+
+
+def test_malformed_config_names_line_and_key(tmp_path: Path) -> None:
+    config = tmp_path / "g.toml"
+    config.write_text('[server]\nlisten = "127.0.0.1:1"\n\n[models.x]\nbackend = 12\n')
+    done = _serve(config)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"appliance serve: {config}:5: key 'models.x.backend': expected str, got int 12"
+    )

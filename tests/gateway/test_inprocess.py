@@ -1,0 +1,149 @@
+"""Gateway and engine server in the test's event loop (real gRPC over loopback), where a test has to
+look at the engine's state or stop it at a chosen moment."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from appliance.config import GatewayConfig, ModelConfig, ServerConfig
+from appliance.engine.runner import EngineStats
+from appliance.engine.server import load_models as load_engine_models
+from appliance.engine.server import start_engine
+from appliance.gateway import RunningGateway, StartupError, load_models, start_server
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Engine, Tiny
+from tests.engine.test_conformance import wait_for
+
+
+def _config(
+    tiny: Tiny, backend: str, triton_model: str = "tensorrt_llm", **kw: object
+) -> GatewayConfig:
+    model = ModelConfig(
+        name="tiny",
+        backend=backend,
+        tokenizer_dir=tiny.tokenizer_dir,
+        triton_model=triton_model,
+        max_output_tokens=2000,
+        ready_timeout_s=5.0,
+        **kw,  # type: ignore[arg-type]
+    )
+    return GatewayConfig(server=ServerConfig(listen="127.0.0.1:0"), models={"tiny": model})
+
+
+async def _gateway(config: GatewayConfig) -> RunningGateway:
+    return await start_server(config, await load_models(config))
+
+
+@pytest.fixture
+async def gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+    running = await _gateway(_config(tiny, engine.address))
+    yield running
+    await running.drain(0.5)
+
+
+@pytest.fixture
+async def stub(gateway: RunningGateway) -> AsyncIterator[pb_grpc.InferenceStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        yield pb_grpc.InferenceStub(channel)
+
+
+def long_request(**kw: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(model="tiny", prompt="Tell me everything", max_tokens=1500, **kw)  # type: ignore[arg-type]
+
+
+async def test_client_cancellation_reaches_the_engine(
+    engine: Engine, stub: pb_grpc.InferenceStub
+) -> None:
+    stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
+    cancelled, tokens = stats.cancelled, stats.tokens_generated
+    call = stub.Generate(long_request())
+    seen = 0
+    async for message in call:
+        seen += len(message.token_ids)
+        if seen >= 3:
+            break
+    call.cancel()
+    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    assert stats.tokens_generated - tokens < 1500
+
+
+async def test_stop_string_stops_the_engine_too(
+    engine: Engine, stub: pb_grpc.InferenceStub
+) -> None:
+    stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
+    probe = await stub.Complete(
+        pb.GenerateRequest(model="tiny", prompt="Tell me everything", max_tokens=8, temperature=0)
+    )
+    cancelled = stats.cancelled
+    stop = probe.text[2:5]
+    reply = await stub.Complete(long_request(temperature=0, stop=[stop]))
+    assert reply.final.finish_reason == pb.FINISH_REASON_STOP
+    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+
+
+async def test_engine_unreachable_at_run_time_is_unavailable_fast(
+    tiny: Tiny, engine_repo: Path
+) -> None:
+    models = load_engine_models(engine_repo)
+    server, _, port = await start_engine({"tensorrt_llm": models["tensorrt_llm"]}, "127.0.0.1:0")
+    running = await _gateway(_config(tiny, f"127.0.0.1:{port}"))
+    try:
+        await server.stop(grace=None)
+        models["tensorrt_llm"].runner.close()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Complete(
+                    pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=4), timeout=30
+                )
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"inference server at 127.0.0.1:{port} unavailable" in (
+                err.value.details() or ""
+            )
+            assert loop.time() - started < 5.0  # refused at once, not a TCP or deadline timeout
+    finally:
+        await running.drain(0.1)
+
+
+async def test_a_model_that_is_not_decoupled_is_refused_at_start_up(
+    tiny: Tiny, engine: Engine
+) -> None:
+    with pytest.raises(
+        StartupError,
+        match=r"model 'sync_llm' .* is not decoupled; streaming needs 'model_transaction_policy \{ decoupled: true \}'",
+    ):
+        await load_models(_config(tiny, engine.address, triton_model="sync_llm"))
+
+
+async def test_later_input_names_are_mapped(tiny: Tiny, engine: Engine) -> None:
+    running = await _gateway(_config(tiny, engine.address, triton_model="renamed_llm"))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            r = pb.GenerateRequest(
+                model="tiny", prompt="seeded", max_tokens=10, temperature=1.0, seed=5
+            )
+            a, b = await stub.Complete(r), await stub.Complete(r)
+            assert list(a.token_ids) == list(b.token_ids)
+    finally:
+        await running.drain(0.1)
+
+
+async def test_drain_ends_in_flight_requests_as_cancelled(tiny: Tiny, engine: Engine) -> None:
+    running = await _gateway(_config(tiny, engine.address))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        call = stub.Generate(long_request())
+        await call.read()
+        drained = asyncio.ensure_future(running.drain(0.2))
+        messages = [m async for m in call]
+        await drained
+    assert messages[-1].final.finish_reason == pb.FINISH_REASON_CANCELLED
