@@ -1,1 +1,1 @@
-"""host_tuning package."""
+"""Plans, applies, verifies and reverts host settings for single-stream inference latency."""

@@ -1,0 +1,138 @@
+"""``host-tune``: facts, plan, apply, verify, revert, hold-latency.
+
+Exit codes: 0 success; 1 failure or drift (verify); 2 usage, profile, plan or permission error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from host_tuning import engine, holdlatency, profile, render
+from host_tuning.cores import PlanError, cpu_affinity_dropin
+from host_tuning.facts.collect import collect
+from host_tuning.planner import Plan, make_plan
+from host_tuning.plugins.base import Context
+from host_tuning.rootfs import Root
+
+
+class CliError(Exception):
+    """Operator-facing refusal: printed without a traceback, exit 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="host-tune", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp: argparse.ArgumentParser, needs_profile: bool, json_flag: bool = True) -> None:
+        sp.add_argument("--root", default="/", help="read and write under this directory")
+        sp.add_argument("--no-nvml", action="store_true", help="find GPUs in sysfs only")
+        if needs_profile:
+            sp.add_argument("--profile", required=True, help="TOML profile")
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    common(sub.add_parser("facts", help="print the host's facts (JSON)"), False, False)
+    sp = sub.add_parser("plan", help="show the settings the profile implies")
+    common(sp, True)
+    sp.add_argument(
+        "--affinity-dropin",
+        choices=("gateway", "triton"),
+        help="print a systemd CPUAffinity= drop-in for that unit's planned cores",
+    )
+    for name in ("apply", "verify"):
+        sp = sub.add_parser(name, help=f"{name} the plan")
+        common(sp, True)
+        sp.add_argument("--verbose", action="store_true", help="also list settled settings")
+        if name == "apply":
+            sp.add_argument("--dry-run", action="store_true", help="show the diff, change nothing")
+    sp = sub.add_parser("revert", help="restore the values saved by apply")
+    common(sp, False)
+    sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--verbose", action="store_true")
+    sp = sub.add_parser("hold-latency", help="hold /dev/cpu_dma_latency open at a value")
+    sp.add_argument("--us", type=int, help="latency in microseconds")
+    sp.add_argument("--profile", help="take pm_qos_latency_us from this profile")
+    sp.add_argument("--path", default=holdlatency.DEFAULT_PATH, help=argparse.SUPPRESS)
+    return p
+
+
+def _require_root(root: Root, what: str) -> None:
+    if root.is_host and os.geteuid() != 0:
+        raise CliError(
+            f"host-tune {what} changes kernel settings of this machine and must run as root "
+            "(sudo host-tune ...); use --dry-run to preview, or --root DIR for a copy"
+        )
+
+
+def _plan(args: argparse.Namespace, root: Root) -> Plan:
+    prof = profile.load(args.profile)
+    return make_plan(collect(root, use_nvml=not args.no_nvml), prof)
+
+
+def _ctx(root: Root, args: argparse.Namespace) -> Context:
+    netns = profile.load(args.profile).netns if getattr(args, "profile", None) else None
+    return Context(root=root, netns=netns)
+
+
+def _results(args: argparse.Namespace, results: list[engine.Result]) -> int:
+    code = engine.exit_code(results)
+    if args.json:
+        print(render.results_json(args.cmd, results, code))
+    else:
+        print(render.results_table(args.cmd, results, args.verbose), end="")
+    return code
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "hold-latency":
+        us = args.us
+        if us is None:
+            us = profile.load(args.profile).pm_qos_latency_us if args.profile else 0
+        try:
+            return holdlatency.hold(us, args.path)
+        except PermissionError as exc:
+            raise CliError(f"cannot open {args.path}: {exc.strerror}; run as root") from exc
+    root = Root(args.root)
+    if not root.base.is_dir():
+        raise CliError(f"--root {args.root}: not a directory")
+    if args.cmd == "facts":
+        facts = collect(root, use_nvml=not args.no_nvml)
+        print(json.dumps(dataclasses.asdict(facts), indent=1))
+        return 0
+    if args.cmd == "plan":
+        plan = _plan(args, root)
+        if args.affinity_dropin:
+            cpus = plan.cores.gateway if args.affinity_dropin == "gateway" else plan.cores.triton
+            print(cpu_affinity_dropin(cpus, args.affinity_dropin), end="")
+        elif args.json:
+            print(render.plan_json(plan))
+        else:
+            print(render.plan_table(plan), end="")
+        return 0
+    if args.cmd == "apply":
+        if not args.dry_run:
+            _require_root(root, "apply")
+        plan = _plan(args, root)
+        return _results(args, engine.apply(_ctx(root, args), plan.items, args.dry_run))
+    if args.cmd == "verify":
+        plan = _plan(args, root)
+        return _results(args, engine.verify(_ctx(root, args), plan.items))
+    if args.cmd == "revert":
+        if not args.dry_run:
+            _require_root(root, "revert")
+        return _results(args, engine.revert(Context(root=root), args.dry_run))
+    raise AssertionError(args.cmd)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except (CliError, profile.ProfileError, PlanError, FileNotFoundError) as exc:
+        print(f"host-tune: {exc}", file=sys.stderr)
+        return 2

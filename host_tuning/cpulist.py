@@ -1,0 +1,72 @@
+"""Kernel CPU-list and CPU-mask notation.
+
+The kernel speaks two notations (``0-3,8`` lists and comma-grouped hex masks); every reader and writer
+in the package goes through here so that comparisons are made on sets, never on strings the kernel
+may have re-formatted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def parse(text: str) -> frozenset[int]:
+    """Parse ``"0-3,8,10-11"`` (sysfs/procfs list form); an empty string is the empty set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo_s, hi_s = part.split("-", 1)
+            # Ranges may carry a stride (``0-7:2``) on newer kernels' isolcpus syntax.
+            stride = 1
+            if ":" in hi_s:
+                hi_s, stride_s = hi_s.split(":", 1)
+                stride = int(stride_s)
+            lo, hi = int(lo_s), int(hi_s)
+            if hi < lo:
+                raise ValueError(f"bad CPU range {part!r}")
+            cpus.update(range(lo, hi + 1, stride))
+        else:
+            cpus.add(int(part))
+    return frozenset(cpus)
+
+
+def format(cpus: Iterable[int]) -> str:
+    """Format a set as the kernel's canonical list form (``0-3,8``)."""
+    ordered = sorted(set(cpus))
+    out: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def parse_mask(text: str) -> frozenset[int]:
+    """Parse a comma-grouped hex mask (``ffffffff,00000000``) as /proc/irq/*/smp_affinity shows."""
+    value = int(text.strip().replace(",", "") or "0", 16)
+    return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
+
+
+def from_words(words: Iterable[int], bits: int = 64) -> frozenset[int]:
+    """Turn an NVML affinity array (CPU bitmap in 64-bit words, word 0 lowest) into a set."""
+    cpus: set[int] = set()
+    for w, word in enumerate(words):
+        for b in range(bits):
+            if int(word) >> b & 1:
+                cpus.add(w * bits + b)
+    return frozenset(cpus)
+
+
+def format_mask(cpus: Iterable[int], ncpus: int) -> str:
+    """Format as the kernel's comma-grouped 32-bit hex mask sized for ``ncpus`` CPUs."""
+    value = 0
+    for c in cpus:
+        value |= 1 << c
+    words = max(1, (max(ncpus, 1) + 31) // 32)
+    return ",".join(f"{(value >> (32 * w)) & 0xFFFFFFFF:08x}" for w in reversed(range(words)))

@@ -1,0 +1,143 @@
+"""Apply, verify and revert a plan's items through their plugins, keeping prior values.
+
+The rules that make the tool safe to run twice live here, once, rather than in every plugin:
+a setting already at its value is left alone; a prior value is saved only at the first change;
+the kernel's EIO on an IRQ affinity write means a managed IRQ, recorded and skipped; revert walks
+the changes backwards so several settings sharing one file unwind to the original bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from host_tuning import state as state_mod
+from host_tuning.items import Item
+from host_tuning.plugins.base import Context
+from host_tuning.registry import BY_NAME
+
+CHANGED, UNCHANGED, WOULD_CHANGE = "changed", "unchanged", "would-change"
+MANAGED, UNSUPPORTED, FAILED = "managed-skipped", "unsupported", "failed"
+OK, DRIFT, REBOOT = "ok", "drift", "reboot-required"
+RESTORED, WOULD_RESTORE = "restored", "would-restore"
+NOT_APPLIED = "not-applied"
+
+
+@dataclass(frozen=True)
+class Result:
+    key: str
+    plugin: str
+    status: str
+    expected: str | None = None
+    actual: str | None = None
+    note: str = ""
+
+
+def _managed_note(exc: OSError) -> str:
+    return f"kernel refused with EIO ({exc.strerror}): managed IRQ, skipped"
+
+
+def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Result]:
+    st = state_mod.load(ctx.root)
+    results: list[Result] = []
+    dirty = False
+    try:
+        for item in items:
+            plugin = BY_NAME[item.plugin]
+            if item.key in st.managed:
+                results.append(Result(item.key, item.plugin, MANAGED, item.desired, None))
+                continue
+            cur = plugin.current(ctx, item)
+            if plugin.same(item, cur):
+                note = plugin.pending(ctx, item) or ""
+                results.append(Result(item.key, item.plugin, UNCHANGED, item.desired, cur, note))
+                continue
+            snap = plugin.snapshot(ctx, item)
+            if snap is None and not plugin.owns_files:
+                results.append(
+                    Result(item.key, item.plugin, UNSUPPORTED, item.desired, None, "absent here")
+                )
+                continue
+            if dry_run:
+                results.append(Result(item.key, item.plugin, WOULD_CHANGE, item.desired, cur))
+                continue
+            try:
+                created = plugin.set(ctx, item)
+            except OSError as exc:
+                if exc.errno == errno.EIO and item.plugin == "irq":
+                    st.managed.append(item.key)
+                    dirty = True
+                    results.append(
+                        Result(
+                            item.key, item.plugin, MANAGED, item.desired, cur, _managed_note(exc)
+                        )
+                    )
+                else:
+                    results.append(
+                        Result(item.key, item.plugin, FAILED, item.desired, cur, str(exc))
+                    )
+                continue
+            entry = st.entries.get(item.key)
+            if entry is None:
+                st.entries[item.key] = state_mod.Entry(item.plugin, item.target, snap, created)
+            else:
+                entry.created_dirs += created
+            dirty = True
+            note = plugin.pending(ctx, item) or ""
+            results.append(Result(item.key, item.plugin, CHANGED, item.desired, cur, note))
+    finally:
+        if dirty:
+            state_mod.save(ctx.root, st)
+    return results
+
+
+def verify(ctx: Context, items: Iterable[Item]) -> list[Result]:
+    st = state_mod.load(ctx.root)
+    results: list[Result] = []
+    for item in items:
+        plugin = BY_NAME[item.plugin]
+        if item.key in st.managed:
+            results.append(Result(item.key, item.plugin, MANAGED, item.desired, None))
+            continue
+        cur = plugin.current(ctx, item)
+        if plugin.same(item, cur):
+            pending = plugin.pending(ctx, item)
+            status = REBOOT if pending else OK
+            results.append(Result(item.key, item.plugin, status, item.desired, cur, pending or ""))
+        elif cur is None and not plugin.owns_files and plugin.snapshot(ctx, item) is None:
+            results.append(Result(item.key, item.plugin, UNSUPPORTED, item.desired, None))
+        else:
+            results.append(Result(item.key, item.plugin, DRIFT, item.desired, cur))
+    return results
+
+
+def revert(ctx: Context, dry_run: bool = False) -> list[Result]:
+    st = state_mod.load(ctx.root)
+    results: list[Result] = []
+    for key in reversed(list(st.entries)):
+        entry = st.entries[key]
+        plugin = BY_NAME[entry.plugin]
+        if dry_run:
+            results.append(Result(key, entry.plugin, WOULD_RESTORE, entry.snapshot, None))
+            continue
+        try:
+            plugin.restore(ctx, entry.target, entry.snapshot)
+        except OSError as exc:
+            results.append(Result(key, entry.plugin, FAILED, entry.snapshot, None, str(exc)))
+            continue
+        for d in reversed(entry.created_dirs):
+            ctx.root.rmdir_if_empty(d)
+        del st.entries[key]
+        results.append(Result(key, entry.plugin, RESTORED, entry.snapshot, None))
+    if not dry_run:
+        if st.entries:
+            state_mod.save(ctx.root, st)  # keep what failed so a later revert can retry
+        else:
+            state_mod.remove(ctx.root, st)
+    return results
+
+
+def exit_code(results: list[Result]) -> int:
+    """0 clean; 1 when something failed or drifted (verify's contract for Ansible)."""
+    return 1 if any(r.status in (FAILED, DRIFT) for r in results) else 0

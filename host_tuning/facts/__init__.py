@@ -1,0 +1,1 @@
+"""Read-only discovery of the host: topology, devices and current kernel settings."""

@@ -1,0 +1,37 @@
+"""Gather every fact through one root prefix."""
+
+from __future__ import annotations
+
+import psutil  # type: ignore[import-untyped]  # no stubs installed; see docs
+
+from host_tuning.facts import cpu, gpu, nic, pci, system
+from host_tuning.facts.model import Facts
+from host_tuning.rootfs import Root
+
+
+def collect(root: Root, use_nvml: bool = True) -> Facts:
+    cpus = cpu.cpus(root)
+    nodes = cpu.nodes(root) or {0: [c.id for c in cpus]}
+    gpus, gpu_error = gpu.gpus(root, len(cpus), use_nvml)
+    nics = nic.nics(root, [c.id for c in cpus])
+    paths = [
+        pci.path(root, g.bus_id, n.pci) for g in gpus for n in nics if n.pci and n.rdma is not None
+    ]
+    return Facts(
+        root=str(root.base),
+        cpus=cpus,
+        nodes=nodes,
+        gpus=gpus,
+        gpu_error=gpu_error,
+        nics=nics,
+        pci_paths=paths,
+        irqs=system.irqs(root),
+        iommu=system.iommu(root, [g.bus_id for g in gpus]),
+        cmdline=system.cmdline(root),
+        thp=system.thp(root),
+        hugepages=system.hugepages(root, sorted(nodes)),
+        irqbalance=system.irqbalance(root),
+        cpufreq=system.cpufreq(root),
+        # psutil reads the running kernel, so it only cross-checks sysfs on the real host.
+        psutil_cpu_count=psutil.cpu_count(logical=True) if root.is_host else None,
+    )

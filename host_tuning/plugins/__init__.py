@@ -1,0 +1,1 @@
+"""Subsystem plugins in the manner of tuned: each plans, applies, verifies and reverts itself."""

@@ -1,0 +1,117 @@
+"""Kernel command line through one GRUB drop-in, reported "reboot required" until in effect.
+
+One item per parameter (keyed by name) so each has its own reason and revert can unwind them one
+by one; all live in a single file under /etc/default/grub.d/, which grub-mkconfig sources.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from host_tuning import cpulist
+from host_tuning.cores import CorePlan
+from host_tuning.facts.model import Facts
+from host_tuning.items import Advice, Item
+from host_tuning.plugins.base import Context, FilePlugin
+from host_tuning.profile import Profile
+
+DROPIN = "/etc/default/grub.d/99-host-tune.cfg"
+HEADER = "# Written by host-tune; `host-tune revert` removes it. Run update-grub after changes.\n"
+_LINE = re.compile(r'^GRUB_CMDLINE_LINUX_DEFAULT="\$\{GRUB_CMDLINE_LINUX_DEFAULT\} ?(.*)"$', re.M)
+
+
+def param(token: str) -> str:
+    return token.split("=", 1)[0]
+
+
+def tokens_of(text: str | None) -> list[str]:
+    m = _LINE.search(text or "")
+    return shlex.split(m.group(1)) if m else []
+
+
+def render(tokens: list[str]) -> str:
+    return (
+        HEADER
+        + f'GRUB_CMDLINE_LINUX_DEFAULT="${{GRUB_CMDLINE_LINUX_DEFAULT}} {" ".join(tokens)}"\n'
+    )
+
+
+def planned_tokens(facts: Facts, profile: Profile, cores: CorePlan) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = [
+        ("skew_tick=1", "tuned network-latency: offset per-CPU ticks to avoid lock contention"),
+        ("tsc=reliable", "tuned network-latency: no clocksource watchdog on the TSC"),
+        (
+            "rcupdate.rcu_normal_after_boot=1",
+            "tuned network-latency: no expedited RCU IPIs after boot",
+        ),
+    ]
+    if profile.isolate and cores.isolated:
+        iso = cpulist.format(cores.isolated)
+        hk = cpulist.format(cores.housekeeping)
+        out += [
+            (f"nohz_full={iso}", "tuned cpu-partitioning: no scheduler tick on serving cores"),
+            (f"rcu_nocbs={iso}", "tuned cpu-partitioning: RCU callbacks run on housekeeping"),
+            (
+                f"isolcpus=managed_irq,domain,{iso}",
+                "no load balancing onto serving cores; managed IRQs (NVMe) avoid them at boot",
+            ),
+            (f"irqaffinity={hk}", "IRQs start on housekeeping cores from boot"),
+        ]
+    if profile.iommu_pt:
+        out.append(("iommu=pt", "GPUDirect RDMA needs IOMMU off or pass-through"))
+    if profile.hugepages > 0:
+        size = profile.hugepage_size
+        out += [
+            (f"default_hugepagesz={size}", f"mmap(MAP_HUGETLB) gets {size} pages by default"),
+            (f"hugepagesz={size}", f"enable the {size} pool (count is set per node at runtime)"),
+        ]
+    for token in profile.extra_cmdline:
+        out.append((token, "set by profile [kernel] extra_cmdline"))
+    for token in profile.irreversible:
+        out.append((token, "opted in by profile: polling idle costs power and heat; not reverted"))
+    return out
+
+
+class Cmdline(FilePlugin):
+    name = "cmdline"
+    owns_files = True
+
+    def plan(
+        self, facts: Facts, profile: Profile, cores: CorePlan
+    ) -> tuple[list[Item], list[Advice]]:
+        items = [
+            Item(self.name, f"cmdline {param(t)}", DROPIN, t, why)
+            for t, why in planned_tokens(facts, profile, cores)
+        ]
+        advice = [
+            Advice(
+                "cmdline",
+                "after apply: update-grub (Debian/Ubuntu) or grub2-mkconfig / grubby (RHEL), "
+                "then reboot; verify reports 'reboot required' until /proc/cmdline matches",
+                "kernel parameters only take effect at boot",
+            )
+        ]
+        return items, advice
+
+    def current(self, ctx: Context, item: Item) -> str | None:
+        name = param(item.desired)
+        for t in tokens_of(ctx.root.read(item.target)):
+            if param(t) == name:
+                return t
+        return None
+
+    def set(self, ctx: Context, item: Item) -> list[str]:
+        tokens = tokens_of(ctx.root.read(item.target))
+        name = param(item.desired)
+        if any(param(t) == name for t in tokens):
+            tokens = [item.desired if param(t) == name else t for t in tokens]
+        else:
+            tokens.append(item.desired)
+        return ctx.root.create(item.target, render(tokens))
+
+    def pending(self, ctx: Context, item: Item) -> str | None:
+        running = (ctx.root.read_value("/proc/cmdline") or "").split()
+        if item.desired in running:
+            return None
+        return f"reboot required: {item.desired} not in /proc/cmdline"

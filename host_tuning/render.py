@@ -1,0 +1,133 @@
+"""Human tables and JSON for plans and results. Formatting only; nothing here decides anything."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict
+from typing import Any
+
+from host_tuning import cpulist
+from host_tuning.cores import CorePlan, cpu_affinity_dropin
+from host_tuning.engine import Result
+from host_tuning.items import Item
+from host_tuning.planner import Plan
+
+_NUM = re.compile(r"\d+")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [len(h) for h in header]
+    for r in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, r, strict=True)]
+
+    def fmt(r: list[str]) -> str:
+        # The last column (reason / note) is free-running text, not padded.
+        cells = [c.ljust(w) for c, w in zip(r[:-1], widths[:-1], strict=True)]
+        return "  ".join([*cells, r[-1]]).rstrip()
+
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def _group(items: list[Item]) -> list[tuple[str, Item]]:
+    """Collapse per-CPU / per-IRQ rows that differ only in one number: ``cpu{0-127} governor``."""
+    out: list[tuple[str, Item]] = []
+    groups: dict[tuple[str, str, str, str], list[tuple[int, Item]]] = {}
+    order: list[tuple[str, str, str, str] | Item] = []
+    for it in items:
+        nums = _NUM.findall(it.key)
+        if len(nums) != 1:
+            order.append(it)
+            continue
+        g = (it.plugin, _NUM.sub("#", it.key), it.desired, it.reason)
+        if g not in groups:
+            groups[g] = []
+            order.append(g)
+        groups[g].append((int(nums[0]), it))
+    for entry in order:
+        if isinstance(entry, Item):
+            out.append((entry.key, entry))
+            continue
+        members = groups[entry]
+        if len(members) == 1:
+            out.append((members[0][1].key, members[0][1]))
+        else:
+            label = entry[1].replace("#", "{" + cpulist.format(n for n, _ in members) + "}")
+            out.append((label, members[0][1]))
+    return out
+
+
+def cores_dict(c: CorePlan) -> dict[str, Any]:
+    return {
+        "node": c.node,
+        "gpu": c.gpu,
+        "housekeeping": cpulist.format(c.housekeeping),
+        "nic_irq": cpulist.format(c.nic_irq),
+        "gateway": cpulist.format(c.gateway),
+        "triton": cpulist.format(c.triton),
+        "serving": cpulist.format(c.serving),
+        "isolated": cpulist.format(c.isolated),
+        "reasons": c.reasons,
+    }
+
+
+def plan_json(plan: Plan) -> str:
+    data = {
+        "cores": cores_dict(plan.cores),
+        "items": [asdict(i) for i in plan.items],
+        "advice": [asdict(a) for a in plan.advice],
+        "systemd": {
+            "gateway": cpu_affinity_dropin(plan.cores.gateway, "the gateway"),
+            "triton": cpu_affinity_dropin(plan.cores.triton, "Triton"),
+        },
+    }
+    return json.dumps(data, indent=1)
+
+
+def plan_table(plan: Plan) -> str:
+    c = cores_dict(plan.cores)
+    rows = [
+        ["cores", role, c[role] or "-", c["reasons"].get(role, "")]
+        for role in ("housekeeping", "nic_irq", "gateway", "triton", "isolated")
+    ]
+    rows.insert(0, ["cores", "node", str(c["node"]), c["reasons"]["node"]])
+    rows += [[it.plugin, label, it.desired, it.reason] for label, it in _group(list(plan.items))]
+    text = _table(rows, ["PLUGIN", "SETTING", "VALUE", "REASON"])
+    if plan.advice:
+        adv = [[a.topic, a.text, a.reason] for a in plan.advice]
+        text += "\n\nADVICE (not applied by host-tune)\n" + _table(adv, ["TOPIC", "ACTION", "WHY"])
+    return text + "\n"
+
+
+def results_json(command: str, results: list[Result], code: int) -> str:
+    counts = Counter(r.status for r in results)
+    changed = counts.get("changed", 0) + counts.get("restored", 0)
+    return json.dumps(
+        {
+            "command": command,
+            "changed": changed > 0,
+            "counts": dict(counts),
+            "reboot_required": any("reboot required" in r.note for r in results),
+            "results": [asdict(r) for r in results],
+            "exit_code": code,
+        },
+        indent=1,
+    )
+
+
+def results_table(command: str, results: list[Result], verbose: bool = False) -> str:
+    quiet = {"unchanged", "ok"}
+    shown = [r for r in results if verbose or r.status not in quiet or r.note]
+    rows = [[r.status, r.key, r.expected or "-", r.actual or "-", r.note] for r in shown]
+    counts = Counter(r.status for r in results)
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no settings"
+    lines = [_table(rows, ["STATUS", "SETTING", "EXPECTED", "ACTUAL", "NOTE"])] if rows else []
+    settled = quiet | {"managed-skipped", "unsupported"}
+    if command == "apply" and results and all(r.status in settled for r in results):
+        lines.append("nothing to change: the host already matches the plan")
+    if command == "verify":
+        drift = counts.get("drift", 0)
+        lines.append(f"{drift} setting(s) drifted" if drift else "no drift")
+    lines.append(f"{command}: {summary}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,136 @@
+"""All file-system access goes through a root prefix.
+
+Facts, plugins and state read and write ``/sys``, ``/proc`` and ``/etc`` relative to a root so the
+same code runs on the real host (root ``/``) and on fixture trees in tests. Fixture trees are passive
+files, so two kernel behaviours that matter to the tool are emulated here, and only for non-``/``
+roots: sysfs *selector* files (``always [madvise] never``) that show the written choice in brackets,
+and writes that the kernel refuses with EIO (managed IRQs), listed in ``<root>/.fixture-eio``. Callers
+see exactly the ``OSError`` the kernel would raise, so the EIO handling above is the production path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+from pathlib import Path
+
+EIO_MARKER = ".fixture-eio"
+_SELECTOR = re.compile(r"\[([^\]]+)\]")
+
+
+class Root:
+    """A directory that stands for ``/``."""
+
+    def __init__(self, path: str | os.PathLike[str] = "/") -> None:
+        self.base = Path(path)
+
+    @property
+    def is_host(self) -> bool:
+        """True when this root is the running system, where writes change the machine."""
+        return self.base.resolve() == Path("/")
+
+    def path(self, rel: str) -> Path:
+        return self.base / rel.lstrip("/")
+
+    def exists(self, rel: str) -> bool:
+        return self.path(rel).exists()
+
+    def read(self, rel: str) -> str | None:
+        """Raw text, or None when absent or unreadable (sysfs attributes vanish with hot-plug)."""
+        try:
+            return self.path(rel).read_text()
+        except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError):
+            return None
+        except OSError as exc:
+            # Some attributes (e.g. an unsupported cpufreq knob) raise EIO/EINVAL on read.
+            if exc.errno in (errno.EIO, errno.EINVAL, errno.ENODEV, errno.EOPNOTSUPP):
+                return None
+            raise
+
+    def read_value(self, rel: str) -> str | None:
+        text = self.read(rel)
+        return None if text is None else text.strip()
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            return self.path(rel).read_bytes()
+        except OSError:
+            return None
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(rel)))
+        except OSError:
+            return []
+
+    def realpath(self, rel: str) -> str:
+        """Resolve symlinks and answer as the host would see the path (root prefix removed)."""
+        real = Path(os.path.realpath(self.path(rel)))
+        base = self.base.resolve()
+        try:
+            return "/" + str(real.relative_to(base))
+        except ValueError:
+            return str(real)
+
+    def write(self, rel: str, data: str) -> None:
+        """Write an existing attribute or file in place; the kernel's OSError passes through."""
+        target = self.path(rel)
+        if not self.is_host:
+            if rel.lstrip("/") in self._eio_paths():
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(target))
+            data = self._emulate_selector(target, data)
+        with open(target, "w") as fh:
+            fh.write(data)
+
+    def create(self, rel: str, data: str) -> list[str]:
+        """Write a file we own, creating parents; answer the directories created (for revert)."""
+        target = self.path(rel)
+        created: list[str] = []
+        parent = target.parent
+        missing: list[Path] = []
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        for d in reversed(missing):
+            d.mkdir()
+            created.append("/" + str(d.relative_to(self.base)))
+        tmp = target.with_name(target.name + ".host-tune.tmp")
+        tmp.write_text(data)
+        os.replace(tmp, target)
+        return created
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(rel).unlink()
+
+    def rmdir_if_empty(self, rel: str) -> None:
+        with contextlib.suppress(OSError):  # not empty: someone else put files there
+            self.path(rel).rmdir()
+
+    def _eio_paths(self) -> set[str]:
+        text = (self.base / EIO_MARKER).read_text() if (self.base / EIO_MARKER).exists() else ""
+        return {line.strip().lstrip("/") for line in text.splitlines() if line.strip()}
+
+    @staticmethod
+    def _emulate_selector(target: Path, data: str) -> str:
+        try:
+            current = target.read_text()
+        except OSError:
+            return data
+        if not _SELECTOR.search(current):
+            return data
+        choice = data.strip()
+        options = [o.strip("[]") for o in current.split()]
+        if choice not in options:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(target))
+        return " ".join(f"[{o}]" if o == choice else o for o in options) + "\n"
+
+
+def selected(text: str | None) -> str | None:
+    """The bracketed choice of a selector file (``always [madvise] never`` -> ``madvise``)."""
+    if text is None:
+        return None
+    m = _SELECTOR.search(text)
+    return m.group(1) if m else text.strip()

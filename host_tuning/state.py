@@ -1,0 +1,65 @@
+"""Saved prior values, so revert restores exactly what apply found.
+
+Kept under the root (``/var/lib/host-tune/state.json``). A key's prior value is saved once, at
+its first change: applying again (or after drift) never overwrites the original.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from host_tuning.rootfs import Root
+
+STATE_DIR = "/var/lib/host-tune"
+STATE_FILE = f"{STATE_DIR}/state.json"
+
+
+@dataclass
+class Entry:
+    plugin: str
+    target: str
+    snapshot: str | None
+    created_dirs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class State:
+    entries: dict[str, Entry] = field(default_factory=dict)  # insertion order == apply order
+    managed: list[str] = field(default_factory=list)  # keys the kernel refused with EIO
+    own_dirs: list[str] = field(default_factory=list)  # state directories we created
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {
+            "version": 1,
+            "entries": [{"key": k, **vars(e)} for k, e in self.entries.items()],
+            "managed": self.managed,
+            "own_dirs": self.own_dirs,
+        }
+        return json.dumps(data, indent=1) + "\n"
+
+
+def load(root: Root) -> State:
+    text = root.read(STATE_FILE)
+    if text is None:
+        return State()
+    data = json.loads(text)
+    entries = {
+        e["key"]: Entry(e["plugin"], e["target"], e["snapshot"], list(e.get("created_dirs", [])))
+        for e in data.get("entries", [])
+    }
+    return State(entries, list(data.get("managed", [])), list(data.get("own_dirs", [])))
+
+
+def save(root: Root, state: State) -> None:
+    created = root.create(STATE_FILE, state.to_json())
+    state.own_dirs += [d for d in created if d not in state.own_dirs]
+    if created:
+        root.create(STATE_FILE, state.to_json())
+
+
+def remove(root: Root, state: State) -> None:
+    root.remove(STATE_FILE)
+    for d in reversed(state.own_dirs):
+        root.rmdir_if_empty(d)
