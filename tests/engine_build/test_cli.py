@@ -1,0 +1,236 @@
+"""``engine-build`` end to end through ``cli.main``: exit codes and one-line errors.
+
+The build runs against the fake TensorRT-LLM installation of conftest.py (stand-in scripts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_build import cli, gpu
+
+from .conftest import make_checkpoint, read_calls, spec_sections, write_spec
+
+
+def spec_file(tmp_path: Path, checkpoint: Path, venv: Path, **overrides: dict[str, Any]) -> str:
+    sections = spec_sections(checkpoint, tmp_path / "work", venv, **overrides)
+    return str(write_spec(tmp_path / "spec.toml", sections))
+
+
+def one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("engine-build: error: ")
+    return lines[0]
+
+
+def test_plan_fits_prints_table_and_commands(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    script = tmp_path / "cmds.sh"
+    rc = cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", str(script)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "verdict" in out and "FITS" in out and "8.030 B" in out
+    assert "trtllm-build --checkpoint_dir" in out and "--qformat fp8" in out
+    text = script.read_text()
+    assert text.startswith("#!/bin/sh\nset -eu\n") and "trtllm-build" in text
+
+
+def test_plan_does_not_fit_exits_3_with_table_and_advice(
+    tmp_path: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "hf70", "llama-3.1-70b")
+    spec = spec_file(
+        tmp_path, ckpt, fake_trtllm, precision={"quantization": "none", "kv_cache_dtype": "auto"}
+    )
+    rc = cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB"])
+    cap = capsys.readouterr()
+    assert rc == cli.EXIT_NOFIT == 3
+    assert "DOES NOT FIT" in cap.out and "trtllm-build" in cap.out
+    line = one_line_error(cap.err)
+    assert "does not fit" in line and "set precision.quantization = 'fp8'" in line
+
+
+BAD_PLAN = [
+    ("missing checkpoint", "checkpoint directory missing"),
+    ("unsupported architecture", "unsupported architecture 'Qwen2ForCausalLM'"),
+    ("sequence beyond the model", "limits.max_seq_len 4096 > max_position_embeddings 2048"),
+    ("bad gpu memory", "--gpu-memory 'lots'"),
+    ("contradictory spec", "limits.max_input_len (8192) > limits.max_seq_len"),
+]
+
+
+@pytest.mark.parametrize(("case", "message"), BAD_PLAN)
+def test_plan_bad_input_exits_1_with_one_line(
+    tmp_path: Path,
+    fake_trtllm: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    message: str,
+) -> None:
+    ckpt = tmp_path / "hf"
+    overrides: dict[str, dict[str, Any]] = {}
+    memory = "80GiB"
+    if case == "unsupported architecture":
+        make_checkpoint(ckpt, architectures=["Qwen2ForCausalLM"])
+    elif case == "sequence beyond the model":
+        make_checkpoint(ckpt, max_position_embeddings=2048)
+    elif case != "missing checkpoint":
+        make_checkpoint(ckpt)
+    if case == "bad gpu memory":
+        memory = "lots"
+    if case == "contradictory spec":
+        overrides = {"limits": {"max_input_len": 8192}}
+    spec = spec_file(tmp_path, ckpt, fake_trtllm, **overrides)
+    rc = cli.main(["plan", "--spec", spec, "--gpu-memory", memory])
+    assert rc == 1
+    assert message in one_line_error(capsys.readouterr().err)
+
+
+def test_plan_without_gpu_memory_asks_nvml_and_explains_failure(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pynvml
+
+    def no_driver() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    assert cli.main(["plan", "--spec", spec]) == 1
+    assert "pass --gpu-memory" in one_line_error(capsys.readouterr().err)
+    monkeypatch.setattr(gpu, "nvml_total_memory", lambda ids: 80 << 30)
+    assert cli.main(["plan", "--spec", spec]) == 0
+
+
+def test_gpu_memory_sizes() -> None:
+    assert gpu.parse_size("80GiB") == 80 << 30
+    assert gpu.parse_size("81559MiB") == 81559 << 20
+    assert gpu.parse_size("80GB") == 80 * 10**9
+    assert gpu.parse_size("1024") == 1024
+
+
+def test_build_repo_verify_round_trip_with_fake_install(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    calls: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "rebuilt: quantize, trtllm-build" in out
+    assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB"]) == 0
+    assert "rebuilt: nothing" in capsys.readouterr().out
+    repo = tmp_path / "repo"
+    assert cli.main(["repo", "--spec", spec, "--output", str(repo)]) == 0
+    assert cli.main(["verify", str(repo)]) == 0
+    assert "ok:" in capsys.readouterr().out
+    # A hand edit: KV reuse switched on for an engine without paged context FMHA.
+    cfg = repo / "tensorrt_llm" / "config.pbtxt"
+    text = cfg.read_text()
+    key = text.index('key: "enable_kv_cache_reuse"')
+    cfg.write_text(text[:key] + text[key:].replace('"false"', '"true"', 1))
+    assert cli.main(["verify", str(repo)]) == 1
+    err = capsys.readouterr().err
+    assert "paged context FMHA" in err
+    assert all(line.startswith("engine-build: error: ") for line in err.strip().splitlines())
+    # repo refuses to overwrite without --force
+    assert cli.main(["repo", "--spec", spec, "--output", str(repo)]) == 1
+    assert "--force" in one_line_error(capsys.readouterr().err)
+
+
+def test_build_refuses_before_running_anything(
+    tmp_path: Path,
+    fake_trtllm_factory: Any,
+    calls: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "hf70", "llama-3.1-70b")
+    spec = spec_file(tmp_path, ckpt, fake_trtllm_factory("1.2.1"))
+    assert cli.main(["build", "--spec", spec, "--gpu-memory", "40GiB"]) == 3
+    assert read_calls(calls) == []
+    capsys.readouterr()
+    spec = spec_file(tmp_path, ckpt, fake_trtllm_factory("1.3.0"))
+    assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB"]) == 1
+    assert "too new" in one_line_error(capsys.readouterr().err)
+    assert read_calls(calls) == []
+
+
+def test_build_failure_exits_1_naming_the_stage(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    calls: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FAKE_TRTLLM_FAIL", "trtllm-build")
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB", "--quiet"]) == 1
+    line = one_line_error(capsys.readouterr().err)
+    assert "stage trtllm-build failed" in line and "last lines:" in line
+    assert not (tmp_path / "work" / "engine").exists()
+    assert not (tmp_path / "work" / "engine.partial").exists()
+    assert [c["tool"] for c in read_calls(calls)] == ["quantize.py", "trtllm-build"]
+
+
+def test_repo_hf_only_via_cli(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    repo = tmp_path / "repo"
+    assert cli.main(["repo", "--spec", spec, "--output", str(repo), "--hf-only"]) == 0
+    assert cli.main(["verify", str(repo)]) == 0
+
+
+def test_usage_errors_exit_2() -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+
+
+def test_verify_missing_repository_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["verify", str(tmp_path / "nope")]) == 1
+    assert "cannot read" in one_line_error(capsys.readouterr().err)
+
+
+def test_engine_config_json_shape_matches_what_verify_reads(tmp_path: Path) -> None:
+    """verify reads build_config.{max_batch_size,max_input_len,max_seq_len,plugin_config} and
+    pretrained_config.mapping.world_size, the layout trtllm-build writes into config.json."""
+    from engine_build.verify import engine_limits
+
+    cfg = {
+        "version": "1.2.1",
+        "pretrained_config": {"mapping": {"world_size": 2}},
+        "build_config": {
+            "max_batch_size": 1,
+            "max_input_len": 2048,
+            "max_seq_len": 4096,
+            "plugin_config": {"use_paged_context_fmha": True},
+        },
+    }
+    limits = engine_limits(json.loads(json.dumps(cfg)))
+    assert limits == {
+        "max_batch_size": 1,
+        "max_input_len": 2048,
+        "max_seq_len": 4096,
+        "use_paged_context_fmha": True,
+        "world_size": 2,
+    }

@@ -1,0 +1,269 @@
+"""The model repository: written from a (fake-)built engine or an HF checkpoint, parsed back with
+tritonclient's model_config_pb2, and hand edits caught by verify."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from engine_build import runner
+from engine_build.errors import BuildError
+from engine_build.repo import write_repository
+from engine_build.spec import BuildSpec, load_spec
+from engine_build.verify import verify_repository
+
+from .conftest import make_checkpoint, spec_sections, write_spec
+
+
+def make_spec(
+    tmp_path: Path, checkpoint: Path, venv: Path, **overrides: dict[str, Any]
+) -> BuildSpec:
+    sections = spec_sections(checkpoint, tmp_path / "work", venv, **overrides)
+    return load_spec(write_spec(tmp_path / "spec.toml", sections))
+
+
+def parse_config(repo: Path) -> model_config_pb2.ModelConfig:
+    cfg = model_config_pb2.ModelConfig()
+    text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), cfg)
+    return cfg
+
+
+def params(cfg: model_config_pb2.ModelConfig) -> dict[str, str]:
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+@pytest.fixture
+def built(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
+) -> Callable[..., BuildSpec]:
+    """Build with the fake installation and return the spec (overrides per section)."""
+
+    def build(**overrides: dict[str, Any]) -> BuildSpec:
+        spec = make_spec(tmp_path, checkpoint, fake_trtllm, **overrides)
+        runner.Runner(spec, quiet=True, out=io.StringIO()).run()
+        return spec
+
+    return build
+
+
+def test_repository_from_engine_parses_and_carries_the_latency_settings(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    spec = built(runtime={"cuda_graph_cache_size": 4, "cancellation_check_period_ms": 5})
+    repo = write_repository(spec, tmp_path / "repo")
+    text = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert "${" not in text
+    cfg = parse_config(repo)
+    assert cfg.name == "tensorrt_llm" and cfg.backend == "tensorrtllm"
+    assert cfg.max_batch_size == 1
+    assert cfg.model_transaction_policy.decoupled is True
+    assert cfg.dynamic_batching.max_queue_delay_microseconds == 0
+    names = {i.name: i for i in cfg.input}
+    assert names["input_ids"].data_type == model_config_pb2.TYPE_INT32
+    assert list(names["input_ids"].dims) == [-1]
+    assert not names["input_lengths"].optional and names["streaming"].optional
+    assert list(names["stop_words_list"].dims) == [2, -1]
+    assert names["seed"].data_type == model_config_pb2.TYPE_UINT64
+    assert {o.name for o in cfg.output} >= {"output_ids", "sequence_length"}
+    p = params(cfg)
+    assert p["cuda_graph_mode"] == "true" and p["cuda_graph_cache_size"] == "4"
+    assert p["enable_kv_cache_reuse"] == "false"  # engine built without paged context FMHA
+    assert p["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    assert p["cancellation_check_period_ms"] == "5"
+    assert p["gpu_device_ids"] == "0"
+    assert p["gpt_model_path"] == p["engine_dir"] == str(spec.engine_dir)
+    assert p["max_input_len"] == "2048" and p["max_seq_len"] == "4096"
+    assert p["gpt_model_type"] == "inflight_fused_batching"
+    tok = repo / "tensorrt_llm" / "tokenizer"
+    assert (tok / "tokenizer.json").is_file() and (tok / "tokenizer_config.json").is_file()
+    assert (tok / "config.json").is_file()
+    assert (repo / "tensorrt_llm" / "1").is_dir()
+    fp = (repo / "tensorrt_llm" / "engine_fingerprint").read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}\n", fp)
+    assert verify_repository(repo) == []
+
+
+def test_kv_reuse_repository_needs_and_gets_a_paged_engine(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    spec = built(kv_cache={"enable_reuse": True})
+    repo = write_repository(spec, tmp_path / "repo")
+    assert params(parse_config(repo))["enable_kv_cache_reuse"] == "true"
+    assert verify_repository(repo) == []
+
+
+def test_hf_only_repository_sets_hf_model_dir_for_the_engine_server(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path
+) -> None:
+    """What the appliance engine server needs (docs/MODEL_REPOSITORY.md): hf_model_dir pointing
+    at a Llama checkpoint with config.json, weights and tokenizer.json; batch 1; no engine."""
+    spec = make_spec(tmp_path, checkpoint, fake_trtllm)
+    repo = write_repository(spec, tmp_path / "repo", hf_only=True)
+    cfg = parse_config(repo)
+    p = params(cfg)
+    hf = Path(p["hf_model_dir"])
+    assert hf.is_absolute() and hf == checkpoint.resolve()
+    assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+    assert list(hf.glob("*.safetensors"))
+    assert "gpt_model_path" not in p and "engine_dir" not in p
+    assert cfg.max_batch_size == 1
+    assert p["exclude_input_in_output"] == "true"
+    assert verify_repository(repo) == []
+
+
+def test_engine_repository_also_carries_hf_model_dir(
+    tmp_path: Path, built: Callable[..., BuildSpec], checkpoint: Path
+) -> None:
+    repo = write_repository(built(), tmp_path / "repo")
+    assert params(parse_config(repo))["hf_model_dir"] == str(checkpoint.resolve())
+
+
+def test_fingerprint_follows_the_engine(
+    tmp_path: Path, built: Callable[..., BuildSpec], checkpoint: Path, fake_trtllm: Path
+) -> None:
+    a = write_repository(built(), tmp_path / "a")
+    b = write_repository(built(limits={"max_seq_len": 8192}), tmp_path / "b")
+    fa = (a / "tensorrt_llm" / "engine_fingerprint").read_text()
+    fb = (b / "tensorrt_llm" / "engine_fingerprint").read_text()
+    assert fa != fb
+
+
+def test_repo_refuses_engine_built_for_other_limits(
+    tmp_path: Path, built: Callable[..., BuildSpec], checkpoint: Path, fake_trtllm: Path
+) -> None:
+    built()
+    changed = make_spec(tmp_path, checkpoint, fake_trtllm, limits={"max_seq_len": 8192})
+    with pytest.raises(BuildError, match="built with max_seq_len 4096 but the spec says 8192"):
+        write_repository(changed, tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_repo_refuses_missing_engine(tmp_path: Path, checkpoint: Path, fake_trtllm: Path) -> None:
+    spec = make_spec(tmp_path, checkpoint, fake_trtllm)
+    with pytest.raises(BuildError, match=r"engine config\.json missing"):
+        write_repository(spec, tmp_path / "repo")
+
+
+def test_repo_refuses_to_overwrite_without_force(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    spec = built()
+    repo = write_repository(spec, tmp_path / "repo")
+    marker = repo / "tensorrt_llm" / "1" / "old"
+    marker.write_text("x")
+    with pytest.raises(BuildError, match="exists; pass --force"):
+        write_repository(spec, repo)
+    write_repository(spec, repo, force=True)
+    assert not marker.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".repo")] == []
+
+
+def test_failure_midway_leaves_nothing(tmp_path: Path, fake_trtllm: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "hf")
+    (ckpt / "tokenizer.json").unlink()
+    spec = make_spec(tmp_path, ckpt, fake_trtllm)
+    with pytest.raises(BuildError, match="the gateway needs a fast tokenizer"):
+        write_repository(spec, tmp_path / "out" / "repo", hf_only=True)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def _edit_params(repo: Path, **changes: str | None) -> None:
+    path = repo / "tensorrt_llm" / "config.pbtxt"
+    cfg = parse_config(repo)
+    for key, value in changes.items():
+        if value is None:
+            del cfg.parameters[key]
+        else:
+            cfg.parameters[key].string_value = value
+    path.write_text(text_format.MessageToString(cfg))
+
+
+def _edit_text(repo: Path, old: str, new: str) -> None:
+    path = repo / "tensorrt_llm" / "config.pbtxt"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+TEXT_EDITS = [
+    ("max_batch_size: 1", "max_batch_size: ${triton_max_batch_size}", "unfilled placeholder"),
+    ("max_batch_size: 1", "max_batch_size: 4", "!= engine max_batch_size 1"),
+    ("decoupled: true", "decoupled: false", "decoupled is not true"),
+    (
+        "preferred_batch_size: 1",
+        "preferred_batch_size: 1\n  max_queue_delay_microseconds: 100",
+        "max_queue_delay_microseconds is 100",
+    ),
+    ('backend: "tensorrtllm"', 'backend: "python"', "backend is 'python'"),
+    ('name: "input_lengths"', 'name: "input_length"', "input input_lengths missing"),
+    ("model_transaction_policy {", "model_transaction_policy {{", "does not parse"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "problem"), TEXT_EDITS)
+def test_verify_catches_text_hand_edits(
+    tmp_path: Path, built: Callable[..., BuildSpec], old: str, new: str, problem: str
+) -> None:
+    repo = write_repository(built(), tmp_path / "repo")
+    _edit_text(repo, old, new)
+    problems = verify_repository(repo)
+    assert any(problem in p for p in problems), problems
+
+
+PARAM_EDITS: list[tuple[dict[str, str | None], str]] = [
+    ({"cuda_graph_cache_size": "${cuda_graph_cache_size}"}, "unfilled placeholder"),
+    ({"enable_kv_cache_reuse": "true"}, "built without paged context FMHA"),
+    ({"enable_kv_cache_reuse": None}, "enable_kv_cache_reuse must be 'true' or 'false'"),
+    ({"max_seq_len": "8192"}, "max_seq_len = 8192 != engine max_seq_len 4096"),
+    ({"max_input_len": "4096"}, "max_input_len = 4096 != engine max_input_len 2048"),
+    ({"max_attention_window_size": "9000"}, "max_attention_window_size = 9000 > engine"),
+    ({"cuda_graph_mode": "false"}, "cuda_graph_mode is 'false'"),
+    ({"kv_cache_free_gpu_mem_fraction": "1.2"}, "not in (0, 1]"),
+    ({"cancellation_check_period_ms": "soon"}, "is not an integer"),
+    ({"gpu_device_ids": "0,1"}, "lists 2 GPUs but the engine has 1 ranks"),
+    ({"engine_dir": "/elsewhere"}, "gpt_model_path and engine_dir disagree"),
+    (
+        {"gpt_model_path": None, "engine_dir": None, "hf_model_dir": None},
+        "nothing to serve",
+    ),
+    ({"hf_model_dir": "/nonexistent/model"}, "hf_model_dir config.json missing"),
+]
+
+
+@pytest.mark.parametrize(("changes", "problem"), PARAM_EDITS)
+def test_verify_catches_parameter_hand_edits(
+    tmp_path: Path,
+    built: Callable[..., BuildSpec],
+    changes: dict[str, str | None],
+    problem: str,
+) -> None:
+    repo = write_repository(built(), tmp_path / "repo")
+    _edit_params(repo, **changes)
+    problems = verify_repository(repo)
+    assert any(problem in p for p in problems), problems
+
+
+def test_verify_catches_missing_files(tmp_path: Path, built: Callable[..., BuildSpec]) -> None:
+    spec = built()
+    repo = write_repository(spec, tmp_path / "repo")
+    (spec.engine_dir / "rank0.engine").unlink()
+    (repo / "tensorrt_llm" / "tokenizer" / "tokenizer.json").unlink()
+    (repo / "tensorrt_llm" / "engine_fingerprint").write_text("not hex\n")
+    (repo / "tensorrt_llm" / "1").rmdir()
+    problems = verify_repository(repo)
+    joined = "\n".join(problems)
+    assert "rank0.engine missing" in joined
+    assert "tokenizer.json missing" in joined
+    assert "not one line of lowercase hex" in joined
+    assert "version directory" in joined
+
+
+def test_verify_on_absent_repository(tmp_path: Path) -> None:
+    assert verify_repository(tmp_path)[0].startswith("cannot read")
