@@ -31,13 +31,21 @@ def _gpu_memory(spec: BuildSpec, arg: str | None) -> int:
     return gpu.nvml_total_memory(spec.gpu_ids)
 
 
-def planned_commands(spec: BuildSpec) -> list[list[str]]:
-    """The commands ``build`` runs, with their final output paths."""
-    return [
-        commands.version_command(spec),
-        commands.quantize_command(spec, spec.checkpoint_dir),
-        commands.build_command(spec, spec.checkpoint_dir, spec.engine_dir),
-    ]
+def planned_script(spec: BuildSpec) -> list[str]:
+    """The exact commands ``build`` runs, in order, as shell lines.
+
+    Each tool writes into ``<dir>.partial`` that is renamed into place only after success; the
+    ``rm``/``mv`` lines make the script reproduce that (fingerprint stamps and skipping are
+    ``build``'s own and not part of the script).
+    """
+    lines = [commands.render(commands.version_command(spec))]
+    for stage in runner.stages(spec):
+        partial = stage.output.with_name(stage.output.name + ".partial")
+        lines.append(commands.render(["rm", "-rf", str(partial)]))
+        lines.append(commands.render(stage.argv_for(partial)))
+        lines.append(commands.render(["rm", "-rf", str(stage.output)]))
+        lines.append(commands.render(["mv", str(partial), str(stage.output)]))
+    return lines
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -73,7 +81,7 @@ def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.Plan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    script = "\n".join(commands.render(c) for c in planned_commands(spec)) + "\n"
+    script = "\n".join(planned_script(spec)) + "\n"
     try:
         check_fit(spec, args.gpu_memory)
     finally:

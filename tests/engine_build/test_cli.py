@@ -234,3 +234,27 @@ def test_engine_config_json_shape_matches_what_verify_reads(tmp_path: Path) -> N
         "use_paged_context_fmha": True,
         "world_size": 2,
     }
+
+
+def test_plan_commands_are_exactly_what_build_runs(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    calls: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import shlex
+
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    script = tmp_path / "cmds.sh"
+    assert (
+        cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", str(script)])
+        == 0
+    )
+    assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB", "--quiet"]) == 0
+    planned = [shlex.split(line) for line in script.read_text().splitlines()[2:]]
+    quantize = next(argv for argv in planned if argv[1].endswith("quantize.py"))
+    build = next(argv for argv in planned if argv[0].endswith("trtllm-build"))
+    ran = read_calls(calls)
+    assert ran[0]["argv"] == quantize[2:]
+    assert ran[1]["argv"] == build[1:]
