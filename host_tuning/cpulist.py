@@ -68,5 +68,5 @@ def format_mask(cpus: Iterable[int], ncpus: int) -> str:
     value = 0
     for c in cpus:
         value |= 1 << c
-    words = max(1, (max(ncpus, 1) + 31) // 32)
+    words = max(1, (max(ncpus, value.bit_length()) + 31) // 32)
     return ",".join(f"{(value >> (32 * w)) & 0xFFFFFFFF:08x}" for w in reversed(range(words)))
