@@ -220,12 +220,20 @@ class Runner:
                         f"stage {stage.name} failed to start {argv[0]!r}: {err.strerror or err}"
                     ) from err
                 assert proc.stdout is not None
-                for line in proc.stdout:
-                    log.write(line)
-                    tail.append(line.rstrip("\n"))
-                    if not self.quiet:
-                        self._say(f"{label} {line.rstrip()}")
-                rc = proc.wait()
+                try:
+                    for line in proc.stdout:
+                        log.write(line)
+                        tail.append(line.rstrip("\n"))
+                        if not self.quiet:
+                            self._say(f"{label} {line.rstrip()}")
+                    rc = proc.wait()
+                except BaseException:
+                    # Interrupted (Ctrl-C, a write error): the tool must not keep writing into
+                    # the directory we are about to remove.
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+                    raise
             if rc != 0:
                 raise BuildError(
                     f"stage {stage.name} failed (exit {rc}); log {log_path}; last lines: "
