@@ -11,7 +11,6 @@ from typing import Any
 from host_tuning import cpulist
 from host_tuning.cores import CorePlan, cpu_affinity_dropin
 from host_tuning.engine import Result
-from host_tuning.items import Item
 from host_tuning.planner import Plan
 
 _NUM = re.compile(r"\d+")
@@ -30,31 +29,43 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
-def _group(items: list[Item]) -> list[tuple[str, Item]]:
-    """Collapse per-CPU / per-IRQ rows that differ only in one number: ``cpu{0-127} governor``."""
-    out: list[tuple[str, Item]] = []
-    groups: dict[tuple[str, str, str, str], list[tuple[int, Item]]] = {}
-    order: list[tuple[str, str, str, str] | Item] = []
-    for it in items:
-        nums = _NUM.findall(it.key)
+def _cell(value: str | None, width: int = 60) -> str:
+    """One table cell: absent shown as '-', file contents on one line, long values cut."""
+    if value is None:
+        return "-"
+    flat = value.strip().replace("\n", "\\n")
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _collapse(rows: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """Merge rows that differ only in one number of their label: ``cpu{0-127} governor``.
+
+    Per-CPU and per-IRQ settings would otherwise drown the few rows an operator needs to read.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    order: list[tuple[str, ...] | tuple[str, list[str]]] = []
+    for label, cols in rows:
+        nums = _NUM.findall(label)
         if len(nums) != 1:
-            order.append(it)
+            order.append((label, cols))
             continue
-        g = (it.plugin, _NUM.sub("#", it.key), it.desired, it.reason)
-        if g not in groups:
-            groups[g] = []
-            order.append(g)
-        groups[g].append((int(nums[0]), it))
+        key = (_NUM.sub("#", label), *cols)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(int(nums[0]))
+    out: list[tuple[str, list[str]]] = []
     for entry in order:
-        if isinstance(entry, Item):
-            out.append((entry.key, entry))
+        if len(entry) == 2 and isinstance(entry[1], list):
+            out.append((str(entry[0]), entry[1]))
             continue
-        members = groups[entry]
+        template, *cols = (str(x) for x in entry)
+        members = groups[tuple([template, *cols])]
         if len(members) == 1:
-            out.append((members[0][1].key, members[0][1]))
+            label = template.replace("#", str(members[0]))
         else:
-            label = entry[1].replace("#", "{" + cpulist.format(n for n, _ in members) + "}")
-            out.append((label, members[0][1]))
+            label = template.replace("#", "{" + cpulist.format(members) + "}")
+        out.append((label, cols))
     return out
 
 
@@ -92,7 +103,8 @@ def plan_table(plan: Plan) -> str:
         for role in ("housekeeping", "nic_irq", "gateway", "triton", "isolated")
     ]
     rows.insert(0, ["cores", "node", str(c["node"]), c["reasons"]["node"]])
-    rows += [[it.plugin, label, it.desired, it.reason] for label, it in _group(list(plan.items))]
+    grouped = _collapse([(it.key, [it.plugin, it.desired, it.reason]) for it in plan.items])
+    rows += [[cols[0], label, _cell(cols[1]), cols[2]] for label, cols in grouped]
     text = _table(rows, ["PLUGIN", "SETTING", "VALUE", "REASON"])
     if plan.advice:
         adv = [[a.topic, a.text, a.reason] for a in plan.advice]
@@ -119,7 +131,10 @@ def results_json(command: str, results: list[Result], code: int) -> str:
 def results_table(command: str, results: list[Result], verbose: bool = False) -> str:
     quiet = {"unchanged", "ok"}
     shown = [r for r in results if verbose or r.status not in quiet or r.note]
-    rows = [[r.status, r.key, r.expected or "-", r.actual or "-", r.note] for r in shown]
+    grouped = _collapse(
+        [(r.key, [r.status, _cell(r.expected), _cell(r.actual), r.note]) for r in shown]
+    )
+    rows = [[cols[0], label, cols[1], cols[2], cols[3]] for label, cols in grouped]
     counts = Counter(r.status for r in results)
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no settings"
     lines = [_table(rows, ["STATUS", "SETTING", "EXPECTED", "ACTUAL", "NOTE"])] if rows else []

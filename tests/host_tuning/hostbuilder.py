@@ -135,7 +135,7 @@ class Builder:
         self.write(f"{base}/online", f"0-{total - 1}\n")
         self.write(f"{base}/intel_pstate/min_perf_pct", "32\n")
         for cid in range(total):
-            thread, rest = divmod(cid, sockets * cores)
+            rest = cid % (sockets * cores)
             package, core = divmod(rest, cores)
             sibs = [t * sockets * cores + package * cores + core for t in range(threads)]
             self.nodes.setdefault(package, []).append(cid)
@@ -154,7 +154,9 @@ class Builder:
             for kb in (2048, 1048576):
                 self.write(f"{nd}/hugepages/hugepages-{kb}kB/nr_hugepages", "0\n")
                 self.write(f"{nd}/hugepages/hugepages-{kb}kB/free_hugepages", "0\n")
-        self.write("/proc/irq/default_smp_affinity", cpulist.format_mask(range(total), total) + "\n")
+        self.write(
+            "/proc/irq/default_smp_affinity", cpulist.format_mask(range(total), total) + "\n"
+        )
         timer = self.irq("timer", cpulist.format(range(total)))  # not movable: EIO too
         self.eio.append(f"proc/irq/{timer}/smp_affinity_list")
 
@@ -227,11 +229,11 @@ class Builder:
         self.link(f"{net}/device", dev)
         return irqs
 
-    def nvme(self, parent: str, bdf: str, node: int, queues: int) -> list[int]:
+    def nvme(self, parent: str, bdf: str, node: int, queues: int, index: int = 0) -> list[int]:
         dev = self.pci(parent, bdf, node, vendor="0x144d", cls="0x010802", driver="nvme")
         everything = cpulist.format(c for cs in self.nodes.values() for c in cs)
-        admin = self.irq("nvme0q0", everything)
-        io = [self.irq(f"nvme0q{q + 1}", str(q), managed=True) for q in range(queues)]
+        admin = self.irq(f"nvme{index}q0", everything)
+        io = [self.irq(f"nvme{index}q{q + 1}", str(q), managed=True) for q in range(queues)]
         self.msi(dev, [admin, *io])
         return io
 
@@ -302,7 +304,7 @@ def hgx(root: Path) -> Machine:
     nvme_hb = b.host_bridge("0000:64")
     for j, bus in enumerate((0x65, 0x66)):
         rp = b.pci(nvme_hb, f"0000:64:0{j + 1}.0", 0)
-        managed += b.nvme(rp, f"0000:{bus:02x}:00.0", 0, 8)
+        managed += b.nvme(rp, f"0000:{bus:02x}:00.0", 0, 8, j)
     b.kernel("BOOT_IMAGE=/vmlinuz-6.8.0-45-generic root=UUID=0b9c ro quiet splash")
     b.finish()
     return Machine(root, b.nvml, gpus, nics, "eno1", managed, b.nodes)

@@ -76,9 +76,10 @@ def test_acs_capability_walk() -> None:
 
 def test_pci_classify() -> None:
     root = ["pci0000:00"]
-    assert pci.classify([*root, "0000:00:01.0", "0000:01:00.0"], [*root, "0000:00:02.0"], True)[
-        0
-    ] == "PHB"
+    assert (
+        pci.classify([*root, "0000:00:01.0", "0000:01:00.0"], [*root, "0000:00:02.0"], True)[0]
+        == "PHB"
+    )
     a = [*root, "0000:00:01.0", "0000:01:00.0", "0000:02:00.0", "0000:03:00.0", "0000:04:00.0"]
     b = [*root, "0000:00:01.0", "0000:01:00.0", "0000:05:00.0"]
     assert pci.classify(a, b, True)[0] == "PXB"
