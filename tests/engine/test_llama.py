@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from appliance.engine.llama import CheckpointError, LlamaConfig, LlamaModel
+from appliance.tiny_model import write_tiny_model
 from tests.engine.conftest import MICRO_CONFIG, write_micro_checkpoint
 
 TOKENS = [1, 5, 17, 42, 3, 88, 60, 7, 7, 19, 33, 96]
@@ -84,15 +85,22 @@ def test_bfloat16_load_returns_float32_logits(micro_dir: Path, micro_model: Llam
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8,
         },
+        "tiny-model",
     ],
-    ids=["plain-rope", "llama3-rope"],
+    ids=["plain-rope", "llama3-rope", "tiny-model"],
 )
-def test_logits_match_transformers(tmp_path: Path, rope_scaling: dict[str, object] | None) -> None:
+def test_logits_match_transformers(
+    tmp_path: Path, rope_scaling: dict[str, object] | str | None
+) -> None:
     """Parity with the reference implementation; the llama3 case uses a short original context
-    so the scaled and smoothed frequency bands are all exercised."""
+    so the scaled and smoothed frequency bands are all exercised, and the shipped tiny
+    checkpoint is checked as written."""
     from transformers import LlamaForCausalLM
 
-    model_dir = write_micro_checkpoint(tmp_path / "m", {"rope_scaling": rope_scaling})
+    if rope_scaling == "tiny-model":
+        model_dir = write_tiny_model(tmp_path)
+    else:
+        model_dir = write_micro_checkpoint(tmp_path / "m", {"rope_scaling": rope_scaling})
     ours = LlamaModel.load(model_dir)
     hf = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.no_grad():
