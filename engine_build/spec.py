@@ -65,7 +65,7 @@ class BuildSpec:
     exclude_input_in_output: bool = True
     runtime_overhead_mib: int = 1024
     trtllm: TrtllmInstall = field(
-        default_factory=lambda: TrtllmInstall(None, (), "examples/quantization/quantize.py")
+        default_factory=lambda: TrtllmInstall(None, (), "/opt/TensorRT-LLM/quantize.py")
     )
 
     @property
@@ -172,15 +172,17 @@ def _parse_trtllm(base: Path, table: Any) -> TrtllmInstall:
     container = table.get("container")
     if (venv is None) == (container is None):
         raise BuildError("[trtllm]: set exactly one of 'venv' (a path) or 'container' (argv list)")
-    script = table.get("quantize_script", "examples/quantization/quantize.py")
+    script = table.get("quantize_script")
+    if script is None:
+        # The wheel does not ship examples/; the script must come from the matching source tag.
+        raise BuildError(
+            "[trtllm]: missing quantize_script (path of examples/quantization/quantize.py "
+            "from the TensorRT-LLM 1.2 sources; inside the container for 'container')"
+        )
     _check_type("trtllm.quantize_script", script, str)
     if venv is not None:
         _check_type("trtllm.venv", venv, str)
-        venv_path = _resolve(base, venv)
-        if not Path(script).is_absolute():
-            # A relative script inside a venv install is meaningless; require a real path.
-            script = str(_resolve(base, script))
-        return TrtllmInstall(venv_path, (), script)
+        return TrtllmInstall(_resolve(base, venv), (), str(_resolve(base, script)))
     if not isinstance(container, list) or not container:
         raise BuildError("trtllm.container: expected a non-empty list of strings (argv prefix)")
     for item in container:

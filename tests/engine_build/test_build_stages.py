@@ -237,7 +237,10 @@ def test_container_prefix_runs_the_same_tools(
 
 def test_missing_container_runtime_refused(tmp_path: Path, checkpoint: Path, calls: Path) -> None:
     sections = spec_sections(checkpoint, tmp_path / "work", tmp_path)
-    sections["trtllm"] = {"container": ["/nonexistent/docker", "run", "img"]}
+    sections["trtllm"] = {
+        "container": ["/nonexistent/docker", "run", "img"],
+        "quantize_script": "/app/quantize.py",
+    }
     spec = load_spec(write_spec(tmp_path / "spec.toml", sections))
     with pytest.raises(
         BuildError, match="TensorRT-LLM is missing: cannot run '/nonexistent/docker'"

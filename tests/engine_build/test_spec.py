@@ -34,7 +34,10 @@ def test_relative_paths_are_relative_to_the_spec(tmp_path: Path) -> None:
         tmp_path / "spec.toml",
         {
             "model": {"hf_model_dir": "models/m", "work_dir": "out"},
-            "trtllm": {"container": ["docker", "run", "--rm", "img"]},
+            "trtllm": {
+                "container": ["docker", "run", "--rm", "img"],
+                "quantize_script": "/app/quantize.py",
+            },
         },
     )
     s = load_spec(path)
@@ -77,6 +80,15 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
 ]
 
 
+def test_quantize_script_required(tmp_path: Path) -> None:
+    path = write_spec(
+        tmp_path / "s.toml",
+        {"model": {"hf_model_dir": "a", "work_dir": "b"}, "trtllm": {"venv": "v"}},
+    )
+    with pytest.raises(BuildError, match="missing quantize_script"):
+        load_spec(path)
+
+
 @pytest.mark.parametrize(("overrides", "message"), BAD)
 def test_contradictions_refused_with_one_line(
     tmp_path: Path, overrides: dict[str, dict[str, Any]], message: str
@@ -94,7 +106,10 @@ def test_missing_trtllm_section(tmp_path: Path) -> None:
 
 
 def test_missing_model_dir(tmp_path: Path) -> None:
-    path = write_spec(tmp_path / "s.toml", {"model": {"work_dir": "b"}, "trtllm": {"venv": "v"}})
+    path = write_spec(
+        tmp_path / "s.toml",
+        {"model": {"work_dir": "b"}, "trtllm": {"venv": "v", "quantize_script": "q.py"}},
+    )
     with pytest.raises(BuildError, match=r"missing model\.hf_model_dir"):
         load_spec(path)
 
