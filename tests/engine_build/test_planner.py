@@ -23,6 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_build import planner
 from engine_build.checkpoint import read_shape, shape_from_config
@@ -149,3 +151,34 @@ def test_bad_kv_heads_refused() -> None:
     }
     with pytest.raises(BuildError, match="num_key_value_heads 5 must divide 32"):
         shape_from_config(cfg, Path("c.json"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    gib=st.integers(min_value=1, max_value=200),
+    seq_pow=st.integers(min_value=10, max_value=17),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    fp8=st.booleans(),
+)
+def test_more_memory_never_unfits_and_fp8_never_costs_more(
+    gib: int, seq_pow: int, tp: int, fp8: bool
+) -> None:
+    sh = shape("llama-3.1-70b")
+    s = spec(
+        tp_size=tp,
+        max_seq_len=2**seq_pow,
+        max_input_len=1024,
+        max_num_tokens=1024,
+        quantization="fp8" if fp8 else "none",
+        kv_cache_dtype="fp8" if fp8 else "auto",
+    )
+    small = planner.make_plan(sh, s, gib * GIB)
+    big = planner.make_plan(sh, s, (gib + 8) * GIB)
+    assert big.kv_pool_bytes >= small.kv_pool_bytes
+    assert not small.fits or big.fits
+    wide = spec(tp_size=tp, quantization="none", kv_cache_dtype="auto")
+    assert planner.weight_bytes_per_gpu(sh, s) <= planner.weight_bytes_per_gpu(sh, wide)
+    # Splitting across more ranks never needs more per GPU.
+    if tp > 1:
+        half = spec(tp_size=tp // 2, quantization=s.quantization, kv_cache_dtype=s.kv_cache_dtype)
+        assert planner.weight_bytes_per_gpu(sh, s) <= planner.weight_bytes_per_gpu(sh, half)
