@@ -180,3 +180,21 @@ def test_tied_embeddings_and_sharded_index(tmp_path: Path, micro_dir: Path) -> N
     model = LlamaModel.load(tmp_path)
     assert model.lm_head is model.embed
     assert model.forward(TOKENS, model.new_cache(16), 0).shape == (97,)
+
+
+def test_transformers_v5_rope_parameters_are_read(tmp_path: Path) -> None:
+    """transformers >= 5 nests rope_theta and the scaling type under rope_parameters."""
+    config = {k: v for k, v in MICRO_CONFIG.items() if k != "rope_theta"}
+    config["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    parsed = LlamaConfig.from_dir(tmp_path)
+    assert parsed.rope_theta == 500000.0
+    assert parsed.rope_scaling is not None
+    assert parsed.rope_scaling.original_max_position_embeddings == 8192

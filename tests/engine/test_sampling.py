@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from appliance.engine.llama import LlamaModel
 from appliance.engine.sampling import Sampler, SamplingParams, generate, nucleus_mask
@@ -100,3 +102,29 @@ def test_too_long_request_is_rejected_eagerly(micro_model: LlamaModel) -> None:
     assert len(list(generate(micro_model, PROMPT, limit - len(PROMPT), None, SamplingParams()))) > 0
     with pytest.raises(ValueError, match="at least one token"):
         generate(micro_model, [], 4, None, SamplingParams())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(
+        st.floats(min_value=-20, max_value=20, allow_nan=False), min_size=2, max_size=40
+    ),
+    top_k=st.integers(min_value=0, max_value=45),
+    top_p=st.floats(min_value=0.05, max_value=1.0),
+    seed=st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_draw_stays_inside_top_k_and_nucleus(
+    values: list[float], top_k: int, top_p: float, seed: int
+) -> None:
+    logits = torch.tensor(values)
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, seed=seed)
+    token = Sampler(params)(logits)
+    assert token == Sampler(params)(logits)  # same seed, same draw
+    probs = torch.softmax(logits / 0.8, dim=-1)
+    if top_k not in (0, 1):
+        # Ties at the k-th value may be broken either way; compare values, not ranks.
+        assert logits[token] >= torch.topk(logits, min(top_k, len(values))).values[-1]
+    if top_k == 0 and top_p < 1.0:
+        ordered = torch.sort(probs, descending=True).values
+        mass_before = float(probs[probs > probs[token]].sum())
+        assert mass_before < top_p + 1e-6 or probs[token] == ordered[0]
