@@ -182,9 +182,9 @@ class Runner:
                 results.append(StageResult(stage.name, fp, True, 0.0))
             else:
                 self._say(f"==> {label} running ({fp[:12]})")
-                # Outputs downstream of a stage being rebuilt are stale: an engine built from
-                # the old checkpoint must not survive a failed rebuild and be served.
-                for later in all_stages[index:]:
+                # This stage's old output and everything downstream are stale: an engine built
+                # from other inputs must not survive a failed rebuild and then be served.
+                for later in all_stages[index - 1 :]:
                     _remove(later.output)
                 seconds = self._run_stage(stage, fp, label)
                 self._say(f"==> {label} done in {seconds:.1f}s")

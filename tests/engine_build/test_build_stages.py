@@ -263,3 +263,21 @@ def test_stamp_mtime_is_not_part_of_the_fingerprint(
     os.utime(stamp, (t, t))
     results, _ = run(spec)
     assert all(r.skipped for r in results)
+
+
+def test_failed_engine_only_rebuild_removes_the_stale_engine(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    calls: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run(make_spec(tmp_path, checkpoint, fake_trtllm))
+    changed = make_spec(
+        tmp_path, checkpoint, fake_trtllm, plugins={"gemm": "low_latency_gemm_plugin"}
+    )
+    monkeypatch.setenv("FAKE_TRTLLM_FAIL", "trtllm-build")
+    with pytest.raises(BuildError, match="stage trtllm-build failed"):
+        run(changed)
+    assert (changed.checkpoint_dir / "rank0.safetensors").is_file()  # still valid, kept
+    assert not changed.engine_dir.exists()  # built with the other GEMM plugin: gone
