@@ -25,11 +25,9 @@ class Root:
 
     def __init__(self, path: str | os.PathLike[str] = "/") -> None:
         self.base = Path(path)
-
-    @property
-    def is_host(self) -> bool:
-        """True when this root is the running system, where writes change the machine."""
-        return self.base.resolve() == Path("/")
+        #: True when this root is the running system, where writes change the machine.
+        self.is_host = self.base.resolve() == Path("/")
+        self._eio: set[str] | None = None
 
     def path(self, rel: str) -> Path:
         return self.base / rel.lstrip("/")
@@ -110,8 +108,11 @@ class Root:
             self.path(rel).rmdir()
 
     def _eio_paths(self) -> set[str]:
-        text = (self.base / EIO_MARKER).read_text() if (self.base / EIO_MARKER).exists() else ""
-        return {line.strip().lstrip("/") for line in text.splitlines() if line.strip()}
+        if self._eio is None:
+            marker = self.base / EIO_MARKER
+            text = marker.read_text() if marker.exists() else ""
+            self._eio = {line.strip().lstrip("/") for line in text.splitlines() if line.strip()}
+        return self._eio
 
     @staticmethod
     def _emulate_selector(target: Path, data: str) -> str:

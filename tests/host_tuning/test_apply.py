@@ -1,0 +1,201 @@
+"""apply / verify / revert round trips on generated trees: bytes, idempotence, drift, EIO."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from host_tuning.cli import main
+from host_tuning.state import STATE_FILE
+from tests.host_tuning.hostbuilder import Machine
+from tests.host_tuning.test_plan import HGX_PROFILE
+
+Tree = dict[str, tuple[str, bytes | str | None]]
+
+
+def snapshot(root: Path) -> Tree:
+    """Every path under root with its kind and content (files), target (links)."""
+    out: Tree = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", None)
+            else:
+                out[rel] = ("file", p.read_bytes())
+    return out
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:
+    code = main([*args, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def statuses(data: dict[str, object]) -> dict[str, str]:
+    results = data["results"]
+    assert isinstance(results, list)
+    return {r["key"]: r["status"] for r in results}
+
+
+@pytest.fixture
+def hgx_profile(write_profile: Callable[[str], Path]) -> Path:
+    return write_profile(HGX_PROFILE)
+
+
+def test_round_trip_restores_every_byte(
+    hgx_rw: Machine, hgx_profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(hgx_rw.root)
+    before = snapshot(hgx_rw.root)
+    code, data = run(capsys, "apply", "--root", root, "--profile", str(hgx_profile))
+    assert code == 0 and data["changed"] is True
+    st = statuses(data)
+    assert st["sysctl vm.swappiness"] == "changed"
+    assert snapshot(hgx_rw.root) != before
+    assert (hgx_rw.root / "proc/sys/vm/swappiness").read_text() == "10\n"
+    assert "[never]" in (hgx_rw.root / "sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    dropin = (hgx_rw.root / "etc/default/grub.d/99-host-tune.cfg").read_text()
+    assert "nohz_full=52-95,148-191" in dropin and "iommu=pt" in dropin
+
+    code, data = run(capsys, "verify", "--root", root, "--profile", str(hgx_profile))
+    assert code == 0 and data["reboot_required"] is True
+    assert "drift" not in data["counts"]  # type: ignore[operator]
+
+    code, data = run(capsys, "revert", "--root", root)
+    assert code == 0
+    assert snapshot(hgx_rw.root) == before
+
+
+def test_second_apply_changes_nothing(
+    hgx_rw: Machine, hgx_profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["apply", "--root", str(hgx_rw.root), "--profile", str(hgx_profile)]
+    assert main(args) == 0
+    capsys.readouterr()
+    state_after_first = (hgx_rw.root / STATE_FILE.lstrip("/")).read_bytes()
+    tree = snapshot(hgx_rw.root)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing to change" in out and "changed" not in out.split("nothing")[0].split()
+    assert snapshot(hgx_rw.root) == tree
+    assert (hgx_rw.root / STATE_FILE.lstrip("/")).read_bytes() == state_after_first
+    code, data = run(capsys, *args)
+    assert data["changed"] is False
+
+
+def test_managed_irqs_recorded_and_skipped(
+    hgx_rw: Machine, hgx_profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(hgx_rw.root)
+    code, data = run(capsys, "apply", "--root", root, "--profile", str(hgx_profile))
+    assert code == 0  # EIO on a managed IRQ is not a failure
+    st = statuses(data)
+    for n in hgx_rw.managed_irqs:
+        assert st[f"irq {n}"] == "managed-skipped"
+        assert (hgx_rw.root / f"proc/irq/{n}/smp_affinity_list").read_text() != "0-49,96-145\n"
+    assert "failed" not in st.values()
+    state = json.loads((hgx_rw.root / STATE_FILE.lstrip("/")).read_text())
+    assert {f"irq {n}" for n in hgx_rw.managed_irqs} <= set(state["managed"])
+    code, data = run(capsys, "verify", "--root", root, "--profile", str(hgx_profile))
+    assert code == 0 and statuses(data)[f"irq {hgx_rw.managed_irqs[0]}"] == "managed-skipped"
+
+
+def test_verify_lists_drift(
+    hgx_rw: Machine, hgx_profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(hgx_rw.root)
+    assert main(["apply", "--root", root, "--profile", str(hgx_profile)]) == 0
+    (hgx_rw.root / "proc/sys/net/core/busy_poll").write_text("0\n")
+    (hgx_rw.root / "sys/devices/system/cpu/cpu60/cpufreq/scaling_governor").write_text(
+        "powersave\n"
+    )
+    capsys.readouterr()
+    assert main(["verify", "--root", root, "--profile", str(hgx_profile)]) == 1
+    out = capsys.readouterr().out
+    assert "2 setting(s) drifted" in out
+    line = next(ln for ln in out.splitlines() if "net.core.busy_poll" in ln)
+    assert line.split()[0] == "drift" and "50" in line and line.split()[-1] == "0"
+    code, data = run(capsys, "verify", "--root", root, "--profile", str(hgx_profile))
+    drift = [r for r in data["results"] if r["status"] == "drift"]  # type: ignore[attr-defined]
+    assert {(r["key"], r["expected"], r["actual"]) for r in drift} == {
+        ("sysctl net.core.busy_poll", "50", "0"),
+        ("cpu60 governor", "performance", "powersave"),
+    }
+    # re-apply fixes drift but keeps the original prior value for revert
+    before_apply = json.loads((hgx_rw.root / STATE_FILE.lstrip("/")).read_text())
+    assert main(["apply", "--root", root, "--profile", str(hgx_profile)]) == 0
+    after = json.loads((hgx_rw.root / STATE_FILE.lstrip("/")).read_text())
+    assert after["entries"] == before_apply["entries"]
+    assert main(["revert", "--root", root]) == 0
+    assert (hgx_rw.root / "proc/sys/net/core/busy_poll").read_text() == "0\n"
+
+
+def test_dry_run_changes_nothing(
+    hgx_rw: Machine, hgx_profile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = snapshot(hgx_rw.root)
+    root = str(hgx_rw.root)
+    code, data = run(capsys, "apply", "--dry-run", "--root", root, "--profile", str(hgx_profile))
+    assert code == 0 and statuses(data)["thp enabled"] == "would-change"
+    assert snapshot(hgx_rw.root) == before
+    assert main(["apply", "--root", root, "--profile", str(hgx_profile)]) == 0
+    capsys.readouterr()
+    after_apply = snapshot(hgx_rw.root)
+    code, data = run(capsys, "revert", "--dry-run", "--root", root)
+    assert set(statuses(data).values()) == {"would-restore"}
+    assert snapshot(hgx_rw.root) == after_apply
+
+
+def test_reboot_required_until_cmdline_shows_it(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = write_profile("[kernel]\nisolate = false\n[memory]\nhugepages = 0\n")
+    root = str(box.root)
+    code, data = run(capsys, "apply", "--root", root, "--profile", str(prof))
+    assert data["reboot_required"] is True
+    tokens = "skew_tick=1 tsc=reliable rcupdate.rcu_normal_after_boot=1 iommu=pt"
+    cmdline = box.root / "proc/cmdline"
+    cmdline.write_text(cmdline.read_text().strip() + " " + tokens + "\n")  # "after reboot"
+    code, data = run(capsys, "verify", "--root", root, "--profile", str(prof))
+    assert code == 0 and data["reboot_required"] is False
+    assert statuses(data)["cmdline iommu"] == "ok"
+
+
+def test_box_round_trip_with_irqbalance_file_absent(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (box.root / "etc/default/irqbalance").unlink()
+    prof = write_profile('[serve]\nnics = ["enp2s0f0np0"]\n[nic]\nmtu = 9000\n')
+    before = snapshot(box.root)
+    root = str(box.root)
+    assert main(["apply", "--root", root, "--profile", str(prof)]) == 0
+    assert (box.root / "sys/class/net/enp2s0f0np0/mtu").read_text() == "9000\n"
+    banned = (box.root / "etc/default/irqbalance").read_text()
+    assert banned == 'IRQBALANCE_BANNED_CPULIST="2-7,10-15"\n'
+    assert main(["revert", "--root", root]) == 0
+    assert snapshot(box.root) == before
+
+
+def test_refuses_real_host_without_root(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    prof = tmp_path / "p.toml"
+    prof.write_text("")
+    assert main(["apply", "--root", "/", "--profile", str(prof)]) == 2
+    assert "must run as root" in capsys.readouterr().err
+    assert main(["revert", "--root", "/"]) == 2
+    assert "must run as root" in capsys.readouterr().err
+
+
+def test_revert_without_state_is_a_no_op(box: Machine, capsys: pytest.CaptureFixture[str]) -> None:
+    before = snapshot(box.root)
+    assert main(["revert", "--root", str(box.root)]) == 0
+    assert snapshot(box.root) == before

@@ -1,0 +1,183 @@
+"""The pure planner and the profile, on generated machines."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from host_tuning import cpulist
+from host_tuning.cli import main
+from host_tuning.cores import PlanError, cpu_affinity_dropin
+from host_tuning.facts.collect import collect
+from host_tuning.planner import Plan, make_plan
+from host_tuning.profile import Profile, ProfileError, from_dict
+from host_tuning.rootfs import Root
+from tests.host_tuning.hostbuilder import Machine
+
+HGX_PROFILE = """
+[serve]
+gpu = 4
+nics = ["ibp153s0"]
+[cpu]
+housekeeping_cores = 2
+nic_irq_cores = 2
+gateway_cores = 2
+[memory]
+hugepages = 8
+hugepage_size = "1G"
+[nic]
+mtu = 9000
+rx_ring = 1024
+[gpudirect]
+method = "peermem"
+[sysctl]
+"net.core.somaxconn" = 4096
+"""
+
+
+def _toml(text: str) -> dict[str, Any]:
+    return tomllib.loads(text)
+
+
+def hgx_plan(m: Machine, text: str = HGX_PROFILE) -> Plan:
+    return make_plan(collect(Root(m.root)), from_dict(_toml(text)))
+
+
+def by_key(plan: Plan) -> dict[str, str]:
+    return {i.key: i.desired for i in plan.items}
+
+
+def test_hgx_cores_local_to_gpu(hgx: Machine) -> None:
+    plan = hgx_plan(hgx)
+    c = plan.cores
+    node1 = set(hgx.nodes[1])
+    assert c.node == 1 and c.gpu == hgx.gpus[4]
+    assert set(c.serving) <= node1 and set(c.isolated) <= node1 and set(c.nic_irq) <= node1
+    # whole physical cores: every isolated thread's sibling is isolated too
+    assert c.isolated == tuple(sorted(set(range(52, 96)) | set(range(148, 192))))
+    assert c.gateway == (52, 53) and c.triton == tuple(range(54, 96))  # first threads only
+    assert c.nic_irq == (50, 51, 146, 147)
+    assert set(c.housekeeping) == set(range(192)) - set(c.isolated) - set(c.nic_irq)
+    assert all(c.reasons[k] for k in ("node", "housekeeping", "gateway", "triton", "isolated"))
+
+
+def test_hgx_settings(hgx: Machine) -> None:
+    plan = hgx_plan(hgx)
+    k = by_key(plan)
+    assert not any("kernel.sched_" in key for key in k)
+    assert k["sysctl net.core.busy_read"] == "50" and k["sysctl net.core.somaxconn"] == "4096"
+    assert k["thp enabled"] == "never"
+    assert k["hugepages node1 1G"] == "8"
+    assert k["cmdline nohz_full"] == "nohz_full=52-95,148-191"
+    assert k["cmdline isolcpus"] == "isolcpus=managed_irq,domain,52-95,148-191"
+    assert k["cmdline iommu"] == "iommu=pt"
+    assert k["irqbalance banned cpus"] == "50-95,146-191"
+    assert k["nic ibp153s0 mtu"] == "9000"
+    assert k["gpudirect nvidia-peermem"] == "nvidia-peermem"
+    assert all(i.reason for i in plan.items)
+
+
+def test_hgx_irq_choices(hgx: Machine) -> None:
+    facts = collect(Root(hgx.root))
+    plan = hgx_plan(hgx)
+    k = by_key(plan)
+    nic = facts.nic("ibp153s0")
+    first, *queues = nic.irqs
+    assert k[f"irq {first}"] == cpulist.format(plan.cores.housekeeping)  # mlx5 async vector
+    assert {k[f"irq {q}"] for q in queues} == {"50-51,146-147"}
+    # unnamed NICs (the management port, the other RDMA NICs) are never touched
+    for other in facts.nics:
+        if other.name != "ibp153s0":
+            assert not any(f"irq {n}" in k for n in other.irqs)
+            assert f"nic {other.name} mtu" not in k
+    for n in hgx.managed_irqs:  # planned; the kernel's EIO decides at apply time
+        assert k[f"irq {n}"] == cpulist.format(plan.cores.housekeeping)
+
+
+def test_hgx_acs_advice_on_the_serving_path(hgx: Machine) -> None:
+    plan = hgx_plan(hgx)
+    acs = [a.text for a in plan.advice if a.topic == "acs"]
+    assert acs == [
+        "setpci -s 0000:97:00.0 ECAP_ACS+0x6.w=0000 (at every boot)",
+        "setpci -s 0000:97:01.0 ECAP_ACS+0x6.w=0000 (at every boot)",
+    ]
+
+
+def test_single_socket_box(box: Machine) -> None:
+    plan = make_plan(collect(Root(box.root)), Profile(nics=("enp2s0f0np0",), mtu=9000))
+    c = plan.cores
+    assert c.node == 0  # numa_node -1: node of the GPU's NVML-local CPUs
+    assert c.housekeeping == (0, 1, 8, 9) and c.nic_irq == (2, 3, 10, 11)
+    assert c.gateway == (4, 5) and c.triton == (6, 7)
+    k = by_key(plan)
+    assert "cpu0 energy_perf_bias" not in k  # attribute absent on this box
+    assert "hugepages node0 1G" not in k  # profile asks for none
+
+
+def test_not_enough_cores(box: Machine) -> None:
+    with pytest.raises(PlanError, match="physical cores"):
+        make_plan(collect(Root(box.root)), Profile(housekeeping_cores=6, nics=("x",)))
+
+
+def test_unknown_gpu(box: Machine) -> None:
+    with pytest.raises(PlanError):
+        make_plan(collect(Root(box.root)), Profile(gpu=3))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[cpu]\nhousekeeping = 2\n", "unknown key"),
+        ("[bogus]\n", "unknown profile section"),
+        ('[sysctl]\n"kernel.sched_min_granularity_ns" = 1\n', "kernel.sched_"),
+        ('[kernel]\nirreversible = ["idle=poll"]\n', "allow_irreversible"),
+        ('[kernel]\nextra_cmdline = ["idle=poll"]\n', "irreversible"),
+        ('[memory]\nhugepage_size = "4M"\n', "hugepage_size"),
+        ("[cpu]\nhousekeeping_cores = 0\n", "at least 1"),
+    ],
+)
+def test_profile_refusals(text: str, message: str) -> None:
+    with pytest.raises(ProfileError, match=message):
+        from_dict(_toml(text))
+
+
+def test_irreversible_with_opt_in(box: Machine) -> None:
+    p = from_dict(_toml('[kernel]\nirreversible = ["idle=poll"]\nallow_irreversible = true\n'))
+    plan = make_plan(collect(Root(box.root)), p)
+    assert by_key(plan)["cmdline idle"] == "idle=poll"
+
+
+def test_affinity_dropin() -> None:
+    text = cpu_affinity_dropin((4, 5, 6, 9), "the gateway")
+    assert "[Service]\nCPUAffinity=4-6 9\n" in text
+
+
+def test_cli_plan_table_and_json(
+    hgx: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = write_profile(HGX_PROFILE)
+    assert main(["plan", "--root", str(hgx.root), "--profile", str(prof)]) == 0
+    table = capsys.readouterr().out
+    assert "cpu{0-191} governor" in table and "tuned network-latency" in table
+    assert "ADVICE" in table and "setpci" in table
+    assert main(["plan", "--root", str(hgx.root), "--profile", str(prof), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cores"]["gateway"] == "52-53"
+    assert "CPUAffinity=54-95" in data["systemd"]["triton"]
+    assert all(i["reason"] for i in data["items"])
+    args = ["plan", "--root", str(hgx.root), "--profile", str(prof), "--affinity-dropin"]
+    assert main([*args, "gateway"]) == 0
+    assert "CPUAffinity=52-53" in capsys.readouterr().out
+
+
+def test_cli_profile_error_exit_2(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = write_profile('[kernel]\nirreversible = ["intel_idle.max_cstate=0"]\n')
+    assert main(["plan", "--root", str(box.root), "--profile", str(prof)]) == 2
+    assert "refusing irreversible" in capsys.readouterr().err
