@@ -84,11 +84,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     script = "\n".join(planned_script(spec)) + "\n"
     try:
         check_fit(spec, args.gpu_memory)
-    finally:
-        print("\n# commands `engine-build build` runs:")
+    except DoesNotFit:
+        # The table is out; the commands still show what would run once the spec is fixed.
+        print("\n# commands `engine-build build` would run (after fixing the fit):")
         print(script, end="")
-        if args.commands_out is not None:
-            _write_atomic(args.commands_out, "#!/bin/sh\nset -eu\n" + script)
+        raise
+    print("\n# commands `engine-build build` runs:")
+    print(script, end="")
+    if args.commands_out is not None:
+        _write_atomic(args.commands_out, "#!/bin/sh\nset -eu\n" + script)
     return 0
 
 

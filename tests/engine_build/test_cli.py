@@ -49,9 +49,11 @@ def test_plan_does_not_fit_exits_3_with_table_and_advice(
     spec = spec_file(
         tmp_path, ckpt, fake_trtllm, precision={"quantization": "none", "kv_cache_dtype": "auto"}
     )
-    rc = cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB"])
+    script = tmp_path / "cmds.sh"
+    rc = cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", str(script)])
     cap = capsys.readouterr()
     assert rc == cli.EXIT_NOFIT == 3
+    assert not script.exists()  # no script for a build that would be refused
     assert "DOES NOT FIT" in cap.out and "trtllm-build" in cap.out
     line = one_line_error(cap.err)
     assert "does not fit" in line and "set precision.quantization = 'fp8'" in line
@@ -90,7 +92,9 @@ def test_plan_bad_input_exits_1_with_one_line(
     spec = spec_file(tmp_path, ckpt, fake_trtllm, **overrides)
     rc = cli.main(["plan", "--spec", spec, "--gpu-memory", memory])
     assert rc == 1
-    assert message in one_line_error(capsys.readouterr().err)
+    cap = capsys.readouterr()
+    assert message in one_line_error(cap.err)
+    assert "trtllm-build" not in cap.out
 
 
 def test_plan_without_gpu_memory_asks_nvml_and_explains_failure(
