@@ -259,9 +259,11 @@ class KVCache:
             max_seq_len,
             config.head_dim,
         )
+        # Uninitialised on purpose: attention only reads positions a forward pass has written,
+        # and skipping the memset keeps per-request setup cheap for long contexts.
         with torch.inference_mode():
-            self.k = torch.zeros(shape, device=device, dtype=dtype)
-            self.v = torch.zeros(shape, device=device, dtype=dtype)
+            self.k = torch.empty(shape, device=device, dtype=dtype)
+            self.v = torch.empty(shape, device=device, dtype=dtype)
 
 
 @dataclass
@@ -321,8 +323,14 @@ class _TensorSource:
                 f"{self.model_dir}: tensor {name!r} is missing from the safetensors files; "
                 "the checkpoint is incomplete or not in Hugging Face Llama naming"
             )
-        with safe_open(str(shard), framework="pt") as f:
-            tensor: torch.Tensor = f.get_tensor(name)
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                tensor: torch.Tensor = f.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own, untyped errors
+            raise CheckpointError(
+                f"{shard}: cannot read tensor {name!r} ({exc}); the file is damaged or truncated, "
+                "re-download the checkpoint"
+            ) from exc
         if tuple(tensor.shape) != shape:
             raise CheckpointError(
                 f"{shard}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
@@ -422,7 +430,11 @@ class LlamaModel:
             return cls(config, tensors, device=device, dtype=dtype)
 
     def new_cache(self, max_seq_len: int) -> KVCache:
-        """A zeroed cache for one request of at most `max_seq_len` tokens (prompt + generated)."""
+        """A cache for one request of at most `max_seq_len` tokens (prompt + generated).
+
+        A single-stream server may allocate one at max_position_embeddings and pass it to every
+        `generate` call instead, so no request pays for the allocation.
+        """
         return KVCache(self.config, max_seq_len, self.device, self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.llama import LlamaModel
+from appliance.engine.llama import KVCache, LlamaModel
 
 __all__ = ["Sampler", "SamplingParams", "generate"]
 
@@ -99,12 +99,15 @@ def generate(
     end_id: int | None,
     params: SamplingParams,
     should_stop: Callable[[], bool] = lambda: False,
+    cache: KVCache | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
 
     Validation happens here, eagerly, so the caller can reject a request before it starts
     streaming. `end_id` is not yielded; `should_stop` (cancellation) is polled before the prefill
     and before every decode step, so a cancelled request costs at most one more forward pass.
+    `cache` lets a caller reuse one preallocated cache across requests (its contents are simply
+    overwritten); by default each request gets a cache sized to prompt + max_new_tokens.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must contain at least one token")
@@ -120,8 +123,10 @@ def generate(
     vocab = model.config.vocab_size
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if cache is not None and cache.max_seq_len < total:
+        raise ValueError(f"the cache holds {cache.max_seq_len} tokens; this request needs {total}")
     sampler = Sampler(params)
-    return _generate(model, list(prompt_ids), max_new_tokens, end_id, sampler, should_stop)
+    return _generate(model, list(prompt_ids), max_new_tokens, end_id, sampler, should_stop, cache)
 
 
 def _generate(
@@ -131,10 +136,12 @@ def _generate(
     end_id: int | None,
     sampler: Sampler,
     should_stop: Callable[[], bool],
+    cache: KVCache | None,
 ) -> Iterator[int]:
     if max_new_tokens == 0 or should_stop():
         return
-    cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+    if cache is None:
+        cache = model.new_cache(len(prompt_ids) + max_new_tokens)
     logits = model.forward(prompt_ids, cache, 0)
     pos = len(prompt_ids)
     for step in range(max_new_tokens):

@@ -128,3 +128,13 @@ def test_draw_stays_inside_top_k_and_nucleus(
         ordered = torch.sort(probs, descending=True).values
         mass_before = float(probs[probs > probs[token]].sum())
         assert mass_before < top_p + 1e-6 or probs[token] == ordered[0]
+
+
+def test_a_reused_cache_gives_the_same_tokens(micro_model: LlamaModel) -> None:
+    params = SamplingParams(temperature=1.2, top_k=20, seed=7)
+    fresh = _run(micro_model, params, n=10)
+    shared = micro_model.new_cache(micro_model.config.max_position_embeddings)
+    list(generate(micro_model, [9, 8, 7, 6, 5, 4, 3], 20, None, params, cache=shared))  # dirty it
+    assert list(generate(micro_model, PROMPT, 10, None, params, cache=shared)) == fresh
+    with pytest.raises(ValueError, match="cache holds 8 tokens"):
+        generate(micro_model, PROMPT, 10, None, params, cache=micro_model.new_cache(8))
