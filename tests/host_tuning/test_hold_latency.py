@@ -1,0 +1,77 @@
+"""hold-latency keeps its PM QoS file open (a write that is closed again does nothing)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from host_tuning import holdlatency
+
+
+def holders(path: Path, pid: int) -> int:
+    """How many of ``pid``'s descriptors point at ``path``."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    count = 0
+    for fd in fd_dir.iterdir():
+        try:
+            if os.readlink(fd) == str(path):
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+def wait_for(cond: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(cond) and cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_encode_is_native_s32() -> None:
+    assert holdlatency.encode(5) == struct.pack("i", 5)
+    with pytest.raises(ValueError):
+        holdlatency.encode(-1)
+
+
+def test_hold_keeps_fd_open_until_stopped(tmp_path: Path) -> None:
+    dev = tmp_path / "cpu_dma_latency"
+    dev.write_bytes(b"")
+    stop = threading.Event()
+    t = threading.Thread(target=holdlatency.hold, args=(3, str(dev), stop))
+    t.start()
+    try:
+        wait_for(lambda: dev.read_bytes() == struct.pack("i", 3))
+        assert holders(dev, os.getpid()) == 1
+    finally:
+        stop.set()
+        t.join(5)
+    assert not t.is_alive() and holders(dev, os.getpid()) == 0
+
+
+def test_cli_process_holds_and_exits_on_sigterm(tmp_path: Path) -> None:
+    dev = tmp_path / "cpu_dma_latency"
+    dev.write_bytes(b"")
+    code = (
+        "import sys; from host_tuning.cli import main; "
+        f"sys.exit(main(['hold-latency', '--us', '7', '--path', {str(dev)!r}]))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        wait_for(lambda: dev.read_bytes() == struct.pack("i", 7) and holders(dev, proc.pid) == 1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
