@@ -69,14 +69,10 @@ def _require_root(root: Root, what: str) -> None:
         )
 
 
-def _plan(args: argparse.Namespace, root: Root) -> Plan:
+def _plan(args: argparse.Namespace, root: Root) -> tuple[Plan, Context]:
     prof = profile.load(args.profile)
-    return make_plan(collect(root, use_nvml=not args.no_nvml), prof)
-
-
-def _ctx(root: Root, args: argparse.Namespace) -> Context:
-    netns = profile.load(args.profile).netns if getattr(args, "profile", None) else None
-    return Context(root=root, netns=netns)
+    plan = make_plan(collect(root, use_nvml=not args.no_nvml), prof)
+    return plan, Context(root=root, netns=prof.netns)
 
 
 def _results(args: argparse.Namespace, results: list[engine.Result]) -> int:
@@ -93,7 +89,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "hold-latency":
         us = args.us
         if us is None:
-            us = profile.load(args.profile).pm_qos_latency_us if args.profile else 0
+            prof = profile.load(args.profile) if args.profile else profile.Profile()
+            us = prof.pm_qos_latency_us
         try:
             return holdlatency.hold(us, args.path)
         except PermissionError as exc:
@@ -106,7 +103,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(facts), indent=1))
         return 0
     if args.cmd == "plan":
-        plan = _plan(args, root)
+        plan, _ = _plan(args, root)
         if args.affinity_dropin:
             cpus = plan.cores.gateway if args.affinity_dropin == "gateway" else plan.cores.triton
             print(cpu_affinity_dropin(cpus, args.affinity_dropin), end="")
@@ -118,11 +115,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "apply":
         if not args.dry_run:
             _require_root(root, "apply")
-        plan = _plan(args, root)
-        return _results(args, engine.apply(_ctx(root, args), plan.items, args.dry_run))
+        plan, ctx = _plan(args, root)
+        return _results(args, engine.apply(ctx, plan.items, args.dry_run))
     if args.cmd == "verify":
-        plan = _plan(args, root)
-        return _results(args, engine.verify(_ctx(root, args), plan.items))
+        plan, ctx = _plan(args, root)
+        return _results(args, engine.verify(ctx, plan.items))
     if args.cmd == "revert":
         if not args.dry_run:
             _require_root(root, "revert")

@@ -21,7 +21,7 @@ CHANGED, UNCHANGED, WOULD_CHANGE = "changed", "unchanged", "would-change"
 MANAGED, UNSUPPORTED, FAILED = "managed-skipped", "unsupported", "failed"
 OK, DRIFT, REBOOT = "ok", "drift", "reboot-required"
 RESTORED, WOULD_RESTORE = "restored", "would-restore"
-NOT_APPLIED = "not-applied"
+STALE = "stale"
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,9 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
 def verify(ctx: Context, items: Iterable[Item]) -> list[Result]:
     st = state_mod.load(ctx.root)
     results: list[Result] = []
+    planned: set[str] = set()
     for item in items:
+        planned.add(item.key)
         plugin = BY_NAME[item.plugin]
         if item.key in st.managed:
             results.append(Result(item.key, item.plugin, MANAGED, item.desired, None))
@@ -109,6 +111,11 @@ def verify(ctx: Context, items: Iterable[Item]) -> list[Result]:
             results.append(Result(item.key, item.plugin, UNSUPPORTED, item.desired, None))
         else:
             results.append(Result(item.key, item.plugin, DRIFT, item.desired, cur))
+    for key, entry in st.entries.items():
+        if key not in planned:
+            # Applied under an earlier profile; still in force until revert restores it.
+            note = "applied earlier, not in this plan; revert restores it"
+            results.append(Result(key, entry.plugin, STALE, None, None, note))
     return results
 
 

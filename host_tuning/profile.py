@@ -13,6 +13,7 @@ from typing import Any
 
 IRREVERSIBLE = ("idle=poll", "intel_idle.max_cstate=0", "processor.max_cstate=0")
 HUGEPAGE_SIZES_KB = {"2M": 2048, "1G": 1048576}
+EPB_NAMES = ("performance", "balance-performance", "normal", "balance-power", "power")
 
 
 class ProfileError(ValueError):
@@ -111,6 +112,13 @@ def validate(p: Profile) -> None:
     for name in ("housekeeping_cores", "nic_irq_cores", "gateway_cores", "hugepages"):
         if not isinstance(getattr(p, name), int) or getattr(p, name) < 0:
             raise ProfileError(f"{name} must be a non-negative integer")
+    if not isinstance(p.pm_qos_latency_us, int) or p.pm_qos_latency_us < 1:
+        # 0 in the per-CPU attribute means "no constraint", the opposite of what it looks like.
+        raise ProfileError("pm_qos_latency_us must be at least 1 (use idle=poll for polling)")
+    if p.energy_perf_bias not in EPB_NAMES and not (
+        p.energy_perf_bias.isdigit() and int(p.energy_perf_bias) <= 15
+    ):
+        raise ProfileError(f"energy_perf_bias must be one of {EPB_NAMES} or 0..15")
     if p.housekeeping_cores < 1:
         raise ProfileError("housekeeping_cores must be at least 1 (the OS needs a core)")
     if p.mtu is not None and not 68 <= p.mtu <= 65535:

@@ -10,8 +10,13 @@ from host_tuning.profile import Profile
 
 SYS_CPU = "/sys/devices/system/cpu"
 # energy_perf_bias reads back as a number even when written by name; plan and compare numbers.
-EPB = {"performance": "0", "balance-performance": "4", "normal": "6", "balance-power": "8"}
-EPB["power"] = "15"
+EPB = {
+    "performance": "0",
+    "balance-performance": "4",
+    "normal": "6",
+    "balance-power": "8",
+    "power": "15",
+}
 
 
 class Cpu(FilePlugin):

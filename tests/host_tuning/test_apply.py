@@ -198,3 +198,15 @@ def test_revert_without_state_is_a_no_op(box: Machine, capsys: pytest.CaptureFix
     before = snapshot(box.root)
     assert main(["revert", "--root", str(box.root)]) == 0
     assert snapshot(box.root) == before
+
+
+def test_verify_reports_settings_left_from_an_earlier_profile(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(box.root)
+    prof = write_profile('[memory]\nhugepages = 4\nhugepage_size = "2M"\n')
+    assert main(["apply", "--root", root, "--profile", str(prof)]) == 0
+    capsys.readouterr()
+    prof = write_profile("[memory]\nhugepages = 0\n")
+    code, data = run(capsys, "verify", "--root", root, "--profile", str(prof))
+    assert code == 0 and statuses(data)["hugepages node0 2M"] == "stale"

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
+import host_tuning
 from host_tuning import cpulist
 from host_tuning.cli import main
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
 from host_tuning.planner import Plan, make_plan
-from host_tuning.profile import Profile, ProfileError, from_dict
+from host_tuning.profile import Profile, ProfileError, from_dict, load
 from host_tuning.rootfs import Root
 from tests.host_tuning.hostbuilder import Machine
 
@@ -139,6 +140,9 @@ def test_unknown_gpu(box: Machine) -> None:
         ('[kernel]\nextra_cmdline = ["idle=poll"]\n', "irreversible"),
         ('[memory]\nhugepage_size = "4M"\n', "hugepage_size"),
         ("[cpu]\nhousekeeping_cores = 0\n", "at least 1"),
+        ("[cpu]\npm_qos_latency_us = 0\n", "pm_qos_latency_us"),
+        ('[cpu]\nenergy_perf_bias = "turbo"\n', "energy_perf_bias"),
+        ("[nic]\nmtu = 20\n", "mtu"),
     ],
 )
 def test_profile_refusals(text: str, message: str) -> None:
@@ -181,3 +185,11 @@ def test_cli_profile_error_exit_2(
     prof = write_profile('[kernel]\nirreversible = ["intel_idle.max_cstate=0"]\n')
     assert main(["plan", "--root", str(box.root), "--profile", str(prof)]) == 2
     assert "refusing irreversible" in capsys.readouterr().err
+
+
+def test_shipped_example_profiles_plan(hgx: Machine, box: Machine) -> None:
+    examples = Path(host_tuning.__file__).parent / "profiles"
+    hgx_prof = load(examples / "hgx-h100.toml")
+    assert make_plan(collect(Root(hgx.root)), hgx_prof).cores.node == 0
+    box_prof = load(examples / "single-gpu.toml")
+    assert make_plan(collect(Root(box.root)), box_prof).cores.gateway
