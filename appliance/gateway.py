@@ -226,7 +226,7 @@ async def load_models(config: GatewayConfig) -> dict[str, ServedModel]:
 class RunningGateway:
     server: grpc.aio.Server
     service: InferenceService
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     models: dict[str, ServedModel]
     port: int
 
@@ -238,7 +238,7 @@ async def start_server(config: GatewayConfig, models: dict[str, ServedModel]) ->
     server = grpc.aio.server()
     service = InferenceService(models)
     pb_grpc.add_InferenceServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
@@ -263,7 +263,7 @@ async def start_server(config: GatewayConfig, models: dict[str, ServedModel]) ->
 async def drain(
     server: grpc.aio.Server,
     service: InferenceService,
-    health_servicer: health.HealthServicer,
+    health_servicer: health.aio.HealthServicer,
     models: dict[str, ServedModel],
     drain_seconds: float,
 ) -> None:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import grpc
 import uvloop
-from appliance.tiny_model import ensure_tiny_model
 
 from appliance import processes
 from appliance.client import generate
 from appliance.request import Sampling
+from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from appliance.triton_backend import TritonBackend
 from appliance.v1 import inference_pb2 as pb
@@ -48,7 +48,18 @@ def pct(values: list[float], q: float) -> float:
 
 def prompt_of(text: ModelText, n: int) -> str:
     """A prompt of exactly n tokens (BOS included) for this tokenizer."""
-    words = ["the", "gateway", "streams", "tokens", "from", "the", "engine", "server", "over", "grpc"]
+    words = [
+        "the",
+        "gateway",
+        "streams",
+        "tokens",
+        "from",
+        "the",
+        "engine",
+        "server",
+        "over",
+        "grpc",
+    ]
     out: list[str] = []
     i = 0
     while len(text.encode_prompt(" ".join(out))) < n:

@@ -14,12 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from appliance.tiny_model import ensure_tiny_model
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.server import EngineService, ServedModel, load_models, start_engine
+from appliance.tiny_model import ensure_tiny_model
 
 torch.set_num_threads(1)
 

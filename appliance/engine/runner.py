@@ -29,7 +29,7 @@ class Emission:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs live in sets and are compared by who they are
 class Job:
     request_id: str
     prompt_ids: Sequence[int]

@@ -236,6 +236,11 @@ def _resolve(future: asyncio.Future[Emission], emission: Emission) -> None:
         future.set_result(emission)
 
 
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("stream reader failed", exc_info=task.exception())
+
+
 def _wants_empty_final(request: ts.ModelInferRequest) -> bool:
     params = request.parameters
     return (
@@ -443,7 +448,6 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 if e.final:
                     finish(job)
 
-
             def emit(e: Emission) -> None:
                 loop.call_soon_threadsafe(deliver, e)
 
@@ -471,6 +475,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     outbox.put_nowait(None)
 
         reader = asyncio.ensure_future(read_requests())
+        reader.add_done_callback(_log_failure)
         try:
             while (item := await outbox.get()) is not None:
                 if isinstance(item, InferError):

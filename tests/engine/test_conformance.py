@@ -42,6 +42,7 @@ def request(
     seed_name: str = "random_seed",
     temperature: float | None = None,
     top_k: int | None = None,
+    top_p: float | None = None,
     skip: Iterable[str] = (),
 ) -> ts.ModelInferRequest:
     prompt = PROMPT if prompt is None else prompt
@@ -64,6 +65,8 @@ def request(
         fields.append(("temperature", "FP32", "f", [temperature]))
     if top_k is not None:
         fields.append(("runtime_top_k", "INT32", "i", [top_k]))
+    if top_p is not None:
+        fields.append(("runtime_top_p", "FP32", "f", [top_p]))
     for name, dtype, code, values in fields:
         if name not in skip:
             _tensor(req, name, dtype, code, values)
@@ -219,7 +222,9 @@ async def test_seeded_sampling_is_reproducible_under_either_seed_name(
     triton: ts_grpc.GRPCInferenceServiceStub,
 ) -> None:
     def run(seed: int, model: str = MODEL, name: str = "random_seed") -> ts.ModelInferRequest:
-        return request(max_tokens=12, seed=seed, temperature=1.0, model=model, seed_name=name)
+        return request(
+            max_tokens=12, seed=seed, temperature=1.0, top_p=1.0, model=model, seed_name=name
+        )
 
     async def tokens(req: ts.ModelInferRequest) -> list[int]:
         return [t for m in await collect(triton, req) for t in tokens_of(m.infer_response)]
@@ -245,6 +250,13 @@ async def _first_token_then(
     return call, outgoing
 
 
+async def read_rest(call: grpc.aio.StreamStreamCall) -> list[ts.ModelInferResponse]:
+    out = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        out.append(message.infer_response)
+    return out
+
+
 async def test_stop_with_the_same_id_cancels_and_sends_the_empty_final(
     engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
 ) -> None:
@@ -254,7 +266,7 @@ async def test_stop_with_the_same_id_cancels_and_sends_the_empty_final(
     stop_replies = await collect(triton, request("long-1", stop=True))  # from another stream
     await wait_for(stats, lambda: stats.cancelled > before)
     await outgoing.put(None)
-    rest = [m.infer_response async for m in call]
+    rest = await read_rest(call)
     assert stats.tokens_generated and stats.running is None
     assert rest and rest[-1].id == "long-1" and is_final(rest[-1]) and not rest[-1].outputs
     assert sum(len(tokens_of(r)) for r in rest) < 1499
@@ -266,11 +278,13 @@ async def test_without_the_flag_a_cancelled_request_ends_with_no_response(
 ) -> None:
     stats: EngineStats = engine.models[MODEL].runner.stats
     before = stats.cancelled
-    call, outgoing = await _first_token_then(triton, request("long-2", 1500, empty_final=False))
+    call, outgoing = await _first_token_then(
+        triton, request("long-2", max_tokens=1500, empty_final=False)
+    )
     await outgoing.put(request("long-2", stop=True, empty_final=False))
     await wait_for(stats, lambda: stats.cancelled > before)
     await outgoing.put(None)
-    rest = [m.infer_response async for m in call]
+    rest = await read_rest(call)
     assert not any(is_final(r) for r in rest)  # Triton drops a flag-only final response
     assert all(tokens_of(r) for r in rest)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -159,8 +160,8 @@ def test_health_and_reflection(gateway_address: str) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         db = ProtoReflectionDescriptorDatabase(channel)
         assert "appliance.v1.Inference" in db.get_services()
-        method = db.FindSymbol("appliance.v1.Inference").service[0].method
-        assert {m.name for m in method} == {"Generate", "Complete"}
+        service = descriptor_pool.DescriptorPool(db).FindServiceByName("appliance.v1.Inference")
+        assert {m.name for m in service.methods} == {"Generate", "Complete"}
 
 
 def _serve(config: Path) -> subprocess.CompletedProcess[str]:
@@ -193,9 +194,11 @@ def test_engine_unreachable_at_start_up_exits_with_one_line(tiny: Tiny, tmp_path
 
 def test_malformed_config_names_line_and_key(tmp_path: Path) -> None:
     config = tmp_path / "g.toml"
-    config.write_text('[server]\nlisten = "127.0.0.1:1"\n\n[models.x]\nbackend = 12\n')
+    config.write_text(
+        '[server]\nlisten = "127.0.0.1:1"\n\n[models.x]\ntokenizer_dir = "t"\nbackend = 12\n'
+    )
     done = _serve(config)
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        f"appliance serve: {config}:5: key 'models.x.backend': expected str, got int 12"
+        f"appliance serve: {config}:6: key 'models.x.backend': expected str, got int 12"
     )

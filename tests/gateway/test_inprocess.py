@@ -144,6 +144,8 @@ async def test_drain_ends_in_flight_requests_as_cancelled(tiny: Tiny, engine: En
         call = stub.Generate(long_request())
         await call.read()
         drained = asyncio.ensure_future(running.drain(0.2))
-        messages = [m async for m in call]
+        messages = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            messages.append(message)
         await drained
     assert messages[-1].final.finish_reason == pb.FINISH_REASON_CANCELLED
