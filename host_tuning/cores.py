@@ -56,7 +56,9 @@ def choose(facts: Facts, profile: Profile) -> CorePlan:
     try:
         gpu = facts.gpu(profile.gpu)
     except KeyError as exc:
-        raise PlanError(str(exc.args[0])) from exc
+        found = ", ".join(f"{g.index}={g.bus_id}" for g in facts.gpus) or "none"
+        why = f" ({facts.gpu_error})" if facts.gpu_error else ""
+        raise PlanError(f"{exc.args[0]}; GPUs found: {found}{why}") from exc
     node = gpu_node(facts, gpu)
     node_cpus = set(facts.nodes.get(node, [c.id for c in facts.cpus]))
     if gpu.local_cpus:
