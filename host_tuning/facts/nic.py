@@ -1,12 +1,15 @@
-"""Network interfaces from sysfs: driver, PCI function, NUMA node, MSI vectors, RDMA device.
+"""Network interfaces: driver, PCI function, NUMA node, MSI vectors and RDMA device from sysfs;
+MTU and operational state from netlink (pyroute2) on the running host.
 
-sysfs is used instead of netlink so that facts work through a root prefix; the NIC plugin uses
-pyroute2 for changes.
+sysfs carries everything a root prefix can emulate; netlink is the kernel's own answer for link
+state, so it wins when the root is the host itself.
 """
 
 from __future__ import annotations
 
 import re
+
+from pyroute2 import IPRoute
 
 from host_tuning import cpulist
 from host_tuning.facts.model import Nic
@@ -21,7 +24,20 @@ def _rdma_device(root: Root, dev: str) -> str | None:
     return names[0] if names else None
 
 
+def netlink_links(netns: str | None = None) -> dict[str, tuple[int, str]]:
+    """Interface name -> (MTU, operstate in sysfs spelling) as netlink reports them."""
+    out: dict[str, tuple[int, str]] = {}
+    with IPRoute(netns=netns) if netns else IPRoute() as ipr:
+        for link in ipr.get_links():
+            name = link.get("IFLA_IFNAME")
+            if name:
+                oper = str(link.get("IFLA_OPERSTATE") or "unknown").lower()
+                out[str(name)] = (int(link.get("IFLA_MTU") or 0), oper)
+    return out
+
+
 def nics(root: Root, all_cpus: list[int]) -> list[Nic]:
+    live = netlink_links() if root.is_host else {}
     out: list[Nic] = []
     for name in root.listdir(NET):
         if name == "lo":
@@ -41,6 +57,9 @@ def nics(root: Root, all_cpus: list[int]) -> list[Nic]:
         local = sorted(cpulist.parse(local_text)) if local_text else list(all_cpus)
         irqs = tuple(sorted(int(x) for x in root.listdir(f"{dev}/msi_irqs") if x.isdigit()))
         mtu_text = root.read_value(f"{base}/mtu")
+        operstate = root.read_value(f"{base}/operstate")
+        if name in live:
+            mtu_text, operstate = str(live[name][0]), live[name][1]
         out.append(
             Nic(
                 name=name,
@@ -49,7 +68,7 @@ def nics(root: Root, all_cpus: list[int]) -> list[Nic]:
                 numa_node=node,
                 local_cpus=tuple(local),
                 mtu=int(mtu_text) if mtu_text else None,
-                operstate=root.read_value(f"{base}/operstate"),
+                operstate=operstate,
                 irqs=irqs,
                 rdma=_rdma_device(root, dev) if has_dev else None,
             )

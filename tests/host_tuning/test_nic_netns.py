@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from host_tuning.cli import main
+from host_tuning.facts.nic import netlink_links
 from tests.host_tuning.hostbuilder import Machine
 
 pytestmark = pytest.mark.skipif(
@@ -95,3 +96,10 @@ def test_missing_namespace_is_unsupported_not_created(
     assert main(["apply", "--dry-run", "--root", str(box.root), "--profile", str(prof)]) == 0
     assert "unsupported" in capsys.readouterr().out
     assert not os.path.exists(f"/run/netns/{name}")
+
+
+def test_netlink_facts_read_the_namespace(netns: str) -> None:
+    ip("-n", netns, "link", "set", "htv1", "mtu", "2000")
+    links = netlink_links(netns)
+    assert links["htv1"] == (2000, "down") and links["htv0"][0] == 1500
+    assert "htv0" not in netlink_links()  # the host's namespace is separate
