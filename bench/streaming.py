@@ -134,6 +134,7 @@ async def run(args: argparse.Namespace) -> None:
                 await direct(backend, ids, args.output_tokens, "warm")
                 await echo_call(payload, wait_for_ready=True)
             a_ttft, a_itl, a_gaps, b_ttft, b_itl, b_gaps, echo_s = [], [], [], [], [], [], []
+            a_queue, a_server_ttft = [], []
             lengths = set()
             for i in range(args.requests):
                 r = await generate(stub, request)
@@ -141,6 +142,8 @@ async def run(args: argparse.Namespace) -> None:
                 a_ttft.append(r.ttft_s)
                 a_itl.append(r.inter_token_s)
                 a_gaps.extend(r.gaps_s)
+                a_queue.append(r.final.timings.queue_us / 1e6)
+                a_server_ttft.append(r.final.timings.ttft_us / 1e6)
                 ttft, itl, gaps, count = await direct(backend, ids, args.output_tokens, f"b{i}")
                 lengths.add(count)
                 b_ttft.append(ttft)
@@ -172,6 +175,8 @@ async def run(args: argparse.Namespace) -> None:
     print(row("(a) chunk gap via gateway (pooled)", a_gaps))
     print(row("(b) chunk gap direct (pooled)", b_gaps))
     print(row("(c) bare grpc.aio unary echo", echo_s))
+    print(row("(a) gateway-side: arrival → engine request sent", a_queue))
+    print(row("(a) gateway-side: arrival → first token sent", a_server_ttft))
     added_ttft_p99 = (pct(a_ttft, 0.99) - pct(b_ttft, 0.99)) * us
     added_itl_p50 = (pct(a_itl, 0.5) - pct(b_itl, 0.5)) * us
     echo_p99 = pct(echo_s, 0.99) * us

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import psutil  # type: ignore[import-untyped]  # no stubs installed; see docs
+import psutil
 
 from host_tuning.facts import cpu, gpu, nic, pci, system
 from host_tuning.facts.model import Facts
