@@ -9,8 +9,11 @@ usage, timings and the cache tier.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -48,6 +51,9 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
     def __init__(self, models: dict[str, ServedModel]) -> None:
         self._models = models
         self._active = 0
+        # Engine-side request ids are the gateway's own: a client's request_id is not unique across
+        # clients, and `stop=true` with a shared id would cancel another client's generation.
+        self._backend_ids = (f"gw{os.getpid()}-{n}" for n in itertools.count())
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
@@ -126,7 +132,7 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         first_sent = 0
         sent_at = time.monotonic_ns()
         tokens_stream = model.backend.stream(
-            p.request_id,
+            next(self._backend_ids),
             p.prompt_ids,
             p.max_tokens,
             end_id,
@@ -288,7 +294,7 @@ async def serve(config: GatewayConfig) -> int:
         models = await load_models(config)
         running = await start_server(config, models)
     except StartupError as exc:
-        print(f"appliance serve: {exc}", flush=True)
+        print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
         return 2
     log.info("gateway listening on %s, models: %s", config.server.listen, ", ".join(models))
     stop = asyncio.Event()

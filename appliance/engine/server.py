@@ -395,6 +395,10 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             if not jobs:
                 del self._by_id[job.request_id]
 
+    def pending_requests(self) -> int:
+        """Requests queued or running under an id (what `stop=true` can reach)."""
+        return sum(len(jobs) for jobs in self._by_id.values())
+
     def cancel_request(self, request_id: str) -> int:
         """What `stop=true` does: cancels every job queued or running under this id."""
         jobs = self._by_id.get(request_id, [])
@@ -532,7 +536,7 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
         models = load_models(repository, device)
         server, _, _ = await start_engine(models, listen)
     except RepositoryError as exc:
-        print(f"appliance engine: {exc}", flush=True)
+        print(f"appliance engine: {exc}", file=sys.stderr, flush=True)
         return 2
     log.info(
         "engine serving %s on %s (loaded in %.1f s)",

@@ -149,3 +149,28 @@ async def test_drain_ends_in_flight_requests_as_cancelled(tiny: Tiny, engine: En
             messages.append(message)
         await drained
     assert messages[-1].final.finish_reason == pb.FINISH_REASON_CANCELLED
+
+
+async def test_one_client_cancelling_never_stops_another_with_the_same_request_id(
+    engine: Engine, stub: pb_grpc.InferenceStub
+) -> None:
+    stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
+    other = pb.GenerateRequest(
+        model="tiny", prompt="Another client", max_tokens=20, temperature=0, request_id="same"
+    )
+    reference = await stub.Complete(other)
+    cancelled = stats.cancelled
+    first = stub.Generate(long_request(request_id="same"))
+    await first.read()
+    second = asyncio.ensure_future(stub.Complete(other))
+    for _ in range(500):  # until the engine holds both requests (the second queued behind)
+        if engine.service.pending_requests() >= 2:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.service.pending_requests() >= 2
+    first.cancel()
+    await wait_for(stats, lambda: stats.cancelled > cancelled)
+    reply = await second
+    assert reply.request_id == "same"
+    assert list(reply.token_ids) == list(reference.token_ids)
+    assert reply.final.finish_reason == reference.final.finish_reason
