@@ -111,17 +111,17 @@ class Runner:
             should_stop=job.cancel.is_set,
         )
         produced: list[int] = []
-        final_sent = False
         for token in tokens:
             produced.append(token)
             with self.stats.lock:
                 self.stats.tokens_generated += 1
             if job.streaming:
-                final_sent = len(produced) == job.max_new_tokens
-                job.emit(Emission([token], final=final_sent))
-        if final_sent:
-            self._count(completed=1)
-            return
+                last = len(produced) == job.max_new_tokens
+                if last:  # counted before the final response leaves, so statistics never lag it
+                    self._count(completed=1)
+                job.emit(Emission([token], final=last))
+                if last:
+                    return
         if job.cancel.is_set():
             self._count(cancelled=1)
             job.emit(Emission(None, final=True))
@@ -129,7 +129,7 @@ class Runner:
         self._count(completed=1)
         if not job.streaming:
             job.emit(Emission(produced, final=True))
-        elif len(produced) < job.max_new_tokens:
+        else:
             # Ended by the end id: a final response with no new tokens (not a null response).
             job.emit(Emission([], final=True))
 
