@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.cache.l2 import RedisSettings
+
 
 class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file, line and key."""
@@ -35,12 +37,28 @@ class ModelConfig:
     max_output_tokens: int = 1024
     default_max_tokens: int = 256
     ready_timeout_s: float = 60.0
+    # None: <tokenizer_dir>/../engine_fingerprint, the file `engine-build repo` writes.
+    fingerprint_file: Path | None = None
+
+    @property
+    def fingerprint_path(self) -> Path:
+        return self.fingerprint_file or self.tokenizer_dir.parent / "engine_fingerprint"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    enabled: bool = True
+    l1_max_entries: int = 10000
+    l1_max_bytes: int = 256 * 1024 * 1024
+    l1_ttl_s: float = 300.0
+    redis: RedisSettings | None = None
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig
     models: dict[str, ModelConfig] = field(default_factory=dict)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -93,6 +111,13 @@ class _Reader:
             self.fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
         return value
 
+    def file_path(self, key: str, base: Path) -> Path | None:
+        value = self.get(key, str, "")
+        if not value:
+            return None
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else base / path
+
     def positive(self, key: str, kind: type, default: Any) -> Any:
         value = self.get(key, kind, default)
         if value is not None and value <= 0:
@@ -127,7 +152,7 @@ def load_config(path: Path) -> GatewayConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
 
-    top = _Reader(path, text, "", data, {"server", "models"})
+    top = _Reader(path, text, "", data, {"server", "models", "cache"})
     server_data = top.get("server", dict, {})
     srv = _Reader(path, text, "server", server_data, {"listen", "drain_seconds", "log_level"})
     log_level = srv.get("log_level", str, "info")
@@ -165,6 +190,7 @@ def load_config(path: Path) -> GatewayConfig:
                 "default_max_tokens", int, ModelConfig.default_max_tokens
             ),
             ready_timeout_s=r.positive("ready_timeout_s", float, ModelConfig.ready_timeout_s),
+            fingerprint_file=r.file_path("fingerprint_file", path.parent),
         )
         if model.default_max_tokens > model.max_output_tokens:
             r.fail(
@@ -172,4 +198,70 @@ def load_config(path: Path) -> GatewayConfig:
                 f"{model.default_max_tokens} exceeds max_output_tokens {model.max_output_tokens}",
             )
         models[name] = model
-    return GatewayConfig(server=server, models=models)
+    return GatewayConfig(server=server, models=models, cache=_cache(top, path, text))
+
+
+def _cache(top: _Reader, path: Path, text: str) -> CacheConfig:
+    data = top.get("cache", dict, {})
+    known = {"enabled", "l1_max_entries", "l1_max_bytes", "l1_ttl_s", "redis"}
+    r = _Reader(path, text, "cache", data, known)
+    redis_data = r.get("redis", dict, None)
+    redis = None
+    if redis_data is not None:
+        redis = _redis(_Reader(path, text, "cache.redis", redis_data, _REDIS_KEYS), path)
+    l1_entries = r.get("l1_max_entries", int, CacheConfig.l1_max_entries)
+    if l1_entries < 0:
+        r.fail("l1_max_entries", "must be 0 (L1 off) or more")
+    return CacheConfig(
+        enabled=r.get("enabled", bool, True),
+        l1_max_entries=l1_entries,
+        l1_max_bytes=r.positive("l1_max_bytes", int, CacheConfig.l1_max_bytes),
+        l1_ttl_s=r.positive("l1_ttl_s", float, CacheConfig.l1_ttl_s),
+        redis=redis,
+    )
+
+
+_REDIS_KEYS = {
+    "url",
+    "username",
+    "password_file",
+    "tls_ca_file",
+    "key_prefix",
+    "ttl_s",
+    "timeout_ms",
+    "max_connections",
+    "breaker_failures",
+    "breaker_reset_s",
+}
+
+
+def _redis(r: _Reader, path: Path) -> RedisSettings:
+    d = RedisSettings()
+    url = r.get("url", str, d.url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        r.fail("url", f"expected redis://, rediss:// (TLS) or unix:// URL, got {url!r}")
+    password = None
+    password_file = r.file_path("password_file", path.parent)
+    if password_file is not None:
+        try:
+            password = password_file.read_text().strip()
+        except OSError as exc:
+            r.fail("password_file", f"cannot read {password_file}: {exc.strerror}")
+    ca = r.file_path("tls_ca_file", path.parent)
+    if ca is not None and not ca.is_file():
+        r.fail("tls_ca_file", f"{ca} not found")
+    prefix = r.get("key_prefix", str, d.key_prefix)
+    if not prefix or ":" in prefix:
+        r.fail("key_prefix", "must be non-empty and contain no ':'")
+    return RedisSettings(
+        url=url,
+        username=r.get("username", str, None),
+        password=password,
+        tls_ca_file=str(ca) if ca else None,
+        key_prefix=prefix,
+        ttl_s=r.positive("ttl_s", int, d.ttl_s),
+        timeout_ms=r.positive("timeout_ms", float, d.timeout_ms),
+        max_connections=r.positive("max_connections", int, d.max_connections),
+        breaker_failures=r.positive("breaker_failures", int, d.breaker_failures),
+        breaker_reset_s=r.positive("breaker_reset_s", float, d.breaker_reset_s),
+    )

@@ -6,17 +6,20 @@ Pure logic over the request and the model's text side, so every bad input is tes
 from __future__ import annotations
 
 import math
+import unicodedata
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
+from appliance.cache.keys import SamplingKey
 from appliance.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
 from appliance.v1 import inference_pb2 as pb
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 128
+MAX_NAMESPACE_LENGTH = 64
 
 
 class RequestError(Exception):
@@ -51,16 +54,6 @@ class Sampling:
     seed: int | None
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling
-    stops: tuple[str, ...]
-    cache_policy: int
-
-
 def _sampling(req: pb.GenerateRequest) -> Sampling:
     temperature = req.temperature if req.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
@@ -93,11 +86,54 @@ def _messages(req: pb.GenerateRequest) -> list[dict[str, str]]:
     return out
 
 
-def prepare(req: pb.GenerateRequest, text: ModelText, limits: Limits) -> PreparedRequest:
-    """Checks every field, tokenizes, and applies the model's limits; raises RequestError."""
+def nfc(text: str) -> str:
+    """Canonical composition: the model and the cache key see the same text for equivalent input."""
+    return text if unicodedata.is_normalized("NFC", text) else unicodedata.normalize("NFC", text)
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request whose fields are all valid, before tokenization (what a cache lookup needs)."""
+
+    request_id: str
+    namespace: str
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...]
+    max_tokens: int
+    sampling: Sampling
+    stops: tuple[str, ...]
+    cache_policy: int
+
+    def sampling_key(self) -> SamplingKey:
+        s = self.sampling
+        return SamplingKey(
+            max_tokens=self.max_tokens,
+            greedy=s.top_k == 1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            stops=self.stops,
+        )
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stops: tuple[str, ...]
+
+
+def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
+    """Checks every field and normalizes the text (NFC); raises RequestError. No tokenization."""
     request_id = req.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LENGTH:
         raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+    namespace = req.namespace or "default"
+    if len(namespace) > MAX_NAMESPACE_LENGTH:
+        raise _invalid(f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters")
 
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
@@ -111,7 +147,7 @@ def prepare(req: pb.GenerateRequest, text: ModelText, limits: Limits) -> Prepare
         max_tokens = limits.default_max_tokens
     sampling = _sampling(req)
 
-    stops = tuple(req.stop)
+    stops = tuple(nfc(s) for s in req.stop)
     if len(stops) > MAX_STOP_STRINGS:
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     for s in stops:
@@ -119,33 +155,55 @@ def prepare(req: pb.GenerateRequest, text: ModelText, limits: Limits) -> Prepare
             raise _invalid(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long")
 
     which = req.WhichOneof("input")
-    if which == "prompt":
-        if not req.prompt:
-            raise _invalid("prompt is empty: send some text or chat messages")
-        prompt_ids = text.encode_prompt(req.prompt)
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] = ()
+    if which == "prompt" and req.prompt:
+        prompt = nfc(req.prompt)
     elif which == "messages":
-        try:
-            prompt_ids = text.encode_chat(_messages(req))
-        except ChatTemplateError as exc:
-            raise _invalid(str(exc)) from exc
+        messages = tuple((m["role"], nfc(m["content"])) for m in _messages(req))
     else:
         raise _invalid("prompt is empty: send some text or chat messages")
-
-    if len(prompt_ids) > limits.max_input_tokens:
-        raise _invalid(
-            f"prompt is {len(prompt_ids)} tokens; this model accepts at most "
-            f"{limits.max_input_tokens} input tokens"
-        )
-    if len(prompt_ids) + max_tokens > limits.context_length:
-        raise _invalid(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-            f"context of {limits.context_length} tokens; lower max_tokens or shorten the prompt"
-        )
-    return PreparedRequest(
+    return CheckedRequest(
         request_id=request_id,
-        prompt_ids=prompt_ids,
+        namespace=namespace,
+        prompt=prompt,
+        messages=messages,
         max_tokens=max_tokens,
         sampling=sampling,
         stops=stops,
         cache_policy=req.cache_policy,
     )
+
+
+def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> PreparedRequest:
+    """The prompt's token ids, checked against the model's limits; raises RequestError."""
+    if checked.prompt is not None:
+        prompt_ids = text.encode_prompt(checked.prompt)
+    else:
+        try:
+            prompt_ids = text.encode_chat([{"role": r, "content": c} for r, c in checked.messages])
+        except ChatTemplateError as exc:
+            raise _invalid(str(exc)) from exc
+    if len(prompt_ids) > limits.max_input_tokens:
+        raise _invalid(
+            f"prompt is {len(prompt_ids)} tokens; this model accepts at most "
+            f"{limits.max_input_tokens} input tokens"
+        )
+    if len(prompt_ids) + checked.max_tokens > limits.context_length:
+        raise _invalid(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({checked.max_tokens}) exceeds the "
+            f"model's context of {limits.context_length} tokens; lower max_tokens or shorten the "
+            "prompt"
+        )
+    return PreparedRequest(
+        request_id=checked.request_id,
+        prompt_ids=prompt_ids,
+        max_tokens=checked.max_tokens,
+        sampling=checked.sampling,
+        stops=checked.stops,
+    )
+
+
+def prepare(req: pb.GenerateRequest, text: ModelText, limits: Limits) -> PreparedRequest:
+    """check() then tokenize(): the whole validation of a request that will be generated."""
+    return tokenize(check(req, limits), text, limits)

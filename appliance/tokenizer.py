@@ -6,6 +6,7 @@ everything it needs from the model directory for that.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,8 @@ class ModelText:
     end_id: int | None
     pad_id: int | None
     context_length: int | None
+    # Digest of the chat template source: a changed template must not reuse cached answers.
+    template_version: str
 
     @classmethod
     def load(cls, directory: Path) -> ModelText:
@@ -108,6 +111,9 @@ class ModelText:
             end_id=end_id if isinstance(end_id, int) else None,
             pad_id=pad_id if pad_id is not None else (end_id if isinstance(end_id, int) else None),
             context_length=context if isinstance(context, int) else None,
+            template_version=hashlib.blake2b(
+                str(template_source or "").encode(), digest_size=8
+            ).hexdigest(),
         )
 
     def encode_prompt(self, prompt: str) -> list[int]:

@@ -24,35 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ppliance/v1/inference.proto\x12\x0c\x61ppliance.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\"\xe8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.appliance.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0c\x63\x61\x63he_policy\x18\x0b \x01(\x0e\x32\x19.appliance.v1.CachePolicyB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x0f\n\x07ttft_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\xb3\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.appliance.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.appliance.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.appliance.v1.Timings\x12+\n\ncache_tier\x18\x04 \x01(\x0e\x32\x17.appliance.v1.CacheTier\"k\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\"k\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final*q\n\x0b\x43\x61\x63hePolicy\x12\x18\n\x14\x43\x41\x43HE_POLICY_DEFAULT\x10\x00\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x01\x12\x18\n\x14\x43\x41\x43HE_POLICY_REFRESH\x10\x02\x12\x15\n\x11\x43\x41\x43HE_POLICY_ONLY\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*k\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_MISS\x10\x00\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L1\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L2\x10\x02\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x03\x32\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.CompleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ppliance/v1/inference.proto\x12\x0c\x61ppliance.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\"\xfb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.appliance.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0c\x63\x61\x63he_policy\x18\x0b \x01(\x0e\x32\x19.appliance.v1.CachePolicy\x12\x11\n\tnamespace\x18\x0c \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x0f\n\x07ttft_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\xb3\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.appliance.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.appliance.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.appliance.v1.Timings\x12+\n\ncache_tier\x18\x04 \x01(\x0e\x32\x17.appliance.v1.CacheTier\"k\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\"k\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\"B\n\x11InvalidateRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\"<\n\x12InvalidateResponse\x12\x12\n\nl1_removed\x18\x01 \x01(\x04\x12\x12\n\nl2_removed\x18\x02 \x01(\x04\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x87\x01\n\x12\x43\x61\x63heStatsResponse\x12@\n\x08\x63ounters\x18\x01 \x03(\x0b\x32..appliance.v1.CacheStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*q\n\x0b\x43\x61\x63hePolicy\x12\x18\n\x14\x43\x41\x43HE_POLICY_DEFAULT\x10\x00\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x01\x12\x18\n\x14\x43\x41\x43HE_POLICY_REFRESH\x10\x02\x12\x15\n\x11\x43\x41\x43HE_POLICY_ONLY\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*k\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_MISS\x10\x00\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L1\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L2\x10\x02\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x03\x32\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.CompleteResponse2\xa9\x01\n\nCacheAdmin\x12O\n\nInvalidate\x12\x1f.appliance.v1.InvalidateRequest\x1a .appliance.v1.InvalidateResponse\x12J\n\x05Stats\x12\x1f.appliance.v1.CacheStatsRequest\x1a .appliance.v1.CacheStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'appliance.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHEPOLICY']._serialized_start=1039
-  _globals['_CACHEPOLICY']._serialized_end=1152
-  _globals['_FINISHREASON']._serialized_start=1154
-  _globals['_FINISHREASON']._serialized_end=1278
-  _globals['_CACHETIER']._serialized_start=1280
-  _globals['_CACHETIER']._serialized_end=1387
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._loaded_options = None
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
+  _globals['_CACHEPOLICY']._serialized_start=1347
+  _globals['_CACHEPOLICY']._serialized_end=1460
+  _globals['_FINISHREASON']._serialized_start=1462
+  _globals['_FINISHREASON']._serialized_end=1586
+  _globals['_CACHETIER']._serialized_start=1588
+  _globals['_CACHETIER']._serialized_end=1695
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_CHATMESSAGES']._serialized_start=92
   _globals['_CHATMESSAGES']._serialized_end=151
   _globals['_GENERATEREQUEST']._serialized_start=154
-  _globals['_GENERATEREQUEST']._serialized_end=514
-  _globals['_USAGE']._serialized_start=516
-  _globals['_USAGE']._serialized_end=573
-  _globals['_TIMINGS']._serialized_start=575
-  _globals['_TIMINGS']._serialized_end=637
-  _globals['_FINAL']._serialized_start=640
-  _globals['_FINAL']._serialized_end=819
-  _globals['_GENERATERESPONSE']._serialized_start=821
-  _globals['_GENERATERESPONSE']._serialized_end=928
-  _globals['_COMPLETERESPONSE']._serialized_start=930
-  _globals['_COMPLETERESPONSE']._serialized_end=1037
-  _globals['_INFERENCE']._serialized_start=1390
-  _globals['_INFERENCE']._serialized_end=1553
+  _globals['_GENERATEREQUEST']._serialized_end=533
+  _globals['_USAGE']._serialized_start=535
+  _globals['_USAGE']._serialized_end=592
+  _globals['_TIMINGS']._serialized_start=594
+  _globals['_TIMINGS']._serialized_end=656
+  _globals['_FINAL']._serialized_start=659
+  _globals['_FINAL']._serialized_end=838
+  _globals['_GENERATERESPONSE']._serialized_start=840
+  _globals['_GENERATERESPONSE']._serialized_end=947
+  _globals['_COMPLETERESPONSE']._serialized_start=949
+  _globals['_COMPLETERESPONSE']._serialized_end=1056
+  _globals['_INVALIDATEREQUEST']._serialized_start=1058
+  _globals['_INVALIDATEREQUEST']._serialized_end=1124
+  _globals['_INVALIDATERESPONSE']._serialized_start=1126
+  _globals['_INVALIDATERESPONSE']._serialized_end=1186
+  _globals['_CACHESTATSREQUEST']._serialized_start=1188
+  _globals['_CACHESTATSREQUEST']._serialized_end=1207
+  _globals['_CACHESTATSRESPONSE']._serialized_start=1210
+  _globals['_CACHESTATSRESPONSE']._serialized_end=1345
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_start=1298
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_end=1345
+  _globals['_INFERENCE']._serialized_start=1698
+  _globals['_INFERENCE']._serialized_end=1861
+  _globals['_CACHEADMIN']._serialized_start=1864
+  _globals['_CACHEADMIN']._serialized_end=2033
 # @@protoc_insertion_point(module_scope)

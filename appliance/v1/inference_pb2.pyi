@@ -55,7 +55,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "cache_policy")
+    __slots__ = ("request_id", "model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "cache_policy", "namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -78,7 +79,8 @@ class GenerateRequest(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     cache_policy: CachePolicy
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[_Union[CachePolicy, str]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[_Union[CachePolicy, str]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -133,3 +135,38 @@ class CompleteResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     final: Final
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+
+class InvalidateRequest(_message.Message):
+    __slots__ = ("namespace", "model", "all")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model: str
+    all: bool
+    def __init__(self, namespace: _Optional[str] = ..., model: _Optional[str] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class InvalidateResponse(_message.Message):
+    __slots__ = ("l1_removed", "l2_removed")
+    L1_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    L2_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    l1_removed: int
+    l2_removed: int
+    def __init__(self, l1_removed: _Optional[int] = ..., l2_removed: _Optional[int] = ...) -> None: ...
+
+class CacheStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheStatsResponse(_message.Message):
+    __slots__ = ("counters",)
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -144,3 +144,123 @@ class Inference:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class CacheAdminStub:
+    """Operator operations on the response cache of one gateway (L1) and the shared Redis tier (L2).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Invalidate = channel.unary_unary(
+                '/appliance.v1.CacheAdmin/Invalidate',
+                request_serializer=appliance_dot_v1_dot_inference__pb2.InvalidateRequest.SerializeToString,
+                response_deserializer=appliance_dot_v1_dot_inference__pb2.InvalidateResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/appliance.v1.CacheAdmin/Stats',
+                request_serializer=appliance_dot_v1_dot_inference__pb2.CacheStatsRequest.SerializeToString,
+                response_deserializer=appliance_dot_v1_dot_inference__pb2.CacheStatsResponse.FromString,
+                _registered_method=True)
+
+
+class CacheAdminServicer:
+    """Operator operations on the response cache of one gateway (L1) and the shared Redis tier (L2).
+    """
+
+    def Invalidate(self, request, context):
+        """Drops cached answers of a namespace, a model, or both; `all` drops everything.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """The cache's counters: hits per tier, misses, Redis faults, breaker openings, write failures.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CacheAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Invalidate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Invalidate,
+                    request_deserializer=appliance_dot_v1_dot_inference__pb2.InvalidateRequest.FromString,
+                    response_serializer=appliance_dot_v1_dot_inference__pb2.InvalidateResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=appliance_dot_v1_dot_inference__pb2.CacheStatsRequest.FromString,
+                    response_serializer=appliance_dot_v1_dot_inference__pb2.CacheStatsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'appliance.v1.CacheAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('appliance.v1.CacheAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CacheAdmin:
+    """Operator operations on the response cache of one gateway (L1) and the shared Redis tier (L2).
+    """
+
+    @staticmethod
+    def Invalidate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/appliance.v1.CacheAdmin/Invalidate',
+            appliance_dot_v1_dot_inference__pb2.InvalidateRequest.SerializeToString,
+            appliance_dot_v1_dot_inference__pb2.InvalidateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/appliance.v1.CacheAdmin/Stats',
+            appliance_dot_v1_dot_inference__pb2.CacheStatsRequest.SerializeToString,
+            appliance_dot_v1_dot_inference__pb2.CacheStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

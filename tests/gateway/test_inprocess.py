@@ -156,7 +156,12 @@ async def test_one_client_cancelling_never_stops_another_with_the_same_request_i
 ) -> None:
     stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
     other = pb.GenerateRequest(
-        model="tiny", prompt="Another client", max_tokens=20, temperature=0, request_id="same"
+        model="tiny",
+        prompt="Another client",
+        max_tokens=20,
+        temperature=0,
+        request_id="same",
+        cache_policy=pb.CACHE_POLICY_BYPASS,
     )
     reference = await stub.Complete(other)
     cancelled = stats.cancelled

@@ -1,0 +1,50 @@
+"""A circuit breaker: stop calling a dependency that keeps failing, probe it again later.
+
+Closed: calls go through; `threshold` consecutive failures open it. Open: calls are refused until
+`reset_s` has passed. Half-open: one probe goes through; success closes, failure opens again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class CircuitBreaker:
+    def __init__(
+        self, threshold: int, reset_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.threshold = threshold
+        self.reset_s = reset_s
+        self._clock = clock
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._probing = False
+        self.opened = 0  # times it opened (a metric)
+
+    @property
+    def state(self) -> str:
+        if self._opened_at is None:
+            return "closed"
+        return "half-open" if self._clock() - self._opened_at >= self.reset_s else "open"
+
+    def allow(self) -> bool:
+        if self._opened_at is None:
+            return True
+        if self._clock() - self._opened_at < self.reset_s or self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        self._failures = 0
+        self._opened_at = None
+        self._probing = False
+
+    def failure(self) -> None:
+        self._failures += 1
+        if self._probing or self._failures >= self.threshold:
+            if self._opened_at is None or self._probing:
+                self.opened += 1
+            self._opened_at = self._clock()
+            self._probing = False

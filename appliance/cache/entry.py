@@ -1,0 +1,66 @@
+"""A cached answer and its compact binary encoding for Redis.
+
+Layout (little-endian): version u8, finish_reason u8, prompt_tokens u32, completion_tokens u32,
+token count u32, token ids int32 × count, then the UTF-8 text to the end.
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+import sys
+from dataclasses import dataclass
+
+VERSION = 1
+_HEADER = struct.Struct("<BBIII")
+
+
+class CorruptEntryError(ValueError):
+    """Bytes in the cache that are not an entry of this version (treated as a miss)."""
+
+
+@dataclass(frozen=True)
+class CachedAnswer:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    def size(self) -> int:
+        """Bytes this entry costs in L1 (what its L1 byte budget counts)."""
+        return 96 + len(self.text) + 8 * len(self.token_ids)
+
+
+def encode(answer: CachedAnswer) -> bytes:
+    ids = array.array("i", answer.token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    header = _HEADER.pack(
+        VERSION,
+        answer.finish_reason,
+        answer.prompt_tokens,
+        answer.completion_tokens,
+        len(answer.token_ids),
+    )
+    return header + ids.tobytes() + answer.text.encode()
+
+
+def decode(data: bytes) -> CachedAnswer:
+    if len(data) < _HEADER.size:
+        raise CorruptEntryError("entry shorter than its header")
+    version, finish, prompt_tokens, completion, count = _HEADER.unpack_from(data)
+    if version != VERSION:
+        raise CorruptEntryError(f"entry version {version}, expected {VERSION}")
+    end = _HEADER.size + 4 * count
+    if len(data) < end:
+        raise CorruptEntryError("entry truncated")
+    ids = array.array("i")
+    ids.frombytes(data[_HEADER.size : end])
+    if sys.byteorder != "little":
+        ids.byteswap()
+    try:
+        text = data[end:].decode()
+    except UnicodeDecodeError as exc:
+        raise CorruptEntryError("entry text is not UTF-8") from exc
+    return CachedAnswer(text, tuple(ids), finish, prompt_tokens, completion)

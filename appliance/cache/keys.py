@@ -1,0 +1,101 @@
+"""The canonical cache key: everything that changes the output, and nothing else.
+
+Key = BLAKE2b-128 over a canonical encoding of, in order:
+  key-schema version, namespace (tenant), model name, engine fingerprint, tokenizer fingerprint,
+  prompt-template version, the input (raw prompt, or each message's role and content in order), and
+  the normalized sampling parameters (max_tokens; greedy, or temperature/top_p/top_k/seed; the stop
+  strings deduplicated and sorted).
+Each field is written as its UTF-8 length (4 bytes, big-endian) then its bytes, so no two different
+field lists encode alike. Text is NFC-normalized by the request validation before it gets here (the
+model sees the same NFC text, so equal keys always mean equal model inputs); content is otherwise used
+byte for byte: case and whitespace are never folded, because they change meaning (code, poetry).
+Greedy requests drop temperature, top_p, top_k and seed: none of them changes a greedy answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KEY_SCHEMA = 1
+_LEN = struct.Struct(">I")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What identifies the model's behaviour: a rebuilt engine or new tokenizer gets new keys."""
+
+    name: str
+    engine_fingerprint: str
+    tokenizer_fingerprint: str
+    template_version: str
+
+
+@dataclass(frozen=True)
+class SamplingKey:
+    max_tokens: int
+    greedy: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stops: tuple[str, ...]
+
+
+def _field(parts: list[bytes], value: str) -> None:
+    data = value.encode()
+    parts.append(_LEN.pack(len(data)))
+    parts.append(data)
+
+
+def _float(value: float) -> str:
+    # float32 values from the wire: 9 significant digits round-trip them exactly.
+    return format(value, ".9g")
+
+
+def cache_key(
+    namespace: str,
+    model: ModelIdentity,
+    prompt: str | None,
+    messages: Sequence[tuple[str, str]],
+    sampling: SamplingKey,
+) -> bytes:
+    parts: list[bytes] = []
+    for value in (
+        str(KEY_SCHEMA),
+        namespace,
+        model.name,
+        model.engine_fingerprint,
+        model.tokenizer_fingerprint,
+        model.template_version,
+    ):
+        _field(parts, value)
+    if prompt is not None:
+        _field(parts, "prompt")
+        _field(parts, prompt)
+    else:
+        _field(parts, f"messages:{len(messages)}")
+        for role, content in messages:
+            _field(parts, role)
+            _field(parts, content)
+    if sampling.greedy:
+        params = f"max={sampling.max_tokens};greedy"
+    else:
+        seed = "" if sampling.seed is None else str(sampling.seed)
+        params = (
+            f"max={sampling.max_tokens};t={_float(sampling.temperature)};"
+            f"p={_float(sampling.top_p)};k={sampling.top_k};seed={seed}"
+        )
+    _field(parts, params)
+    stops = sorted(set(sampling.stops))
+    _field(parts, f"stops:{len(stops)}")
+    for stop in stops:
+        _field(parts, stop)
+    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
+
+
+def is_deterministic(sampling: SamplingKey) -> bool:
+    """Only answers that would come out the same again may be cached."""
+    return sampling.greedy or sampling.seed is not None

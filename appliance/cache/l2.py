@@ -1,0 +1,135 @@
+"""L2: Redis, shared by every gateway, through redis-py's asyncio client (hiredis parser).
+
+Redis is an optimization, never a dependency: each call has a small time budget, a timeout or error
+is a miss (counted), a breaker stops calling a Redis that keeps failing and probes it again later, and
+the connection pool reconnects on its own. Keys are `PREFIX:NAMESPACE:MODEL:HEX` so a namespace or
+model can be invalidated with SCAN + UNLINK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from appliance.cache.breaker import CircuitBreaker
+from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
+from appliance.cache.metrics import CacheMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    password: str | None = None
+    tls_ca_file: str | None = None
+    key_prefix: str = "appliance"
+    ttl_s: int = 86400
+    timeout_ms: float = 5.0
+    max_connections: int = 32
+    breaker_failures: int = 5
+    breaker_reset_s: float = 2.0
+
+
+def _key_part(value: str) -> str:
+    # ':' separates the parts and '*?[' are SCAN glob characters: escape them in names.
+    return "".join(f"%{ord(c):02X}" if c in ":*?[]%\\" else c for c in value)
+
+
+class RedisTier:
+    def __init__(self, settings: RedisSettings, metrics: CacheMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
+        self._budget = settings.timeout_ms / 1000.0
+        kwargs: dict[str, Any] = {
+            "username": settings.username,
+            "password": settings.password,
+            "max_connections": settings.max_connections,
+            "socket_connect_timeout": max(self._budget, 0.05),
+            "retry_on_timeout": False,
+        }
+        if settings.tls_ca_file:
+            kwargs["ssl_ca_certs"] = settings.tls_ca_file
+        self.client: redis.Redis = redis.Redis.from_url(settings.url, **kwargs)
+
+    def redis_key(self, namespace: str, model: str, key: bytes) -> str:
+        s = self.settings
+        return f"{s.key_prefix}:{_key_part(namespace)}:{_key_part(model)}:{key.hex()}"
+
+    async def _call(self, what: str, command: Awaitable[Any]) -> Any:
+        """Runs one Redis command within the time budget; None on any fault (counted)."""
+        if not self.breaker.allow():
+            self.metrics.l2_skipped_breaker_open += 1
+            close = getattr(command, "close", None)
+            if close is not None:
+                close()  # never awaited: say so, or Python warns
+            return None
+        try:
+            result = await asyncio.wait_for(command, self._budget)
+        except TimeoutError:
+            self.metrics.l2_timeouts += 1
+            self._failed(what, "timeout")
+            return None
+        except (RedisError, OSError) as exc:
+            self.metrics.l2_errors += 1
+            self._failed(what, str(exc))
+            return None
+        self.breaker.success()
+        return result
+
+    def _failed(self, what: str, why: str) -> None:
+        before = self.breaker.opened
+        self.breaker.failure()
+        if self.breaker.opened != before:
+            self.metrics.breaker_opened += 1
+            log.warning(
+                "redis %s failed (%s); not calling redis for %.1f s",
+                what,
+                why,
+                self.breaker.reset_s,
+            )
+
+    async def get(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
+        data = await self._call("GET", self.client.get(self.redis_key(namespace, model, key)))
+        if not isinstance(data, bytes):
+            return None
+        try:
+            return decode(data)
+        except CorruptEntryError:
+            self.metrics.l2_corrupt_entries += 1
+            return None
+
+    async def put(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> bool:
+        name = self.redis_key(namespace, model, key)
+        done = await self._call(
+            "SET", self.client.set(name, encode(answer), ex=self.settings.ttl_s)
+        )
+        return done is True
+
+    async def invalidate(self, namespace: str, model: str) -> int:
+        """UNLINKs every key of a namespace and/or model ("" matches any). Not time-budgeted:
+        an operator's command, not the request path."""
+        ns = _key_part(namespace) if namespace else "*"
+        m = _key_part(model) if model else "*"
+        pattern = f"{self.settings.key_prefix}:{ns}:{m}:*"
+        removed = 0
+        batch: list[bytes] = []
+        async for name in self.client.scan_iter(match=pattern, count=1000):
+            batch.append(name)
+            if len(batch) >= 500:
+                removed += await self.client.unlink(*batch)
+                batch.clear()
+        if batch:
+            removed += await self.client.unlink(*batch)
+        return removed
+
+    async def close(self) -> None:
+        await self.client.aclose()

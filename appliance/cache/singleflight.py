@@ -1,0 +1,94 @@
+"""Single-flight: concurrent identical misses share one backend request, streamed live to all.
+
+The first request for a key starts a Flight: a task that runs the generation and records every
+event. Every request for the key (the first one too) follows the flight: it gets the events recorded
+so far, then each new one as it arrives. A follower that goes away just stops following; the
+generation is cancelled only when nobody follows it any more, so a leader's client cancelling does
+not take the answer away from the followers waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Flight(Generic[T]):
+    def __init__(self, source: AsyncIterator[T], on_done: Callable[[Flight[T]], None]) -> None:
+        self.events: list[T] = []
+        self.error: BaseException | None = None
+        self.done = False
+        self.abandoned = False  # nobody follows it any more; its task is being cancelled
+        self.written = False  # its answer was written back to the cache (once per flight)
+        self.followers = 0
+        self._changed = asyncio.Event()
+        self._on_done = on_done
+        self._task = asyncio.get_running_loop().create_task(self._run(source))
+
+    async def _run(self, source: AsyncIterator[T]) -> None:
+        try:
+            async for event in source:
+                self.events.append(event)
+                self._notify()
+        except asyncio.CancelledError:
+            self.error = asyncio.CancelledError()
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self.done = True
+            self._on_done(self)
+            self._notify()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def follow(self) -> AsyncIterator[T]:
+        """Every event from the first; raises the flight's error at the point it happened."""
+        self.followers += 1
+        index = 0
+        try:
+            while True:
+                while index < len(self.events):
+                    yield self.events[index]
+                    index += 1
+                if self.done:
+                    if self.error is not None:
+                        raise self.error
+                    return
+                await self._changed.wait()
+        finally:
+            self.followers -= 1
+            if self.followers == 0 and not self.done:
+                self.abandoned = True
+                self._task.cancel()
+
+
+class SingleFlight(Generic[T]):
+    """The flights in progress, by key."""
+
+    def __init__(self) -> None:
+        self._flights: dict[bytes, Flight[T]] = {}
+        self.started = 0
+        self.joined = 0
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def join(self, key: bytes, start: Callable[[], AsyncIterator[T]]) -> tuple[Flight[T], bool]:
+        """The flight for key, started with `start()` if there is none; True when this call led."""
+        flight = self._flights.get(key)
+        if flight is not None and not flight.done and not flight.abandoned:
+            self.joined += 1
+            return flight, False
+        self.started += 1
+        flight = Flight(start(), lambda f: self._finished(key, f))
+        self._flights[key] = flight
+        return flight, True
+
+    def _finished(self, key: bytes, flight: Flight[T]) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
