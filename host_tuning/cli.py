@@ -18,6 +18,7 @@ from host_tuning.facts.collect import collect
 from host_tuning.planner import Plan, make_plan
 from host_tuning.plugins.base import Context
 from host_tuning.rootfs import Root
+from host_tuning.state import StateError
 
 
 class CliError(Exception):
@@ -48,8 +49,13 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=f"{name} the plan")
         common(sp, True)
         sp.add_argument("--verbose", action="store_true", help="also list settled settings")
-        if name == "apply":
-            sp.add_argument("--dry-run", action="store_true", help="show the diff, change nothing")
+        sp.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="show the diff, change nothing"
+            if name == "apply"
+            else "accepted for symmetry (Ansible check mode): verify never changes anything",
+        )
     sp = sub.add_parser("revert", help="restore the values saved by apply")
     common(sp, False)
     sp.add_argument("--dry-run", action="store_true")
@@ -92,9 +98,15 @@ def run(argv: Sequence[str] | None = None) -> int:
             prof = profile.load(args.profile) if args.profile else profile.Profile()
             us = prof.pm_qos_latency_us
         try:
+            holdlatency.encode(us)
+        except ValueError as exc:
+            raise CliError(f"hold-latency --us {us}: {exc}") from exc
+        try:
             return holdlatency.hold(us, args.path)
         except PermissionError as exc:
             raise CliError(f"cannot open {args.path}: {exc.strerror}; run as root") from exc
+        except OSError as exc:
+            raise CliError(f"cannot open {args.path}: {exc.strerror or exc}") from exc
     root = Root(args.root)
     if not root.base.is_dir():
         raise CliError(f"--root {args.root}: not a directory")
@@ -130,6 +142,10 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(argv)
-    except (CliError, profile.ProfileError, PlanError, FileNotFoundError) as exc:
+    except (CliError, profile.ProfileError, PlanError, StateError) as exc:
         print(f"host-tune: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # A read or write outside the per-setting results (state file, sysfs listing, ...).
+        print(f"host-tune: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 1

@@ -16,6 +16,10 @@ STATE_DIR = "/var/lib/host-tune"
 STATE_FILE = f"{STATE_DIR}/state.json"
 
 
+class StateError(ValueError):
+    """The state file is not one host-tune wrote; nothing is guessed from it."""
+
+
 @dataclass
 class Entry:
     plugin: str
@@ -44,12 +48,20 @@ def load(root: Root) -> State:
     text = root.read(STATE_FILE)
     if text is None:
         return State()
-    data = json.loads(text)
-    entries = {
-        e["key"]: Entry(e["plugin"], e["target"], e["snapshot"], list(e.get("created_dirs", [])))
-        for e in data.get("entries", [])
-    }
-    return State(entries, list(data.get("managed", [])), list(data.get("own_dirs", [])))
+    try:
+        data = json.loads(text)
+        entries = {
+            e["key"]: Entry(
+                e["plugin"], e["target"], e["snapshot"], list(e.get("created_dirs", []))
+            )
+            for e in data.get("entries", [])
+        }
+        return State(entries, list(data.get("managed", [])), list(data.get("own_dirs", [])))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StateError(
+            f"{root.path(STATE_FILE)} is damaged ({exc!r}); restore it from a backup or "
+            "revert by hand: the prior values it holds cannot be guessed"
+        ) from exc
 
 
 def save(root: Root, state: State) -> None:

@@ -10,7 +10,7 @@ import re
 import shlex
 
 from host_tuning import cpulist
-from host_tuning.cores import CorePlan
+from host_tuning.cores import CorePlan, PlanError
 from host_tuning.facts.model import Facts
 from host_tuning.items import Advice, Item
 from host_tuning.plugins.base import Context, FilePlugin
@@ -70,6 +70,15 @@ def planned_tokens(facts: Facts, profile: Profile, cores: CorePlan) -> list[tupl
         out.append((token, "set by profile [kernel] extra_cmdline"))
     for token in profile.irreversible:
         out.append((token, "opted in by profile: polling idle costs power and heat; not reverted"))
+    seen: set[str] = set()
+    for token, _ in out:
+        if param(token) in seen:
+            # One item per parameter: a second value would fight the first in the drop-in.
+            raise PlanError(
+                f"kernel parameter {param(token)} is planned twice ({token}); host-tune already "
+                "sets it from the profile, so drop it from [kernel] extra_cmdline"
+            )
+        seen.add(param(token))
     return out
 
 

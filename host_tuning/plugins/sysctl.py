@@ -6,7 +6,7 @@ from host_tuning.cores import CorePlan
 from host_tuning.facts.model import Facts
 from host_tuning.items import Advice, Item
 from host_tuning.plugins.base import FilePlugin
-from host_tuning.profile import Profile
+from host_tuning.profile import Profile, is_sched_sysctl
 
 # key -> (value, reason). Never kernel.sched_*: moved to debugfs in 5.13, renamed in 6.6.
 DEFAULTS: dict[str, tuple[str, str]] = {
@@ -25,7 +25,9 @@ DEFAULTS: dict[str, tuple[str, str]] = {
 
 
 def path(key: str) -> str:
-    return "/proc/sys/" + key.replace(".", "/")
+    """``/proc/sys`` path of a sysctl; like sysctl(8), a name with '/' is already a path (that
+    spelling keeps dots inside interface names such as ``net/ipv4/conf/eth0.100/rp_filter``)."""
+    return "/proc/sys/" + (key if "/" in key else key.replace(".", "/"))
 
 
 class Sysctl(FilePlugin):
@@ -40,7 +42,7 @@ class Sysctl(FilePlugin):
         items = [
             Item(self.name, f"sysctl {k}", path(k), v, why)
             for k, (v, why) in sorted(chosen.items())
-            if not k.startswith("kernel.sched_")
+            if not is_sched_sysctl(k)
         ]
         return items, []
 

@@ -194,6 +194,27 @@ def test_refuses_real_host_without_root(
     assert "must run as root" in capsys.readouterr().err
 
 
+def test_damaged_state_file_is_refused_in_one_line(
+    box: Machine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = box.root / STATE_FILE.lstrip("/")
+    state.parent.mkdir(parents=True)
+    state.write_text('{"entries": [{"plugin": "sysctl"}]}')
+    before = snapshot(box.root)
+    assert main(["revert", "--root", str(box.root)]) == 2
+    err = capsys.readouterr().err
+    assert "is damaged" in err and err.count("\n") == 1
+    assert snapshot(box.root) == before
+
+
+def test_verify_accepts_dry_run(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = write_profile("")
+    code, data = run(capsys, "verify", "--dry-run", "--root", str(box.root), "--profile", str(prof))
+    assert code == 1 and data["command"] == "verify"  # the untouched box drifts from the plan
+
+
 def test_revert_without_state_is_a_no_op(box: Machine, capsys: pytest.CaptureFixture[str]) -> None:
     before = snapshot(box.root)
     assert main(["revert", "--root", str(box.root)]) == 0

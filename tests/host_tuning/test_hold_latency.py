@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from host_tuning import holdlatency
+from host_tuning.cli import main
 
 
 def holders(path: Path, pid: int) -> int:
@@ -75,3 +76,16 @@ def test_cli_process_holds_and_exits_on_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_refuses_a_bad_value_before_opening(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "cpu_dma_latency"
+    target.write_bytes(b"")
+    assert main(["hold-latency", "--us", "-5", "--path", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "hold-latency --us -5" in err and err.count("\n") == 1
+    assert target.read_bytes() == b""
+    assert main(["hold-latency", "--us", "5", "--path", str(tmp_path / "absent")]) == 2
+    assert capsys.readouterr().err.startswith("host-tune: cannot open")

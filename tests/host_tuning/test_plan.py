@@ -143,11 +143,56 @@ def test_unknown_gpu(box: Machine) -> None:
         ("[cpu]\npm_qos_latency_us = 0\n", "pm_qos_latency_us"),
         ('[cpu]\nenergy_perf_bias = "turbo"\n', "energy_perf_bias"),
         ("[nic]\nmtu = 20\n", "mtu"),
+        # Wrong types are refused, never coerced: a string of NIC names would match the
+        # management NIC by substring, "no" would be a true flag.
+        ('[serve]\nnics = "ibp25s0"\n', "nics must be a list of strings"),
+        ('[nic]\nmtu = "9000"\n', "mtu must be an integer"),
+        ('[kernel]\nisolate = "no"\n', "isolate must be true/false"),
+        ("[cpu]\ngateway_cores = true\n", "gateway_cores must be an integer"),
+        ("[cpu]\nhousekeeping_cores = 1.5\n", "housekeeping_cores must be an integer"),
+        ('[serve]\nnics = ["eth0|x"]\n', "not an interface name"),
+        ('[sysctl]\n"kernel/sched_min_granularity_ns" = 1\n', "kernel.sched_"),
+        ('[sysctl]\n"../../etc/shadow" = 1\n', "not a sysctl name"),
+        ('[sysctl]\n"vm.swappiness" = true\n', "integer or a string"),
+        ('[kernel]\nextra_cmdline = ["a b"]\n', "one kernel parameter per entry"),
+        ('[kernel]\nextra_cmdline = ["x=$(reboot)"]\n', "one kernel parameter per entry"),
+        ("[nic]\nrx_ring = 0\n", "rx_ring"),
     ],
 )
 def test_profile_refusals(text: str, message: str) -> None:
     with pytest.raises(ProfileError, match=message):
         from_dict(_toml(text))
+
+
+def test_energy_perf_bias_number_and_slash_sysctl_accepted(box: Machine) -> None:
+    p = from_dict(
+        _toml('[cpu]\nenergy_perf_bias = 4\n[sysctl]\n"net/ipv4/conf/eth0.100/rp_filter" = 2\n')
+    )
+    assert p.energy_perf_bias == "4"
+    plan = make_plan(collect(Root(box.root)), p)
+    item = next(i for i in plan.items if i.key == "sysctl net/ipv4/conf/eth0.100/rp_filter")
+    assert item.target == "/proc/sys/net/ipv4/conf/eth0.100/rp_filter"
+
+
+def test_extra_cmdline_repeating_a_planned_parameter_is_a_plan_error(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = from_dict(_toml('[kernel]\nextra_cmdline = ["iommu=pt"]\n'))
+    with pytest.raises(PlanError, match="iommu is planned twice"):
+        make_plan(collect(Root(box.root)), p)
+    prof = write_profile('[kernel]\nextra_cmdline = ["nohz_full=1-3"]\n')
+    assert main(["plan", "--root", str(box.root), "--profile", str(prof)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nohz_full is planned twice" in err
+
+
+def test_unreadable_profile_is_one_line(
+    box: Machine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for bad in (tmp_path / "missing.toml", tmp_path):
+        assert main(["plan", "--root", str(box.root), "--profile", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("host-tune: cannot read profile") and err.count("\n") == 1
 
 
 def test_irreversible_with_opt_in(box: Machine) -> None:
