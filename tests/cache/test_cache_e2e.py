@@ -1,0 +1,357 @@
+"""The cache in the gateway's request path, against the engine server and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from appliance.cache.l2 import RedisSettings
+from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
+from appliance.engine.runner import EngineStats
+from appliance.gateway import RunningGateway, load_models, start_server
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.cache.redis_server import RedisServer
+from tests.conftest import Engine, Tiny
+
+MISS, L1, L2 = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+def cache_config(redis_server: RedisServer | None, **l1: object) -> CacheConfig:
+    redis = None
+    if redis_server is not None:
+        # A budget loose enough for a loaded 2-core CI machine; the slow-Redis test tightens it.
+        redis = RedisSettings(url=redis_server.url, timeout_ms=200.0, breaker_reset_s=0.2)
+    return dataclasses.replace(CacheConfig(redis=redis), **l1)  # type: ignore[arg-type]
+
+
+class Gateway:
+    def __init__(self, running: RunningGateway, channel: grpc.aio.Channel) -> None:
+        self.running = running
+        self.stub = pb_grpc.InferenceStub(channel)
+        self.admin = pb_grpc.CacheAdminStub(channel)
+        self._channel = channel
+
+    async def counters(self) -> dict[str, int]:
+        return dict((await self.admin.Stats(pb.CacheStatsRequest())).counters)
+
+    async def close(self) -> None:
+        await self._channel.close()
+        await self.running.drain(0.2)
+
+
+async def gateway(
+    tiny: Tiny, engine: Engine, cache: CacheConfig, fingerprint: Path | None = None
+) -> Gateway:
+    model = ModelConfig(
+        name="tiny",
+        backend=engine.address,
+        tokenizer_dir=tiny.tokenizer_dir,
+        max_output_tokens=2000,
+        ready_timeout_s=5.0,
+        fingerprint_file=fingerprint,
+    )
+    config = GatewayConfig(ServerConfig(listen="127.0.0.1:0"), {"tiny": model}, cache)
+    running = await start_server(config, await load_models(config))
+    return Gateway(running, grpc.aio.insecure_channel(f"127.0.0.1:{running.port}"))
+
+
+@pytest.fixture
+async def gw(tiny: Tiny, engine: Engine, redis_server: RedisServer) -> AsyncIterator[Gateway]:
+    redis_server.client().flushall()
+    g = await gateway(tiny, engine, cache_config(redis_server))
+    yield g
+    await g.close()
+
+
+counter = iter(range(10**9))
+
+
+def req(prompt: str | None = None, **kw: object) -> pb.GenerateRequest:
+    """A deterministic request nobody asked before (unless prompt is given)."""
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 8)
+    return pb.GenerateRequest(model="tiny", prompt=prompt or f"question {next(counter)}", **kw)  # type: ignore[arg-type]
+
+
+def started(engine: Engine) -> int:
+    stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
+    return stats.started
+
+
+async def settle() -> None:
+    """Lets the write-back tasks (L2 is written off the request path) run."""
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+async def test_hit_tiers_and_identical_answers_across_gateways(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer
+) -> None:
+    r = req()
+    before = started(engine)
+    miss = await gw.stub.Complete(r)
+    assert miss.final.cache_tier == MISS
+    hit = await gw.stub.Complete(r)
+    assert hit.final.cache_tier == L1
+    await settle()
+    other = await gateway(tiny, engine, cache_config(redis_server))
+    try:
+        l2 = await other.stub.Complete(r)
+        again = await other.stub.Complete(r)
+    finally:
+        await other.close()
+    assert (l2.final.cache_tier, again.final.cache_tier) == (L2, L1)
+    assert started(engine) - before == 1
+    for answer in (hit, l2, again):
+        assert answer.text == miss.text and list(answer.token_ids) == list(miss.token_ids)
+        assert answer.final.finish_reason == miss.final.finish_reason
+        assert answer.final.usage == miss.final.usage
+
+
+async def test_a_streamed_hit_has_the_shape_of_a_miss(gw: Gateway) -> None:
+    r = req()
+    miss = [m async for m in gw.stub.Generate(r)]
+    hit = [m async for m in gw.stub.Generate(r)]
+    assert [m.HasField("final") for m in hit] == [False, True]
+    assert miss[-1].final.WhichOneof  # both end with one final message
+    assert "".join(m.text for m in hit) == "".join(m.text for m in miss)
+    assert hit[-1].final.cache_tier == L1 and miss[-1].final.cache_tier == MISS
+    assert hit[-1].final.timings.total_us >= hit[-1].final.timings.ttft_us
+
+
+async def test_tenants_never_see_each_others_answers(gw: Gateway, engine: Engine) -> None:
+    r = req()
+    r.namespace = "tenant-a"
+    await gw.stub.Complete(r)
+    before = started(engine)
+    r.namespace = "tenant-b"
+    b = await gw.stub.Complete(r)
+    assert b.final.cache_tier == MISS and started(engine) - before == 1
+
+
+async def test_a_rebuilt_engine_misses(
+    tiny: Tiny, engine: Engine, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    r = req()
+    old = await gateway(tiny, engine, cache_config(redis_server))
+    try:
+        await old.stub.Complete(r)
+        await settle()
+    finally:
+        await old.close()
+    rebuilt = tmp_path / "engine_fingerprint"
+    rebuilt.write_text("a-new-engine\n")
+    new = await gateway(tiny, engine, cache_config(redis_server), fingerprint=rebuilt)
+    try:
+        assert (await new.stub.Complete(r)).final.cache_tier == MISS
+    finally:
+        await new.close()
+
+
+async def test_a_cancelled_stream_is_never_cached(gw: Gateway, engine: Engine) -> None:
+    r = req(max_tokens=1500)
+    stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
+    cancelled = stats.cancelled
+    call = gw.stub.Generate(r)
+    await call.read()
+    call.cancel()
+    await asyncio.to_thread(
+        lambda: (
+            stats.changed.acquire()
+            and (
+                stats.changed.wait_for(lambda: stats.cancelled > cancelled, 30),
+                stats.changed.release(),
+            )
+        )
+    )
+    await settle()
+    assert (await gw.counters())["writes"] == 0
+    before = started(engine)
+    call = gw.stub.Generate(r)
+    first = await call.read()
+    call.cancel()
+    assert started(engine) - before == 1 and first.token_ids  # generated again, not a hit
+
+
+async def test_a_failed_stream_is_never_cached(
+    tiny: Tiny, engine_repo: Path, redis_server: RedisServer
+) -> None:
+    from appliance.engine.server import load_models as engine_models
+    from appliance.engine.server import start_engine
+
+    models = engine_models(engine_repo)
+    server, _, port = await start_engine({"tensorrt_llm": models["tensorrt_llm"]}, "127.0.0.1:0")
+    engine = Engine(f"127.0.0.1:{port}", None, models, server)  # type: ignore[arg-type]
+    g = await gateway(tiny, engine, cache_config(redis_server))
+    try:
+        await server.stop(grace=None)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await g.stub.Complete(req())
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        counters = await g.counters()
+        assert counters["writes"] == 0 and counters["l1_entries"] == 0
+    finally:
+        await g.close()
+        for m in models.values():
+            m.runner.close()
+
+
+async def test_single_flight_makes_one_engine_request_for_concurrent_misses(
+    gw: Gateway, engine: Engine
+) -> None:
+    r = req(max_tokens=40)
+    before = started(engine)
+    answers = await asyncio.gather(*(gw.stub.Complete(r) for _ in range(6)))
+    assert started(engine) - before == 1
+    assert len({a.text for a in answers}) == 1
+    assert all(a.final.cache_tier == MISS for a in answers)
+    assert (await gw.counters())["single_flight_followers"] == 5
+
+
+async def test_the_leader_cancelling_leaves_the_followers_their_answer(
+    gw: Gateway, engine: Engine
+) -> None:
+    r = req(max_tokens=300)
+    reference = await gw.stub.Complete(dataclasses_replace(r, cache_policy=pb.CACHE_POLICY_BYPASS))
+    before = started(engine)
+    leader = gw.stub.Generate(r)
+    await leader.read()
+    followers = [asyncio.ensure_future(gw.stub.Complete(r)) for _ in range(3)]
+    for _ in range(200):
+        if (await gw.counters())["single_flight_followers"] == 3:
+            break
+        await asyncio.sleep(0.01)
+    leader.cancel()
+    answers = await asyncio.gather(*followers)
+    assert started(engine) - before == 1
+    assert all(a.text == reference.text for a in answers)
+    assert (await gw.stub.Complete(r)).final.cache_tier == L1  # complete, so it was cached
+
+
+def dataclasses_replace(r: pb.GenerateRequest, **fields: object) -> pb.GenerateRequest:
+    copy = pb.GenerateRequest()
+    copy.CopyFrom(r)
+    for k, v in fields.items():
+        setattr(copy, k, v)
+    return copy
+
+
+async def test_policies(gw: Gateway, engine: Engine) -> None:
+    r = req()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await gw.stub.Complete(dataclasses_replace(r, cache_policy=pb.CACHE_POLICY_ONLY))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    before = started(engine)
+    for _ in range(2):
+        bypass = await gw.stub.Complete(dataclasses_replace(r, cache_policy=pb.CACHE_POLICY_BYPASS))
+        assert bypass.final.cache_tier == MISS
+    assert started(engine) - before == 2
+    assert (await gw.counters())["writes"] == 0  # BYPASS writes nothing either
+    refreshed = await gw.stub.Complete(dataclasses_replace(r, cache_policy=pb.CACHE_POLICY_REFRESH))
+    assert refreshed.final.cache_tier == MISS and started(engine) - before == 3
+    only = await gw.stub.Complete(dataclasses_replace(r, cache_policy=pb.CACHE_POLICY_ONLY))
+    assert only.final.cache_tier == L1 and only.text == refreshed.text
+    again = await gw.stub.Complete(dataclasses_replace(r, cache_policy=pb.CACHE_POLICY_REFRESH))
+    assert again.final.cache_tier == MISS and started(engine) - before == 4
+    sampled = req(temperature=0.8, cache_policy=pb.CACHE_POLICY_ONLY)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await gw.stub.Complete(sampled)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_sampled_requests_without_seed_are_not_cached(gw: Gateway, engine: Engine) -> None:
+    r = req(temperature=0.9)
+    before = started(engine)
+    await gw.stub.Complete(r)
+    assert (await gw.stub.Complete(r)).final.cache_tier == MISS
+    assert started(engine) - before == 2
+    seeded = req(temperature=0.9, seed=3)
+    await gw.stub.Complete(seeded)
+    assert (await gw.stub.Complete(seeded)).final.cache_tier == L1
+
+
+async def test_invalidate_a_namespace(gw: Gateway, redis_server: RedisServer) -> None:
+    r = req()
+    r.namespace = "team"
+    await gw.stub.Complete(r)
+    await settle()
+    assert redis_server.client().dbsize() == 1
+    removed = await gw.admin.Invalidate(pb.InvalidateRequest(namespace="team"))
+    assert (removed.l1_removed, removed.l2_removed) == (1, 1)
+    assert (await gw.stub.Complete(r)).final.cache_tier == MISS
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await gw.admin.Invalidate(pb.InvalidateRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_redis_killed_mid_load_and_restarted(
+    tiny: Tiny, engine: Engine, redis_server: RedisServer
+) -> None:
+    redis_server.client().flushall()
+    g = await gateway(tiny, engine, cache_config(redis_server, l1_max_entries=0))
+    prompts = [req() for _ in range(6)]
+    failures = 0
+
+    async def load(rounds: int) -> None:
+        nonlocal failures
+        for i in range(rounds):
+            try:
+                await g.stub.Complete(prompts[i % len(prompts)], timeout=30)
+            except grpc.aio.AioRpcError:
+                failures += 1
+
+    try:
+        await load(12)
+        killer = threading.Thread(target=redis_server.kill)
+        killer.start()
+        await load(12)
+        killer.join()
+        await load(12)  # Redis is down: every request is a miss, none fails
+        down = await g.counters()
+        assert down["l2_errors"] + down["l2_timeouts"] + down["l2_skipped_breaker_open"] > 0
+        redis_server.start()
+        await asyncio.sleep(0.3)  # past breaker_reset_s: the next call probes
+        await load(12)
+        await settle()
+        hits_before = (await g.counters())["l2_hits"]
+        await load(12)
+        assert (await g.counters())["l2_hits"] > hits_before  # hits resume after the restart
+    finally:
+        await g.close()
+    assert failures == 0
+
+
+async def test_slow_redis_does_not_make_requests_miss_their_deadline(
+    tiny: Tiny, engine: Engine, redis_server: RedisServer
+) -> None:
+    redis_server.client().flushall()
+    cache = cache_config(redis_server, l1_max_entries=0)
+    assert cache.redis is not None
+    cache = dataclasses.replace(cache, redis=dataclasses.replace(cache.redis, timeout_ms=5.0))
+    g = await gateway(tiny, engine, cache)
+    try:
+        redis_server.pause()
+        for _ in range(3):
+            answer = await g.stub.Complete(req(max_tokens=4), timeout=1.0)
+            assert answer.final.cache_tier == MISS
+        counters = await g.counters()
+        assert counters["l2_timeouts"] >= 1
+        assert counters["l2_timeouts"] + counters["l2_skipped_breaker_open"] >= 3
+    finally:
+        redis_server.resume()
+        await g.close()

@@ -1,0 +1,148 @@
+"""L1 LRU, the entry encoding, the breaker and single-flight, without servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.cache.breaker import CircuitBreaker
+from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
+from appliance.cache.l1 import LruCache
+from appliance.cache.singleflight import SingleFlight
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def answer(text: str = "hello", n: int = 3) -> CachedAnswer:
+    return CachedAnswer(text, tuple(range(n)), 1, 5, n)
+
+
+@given(text=st.text(), ids=st.lists(st.integers(-(2**31), 2**31 - 1)), finish=st.integers(0, 3))
+def test_entry_round_trips(text: str, ids: list[int], finish: int) -> None:
+    a = CachedAnswer(text, tuple(ids), finish, 7, len(ids))
+    assert decode(encode(a)) == a
+
+
+@pytest.mark.parametrize("data", [b"", b"\x02" + b"\x00" * 13, encode(answer())[:-8] + b"\xff"])
+def test_corrupt_entries_are_refused(data: bytes) -> None:
+    with pytest.raises(CorruptEntryError):
+        decode(data)
+
+
+def test_lru_evicts_least_recently_used_by_entries_and_bytes() -> None:
+    lru = LruCache(max_entries=2, max_bytes=10**6, ttl_s=60)
+    lru.put(b"a", answer("a"), ("ns", "m"))
+    lru.put(b"b", answer("b"), ("ns", "m"))
+    assert lru.get(b"a") is not None  # a is now the most recent
+    lru.put(b"c", answer("c"), ("ns", "m"))
+    assert lru.get(b"b") is None and lru.get(b"a") is not None and len(lru) == 2
+    small = LruCache(max_entries=100, max_bytes=answer("x" * 100).size() + 10, ttl_s=60)
+    small.put(b"1", answer("x" * 100), ("ns", "m"))
+    small.put(b"2", answer("y" * 100), ("ns", "m"))
+    assert small.get(b"1") is None and small.get(b"2") is not None
+    assert small.bytes == answer("y" * 100).size()
+
+
+def test_lru_ttl_expires() -> None:
+    clock = Clock()
+    lru = LruCache(10, 10**6, ttl_s=5, clock=clock)
+    lru.put(b"k", answer(), ("ns", "m"))
+    clock.now = 4.9
+    assert lru.get(b"k") is not None
+    clock.now = 5.0
+    assert lru.get(b"k") is None and lru.bytes == 0
+
+
+def test_lru_invalidates_by_namespace_and_model() -> None:
+    lru = LruCache(10, 10**6, 60)
+    for k, labels in [(b"1", ("a", "m")), (b"2", ("a", "n")), (b"3", ("b", "m"))]:
+        lru.put(k, answer(), labels)
+    assert lru.invalidate("a", "") == 2 and len(lru) == 1
+    assert lru.invalidate("", "m") == 1 and len(lru) == 0
+
+
+def test_breaker_opens_probes_and_closes() -> None:
+    clock = Clock()
+    b = CircuitBreaker(threshold=3, reset_s=2.0, clock=clock)
+    for _ in range(3):
+        assert b.allow()
+        b.failure()
+    assert b.state == "open" and not b.allow() and b.opened == 1
+    clock.now = 2.0
+    assert b.allow()  # the probe
+    assert not b.allow()  # only one probe at a time
+    b.failure()
+    assert b.state == "open" and b.opened == 2
+    clock.now = 4.0
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.allow()
+
+
+async def _numbers(n: int, gate: asyncio.Event, started: list[int]) -> AsyncIterator[int]:
+    started.append(1)
+    for i in range(n):
+        await gate.wait()
+        yield i
+
+
+async def test_single_flight_runs_once_and_fans_out_live() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    gate = asyncio.Event()
+    started: list[int] = []
+    leader, led = flights.join(b"k", lambda: _numbers(3, gate, started))
+    follower, followed = flights.join(b"k", lambda: _numbers(3, gate, started))
+    assert led and not followed and leader is follower
+
+    async def collect(f: object) -> list[int]:
+        return [x async for x in leader.follow()]
+
+    a, b = asyncio.ensure_future(collect(leader)), asyncio.ensure_future(collect(follower))
+    await asyncio.sleep(0)
+    gate.set()
+    assert await a == [0, 1, 2] == await b
+    assert started == [1] and len(flights) == 0
+
+
+async def test_leader_leaving_does_not_stop_the_followers() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    gate = asyncio.Event()
+    flight, _ = flights.join(b"k", lambda: _numbers(3, gate, []))
+    leader = flight.follow()
+    follower = asyncio.ensure_future(_drain(flight.follow()))
+    await asyncio.sleep(0)
+    gate.set()
+    assert await leader.__anext__() == 0
+    await leader.aclose()  # the leader's client went away
+    assert await follower == [0, 1, 2]
+
+
+async def test_a_flight_nobody_follows_is_cancelled() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    never = asyncio.Event()
+    flight, _ = flights.join(b"k", lambda: _numbers(3, never, []))
+    reader = flight.follow()
+    pending = asyncio.ensure_future(reader.__anext__())
+    await asyncio.sleep(0)
+    pending.cancel()
+    await asyncio.sleep(0)
+    await reader.aclose()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert flight.done and flight.abandoned and len(flights) == 0
+    again, led = flights.join(b"k", lambda: _numbers(1, asyncio.Event(), []))
+    assert led and again is not flight
+
+
+async def _drain(it: AsyncIterator[int]) -> list[int]:
+    return [x async for x in it]
