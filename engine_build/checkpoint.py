@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_build.errors import BuildError
+from engine_build.spec import BuildSpec
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -55,10 +56,15 @@ def shape_from_config(cfg: dict[str, Any], where: Path) -> ModelShape:
     hidden = _int(cfg, "hidden_size", where)
     heads = _int(cfg, "num_attention_heads", where)
     kv_heads = cfg.get("num_key_value_heads", heads)
-    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+    if (
+        not isinstance(kv_heads, int)
+        or isinstance(kv_heads, bool)
+        or kv_heads < 1
+        or heads % kv_heads
+    ):
         raise BuildError(f"{where}: num_key_value_heads {kv_heads!r} must divide {heads}")
     head_dim = cfg.get("head_dim") or hidden // heads
-    if not isinstance(head_dim, int):
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
         raise BuildError(f"{where}: head_dim must be an integer, got {head_dim!r}")
     return ModelShape(
         architecture=arch,
@@ -97,6 +103,25 @@ def read_shape(hf_model_dir: Path) -> ModelShape:
         read_json(hf_model_dir / "config.json", "checkpoint config.json"),
         hf_model_dir / "config.json",
     )
+
+
+def read_shape_for(spec: BuildSpec) -> ModelShape:
+    """The checkpoint's shape, refused when the spec asks for what it cannot do."""
+    shape = read_shape(spec.hf_model_dir)
+    if spec.max_seq_len > shape.max_position_embeddings:
+        raise BuildError(
+            f"limits.max_seq_len {spec.max_seq_len} > max_position_embeddings "
+            f"{shape.max_position_embeddings} of {spec.hf_model_dir}"
+        )
+    for key in ("num_attention_heads", "intermediate_size"):
+        value = getattr(shape, key)
+        if value % spec.tp_size:
+            # TensorRT-LLM splits attention heads and the MLP evenly across ranks.
+            raise BuildError(
+                f"parallel.tp_size {spec.tp_size} does not divide {key} {value} of "
+                f"{spec.hf_model_dir}"
+            )
+    return shape
 
 
 def fingerprint_tree(root: Path) -> str:

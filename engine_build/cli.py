@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine_build import commands, gpu, planner, runner
-from engine_build.checkpoint import read_shape
+from engine_build.checkpoint import read_shape_for
 from engine_build.errors import BuildError, DoesNotFit
 from engine_build.repo import write_repository
 from engine_build.spec import BuildSpec, load_spec
@@ -62,12 +62,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.Plan:
     """Print the table; raise :class:`DoesNotFit` with what to change when it does not fit."""
-    shape = read_shape(spec.hf_model_dir)
-    if spec.max_seq_len > shape.max_position_embeddings:
-        raise BuildError(
-            f"limits.max_seq_len {spec.max_seq_len} > max_position_embeddings "
-            f"{shape.max_position_embeddings} of {spec.hf_model_dir}"
-        )
+    shape = read_shape_for(spec)
     plan = planner.make_plan(shape, spec, _gpu_memory(spec, gpu_memory))
     print(planner.render_table(plan, spec))
     if not plan.fits:

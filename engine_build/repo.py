@@ -11,9 +11,10 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from engine_build import pbtxt, runner
-from engine_build.checkpoint import fingerprint_tree, read_json, read_shape
+from engine_build.checkpoint import fingerprint_tree, read_json, read_shape_for
 from engine_build.errors import BuildError
 from engine_build.spec import BuildSpec
 from engine_build.verify import cross_check_engine, engine_limits, verify_repository
@@ -77,15 +78,16 @@ def write_repository(
     spec: BuildSpec, output: Path, hf_only: bool = False, force: bool = False
 ) -> Path:
     """Write ``output`` for the spec's engine (or, with ``hf_only``, for its HF checkpoint)."""
-    shape = read_shape(spec.hf_model_dir)
-    if spec.max_seq_len > shape.max_position_embeddings:
-        raise BuildError(
-            f"limits.max_seq_len {spec.max_seq_len} > max_position_embeddings "
-            f"{shape.max_position_embeddings} of the checkpoint"
-        )
+    read_shape_for(spec)
     engine_dir: Path | None = None
+    limits: dict[str, Any] = {}
     if not hf_only:
         engine_dir = spec.engine_dir
+        if not (engine_dir / "config.json").is_file():
+            raise BuildError(
+                f"no engine in {engine_dir}: run `engine-build build` first, or pass --hf-only "
+                "for the engine server"
+            )
         limits = engine_limits(read_json(engine_dir / "config.json", "engine config.json"))
         expected = {
             "max_batch_size": spec.max_batch_size,
@@ -110,7 +112,6 @@ def write_repository(
         cfg = pbtxt.model_config(repo_params(spec, engine_dir))
         if engine_dir is not None:
             params = {k: v.string_value for k, v in cfg.parameters.items()}
-            limits = engine_limits(read_json(engine_dir / "config.json", "engine config.json"))
             mismatch = cross_check_engine(cfg, params, limits)
             if mismatch:
                 raise BuildError(f"engine {engine_dir} does not match the spec: {mismatch[0]}")

@@ -42,7 +42,7 @@ def tools(calls: Path) -> list[str]:
     return [c["tool"] for c in read_calls(calls)]
 
 
-def test_fake_install_builds_checkpoint_and_engine(
+def test_stand_in_tools_build_checkpoint_and_engine(
     tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
 ) -> None:
     spec = make_spec(tmp_path, checkpoint, fake_trtllm)
@@ -61,7 +61,7 @@ def test_fake_install_builds_checkpoint_and_engine(
     assert not list(spec.work_dir.glob("*.partial"))
 
 
-def test_second_run_skips_both_stages(
+def test_second_run_skips_both_stages_with_stand_in_tools(
     tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
 ) -> None:
     spec = make_spec(tmp_path, checkpoint, fake_trtllm)
@@ -73,7 +73,7 @@ def test_second_run_skips_both_stages(
     assert log.count("up to date, skipped") == 2
 
 
-def test_engine_only_spec_change_rebuilds_only_the_engine(
+def test_engine_only_spec_change_rebuilds_only_the_engine_with_stand_in_tools(
     tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
 ) -> None:
     run(make_spec(tmp_path, checkpoint, fake_trtllm))
@@ -85,7 +85,7 @@ def test_engine_only_spec_change_rebuilds_only_the_engine(
     assert cfg["build_config"]["max_seq_len"] == 8192
 
 
-def test_checkpoint_change_rebuilds_everything(
+def test_checkpoint_change_rebuilds_everything_with_stand_in_tools(
     tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
 ) -> None:
     spec = make_spec(tmp_path, checkpoint, fake_trtllm)
@@ -96,7 +96,7 @@ def test_checkpoint_change_rebuilds_everything(
     assert [r.skipped for r in results] == [False, False]
 
 
-def test_trtllm_version_change_rebuilds(
+def test_trtllm_version_change_rebuilds_with_stand_in_tools(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm_factory: Callable[[str | None], Path],
@@ -111,14 +111,16 @@ def test_trtllm_version_change_rebuilds(
     assert first[1].fingerprint != second[1].fingerprint
 
 
-def test_force_rebuilds(tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path) -> None:
+def test_force_rebuilds_with_stand_in_tools(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
+) -> None:
     spec = make_spec(tmp_path, checkpoint, fake_trtllm)
     run(spec)
     results, _ = run(spec, force=True)
     assert [r.skipped for r in results] == [False, False]
 
 
-def test_failed_build_names_stage_shows_tail_and_removes_partial_output(
+def test_stand_in_build_failure_names_stage_shows_tail_and_removes_partial_output(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm: Path,
@@ -144,7 +146,7 @@ def test_failed_build_names_stage_shows_tail_and_removes_partial_output(
     assert [r.skipped for r in results] == [True, False]
 
 
-def test_failed_quantize_leaves_nothing(
+def test_stand_in_quantize_failure_leaves_nothing(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm: Path,
@@ -160,7 +162,7 @@ def test_failed_quantize_leaves_nothing(
     assert tools(calls) == ["quantize.py"]
 
 
-def test_tool_exiting_zero_without_engine_is_a_failure(
+def test_stand_in_tool_exiting_zero_without_engine_is_a_failure(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm: Path,
@@ -174,7 +176,7 @@ def test_tool_exiting_zero_without_engine_is_a_failure(
     assert not spec.engine_dir.exists()
 
 
-def test_opt_num_tokens_reaches_the_tool(
+def test_opt_num_tokens_reaches_the_stand_in_tool(
     tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
 ) -> None:
     spec = make_spec(
@@ -197,7 +199,7 @@ def test_opt_num_tokens_reaches_the_tool(
         (None, "TensorRT-LLM is missing: the installation reports no tensorrt_llm package"),
     ],
 )
-def test_wrong_or_missing_trtllm_refused_before_any_stage(
+def test_wrong_or_missing_trtllm_refused_before_any_stand_in_stage(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm_factory: Callable[[str | None], Path],
@@ -219,7 +221,7 @@ def test_missing_venv_refused(tmp_path: Path, checkpoint: Path, calls: Path) -> 
         run(spec)
 
 
-def test_container_prefix_runs_the_same_tools(
+def test_container_prefix_runs_the_same_stand_in_tools(
     tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
 ) -> None:
     # `env PATH=...` stands in for `docker run ... IMAGE`: an argv prefix before the tool.
@@ -253,7 +255,7 @@ def test_version_parse_ignores_banners() -> None:
     assert runner.parse_version(text) == (1, 2, "1.2.1")
 
 
-def test_stamp_mtime_is_not_part_of_the_fingerprint(
+def test_stamp_mtime_is_not_part_of_the_fingerprint_with_stand_in_tools(
     tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
 ) -> None:
     spec = make_spec(tmp_path, checkpoint, fake_trtllm)
@@ -265,7 +267,7 @@ def test_stamp_mtime_is_not_part_of_the_fingerprint(
     assert all(r.skipped for r in results)
 
 
-def test_failed_engine_only_rebuild_removes_the_stale_engine(
+def test_failed_stand_in_engine_rebuild_removes_the_stale_engine(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm: Path,

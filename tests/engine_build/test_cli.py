@@ -65,6 +65,9 @@ BAD_PLAN = [
     ("sequence beyond the model", "limits.max_seq_len 4096 > max_position_embeddings 2048"),
     ("bad gpu memory", "--gpu-memory 'lots'"),
     ("contradictory spec", "limits.max_input_len (8192) > limits.max_seq_len"),
+    ("opt_num_tokens with multiple profiles", "conflicts with limits.multiple_profiles"),
+    ("tp not dividing the heads", "parallel.tp_size 3 does not divide num_attention_heads 32"),
+    ("unreadable config.json", "checkpoint config.json"),
 ]
 
 
@@ -89,6 +92,12 @@ def test_plan_bad_input_exits_1_with_one_line(
         memory = "lots"
     if case == "contradictory spec":
         overrides = {"limits": {"max_input_len": 8192}}
+    if case == "opt_num_tokens with multiple profiles":
+        overrides = {"limits": {"opt_num_tokens": 256, "multiple_profiles": True}}
+    if case == "tp not dividing the heads":
+        overrides = {"parallel": {"tp_size": 3}}
+    if case == "unreadable config.json":
+        (ckpt / "config.json").write_text("{not json")
     spec = spec_file(tmp_path, ckpt, fake_trtllm, **overrides)
     rc = cli.main(["plan", "--spec", spec, "--gpu-memory", memory])
     assert rc == 1
@@ -124,7 +133,7 @@ def test_gpu_memory_sizes() -> None:
     assert gpu.parse_size("1024") == 1024
 
 
-def test_build_repo_verify_round_trip_with_fake_install(
+def test_build_repo_verify_round_trip_with_stand_in_tools(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm: Path,
@@ -155,7 +164,7 @@ def test_build_repo_verify_round_trip_with_fake_install(
     assert "--force" in one_line_error(capsys.readouterr().err)
 
 
-def test_build_refuses_before_running_anything(
+def test_build_refuses_before_running_any_stand_in_tool(
     tmp_path: Path,
     fake_trtllm_factory: Any,
     calls: Path,
@@ -172,7 +181,7 @@ def test_build_refuses_before_running_anything(
     assert read_calls(calls) == []
 
 
-def test_build_failure_exits_1_naming_the_stage(
+def test_stand_in_build_failure_exits_1_naming_the_stage(
     tmp_path: Path,
     checkpoint: Path,
     fake_trtllm: Path,

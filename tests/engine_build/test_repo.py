@@ -147,8 +147,9 @@ def test_repo_refuses_engine_built_for_other_limits(
 
 def test_repo_refuses_missing_engine(tmp_path: Path, checkpoint: Path, fake_trtllm: Path) -> None:
     spec = make_spec(tmp_path, checkpoint, fake_trtllm)
-    with pytest.raises(BuildError, match=r"engine config\.json missing"):
+    with pytest.raises(BuildError, match=r"no engine in .*run `engine-build build` first"):
         write_repository(spec, tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
 
 
 def test_repo_refuses_to_overwrite_without_force(
