@@ -48,6 +48,31 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.workdir), args.requests, args.max_tokens)
 
 
+def _cache(args: argparse.Namespace) -> int:
+    import grpc
+
+    from appliance.v1 import inference_pb2 as pb
+    from appliance.v1 import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.gateway) as channel:
+        admin = pb_grpc.CacheAdminStub(channel)
+        try:
+            if args.cache_command == "stats":
+                reply = admin.Stats(pb.CacheStatsRequest(), timeout=args.timeout)
+                for name in sorted(reply.counters):
+                    print(f"{name} {reply.counters[name]}")
+                return 0
+            removed = admin.Invalidate(
+                pb.InvalidateRequest(namespace=args.namespace, model=args.model, all=args.all),
+                timeout=args.timeout,
+            )
+        except grpc.RpcError as exc:
+            print(f"appliance cache: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(f"removed {removed.l1_removed} from L1 (this gateway), {removed.l2_removed} from Redis")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance", description=__doc__)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -67,6 +92,17 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write the small random-weight model + repository")
     t.add_argument("--dest", default="var/tiny", help="output directory (default var/tiny)")
     t.set_defaults(func=_make_tiny_model)
+
+    c = sub.add_parser("cache", help="operate a gateway's response cache")
+    c.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    c.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    csub = c.add_subparsers(dest="cache_command", required=True)
+    inv = csub.add_parser("invalidate", help="drop cached answers of a namespace and/or model")
+    inv.add_argument("--namespace", default="", help="tenant namespace")
+    inv.add_argument("--model", default="", help="model name")
+    inv.add_argument("--all", action="store_true", help="drop every cached answer")
+    csub.add_parser("stats", help="print the cache's counters")
+    c.set_defaults(func=_cache)
 
     d = sub.add_parser("demo", help="start engine + gateway, stream a few requests, stop both")
     d.add_argument("--workdir", default="var", help="where the tiny model and configs go")

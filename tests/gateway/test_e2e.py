@@ -202,3 +202,36 @@ def test_malformed_config_names_line_and_key(tmp_path: Path) -> None:
     assert done.stderr.strip() == (
         f"appliance serve: {config}:6: key 'models.x.backend': expected str, got int 12"
     )
+
+
+def _cache_cli(gateway_address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "cache", "--gateway", gateway_address, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_cache_cli_stats_and_invalidate(
+    stub: pb_grpc.InferenceStub, gateway_address: str
+) -> None:
+    r = req(prompt="cached by the cli test", max_tokens=4, temperature=0, namespace="cli")
+    await stub.Complete(r)
+    assert (await stub.Complete(r)).final.cache_tier == pb.CACHE_TIER_EXACT_L1
+    stats = _cache_cli(gateway_address, "stats")
+    counters = dict(line.split() for line in stats.stdout.splitlines())
+    assert stats.returncode == 0 and int(counters["l1_hits"]) >= 1
+    done = _cache_cli(gateway_address, "invalidate", "--namespace", "cli")
+    assert done.returncode == 0
+    assert done.stdout.strip() == "removed 1 from L1 (this gateway), 0 from Redis"
+    assert (await stub.Complete(r)).final.cache_tier == pb.CACHE_TIER_MISS
+
+
+def test_cache_cli_refuses_an_unscoped_invalidation(gateway_address: str) -> None:
+    done = _cache_cli(gateway_address, "invalidate")
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "appliance cache: INVALID_ARGUMENT: name a namespace, a model or both; "
+        "set all=true to drop every cached answer"
+    )
