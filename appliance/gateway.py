@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from appliance import sdnotify
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, cache_key, is_deterministic
 from appliance.cache.l1 import LruCache
@@ -37,7 +38,15 @@ from appliance.cache.singleflight import SingleFlight
 from appliance.cache.tiers import ResponseCache
 from appliance.config import CacheConfig, GatewayConfig, ModelConfig
 from appliance.detokenize import IncrementalDecoder
-from appliance.request import CheckedRequest, Limits, PreparedRequest, RequestError, check, tokenize
+from appliance.request import (
+    CheckedRequest,
+    Limits,
+    PreparedRequest,
+    RequestError,
+    Sampling,
+    check,
+    tokenize,
+)
 from appliance.stopstrings import StopMatcher
 from appliance.tokenizer import ModelText, TokenizerLoadError
 from appliance.triton_backend import BackendError, TritonBackend
@@ -478,20 +487,45 @@ async def start_server(config: GatewayConfig, models: dict[str, ServedModel]) ->
     return RunningGateway(server, service, health_servicer, models, port)
 
 
+async def warm_up(models: dict[str, ServedModel]) -> None:
+    """One token through each model before READY=1, so the first client does not pay for cold
+    paths (connection set-up, engine graph capture); StartupError if a model cannot answer."""
+    for model in models.values():
+        prompt = model.text.encode_prompt("warm-up")
+        greedy = Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=None)
+        stream = model.backend.stream(f"warm-up-{os.getpid()}", prompt, 1, None, None, greedy, 30.0)
+        try:
+            async for _ in stream:
+                pass
+        except BackendError as exc:
+            raise StartupError(
+                f"model '{model.name}': warm-up request failed: {exc.message}"
+            ) from exc
+        finally:
+            await stream.aclose()
+
+
 async def serve(config: GatewayConfig) -> int:
     """Runs the gateway until SIGTERM or SIGINT. Returns the process exit status."""
     try:
         models = await load_models(config)
+        await warm_up(models)
         running = await start_server(config, models)
     except StartupError as exc:
         print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
         return 2
     log.info("gateway listening on %s, models: %s", config.server.listen, ", ".join(models))
+    sdnotify.notify("READY=1", f"STATUS=serving {', '.join(models)} on {config.server.listen}")
+    interval = sdnotify.watchdog_interval()
+    watchdog = asyncio.ensure_future(sdnotify.watchdog_loop(interval)) if interval else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    sdnotify.notify("STOPPING=1", "STATUS=draining")
     log.info("draining for up to %.1f s", config.server.drain_seconds)
     await running.drain(config.server.drain_seconds)
+    if watchdog is not None:
+        watchdog.cancel()
     return 0

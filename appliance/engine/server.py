@@ -27,6 +27,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
+from appliance import sdnotify
 from appliance.engine.llama import CheckpointError, LlamaModel
 from appliance.engine.repository import ModelEntry, RepositoryError, load_repository
 from appliance.engine.runner import Emission, Job, Runner
@@ -544,13 +545,17 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
         listen,
         time.monotonic() - started,
     )
+    sdnotify.notify("READY=1", f"STATUS=serving {', '.join(models)} on {listen}")
+    interval = sdnotify.watchdog_interval()
+    watchdog = asyncio.ensure_future(sdnotify.watchdog_loop(interval)) if interval else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for model in models.values():
-        model.runner.stats.running = None
+    sdnotify.notify("STOPPING=1")
+    if watchdog is not None:
+        watchdog.cancel()
     await server.stop(grace=1.0)
     for model in models.values():
         model.runner.close()

@@ -1,0 +1,47 @@
+"""systemd's notify protocol (Type=notify): READY, WATCHDOG, STOPPING and STATUS datagrams.
+
+No libsystemd: the protocol is one datagram per message on the unix socket named by $NOTIFY_SOCKET
+(a leading '@' is the abstract namespace). Outside systemd every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+
+def _address() -> str | None:
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return None
+    return "\0" + path[1:] if path.startswith("@") else path
+
+
+def notify(*fields: str) -> bool:
+    """Sends `READY=1`, `STATUS=...` and the like in one datagram; False when not under systemd."""
+    address = _address()
+    if address is None:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.sendto("\n".join(fields).encode(), address)
+    return True
+
+
+def watchdog_interval() -> float | None:
+    """Half of WatchdogSec= (systemd's advice), or None when no watchdog is set for this process."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        return int(usec) / 2 / 1_000_000
+    except ValueError:
+        return None
+
+
+async def watchdog_loop(interval: float) -> None:
+    """Pings from the event loop itself, so a blocked loop stops pinging and systemd restarts us."""
+    while True:
+        notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
