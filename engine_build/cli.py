@@ -164,6 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BuildError as err:
         print(f"engine-build: error: {err}", file=sys.stderr)
         return EXIT_ERROR
+    except OSError as err:
+        # Writing an output (--commands-out, --output, work_dir) the system refused.
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"engine-build: error: {where}{err.strerror or err}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("engine-build: interrupted", file=sys.stderr)
         return 130

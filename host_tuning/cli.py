@@ -37,7 +37,10 @@ def _parser() -> argparse.ArgumentParser:
         if json_flag:
             sp.add_argument("--json", action="store_true", help="machine-readable output")
 
-    common(sub.add_parser("facts", help="print the host's facts (JSON)"), False, False)
+    sp = sub.add_parser("facts", help="print the host's facts (JSON)")
+    common(sp, False, False)
+    # Facts are always JSON; the flag is accepted so every command takes --json (Ansible).
+    sp.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     sp = sub.add_parser("plan", help="show the settings the profile implies")
     common(sp, True)
     sp.add_argument(

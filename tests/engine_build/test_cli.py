@@ -271,3 +271,17 @@ def test_plan_commands_are_exactly_what_build_runs(
     ran = read_calls(calls)
     assert ran[0]["argv"] == quantize[2:]
     assert ran[1]["argv"] == build[1:]
+
+
+def test_unwritable_outputs_are_one_line_errors(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = str(blocker / "plan.sh")
+    assert cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", out]) == 1
+    assert str(blocker) in one_line_error(capsys.readouterr().err)
+    repo = str(blocker / "repo")
+    assert cli.main(["repo", "--spec", spec, "--output", repo, "--hf-only"]) == 1
+    assert str(blocker) in one_line_error(capsys.readouterr().err)

@@ -113,3 +113,5 @@ def test_cli_facts_json(hgx: Machine, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["facts", "--root", str(hgx.root)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["gpus"]) == 8 and data["root"] == str(hgx.root)
+    assert main(["facts", "--root", str(hgx.root), "--json"]) == 0  # accepted: always JSON
+    assert json.loads(capsys.readouterr().out) == data
