@@ -202,7 +202,11 @@ def verify_repository(repo: Path) -> list[str]:
             problems.append(str(err))
         else:
             problems += cross_check_engine(cfg, params, limits)
-            for rank in range(int(limits["world_size"] or 1)):
+            ranks = limits["world_size"]
+            if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+                problems.append(f"engine config.json mapping.world_size {ranks!r} is not a count")
+                ranks = 1
+            for rank in range(ranks):
                 if not (engine_dir / f"rank{rank}.engine").is_file():
                     problems.append(f"engine file {engine_dir / f'rank{rank}.engine'} missing")
     if hf:

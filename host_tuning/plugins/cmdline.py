@@ -101,6 +101,15 @@ class Cmdline(FilePlugin):
                 "kernel parameters only take effect at boot",
             )
         ]
+        if "pcie_aspm=off" in profile.extra_cmdline:
+            advice.append(
+                Advice(
+                    "cmdline",
+                    "pcie_aspm=off does not disable ASPM: it leaves the firmware's link settings "
+                    "alone; disable ASPM in firmware (or use pcie_aspm.policy=performance)",
+                    "ASPM L1 exits add microseconds to PCIe transactions",
+                )
+            )
         return items, advice
 
     def current(self, ctx: Context, item: Item) -> str | None:

@@ -4,6 +4,7 @@ tritonclient's model_config_pb2, and hand edits caught by verify."""
 from __future__ import annotations
 
 import io
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -268,3 +269,15 @@ def test_verify_catches_missing_files(tmp_path: Path, built: Callable[..., Build
 
 def test_verify_on_absent_repository(tmp_path: Path) -> None:
     assert verify_repository(tmp_path)[0].startswith("cannot read")
+
+
+def test_verify_reports_a_damaged_engine_config_instead_of_crashing(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    spec = built()
+    repo = write_repository(spec, tmp_path / "repo")
+    engine_cfg = spec.engine_dir / "config.json"
+    data = json.loads(engine_cfg.read_text())
+    data["pretrained_config"]["mapping"]["world_size"] = "one"
+    engine_cfg.write_text(json.dumps(data))
+    assert any("world_size 'one' is not a count" in p for p in verify_repository(repo))

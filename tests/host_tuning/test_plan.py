@@ -186,6 +186,12 @@ def test_extra_cmdline_repeating_a_planned_parameter_is_a_plan_error(
     assert err.count("\n") == 1 and "nohz_full is planned twice" in err
 
 
+def test_pcie_aspm_off_gets_a_warning(box: Machine) -> None:
+    p = from_dict(_toml('[kernel]\nextra_cmdline = ["pcie_aspm=off"]\n'))
+    plan = make_plan(collect(Root(box.root)), p)
+    assert any("does not disable ASPM" in a.text for a in plan.advice)
+
+
 def test_unreadable_profile_is_one_line(
     box: Machine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
