@@ -124,7 +124,12 @@ def revert(ctx: Context, dry_run: bool = False) -> list[Result]:
     results: list[Result] = []
     for key in reversed(list(st.entries)):
         entry = st.entries[key]
-        plugin = BY_NAME[entry.plugin]
+        plugin = BY_NAME.get(entry.plugin)
+        if plugin is None:
+            # A state file from another host-tune version: keep the entry, restore by hand.
+            note = f"unknown plugin {entry.plugin!r} in the state file; restore by hand"
+            results.append(Result(key, entry.plugin, FAILED, entry.snapshot, None, note))
+            continue
         if dry_run:
             results.append(Result(key, entry.plugin, WOULD_RESTORE, entry.snapshot, None))
             continue

@@ -207,6 +207,19 @@ def test_damaged_state_file_is_refused_in_one_line(
     assert snapshot(box.root) == before
 
 
+def test_revert_keeps_entries_of_an_unknown_plugin(
+    box: Machine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = box.root / STATE_FILE.lstrip("/")
+    state.parent.mkdir(parents=True)
+    entry = {"key": "k", "plugin": "future", "target": "/x", "snapshot": "1"}
+    state.write_text(json.dumps({"version": 1, "entries": [entry]}))
+    code, data = run(capsys, "revert", "--root", str(box.root))
+    assert code == 1 and statuses(data) == {"k": "failed"}
+    assert "unknown plugin" in data["results"][0]["note"]
+    assert json.loads(state.read_text())["entries"][0]["plugin"] == "future"
+
+
 def test_verify_accepts_dry_run(
     box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
