@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -515,17 +514,7 @@ async def serve(config: GatewayConfig) -> int:
         print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
         return 2
     log.info("gateway listening on %s, models: %s", config.server.listen, ", ".join(models))
-    sdnotify.notify("READY=1", f"STATUS=serving {', '.join(models)} on {config.server.listen}")
-    interval = sdnotify.watchdog_interval()
-    watchdog = asyncio.ensure_future(sdnotify.watchdog_loop(interval)) if interval else None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    sdnotify.notify("STOPPING=1", "STATUS=draining")
+    await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {config.server.listen}")
     log.info("draining for up to %.1f s", config.server.drain_seconds)
     await running.drain(config.server.drain_seconds)
-    if watchdog is not None:
-        watchdog.cancel()
     return 0

@@ -76,25 +76,6 @@ def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float =
     raise RuntimeError(f"{address} not serving after {timeout_s} s")
 
 
-def wait_engine_ready(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
-    from tritonclient.grpc import service_pb2 as ts
-    from tritonclient.grpc import service_pb2_grpc as ts_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = ts_grpc.GRPCInferenceServiceStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
-            try:
-                if stub.ServerReady(ts.ServerReadyRequest(), timeout=1.0).ready:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise RuntimeError(f"engine at {address} not ready after {timeout_s} s")
-
-
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:
     """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
     if proc.poll() is None:

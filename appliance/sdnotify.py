@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 
 
@@ -45,3 +46,20 @@ async def watchdog_loop(interval: float) -> None:
     while True:
         notify("WATCHDOG=1")
         await asyncio.sleep(interval)
+
+
+async def ready_until_signalled(status: str) -> None:
+    """READY=1, the watchdog pings while serving, then STOPPING=1 once SIGTERM or SIGINT arrives."""
+    notify("READY=1", f"STATUS={status}")
+    interval = watchdog_interval()
+    pinger = asyncio.ensure_future(watchdog_loop(interval)) if interval else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        notify("STOPPING=1", "STATUS=stopping")
+        if pinger is not None:
+            pinger.cancel()

@@ -14,6 +14,7 @@ Greedy requests drop temperature, top_p, top_k and seed: none of them changes a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -44,10 +45,27 @@ class SamplingKey:
     stops: tuple[str, ...]
 
 
-def _field(parts: list[bytes], value: str) -> None:
+def _field(value: str) -> bytes:
     data = value.encode()
-    parts.append(_LEN.pack(len(data)))
-    parts.append(data)
+    return _LEN.pack(len(data)) + data
+
+
+_SCHEMA_FIELD = _field(str(KEY_SCHEMA))
+_PROMPT_FIELD = _field("prompt")
+
+
+@functools.lru_cache(maxsize=64)
+def _model_fields(model: ModelIdentity) -> bytes:
+    """The model's four fields, encoded once per identity (they are in every key)."""
+    return b"".join(
+        _field(value)
+        for value in (
+            model.name,
+            model.engine_fingerprint,
+            model.tokenizer_fingerprint,
+            model.template_version,
+        )
+    )
 
 
 def _float(value: float) -> str:
@@ -62,24 +80,18 @@ def cache_key(
     messages: Sequence[tuple[str, str]],
     sampling: SamplingKey,
 ) -> bytes:
-    parts: list[bytes] = []
-    for value in (
-        str(KEY_SCHEMA),
-        namespace,
-        model.name,
-        model.engine_fingerprint,
-        model.tokenizer_fingerprint,
-        model.template_version,
-    ):
-        _field(parts, value)
+    # Fed to the hash field by field: the same bytes as hashing the whole encoding at once.
+    digest = hashlib.blake2b(_SCHEMA_FIELD, digest_size=16)
+    digest.update(_field(namespace))
+    digest.update(_model_fields(model))
     if prompt is not None:
-        _field(parts, "prompt")
-        _field(parts, prompt)
+        digest.update(_PROMPT_FIELD)
+        digest.update(_field(prompt))
     else:
-        _field(parts, f"messages:{len(messages)}")
+        digest.update(_field(f"messages:{len(messages)}"))
         for role, content in messages:
-            _field(parts, role)
-            _field(parts, content)
+            digest.update(_field(role))
+            digest.update(_field(content))
     if sampling.greedy:
         params = f"max={sampling.max_tokens};greedy"
     else:
@@ -88,12 +100,12 @@ def cache_key(
             f"max={sampling.max_tokens};t={_float(sampling.temperature)};"
             f"p={_float(sampling.top_p)};k={sampling.top_k};seed={seed}"
         )
-    _field(parts, params)
+    digest.update(_field(params))
     stops = sorted(set(sampling.stops))
-    _field(parts, f"stops:{len(stops)}")
+    digest.update(_field(f"stops:{len(stops)}"))
     for stop in stops:
-        _field(parts, stop)
-    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
+        digest.update(_field(stop))
+    return digest.digest()
 
 
 def is_deterministic(sampling: SamplingKey) -> bool:

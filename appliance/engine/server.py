@@ -13,7 +13,6 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -545,17 +544,7 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
         listen,
         time.monotonic() - started,
     )
-    sdnotify.notify("READY=1", f"STATUS=serving {', '.join(models)} on {listen}")
-    interval = sdnotify.watchdog_interval()
-    watchdog = asyncio.ensure_future(sdnotify.watchdog_loop(interval)) if interval else None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    sdnotify.notify("STOPPING=1")
-    if watchdog is not None:
-        watchdog.cancel()
+    await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {listen}")
     await server.stop(grace=1.0)
     for model in models.values():
         model.runner.close()

@@ -67,17 +67,27 @@ def test_gateway_process_ready_watchdog_stopping(
         ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], tmp_path / "e.log"
     )
     env = dict(os.environ, WATCHDOG_USEC="200000")
+    log = tmp_path / "g.log"
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
+        [
+            sys.executable,
+            "-m",
+            "appliance",
+            "--log-level",
+            "debug",
+            "serve",
+            "--config",
+            str(config),
+        ],
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
     )
     try:
         messages = []
         while not any(m.startswith(b"READY=1") for m in messages):
             messages.append(notify_socket.recv(4096))
-        processes.wait_serving(gateway_addr, gateway, timeout_s=5)  # READY=1 means serving
+        processes.wait_serving(gateway_addr, gateway, timeout_s=30)  # READY=1 means serving
         pings = 0
         while pings < 3:
             pings += notify_socket.recv(4096) == b"WATCHDOG=1"
@@ -85,7 +95,7 @@ def test_gateway_process_ready_watchdog_stopping(
         while (message := notify_socket.recv(4096)) == b"WATCHDOG=1":
             pass
         assert message.startswith(b"STOPPING=1")
-        assert gateway.wait(timeout=30) == 0
+        assert gateway.wait(timeout=30) == 0, log.read_text()[-3000:]
     finally:
         processes.stop(gateway)
         processes.stop(engine)
