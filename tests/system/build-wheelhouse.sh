@@ -8,7 +8,10 @@ cd "$(dirname "$0")/../.."
 out="$1"
 cache="${APPLIANCE_CI_CACHE:-/var/cache/appliance-ci}"
 pip=".venv/bin/pip"
-key=$( (cat pyproject.toml; echo torch==2.13.0) | sha256sum | cut -c1-12)
+# The container runs Debian's Python 3.11.2, this venv may be newer: requirements with markers for older
+# Pythons (redis needs async-timeout below 3.11.3) are added by hand.
+extra=("async-timeout>=4.0.3")
+key=$( (cat pyproject.toml; echo torch==2.13.0 "${extra[@]}") | sha256sum | cut -c1-12)
 deps="$cache/wheelhouse-$key"
 if [ ! -f "$deps/.complete" ]; then
   tmp="$cache/.wheelhouse-$key-$$"
@@ -16,7 +19,7 @@ if [ ! -f "$deps/.complete" ]; then
   mkdir -p "$tmp"
   # CPU torch first (the local wheel), so the engine extra does not pull a CUDA build.
   "$pip" wheel -q -w "$tmp" "torch==2.13.0" >&2
-  "$pip" wheel -q -w "$tmp" --find-links "$tmp" "torch==2.13.0" ".[engine]" >&2
+  "$pip" wheel -q -w "$tmp" --find-links "$tmp" "torch==2.13.0" ".[engine]" "${extra[@]}" >&2
   rm -f "$tmp"/llm_appliance-*.whl
   touch "$tmp/.complete"
   rm -rf "$deps"
