@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# Ansible for tests/system (ansible-lint, the end-to-end playbook run), pinned, in its own venv.
+ANSIBLE_VENV  := .venv-ansible
+ANSIBLE_STAMP := $(ANSIBLE_VENV)/.installed-stamp
 
-.PHONY: demo test lint typecheck proto bench clean
+.PHONY: demo test lint typecheck proto bench clean ansible-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,10 +17,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[engine,dev]'
 	touch $@
 
+$(ANSIBLE_STAMP): tests/system/ansible-requirements.txt
+	$(PYTHON) -m venv $(ANSIBLE_VENV)
+	$(ANSIBLE_VENV)/bin/pip install -q -r tests/system/ansible-requirements.txt
+	touch $@
+
+ansible-venv: $(ANSIBLE_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m appliance demo
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) $(ANSIBLE_STAMP) lint typecheck
 	$(PY) -m pytest
 
 lint: $(STAMP)
@@ -35,4 +45,4 @@ bench: $(STAMP)
 	$(PY) -m bench.streaming
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(ANSIBLE_VENV) var .pytest_cache .mypy_cache .ruff_cache .hypothesis
