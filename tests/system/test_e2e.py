@@ -1,0 +1,369 @@
+"""End to end: the playbook provisions a booted Debian bookworm (systemd as PID 1 under systemd-nspawn, in a
+network namespace this test creates) with the CPU profile, and the appliance answers a streamed Generate.
+
+Steps, in order (each test is one step; they share one container):
+  bad input   -> a missing and a contradictory variable fail in the play's first task, naming the variable
+  first run   -> ansible-playbook site.yml succeeds; appliance.target and its services are active
+  generate    -> a streamed Generate through the gateway in the container returns tokens
+  second run  -> changed=0
+  bad units   -> a missing config file / program fails the unit with a journal line naming it
+  watchdog    -> SIGSTOP to the gateway: killed by the watchdog, restarted by systemd, answers again
+  stop        -> `systemctl stop appliance.target` drains and stops every service cleanly
+
+The Debian root (debootstrap, ~1-2 min) and the dependency wheels are cached in /var/cache/appliance-ci
+(APPLIANCE_CI_CACHE); each run boots a fresh copy and installs a fresh wheel of this package. Nothing inside
+the container reaches a network: the wheelhouse is bind-mounted read-only and every package the roles
+need is in the root. Waits are bounded polls on state (is-active, NRestarts), never sleeps as assertions.
+Needs root, systemd-nspawn, debootstrap, nsenter and .venv-ansible (make ansible-venv); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO / "ansible"
+ANSIBLE_BIN = REPO / ".venv-ansible" / "bin"
+HERE = Path(__file__).resolve().parent
+
+_missing = [
+    tool
+    for tool in ("systemd-nspawn", "debootstrap", "nsenter", "ip")
+    if shutil.which(tool) is None
+]
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (debootstrap, systemd-nspawn, netns)"),
+    pytest.mark.skipif(bool(_missing), reason=f"missing {', '.join(_missing)} (see .ci/run)"),
+    pytest.mark.skipif(
+        not (ANSIBLE_BIN / "ansible-playbook").exists(),
+        reason="no .venv-ansible: run `make ansible-venv`",
+    ),
+    pytest.mark.timeout(900),
+]
+
+UNITS = ["redis-server.service", "appliance-engine.service", "appliance-gateway.service"]
+
+
+def _run(
+    argv: list[str],
+    timeout: float = 120,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd, env=env
+    )
+
+
+@dataclass
+class Machine:
+    workdir: Path
+    netns: str
+    nspawn: subprocess.Popen[bytes]
+    leader: int
+
+    def sh(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Runs a command inside the container (all its namespaces)."""
+        return _run(["nsenter", "-t", str(self.leader), "-a", *argv], timeout=timeout)
+
+    def show(self, unit: str, prop: str) -> str:
+        return self.sh("systemctl", "show", "-p", prop, "--value", unit).stdout.strip()
+
+    def is_active(self, unit: str) -> str:
+        return self.sh("systemctl", "is-active", unit).stdout.strip()
+
+    def journal(self, unit: str, since: str = "") -> str:
+        argv = ["journalctl", "--no-pager", "-o", "cat", "-u", unit]
+        if since:
+            argv += ["--since", since]
+        return self.sh(*argv).stdout
+
+    def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float) -> None:
+        """Polls `predicate()` until true, at most `timeout` seconds; fails naming `what`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.5)
+        pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+    def inventory(self, **extra: object) -> Path:
+        host: dict[str, object] = {
+            "ansible_connection": "community.docker.nsenter",
+            "ansible_nsenter_pid": self.leader,
+            # nsenter already runs as root inside the container (no sudo there).
+            "ansible_become": False,
+            "appliance_wheelhouse": {"dir": "/srv/wheelhouse"},
+        }
+        host.update(extra)
+        host = {k: v for k, v in host.items() if v is not None}
+        path = self.workdir / f"inventory-{uuid.uuid4().hex[:8]}.json"
+        path.write_text(
+            json.dumps({"all": {"children": {"cpu": {"hosts": {"appliance-ci": host}}}}})
+        )
+        return path
+
+    def playbook(self, inventory: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        # A clean environment: nsenter passes ours into the container (PIP_* settings of this host
+        # would point pip inside at paths that do not exist there).
+        env = {
+            "PATH": f"{ANSIBLE_BIN}:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(self.workdir),
+            "LC_ALL": "C.UTF-8",
+            "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+            "ANSIBLE_LOCAL_TEMP": str(self.workdir / "ansible-tmp"),
+            "ANSIBLE_NOCOLOR": "1",
+        }
+        result = _run(
+            [str(ANSIBLE_BIN / "ansible-playbook"), "-i", str(inventory), "site.yml"],
+            timeout=timeout,
+            cwd=ANSIBLE,
+            env=env,
+        )
+        (self.workdir / f"{inventory.stem}.log").write_text(result.stdout + result.stderr)
+        return result
+
+
+def _recap(output: str) -> dict[str, int]:
+    m = re.search(r"appliance-ci\s*:\s*(ok=.*)", output)
+    assert m, output[-3000:]
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+
+
+def _tasks(output: str) -> list[str]:
+    return re.findall(r"^TASK \[(.*?)\]", output, re.M)
+
+
+def _stop(nspawn: subprocess.Popen[bytes]) -> None:
+    if nspawn.poll() is not None:
+        return
+    nspawn.send_signal(signal.SIGTERM)  # nspawn asks the container's systemd to power off
+    try:
+        nspawn.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        nspawn.kill()
+        nspawn.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def machine() -> Iterator[Machine]:
+    started = time.monotonic()
+    root_src = _run([str(HERE / "build-rootfs.sh")], timeout=900)
+    assert root_src.returncode == 0, root_src.stderr
+    workdir = Path(tempfile.mkdtemp(prefix="appliance-e2e-", dir="/var/tmp"))
+    netns = f"appliance-e2e-{os.getpid()}"
+    nspawn: subprocess.Popen[bytes] | None = None
+    try:
+        wheels = _run([str(HERE / "build-wheelhouse.sh"), str(workdir / "wheels")], timeout=900)
+        assert wheels.returncode == 0, wheels.stderr
+        root = workdir / "root"
+        copied = _run(
+            ["cp", "-a", "--reflink=auto", root_src.stdout.strip(), str(root)], timeout=300
+        )
+        assert copied.returncode == 0, copied.stderr
+        assert _run(["ip", "netns", "add", netns]).returncode == 0
+        assert _run(["ip", "-n", netns, "link", "set", "lo", "up"]).returncode == 0
+        log = (workdir / "nspawn.log").open("wb")
+        nspawn = subprocess.Popen(
+            [
+                "systemd-nspawn",
+                "--quiet",
+                "--keep-unit",
+                "--register=no",
+                f"--directory={root}",
+                f"--machine=appliance-ci-{os.getpid()}",
+                "--boot",
+                "--console=passive",
+                f"--network-namespace-path=/run/netns/{netns}",
+                f"--bind-ro={workdir / 'wheels'}:/srv/wheelhouse",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        leader = 0
+        deadline = time.monotonic() + 60
+        while not leader and time.monotonic() < deadline:
+            assert nspawn.poll() is None, (workdir / "nspawn.log").read_text()
+            children = _run(["pgrep", "-P", str(nspawn.pid)]).stdout.split()
+            leader = int(children[0]) if children else 0
+            if not leader:
+                time.sleep(0.2)
+        assert leader, "systemd-nspawn started no container"
+        m = Machine(workdir, netns, nspawn, leader)
+        booted = m.sh("systemctl", "is-system-running", "--wait", timeout=120)
+        assert booted.stdout.strip() in ("running", "degraded"), booted.stdout + booted.stderr
+        print(f"\ncontainer booted in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        yield m
+    finally:
+        if nspawn is not None:
+            _stop(nspawn)
+        _run(["ip", "netns", "delete", netns])
+        if os.environ.get("APPLIANCE_E2E_KEEP"):
+            print(f"kept {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_missing_variable_fails_first_task(machine: Machine) -> None:
+    result = machine.playbook(machine.inventory(appliance_wheelhouse=None), timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    tasks = _tasks(out)
+    assert tasks and tasks[0].startswith("appliance : Validating arguments against arg spec"), tasks
+    assert len(tasks) == 1, tasks
+    assert "missing required arguments: appliance_wheelhouse" in out
+
+
+def test_contradictory_variable_fails_first_task(machine: Machine) -> None:
+    both = {"dir": "/srv/wheelhouse", "src": "/tmp/wheels"}
+    result = machine.playbook(machine.inventory(appliance_wheelhouse=both), timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    tasks = _tasks(out)
+    assert len(tasks) == 1 and "Validating arguments" in tasks[0], tasks
+    assert "mutually exclusive: dir|src found in appliance_wheelhouse" in out
+
+
+def test_first_run_provisions_the_appliance(machine: Machine) -> None:
+    t0 = time.monotonic()
+    result = machine.playbook(machine.inventory())
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    recap = _recap(out)
+    assert recap["failed"] == 0 and recap["changed"] > 0
+    print(f"\nfirst playbook run: {time.monotonic() - t0:.0f} s, {recap}", file=sys.stderr)
+    assert machine.is_active("appliance.target") == "active"
+    for unit in UNITS:
+        assert machine.is_active(unit) == "active", machine.journal(unit)[-2000:]
+    # The GPU-only units are installed but not started in the CPU profile.
+    assert machine.is_active("appliance-triton.service") == "inactive"
+
+
+def _generate(machine: Machine) -> dict[str, object]:
+    result = _run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            machine.netns,
+            sys.executable,
+            "-m",
+            "tests.system.stream_generate",
+            "127.0.0.1:50051",
+        ],
+        timeout=90,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer: dict[str, object] = json.loads(result.stdout)
+    return answer
+
+
+def test_streamed_generate_returns_tokens(machine: Machine) -> None:
+    answer = _generate(machine)
+    assert answer["tokens"] == 16, answer
+    assert int(answer["messages"]) > 1, answer  # streamed, not one message
+    assert answer["finish_reason"] == "FINISH_REASON_LENGTH", answer
+    assert answer["text"]
+
+
+def test_second_run_changes_nothing(machine: Machine) -> None:
+    t0 = time.monotonic()
+    result = machine.playbook(machine.inventory())
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    recap = _recap(out)
+    changed = re.findall(r"^changed: \[.*", out, re.M)
+    assert recap["changed"] == 0, changed
+    print(f"\nsecond playbook run: {time.monotonic() - t0:.0f} s, {recap}", file=sys.stderr)
+
+
+def test_missing_config_is_named_in_the_journal(machine: Machine) -> None:
+    config = "/etc/appliance/gateway.toml"
+    assert machine.sh("mv", config, config + ".away").returncode == 0
+    try:
+        failed = machine.sh("systemctl", "restart", "appliance-gateway.service", timeout=60)
+        assert failed.returncode != 0
+        journal = machine.journal("appliance-gateway.service")
+        assert f"appliance serve: {config}: cannot read configuration" in journal, journal[-2000:]
+    finally:
+        machine.sh("mv", config + ".away", config)
+
+
+def test_missing_engine_env_is_named_in_the_journal(machine: Machine) -> None:
+    env = "/etc/appliance/engine.env"
+    assert machine.sh("mv", env, env + ".away").returncode == 0
+    try:
+        failed = machine.sh("systemctl", "restart", "appliance-engine.service", timeout=60)
+        assert failed.returncode != 0
+        journal = machine.journal("appliance-engine.service")
+        assert f"appliance-engine: {env} is missing" in journal, journal[-2000:]
+    finally:
+        machine.sh("mv", env + ".away", env)
+
+
+def test_missing_program_is_named_in_the_journal(machine: Machine) -> None:
+    program = "/opt/appliance/venv/bin/appliance"
+    assert machine.sh("mv", program, program + ".away").returncode == 0
+    try:
+        failed = machine.sh("systemctl", "restart", "appliance-gateway.service", timeout=60)
+        assert failed.returncode != 0
+        journal = machine.journal("appliance-gateway.service")
+        assert f"Failed to locate executable {program}" in journal, journal[-2000:]
+    finally:
+        machine.sh("mv", program + ".away", program)
+    # Back to a serving appliance for the next steps (Type=notify: returns once READY=1).
+    for unit in ("appliance-engine.service", "appliance-gateway.service"):
+        machine.sh("systemctl", "reset-failed", unit)
+    started = machine.sh("systemctl", "start", "appliance.target", timeout=300)
+    assert started.returncode == 0, started.stderr
+    for unit in UNITS:
+        assert machine.is_active(unit) == "active", machine.journal(unit)[-2000:]
+
+
+def test_watchdog_restarts_a_stopped_gateway(machine: Machine) -> None:
+    unit = "appliance-gateway.service"
+    pid = machine.show(unit, "MainPID")
+    restarts = int(machine.show(unit, "NRestarts"))
+    assert pid not in ("", "0")
+    assert machine.sh("kill", "-STOP", pid).returncode == 0
+
+    def restarted() -> bool:
+        return (
+            int(machine.show(unit, "NRestarts") or 0) > restarts
+            and machine.is_active(unit) == "active"
+            and machine.show(unit, "MainPID") not in ("", "0", pid)
+        )
+
+    # WatchdogSec=10s, then SIGABRT, RestartSec=1s and a start-up with a warm-up request.
+    machine.wait_for("the watchdog to kill and systemd to restart the gateway", restarted, 120)
+    journal = machine.journal(unit)
+    assert "Watchdog timeout" in journal, journal[-2000:]
+    answer = _generate(machine)
+    assert answer["tokens"] == 16, answer
+
+
+def test_stop_target_drains_and_stops_cleanly(machine: Machine) -> None:
+    stopped = machine.sh("systemctl", "stop", "appliance.target", timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    for unit in ["appliance.target", *UNITS]:
+        assert machine.is_active(unit) == "inactive", f"{unit}: {machine.is_active(unit)}"
+    for unit in UNITS:
+        assert machine.show(unit, "Result") == "success", machine.journal(unit)[-2000:]
+    journal = machine.journal("appliance-gateway.service")
+    assert "draining for up to" in journal, journal[-2000:]
