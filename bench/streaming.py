@@ -32,18 +32,10 @@ from appliance.tokenizer import ModelText
 from appliance.triton_backend import TritonBackend
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench.common import pct
 from bench.echo_server import METHOD
 
 MODEL = "tiny"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def prompt_of(text: ModelText, n: int) -> str:
