@@ -73,7 +73,8 @@ class RedisTier:
                 close()  # never awaited: say so, or Python warns
             return None
         try:
-            result = await asyncio.wait_for(command, self._budget)
+            async with asyncio.timeout(self._budget):  # no extra task, unlike wait_for
+                result = await command
         except TimeoutError:
             self.metrics.l2_timeouts += 1
             self._failed(what, "timeout")
