@@ -193,9 +193,10 @@ def write_tiny_model(dest: Path, seed: int = 0) -> Path:
     model_dir = Path(dest) / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     _write_json(model_dir / "config.json", TINY_CONFIG)
-    save_file(
-        _random_weights(seed), str(model_dir / "model.safetensors"), metadata={"format": "pt"}
-    )
+    weights = model_dir / "model.safetensors"
+    save_file(_random_weights(seed), str(weights), metadata={"format": "pt"})
+    # safetensors writes 0600; a service running as another user must be able to read the model.
+    weights.chmod(0o644)
     tok = build_tokenizer(TINY_CONFIG["vocab_size"])
     tok.save(str(model_dir / "tokenizer.json"))
 

@@ -182,3 +182,8 @@ def test_ensure_reuses_a_complete_pair_and_rebuilds_a_broken_one(tmp_path: Path)
     ensure_tiny_model(tmp_path)
     assert weights.stat().st_size > 1_000_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]  # no staging left
+
+
+def test_weights_are_readable_by_other_users(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path)
+    assert (model_dir / "model.safetensors").stat().st_mode & 0o777 == 0o644

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,6 +308,13 @@ class _TensorSource:
                 "safetensors checkpoints"
             )
         for shard_path in shards:
+            try:
+                shard_path.open("rb").close()
+            except OSError as exc:  # say "permission denied", not safetensors' "no such file"
+                raise CheckpointError(
+                    f"{shard_path}: cannot open: {exc.strerror} (the engine runs as uid "
+                    f"{os.getuid()}; make the checkpoint readable to it)"
+                ) from exc
             try:
                 with safe_open(str(shard_path), framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
