@@ -20,12 +20,21 @@ def _address() -> str | None:
 
 
 def notify(*fields: str) -> bool:
-    """Sends `READY=1`, `STATUS=...` and the like in one datagram; False when not under systemd."""
+    """Sends `READY=1`, `STATUS=...` and the like in one datagram; False when not under systemd
+    or when the message could not be queued.
+
+    Never blocks: it runs on the event loop, and a receiver whose queue is full would otherwise
+    stop the loop (and with it the service) inside a watchdog ping.
+    """
     address = _address()
     if address is None:
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.sendto("\n".join(fields).encode(), address)
+        sock.setblocking(False)
+        try:
+            sock.sendto("\n".join(fields).encode(), address)
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            return False
     return True
 
 

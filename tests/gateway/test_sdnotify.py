@@ -6,7 +6,9 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -55,47 +57,73 @@ def test_watchdog_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sdnotify.watchdog_interval() is None
 
 
+class Datagrams:
+    """Reads every datagram on the socket in a thread, as systemd does, so no sender ever waits."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        sock.settimeout(0.1)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.received.append(self.sock.recv(4096))
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def wait_for(self, predicate: Callable[[list[bytes]], bool], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate(list(self.received)):
+            assert time.monotonic() < deadline, f"not received; got {self.received[-5:]}"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_a_full_receiver_queue_never_blocks_the_sender(notify_socket: socket.socket) -> None:
+    sent = [sdnotify.notify("WATCHDOG=1") for _ in range(200)]  # nobody reads
+    assert sent[0] and not all(sent)
+
+
 def test_gateway_process_ready_watchdog_stopping(
-    tiny: Tiny, tmp_path: Path, notify_socket: socket.socket
+    tiny: Tiny, tmp_path: Path, notify_socket: socket.socket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine_addr = f"127.0.0.1:{processes.free_port()}"
     gateway_addr = f"127.0.0.1:{processes.free_port()}"
     config = processes.write_gateway_config(
         tmp_path / "g.toml", gateway_addr, "tiny", engine_addr, tiny.tokenizer_dir
     )
+    notify_path = os.environ["NOTIFY_SOCKET"]
+    monkeypatch.delenv("NOTIFY_SOCKET")  # only the gateway talks to this socket
     engine = processes.spawn(
         ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], tmp_path / "e.log"
     )
-    env = dict(os.environ, WATCHDOG_USEC="200000")
     log = tmp_path / "g.log"
     gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "appliance",
-            "--log-level",
-            "debug",
-            "serve",
-            "--config",
-            str(config),
-        ],
-        env=env,
+        [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
+        env=dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="200000"),
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
     )
+    datagrams = Datagrams(notify_socket)
     try:
-        messages = []
-        while not any(m.startswith(b"READY=1") for m in messages):
-            messages.append(notify_socket.recv(4096))
+        datagrams.wait_for(lambda got: any(m.startswith(b"READY=1") for m in got))
         processes.wait_serving(gateway_addr, gateway, timeout_s=30)  # READY=1 means serving
-        pings = 0
-        while pings < 3:
-            pings += notify_socket.recv(4096) == b"WATCHDOG=1"
+        datagrams.wait_for(lambda got: got.count(b"WATCHDOG=1") >= 3)
         gateway.terminate()
-        while (message := notify_socket.recv(4096)) == b"WATCHDOG=1":
-            pass
-        assert message.startswith(b"STOPPING=1")
         assert gateway.wait(timeout=30) == 0, log.read_text()[-3000:]
+        datagrams.wait_for(lambda got: any(m.startswith(b"STOPPING=1") for m in got))
+        ready = next(i for i, m in enumerate(datagrams.received) if m.startswith(b"READY=1"))
+        assert all(not m.startswith(b"STOPPING") for m in datagrams.received[:ready])
     finally:
+        datagrams.close()
         processes.stop(gateway)
         processes.stop(engine)
