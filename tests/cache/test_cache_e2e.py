@@ -219,8 +219,13 @@ async def test_single_flight_makes_one_engine_request_for_concurrent_misses(
     answers = await asyncio.gather(*(gw.stub.Complete(r) for _ in range(6)))
     assert started(engine) - before == 1
     assert len({a.text for a in answers}) == 1
-    assert all(a.final.cache_tier == MISS for a in answers)
-    assert (await gw.counters())["single_flight_followers"] == 5
+    # Each of the other five joined the flight live, or (on a slow machine) arrived after it
+    # ended and hit L1: either way, no second engine request.
+    counters = await gw.counters()
+    assert counters["single_flight_followers"] + counters["l1_hits"] == 5
+    assert (
+        sum(a.final.cache_tier == MISS for a in answers) == 1 + counters["single_flight_followers"]
+    )
 
 
 async def test_the_leader_cancelling_leaves_the_followers_their_answer(
