@@ -211,8 +211,3 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         sampling=checked.sampling,
         stops=checked.stops,
     )
-
-
-def prepare(req: pb.GenerateRequest, text: ModelText, limits: Limits) -> PreparedRequest:
-    """check() then tokenize(): the whole validation of a request that will be generated."""
-    return tokenize(check(req, limits), text, limits)

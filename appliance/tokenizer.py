@@ -132,8 +132,6 @@ class ModelText:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except ChatTemplateError:
-            raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
