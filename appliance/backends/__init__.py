@@ -1,0 +1,1 @@
+"""Inference backends the gateway streams token ids from, and the Triton wire format they share."""
