@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(config.server.log_level.upper())
     import uvloop  # the loop must exist before any grpc.aio object
 
-    from appliance.gateway import serve
+    from appliance.gateway.server import serve
 
     return uvloop.run(serve(config))
 

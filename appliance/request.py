@@ -1,6 +1,8 @@
 """Validation and normalization of a GenerateRequest, before anything is sent to the engine.
 
 Pure logic over the request and the model's text side, so every bad input is tested without servers.
+Every size is bounded here, before any expensive work: text that cannot fit the model's input (more
+characters than its longest token spans times the input limit) is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import os
 import unicodedata
 from dataclasses import dataclass
 
-import grpc
-
-from appliance.cache.keys import SamplingKey
+from appliance.backends.base import GREEDY, Sampling
+from appliance.cache.policy import CachePolicy
+from appliance.errors import invalid
 from appliance.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
 from appliance.v1 import inference_pb2 as pb
 
@@ -20,19 +22,19 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 128
 MAX_NAMESPACE_LENGTH = 64
+# Below this, logits / temperature overflows float32 for ordinary logits: 0 means greedy instead.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 100.0
+# How much of a client's value an error message echoes.
+ECHO_CHARS = 64
+_invalid = invalid
 
 
-class RequestError(Exception):
-    """A request the gateway refuses; carries the gRPC status the client gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def echo(value: str) -> str:
+    """A client's value for an error message: quoted, escaped, at most ECHO_CHARS characters."""
+    if len(value) <= ECHO_CHARS:
+        return repr(value)
+    return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
 
 
 @dataclass(frozen=True)
@@ -42,22 +44,20 @@ class Limits:
     default_max_tokens: int
     # Prompt + completion must fit the model's context.
     context_length: int
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """TensorRT-LLM's sampling inputs: greedy is top_k=1 (temperature 0 maps to it)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
+    # Characters of input text that cannot fit max_input_tokens whatever they are: the longest
+    # token's byte length × max_input_tokens (× 2 for normalizers that drop characters).
+    max_input_chars: int = 1 << 62
 
 
 def _sampling(req: pb.GenerateRequest) -> Sampling:
     temperature = req.temperature if req.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
         raise _invalid(f"temperature must be >= 0, got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE or temperature > MAX_TEMPERATURE:
+        raise _invalid(
+            f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and "
+            f"{MAX_TEMPERATURE:g}, got {temperature:g}"
+        )
     top_p = req.top_p if req.HasField("top_p") else 1.0
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise _invalid(f"top_p must be in (0, 1], got {top_p}")
@@ -66,7 +66,7 @@ def _sampling(req: pb.GenerateRequest) -> Sampling:
         raise _invalid(f"top_k must be >= 0 (0 turns it off), got {top_k}")
     seed = req.seed if req.HasField("seed") else None
     if temperature == 0:
-        return Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=seed)
+        return Sampling(GREEDY.temperature, GREEDY.top_k, GREEDY.top_p, seed=seed)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
@@ -78,7 +78,7 @@ def _messages(req: pb.GenerateRequest) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise _invalid(
-                f"messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+                f"messages[{i}].role is {echo(m.role)}; expected one of {', '.join(CHAT_ROLES)}"
             )
         out.append({"role": m.role, "content": m.content})
     if out[-1]["role"] == "assistant":
@@ -102,19 +102,7 @@ class CheckedRequest:
     max_tokens: int
     sampling: Sampling
     stops: tuple[str, ...]
-    cache_policy: int
-
-    def sampling_key(self) -> SamplingKey:
-        s = self.sampling
-        return SamplingKey(
-            max_tokens=self.max_tokens,
-            greedy=s.top_k == 1,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            stops=self.stops,
-        )
+    cache_policy: CachePolicy
 
 
 @dataclass(frozen=True)
@@ -143,6 +131,11 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     namespace = req.namespace or "default"
     if len(namespace) > MAX_NAMESPACE_LENGTH:
         raise _invalid(f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters")
+    try:
+        cache_policy = CachePolicy(req.cache_policy)
+    except ValueError:
+        names = ", ".join(f"{p.value} ({p.name})" for p in CachePolicy)
+        raise _invalid(f"cache_policy {req.cache_policy} is not one of {names}") from None
 
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
@@ -172,6 +165,12 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         messages = tuple((m["role"], nfc(m["content"])) for m in _messages(req))
     else:
         raise _invalid("prompt is empty: send some text or chat messages")
+    chars = len(prompt) if prompt is not None else sum(len(c) for _, c in messages)
+    if chars > limits.max_input_chars:
+        raise _invalid(
+            f"prompt is {chars} characters, more than fit this model's limit of "
+            f"{limits.max_input_tokens} input tokens"
+        )
     return CheckedRequest(
         request_id=request_id,
         namespace=namespace,
@@ -180,7 +179,7 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         max_tokens=max_tokens,
         sampling=sampling,
         stops=stops,
-        cache_policy=req.cache_policy,
+        cache_policy=cache_policy,
     )
 
 

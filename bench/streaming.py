@@ -25,11 +25,11 @@ import grpc
 import uvloop
 
 from appliance import processes
+from appliance.backends.base import GREEDY, GenerationRequest
+from appliance.backends.triton import TritonBackend
 from appliance.client import generate
-from appliance.request import Sampling
 from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
-from appliance.triton_backend import TritonBackend
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.common import pct
@@ -65,13 +65,14 @@ def prompt_of(text: ModelText, n: int) -> str:
 async def direct(
     backend: TritonBackend, ids: list[int], n_out: int, rid: str
 ) -> tuple[float, float, list[float], int]:
-    sampling = Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=None)
     sent = time.perf_counter()
     first = 0.0
     last = 0.0
     gaps: list[float] = []
     count = 0
-    async for tokens in backend.stream(rid, ids, n_out, None, None, sampling, 60.0):
+    async for tokens in backend.stream(
+        GenerationRequest(rid, ids, n_out, None, None, GREEDY, 60.0)
+    ):
         now = time.perf_counter()
         if not first:
             first = now

@@ -41,6 +41,12 @@ class CircuitBreaker:
         self._opened_at = None
         self._probing = False
 
+    def abandoned(self) -> None:
+        """A call let through ended without an outcome (cancelled): a probe counts as failed,
+        any other call counts as nothing."""
+        if self._probing:
+            self.failure()
+
     def failure(self) -> None:
         self._failures += 1
         if self._probing or self._failures >= self.threshold:

@@ -1,7 +1,7 @@
 """A cached answer and its compact binary encoding for Redis.
 
-Layout (little-endian): version u8, finish_reason u8, prompt_tokens u32, completion_tokens u32,
-token count u32, token ids int32 × count, then the UTF-8 text to the end.
+Layout (little-endian): version u8, finish_reason u8 (1 stop, 2 length), prompt_tokens u32,
+completion_tokens u32, token count u32, token ids int32 × count, then the UTF-8 text to the end.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 VERSION = 1
 _HEADER = struct.Struct("<BBIII")
+# Only complete answers are cached: ended by a stop condition or by max_tokens.
+FINISH_CODES = {"stop": 1, "length": 2}
+_FINISH_NAMES = {code: name for name, code in FINISH_CODES.items()}
 
 
 class CorruptEntryError(ValueError):
@@ -23,13 +26,14 @@ class CorruptEntryError(ValueError):
 class CachedAnswer:
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: int
+    finish_reason: str  # a key of FINISH_CODES
     prompt_tokens: int
     completion_tokens: int
 
     def size(self) -> int:
-        """Bytes this entry costs in L1 (what its L1 byte budget counts)."""
-        return 96 + len(self.text) + 8 * len(self.token_ids)
+        """Bytes this entry holds in L1 (what its L1 byte budget counts): the object and its
+        tuple's overhead, the text's UTF-8 bytes and a pointer + small int per token id."""
+        return 96 + len(self.text.encode()) + 8 * len(self.token_ids)
 
 
 def encode(answer: CachedAnswer) -> bytes:
@@ -38,7 +42,7 @@ def encode(answer: CachedAnswer) -> bytes:
         ids.byteswap()
     header = _HEADER.pack(
         VERSION,
-        answer.finish_reason,
+        FINISH_CODES[answer.finish_reason],
         answer.prompt_tokens,
         answer.completion_tokens,
         len(answer.token_ids),
@@ -52,6 +56,8 @@ def decode(data: bytes) -> CachedAnswer:
     version, finish, prompt_tokens, completion, count = _HEADER.unpack_from(data)
     if version != VERSION:
         raise CorruptEntryError(f"entry version {version}, expected {VERSION}")
+    if finish not in _FINISH_NAMES:
+        raise CorruptEntryError(f"entry finish reason {finish} unknown")
     end = _HEADER.size + 4 * count
     if len(data) < end:
         raise CorruptEntryError("entry truncated")
@@ -63,4 +69,4 @@ def decode(data: bytes) -> CachedAnswer:
         text = data[end:].decode()
     except UnicodeDecodeError as exc:
         raise CorruptEntryError("entry text is not UTF-8") from exc
-    return CachedAnswer(text, tuple(ids), finish, prompt_tokens, completion)
+    return CachedAnswer(text, tuple(ids), _FINISH_NAMES[finish], prompt_tokens, completion)

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from appliance.cache.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.metrics import CacheMetrics
+from appliance.cache.tiers import CacheQuery
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,14 @@ def _key_part(value: str) -> str:
 
 
 class RedisTier:
+    """The shared tier (a CacheTier). Writes go out in background tasks, off the request path."""
+
+    name = "l2"
+
     def __init__(self, settings: RedisSettings, metrics: CacheMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        self._writes: set[asyncio.Task[None]] = set()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._budget = settings.timeout_ms / 1000.0
         kwargs: dict[str, Any] = {
@@ -75,6 +81,11 @@ class RedisTier:
         try:
             async with asyncio.timeout(self._budget):  # no extra task, unlike wait_for
                 result = await command
+        except asyncio.CancelledError:
+            # The caller went away mid-call (its deadline passed). If this call was the half-open
+            # breaker's probe, the probe failed: otherwise the breaker would wait for it forever.
+            self.breaker.abandoned()
+            raise
         except TimeoutError:
             self.metrics.l2_timeouts += 1
             self._failed(what, "timeout")
@@ -97,6 +108,23 @@ class RedisTier:
                 why,
                 self.breaker.reset_s,
             )
+
+    async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
+        return await self.get(query.namespace, query.model.name, query.key)
+
+    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._write(query.namespace, query.model.name, query.key, answer)
+        )
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> None:
+        if not await self.put(namespace, model, key, answer):
+            self.metrics.write_failures += 1
+
+    def counters(self) -> dict[str, int]:
+        return {"breaker_open": int(self.breaker.state != "closed")}
 
     async def get(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
         data = await self._call("GET", self.client.get(self.redis_key(namespace, model, key)))
@@ -133,4 +161,6 @@ class RedisTier:
         return removed
 
     async def close(self) -> None:
+        if self._writes:
+            await asyncio.wait(self._writes, timeout=1.0)
         await self.client.aclose()

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
 class CacheMetrics:
-    l1_hits: int = 0
-    l2_hits: int = 0
     misses: int = 0
     not_cacheable: int = 0
     single_flight_followers: int = 0
@@ -19,6 +17,13 @@ class CacheMetrics:
     l2_skipped_breaker_open: int = 0
     l2_corrupt_entries: int = 0
     breaker_opened: int = 0
+    # Hits by tier name ("l1", "l2", ...), exported as NAME_hits.
+    hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0})
+
+    def count_hit(self, tier: str) -> None:
+        self.hits[tier] = self.hits.get(tier, 0) + 1
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        counters = {k: v for k, v in asdict(self).items() if k != "hits"}
+        counters.update({f"{tier}_hits": n for tier, n in self.hits.items()})
+        return counters

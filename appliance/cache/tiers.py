@@ -1,81 +1,130 @@
-"""The cache as the gateway uses it: look up L1 then L2, store in both (L2 off the request path)."""
+"""The cache-tier protocol and the cascade the gateway looks answers up in.
+
+A tier finds an answer for a CacheQuery: the exact tiers use its key alone; a semantic tier needs the
+normalized input, the namespace, the model identity and the sampling parameters, so the query carries
+them all. The cascade asks tiers in order (cheapest first); a hit in a later tier is copied into the
+earlier ones, so the next identical request stops at the first tier.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from appliance.cache.entry import CachedAnswer
+from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l1 import LruCache
-from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
-from appliance.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
-class ResponseCache:
-    def __init__(self, l1: LruCache, l2: RedisTier | None, metrics: CacheMetrics) -> None:
-        self.l1 = l1
-        self.l2 = l2
-        self.metrics = metrics
-        self._writes: set[asyncio.Task[None]] = set()
+@dataclass(frozen=True, slots=True)
+class CacheQuery:
+    """One deterministic request as the cache sees it (text already NFC-normalized)."""
 
-    async def lookup(
-        self, namespace: str, model: str, key: bytes
-    ) -> tuple[CachedAnswer, pb.CacheTier] | None:
-        """The cached answer and the tier that had it (CacheTier), or None on a miss."""
-        answer = self.l1.get(key)
-        if answer is not None:
-            self.metrics.l1_hits += 1
-            return answer, pb.CACHE_TIER_EXACT_L1
-        if self.l2 is not None:
-            answer = await self.l2.get(namespace, model, key)
+    key: bytes
+    namespace: str
+    model: ModelIdentity
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...]
+    sampling: SamplingKey
+
+
+class CacheTier(Protocol):
+    """One place answers are kept. `name` labels its counters ("l1" → l1_hits)."""
+
+    name: str
+
+    async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
+        """The answer for the query, or None; a fault is a (counted) miss, never an exception."""
+        ...
+
+    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        """Keeps the answer; must not wait on I/O (slow tiers write in the background)."""
+        ...
+
+    async def invalidate(self, namespace: str, model: str) -> int:
+        """Drops entries of a namespace and/or model ("" matches any); returns how many."""
+        ...
+
+    def counters(self) -> dict[str, int]:
+        """Gauges of the tier's own (entries, bytes, breaker state)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class L1Tier:
+    """The in-process LRU as a tier: a hit never leaves the event loop."""
+
+    name = "l1"
+
+    def __init__(self, lru: LruCache) -> None:
+        self.lru = lru
+
+    async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
+        return self.lru.get(query.key)
+
+    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        self.lru.put(query.key, answer, (query.namespace, query.model.name))
+
+    async def invalidate(self, namespace: str, model: str) -> int:
+        return self.lru.invalidate(namespace, model)
+
+    def counters(self) -> dict[str, int]:
+        return {"l1_entries": len(self.lru), "l1_bytes": self.lru.bytes}
+
+    async def close(self) -> None:
+        return None
+
+
+class TierCascade:
+    """Tiers in lookup order, with the counters every tier shares."""
+
+    def __init__(self, tiers: Sequence[CacheTier], metrics: CacheMetrics) -> None:
+        self.tiers = tuple(tiers)
+        self.metrics = metrics
+
+    async def lookup(self, query: CacheQuery) -> tuple[CachedAnswer, str] | None:
+        """The cached answer and the name of the tier that had it, or None on a miss."""
+        for index, tier in enumerate(self.tiers):
+            answer = await tier.lookup(query)
             if answer is not None:
-                self.metrics.l2_hits += 1
-                self.l1.put(key, answer, (namespace, model))
-                return answer, pb.CACHE_TIER_EXACT_L2
+                self.metrics.count_hit(tier.name)
+                for earlier in self.tiers[:index]:
+                    earlier.store(query, answer)
+                return answer, tier.name
         self.metrics.misses += 1
         return None
 
-    def store(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> None:
-        """L1 now; L2 in a background task whose failure is counted, never seen by a client."""
+    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         self.metrics.writes += 1
-        self.l1.put(key, answer, (namespace, model))
-        if self.l2 is not None:
-            task = asyncio.get_running_loop().create_task(
-                self._write_l2(namespace, model, key, answer)
-            )
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+        for tier in self.tiers:
+            tier.store(query, answer)
 
-    async def _write_l2(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> None:
-        assert self.l2 is not None
-        if not await self.l2.put(namespace, model, key, answer):
-            self.metrics.write_failures += 1
-
-    async def invalidate(self, namespace: str, model: str) -> tuple[int, int]:
-        removed_l1 = self.l1.invalidate(namespace, model)
-        removed_l2 = await self.l2.invalidate(namespace, model) if self.l2 is not None else 0
-        log.info(
-            "invalidated namespace=%r model=%r: l1 %d, l2 %d",
-            namespace,
-            model,
-            removed_l1,
-            removed_l2,
-        )
-        return removed_l1, removed_l2
+    async def invalidate(self, namespace: str, model: str) -> dict[str, int]:
+        """Removed entries per tier. Every tier is tried; the first failure is raised after."""
+        removed: dict[str, int] = {}
+        failure: Exception | None = None
+        for tier in self.tiers:
+            try:
+                removed[tier.name] = await tier.invalidate(namespace, model)
+            except Exception as exc:  # Redis down: the other tiers are still dropped
+                failure = failure or exc
+        log.info("invalidated namespace=%r model=%r: %s", namespace, model, removed)
+        if failure is not None:
+            raise failure
+        return removed
 
     def counters(self) -> dict[str, int]:
         counters = self.metrics.as_dict()
-        counters["l1_entries"] = len(self.l1)
-        counters["l1_bytes"] = self.l1.bytes
-        if self.l2 is not None:
-            counters["breaker_open"] = int(self.l2.breaker.state != "closed")
+        for tier in self.tiers:
+            counters.update(tier.counters())
         return counters
 
     async def close(self) -> None:
-        if self._writes:
-            await asyncio.wait(self._writes, timeout=1.0)
-        if self.l2 is not None:
-            await self.l2.close()
+        for tier in self.tiers:
+            await tier.close()

@@ -14,7 +14,8 @@ import pytest
 from appliance.cache.l2 import RedisSettings
 from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
-from appliance.gateway import RunningGateway, load_models, start_server
+from appliance.gateway.models import load_models
+from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer

@@ -24,11 +24,15 @@ class Clock:
 
 
 def answer(text: str = "hello", n: int = 3) -> CachedAnswer:
-    return CachedAnswer(text, tuple(range(n)), 1, 5, n)
+    return CachedAnswer(text, tuple(range(n)), "stop", 5, n)
 
 
-@given(text=st.text(), ids=st.lists(st.integers(-(2**31), 2**31 - 1)), finish=st.integers(0, 3))
-def test_entry_round_trips(text: str, ids: list[int], finish: int) -> None:
+@given(
+    text=st.text(),
+    ids=st.lists(st.integers(-(2**31), 2**31 - 1)),
+    finish=st.sampled_from(["stop", "length"]),
+)
+def test_entry_round_trips(text: str, ids: list[int], finish: str) -> None:
     a = CachedAnswer(text, tuple(ids), finish, 7, len(ids))
     assert decode(encode(a)) == a
 
@@ -37,6 +41,18 @@ def test_entry_round_trips(text: str, ids: list[int], finish: int) -> None:
 def test_corrupt_entries_are_refused(data: bytes) -> None:
     with pytest.raises(CorruptEntryError):
         decode(data)
+
+
+def test_unknown_finish_reason_is_corrupt() -> None:
+    data = bytearray(encode(answer()))
+    data[1] = 3  # CANCELLED answers are never cached
+    with pytest.raises(CorruptEntryError, match="finish reason"):
+        decode(bytes(data))
+
+
+def test_entry_size_counts_utf8_bytes_not_characters() -> None:
+    ascii_text, wide_text = answer("a" * 100), answer("日" * 100)  # 1 vs 3 bytes a character
+    assert wide_text.size() - ascii_text.size() == 200
 
 
 def test_lru_evicts_least_recently_used_by_entries_and_bytes() -> None:

@@ -14,7 +14,8 @@ from appliance.config import GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.engine.server import load_models as load_engine_models
 from appliance.engine.server import start_engine
-from appliance.gateway import RunningGateway, StartupError, load_models, start_server
+from appliance.gateway.models import StartupError, load_models
+from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny

@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.request import Sampling
+from appliance.backends.base import BackendError, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,6 @@ CHANNEL_OPTIONS = (
 )
 STOP_REQUEST_TIMEOUT_S = 2.0
 LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-class BackendError(Exception):
-    """A failure talking to the inference server; carries the status the gateway's client gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 # In-band error texts of Triton and the TensorRT-LLM backend, first match wins.
@@ -156,7 +147,7 @@ def _is_final(response: ts.ModelInferResponse) -> bool:
 
 
 class TritonBackend:
-    """One model on one Triton-protocol server, behind one persistent channel."""
+    """One model on one Triton-protocol server, behind one persistent channel (a Backend)."""
 
     def __init__(self, address: str, model: str) -> None:
         self.address = address
@@ -170,7 +161,7 @@ class TritonBackend:
         ] = set()
         self._shutting_down = False
 
-    async def wait_ready(self, timeout_s: float) -> mc.ModelConfig:
+    async def wait_ready(self, timeout_s: float) -> None:
         """Waits for ServerReady and ModelReady, then reads and checks the model's configuration."""
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
@@ -196,30 +187,23 @@ class TritonBackend:
                             ts.ModelConfigRequest(name=self.model), timeout=per_call
                         )
                         self._names = check_model_config(reply.config, self.address)
-                        return reply.config
+                        return
                     last = f"model '{self.model}' not ready"
             except grpc.aio.AioRpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
-    def _request(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        end_id: int | None,
-        pad_id: int | None,
-        sampling: Sampling,
-    ) -> ts.ModelInferRequest:
+    def _request(self, g: GenerationRequest) -> ts.ModelInferRequest:
         names = self._names
         if names is None:
             raise RuntimeError("wait_ready() must succeed before requests are sent")
-        req = ts.ModelInferRequest(model_name=self.model, id=request_id)
+        prompt_ids, end_id, pad_id, sampling = g.prompt_ids, g.end_id, g.pad_id, g.sampling
+        req = ts.ModelInferRequest(model_name=self.model, id=g.request_id)
         req.parameters["triton_enable_empty_final_response"].bool_param = True
         t = _TensorBuilder(req, names.batch_dim)
         t.add("input_ids", "INT32", "i", prompt_ids)
         t.add("input_lengths", "INT32", "i", [len(prompt_ids)])
-        t.add("request_output_len", "INT32", "i", [max_tokens])
+        t.add("request_output_len", "INT32", "i", [g.max_tokens])
         present = names.present
         if end_id is not None and "end_id" in present:
             t.add("end_id", "INT32", "i", [end_id])
@@ -244,24 +228,15 @@ class TritonBackend:
             t.add(names.seed, "UINT64", "Q", [sampling.seed])
         return req
 
-    async def stream(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        end_id: int | None,
-        pad_id: int | None,
-        sampling: Sampling,
-        timeout: float | None,
-    ) -> AsyncGenerator[list[int], None]:
+    async def stream(self, g: GenerationRequest) -> AsyncGenerator[list[int], None]:
         """Yields the new token ids of each response until the final one.
 
         Leaving early (the caller stopped iterating, was cancelled, or hit a stop string) cancels
         the HTTP/2 stream and also sends `stop=true` with the same request id, so the engine stops
         generating even where stream cancellation is not propagated.
         """
-        request = self._request(request_id, prompt_ids, max_tokens, end_id, pad_id, sampling)
-        call = self._stub.ModelStreamInfer(timeout=timeout)
+        request = self._request(g)
+        call = self._stub.ModelStreamInfer(timeout=g.timeout_s)
         self._calls.add(call)
         finished = False
         try:
@@ -299,7 +274,7 @@ class TritonBackend:
             self._calls.discard(call)
             if not finished:
                 call.cancel()
-                self._spawn(self._send_stop(request_id, prompt_ids[:1]))
+                self._spawn(self._send_stop(g.request_id, g.prompt_ids[:1]))
 
     def _rpc_error(self, exc: grpc.aio.AioRpcError) -> BackendError:
         code = exc.code()

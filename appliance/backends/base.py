@@ -1,0 +1,83 @@
+"""What the gateway needs from an inference backend, whatever serves the model.
+
+The pipeline talks to this protocol only: a Triton-protocol server (TritonBackend), a fallback model or
+another engine plug in without touching it. A backend streams token ids for a GenerationRequest; text,
+stop strings and caching stay in the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+
+class BackendError(Exception):
+    """A failure talking to the inference server; carries the status the gateway's client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """TensorRT-LLM's sampling inputs: greedy is top_k=1 (temperature 0 maps to it)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+
+
+GREEDY = Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=None)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation as a backend sees it: token ids in, token ids out.
+
+    `request_id` is the gateway's own id for the engine (unique per gateway process), never a
+    client's: a client's id is not unique across clients, and cancelling by id must not reach
+    another client's generation. `timeout_s` None means the caller bounds the call itself.
+    """
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    end_id: int | None
+    pad_id: int | None
+    sampling: Sampling
+    timeout_s: float | None
+
+
+class Backend(Protocol):
+    """One served model on one inference server."""
+
+    @property
+    def address(self) -> str:
+        """Where the backend is, for messages an operator reads."""
+        ...
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Returns once the backend can take requests; BackendError (UNAVAILABLE) after timeout_s."""
+        ...
+
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[list[int], None]:
+        """The new token ids of each step until the generation ends.
+
+        Raises BackendError with the status the client should get. Closing the iterator early
+        (the caller stopped reading, was cancelled, or hit a stop string) cancels the generation.
+        """
+        ...
+
+    def cancel_all(self) -> None:
+        """Ends every generation in flight (the drain period is over): they raise CANCELLED."""
+        ...
+
+    async def close(self) -> None:
+        """Releases connections; no call is made afterwards."""
+        ...

@@ -1,0 +1,72 @@
+"""One generation on a backend, as events: text deltas as tokens decode, then how it ended.
+
+Token ids come from the backend; text is decoded incrementally here (whole UTF-8 characters only) and
+cut at stop strings, so the backend never needs the tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from appliance.backends.base import GenerationRequest
+from appliance.cache.keys import ModelIdentity
+from appliance.detokenize import IncrementalDecoder
+from appliance.gateway.models import ServedModel
+from appliance.stopstrings import StopMatcher
+
+
+@dataclass(slots=True)
+class Delta:
+    """New text and the token ids it came from."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a generation ended; the last event of every stream."""
+
+    # "stop" (end token or stop string) or "length" (max_tokens reached).
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    # The model that produced the answer: its cache entry may only be keyed with this identity.
+    produced_by: ModelIdentity
+
+
+Event = Delta | Outcome
+
+
+async def generate(
+    model: ServedModel, request: GenerationRequest, stops: tuple[str, ...]
+) -> AsyncIterator[Event]:
+    """Deltas as they decode, then the Outcome."""
+    decoder = IncrementalDecoder(model.text.table)
+    matcher = StopMatcher(stops)
+    end_id = request.end_id
+    completion = 0
+    ended_by_stop = False
+    tokens_stream = model.backend.stream(request)
+    try:
+        async for tokens in tokens_stream:
+            if end_id is not None and end_id in tokens:
+                tokens = tokens[: tokens.index(end_id)]
+                ended_by_stop = True
+            completion += len(tokens)
+            text = matcher.feed("".join([decoder.push(t) for t in tokens]))
+            if text or tokens:
+                yield Delta(text, tokens)
+            if matcher.stopped or ended_by_stop:
+                ended_by_stop = True
+                break
+    finally:
+        await tokens_stream.aclose()
+    tail = "" if matcher.stopped else matcher.feed(decoder.flush()) + matcher.flush()
+    if tail:
+        yield Delta(tail, [])
+    stopped = ended_by_stop or completion < request.max_tokens
+    yield Outcome(
+        "stop" if stopped else "length", len(request.prompt_ids), completion, model.identity
+    )

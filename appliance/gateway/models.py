@@ -1,0 +1,105 @@
+"""The models a gateway serves: text side (tokenizer, template), limits, backend and identity.
+
+Loaded once at start-up. The identity is what the cache keys on, so a rebuilt engine, another tokenizer
+or another chat template never gets an answer computed by the old one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.backends.base import Backend, BackendError
+from appliance.backends.triton import TritonBackend
+from appliance.cache.keys import ModelIdentity
+from appliance.config import GatewayConfig, ModelConfig
+from appliance.request import Limits
+from appliance.tokenizer import ModelText, TokenizerLoadError
+
+
+class StartupError(Exception):
+    """The gateway cannot start; the message is the one line an operator reads."""
+
+
+@dataclass
+class ServedModel:
+    """One model of the public API, as the gateway serves it."""
+
+    name: str
+    text: ModelText
+    limits: Limits
+    backend: Backend
+    identity: ModelIdentity
+
+
+def _file_digest(*paths: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for path in paths:
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def model_identity(cfg: ModelConfig, text: ModelText, need_fingerprint: bool) -> ModelIdentity:
+    engine = ""
+    if need_fingerprint:
+        try:
+            engine = cfg.fingerprint_path.read_text().strip()
+        except OSError as exc:
+            raise StartupError(
+                f"model '{cfg.name}': engine fingerprint {cfg.fingerprint_path} unreadable "
+                f"({exc.strerror}); cache keys need it so a rebuilt engine never serves old "
+                "answers (set fingerprint_file, or [cache] enabled = false)"
+            ) from exc
+        if not engine:
+            raise StartupError(
+                f"model '{cfg.name}': engine fingerprint {cfg.fingerprint_path} is empty"
+            )
+    return ModelIdentity(
+        name=cfg.name,
+        engine_fingerprint=engine,
+        tokenizer_fingerprint=_file_digest(
+            cfg.tokenizer_dir / "tokenizer.json", cfg.tokenizer_dir / "tokenizer_config.json"
+        ),
+        template_version=text.template_version,
+    )
+
+
+def model_limits(cfg: ModelConfig, text: ModelText) -> Limits:
+    context = text.context_length or (cfg.max_input_tokens or 0) + cfg.max_output_tokens
+    max_input = cfg.max_input_tokens or max(1, context - 1)
+    if max_input >= context:
+        raise StartupError(
+            f"model '{cfg.name}': max_input_tokens {max_input} must be below the model's "
+            f"context of {context} tokens"
+        )
+    return Limits(
+        max_input_tokens=max_input,
+        max_output_tokens=cfg.max_output_tokens,
+        default_max_tokens=cfg.default_max_tokens,
+        context_length=context,
+    )
+
+
+async def load_models(config: GatewayConfig) -> dict[str, ServedModel]:
+    """Loads every tokenizer and waits for every backend; StartupError says which failed and why."""
+    models: dict[str, ServedModel] = {}
+    try:
+        for name, cfg in config.models.items():
+            try:
+                text = ModelText.load(cfg.tokenizer_dir)
+            except (TokenizerLoadError, ValueError) as exc:
+                raise StartupError(f"model '{name}': {exc}") from exc
+            identity = model_identity(cfg, text, need_fingerprint=config.cache.enabled)
+            backend = TritonBackend(cfg.backend, cfg.triton_model)
+            models[name] = ServedModel(name, text, model_limits(cfg, text), backend, identity)
+            try:
+                await backend.wait_ready(cfg.ready_timeout_s)
+            except BackendError as exc:
+                raise StartupError(f"model '{name}': {exc.message}") from exc
+    except BaseException:
+        for m in models.values():
+            await m.backend.close()
+        raise
+    return models
