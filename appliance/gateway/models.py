@@ -74,11 +74,15 @@ def model_limits(cfg: ModelConfig, text: ModelText) -> Limits:
             f"model '{cfg.name}': max_input_tokens {max_input} must be below the model's "
             f"context of {context} tokens"
         )
+    longest_token = max((len(piece) for piece in text.table.pieces), default=1)
     return Limits(
         max_input_tokens=max_input,
         max_output_tokens=cfg.max_output_tokens,
         default_max_tokens=cfg.default_max_tokens,
         context_length=context,
+        # No token spans more bytes than the longest one, and a character is at least a byte:
+        # text with more characters than this cannot tokenize into max_input tokens or fewer.
+        max_input_chars=2 * max(longest_token, 1) * max_input,
     )
 
 

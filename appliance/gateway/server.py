@@ -22,7 +22,7 @@ from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
-from appliance.gateway.report import DebugLogSink
+from appliance.gateway.report import DebugLogSink, ReportSink
 from appliance.gateway.service import CacheAdminService, InferenceService
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -75,10 +75,12 @@ class RunningGateway:
         self.pipeline.close()
 
 
-async def start_server(config: GatewayConfig, models: dict[str, ServedModel]) -> RunningGateway:
+async def start_server(
+    config: GatewayConfig, models: dict[str, ServedModel], sink: ReportSink | None = None
+) -> RunningGateway:
     server = grpc.aio.server()
     cache = make_cache(config.cache)
-    service = InferenceService(Pipeline(models, cache, AdmitAll(), DebugLogSink()))
+    service = InferenceService(Pipeline(models, cache, AdmitAll(), sink or DebugLogSink()))
     pb_grpc.add_InferenceServicer_to_server(service, server)
     pb_grpc.add_CacheAdminServicer_to_server(CacheAdminService(cache), server)
     health_servicer = health.aio.HealthServicer()

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from appliance.cache.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.l1 import LruCache
+from appliance.cache.l2 import RedisSettings, RedisTier
+from appliance.cache.metrics import CacheMetrics
 from appliance.cache.singleflight import SingleFlight
 
 
@@ -162,3 +164,24 @@ async def test_a_flight_nobody_follows_is_cancelled() -> None:
 
 async def _drain(it: AsyncIterator[int]) -> list[int]:
     return [x async for x in it]
+
+
+async def test_a_cancelled_probe_counts_as_a_failed_probe() -> None:
+    """A caller whose deadline passes during the half-open probe must not leave the breaker
+    waiting for that probe forever (L2 would stay off until a restart)."""
+    tier = RedisTier(RedisSettings(breaker_failures=1, breaker_reset_s=0.0), CacheMetrics())
+    tier.breaker.failure()  # open; reset_s 0: the next call is the half-open probe
+    started = asyncio.Event()
+
+    async def hang() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    probe = asyncio.ensure_future(tier._call("GET", hang()))
+    await started.wait()
+    assert tier.breaker.state == "half-open" and not tier.breaker.allow()  # one probe at a time
+    probe.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await probe
+    assert tier.breaker.allow()  # the next call probes again
+    await tier.close()

@@ -129,6 +129,15 @@ BAD = [
         "messages[0].role is 'robot'; expected one of system, user, assistant",
     ),
     (dict(messages=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages is empty"),
+    # The engine computes logits / temperature: a tiny positive temperature overflows it.
+    (dict(temperature=1e-45), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be 0 (greedy)"),
+    (dict(temperature=1e9), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be 0 (greedy)"),
+    (dict(cache_policy=99), grpc.StatusCode.INVALID_ARGUMENT, "cache_policy 99 is not one of"),
+    (dict(cache_policy=-5), grpc.StatusCode.INVALID_ARGUMENT, "cache_policy -5 is not one of"),
+    # An 8 KB model name is echoed shortened: the status stays NOT_FOUND, never a too-large error.
+    (dict(model="m" * 8192), grpc.StatusCode.NOT_FOUND, "(8192 characters); known models: tiny"),
+    # Megabytes of text are refused by their length, before the tokenizer runs.
+    (dict(prompt="x" * 3_000_000), grpc.StatusCode.INVALID_ARGUMENT, "characters, more than fit"),
 ]
 
 

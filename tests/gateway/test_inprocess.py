@@ -15,6 +15,7 @@ from appliance.engine.runner import EngineStats
 from appliance.engine.server import load_models as load_engine_models
 from appliance.engine.server import start_engine
 from appliance.gateway.models import StartupError, load_models
+from appliance.gateway.report import RequestReport
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -180,3 +181,45 @@ async def test_one_client_cancelling_never_stops_another_with_the_same_request_i
     assert reply.request_id == "same"
     assert list(reply.token_ids) == list(reference.token_ids)
     assert reply.final.finish_reason == reference.final.finish_reason
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.reports: list[RequestReport] = []
+        self.changed = asyncio.Event()
+
+    def report(self, r: RequestReport) -> None:
+        self.reports.append(r)
+        self.changed.set()
+
+    async def wait_for(self, n: int) -> list[RequestReport]:
+        while len(self.reports) < n:
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), 10)
+        return self.reports
+
+
+async def test_every_request_is_reported_once_with_its_facts(tiny: Tiny, engine: Engine) -> None:
+    sink = RecordingSink()
+    config = _config(tiny, engine.address)
+    running = await start_server(config, await load_models(config), sink)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            r = pb.GenerateRequest(
+                model="tiny", prompt="Report me", max_tokens=6, temperature=0, request_id="r1"
+            )
+            miss = await stub.Complete(r)
+            await stub.Complete(r)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Complete(pb.GenerateRequest(model="tiny", prompt="x", max_tokens=0))
+        first, hit, bad = await sink.wait_for(3)
+    finally:
+        await running.drain(0.5)
+    assert (first.request_id, first.model, first.tier, first.status) == ("r1", "tiny", "miss", "OK")
+    assert first.finish_reason in ("stop", "length") and first.answered_by == "tiny"
+    assert first.completion_tokens == miss.final.usage.completion_tokens > 0
+    assert first.ttft_us == miss.final.timings.ttft_us and first.total_us >= first.ttft_us
+    assert len(first.inter_token_us) == first.completion_tokens - 1  # one token a message
+    assert (hit.tier, hit.status, hit.completion_tokens) == ("l1", "OK", first.completion_tokens)
+    assert (bad.status, bad.tier, bad.completion_tokens) == ("INVALID_ARGUMENT", "miss", 0)
