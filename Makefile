@@ -7,9 +7,10 @@ STAMP  := $(VENV)/.installed-stamp
 ANSIBLE_VENV  := .venv-ansible
 ANSIBLE_STAMP := $(ANSIBLE_VENV)/.installed-stamp
 
-.PHONY: demo test lint typecheck proto bench clean ansible-venv
+.PHONY: demo test deps lint typecheck proto bench clean ansible-venv
 
-$(STAMP): pyproject.toml
+# deps is order-only: it runs first (python3-venv) but never makes the venv out of date.
+$(STAMP): pyproject.toml | deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel first, so the engine extra does not pull a CUDA build.
@@ -17,17 +18,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[engine,dev]'
 	touch $@
 
-$(ANSIBLE_STAMP): tests/system/ansible-requirements.txt
+$(ANSIBLE_STAMP): tests/system/ansible-requirements.txt | deps
 	$(PYTHON) -m venv $(ANSIBLE_VENV)
 	$(ANSIBLE_VENV)/bin/pip install -q -r tests/system/ansible-requirements.txt
 	touch $@
 
 ansible-venv: $(ANSIBLE_STAMP)
 
+# The Debian packages the tests need (.ci/debian-packages): installs the missing ones as root, otherwise
+# stops with the `sudo apt-get install` command.
+deps:
+	.ci/system-deps
+
 demo: $(STAMP)
 	$(PY) -m appliance demo
 
-test: $(STAMP) $(ANSIBLE_STAMP) lint typecheck
+test: deps $(STAMP) $(ANSIBLE_STAMP) lint typecheck
 	$(PY) -m pytest
 
 lint: $(STAMP)

@@ -5,16 +5,15 @@ The README's "Configuration" section documents each key; keep the two in step.
 
 from __future__ import annotations
 
-import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from appliance import tomlcheck
 from appliance.cache.l2 import RedisSettings
+from appliance.tomlcheck import Table
 
 
-class ConfigError(ValueError):
+class ConfigError(tomlcheck.TomlError):
     """A configuration file that cannot be used; the message names the file, line and key."""
 
 
@@ -64,73 +63,10 @@ class GatewayConfig:
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _line_of(text: str, table: str, key: str | None) -> int:
-    """Best-effort line number of `key` inside `[table]` (or of the table header) for messages."""
-    lines = text.splitlines()
-    header = re.compile(r"^\s*\[+\s*([^\]]+?)\s*\]+\s*(#.*)?$")
-    in_table = table == ""
-    table_line = 0
-    for number, line in enumerate(lines, start=1):
-        m = header.match(line)
-        if m:
-            name = m.group(1).replace('"', "").replace("'", "").replace(" ", "")
-            in_table = name == table
-            if in_table:
-                table_line = number
-            continue
-        if (
-            in_table
-            and key is not None
-            and re.match(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=", line)
-        ):
-            return number
-    return table_line
+class _Reader(Table):
+    """Pulls typed values out of one TOML table; refusals are ConfigError."""
 
-
-class _Reader:
-    """Pulls typed values out of one TOML table and complains precisely."""
-
-    def __init__(self, path: Path, text: str, table: str, data: dict[str, Any], known: set[str]):
-        self.path, self.text, self.table, self.data = path, text, table, data
-        unknown = sorted(set(data) - known)
-        if unknown:
-            self.fail(unknown[0], f"unknown key; known keys are {', '.join(sorted(known))}")
-
-    def fail(self, key: str | None, message: str) -> None:
-        line = _line_of(self.text, self.table, key)
-        where = f"{self.table}.{key}" if key and self.table else (key or self.table)
-        raise ConfigError(f"{self.path}:{line}: key '{where}': {message}")
-
-    def get(self, key: str, kind: type, default: Any) -> Any:
-        if key not in self.data:
-            return default
-        value = self.data[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            self.fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
-        return value
-
-    def file_path(self, key: str, base: Path) -> Path | None:
-        value = self.get(key, str, "")
-        if not value:
-            return None
-        path = Path(value).expanduser()
-        return path if path.is_absolute() else base / path
-
-    def positive(self, key: str, kind: type, default: Any) -> Any:
-        value = self.get(key, kind, default)
-        if value is not None and value <= 0:
-            self.fail(key, f"must be greater than 0, got {value!r}")
-        return value
-
-    def require(self, key: str) -> str:
-        if key not in self.data:
-            self.fail(None, f"missing required key '{key}'")
-        value = self.get(key, str, "")
-        if not value:
-            self.fail(key, "must not be empty")
-        return str(value)
+    error = ConfigError
 
 
 def _address(reader: _Reader, key: str, default: str) -> str:
@@ -143,14 +79,7 @@ def _address(reader: _Reader, key: str, default: str) -> str:
 
 def load_config(path: Path) -> GatewayConfig:
     """Reads and validates the gateway configuration; raises ConfigError with file:line: key."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read configuration: {exc.strerror}") from exc
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    text, data = tomlcheck.read(path, "configuration", ConfigError)
 
     top = _Reader(path, text, "", data, {"server", "models", "cache"})
     server_data = top.get("server", dict, {})

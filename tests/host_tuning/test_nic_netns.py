@@ -1,13 +1,13 @@
 """NIC settings for real: a network namespace with a veth pair, changed through pyroute2.
 
-Needs root and iproute2 (CI has both); nothing outside the test's own namespace is touched.
+Needs root and iproute2 (tests/prereqs.py stops the run naming what is missing); nothing outside the
+test's own namespace is touched.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,10 +19,6 @@ import pytest
 from host_tuning.cli import main
 from host_tuning.facts.nic import netlink_links
 from tests.host_tuning.hostbuilder import Machine
-
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"
-)
 
 
 def ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,12 +36,12 @@ def netns() -> Iterator[str]:
     try:
         ip("netns", "add", name)
     except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot create a network namespace here: {exc.stderr.strip()}")
+        pytest.fail(f"cannot create a network namespace here: {exc.stderr.strip()}")
     try:
         try:
             ip("-n", name, "link", "add", "htv0", "type", "veth", "peer", "name", "htv1")
         except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot create a veth pair here: {exc.stderr.strip()}")
+            pytest.fail(f"cannot create a veth pair here: {exc.stderr.strip()}")
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False, timeout=20)

@@ -14,7 +14,8 @@ The Debian root (debootstrap, ~1-2 min) and the dependency wheels are cached in 
 (APPLIANCE_CI_CACHE); each run boots a fresh copy and installs a fresh wheel of this package. Nothing inside
 the container reaches a network: the wheelhouse is bind-mounted read-only and every package the roles
 need is in the root. Waits are bounded polls on state (is-active, NRestarts), never sleeps as assertions.
-Needs root, systemd-nspawn, debootstrap, nsenter and .venv-ansible (make ansible-venv); skipped otherwise.
+Needs root, systemd-nspawn, debootstrap, nsenter and .venv-ansible (make ansible-venv); tests/prereqs.py
+stops the run naming what is missing.
 """
 
 from __future__ import annotations
@@ -40,20 +41,8 @@ ANSIBLE = REPO / "ansible"
 ANSIBLE_BIN = REPO / ".venv-ansible" / "bin"
 HERE = Path(__file__).resolve().parent
 
-_missing = [
-    tool
-    for tool in ("systemd-nspawn", "debootstrap", "nsenter", "ip")
-    if shutil.which(tool) is None
-]
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (debootstrap, systemd-nspawn, netns)"),
-    pytest.mark.skipif(bool(_missing), reason=f"missing {', '.join(_missing)} (see .ci/run)"),
-    pytest.mark.skipif(
-        not (ANSIBLE_BIN / "ansible-playbook").exists(),
-        reason="no .venv-ansible: run `make ansible-venv`",
-    ),
-    pytest.mark.timeout(900),
-]
+pytestmark = pytest.mark.timeout(900)
+
 
 UNITS = ["redis-server.service", "appliance-engine.service", "appliance-gateway.service"]
 

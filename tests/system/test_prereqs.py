@@ -1,0 +1,53 @@
+"""The machine's prerequisites: .ci/debian-packages stays true, and a missing program stops the run with the
+install command instead of skipping tests or erroring in a fixture."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.prereqs import EXIT_MISSING, PACKAGES_FILE, REPO, programs
+
+
+def test_every_listed_test_path_exists() -> None:
+    listed = programs(PACKAGES_FILE.read_text())
+    assert {p.program for p in listed} >= {"redis-server", "systemd-nspawn", "debootstrap"}
+    for p in listed:
+        for test in p.tests:
+            assert (REPO / test).is_file(), (
+                f"{PACKAGES_FILE.name}: {p.package}: {test} does not exist"
+            )
+
+
+def test_missing_program_fails_with_the_install_command(tmp_path: Path) -> None:
+    # A PATH that has this Python but no redis-server.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = {**os.environ, "PATH": str(bin_dir)}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/cache/test_cache_e2e.py",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == EXIT_MISSING, out
+    assert (
+        "redis-server not found on PATH: install with "
+        "`sudo apt-get install -y --no-install-recommends redis-server`"
+    ) in out
+    assert "passed" not in out and "skipped" not in out and "error" not in out, out
