@@ -38,6 +38,20 @@ class ModelConfig:
     ready_timeout_s: float = 60.0
     # None: <tokenizer_dir>/../engine_fingerprint, the file `engine-build repo` writes.
     fingerprint_file: Path | None = None
+    # Generations at the engine at once; None: the engine's max_batch_size (1 for a batch-1 engine).
+    max_in_flight: int | None = None
+    # Requests waiting for a slot at most; one more is refused at once (RESOURCE_EXHAUSTED).
+    max_queue: int = 8
+    # Time to first token a request accepts when it sets none; None: only its deadline bounds it.
+    ttft_budget_ms: float | None = None
+    # Deadline of a request whose client sets none: a hung engine never holds a client forever.
+    default_deadline_s: float = 120.0
+    # Another served model that answers while this one's breaker is open (one hop, never chained).
+    fallback: str | None = None
+    # Consecutive engine failures (errors, timeouts, TTFT over budget) that open the breaker, and
+    # the seconds before a probe request is let through again.
+    breaker_failures: int = 3
+    breaker_reset_s: float = 5.0
 
     @property
     def fingerprint_path(self) -> Path:
@@ -120,13 +134,29 @@ def load_config(path: Path) -> GatewayConfig:
             ),
             ready_timeout_s=r.positive("ready_timeout_s", float, ModelConfig.ready_timeout_s),
             fingerprint_file=r.file_path("fingerprint_file", path.parent),
+            max_in_flight=r.positive("max_in_flight", int, None),
+            max_queue=r.get("max_queue", int, ModelConfig.max_queue),
+            ttft_budget_ms=r.positive("ttft_budget_ms", float, None),
+            default_deadline_s=r.positive(
+                "default_deadline_s", float, ModelConfig.default_deadline_s
+            ),
+            fallback=r.get("fallback", str, None),
+            breaker_failures=r.positive("breaker_failures", int, ModelConfig.breaker_failures),
+            breaker_reset_s=r.positive("breaker_reset_s", float, ModelConfig.breaker_reset_s),
         )
+        if model.max_queue < 0:
+            r.fail("max_queue", "must be 0 (no waiting: refuse when every slot is busy) or more")
         if model.default_max_tokens > model.max_output_tokens:
             r.fail(
                 "default_max_tokens",
                 f"{model.default_max_tokens} exceeds max_output_tokens {model.max_output_tokens}",
             )
         models[name] = model
+    for name, model in models.items():
+        if (model.fallback is not None and model.fallback not in models) or model.fallback == name:
+            r = _Reader(path, text, f"models.{name}", models_data[name], known)
+            others = ", ".join(sorted(set(models) - {name})) or "none"
+            r.fail("fallback", f"must name another served model (configured: {others})")
     return GatewayConfig(server=server, models=models, cache=_cache(top, path, text))
 
 

@@ -13,10 +13,14 @@ import grpc
 class RequestError(Exception):
     """A request the gateway refuses or cannot finish; carries the status the client gets."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # When trying again later can succeed (overload): how long to wait, in milliseconds.
+        self.retry_after_ms = retry_after_ms
 
 
 def invalid(message: str) -> RequestError:

@@ -62,8 +62,17 @@ class Backend(Protocol):
         """Where the backend is, for messages an operator reads."""
         ...
 
+    @property
+    def max_batch_size(self) -> int:
+        """Generations the backend runs at once at full speed."""
+        ...
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Returns once the backend can take requests; BackendError (UNAVAILABLE) after timeout_s."""
+        ...
+
+    async def readiness(self, timeout_s: float) -> tuple[bool, str]:
+        """One readiness check: (ready, why not). Never raises."""
         ...
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[list[int], None]:

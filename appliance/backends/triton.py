@@ -34,6 +34,8 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 )
 STOP_REQUEST_TIMEOUT_S = 2.0
+# While waiting for the inference server at start-up, a line this often says so.
+WAIT_NOTE_S = 5.0
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -160,43 +162,75 @@ class TritonBackend:
             grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse]
         ] = set()
         self._shutting_down = False
+        # Generations the server runs at once (its model's max_batch_size; 1 until read).
+        self.max_batch_size = 1
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Waits for ServerReady and ModelReady, then reads and checks the model's configuration."""
-        deadline = time.monotonic() + timeout_s
+        """Waits for ServerReady and ModelReady, then reads and checks the model's configuration.
+
+        Says every few seconds what it is waiting for, so a start-up that waits is never silent."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        next_note = started + WAIT_NOTE_S
         last = "no answer yet"
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 raise BackendError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"inference server at {self.address} not ready for model '{self.model}' "
                     f"after {timeout_s:g} s ({last})",
                 )
-            per_call = min(remaining, 2.0)
-            try:
-                server = await self._stub.ServerReady(ts.ServerReadyRequest(), timeout=per_call)
-                if not server.ready:
-                    last = "server not ready"
-                else:
-                    ready = await self._stub.ModelReady(
-                        ts.ModelReadyRequest(name=self.model), timeout=per_call
-                    )
-                    if ready.ready:
-                        reply = await self._stub.ModelConfig(
-                            ts.ModelConfigRequest(name=self.model), timeout=per_call
-                        )
-                        self._names = check_model_config(reply.config, self.address)
-                        return
-                    last = f"model '{self.model}' not ready"
-            except grpc.aio.AioRpcError as exc:
-                last = f"{exc.code().name}: {exc.details()}"
+            if now >= next_note:
+                log.info(
+                    "waiting for model '%s' on the inference server at %s: %.0f s so far, "
+                    "up to %g s (%s)",
+                    self.model,
+                    self.address,
+                    now - started,
+                    timeout_s,
+                    last,
+                )
+                next_note = now + WAIT_NOTE_S
+            ready, last = await self.readiness(min(remaining, 2.0), read_config=True)
+            if ready:
+                return
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    async def readiness(self, timeout_s: float, read_config: bool = False) -> tuple[bool, str]:
+        """One ServerReady + ModelReady round: (ready, why not). With read_config, or when the
+        server's configuration was not read since it was last unreachable (it may have restarted
+        with another revision), the model's configuration is read and checked again."""
+        try:
+            server = await self._stub.ServerReady(ts.ServerReadyRequest(), timeout=timeout_s)
+            if not server.ready:
+                return False, "server not ready"
+            ready = await self._stub.ModelReady(
+                ts.ModelReadyRequest(name=self.model), timeout=timeout_s
+            )
+            if not ready.ready:
+                return False, f"model '{self.model}' not ready"
+            if read_config or self._names is None:
+                reply = await self._stub.ModelConfig(
+                    ts.ModelConfigRequest(name=self.model), timeout=timeout_s
+                )
+                self._names = check_model_config(reply.config, self.address)
+                self.max_batch_size = max(1, reply.config.max_batch_size)
+        except grpc.aio.AioRpcError as exc:
+            self._names = None if exc.code() == grpc.StatusCode.UNAVAILABLE else self._names
+            return False, f"{exc.code().name}: {exc.details()}"
+        except BackendError as exc:
+            return False, exc.message
+        return True, ""
 
     def _request(self, g: GenerationRequest) -> ts.ModelInferRequest:
         names = self._names
         if names is None:
-            raise RuntimeError("wait_ready() must succeed before requests are sent")
+            raise BackendError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"inference server at {self.address} is not ready for model '{self.model}'",
+            )
         prompt_ids, end_id, pad_id, sampling = g.prompt_ids, g.end_id, g.pad_id, g.sampling
         req = ts.ModelInferRequest(model_name=self.model, id=g.request_id)
         req.parameters["triton_enable_empty_final_response"].bool_param = True

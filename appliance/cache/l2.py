@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from appliance.cache.breaker import CircuitBreaker
+from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.tiers import CacheQuery
@@ -125,6 +126,18 @@ class RedisTier:
 
     def counters(self) -> dict[str, int]:
         return {"breaker_open": int(self.breaker.state != "closed")}
+
+    async def check(self) -> str:
+        """One PING within a start-up budget; an unreachable Redis opens the breaker at once."""
+        try:
+            async with asyncio.timeout(max(self._budget, 1.0)):
+                await self.client.ping()
+        except (TimeoutError, RedisError, OSError) as exc:
+            for _ in range(self.breaker.threshold):
+                self.breaker.failure()
+            where = re.sub(r"//[^@/]*@", "//", self.settings.url)  # never log a password
+            return f"redis at {where} unreachable ({exc or type(exc).__name__})"
+        return ""
 
     async def get(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
         data = await self._call("GET", self.client.get(self.redis_key(namespace, model, key)))

@@ -10,7 +10,7 @@ not take the answer away from the followers waiting for it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -46,7 +46,7 @@ class Flight(Generic[T]):
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    async def follow(self) -> AsyncIterator[T]:
+    async def follow(self) -> AsyncGenerator[T, None]:
         """Every event from the first; raises the flight's error at the point it happened."""
         self.followers += 1
         index = 0

@@ -54,6 +54,10 @@ class CacheTier(Protocol):
         """Gauges of the tier's own (entries, bytes, breaker state)."""
         ...
 
+    async def check(self) -> str:
+        """ "" when the tier works, else why not (said once at start-up: degraded, not failed)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -76,6 +80,9 @@ class L1Tier:
 
     def counters(self) -> dict[str, int]:
         return {"l1_entries": len(self.lru), "l1_bytes": self.lru.bytes}
+
+    async def check(self) -> str:
+        return ""
 
     async def close(self) -> None:
         return None
@@ -124,6 +131,15 @@ class TierCascade:
         for tier in self.tiers:
             counters.update(tier.counters())
         return counters
+
+    async def check(self) -> None:
+        """Says at start-up which tiers do not work (requests still do, without them)."""
+        for tier in self.tiers:
+            why = await tier.check()
+            if why:
+                log.warning(
+                    "cache tier %s degraded: %s; requests are served without it", tier.name, why
+                )
 
     async def close(self) -> None:
         for tier in self.tiers:

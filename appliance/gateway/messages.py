@@ -41,6 +41,8 @@ def final(
             usage=pb.Usage(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens),
             timings=pb.Timings(queue_us=r.queue_us, ttft_us=r.ttft_us, total_us=r.total_us),
             cache_tier=TIERS[r.tier],
+            model=r.answered_by or r.model,
+            degraded=r.answered_by not in ("", r.model),
         ),
     )
 

@@ -12,14 +12,25 @@ from pathlib import Path
 
 from appliance.backends.base import Backend, BackendError
 from appliance.backends.triton import TritonBackend
+from appliance.breaker import CircuitBreaker
 from appliance.cache.keys import ModelIdentity
 from appliance.config import GatewayConfig, ModelConfig
+from appliance.gateway.health import ModelHealth
 from appliance.request import Limits
 from appliance.tokenizer import ModelText, TokenizerLoadError
 
 
 class StartupError(Exception):
     """The gateway cannot start; the message is the one line an operator reads."""
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """How long a request of this model may take, and who answers when its engine cannot."""
+
+    default_deadline_s: float
+    ttft_budget_s: float | None
+    fallback: str | None
 
 
 @dataclass
@@ -31,6 +42,24 @@ class ServedModel:
     limits: Limits
     backend: Backend
     identity: ModelIdentity
+    policy: ModelPolicy
+    health: ModelHealth
+
+
+def _served(cfg: ModelConfig, text: ModelText, backend: Backend, cached: bool) -> ServedModel:
+    return ServedModel(
+        name=cfg.name,
+        text=text,
+        limits=model_limits(cfg, text),
+        backend=backend,
+        identity=model_identity(cfg, text, need_fingerprint=cached),
+        policy=ModelPolicy(
+            default_deadline_s=cfg.default_deadline_s,
+            ttft_budget_s=None if cfg.ttft_budget_ms is None else cfg.ttft_budget_ms / 1000,
+            fallback=cfg.fallback,
+        ),
+        health=ModelHealth(CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)),
+    )
 
 
 def _file_digest(*paths: Path) -> str:
@@ -95,9 +124,8 @@ async def load_models(config: GatewayConfig) -> dict[str, ServedModel]:
                 text = ModelText.load(cfg.tokenizer_dir)
             except (TokenizerLoadError, ValueError) as exc:
                 raise StartupError(f"model '{name}': {exc}") from exc
-            identity = model_identity(cfg, text, need_fingerprint=config.cache.enabled)
             backend = TritonBackend(cfg.backend, cfg.triton_model)
-            models[name] = ServedModel(name, text, model_limits(cfg, text), backend, identity)
+            models[name] = _served(cfg, text, backend, cached=config.cache.enabled)
             try:
                 await backend.wait_ready(cfg.ready_timeout_s)
             except BackendError as exc:

@@ -1,18 +1,24 @@
 """The gateway's request path, as named stages, for every front end (gRPC today).
 
-    route → check → cache lookup → tokenize → single flight → [admission → engine] → deliver → store
+    route → check → cache lookup → failover → tokenize → single flight → [admission → engine]
+          → deliver → store
 
 - route: the model the request names.
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
   of a generated answer and never needs the engine, so nothing after this stage runs for it.
-- tokenize: prompt or chat → token ids, checked against the model's limits; long inputs are
-  tokenized on a worker thread so the event loop keeps streaming everyone else's tokens.
-- single flight: identical cacheable misses share one generation and all see it live.
+- failover: the model's engine if it is usable (reachable, breaker not open), else its fallback
+  model (the answer says it is degraded), else UNAVAILABLE at once.
+- tokenize: prompt or chat → token ids with the generating model's tokenizer, checked against its
+  limits; long inputs are tokenized on a worker thread so the event loop keeps streaming.
+- single flight: identical cacheable misses share one generation and all see it live. Every
+  generation runs in its own task and records its events, so a client that reads slowly never holds
+  the engine: the engine is drained at its own speed (memory is bounded by max_tokens).
 - admission: the generation asks for a slot at the engine before it starts and frees it when it ends
-  (a follower of a flight rides on its leader's slot); the engine stage streams token ids from the
-  model's Backend and decodes them (generation.py).
-- deliver: events become this client's messages with this client's timings.
+  (a follower rides on its leader's slot); the engine stage streams token ids from the model's
+  Backend, decodes them (generation.py) and tells the model's breaker how the engine did.
+- deliver: events become this client's messages with this client's timings, within its deadline
+  (the client's, or the model's default when the client sets none).
 - store: after the final message is out, a complete answer is written to the cache once per flight,
   under the identity of the model that produced it.
 
@@ -28,6 +34,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
@@ -48,6 +55,26 @@ from appliance.v1 import inference_pb2 as pb
 
 # Inputs longer than this are tokenized on a worker thread (the tokenizer releases the GIL).
 TOKENIZE_INLINE_CHARS = 8192
+# Engine failures that say the engine is unwell (the others are the request's or the client's).
+ENGINE_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+
+
+@dataclass(slots=True)
+class Budget:
+    """When this request's answer must be complete, and its first token at the latest."""
+
+    expires: float  # time.monotonic()
+    first_token_by: float | None
+    # Seconds the engine itself may take to the first token before the breaker counts it a fault.
+    engine_ttft_s: float | None
 
 
 class Pipeline:
@@ -78,6 +105,7 @@ class Pipeline:
         try:
             model = self.route(request)
             report.model = model.name
+            budget = self.budget(model, request, deadline_s)
             checked = check(request, model.limits)
             report.request_id, report.namespace = checked.request_id, checked.namespace
             query = self.cache_query(model, checked)
@@ -88,12 +116,13 @@ class Pipeline:
                     for message in self.replay(hit, report, received):
                         yield message
                     return
-            prepared = await self.tokenize(model, checked)
-            shared = query if cache_plan.write else None
-            events, flight = self.single_flight(model, prepared, shared, deadline_s)
-            async for message in self.deliver(events, report, received):
+            target = self.failover(model)
+            prepared = await self.tokenize(target, checked)
+            shared = self.cache_query(target, checked) if cache_plan.write else None
+            flight = self.single_flight(target, prepared, shared, budget)
+            async for message in self.deliver(flight, report, received, budget, model):
                 yield message
-            if shared is not None and flight is not None:
+            if shared is not None:
                 self.store(shared, flight)
         except RequestError as exc:
             report.status = exc.code.name
@@ -117,6 +146,24 @@ class Pipeline:
                 f"unknown model {echo(request.model)}; known models: {known}",
             )
         return model
+
+    @staticmethod
+    def budget(model: ServedModel, request: pb.GenerateRequest, deadline_s: float | None) -> Budget:
+        """The client's deadline, or the model's default one: a hung engine never holds a client
+        that set none forever. The TTFT budget is the client's or the model's default."""
+        now = time.monotonic()
+        expires = now + (deadline_s if deadline_s is not None else model.policy.default_deadline_s)
+        ttft_s = (
+            request.ttft_budget_ms / 1000
+            if request.HasField("ttft_budget_ms")
+            else model.policy.ttft_budget_s
+        )
+        if ttft_s is not None and ttft_s <= 0:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "ttft_budget_ms must be >= 1 when set"
+            )
+        first_by = expires if ttft_s is None else min(expires, now + ttft_s)
+        return Budget(expires, first_by, ttft_s)
 
     def cache_query(self, model: ServedModel, checked: CheckedRequest) -> CacheQuery | None:
         """The request as the cache sees it; None when its answer may not be cached."""
@@ -168,14 +215,33 @@ class Pipeline:
         started = time.monotonic_ns()
         report.answered_by = report.model
         report.finish_reason = answer.finish_reason
-        report.prompt_tokens, report.completion_tokens = (
-            answer.prompt_tokens,
-            answer.completion_tokens,
-        )
+        report.prompt_tokens = answer.prompt_tokens
+        report.completion_tokens = answer.completion_tokens
         delta = pb.GenerateResponse(
             request_id=report.request_id, text=answer.text, token_ids=answer.token_ids
         )
         return [delta, messages.final(report, received, started, time.monotonic_ns())]
+
+    def failover(self, model: ServedModel) -> ServedModel:
+        """The model whose engine generates: this one, its fallback, or none (UNAVAILABLE)."""
+        if model.health.usable():
+            return model
+        fallback = self.models.get(model.policy.fallback or "")
+        if fallback is not None and fallback.health.usable():
+            return fallback
+        why = model.health.describe()
+        also = (
+            f"; its fallback '{fallback.name}' is unavailable too ({fallback.health.describe()})"
+            if fallback is not None
+            else "; no fallback model is configured"
+        )
+        retry_s = max(0.0, model.health.breaker.retry_in())
+        raise RequestError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"model '{model.name}' (inference server at {model.backend.address}) is "
+            f"unavailable: {why}{also}",
+            retry_after_ms=max(1, round(retry_s * 1000)),
+        )
 
     async def tokenize(self, model: ServedModel, checked: CheckedRequest) -> PreparedRequest:
         chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
@@ -191,32 +257,40 @@ class Pipeline:
         model: ServedModel,
         prepared: PreparedRequest,
         shared: CacheQuery | None,
-        deadline_s: float | None,
-    ) -> tuple[AsyncIterator[Event], Flight[Event] | None]:
-        """The events this client follows: its own generation, or the flight for its cache key.
+        budget: Budget,
+    ) -> Flight[Event]:
+        """The generation this client follows: its own, or the flight for its cache key.
 
         Deadlines differ on purpose. Alone, the client is the only one waiting, so the engine call
         carries the client's deadline and the engine stops at it. In a flight the generation is
         shared by followers whose deadlines differ, so it carries none: each follower's own
-        deadline ends its own call, and the generation is cancelled when its last follower leaves.
+        deadline ends its own wait, and the generation is cancelled when its last follower leaves.
         """
         if shared is None:
-            return self.engine(model, prepared, deadline_s), None
-        flight, led = self.flights.join(shared.key, lambda: self.engine(model, prepared, None))
+            timeout = max(0.0, budget.expires - time.monotonic())
+            return Flight(self.engine(model, prepared, timeout, budget), lambda _: None)
+        flight, led = self.flights.join(
+            shared.key, lambda: self.engine(model, prepared, None, budget)
+        )
         if not led and self.cache is not None:
             self.cache.metrics.single_flight_followers += 1
-        return flight.follow(), flight
+        return flight
 
     async def engine(
         self,
         model: ServedModel,
         prepared: PreparedRequest,
         timeout_s: float | None,
+        budget: Budget,
     ) -> AsyncIterator[Event]:
-        """Admission, then the generation; the slot is held exactly as long as it runs."""
+        """Admission, then the generation; the slot is held exactly as long as it runs, and the
+        model's breaker learns whether the engine answered, failed, or was too slow."""
         ticket = await self.admission.admit(
-            model.name, len(prepared.prompt_ids), prepared.max_tokens
+            model.name, len(prepared.prompt_ids), prepared.max_tokens, budget.first_token_by
         )
+        started = time.monotonic()
+        first = False
+        completion = 0
         try:
             request = GenerationRequest(
                 request_id=next(self._engine_ids),
@@ -228,19 +302,62 @@ class Pipeline:
                 timeout_s=timeout_s,
             )
             async for event in generate(model, request, prepared.stops):
+                if not first and (isinstance(event, Outcome) or event.token_ids):
+                    first = True
+                    ticket.first_token()
+                    self._first_token(model, time.monotonic() - started, budget)
+                if isinstance(event, Outcome):
+                    completion = event.completion_tokens
                 yield event
+        except BackendError as exc:
+            if exc.code in ENGINE_FAULTS and not (
+                first and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            ):
+                model.health.failed(f"{exc.code.name}: {exc.message}")
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            waited = time.monotonic() - started
+            if not first and budget.engine_ttft_s is not None and waited > budget.engine_ttft_s:
+                model.health.failed(f"no first token in {waited:.1f} s")
+            raise
         finally:
-            ticket.release()
+            ticket.release(completion)
+
+    @staticmethod
+    def _first_token(model: ServedModel, ttft_s: float, budget: Budget) -> None:
+        if budget.engine_ttft_s is not None and ttft_s > budget.engine_ttft_s:
+            model.health.failed(
+                f"first token after {ttft_s * 1000:.0f} ms, over the budget of "
+                f"{budget.engine_ttft_s * 1000:.0f} ms"
+            )
+        else:
+            model.health.succeeded()
 
     async def deliver(
-        self, events: AsyncIterator[Event], report: RequestReport, received: int
+        self,
+        flight: Flight[Event],
+        report: RequestReport,
+        received: int,
+        budget: Budget,
+        requested: ServedModel,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Events as this client's messages; the report gets this client's timings."""
+        """Events as this client's messages, within its deadline; the report gets its timings."""
         started = time.monotonic_ns()
         first = last = 0
         gaps = report.inter_token_us
+        events = flight.follow()
         try:
-            async for event in events:
+            while True:
+                try:
+                    async with asyncio.timeout_at(self._loop_time(budget.expires)):
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise RequestError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no complete answer from model '{requested.name}' within the deadline",
+                    ) from None
                 if isinstance(event, Delta):
                     yield messages.delta(report.request_id, event)
                     now = time.monotonic_ns()
@@ -257,6 +374,8 @@ class Pipeline:
                 raise RequestError(exc.code, exc.message) from None
             report.finish_reason = "cancelled"
             yield messages.final(report, received, started, first)
+        finally:
+            await events.aclose()
 
     def store(self, query: CacheQuery, flight: Flight[Event]) -> None:
         """Once per flight, after the final message: a complete answer, keyed by its producer."""
@@ -267,8 +386,8 @@ class Pipeline:
             return
         flight.written = True
         if outcome.produced_by != query.model:
-            # Another model answered (a fallback): its answer is keyed by its own identity, so
-            # the primary's key never returns it.
+            # Another model answered: its answer is keyed by its own identity, so the requested
+            # model's key never returns it.
             key = cache_key(
                 query.namespace, outcome.produced_by, query.prompt, query.messages, query.sampling
             )
@@ -283,6 +402,12 @@ class Pipeline:
         self.cache.store(query, messages.answer_of(flight.events))
 
     # -- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _loop_time(monotonic: float) -> float:
+        """asyncio's clock for a time.monotonic() instant (the same clock by default)."""
+        loop = asyncio.get_running_loop()
+        return loop.time() + (monotonic - time.monotonic())
 
     @staticmethod
     def _outcome(report: RequestReport, outcome: Outcome) -> None:

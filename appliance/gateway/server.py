@@ -13,13 +13,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from appliance import sdnotify
-from appliance.admission import AdmitAll
+from appliance.admission import GatedAdmission, ModelGate
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
+from appliance.gateway.health import HealthMonitor
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import DebugLogSink, ReportSink
@@ -44,11 +45,26 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
     return TierCascade(tiers, metrics)
 
 
+def make_admission(config: GatewayConfig, models: dict[str, ServedModel]) -> GatedAdmission:
+    """A gate per model: as many slots as the engine runs at full speed, unless configured."""
+    return GatedAdmission(
+        {
+            name: ModelGate(
+                name,
+                slots=config.models[name].max_in_flight or model.backend.max_batch_size,
+                max_queue=config.models[name].max_queue,
+            )
+            for name, model in models.items()
+        }
+    )
+
+
 @dataclass
 class RunningGateway:
     server: grpc.aio.Server
     service: InferenceService
     health: health.aio.HealthServicer
+    monitor: HealthMonitor
     models: dict[str, ServedModel]
     port: int
 
@@ -58,8 +74,8 @@ class RunningGateway:
 
     async def drain(self, drain_seconds: float) -> None:
         """Stops taking requests, lets in-flight ones finish, then ends the rest as CANCELLED."""
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.monitor.stop()
+        await self.health.enter_graceful_shutdown()
         stopping = asyncio.ensure_future(self.server.stop(grace=drain_seconds + 2.0))
         try:
             await asyncio.wait_for(self.service.wait_idle(), timeout=drain_seconds)
@@ -80,7 +96,8 @@ async def start_server(
 ) -> RunningGateway:
     server = grpc.aio.server()
     cache = make_cache(config.cache)
-    service = InferenceService(Pipeline(models, cache, AdmitAll(), sink or DebugLogSink()))
+    admission = make_admission(config, models)
+    service = InferenceService(Pipeline(models, cache, admission, sink or DebugLogSink()))
     pb_grpc.add_InferenceServicer_to_server(service, server)
     pb_grpc.add_CacheAdminServicer_to_server(CacheAdminService(cache), server)
     health_servicer = health.aio.HealthServicer()
@@ -101,9 +118,12 @@ async def start_server(
     if port == 0:
         raise StartupError(f"cannot listen on {config.server.listen}: address in use or invalid")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningGateway(server, service, health_servicer, models, port)
+    monitor = HealthMonitor(health_servicer, SERVICE_NAME, models)
+    await monitor.publish()
+    monitor.start()
+    if cache is not None:
+        await cache.check()
+    return RunningGateway(server, service, health_servicer, monitor, models, port)
 
 
 async def warm_up(models: dict[str, ServedModel]) -> None:

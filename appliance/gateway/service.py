@@ -34,6 +34,11 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
             async for message in self.pipeline.run(request, context.time_remaining()):
                 yield message
         except RequestError as exc:
+            if exc.retry_after_ms is not None:
+                # gRPC's retry policy reads this trailer (gRFC A6) and waits as long before retrying.
+                context.set_trailing_metadata(
+                    (("grpc-retry-pushback-ms", str(exc.retry_after_ms)),)
+                )
             await context.abort(exc.code, exc.message)
         finally:
             self._active -= 1

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.cache.breaker import CircuitBreaker
+from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisSettings, RedisTier

@@ -28,6 +28,12 @@ class CircuitBreaker:
             return "closed"
         return "half-open" if self._clock() - self._opened_at >= self.reset_s else "open"
 
+    def retry_in(self) -> float:
+        """Seconds until a probe may go through (0 when closed or half-open)."""
+        if self._opened_at is None:
+            return 0.0
+        return max(0.0, self.reset_s - (self._clock() - self._opened_at))
+
     def allow(self) -> bool:
         if self._opened_at is None:
             return True

@@ -1,0 +1,125 @@
+"""Health that tells the truth: per model, from the engine's readiness and the model's breaker.
+
+A model is SERVING while its engine answers readiness checks and its breaker is not open, or while its
+fallback is serving in its place; NOT_SERVING otherwise. The gateway as a whole ("" and the Inference
+service) is SERVING only while every model is. A monitor task polls each engine's readiness, so health
+flips when an engine dies or comes back even without traffic, and a restarted engine's configuration
+is read again before it takes requests. The watchdog is separate and never depends on this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from grpc_health.v1 import health, health_pb2
+
+from appliance.breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from appliance.gateway.models import ServedModel
+
+log = logging.getLogger(__name__)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ModelHealth:
+    """What the gateway knows about one model's engine: reachable, and its breaker."""
+
+    def __init__(self, breaker: CircuitBreaker) -> None:
+        self.breaker = breaker
+        self.reachable = True
+        self.last_failure = ""
+
+    def usable(self) -> bool:
+        """Whether requests may be sent to the engine now (no side effect on the breaker)."""
+        return self.reachable and self.breaker.state != "open"
+
+    def succeeded(self) -> None:
+        if self.breaker.state != "closed":
+            log.info("engine recovered; breaker closed")
+        self.breaker.success()
+
+    def failed(self, why: str) -> None:
+        self.last_failure = why
+        before = self.breaker.opened
+        self.breaker.failure()
+        if self.breaker.opened != before:
+            log.warning("engine failing (%s): breaker open for %.1f s", why, self.breaker.reset_s)
+
+    def describe(self) -> str:
+        if not self.reachable:
+            return f"engine unreachable ({self.last_failure or 'readiness check failed'})"
+        if self.breaker.state == "open":
+            return f"breaker open after repeated failures (last: {self.last_failure})"
+        return "serving"
+
+
+def health_name(service: str, model: str) -> str:
+    """The grpc.health.v1 service name of one model: SERVICE/MODEL."""
+    return f"{service}/{model}"
+
+
+class HealthMonitor:
+    """Polls engine readiness and keeps grpc.health.v1 statuses up to date."""
+
+    def __init__(
+        self,
+        servicer: health.aio.HealthServicer,
+        service: str,
+        models: dict[str, ServedModel],
+        interval_s: float = 1.0,
+    ) -> None:
+        self._models = models
+        self._servicer = servicer
+        self._service = service
+        self._interval = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._statuses: dict[str, int] = {}
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(self._interval)
+
+    async def check(self) -> None:
+        """One round: every engine's readiness, then every status."""
+        for name, model in self._models.items():
+            ready, why = await model.backend.readiness(min(self._interval, 2.0))
+            if ready and not model.health.reachable:
+                log.info("model '%s': engine at %s reachable again", name, model.backend.address)
+            elif not ready and model.health.reachable:
+                log.warning(
+                    "model '%s': engine at %s unreachable: %s", name, model.backend.address, why
+                )
+            if not ready:
+                model.health.last_failure = why
+            model.health.reachable = ready
+        await self.publish()
+
+    async def publish(self) -> None:
+        usable = {name: m.health.usable() for name, m in self._models.items()}
+        every = True
+        for name, model in self._models.items():
+            fallback = model.policy.fallback
+            serving = usable[name] or (fallback is not None and usable.get(fallback, False))
+            every = every and serving
+            await self._set(health_name(self._service, name), serving)
+        for name in ("", self._service):
+            await self._set(name, every)
+
+    async def _set(self, name: str, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        if self._statuses.get(name) != status:
+            self._statuses[name] = status
+            await self._servicer.set(name, status)
