@@ -116,14 +116,21 @@ class Pipeline:
                     for message in self.replay(hit, report, received):
                         yield message
                     return
-            target = self.failover(model)
-            prepared = await self.tokenize(target, checked)
-            shared = self.cache_query(target, checked) if cache_plan.write else None
-            flight = self.single_flight(target, prepared, shared, budget)
-            async for message in self.deliver(flight, report, received, budget, model):
-                yield message
-            if shared is not None:
-                self.store(shared, flight)
+            for retry in (False, True):
+                target = self.failover(model, skip_primary=retry)
+                prepared = await self.tokenize(target, checked)
+                shared = self.cache_query(target, checked) if cache_plan.write else None
+                flight = self.single_flight(target, prepared, shared, budget)
+                try:
+                    async for message in self.deliver(flight, report, received, budget, model):
+                        yield message
+                except RequestError as exc:
+                    if retry or not self.may_retry(model, target, exc, report):
+                        raise
+                    continue  # the engine failed before answering: the fallback answers
+                if shared is not None:
+                    self.store(shared, flight)
+                return
         except RequestError as exc:
             report.status = exc.code.name
             raise
@@ -222,9 +229,9 @@ class Pipeline:
         )
         return [delta, messages.final(report, received, started, time.monotonic_ns())]
 
-    def failover(self, model: ServedModel) -> ServedModel:
+    def failover(self, model: ServedModel, skip_primary: bool = False) -> ServedModel:
         """The model whose engine generates: this one, its fallback, or none (UNAVAILABLE)."""
-        if model.health.usable():
+        if model.health.usable() and not skip_primary:
             return model
         fallback = self.models.get(model.policy.fallback or "")
         if fallback is not None and fallback.health.usable():
@@ -241,6 +248,20 @@ class Pipeline:
             f"model '{model.name}' (inference server at {model.backend.address}) is "
             f"unavailable: {why}{also}",
             retry_after_ms=max(1, round(retry_s * 1000)),
+        )
+
+    def may_retry(
+        self, model: ServedModel, target: ServedModel, exc: RequestError, report: RequestReport
+    ) -> bool:
+        """Whether a failed generation may go to the fallback: the requested model's engine was
+        unreachable and the client has seen nothing of an answer yet."""
+        fallback = self.models.get(model.policy.fallback or "")
+        return (
+            target is model
+            and exc.code == grpc.StatusCode.UNAVAILABLE
+            and report.ttft_us == 0
+            and fallback is not None
+            and fallback.health.usable()
         )
 
     async def tokenize(self, model: ServedModel, checked: CheckedRequest) -> PreparedRequest:
@@ -365,7 +386,9 @@ class Pipeline:
                         if last:
                             gaps.append((now - last) // 1000)
                         last = now
-                    first = first or now
+                    if not first:
+                        first = now
+                        report.ttft_us = (now - received) // 1000
                     continue
                 self._outcome(report, event)
                 yield messages.final(report, received, started, first)
