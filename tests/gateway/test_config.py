@@ -74,3 +74,28 @@ def test_bad_config_names_line_and_key(tmp_path: Path, text: str, expected: str)
 def test_missing_file_is_one_clear_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read configuration: No such file"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_latency_keys_load(tmp_path: Path) -> None:
+    text = GOOD + (
+        'max_in_flight = 2\nmax_queue = 0\nttft_budget_ms = 250\nfallback = "small"\n'
+        '[models.small]\nbackend = "127.0.0.1:8002"\ntokenizer_dir = "tok"\n'
+    )
+    model = load_config(_write(tmp_path, text)).models["tiny"]
+    assert (model.max_in_flight, model.max_queue, model.ttft_budget_ms) == (2, 0, 250.0)
+    assert model.fallback == "small" and model.default_deadline_s == 120.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ('fallback = "nope"', "key 'models.tiny.fallback': must name another served model"),
+        ('fallback = "tiny"', "must name another served model (configured: none)"),
+        ("max_queue = -1", "key 'models.tiny.max_queue': must be 0"),
+        ("ttft_budget_ms = 0", "key 'models.tiny.ttft_budget_ms'"),
+        ("default_deadline_s = -3", "key 'models.tiny.default_deadline_s'"),
+    ],
+)
+def test_latency_keys_are_checked(tmp_path: Path, extra: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        load_config(_write(tmp_path, GOOD + extra + "\n"))
