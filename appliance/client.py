@@ -1,6 +1,6 @@
 """A small Python client of the public API that also measures what a client sees.
 
-Timings follow genai-perf (REFERENCE §4): TTFT = first non-empty response − request sent;
+Timings follow genai-perf: TTFT = first non-empty response − request sent;
 inter-token latency = (request latency − TTFT) / (output tokens − 1).
 """
 
