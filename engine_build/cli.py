@@ -1,8 +1,9 @@
 """``engine-build plan|build|repo|verify``.
 
-Every refusal is one line on stderr prefixed ``engine-build: error:`` and a non-zero exit:
-1 for bad input or a failed step, 3 when the model does not fit (so scripts can tell "fix the
-spec" from "buy memory"), 2 for command-line usage errors (argparse).
+Every refusal is one line on stderr prefixed ``engine-build: error:`` and a non-zero exit, the
+convention of all three CLIs: 2 when the command line or the spec is wrong (fix the input and
+rerun), 1 when the work failed (checkpoint, TensorRT-LLM, a stage, NVML, the repository), and 3
+when the model does not fit the GPU (so scripts can tell "fix the spec" from "buy memory").
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from pathlib import Path
 
 from engine_build import commands, gpu, planner, runner
 from engine_build.checkpoint import read_shape_for
-from engine_build.errors import BuildError, DoesNotFit
+from engine_build.errors import BuildError, DoesNotFit, SpecError
 from engine_build.repo import write_repository
 from engine_build.spec import BuildSpec, load_spec
 from engine_build.verify import verify_repository
 
 EXIT_ERROR = 1
+EXIT_INPUT = 2
 EXIT_NOFIT = 3
 
 
@@ -161,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DoesNotFit as err:
         print(f"engine-build: error: {err}", file=sys.stderr)
         return EXIT_NOFIT
+    except SpecError as err:
+        print(f"engine-build: error: {err}", file=sys.stderr)
+        return EXIT_INPUT
     except BuildError as err:
         print(f"engine-build: error: {err}", file=sys.stderr)
         return EXIT_ERROR

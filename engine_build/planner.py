@@ -18,7 +18,7 @@ norms. KV heads are split across ranks, but a rank never holds less than one.
 Activation/workspace headroom is an estimate, not a TensorRT measurement: two live buffers of
 the widest per-token activation (hidden + q/k/v + 2 × MLP intermediate, in ``dtype``) for
 ``max_num_tokens`` tokens, float32 logits for the batch, and a fixed runtime overhead (CUDA
-context, cuBLAS workspaces, decoder buffers; ``[plan] runtime_overhead_mib``) plus 32 MiB per
+context, cuBLAS workspaces, decoder buffers; ``[plan] runtime_overhead``) plus 32 MiB per
 cached CUDA graph.
 """
 
@@ -150,7 +150,7 @@ def make_plan(shape: ModelShape, spec: BuildSpec, gpu_memory_bytes: int) -> Plan
     act = activation_bytes(shape, spec)
     logits = spec.max_batch_size * shape.vocab_size * LOGITS_BYTES
     cuda_graphs = spec.cuda_graph_cache_size if spec.cuda_graph_mode else 0
-    overhead = spec.runtime_overhead_mib * MIB + cuda_graphs * CUDA_GRAPH_RESERVE_BYTES
+    overhead = spec.runtime_overhead_bytes + cuda_graphs * CUDA_GRAPH_RESERVE_BYTES
     free_after = gpu_memory_bytes - weights - act - logits - overhead
     pool = math.floor(free_after * spec.kv_cache_free_gpu_mem_fraction) if free_after > 0 else 0
     return Plan(
