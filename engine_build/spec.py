@@ -250,9 +250,9 @@ def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
         "runtime.cuda_graph_cache_size": spec.cuda_graph_cache_size,
         "runtime.cancellation_check_period_ms": spec.cancellation_check_period_ms,
     }
-    for key, value in positive.items():
-        if value < 1:
-            fail(key, f"must be >= 1, got {value}")
+    for key, count in positive.items():
+        if count < 1:
+            fail(key, f"must be >= 1, got {count}")
     if spec.max_input_len > spec.max_seq_len:
         fail(
             "limits.max_input_len",
