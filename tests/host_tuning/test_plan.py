@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -212,6 +213,22 @@ def test_profile_error_names_file_line_and_known_keys(
     assert capsys.readouterr().err == (
         f"host-tune: {path}:6: key 'nic.rx_rings': unknown key; known keys are link_up, mtu, "
         "rx_ring, skip_first_mlx5_vector, tx_ring\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["plan", "apply", "verify"])
+def test_a_nic_that_does_not_exist_is_refused(
+    box: Machine,
+    write_profile: Callable[[str], Path],
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    prof = write_profile('[serve]\nnics = ["eth9"]\n')
+    assert main([command, "--root", str(box.root), "--profile", str(prof)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"host-tune: [serve] nics: no NIC 'eth9' on this host; NICs found: "
+        f"{', '.join(sorted(os.listdir(box.root / 'sys/class/net')))}\n"
     )
 
 
