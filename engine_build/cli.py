@@ -62,7 +62,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.Plan:
+def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.FitPlan:
     """Print the table; raise :class:`DoesNotFit` with what to change when it does not fit."""
     shape = read_shape_for(spec)
     plan = planner.make_plan(shape, spec, _gpu_memory(spec, gpu_memory))
@@ -96,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     check_fit(spec, args.gpu_memory)
-    results = runner.Runner(spec, quiet=args.quiet).run(force=args.force)
+    results = runner.BuildRunner(spec, quiet=args.quiet).run(force=args.force)
     built = [r.name for r in results if not r.skipped]
     print(f"engine ready: {spec.engine_dir} (rebuilt: {', '.join(built) or 'nothing'})")
     return 0

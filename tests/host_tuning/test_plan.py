@@ -14,7 +14,7 @@ from host_tuning import cpulist
 from host_tuning.cli import main
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
-from host_tuning.planner import Plan, make_plan
+from host_tuning.planner import TuningPlan, make_plan
 from host_tuning.profile import Profile, ProfileError, load, parse
 from host_tuning.rootfs import Root
 from tests.host_tuning.hostbuilder import Machine
@@ -40,11 +40,11 @@ method = "peermem"
 """
 
 
-def hgx_plan(m: Machine, text: str = HGX_PROFILE) -> Plan:
+def hgx_plan(m: Machine, text: str = HGX_PROFILE) -> TuningPlan:
     return make_plan(collect(Root(m.root)), parse(text))
 
 
-def by_key(plan: Plan) -> dict[str, str]:
+def by_key(plan: TuningPlan) -> dict[str, str]:
     return {i.key: i.desired for i in plan.items}
 
 
