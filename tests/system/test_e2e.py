@@ -275,6 +275,9 @@ def test_first_run_provisions_the_appliance(machine: Machine) -> None:
         assert machine.is_active(unit) == "active", machine.journal(unit)[-2000:]
     # The GPU-only units are installed but not started in the CPU profile.
     assert machine.is_active("appliance-triton.service") == "inactive"
+    # The units' Documentation= targets are installed.
+    docs = machine.sh("ls", "/usr/share/doc/llm-appliance").stdout.split()
+    assert {"OPERATIONS.md", "HOST_TUNING.md"} <= set(docs), docs
 
 
 def _generate(machine: Machine) -> dict[str, object]:
