@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from appliance.config import ConfigError, load_config
 
@@ -30,8 +31,29 @@ def _engine(args: argparse.Namespace) -> int:
 
     from appliance.engine.server import run_engine
 
+    problem = _device_problem(torch, args.device)
+    if problem:
+        print(f"appliance engine: --device {args.device}: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     return uvloop.run(run_engine(Path(args.repository), args.listen, args.device))
+
+
+def _device_problem(torch: Any, device: str) -> str | None:
+    """Why the engine server cannot compute on `device` (None: it can); checked before loading."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        return "not a device; expected cpu, cuda or cuda:N"
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        return "not a device; expected cpu, cuda or cuda:N"
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine; use --device cpu"
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, Self
 
 
 class TomlError(ValueError):
@@ -24,10 +24,14 @@ def line_of(text: str, table: str, key: str | None) -> int:
     header = re.compile(r"^\s*\[+\s*([^\]]+?)\s*\]+\s*(#.*)?$")
     in_table = table == ""
     table_line = 0
+    # A key that is itself a table ([models.x] for key 'x' of table 'models') is found by its header.
+    subtable = f"{table}.{key}" if table else key
     for number, line in enumerate(text.splitlines(), start=1):
         m = header.match(line)
         if m:
             name = m.group(1).replace('"', "").replace("'", "").replace(" ", "")
+            if key is not None and name == subtable:
+                return number
             in_table = name == table
             if in_table:
                 table_line = number
@@ -91,7 +95,7 @@ class Table:
         if unknown:
             self.fail(unknown[0], f"unknown key; known keys are {', '.join(sorted(known))}")
 
-    def sub(self, key: str, known: set[str]) -> Table:
+    def sub(self, key: str, known: set[str]) -> Self:
         """The table under `key` (empty when absent), read with the same error class."""
         name = f"{self.table}.{key}" if self.table else key
         data = self.get(key, dict, {})

@@ -1,4 +1,4 @@
-"""Cache-hit benchmark (issue 3): what a cached answer costs, against the bare hops it is made of.
+"""Cache-hit benchmark: what a cached answer costs, against the bare hops it is made of.
 
 One run starts a redis-server, the engine server, two gateways (both on that Redis; the second with
 `[cache] l1_max_entries = 0`, so its every hit is EXACT_L2) and a bare grpc.aio echo server, all as
@@ -10,7 +10,7 @@ real processes on 127.0.0.1, then measures from this process:
   (e) check() + cache_key() + LruCache.get() in-process on a populated LRU, 1 KB and 8 KB prompts,
   (f) L1-hit throughput with K concurrent client coroutines against the echo's with the same K.
 (a), (b), (c), (d) alternate request by request so drift on the machine hits all of them alike; (f)
-alternates gateway and echo rounds. Targets (issue 3): (a) P99 <= 1.25 x (b) P99;
+alternates gateway and echo rounds. Targets: (a) P99 <= 1.25 x (b) P99;
 (c) - (a) <= 1.2 x (d) (P50s and P99s); (e) P50 <= 5 µs at 1 KB; (f) >= 0.8 x echo.
 
     python -m bench.cache [--requests 2000] [--concurrency 16] [--profile FILE]

@@ -1,12 +1,13 @@
-"""Streaming-path benchmark: what the gateway adds on top of the engine, against a bare gRPC hop.
+"""Streaming-path benchmark: what the gateway adds on top of the engine server, against a bare gRPC hop.
 
 In one run, with the engine server and the gateway as real processes:
   (a) N streamed requests through the gateway (public API),
   (b) the same token ids straight to the engine server with the gateway's own Triton-protocol client,
   (c) a bare grpc.aio unary echo (separate process) of a payload the size of the request, as the floor.
 (a) and (b) alternate request by request so drift on the machine hits both alike. Client-side TTFT and
-inter-token latency use genai-perf's definitions (REFERENCE §4); "gap" is vLLM's pooled ITL.
-Targets (issue 2): added TTFT P99 <= echo P99; added inter-token P50 <= 50 µs.
+inter-token latency use genai-perf's definitions (TTFT = first non-empty response - request sent;
+inter-token = (latency - TTFT) / (tokens - 1) per request); "gap" is vLLM's pooled ITL.
+Targets: added TTFT P99 <= echo P99; added inter-token P50 <= 50 µs.
 
     python -m bench.streaming [--requests 200] [--prompt-tokens 128] [--output-tokens 64]
 """

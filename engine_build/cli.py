@@ -1,8 +1,9 @@
 """``engine-build plan|build|repo|verify``.
 
-Every refusal is one line on stderr prefixed ``engine-build: error:`` and a non-zero exit:
-1 for bad input or a failed step, 3 when the model does not fit (so scripts can tell "fix the
-spec" from "buy memory"), 2 for command-line usage errors (argparse).
+Every refusal is one line on stderr prefixed ``engine-build: error:`` and a non-zero exit, the
+convention of all three CLIs: 2 when the command line or the spec is wrong (fix the input and
+rerun), 1 when the work failed (checkpoint, TensorRT-LLM, a stage, NVML, the repository), and 3
+when the model does not fit the GPU (so scripts can tell "fix the spec" from "buy memory").
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from pathlib import Path
 
 from engine_build import commands, gpu, planner, runner
 from engine_build.checkpoint import read_shape_for
-from engine_build.errors import BuildError, DoesNotFit
+from engine_build.errors import BuildError, DoesNotFit, SpecError
 from engine_build.repo import write_repository
 from engine_build.spec import BuildSpec, load_spec
 from engine_build.verify import verify_repository
 
 EXIT_ERROR = 1
+EXIT_INPUT = 2
 EXIT_NOFIT = 3
 
 
@@ -60,7 +62,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.Plan:
+def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.FitPlan:
     """Print the table; raise :class:`DoesNotFit` with what to change when it does not fit."""
     shape = read_shape_for(spec)
     plan = planner.make_plan(shape, spec, _gpu_memory(spec, gpu_memory))
@@ -94,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     check_fit(spec, args.gpu_memory)
-    results = runner.Runner(spec, quiet=args.quiet).run(force=args.force)
+    results = runner.BuildRunner(spec, quiet=args.quiet).run(force=args.force)
     built = [r.name for r in results if not r.skipped]
     print(f"engine ready: {spec.engine_dir} (rebuilt: {', '.join(built) or 'nothing'})")
     return 0
@@ -161,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DoesNotFit as err:
         print(f"engine-build: error: {err}", file=sys.stderr)
         return EXIT_NOFIT
+    except SpecError as err:
+        print(f"engine-build: error: {err}", file=sys.stderr)
+        return EXIT_INPUT
     except BuildError as err:
         print(f"engine-build: error: {err}", file=sys.stderr)
         return EXIT_ERROR

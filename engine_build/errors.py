@@ -12,5 +12,9 @@ class BuildError(Exception):
     """An operator-facing failure; ``str(err)`` is the whole message, one line."""
 
 
+class SpecError(BuildError):
+    """The operator's input is wrong (spec file, command-line value): fix it and rerun; exit 2."""
+
+
 class DoesNotFit(BuildError):
     """The plan does not fit the GPU; kept apart so ``build`` and ``plan`` can show the table."""

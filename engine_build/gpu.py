@@ -5,34 +5,20 @@ pynvml is imported lazily so planning on a laptop or CI never needs the NVIDIA d
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
-from engine_build.errors import BuildError
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
+from appliance import tomlcheck
+from engine_build.errors import BuildError, SpecError
 
 
 def parse_size(text: str) -> int:
-    """Parse ``80GiB``, ``81559MiB``, ``80GB`` or a plain byte count."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", text, re.IGNORECASE)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise BuildError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 81559MiB or bytes")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise BuildError(f"--gpu-memory {text!r} must be positive")
-    return value
+    """``--gpu-memory``: ``80GiB``, ``81559MiB``, ``80GB``; a bare number is refused (80 bytes?)."""
+    size = tomlcheck.parse_size(text)
+    if size is None:
+        raise SpecError(f"--gpu-memory {text!r}: expected {tomlcheck.SIZE_FORM}")
+    if size <= 0:
+        raise SpecError(f"--gpu-memory {text!r}: must be greater than 0")
+    return size
 
 
 def nvml_total_memory(gpu_ids: Sequence[int]) -> int:

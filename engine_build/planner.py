@@ -18,7 +18,7 @@ norms. KV heads are split across ranks, but a rank never holds less than one.
 Activation/workspace headroom is an estimate, not a TensorRT measurement: two live buffers of
 the widest per-token activation (hidden + q/k/v + 2 × MLP intermediate, in ``dtype``) for
 ``max_num_tokens`` tokens, float32 logits for the batch, and a fixed runtime overhead (CUDA
-context, cuBLAS workspaces, decoder buffers; ``[plan] runtime_overhead_mib``) plus 32 MiB per
+context, cuBLAS workspaces, decoder buffers; ``[plan] runtime_overhead``) plus 32 MiB per
 cached CUDA graph.
 """
 
@@ -52,7 +52,7 @@ class ParamCounts:
 
 
 @dataclass(frozen=True)
-class Plan:
+class FitPlan:
     """Every number of the fit table, in bytes per GPU unless the name says otherwise."""
 
     params: ParamCounts
@@ -141,7 +141,7 @@ def activation_bytes(shape: ModelShape, spec: BuildSpec) -> int:
     return spec.max_num_tokens * widest * 2 * ACTIVATION_BUFFERS
 
 
-def make_plan(shape: ModelShape, spec: BuildSpec, gpu_memory_bytes: int) -> Plan:
+def make_plan(shape: ModelShape, spec: BuildSpec, gpu_memory_bytes: int) -> FitPlan:
     """The fit table for one GPU of ``gpu_memory_bytes`` (the smallest of the spec's GPUs)."""
     per_token = kv_bytes_per_token(shape, spec)
     blocks = math.ceil(spec.max_seq_len / spec.tokens_per_block)
@@ -150,10 +150,10 @@ def make_plan(shape: ModelShape, spec: BuildSpec, gpu_memory_bytes: int) -> Plan
     act = activation_bytes(shape, spec)
     logits = spec.max_batch_size * shape.vocab_size * LOGITS_BYTES
     cuda_graphs = spec.cuda_graph_cache_size if spec.cuda_graph_mode else 0
-    overhead = spec.runtime_overhead_mib * MIB + cuda_graphs * CUDA_GRAPH_RESERVE_BYTES
+    overhead = spec.runtime_overhead_bytes + cuda_graphs * CUDA_GRAPH_RESERVE_BYTES
     free_after = gpu_memory_bytes - weights - act - logits - overhead
     pool = math.floor(free_after * spec.kv_cache_free_gpu_mem_fraction) if free_after > 0 else 0
-    return Plan(
+    return FitPlan(
         params=count_params(shape),
         weight_bytes=weights,
         kv_bytes_per_token=per_token,
@@ -173,7 +173,7 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
-def render_table(plan: Plan, spec: BuildSpec) -> str:
+def render_table(plan: FitPlan, spec: BuildSpec) -> str:
     """Human table; the last line is the verdict so a log grep finds it."""
     rows = [
         ("parameters (whole model)", f"{plan.params.total / 1e9:9.3f} B"),
@@ -207,7 +207,7 @@ def render_table(plan: Plan, spec: BuildSpec) -> str:
     return "\n".join(lines)
 
 
-def advice(plan: Plan, spec: BuildSpec) -> list[str]:
+def advice(plan: FitPlan, spec: BuildSpec) -> list[str]:
     """What to change when the plan does not fit, most effective first."""
     out: list[str] = []
     if not spec.weights_fp8:

@@ -157,7 +157,7 @@ class StageResult:
     seconds: float
 
 
-class Runner:
+class BuildRunner:
     """Drives the stages; ``out`` receives progress lines and (unless quiet) the tool logs."""
 
     def __init__(self, spec: BuildSpec, out: TextIO = sys.stdout, quiet: bool = False) -> None:

@@ -12,10 +12,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from host_tuning import engine, holdlatency, profile, render
+from host_tuning import actions, holdlatency, profile, render
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
-from host_tuning.planner import Plan, make_plan
+from host_tuning.planner import TuningPlan, make_plan
 from host_tuning.plugins.base import Context
 from host_tuning.rootfs import Root
 from host_tuning.state import StateError
@@ -78,14 +78,14 @@ def _require_root(root: Root, what: str) -> None:
         )
 
 
-def _plan(args: argparse.Namespace, root: Root) -> tuple[Plan, Context]:
+def _plan(args: argparse.Namespace, root: Root) -> tuple[TuningPlan, Context]:
     prof = profile.load(args.profile)
     plan = make_plan(collect(root, use_nvml=not args.no_nvml), prof)
     return plan, Context(root=root, netns=prof.netns)
 
 
-def _results(args: argparse.Namespace, results: list[engine.Result]) -> int:
-    code = engine.exit_code(results)
+def _results(args: argparse.Namespace, results: list[actions.Result]) -> int:
+    code = actions.exit_code(results)
     if args.json:
         print(render.results_json(args.cmd, results, code))
     else:
@@ -131,14 +131,14 @@ def run(argv: Sequence[str] | None = None) -> int:
         if not args.dry_run:
             _require_root(root, "apply")
         plan, ctx = _plan(args, root)
-        return _results(args, engine.apply(ctx, plan.items, args.dry_run))
+        return _results(args, actions.apply(ctx, plan.items, args.dry_run))
     if args.cmd == "verify":
         plan, ctx = _plan(args, root)
-        return _results(args, engine.verify(ctx, plan.items))
+        return _results(args, actions.verify(ctx, plan.items))
     if args.cmd == "revert":
         if not args.dry_run:
             _require_root(root, "revert")
-        return _results(args, engine.revert(Context(root=root), args.dry_run))
+        return _results(args, actions.revert(Context(root=root), args.dry_run))
     raise AssertionError(args.cmd)
 
 

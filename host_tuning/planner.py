@@ -12,13 +12,13 @@ from host_tuning.registry import PLUGINS
 
 
 @dataclass(frozen=True)
-class Plan:
+class TuningPlan:
     cores: CorePlan
     items: tuple[Item, ...]
     advice: tuple[Advice, ...]
 
 
-def make_plan(facts: Facts, profile: Profile) -> Plan:
+def make_plan(facts: Facts, profile: Profile) -> TuningPlan:
     cores = choose(facts, profile)
     items: list[Item] = []
     advice: list[Advice] = []
@@ -29,4 +29,4 @@ def make_plan(facts: Facts, profile: Profile) -> Plan:
     keys = [i.key for i in items]
     if len(keys) != len(set(keys)):
         raise AssertionError("plan keys must be unique")  # a plugin bug, not an operator error
-    return Plan(cores, tuple(items), tuple(advice))
+    return TuningPlan(cores, tuple(items), tuple(advice))

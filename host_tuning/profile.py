@@ -1,23 +1,28 @@
 """The operator's profile (TOML): which GPU and NIC serve, and how hard to tune.
 
 Parsing is strict — an unknown key is an error — because a misspelt opt-out silently tuning a
-production host is worse than a refused run.
+production host is worse than a refused run. Every refusal names the file, the line and the key
+(appliance.tomlcheck, as the gateway's configuration and the engine build spec).
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from appliance import tomlcheck
+from appliance.tomlcheck import Table
 
 IRREVERSIBLE = ("idle=poll", "intel_idle.max_cstate=0", "processor.max_cstate=0")
 HUGEPAGE_SIZES_KB = {"2M": 2048, "1G": 1048576}
 EPB_NAMES = ("performance", "balance-performance", "normal", "balance-power", "power")
 
 
-class ProfileError(ValueError):
+class ProfileError(tomlcheck.TomlError):
     """The profile is malformed or asks for something refused."""
 
 
@@ -117,25 +122,26 @@ _CMDLINE_TOKEN = re.compile(r"^[^\s\"'`$\\]+$")
 _SYSCTL_KEY = re.compile(r"^[A-Za-z0-9_-]+([./][A-Za-z0-9_:-]+)+$")
 
 
-def _typed(where: str, value: Any, expected: type | tuple[type, ...]) -> Any:
-    kinds = expected if isinstance(expected, tuple) else (expected,)
+class _Table(Table):
+    """A profile table; refusals are ProfileError (exit 2)."""
+
+    error = ProfileError
+
+
+Fail = Callable[[str, str], NoReturn]
+
+
+def _typed(t: _Table, key: str, expected: type | tuple[type, ...]) -> Any:
     if expected is list:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ProfileError(f"{where} must be a list of strings, got {value!r}")
-        return tuple(value)
+        return t.str_list(key)
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    value = t.data[key]
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join(
             {int: "an integer", str: "a string", bool: "true/false"}[k] for k in kinds
         )
-        raise ProfileError(f"{where} must be {names}, got {value!r}")
+        t.fail(key, f"must be {names}, got {value!r}")
     return value
-
-
-def sysctl_key(key: str) -> str:
-    """Check a sysctl name in either spelling (``kernel.foo`` or ``kernel/foo``) and answer it."""
-    if not _SYSCTL_KEY.match(key) or ".." in key:
-        raise ProfileError(f"[sysctl] {key!r} is not a sysctl name (e.g. net.core.somaxconn)")
-    return key
 
 
 def is_sched_sysctl(key: str) -> bool:
@@ -144,91 +150,108 @@ def is_sched_sysctl(key: str) -> bool:
     return len(parts) > 1 and parts[0] == "kernel" and parts[1].startswith("sched_")
 
 
-def from_dict(data: dict[str, Any]) -> Profile:
+def parse(text: str, source: Path = Path("<profile>")) -> Profile:
+    """A validated profile from TOML text; refusals name `source`, the line and the key."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{source}: not valid TOML: {exc}") from exc
+    top = _Table(source, text, "", data, {*_SECTIONS, "sysctl"})
+    tables: dict[str, _Table] = {}
     kwargs: dict[str, Any] = {}
-    for section, body in data.items():
-        if section == "sysctl":
-            if not isinstance(body, dict):
-                raise ProfileError("[sysctl] must be a table of key = value")
-            sysctl: dict[str, str] = {}
-            for k, v in body.items():
-                if isinstance(v, bool) or not isinstance(v, (int, str)):
-                    raise ProfileError(f"[sysctl] {k}: value must be an integer or a string")
-                sysctl[sysctl_key(str(k))] = str(v)
-            kwargs["sysctl"] = sysctl
-            continue
-        if section not in _SECTIONS or not isinstance(body, dict):
-            raise ProfileError(f"unknown profile section [{section}]")
-        for key, value in body.items():
-            if key not in _SECTIONS[section]:
-                raise ProfileError(f"unknown key {key!r} in [{section}]")
-            name: str = _RENAMED.get((section, str(key)), str(key))
-            value = _typed(f"[{section}] {key}", value, _TYPES[name])
-            if name == "energy_perf_bias":
-                value = str(value)
-            kwargs[name] = value
+    for section, keys in _SECTIONS.items():
+        t = tables[section] = top.sub(section, set(keys))
+        for key in t.data:
+            name: str = _RENAMED.get((section, key), key)
+            value = _typed(t, key, _TYPES[name])
+            kwargs[name] = str(value) if name == "energy_perf_bias" else value
+    s = tables["sysctl"] = top.sub("sysctl", set(top.get("sysctl", dict, {})))
+    sysctl: dict[str, str] = {}
+    for k, v in s.data.items():
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            s.fail(k, f"value must be an integer or a string, got {v!r}")
+        if not _SYSCTL_KEY.match(k) or ".." in k:
+            s.fail(k, "not a sysctl name (e.g. net.core.somaxconn)")
+        sysctl[k] = str(v)
+    kwargs["sysctl"] = sysctl
     profile = Profile(**kwargs)
-    validate(profile)
+
+    def fail(dotted: str, message: str) -> NoReturn:
+        section, key = dotted.split(".", 1)
+        tables[section].fail(key, message)
+
+    validate(profile, fail)
     return profile
 
 
-def validate(p: Profile) -> None:
+def _refuse(dotted: str, message: str) -> NoReturn:
+    raise ProfileError(f"key '{dotted}': {message}")
+
+
+def validate(p: Profile, fail: Fail = _refuse) -> None:
+    """Refuse values the plugins cannot apply; `fail` names the key (and its line)."""
     if p.hugepage_size not in HUGEPAGE_SIZES_KB:
-        raise ProfileError(f"hugepage_size must be one of {sorted(HUGEPAGE_SIZES_KB)}")
+        fail(
+            "memory.hugepage_size",
+            f"must be one of {', '.join(HUGEPAGE_SIZES_KB)}, got {p.hugepage_size!r}",
+        )
     if p.thp not in ("never", "madvise", "always"):
-        raise ProfileError("thp must be never, madvise or always")
+        fail("memory.thp", f"must be never, madvise or always, got {p.thp!r}")
     if p.gpudirect not in ("dmabuf", "peermem", "none"):
-        raise ProfileError("[gpudirect] method must be dmabuf, peermem or none")
-    for name in ("housekeeping_cores", "nic_irq_cores", "gateway_cores", "hugepages"):
-        if not isinstance(getattr(p, name), int) or getattr(p, name) < 0:
-            raise ProfileError(f"{name} must be a non-negative integer")
-    if not isinstance(p.pm_qos_latency_us, int) or p.pm_qos_latency_us < 1:
+        fail("gpudirect.method", f"must be dmabuf, peermem or none, got {p.gpudirect!r}")
+    for key in ("cpu.nic_irq_cores", "cpu.gateway_cores", "memory.hugepages"):
+        if getattr(p, key.split(".")[1]) < 0:
+            fail(key, "must be a non-negative integer")
+    if p.housekeeping_cores < 1:
+        fail("cpu.housekeeping_cores", "must be at least 1 (the OS needs a core)")
+    if p.pm_qos_latency_us < 1:
         # 0 in the per-CPU attribute means "no constraint", the opposite of what it looks like.
-        raise ProfileError("pm_qos_latency_us must be at least 1 (use idle=poll for polling)")
+        fail("cpu.pm_qos_latency_us", "must be at least 1 (use idle=poll for polling)")
     if p.energy_perf_bias not in EPB_NAMES and not (
         p.energy_perf_bias.isdigit() and int(p.energy_perf_bias) <= 15
     ):
-        raise ProfileError(f"energy_perf_bias must be one of {EPB_NAMES} or 0..15")
-    if p.housekeeping_cores < 1:
-        raise ProfileError("housekeeping_cores must be at least 1 (the OS needs a core)")
+        fail(
+            "cpu.energy_perf_bias",
+            f"must be one of {', '.join(EPB_NAMES)} or 0..15, got {p.energy_perf_bias!r}",
+        )
     if p.mtu is not None and not 68 <= p.mtu <= 65535:
-        raise ProfileError("mtu must be between 68 and 65535")
+        fail("nic.mtu", f"must be between 68 and 65535, got {p.mtu}")
     for ring in ("rx_ring", "tx_ring"):
         if getattr(p, ring) is not None and getattr(p, ring) < 1:
-            raise ProfileError(f"{ring} must be a positive integer")
+            fail(f"nic.{ring}", "must be a positive integer")
     for nic in p.nics:
         if not _IFNAME.match(nic):
-            raise ProfileError(f"[serve] nics: {nic!r} is not an interface name")
+            fail("serve.nics", f"{nic!r} is not an interface name")
     if p.netns is not None and not _NETNS.match(p.netns):
-        raise ProfileError(f"[serve] netns: {p.netns!r} is not a network namespace name")
+        fail("serve.netns", f"{p.netns!r} is not a network namespace name")
     for key in p.sysctl:
         if is_sched_sysctl(key):
             # Moved to debugfs in 5.13 and renamed/removed in 6.6; tuned dropped them too.
-            raise ProfileError(f"{key}: kernel.sched_* sysctls are refused")
+            fail(f"sysctl.{key}", "kernel.sched_* sysctls are refused")
     for token in p.extra_cmdline:
         if not _CMDLINE_TOKEN.match(token):
-            raise ProfileError(
-                f"[kernel] extra_cmdline: {token!r}: one kernel parameter per entry, without "
-                "spaces, quotes, '$', '`' or backslashes"
+            fail(
+                "kernel.extra_cmdline",
+                f"{token!r}: one kernel parameter per entry, without "
+                "spaces, quotes, '$', '`' or backslashes",
             )
         if token in IRREVERSIBLE or token.startswith(("idle=", "intel_idle.max_cstate=")):
-            raise ProfileError(f"{token}: put irreversible settings in [kernel] irreversible")
+            fail("kernel.extra_cmdline", f"{token}: put irreversible settings in irreversible")
     for token in p.irreversible:
         if token not in IRREVERSIBLE:
-            raise ProfileError(f"{token}: not a known irreversible setting {IRREVERSIBLE}")
+            fail(
+                "kernel.irreversible",
+                f"{token}: not a known irreversible setting ({', '.join(IRREVERSIBLE)})",
+            )
     if p.irreversible and not p.allow_irreversible:
-        raise ProfileError(
+        fail(
+            "kernel.irreversible",
             f"refusing irreversible settings {list(p.irreversible)}: they cost power and heat "
-            "and are not undone by revert; set [kernel] allow_irreversible = true to opt in"
+            "and are not undone by revert; set [kernel] allow_irreversible = true to opt in",
         )
 
 
 def load(path: str | Path) -> Profile:
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{path}: {exc}") from exc
-    return from_dict(data)
+    """Read and validate a profile file; every failure is a one-line :class:`ProfileError`."""
+    text, _ = tomlcheck.read(Path(path), "profile", ProfileError)
+    return parse(text, Path(path))

@@ -9,9 +9,9 @@ from dataclasses import asdict
 from typing import Any
 
 from host_tuning import cpulist
+from host_tuning.actions import Result
 from host_tuning.cores import CorePlan, cpu_affinity_dropin
-from host_tuning.engine import Result
-from host_tuning.planner import Plan
+from host_tuning.planner import TuningPlan
 
 _NUM = re.compile(r"\d+")
 
@@ -83,7 +83,7 @@ def cores_dict(c: CorePlan) -> dict[str, Any]:
     }
 
 
-def plan_json(plan: Plan) -> str:
+def plan_json(plan: TuningPlan) -> str:
     data = {
         "cores": cores_dict(plan.cores),
         "items": [asdict(i) for i in plan.items],
@@ -96,7 +96,7 @@ def plan_json(plan: Plan) -> str:
     return json.dumps(data, indent=1)
 
 
-def plan_table(plan: Plan) -> str:
+def plan_table(plan: TuningPlan) -> str:
     c = cores_dict(plan.cores)
     rows = [
         ["cores", role, c[role] or "-", c["reasons"].get(role, "")]

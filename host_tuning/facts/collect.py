@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import psutil
-
 from host_tuning.facts import cpu, gpu, nic, pci, system
 from host_tuning.facts.model import Facts
 from host_tuning.rootfs import Root
@@ -32,6 +30,4 @@ def collect(root: Root, use_nvml: bool = True) -> Facts:
         hugepages=system.hugepages(root, sorted(nodes)),
         irqbalance=system.irqbalance(root),
         cpufreq=system.cpufreq(root),
-        # psutil reads the running kernel, so it only cross-checks sysfs on the real host.
-        psutil_cpu_count=psutil.cpu_count(logical=True) if root.is_host else None,
     )

@@ -76,7 +76,6 @@ class Facts:
     hugepages: dict[int, dict[str, int]] = field(default_factory=dict)  # node -> size kB -> count
     irqbalance: dict[str, str | bool | None] = field(default_factory=dict)
     cpufreq: dict[str, str | None] = field(default_factory=dict)
-    psutil_cpu_count: int | None = None
 
     def cpu(self, cpu_id: int) -> Cpu:
         for c in self.cpus:

@@ -1,6 +1,6 @@
 """The contract every plugin meets, and the file-backed implementation most of them share.
 
-The engine (``host_tuning.engine``) owns ordering, saved prior values and reporting; a plugin only
+``host_tuning.actions`` owns ordering, saved prior values and reporting; a plugin only
 knows how to read, compare, set and restore its own kind of setting.
 """
 

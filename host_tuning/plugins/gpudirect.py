@@ -1,7 +1,8 @@
 """GPUDirect RDMA prerequisites: peer-memory module at boot, ACS off on the GPU–NIC path.
 
-ACS and DMA-BUF are reported as advice: ACS control resets at every boot and belongs in a oneshot
-unit (a later issue); DMA-BUF needs the open kernel modules, not something to switch at runtime.
+ACS and DMA-BUF are reported as advice: ACS control resets at every boot, so the oneshot
+appliance-acs.service clears it at each boot for the bridges the host_tuning role lists
+(host_tuning_acs_bridges); DMA-BUF needs the open kernel modules, not something to switch at runtime.
 """
 
 from __future__ import annotations

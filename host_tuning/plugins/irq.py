@@ -1,7 +1,7 @@
 """Interrupt affinity: serving-NIC vectors to the NIC cores, other device IRQs to housekeeping.
 
-Managed IRQs (NVMe queues, some NIC drivers) refuse affinity writes with EIO; the engine records
-them as managed and skipped. ``isolcpus=managed_irq`` in the planned command line is what keeps
+Managed IRQs (NVMe queues, some NIC drivers) refuse affinity writes with EIO; host_tuning.actions
+records them as managed and skipped. ``isolcpus=managed_irq`` in the planned command line is what keeps
 those off isolated cores after reboot. Vectors of NICs the profile does not name are not touched:
 one of them is the management NIC.
 """

@@ -11,7 +11,7 @@ import os
 
 from pyroute2 import IPRoute
 
-from host_tuning.cores import CorePlan
+from host_tuning.cores import CorePlan, PlanError
 from host_tuning.facts.model import Facts
 from host_tuning.items import Advice, Item
 from host_tuning.plugins.base import Context, Plugin
@@ -95,8 +95,11 @@ class Nic(Plugin):
         for name in profile.nics:
             nic = known.get(name)
             if nic is None and profile.netns is None:
-                advice.append(Advice("nic", f"{name}: not found on this host", "named in profile"))
-                continue
+                # A typo here would leave the serving NIC untuned while apply reports success.
+                raise PlanError(
+                    f"[serve] nics: no NIC {name!r} on this host; NICs found: "
+                    f"{', '.join(sorted(known)) or 'none'}"
+                )
             if nic is not None and nic.numa_node >= 0 and nic.numa_node != cores.node:
                 advice.append(
                     Advice(

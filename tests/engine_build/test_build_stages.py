@@ -34,7 +34,7 @@ def make_spec(
 
 def run(spec: BuildSpec, force: bool = False) -> tuple[list[runner.StageResult], str]:
     out = io.StringIO()
-    results = runner.Runner(spec, out=out).run(force=force)
+    results = runner.BuildRunner(spec, out=out).run(force=force)
     return results, out.getvalue()
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from engine_build import cli, gpu
+from engine_build.errors import SpecError
 
 from .conftest import make_checkpoint, read_calls, spec_sections, write_spec
 
@@ -59,24 +60,27 @@ def test_plan_does_not_fit_exits_3_with_table_and_advice(
     assert "does not fit" in line and "set precision.quantization = 'fp8'" in line
 
 
+# (case, exit status, message): 2 = the command line or the spec is wrong, 1 = what the work found.
 BAD_PLAN = [
-    ("missing checkpoint", "checkpoint directory missing"),
-    ("unsupported architecture", "unsupported architecture 'Qwen2ForCausalLM'"),
-    ("sequence beyond the model", "limits.max_seq_len 4096 > max_position_embeddings 2048"),
-    ("bad gpu memory", "--gpu-memory 'lots'"),
-    ("contradictory spec", "limits.max_input_len (8192) > limits.max_seq_len"),
-    ("opt_num_tokens with multiple profiles", "conflicts with limits.multiple_profiles"),
-    ("tp not dividing the heads", "parallel.tp_size 3 does not divide num_attention_heads 32"),
-    ("unreadable config.json", "checkpoint config.json"),
+    ("missing checkpoint", 1, "checkpoint directory missing"),
+    ("unsupported architecture", 1, "unsupported architecture 'Qwen2ForCausalLM'"),
+    ("sequence beyond the model", 1, "limits.max_seq_len 4096 > max_position_embeddings 2048"),
+    ("bad gpu memory", 2, "--gpu-memory 'lots': expected a number with a unit"),
+    ("gpu memory without a unit", 2, "--gpu-memory '80': expected a number with a unit"),
+    ("contradictory spec", 2, "key 'limits.max_input_len': 8192 > limits.max_seq_len"),
+    ("opt_num_tokens with multiple profiles", 2, "conflicts with limits.multiple_profiles"),
+    ("tp not dividing the heads", 1, "parallel.tp_size 3 does not divide num_attention_heads 32"),
+    ("unreadable config.json", 1, "checkpoint config.json"),
 ]
 
 
-@pytest.mark.parametrize(("case", "message"), BAD_PLAN)
-def test_plan_bad_input_exits_1_with_one_line(
+@pytest.mark.parametrize(("case", "status", "message"), BAD_PLAN)
+def test_plan_refusals_are_one_line_with_the_exit_status(
     tmp_path: Path,
     fake_trtllm: Path,
     capsys: pytest.CaptureFixture[str],
     case: str,
+    status: int,
     message: str,
 ) -> None:
     ckpt = tmp_path / "hf"
@@ -90,6 +94,8 @@ def test_plan_bad_input_exits_1_with_one_line(
         make_checkpoint(ckpt)
     if case == "bad gpu memory":
         memory = "lots"
+    if case == "gpu memory without a unit":
+        memory = "80"
     if case == "contradictory spec":
         overrides = {"limits": {"max_input_len": 8192}}
     if case == "opt_num_tokens with multiple profiles":
@@ -100,7 +106,7 @@ def test_plan_bad_input_exits_1_with_one_line(
         (ckpt / "config.json").write_text("{not json")
     spec = spec_file(tmp_path, ckpt, fake_trtllm, **overrides)
     rc = cli.main(["plan", "--spec", spec, "--gpu-memory", memory])
-    assert rc == 1
+    assert rc == status
     cap = capsys.readouterr()
     assert message in one_line_error(cap.err)
     assert "trtllm-build" not in cap.out
@@ -130,7 +136,10 @@ def test_gpu_memory_sizes() -> None:
     assert gpu.parse_size("80GiB") == 80 << 30
     assert gpu.parse_size("81559MiB") == 81559 << 20
     assert gpu.parse_size("80GB") == 80 * 10**9
-    assert gpu.parse_size("1024") == 1024
+    # A bare number is refused: "80" meant as GiB would be planned as 80 bytes.
+    for bare in ("1024", "80", "80G"):
+        with pytest.raises(SpecError, match="expected a number with a unit, such as 80GiB"):
+            gpu.parse_size(bare)
 
 
 def test_build_repo_verify_round_trip_with_stand_in_tools(

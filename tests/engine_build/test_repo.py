@@ -48,7 +48,7 @@ def built(
 
     def build(**overrides: dict[str, Any]) -> BuildSpec:
         spec = make_spec(tmp_path, checkpoint, fake_trtllm, **overrides)
-        runner.Runner(spec, quiet=True, out=io.StringIO()).run()
+        runner.BuildRunner(spec, quiet=True, out=io.StringIO()).run()
         return spec
 
     return build

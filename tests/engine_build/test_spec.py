@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_build.errors import BuildError
+from engine_build.errors import SpecError
 from engine_build.spec import load_spec
 
 from .conftest import spec_sections, write_spec
@@ -52,31 +53,46 @@ def test_tp_size_defaults_gpu_ids(tmp_path: Path) -> None:
 
 
 BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
-    ({"limits": {"max_input_len": 8192, "max_seq_len": 4096}}, "max_input_len (8192) > limits"),
+    (
+        {"limits": {"max_input_len": 8192, "max_seq_len": 4096}},
+        "key 'limits.max_input_len': 8192 > limits.max_seq_len (4096)",
+    ),
     ({"limits": {"max_input_len": 4096, "max_seq_len": 4096}}, "no room left"),
     (
         {"limits": {"opt_num_tokens": 512, "multiple_profiles": True}},
-        "opt_num_tokens conflicts with limits.multiple_profiles",
+        "key 'limits.opt_num_tokens': conflicts with limits.multiple_profiles",
     ),
-    ({"limits": {"max_num_tokens": 1024}}, "max_num_tokens (1024) < limits.max_input_len"),
-    ({"limits": {"max_batch_size": 0}}, "limits.max_batch_size must be >= 1"),
-    ({"limits": {"max_batch_size": True}}, "expected int, got a boolean"),
-    ({"limits": {"max_seq_len": "4096"}}, "limits.max_seq_len: expected int, got str"),
-    ({"limits": {"max_seqlen": 4096}}, "unknown key limits.max_seqlen"),
-    ({"extra": {"x": 1}}, "unknown section [extra]"),
-    ({"precision": {"dtype": "float32"}}, "precision.dtype must be one of"),
-    ({"precision": {"quantization": "int4_awq"}}, "precision.quantization must be one of"),
+    (
+        {"limits": {"max_num_tokens": 1024}},
+        "key 'limits.max_num_tokens': 1024 < limits.max_input_len",
+    ),
+    ({"limits": {"max_batch_size": 0}}, "key 'limits.max_batch_size': must be >= 1, got 0"),
+    ({"limits": {"max_batch_size": True}}, "key 'limits.max_batch_size': expected int, got bool"),
+    ({"limits": {"max_seq_len": "4096"}}, "key 'limits.max_seq_len': expected int, got str"),
+    (
+        {"limits": {"max_seqlen": 4096}},
+        "key 'limits.max_seqlen': unknown key; known keys are max_batch_size, max_input_len,",
+    ),
+    ({"extra": {"x": 1}}, "key 'extra': unknown key; known keys are kv_cache, limits, model,"),
+    ({"precision": {"dtype": "float32"}}, "key 'precision.dtype': must be one of"),
+    ({"precision": {"quantization": "int4_awq"}}, "key 'precision.quantization': must be one of"),
     (
         {"precision": {"quantization": "none"}, "plugins": {"gemm": "low_latency_gemm_plugin"}},
         "exists only for fp8 weights",
     ),
-    ({"plugins": {"gemm": "cublas"}}, "plugins.gemm must be one of"),
+    ({"plugins": {"gemm": "cublas"}}, "key 'plugins.gemm': must be one of"),
     ({"kv_cache": {"tokens_per_block": 48}}, "power of two"),
-    ({"kv_cache": {"free_gpu_mem_fraction": 1.5}}, "free_gpu_mem_fraction must be in (0, 1]"),
-    ({"parallel": {"tp_size": 2, "gpu_ids": [0]}}, "gpu_ids has 1 ids but parallel.tp_size is 2"),
+    ({"kv_cache": {"free_gpu_mem_fraction": 1.5}}, "must be in (0, 1], got 1.5"),
+    ({"parallel": {"tp_size": 2, "gpu_ids": [0]}}, "has 1 ids but parallel.tp_size is 2"),
     ({"parallel": {"tp_size": 2, "gpu_ids": [1, 1]}}, "distinct"),
     ({"trtllm": {"container": ["docker"]}}, "set exactly one of 'venv'"),
-    ({"trtllm": {"quantize": "x"}}, "unknown key 'quantize'"),
+    (
+        {"trtllm": {"quantize": "x"}},
+        "key 'trtllm.quantize': unknown key; known keys are container,",
+    ),
+    # Byte sizes carry their unit: a bare number would be bytes.
+    ({"plan": {"runtime_overhead": 1024}}, "key 'plan.runtime_overhead': expected str, got int"),
+    ({"plan": {"runtime_overhead": "1024"}}, "expected a number with a unit, such as 80GiB"),
 ]
 
 
@@ -85,7 +101,7 @@ def test_quantize_script_required(tmp_path: Path) -> None:
         tmp_path / "s.toml",
         {"model": {"hf_model_dir": "a", "work_dir": "b"}, "trtllm": {"venv": "v"}},
     )
-    with pytest.raises(BuildError, match="missing quantize_script"):
+    with pytest.raises(SpecError, match="missing quantize_script"):
         load_spec(path)
 
 
@@ -93,15 +109,33 @@ def test_quantize_script_required(tmp_path: Path) -> None:
 def test_contradictions_refused_with_one_line(
     tmp_path: Path, overrides: dict[str, dict[str, Any]], message: str
 ) -> None:
-    with pytest.raises(BuildError) as info:
-        load_spec(_spec(tmp_path, **overrides))
+    path = _spec(tmp_path, **overrides)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
     assert message in str(info.value)
+    assert str(info.value).startswith(f"{path}:")
     assert "\n" not in str(info.value)
+
+
+def test_refusal_names_the_line_of_the_key(tmp_path: Path) -> None:
+    path = _spec(tmp_path, limits={"max_input_len": 2048, "max_seq_len": 1024})
+    lines = path.read_text().splitlines()
+    line = lines.index("max_input_len = 2048") + 1
+    with pytest.raises(
+        SpecError, match=rf"^{re.escape(str(path))}:{line}: key 'limits\.max_input_len'"
+    ):
+        load_spec(path)
+
+
+def test_runtime_overhead_takes_a_unit(tmp_path: Path) -> None:
+    assert load_spec(
+        _spec(tmp_path, plan={"runtime_overhead": "1536MiB"})
+    ).runtime_overhead_bytes == (1536 << 20)
 
 
 def test_missing_trtllm_section(tmp_path: Path) -> None:
     path = write_spec(tmp_path / "s.toml", {"model": {"hf_model_dir": "a", "work_dir": "b"}})
-    with pytest.raises(BuildError, match=r"missing \[trtllm\]"):
+    with pytest.raises(SpecError, match=r"missing \[trtllm\] table"):
         load_spec(path)
 
 
@@ -110,14 +144,14 @@ def test_missing_model_dir(tmp_path: Path) -> None:
         tmp_path / "s.toml",
         {"model": {"work_dir": "b"}, "trtllm": {"venv": "v", "quantize_script": "q.py"}},
     )
-    with pytest.raises(BuildError, match=r"missing model\.hf_model_dir"):
+    with pytest.raises(SpecError, match=r"key 'model': missing required key 'hf_model_dir'"):
         load_spec(path)
 
 
 def test_unreadable_and_malformed_spec(tmp_path: Path) -> None:
-    with pytest.raises(BuildError, match="cannot read spec"):
+    with pytest.raises(SpecError, match=r"absent\.toml: cannot read spec"):
         load_spec(tmp_path / "absent.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\nhf_model_dir = 1")
-    with pytest.raises(BuildError, match="is not valid TOML"):
+    with pytest.raises(SpecError, match=r"bad\.toml: not valid TOML"):
         load_spec(bad)

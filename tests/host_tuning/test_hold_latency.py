@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,13 +31,12 @@ def holders(path: Path, pid: int) -> int:
     return count
 
 
-def wait_for(cond: object, timeout: float = 10.0) -> None:
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Polls the held file's state (no other event exists), bounded; fails when it never holds."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(cond) and cond():
-            return
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def test_encode_is_native_s32() -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import tomllib
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,8 +14,8 @@ from host_tuning import cpulist
 from host_tuning.cli import main
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
-from host_tuning.planner import Plan, make_plan
-from host_tuning.profile import Profile, ProfileError, from_dict, load
+from host_tuning.planner import TuningPlan, make_plan
+from host_tuning.profile import Profile, ProfileError, load, parse
 from host_tuning.rootfs import Root
 from tests.host_tuning.hostbuilder import Machine
 
@@ -41,15 +40,11 @@ method = "peermem"
 """
 
 
-def _toml(text: str) -> dict[str, Any]:
-    return tomllib.loads(text)
+def hgx_plan(m: Machine, text: str = HGX_PROFILE) -> TuningPlan:
+    return make_plan(collect(Root(m.root)), parse(text))
 
 
-def hgx_plan(m: Machine, text: str = HGX_PROFILE) -> Plan:
-    return make_plan(collect(Root(m.root)), from_dict(_toml(text)))
-
-
-def by_key(plan: Plan) -> dict[str, str]:
+def by_key(plan: TuningPlan) -> dict[str, str]:
     return {i.key: i.desired for i in plan.items}
 
 
@@ -133,26 +128,35 @@ def test_unknown_gpu(box: Machine) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[cpu]\nhousekeeping = 2\n", "unknown key"),
-        ("[bogus]\n", "unknown profile section"),
+        (
+            "[cpu]\nhousekeeping = 2\n",
+            "2: key 'cpu.housekeeping': unknown key; known keys are energy_perf_bias, gateway_cores,",
+        ),
+        ("[bogus]\n", "1: key 'bogus': unknown key; known keys are cpu, gpudirect, kernel,"),
         ('[sysctl]\n"kernel.sched_min_granularity_ns" = 1\n', "kernel.sched_"),
         ('[kernel]\nirreversible = ["idle=poll"]\n', "allow_irreversible"),
         ('[kernel]\nextra_cmdline = ["idle=poll"]\n', "irreversible"),
-        ('[memory]\nhugepage_size = "4M"\n', "hugepage_size"),
-        ("[cpu]\nhousekeeping_cores = 0\n", "at least 1"),
-        ("[cpu]\npm_qos_latency_us = 0\n", "pm_qos_latency_us"),
-        ('[cpu]\nenergy_perf_bias = "turbo"\n', "energy_perf_bias"),
-        ("[nic]\nmtu = 20\n", "mtu"),
+        (
+            '[memory]\nhugepage_size = "4M"\n',
+            "2: key 'memory.hugepage_size': must be one of 2M, 1G",
+        ),
+        ("[cpu]\nhousekeeping_cores = 0\n", "2: key 'cpu.housekeeping_cores': must be at least 1"),
+        ("[cpu]\npm_qos_latency_us = 0\n", "key 'cpu.pm_qos_latency_us'"),
+        ('[cpu]\nenergy_perf_bias = "turbo"\n', "key 'cpu.energy_perf_bias'"),
+        ("[nic]\nmtu = 20\n", "key 'nic.mtu': must be between 68 and 65535, got 20"),
         # Wrong types are refused, never coerced: a string of NIC names would match the
         # management NIC by substring, "no" would be a true flag.
-        ('[serve]\nnics = "ibp25s0"\n', "nics must be a list of strings"),
-        ('[nic]\nmtu = "9000"\n', "mtu must be an integer"),
-        ('[kernel]\nisolate = "no"\n', "isolate must be true/false"),
-        ("[cpu]\ngateway_cores = true\n", "gateway_cores must be an integer"),
-        ("[cpu]\nhousekeeping_cores = 1.5\n", "housekeeping_cores must be an integer"),
+        ('[serve]\nnics = "ibp25s0"\n', "key 'serve.nics': expected list, got str"),
+        ('[nic]\nmtu = "9000"\n', "key 'nic.mtu': must be an integer"),
+        ('[kernel]\nisolate = "no"\n', "key 'kernel.isolate': must be true/false"),
+        ("[cpu]\ngateway_cores = true\n", "key 'cpu.gateway_cores': must be an integer"),
+        ("[cpu]\nhousekeeping_cores = 1.5\n", "key 'cpu.housekeeping_cores': must be an integer"),
         ('[serve]\nnics = ["eth0|x"]\n', "not an interface name"),
         ('[sysctl]\n"kernel/sched_min_granularity_ns" = 1\n', "kernel.sched_"),
-        ('[sysctl]\n"../../etc/shadow" = 1\n', "not a sysctl name"),
+        (
+            '[sysctl]\n"../../etc/shadow" = 1\n',
+            "2: key 'sysctl.../../etc/shadow': not a sysctl name",
+        ),
         ('[sysctl]\n"vm.swappiness" = true\n', "integer or a string"),
         ('[kernel]\nextra_cmdline = ["a b"]\n', "one kernel parameter per entry"),
         ('[kernel]\nextra_cmdline = ["x=$(reboot)"]\n', "one kernel parameter per entry"),
@@ -160,14 +164,13 @@ def test_unknown_gpu(box: Machine) -> None:
     ],
 )
 def test_profile_refusals(text: str, message: str) -> None:
-    with pytest.raises(ProfileError, match=message):
-        from_dict(_toml(text))
+    with pytest.raises(ProfileError) as info:
+        parse(text, Path("p.toml"))
+    assert str(info.value).startswith("p.toml:") and message in str(info.value)
 
 
 def test_energy_perf_bias_number_and_slash_sysctl_accepted(box: Machine) -> None:
-    p = from_dict(
-        _toml('[cpu]\nenergy_perf_bias = 4\n[sysctl]\n"net/ipv4/conf/eth0.100/rp_filter" = 2\n')
-    )
+    p = parse('[cpu]\nenergy_perf_bias = 4\n[sysctl]\n"net/ipv4/conf/eth0.100/rp_filter" = 2\n')
     assert p.energy_perf_bias == "4"
     plan = make_plan(collect(Root(box.root)), p)
     item = next(i for i in plan.items if i.key == "sysctl net/ipv4/conf/eth0.100/rp_filter")
@@ -177,7 +180,7 @@ def test_energy_perf_bias_number_and_slash_sysctl_accepted(box: Machine) -> None
 def test_extra_cmdline_repeating_a_planned_parameter_is_a_plan_error(
     box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    p = from_dict(_toml('[kernel]\nextra_cmdline = ["iommu=pt"]\n'))
+    p = parse('[kernel]\nextra_cmdline = ["iommu=pt"]\n')
     with pytest.raises(PlanError, match="iommu is planned twice"):
         make_plan(collect(Root(box.root)), p)
     prof = write_profile('[kernel]\nextra_cmdline = ["nohz_full=1-3"]\n')
@@ -187,7 +190,7 @@ def test_extra_cmdline_repeating_a_planned_parameter_is_a_plan_error(
 
 
 def test_pcie_aspm_off_gets_a_warning(box: Machine) -> None:
-    p = from_dict(_toml('[kernel]\nextra_cmdline = ["pcie_aspm=off"]\n'))
+    p = parse('[kernel]\nextra_cmdline = ["pcie_aspm=off"]\n')
     plan = make_plan(collect(Root(box.root)), p)
     assert any("does not disable ASPM" in a.text for a in plan.advice)
 
@@ -198,11 +201,39 @@ def test_unreadable_profile_is_one_line(
     for bad in (tmp_path / "missing.toml", tmp_path):
         assert main(["plan", "--root", str(box.root), "--profile", str(bad)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("host-tune: cannot read profile") and err.count("\n") == 1
+        assert err.startswith(f"host-tune: {bad}: cannot read profile") and err.count("\n") == 1
+
+
+def test_profile_error_names_file_line_and_known_keys(
+    box: Machine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("[serve]\ngpu = 0\n\n[nic]\nmtu = 9000\nrx_rings = 512\n")
+    assert main(["plan", "--root", str(box.root), "--profile", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"host-tune: {path}:6: key 'nic.rx_rings': unknown key; known keys are link_up, mtu, "
+        "rx_ring, skip_first_mlx5_vector, tx_ring\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["plan", "apply", "verify"])
+def test_a_nic_that_does_not_exist_is_refused(
+    box: Machine,
+    write_profile: Callable[[str], Path],
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    prof = write_profile('[serve]\nnics = ["eth9"]\n')
+    assert main([command, "--root", str(box.root), "--profile", str(prof)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"host-tune: [serve] nics: no NIC 'eth9' on this host; NICs found: "
+        f"{', '.join(sorted(os.listdir(box.root / 'sys/class/net')))}\n"
+    )
 
 
 def test_irreversible_with_opt_in(box: Machine) -> None:
-    p = from_dict(_toml('[kernel]\nirreversible = ["idle=poll"]\nallow_irreversible = true\n'))
+    p = parse('[kernel]\nirreversible = ["idle=poll"]\nallow_irreversible = true\n')
     plan = make_plan(collect(Root(box.root)), p)
     assert by_key(plan)["cmdline idle"] == "idle=poll"
 

@@ -158,3 +158,19 @@ def test_engine_hardening(root: Path) -> None:
     # CPU engine server: torch may JIT, so no MemoryDenyWriteExecute; still well hardened.
     _, exposure, report = _exposure(root, "appliance-engine.service", None)
     assert exposure <= 4.5, report
+
+
+def test_documentation_points_at_docs_the_role_installs() -> None:
+    """`systemctl help UNIT` opens Documentation=: each must be a doc the appliance role installs."""
+    tasks = (REPO / "ansible/roles/appliance/tasks/main.yml").read_text()
+    task = tasks[tasks.index("- name: Install the operator documentation") :]
+    task = task[: task.index("\n- name:")]
+    assert "dest: /usr/share/doc/llm-appliance/{{ item }}" in task
+    installed = set(re.findall(r"^\s+- (\S+\.md)$", task, re.M))
+    for name in UNIT_FILES:
+        docs = re.findall(r"^Documentation=(.*)$", (UNITS / name).read_text(), re.M)
+        assert docs, f"{name}: no Documentation="
+        for url in " ".join(docs).split():
+            doc = url.removeprefix("file:///usr/share/doc/llm-appliance/")
+            assert doc != url, f"{name}: {url} is not under /usr/share/doc/llm-appliance/"
+            assert doc in installed and (REPO / "docs" / doc).is_file(), f"{name}: {url}"

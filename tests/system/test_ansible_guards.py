@@ -1,0 +1,86 @@
+"""The playbook refuses to do nothing quietly: a missing required variable of any role fails the play at
+its first task naming the variable, and an inventory without appliance hosts fails instead of
+"skipping: no hosts matched". Cheap runs of the pinned ansible-playbook: the target host is never
+reached (every failure here happens on the controller, and its address is a closed port)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO / "ansible"
+ANSIBLE_BIN = REPO / ".venv-ansible" / "bin"
+
+# Every required variable of the GPU profile's roles, with a value that passes validation.
+GPU_REQUIRED = {
+    "appliance_wheelhouse": {"dir": "/srv/wheelhouse"},
+    "host_tuning_profile_src": "/srv/profile.toml",
+    "engine_build_spec_src": "/srv/spec.toml",
+    "triton_archive_src": "/srv/triton.tar.zst",
+    "triton_archive_sha256": "0" * 64,
+}
+
+
+def _playbook(tmp_path: Path, inventory: object) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(inventory))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PIP_"))}
+    env.update(
+        PATH=f"{ANSIBLE_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
+        ANSIBLE_CONFIG=str(ANSIBLE / "ansible.cfg"),
+        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
+        ANSIBLE_NOCOLOR="1",
+        HOME=str(tmp_path),
+        LC_ALL="C.UTF-8",
+    )
+    return subprocess.run(
+        [str(ANSIBLE_BIN / "ansible-playbook"), "-i", str(path), "site.yml", "--check"],
+        cwd=ANSIBLE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def _gpu_host(variables: dict[str, object]) -> dict[str, object]:
+    host = {
+        "ansible_host": "127.0.0.1",
+        "ansible_port": 9,
+        "ansible_connection": "ssh",
+        **variables,
+    }
+    return {"all": {"children": {"gpu": {"hosts": {"gpu-test": host}}}}}
+
+
+def _tasks(output: str) -> list[str]:
+    return re.findall(r"^TASK \[(.*?)\]", output, re.M)
+
+
+@pytest.mark.parametrize("missing", sorted(GPU_REQUIRED))
+def test_missing_required_variable_fails_the_first_task(tmp_path: Path, missing: str) -> None:
+    variables = {k: v for k, v in GPU_REQUIRED.items() if k != missing}
+    result = _playbook(tmp_path, _gpu_host(variables))
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert f"missing required arguments: {missing}" in out, out
+    # The inventory check, then the variables check of the provisioning play: nothing else ran.
+    assert _tasks(out) == [
+        "Fail when no host is in group gpu or cpu",
+        "Validate the variables of every role this host runs",
+    ], out
+    assert "gpu-test                   : ok=0    changed=0    unreachable=0    failed=1" in out
+
+
+def test_an_inventory_without_appliance_hosts_fails(tmp_path: Path) -> None:
+    result = _playbook(tmp_path, {"all": {"children": {"gpu": {}, "cpu": {}}}})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "has no host in group gpu or cpu; start from inventory/example/hosts.yml" in out

@@ -1,0 +1,67 @@
+"""The three CLIs' shared convention: a refused input is one line on stderr naming what to fix, exit 2;
+TOML errors read FILE:LINE: key 'TABLE.KEY': ... in all three."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from appliance import cli as appliance_cli
+from engine_build import cli as engine_build_cli
+from host_tuning import cli as host_tune_cli
+
+
+def _one_line(err: str) -> str:
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    return err.rstrip("\n")
+
+
+def test_unknown_key_is_refused_alike_by_all_three(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gateway = tmp_path / "gateway.toml"
+    gateway.write_text("[server]\nlisten = '127.0.0.1:1'\nlisten_port = 1\n")
+    spec = tmp_path / "spec.toml"
+    spec.write_text("[model]\nhf_model_dir = 'm'\nwork_dir = 'w'\nhf_dir = 'x'\n")
+    profile = tmp_path / "profile.toml"
+    profile.write_text("[cpu]\ngovernor = 'performance'\ngovernour = 'x'\n")
+    runs = [
+        (
+            appliance_cli.main,
+            ["serve", "--config", str(gateway)],
+            f"{gateway}:3: key 'server.listen_port'",
+        ),
+        (engine_build_cli.main, ["plan", "--spec", str(spec)], f"{spec}:4: key 'model.hf_dir'"),
+        (
+            host_tune_cli.main,
+            ["plan", "--profile", str(profile)],
+            f"{profile}:3: key 'cpu.governour'",
+        ),
+    ]
+    for main, argv, where in runs:
+        assert main(argv) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert f"{where}: unknown key; known keys are " in line, line
+
+
+# On a machine with CUDA, "cuda" runs; an index past the last device is refused there instead.
+NO_CUDA = "CUDA is not available on this machine; use --device cpu"
+DEVICES = [
+    ("gpu0", "not a device; expected cpu, cuda or cuda:N"),
+    ("mps", "not a device; expected cpu, cuda or cuda:N"),
+    ("cuda:64", NO_CUDA if not torch.cuda.is_available() else "this machine has "),
+]
+if not torch.cuda.is_available():
+    DEVICES.append(("cuda", NO_CUDA))
+
+
+@pytest.mark.parametrize(("device", "message"), DEVICES)
+def test_engine_refuses_a_device_it_cannot_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], device: str, message: str
+) -> None:
+    rc = appliance_cli.main(["engine", "--repository", str(tmp_path), "--device", device])
+    line = _one_line(capsys.readouterr().err)
+    assert rc == 2
+    assert line.startswith(f"appliance engine: --device {device}: {message}"), line
