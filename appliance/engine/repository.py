@@ -63,7 +63,7 @@ def _load_entry(directory: Path) -> ModelEntry:
     return ModelEntry(name=name, directory=directory, config=config, hf_model_dir=hf_dir.resolve())
 
 
-def load_repository(root: Path) -> dict[str, ModelEntry]:
+def read_repository(root: Path) -> dict[str, ModelEntry]:
     """Every model directory with a config.pbtxt; at least one is required."""
     if not root.is_dir():
         raise RepositoryError(f"{root}: model repository directory not found")

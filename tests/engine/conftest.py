@@ -12,6 +12,8 @@ from safetensors.torch import save_file
 
 from appliance.engine.llama import LlamaModel, load_config
 
+torch.set_num_threads(1)
+
 MICRO_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

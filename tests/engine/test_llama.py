@@ -198,3 +198,17 @@ def test_transformers_v5_rope_parameters_are_read(tmp_path: Path) -> None:
     assert parsed.rope_theta == 500000.0
     assert parsed.rope_scaling is not None
     assert parsed.rope_scaling.original_max_position_embeddings == 8192
+
+
+def test_config_reader_and_shared_fixtures_do_not_import_torch() -> None:
+    """torch lives only in the engine: the config reader, engine_build and the root conftest
+    (imported by every suite) must not pull it in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tests.conftest, engine_build.hf_config, engine_build.repo, "
+        "appliance.model_store, appliance.backends.wire; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
