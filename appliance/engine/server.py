@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +28,12 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 from appliance import sdnotify
 from appliance.backends import wire
 from appliance.engine.llama import CheckpointError, LlamaModel
-from appliance.engine.repository import ModelEntry, RepositoryError, read_repository
+from appliance.engine.repository import (
+    ModelEntry,
+    RepositoryError,
+    lock_repository,
+    read_repository,
+)
 from appliance.engine.runner import Emission, Job, Runner
 from appliance.engine.sampling import SamplingParams
 
@@ -450,6 +456,24 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             reader.cancel()
 
 
+def _max_seq_len(entry: ModelEntry, context: int) -> int:
+    """The sequence limit: the repository's max_seq_len (what an engine was built for) when it
+    is set and smaller than the model's context."""
+    raw = entry.parameter("max_seq_len", "")
+    try:
+        limit = int(raw) if raw else context
+    except ValueError as exc:
+        raise RepositoryError(
+            f"{entry.directory / 'config.pbtxt'}: parameter max_seq_len {raw!r} is not an integer"
+        ) from exc
+    if limit < 2:
+        raise RepositoryError(
+            f"{entry.directory / 'config.pbtxt'}: parameter max_seq_len {limit} leaves no room "
+            "for a prompt and a generated token"
+        )
+    return min(limit, context)
+
+
 def _served(entry: ModelEntry, device: str) -> EngineModel:
     try:
         model = LlamaModel.load(entry.hf_model_dir, device=device)
@@ -460,7 +484,7 @@ def _served(entry: ModelEntry, device: str) -> EngineModel:
         model=model,
         runner=Runner(model),
         inputs={i.name: i for i in entry.config.input},
-        max_len=model.config.max_position_embeddings,
+        max_len=_max_seq_len(entry, model.config.max_position_embeddings),
     )
 
 
@@ -489,6 +513,7 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
     """The `appliance engine` process: serve until SIGTERM/SIGINT."""
     started = time.monotonic()
     try:
+        lock = lock_repository(repository)  # before loading: a second server fails in ms
         models = load_repository(repository, device)
         server, _, _ = await start_engine(models, listen)
     except RepositoryError as exc:
@@ -504,4 +529,5 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
     await server.stop(grace=1.0)
     for model in models.values():
         model.runner.close()
+    os.close(lock)
     return 0
