@@ -25,7 +25,7 @@ MODEL = "smollm2"
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
-    "What is the largest planet in our solar system?",
+    "What is photosynthesis? Answer in one sentence.",
 ]
 SYSTEM = "You are a friendly assistant. Answer in one or two short sentences."
 CONVERSATION = [
