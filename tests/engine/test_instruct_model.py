@@ -52,9 +52,11 @@ class Instruct:
 
 
 @pytest.fixture(scope="session")
-def instruct(pytestconfig: pytest.Config) -> Instruct:
-    assert pytestconfig.cache is not None
-    model_dir, repo = ensure_instruct_model(pytestconfig.cache.mkdir("smollm2-135m-instruct"))
+def instruct(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Instruct:
+    name = "smollm2-135m-instruct"
+    cache = pytestconfig.cache  # None under -p no:cacheprovider: convert into a temporary dir
+    root = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
+    model_dir, repo = ensure_instruct_model(root)
     return Instruct(model_dir, repo, ModelText.load(repo / "tensorrt_llm" / "tokenizer"))
 
 
