@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +65,7 @@ def _load_entry(directory: Path) -> ModelEntry:
     return ModelEntry(name=name, directory=directory, config=config, hf_model_dir=hf_dir.resolve())
 
 
-def load_repository(root: Path) -> dict[str, ModelEntry]:
+def read_repository(root: Path) -> dict[str, ModelEntry]:
     """Every model directory with a config.pbtxt; at least one is required."""
     if not root.is_dir():
         raise RepositoryError(f"{root}: model repository directory not found")
@@ -74,3 +76,26 @@ def load_repository(root: Path) -> dict[str, ModelEntry]:
     if not entries:
         raise RepositoryError(f"{root}: no model directory with a config.pbtxt")
     return entries
+
+
+def lock_repository(root: Path) -> int:
+    """Take the repository for this process; returns the descriptor that holds the lock.
+
+    An exclusive flock on the repository directory itself (opened read-only, so a read-only
+    model store works): a second engine server on the same repository is refused at start
+    instead of doubling the memory and racing the first. The kernel drops the lock when the
+    process exits, however it exits.
+    """
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RepositoryError(f"{root}: cannot open the model repository: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RepositoryError(
+            f"{root}: another engine server is already serving this repository; stop it first "
+            "(or give this one its own repository)"
+        ) from None
+    return fd
