@@ -52,6 +52,17 @@ class InferError(Exception):
         self.code = code
 
 
+# Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes
+# nothing (None: any value would change the output). Anything else is refused, not ignored.
+_NOT_IMPLEMENTED: dict[str, float | None] = {
+    "stop_words_list": None,
+    "bad_words_list": None,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
 def _dtype_name(value: int) -> str:
     return str(mc.DataType.Name(value)).removeprefix("TYPE_").replace("STRING", "BYTES")
 
@@ -130,6 +141,13 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         values = tensors.get(name)
         return values[0] if values else default
 
+    for name, no_op in _NOT_IMPLEMENTED.items():
+        values = tensors.get(name)
+        if values and (no_op is None or any(v != no_op for v in values)):
+            raise InferError(
+                f"input '{name}' is declared by model '{model.entry.name}' but the engine server "
+                "does not implement it; omit it (stop strings are applied by the gateway)"
+            )
     stop = bool(scalar("stop", False))
     ids = [int(v) for v in tensors["input_ids"]]
     length = int(scalar("input_lengths", len(ids)))

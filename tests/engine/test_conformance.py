@@ -313,3 +313,19 @@ async def test_prompt_beyond_the_model_context_is_refused(
 ) -> None:
     responses = await collect(triton, request(max_tokens=5000))
     assert "exceeds the maximum sequence length" in responses[0].error_message
+
+
+async def test_declared_inputs_the_engine_does_not_compute_are_refused_not_ignored(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    from appliance.backends import wire
+
+    neutral = request("neutral", max_tokens=2)
+    wire.add_input(neutral, "repetition_penalty", "FP32", [1.0], batch_dim=True)
+    responses = await collect(triton, neutral)
+    assert not [r.error_message for r in responses if r.error_message]
+    penalised = request("penalised", max_tokens=2)
+    wire.add_input(penalised, "repetition_penalty", "FP32", [1.3], batch_dim=True)
+    responses = await collect(triton, penalised)
+    assert "input 'repetition_penalty' is declared" in responses[0].error_message
+    assert "does not implement it; omit it" in responses[0].error_message
