@@ -71,19 +71,25 @@ def add_model_variant(repo: Path, name: str, edit: dict[str, object]) -> None:
     (target / "config.pbtxt").write_text(text_format.MessageToString(config))
 
 
-@pytest.fixture(scope="session")
-def engine_repo(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny repository plus a non-decoupled model and one with the pre-1.0 input names."""
-    repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(tiny.repo, repo, dirs_exist_ok=True)
-    config = repo / "tensorrt_llm" / "config.pbtxt"
+def copy_repository(source: Path, dest: Path) -> Path:
+    """A copy of a model repository that still finds its checkpoint (one engine server may serve
+    a repository at a time, so a test running several needs several)."""
+    shutil.copytree(source, dest, dirs_exist_ok=True)
+    config = dest / "tensorrt_llm" / "config.pbtxt"
     parsed = text_format.Parse(config.read_text(), mc.ModelConfig())
     hf = Path(parsed.parameters["hf_model_dir"].string_value)
     if not hf.is_absolute():
         parsed.parameters["hf_model_dir"].string_value = str(
-            (tiny.repo / "tensorrt_llm" / hf).resolve()
+            (source / "tensorrt_llm" / hf).resolve()
         )
         config.write_text(text_format.MessageToString(parsed))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def engine_repo(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny repository plus a non-decoupled model and one with the pre-1.0 input names."""
+    repo = copy_repository(tiny.repo, tmp_path_factory.mktemp("repo"))
     add_model_variant(repo, "sync_llm", {"decoupled": False})
     add_model_variant(
         repo,

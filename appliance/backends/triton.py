@@ -8,10 +8,8 @@ one HTTP/2 stream per request.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
+from appliance.backends import wire
 from appliance.backends.base import BackendError, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,6 @@ CHANNEL_OPTIONS = (
 STOP_REQUEST_TIMEOUT_S = 2.0
 # While waiting for the inference server at start-up, a line this often says so.
 WAIT_NOTE_S = 5.0
-LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 # In-band error texts of Triton and the TensorRT-LLM backend, first match wins.
@@ -105,42 +103,28 @@ def check_model_config(config: mc.ModelConfig, address: str) -> InputNames:
     return names
 
 
-class _TensorBuilder:
-    """Appends inputs to a ModelInferRequest with raw little-endian contents."""
+class _Inputs:
+    """Appends a model's inputs to a ModelInferRequest (raw little-endian contents)."""
 
     def __init__(self, request: ts.ModelInferRequest, batch_dim: bool) -> None:
         self.request = request
         self.batch_dim = batch_dim
 
-    def add(self, name: str, datatype: str, typecode: str, values: Sequence[int | float]) -> None:
-        tensor = self.request.inputs.add()
-        tensor.name = name
-        tensor.datatype = datatype
-        tensor.shape.extend([1, len(values)] if self.batch_dim else [len(values)])
-        data = array.array(typecode, values)
-        if not LITTLE_ENDIAN:
-            data.byteswap()
-        self.request.raw_input_contents.append(data.tobytes())
+    def add(self, name: str, datatype: str, values: Sequence[int | float]) -> None:
+        wire.add_input(self.request, name, datatype, values, self.batch_dim)
 
     def flag(self, name: str, value: bool) -> None:
-        tensor = self.request.inputs.add()
-        tensor.name = name
-        tensor.datatype = "BOOL"
-        tensor.shape.extend([1, 1] if self.batch_dim else [1])
-        self.request.raw_input_contents.append(b"\x01" if value else b"\x00")
+        wire.add_input(self.request, name, "BOOL", [value], self.batch_dim)
 
 
 def _output_tokens(response: ts.ModelInferResponse) -> list[int]:
-    for index, output in enumerate(response.outputs):
-        if output.name == "output_ids":
-            if index < len(response.raw_output_contents):
-                data = array.array("i")
-                data.frombytes(response.raw_output_contents[index])
-                if not LITTLE_ENDIAN:
-                    data.byteswap()
-                return data.tolist()
-            return list(output.contents.int_contents)
-    return []
+    try:
+        tokens = wire.output_values(response, "output_ids")
+    except wire.WireError as exc:
+        raise BackendError(
+            grpc.StatusCode.UNAVAILABLE, f"inference server sent a malformed output_ids: {exc}"
+        ) from exc
+    return [int(t) for t in tokens] if tokens else []
 
 
 def _is_final(response: ts.ModelInferResponse) -> bool:
@@ -234,32 +218,32 @@ class TritonBackend:
         prompt_ids, end_id, pad_id, sampling = g.prompt_ids, g.end_id, g.pad_id, g.sampling
         req = ts.ModelInferRequest(model_name=self.model, id=g.request_id)
         req.parameters["triton_enable_empty_final_response"].bool_param = True
-        t = _TensorBuilder(req, names.batch_dim)
-        t.add("input_ids", "INT32", "i", prompt_ids)
-        t.add("input_lengths", "INT32", "i", [len(prompt_ids)])
-        t.add("request_output_len", "INT32", "i", [g.max_tokens])
+        t = _Inputs(req, names.batch_dim)
+        t.add("input_ids", "INT32", prompt_ids)
+        t.add("input_lengths", "INT32", [len(prompt_ids)])
+        t.add("request_output_len", "INT32", [g.max_tokens])
         present = names.present
         if end_id is not None and "end_id" in present:
-            t.add("end_id", "INT32", "i", [end_id])
+            t.add("end_id", "INT32", [end_id])
         if pad_id is not None and "pad_id" in present:
-            t.add("pad_id", "INT32", "i", [pad_id])
+            t.add("pad_id", "INT32", [pad_id])
         if "streaming" in present:
             t.flag("streaming", True)
         if "exclude_input_in_output" in present:
             t.flag("exclude_input_in_output", True)
         if "temperature" in present:
-            t.add("temperature", "FP32", "f", [sampling.temperature])
+            t.add("temperature", "FP32", [sampling.temperature])
         if "runtime_top_k" in present:
-            t.add("runtime_top_k", "INT32", "i", [sampling.top_k])
+            t.add("runtime_top_k", "INT32", [sampling.top_k])
         if "runtime_top_p" in present:
-            t.add("runtime_top_p", "FP32", "f", [sampling.top_p])
+            t.add("runtime_top_p", "FP32", [sampling.top_p])
         if sampling.seed is not None:
             if names.seed is None:
                 raise BackendError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"model '{self.model}' takes no seed input (random_seed/seed); omit seed",
                 )
-            t.add(names.seed, "UINT64", "Q", [sampling.seed])
+            t.add(names.seed, "UINT64", [sampling.seed])
         return req
 
     async def stream(self, g: GenerationRequest) -> AsyncGenerator[list[int], None]:
@@ -332,11 +316,11 @@ class TritonBackend:
             return
         req = ts.ModelInferRequest(model_name=self.model, id=request_id)
         req.parameters["triton_enable_empty_final_response"].bool_param = True
-        t = _TensorBuilder(req, names.batch_dim)
+        t = _Inputs(req, names.batch_dim)
         # Triton checks required inputs before the backend sees `stop`, so they must be present.
-        t.add("input_ids", "INT32", "i", list(some_ids) or [0])
-        t.add("input_lengths", "INT32", "i", [len(some_ids) or 1])
-        t.add("request_output_len", "INT32", "i", [1])
+        t.add("input_ids", "INT32", list(some_ids) or [0])
+        t.add("input_lengths", "INT32", [len(some_ids) or 1])
+        t.add("request_output_len", "INT32", [1])
         if "streaming" in names.present:
             t.flag("streaming", True)
         t.flag("stop", True)

@@ -27,7 +27,7 @@ from appliance.gateway.models import load_models
 from appliance.gateway.server import SERVICE_NAME, RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from tests.conftest import Tiny
+from tests.conftest import Tiny, copy_repository
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -77,7 +77,11 @@ class EngineProcess:
 @pytest.fixture
 def engines(tiny: Tiny, tmp_path: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
     pair = tuple(
-        EngineProcess(tiny.repo, f"127.0.0.1:{processes.free_port()}", tmp_path / f"e{i}.log")
+        EngineProcess(
+            copy_repository(tiny.repo, tmp_path / f"repo{i}"),
+            f"127.0.0.1:{processes.free_port()}",
+            tmp_path / f"e{i}.log",
+        )
         for i in range(2)
     )
     for e in pair:
