@@ -23,6 +23,16 @@ class ServerConfig:
     # Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
     drain_seconds: float = 10.0
     log_level: str = "info"
+    # "text": one escaped line a record; "json": one JSON object a line (for log shippers).
+    log_format: str = "text"
+    # One INFO line per finished request (logger appliance.access).
+    access_log: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    # HOST:PORT of the Prometheus /metrics listener; None: no listener.
+    listen: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,9 +82,11 @@ class GatewayConfig:
     server: ServerConfig
     models: dict[str, ModelConfig] = field(default_factory=dict)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_FORMATS = ("text", "json")
 
 
 class _Reader(Table):
@@ -95,16 +107,32 @@ def load_config(path: Path) -> GatewayConfig:
     """Reads and validates the gateway configuration; raises ConfigError with file:line: key."""
     text, data = tomlcheck.read(path, "configuration", ConfigError)
 
-    top = _Reader(path, text, "", data, {"server", "models", "cache"})
+    top = _Reader(path, text, "", data, {"server", "models", "cache", "metrics"})
     server_data = top.get("server", dict, {})
-    srv = _Reader(path, text, "server", server_data, {"listen", "drain_seconds", "log_level"})
+    srv = _Reader(
+        path,
+        text,
+        "server",
+        server_data,
+        {"listen", "drain_seconds", "log_level", "log_format", "access_log"},
+    )
     log_level = srv.get("log_level", str, "info")
     if log_level not in _LOG_LEVELS:
         srv.fail("log_level", f"expected one of {', '.join(_LOG_LEVELS)}, got {log_level!r}")
+    log_format = srv.get("log_format", str, "text")
+    if log_format not in _LOG_FORMATS:
+        srv.fail("log_format", f"expected one of {', '.join(_LOG_FORMATS)}, got {log_format!r}")
     server = ServerConfig(
         listen=_address(srv, "listen", ServerConfig.listen),
         drain_seconds=srv.get("drain_seconds", float, ServerConfig.drain_seconds),
         log_level=log_level,
+        log_format=log_format,
+        access_log=srv.get("access_log", bool, True),
+    )
+    metrics_data = top.get("metrics", dict, {})
+    met = _Reader(path, text, "metrics", metrics_data, {"listen"})
+    metrics = MetricsConfig(
+        listen=_address(met, "listen", "") if "listen" in metrics_data else None
     )
     if server.drain_seconds < 0:
         srv.fail("drain_seconds", "must be 0 or more")
@@ -157,7 +185,9 @@ def load_config(path: Path) -> GatewayConfig:
             r = _Reader(path, text, f"models.{name}", models_data[name], known)
             others = ", ".join(sorted(set(models) - {name})) or "none"
             r.fail("fallback", f"must name another served model (configured: {others})")
-    return GatewayConfig(server=server, models=models, cache=_cache(top, path, text))
+    return GatewayConfig(
+        server=server, models=models, cache=_cache(top, path, text), metrics=metrics
+    )
 
 
 def _cache(top: _Reader, path: Path, text: str) -> CacheConfig:

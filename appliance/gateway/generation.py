@@ -36,12 +36,19 @@ class Outcome:
     produced_by: ModelIdentity
 
 
-Event = Delta | Outcome
+@dataclass(slots=True)
+class Started:
+    """The generation got its slot at the engine (time.monotonic_ns()); not sent to clients."""
+
+    at_ns: int
+
+
+Event = Delta | Outcome | Started
 
 
 async def generate(
     model: ServedModel, request: GenerationRequest, stops: tuple[str, ...]
-) -> AsyncIterator[Event]:
+) -> AsyncIterator[Delta | Outcome]:
     """Deltas as they decode, then the Outcome."""
     decoder = IncrementalDecoder(model.text.table)
     matcher = StopMatcher(stops)

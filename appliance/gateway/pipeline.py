@@ -47,7 +47,7 @@ from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, TierCascade
 from appliance.errors import RequestError
 from appliance.gateway import messages
-from appliance.gateway.generation import Delta, Event, Outcome, generate
+from appliance.gateway.generation import Delta, Event, Outcome, Started, generate
 from appliance.gateway.models import ServedModel
 from appliance.gateway.report import ReportSink, RequestReport
 from appliance.request import CheckedRequest, PreparedRequest, check, echo, tokenize
@@ -95,6 +95,8 @@ class Pipeline:
         self._engine_ids = (f"gw{os.getpid()}-{n}" for n in itertools.count())
         self._tokenizers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.draining = False
+        # Requests being answered, by requested model (read by the metrics collector).
+        self.in_flight: dict[str, int] = dict.fromkeys(models, 0)
 
     async def run(
         self, request: pb.GenerateRequest, deadline_s: float | None
@@ -105,6 +107,7 @@ class Pipeline:
         try:
             model = self.route(request)
             report.model = model.name
+            self.in_flight[model.name] += 1
             budget = self.budget(model, request, deadline_s)
             checked = check(request, model.limits)
             report.request_id, report.namespace = checked.request_id, checked.namespace
@@ -138,6 +141,8 @@ class Pipeline:
             report.status = grpc.StatusCode.CANCELLED.name
             raise
         finally:
+            if report.model:
+                self.in_flight[report.model] -= 1
             if not report.total_us:
                 report.total_us = (time.monotonic_ns() - received) // 1000
             self.sink.report(report)
@@ -309,6 +314,7 @@ class Pipeline:
         ticket = await self.admission.admit(
             model.name, len(prepared.prompt_ids), prepared.max_tokens, budget.first_token_by
         )
+        yield Started(time.monotonic_ns())
         started = time.monotonic()
         first = False
         completion = 0
@@ -379,6 +385,9 @@ class Pipeline:
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"no complete answer from model '{requested.name}' within the deadline",
                     ) from None
+                if isinstance(event, Started):
+                    started = max(started, event.at_ns)
+                    continue
                 if isinstance(event, Delta):
                     yield messages.delta(report.request_id, event)
                     now = time.monotonic_ns()

@@ -6,11 +6,12 @@ request ends, whatever way it ends; sinks must be cheap (they run on the event l
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
-log = logging.getLogger("appliance.requests")
+access = logging.getLogger("appliance.access")
 
 
 @dataclass(slots=True)
@@ -40,23 +41,34 @@ class ReportSink(Protocol):
     def report(self, r: RequestReport) -> None: ...
 
 
-class DebugLogSink:
-    """One debug line per request (the access log proper lives with the metrics)."""
+class AccessLog:
+    """One INFO line per finished request on the `appliance.access` logger.
+
+    The fields ride on the record as `access` too, so a JSON formatter writes them as fields; in
+    text they are key=value pairs with the client's values quoted and escaped."""
 
     def report(self, r: RequestReport) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "request %r model=%s tier=%s status=%s finish=%s tokens=%d/%d ttft_us=%d total_us=%d",
-                r.request_id,
-                r.model,
-                r.tier,
-                r.status,
-                r.finish_reason,
-                r.prompt_tokens,
-                r.completion_tokens,
-                r.ttft_us,
-                r.total_us,
-            )
+        if not access.isEnabledFor(logging.INFO):
+            return
+        fields = {
+            "request_id": r.request_id,
+            "namespace": r.namespace,
+            "model": r.model,
+            "answered_by": r.answered_by,
+            "tier": r.tier,
+            "status": r.status,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "queue_ms": round(r.queue_us / 1000, 3),
+            "ttft_ms": round(r.ttft_us / 1000, 3),
+            "total_ms": round(r.total_us / 1000, 3),
+        }
+        line = " ".join(
+            f"{k}={json.dumps(v, ensure_ascii=True) if isinstance(v, str) else v}"
+            for k, v in fields.items()
+        )
+        access.info("%s", line, extra={"access": fields})
 
 
 class Sinks:

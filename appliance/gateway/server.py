@@ -23,8 +23,9 @@ from appliance.config import CacheConfig, GatewayConfig
 from appliance.gateway.health import HealthMonitor
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
-from appliance.gateway.report import DebugLogSink, ReportSink
+from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
+from appliance.metrics import GatewayMetrics, MetricsSink
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -67,6 +68,9 @@ class RunningGateway:
     monitor: HealthMonitor
     models: dict[str, ServedModel]
     port: int
+    metrics: GatewayMetrics
+    # Port of the /metrics listener (0: none).
+    metrics_port: int = 0
 
     @property
     def pipeline(self) -> Pipeline:
@@ -89,6 +93,7 @@ class RunningGateway:
         if self.pipeline.cache is not None:
             await self.pipeline.cache.close()
         self.pipeline.close()
+        self.metrics.close()
 
 
 async def start_server(
@@ -97,7 +102,15 @@ async def start_server(
     server = grpc.aio.server()
     cache = make_cache(config.cache)
     admission = make_admission(config, models)
-    service = InferenceService(Pipeline(models, cache, admission, sink or DebugLogSink()))
+    metrics = GatewayMetrics()
+    sinks: list[ReportSink] = [MetricsSink(metrics)]
+    if config.server.access_log:
+        sinks.append(AccessLog())
+    if sink is not None:
+        sinks.append(sink)
+    pipeline = Pipeline(models, cache, admission, Sinks(*sinks))
+    metrics.watch(models, admission, cache, pipeline.in_flight)
+    service = InferenceService(pipeline)
     pb_grpc.add_InferenceServicer_to_server(service, server)
     pb_grpc.add_CacheAdminServicer_to_server(CacheAdminService(cache), server)
     health_servicer = health.aio.HealthServicer()
@@ -123,7 +136,17 @@ async def start_server(
     monitor.start()
     if cache is not None:
         await cache.check()
-    return RunningGateway(server, service, health_servicer, monitor, models, port)
+    running = RunningGateway(server, service, health_servicer, monitor, models, port, metrics)
+    if config.metrics.listen is not None:
+        try:
+            running.metrics_port = metrics.serve(config.metrics.listen)
+        except OSError as exc:
+            await running.drain(0)
+            raise StartupError(
+                f"cannot serve metrics on {config.metrics.listen}: {exc.strerror or exc}"
+            ) from exc
+        log.info("metrics on http://%s/metrics", config.metrics.listen)
+    return running
 
 
 async def warm_up(models: dict[str, ServedModel]) -> None:

@@ -1,0 +1,136 @@
+"""A real Prometheus scrapes the gateway while it answers; PromQL over its HTTP API sees the
+request counters and the TTFT histogram the clients saw."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import re
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.cache.l2 import RedisSettings
+from appliance.config import CacheConfig, GatewayConfig, MetricsConfig, ModelConfig, ServerConfig
+from appliance.gateway.models import load_models
+from appliance.gateway.report import RequestReport
+from appliance.gateway.server import RunningGateway, start_server
+from appliance.metrics import LATENCY_BUCKETS, GpuCollector
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.cache.redis_server import RedisServer
+from tests.conftest import Engine, Tiny
+from tests.observability.prometheus_server import Prometheus
+
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.items: list[RequestReport] = []
+
+    def report(self, r: RequestReport) -> None:
+        self.items.append(dataclasses.replace(r))
+
+
+@pytest.fixture
+async def gateway(
+    tiny: Tiny, engine: Engine, tmp_path: Path
+) -> AsyncIterator[tuple[RunningGateway, Reports]]:
+    redis = RedisServer(tmp_path)
+    redis.start()
+    model = ModelConfig(name="tiny", backend=engine.address, tokenizer_dir=tiny.tokenizer_dir)
+    config = GatewayConfig(
+        server=ServerConfig(listen="127.0.0.1:0"),
+        models={"tiny": model},
+        cache=CacheConfig(redis=RedisSettings(url=redis.url, timeout_ms=100)),
+        metrics=MetricsConfig(listen="127.0.0.1:0"),
+    )
+    reports = Reports()
+    running = await start_server(config, await load_models(config), reports)
+    yield running, reports
+    await running.drain(0.5)
+    redis.kill()
+
+
+def exported_names(port: int) -> set[str]:
+    """Every series name the gateway's /metrics exposes (with _bucket, _total, ... suffixes)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
+            names.add(family.name + suffix)
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def referenced_names(text: str) -> set[str]:
+    return set(re.findall(r"\b(appliance_[a-z0-9_]+)", text))
+
+
+async def test_dashboard_and_alerts_use_only_exported_metrics(
+    gateway: tuple[RunningGateway, Reports],
+) -> None:
+    running, _ = gateway
+    exported = exported_names(running.metrics_port) | set(GpuCollector.NAMES)
+    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    exprs += " " + " ".join(v.get("query", "") for v in dashboard["templating"]["list"])
+    used = referenced_names(exprs) | referenced_names((MONITORING / "alerts.yml").read_text())
+    assert len(used) > 15
+    assert used <= exported, sorted(used - exported)
+
+
+async def test_prometheus_sees_requests_and_ttft(
+    gateway: tuple[RunningGateway, Reports], tmp_path: Path
+) -> None:
+    running, reports = gateway
+    assert running.metrics_port
+    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{running.metrics_port}"})
+    try:
+        prom.wait_ready()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for i in range(12):  # 12 misses, then each asked again: 12 L1 hits
+                r = pb.GenerateRequest(
+                    model="tiny", prompt=f"question {i}", max_tokens=6, temperature=0
+                )
+                await stub.Complete(r)
+                await stub.Complete(r)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Complete(pb.GenerateRequest(model="tiny", prompt="x", top_p=5))
+        prom.wait_value("sum(appliance_requests_total)", 25)
+        by_tier = {
+            (s["metric"]["tier"], s["metric"]["status"]): float(s["value"][1])
+            for s in prom.query("sum by (tier, status) (appliance_requests_total)")
+        }
+        assert by_tier == {("miss", "OK"): 12, ("l1", "OK"): 12, ("miss", "INVALID_ARGUMENT"): 1}
+        hits = prom.query('appliance_cache_hits_total{tier="l1"}')
+        assert float(hits[0]["value"][1]) == 12
+        tokens = sum(r.completion_tokens for r in reports.items if r.tier == "miss")
+        prom.wait_value('sum(appliance_completion_tokens_total{tier="miss"})', tokens)
+
+        # histogram_quantile interpolates inside the bucket that holds the quantile: it must land
+        # in the same bucket as the P99 of the TTFTs the requests themselves reported.
+        ttfts = [r.ttft_us / 1e6 for r in reports.items if r.tier == "miss" and r.status == "OK"]
+        true_p99 = float(np.percentile(ttfts, 99, method="inverted_cdf"))
+        i = bisect.bisect_left(LATENCY_BUCKETS, true_p99)
+        low = LATENCY_BUCKETS[i - 1] if i else 0.0
+        high = LATENCY_BUCKETS[i]
+        result = prom.query(
+            "histogram_quantile(0.99, sum by (le) "
+            '(appliance_time_to_first_token_seconds_bucket{tier="miss"}))'
+        )
+        estimate = float(result[0]["value"][1])
+        assert low <= estimate <= high, (estimate, true_p99, low, high)
+        assert prom.query('appliance_engine_ready{model="tiny"}')[0]["value"][1] == "1"
+    finally:
+        prom.stop()
