@@ -8,7 +8,8 @@ real processes on 127.0.0.1, then measures from this process:
   (c) an L2 hit: the same Complete through gateway 2 (tier asserted EXACT_L2),
   (d) a bare redis-py asyncio GET (hiredis) of the very value (c) reads, from this process,
   (e) check() + cache_key() + LruCache.get() in-process on a populated LRU, 1 KB and 8 KB prompts,
-  (f) L1-hit throughput with K concurrent client coroutines against the echo's with the same K.
+  (f) L1-hit throughput with K concurrent client coroutines against the echo's with the same K,
+  (g) what recording a finished request costs in-process: the metrics sink and the access log line.
 (a), (b), (c), (d) alternate request by request so drift on the machine hits all of them alike; (f)
 alternates gateway and echo rounds. Targets: (a) P99 <= 1.25 x (b) P99;
 (c) - (a) <= 1.2 x (d) (P50s and P99s); (e) P50 <= 5 µs at 1 KB; (f) >= 0.8 x echo.
@@ -24,7 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
+import logging
 import os
 import shutil
 import statistics
@@ -47,6 +50,9 @@ from appliance import processes
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, cache_key
 from appliance.cache.l1 import LruCache
+from appliance.gateway.pipeline import sampling_key
+from appliance.gateway.report import AccessLog, RequestReport
+from appliance.metrics import GatewayMetrics, MetricsSink
 from appliance.request import Limits, check
 from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
@@ -328,9 +334,7 @@ def in_process(
     limits = Limits(
         max_input_tokens=2047, max_output_tokens=512, default_max_tokens=64, context_length=2048
     )
-    answer = CachedAnswer(
-        hit.text, tuple(hit.token_ids), hit.final.finish_reason, 128, len(hit.token_ids)
-    )
+    answer = CachedAnswer(hit.text, tuple(hit.token_ids), "stop", 128, len(hit.token_ids))
     lru = LruCache(max_entries=10000, max_bytes=256 * 1024 * 1024, ttl_s=300.0)
     for i in range(lru.max_entries - 2):
         lru.put(hashlib.blake2b(str(i).encode(), digest_size=16).digest(), answer, ("d", MODEL))
@@ -342,7 +346,7 @@ def in_process(
         )
         checked = check(req, limits)
         key = cache_key(
-            checked.namespace, identity, checked.prompt, checked.messages, checked.sampling_key()
+            checked.namespace, identity, checked.prompt, checked.messages, sampling_key(checked)
         )
         lru.put(key, answer, (checked.namespace, MODEL))
         total, parts_check, parts_key, parts_get = [], [], [], []
@@ -350,7 +354,7 @@ def in_process(
             t0 = clock()
             ch = check(req, limits)
             t1 = clock()
-            k = cache_key(ch.namespace, identity, ch.prompt, ch.messages, ch.sampling_key())
+            k = cache_key(ch.namespace, identity, ch.prompt, ch.messages, sampling_key(ch))
             t2 = clock()
             got = lru.get(k)
             t3 = clock()
@@ -364,6 +368,32 @@ def in_process(
         out[f"    of which check(), {kb} KB"] = parts_check
         out[f"    of which cache_key(), {kb} KB"] = parts_key
         out[f"    of which LruCache.get(), {kb} KB"] = parts_get
+    # (g) What recording a finished request costs: the metrics sink and the access log line (to a
+    # handler that drops it: the cost of formatting, not of the terminal).
+    metrics = GatewayMetrics()
+    sink = MetricsSink(metrics)
+    access = AccessLog()
+    logging.getLogger("appliance.access").addHandler(logging.NullHandler())
+    logging.getLogger("appliance.access").propagate = False
+    logging.getLogger("appliance.access").setLevel(logging.INFO)
+    miss = RequestReport(
+        request_id="r", namespace="default", model=MODEL, answered_by=MODEL, tier="miss",
+        finish_reason="stop", prompt_tokens=128, completion_tokens=args.output_tokens,
+        queue_us=100, ttft_us=2000, total_us=90000, inter_token_us=[1500] * (args.output_tokens - 1),
+    )  # fmt: skip
+    hit_report = dataclasses.replace(miss, tier="l1", inter_token_us=[])
+    for name, r in (("hit", hit_report), (f"miss, {args.output_tokens} tokens", miss)):
+        m_cost, a_cost = [], []
+        for _ in range(args.iterations):
+            t0 = clock()
+            sink.report(r)
+            t1 = clock()
+            access.report(r)
+            t2 = clock()
+            m_cost.append((t1 - t0) / 1e9)
+            a_cost.append((t2 - t1) / 1e9)
+        out[f"(g) metrics sink per request, {name}"] = m_cost
+        out[f"(g) access log line per request, {name}"] = a_cost
     clock_cost = [(clock() - clock()) / -1e9 for _ in range(10000)]
     out["    (perf_counter_ns pair itself)"] = clock_cost
     return out

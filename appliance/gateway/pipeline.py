@@ -67,6 +67,20 @@ ENGINE_FAULTS = frozenset(
 )
 
 
+def sampling_key(checked: CheckedRequest) -> SamplingKey:
+    """What of a checked request's sampling changes its answer (the cache key's part)."""
+    s = checked.sampling
+    return SamplingKey(
+        max_tokens=checked.max_tokens,
+        greedy=s.top_k == 1,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stops=checked.stops,
+    )
+
+
 @dataclass(slots=True)
 class Budget:
     """When this request's answer must be complete, and its first token at the latest."""
@@ -181,16 +195,7 @@ class Pipeline:
         """The request as the cache sees it; None when its answer may not be cached."""
         if self.cache is None or checked.cache_policy == checked.cache_policy.BYPASS:
             return None
-        s = checked.sampling
-        sampling = SamplingKey(
-            max_tokens=checked.max_tokens,
-            greedy=s.top_k == 1,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            stops=checked.stops,
-        )
+        sampling = sampling_key(checked)
         if not is_deterministic(sampling):
             self.cache.metrics.not_cacheable += 1
             return None

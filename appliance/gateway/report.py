@@ -6,7 +6,6 @@ request ends, whatever way it ends; sinks must be cheap (they run on the event l
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -44,31 +43,33 @@ class ReportSink(Protocol):
 class AccessLog:
     """One INFO line per finished request on the `appliance.access` logger.
 
-    The fields ride on the record as `access` too, so a JSON formatter writes them as fields; in
-    text they are key=value pairs with the client's values quoted and escaped."""
+    The client's values are written with repr(), which quotes them and escapes every control
+    character, so a request id cannot start a forged line. The report rides on the record as
+    `access`, so a JSON formatter writes its fields as fields."""
+
+    FORMAT = (
+        "request_id=%r namespace=%r model=%r answered_by=%r tier=%s status=%s finish_reason=%s "
+        "prompt_tokens=%d completion_tokens=%d queue_ms=%.3f ttft_ms=%.3f total_ms=%.3f"
+    )
 
     def report(self, r: RequestReport) -> None:
-        if not access.isEnabledFor(logging.INFO):
-            return
-        fields = {
-            "request_id": r.request_id,
-            "namespace": r.namespace,
-            "model": r.model,
-            "answered_by": r.answered_by,
-            "tier": r.tier,
-            "status": r.status,
-            "finish_reason": r.finish_reason,
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "queue_ms": round(r.queue_us / 1000, 3),
-            "ttft_ms": round(r.ttft_us / 1000, 3),
-            "total_ms": round(r.total_us / 1000, 3),
-        }
-        line = " ".join(
-            f"{k}={json.dumps(v, ensure_ascii=True) if isinstance(v, str) else v}"
-            for k, v in fields.items()
-        )
-        access.info("%s", line, extra={"access": fields})
+        if access.isEnabledFor(logging.INFO):
+            access.info(
+                self.FORMAT,
+                r.request_id,
+                r.namespace,
+                r.model,
+                r.answered_by,
+                r.tier,
+                r.status,
+                r.finish_reason,
+                r.prompt_tokens,
+                r.completion_tokens,
+                r.queue_us / 1000,
+                r.ttft_us / 1000,
+                r.total_us / 1000,
+                extra={"access": r},
+            )
 
 
 class Sinks:
