@@ -25,10 +25,13 @@ class Flight(Generic[T]):
         self.written = False  # its answer was written back to the cache (once per flight)
         self.followers = 0
         self._changed = asyncio.Event()
+        # Set once the source is being read (its first step has started).
+        self.started = asyncio.Event()
         self._on_done = on_done
         self._task = asyncio.get_running_loop().create_task(self._run(source))
 
     async def _run(self, source: AsyncIterator[T]) -> None:
+        self.started.set()
         try:
             async for event in source:
                 self.events.append(event)
@@ -41,6 +44,10 @@ class Flight(Generic[T]):
             self.done = True
             self._on_done(self)
             self._notify()
+
+    async def wait(self) -> None:
+        """Returns once the flight's task has ended, however it ended."""
+        await asyncio.gather(self._task, return_exceptions=True)
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

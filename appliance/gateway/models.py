@@ -21,7 +21,15 @@ from appliance.tokenizer import ModelText, TokenizerLoadError
 
 
 class StartupError(Exception):
-    """The gateway cannot start; the message is the one line an operator reads."""
+    """The gateway cannot start; the message is the one line an operator reads.
+
+    `exit_status` follows the CLIs' convention: 2 when an input file is wrong (tokenizer, engine
+    fingerprint, limits: fix it and rerun), 1 when something failed at run time (the inference
+    server not ready, the port taken)."""
+
+    def __init__(self, message: str, exit_status: int = 1) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,8 @@ def model_identity(cfg: ModelConfig, text: ModelText, need_fingerprint: bool) ->
             ) from exc
         if not engine:
             raise StartupError(
-                f"model '{cfg.name}': engine fingerprint {cfg.fingerprint_path} is empty"
+                f"model '{cfg.name}': engine fingerprint {cfg.fingerprint_path} is empty",
+                exit_status=2,
             )
     return ModelIdentity(
         name=cfg.name,
@@ -101,7 +110,8 @@ def model_limits(cfg: ModelConfig, text: ModelText) -> Limits:
     if max_input >= context:
         raise StartupError(
             f"model '{cfg.name}': max_input_tokens {max_input} must be below the model's "
-            f"context of {context} tokens"
+            f"context of {context} tokens",
+            exit_status=2,
         )
     longest_token = max((len(piece) for piece in text.table.pieces), default=1)
     return Limits(
@@ -123,7 +133,7 @@ async def load_models(config: GatewayConfig) -> dict[str, ServedModel]:
             try:
                 text = ModelText.load(cfg.tokenizer_dir)
             except (TokenizerLoadError, ValueError) as exc:
-                raise StartupError(f"model '{name}': {exc}") from exc
+                raise StartupError(f"model '{name}': {exc}", exit_status=2) from exc
             backend = TritonBackend(cfg.backend, cfg.triton_model)
             models[name] = _served(cfg, text, backend, cached=config.cache.enabled)
             try:

@@ -182,7 +182,7 @@ async def serve(config: GatewayConfig) -> int:
         running = await start_server(config, models)
     except StartupError as exc:
         print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return exc.exit_status
     log.info("gateway listening on %s, models: %s", config.server.listen, ", ".join(models))
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {config.server.listen}")
     log.info("draining for up to %.1f s", config.server.drain_seconds)

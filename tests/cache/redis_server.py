@@ -18,7 +18,7 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
-                "redis-server not found: apt-get install redis-server (.ci/run does)"
+                "redis-server not found: apt-get install redis-server (make test does)"
             )
         self.binary = binary
         self.workdir = workdir

@@ -95,9 +95,14 @@ def started(engine: Engine) -> int:
 
 
 async def settle() -> None:
-    """Lets the write-back tasks (L2 is written off the request path) run."""
-    for _ in range(20):
-        await asyncio.sleep(0.01)
+    """Waits for the write-back tasks (L2 is written off the request path) to finish."""
+    writes = [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "") == "RedisTier._write"
+    ]
+    if writes:
+        await asyncio.wait(writes, timeout=10)
 
 
 async def test_hit_tiers_and_identical_answers_across_gateways(
@@ -242,6 +247,7 @@ async def test_the_leader_cancelling_leaves_the_followers_their_answer(
         if (await gw.counters())["single_flight_followers"] == 3:
             break
         await asyncio.sleep(0.01)
+    assert (await gw.counters())["single_flight_followers"] == 3
     leader.cancel()
     answers = await asyncio.gather(*followers)
     assert started(engine) - before == 1
@@ -331,7 +337,9 @@ async def test_redis_killed_mid_load_and_restarted(
         down = await g.counters()
         assert down["l2_errors"] + down["l2_timeouts"] + down["l2_skipped_breaker_open"] > 0
         redis_server.start()
-        await asyncio.sleep(0.3)  # past breaker_reset_s: the next call probes
+        breaker = g.running.pipeline.cache.tiers[1].breaker  # type: ignore[union-attr, attr-defined]
+        while breaker.retry_in() > 0:  # the breaker's own clock: then the next call probes
+            await asyncio.sleep(breaker.retry_in())
         await load(12)
         await settle()
         hits_before = (await g.counters())["l2_hits"]

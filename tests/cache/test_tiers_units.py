@@ -14,7 +14,7 @@ from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encod
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
-from appliance.cache.singleflight import SingleFlight
+from appliance.cache.singleflight import Flight, SingleFlight
 
 
 class Clock:
@@ -122,11 +122,10 @@ async def test_single_flight_runs_once_and_fans_out_live() -> None:
     follower, followed = flights.join(b"k", lambda: _numbers(3, gate, started))
     assert led and not followed and leader is follower
 
-    async def collect(f: object) -> list[int]:
-        return [x async for x in leader.follow()]
+    async def collect(f: Flight[int]) -> list[int]:
+        return [x async for x in f.follow()]
 
     a, b = asyncio.ensure_future(collect(leader)), asyncio.ensure_future(collect(follower))
-    await asyncio.sleep(0)
     gate.set()
     assert await a == [0, 1, 2] == await b
     assert started == [1] and len(flights) == 0
@@ -151,12 +150,12 @@ async def test_a_flight_nobody_follows_is_cancelled() -> None:
     flight, _ = flights.join(b"k", lambda: _numbers(3, never, []))
     reader = flight.follow()
     pending = asyncio.ensure_future(reader.__anext__())
-    await asyncio.sleep(0)
+    await flight.started.wait()  # the flight is generating and the reader waits on it
     pending.cancel()
-    await asyncio.sleep(0)
+    with pytest.raises(asyncio.CancelledError):
+        await pending
     await reader.aclose()
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await flight.wait()  # its task ends: the last follower left
     assert flight.done and flight.abandoned and len(flights) == 0
     again, led = flights.join(b"k", lambda: _numbers(1, asyncio.Event(), []))
     assert led and again is not flight

@@ -193,7 +193,7 @@ def test_engine_unreachable_at_start_up_exits_with_one_line(tiny: Tiny, tmp_path
         1.0,
     )
     done = _serve(config)
-    assert done.returncode == 2
+    assert done.returncode == 1  # failed at run time: the configuration is fine
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(
