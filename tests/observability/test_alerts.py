@@ -5,28 +5,21 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 
 
-def test_rules_are_valid() -> None:
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (["check", "rules", "alerts.yml"], "5 rules found"),
+        (["test", "rules", "alerts_test.yml"], "SUCCESS"),
+    ],
+)
+def test_promtool(command: list[str], expected: str) -> None:
     out = subprocess.run(
-        ["promtool", "check", "rules", "alerts.yml"],
-        cwd=MONITORING,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        ["promtool", *command], cwd=MONITORING, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "5 rules found" in out.stdout
-
-
-def test_rules_fire_as_tested() -> None:
-    out = subprocess.run(
-        ["promtool", "test", "rules", "alerts_test.yml"],
-        cwd=MONITORING,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS" in out.stdout
+    assert expected in out.stdout
