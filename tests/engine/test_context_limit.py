@@ -12,7 +12,8 @@ import pytest
 
 from appliance.config import GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.server import load_repository, start_engine
-from appliance.gateway import load_models, start_server
+from appliance.gateway.models import load_models
+from appliance.gateway.server import start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from engine_build.repo import write_hf_repository

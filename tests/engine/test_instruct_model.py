@@ -54,7 +54,7 @@ class Instruct:
 @pytest.fixture(scope="session")
 def instruct(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Instruct:
     name = "smollm2-135m-instruct"
-    cache = pytestconfig.cache  # None under -p no:cacheprovider: convert into a temporary dir
+    cache = getattr(pytestconfig, "cache", None)  # absent under -p no:cacheprovider: a temp dir
     root = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
     model_dir, repo = ensure_instruct_model(root)
     return Instruct(model_dir, repo, ModelText.load(repo / "tensorrt_llm" / "tokenizer"))
