@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from appliance import logline
 from appliance.config import ConfigError, load_config
 
 
@@ -114,9 +115,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logline.configure(args.log_level)
     code: int = args.func(args)
     return code
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
+from appliance.gateway import decoding
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import DebugLogSink, ReportSink
@@ -42,6 +44,24 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
     if config.redis is not None:
         tiers.append(RedisTier(config.redis, metrics))
     return TierCascade(tiers, metrics)
+
+
+def refuse_taken_address(listen: str) -> None:
+    """StartupError when `listen` cannot be bound (in use, not local, privileged). Checked before
+    gRPC binds, whose own refusal also writes a line of its own to stderr."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        addresses = socket.getaddrinfo(
+            host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+                probe.bind(address)
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StartupError(f"cannot listen on {listen}: {why}") from None
 
 
 @dataclass
@@ -78,11 +98,14 @@ class RunningGateway:
 async def start_server(
     config: GatewayConfig, models: dict[str, ServedModel], sink: ReportSink | None = None
 ) -> RunningGateway:
-    server = grpc.aio.server()
+    refuse_taken_address(config.server.listen)
+    # Without this gRPC sets SO_REUSEPORT: a second gateway on the same port would start and
+    # silently take half of the connections.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     cache = make_cache(config.cache)
     service = InferenceService(Pipeline(models, cache, AdmitAll(), sink or DebugLogSink()))
-    pb_grpc.add_InferenceServicer_to_server(service, server)
-    pb_grpc.add_CacheAdminServicer_to_server(CacheAdminService(cache), server)
+    decoding.add_service(pb_grpc.add_InferenceServicer_to_server, service, server)
+    decoding.add_service(pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
