@@ -2,7 +2,7 @@
 
 Thousands of generated requests (out-of-range numbers, NaN and infinite floats, empty, huge, unicode
 and control-character strings, enum values outside the enum, odd chat messages, random bytes sent
-as the body of a generic call), many in flight at once. Whatever they are, none may end INTERNAL or
+as the body of a generic call; cache administration calls among them), many in flight at once. Whatever they are, none may end INTERNAL or
 UNKNOWN, the gateway logs no error, and it still answers a normal request afterwards.
 """
 
@@ -28,6 +28,7 @@ MODEL = "tiny"
 SEED = 20240611
 REQUESTS = 10_000
 IN_FLIGHT = 32
+MAX_TOKENS = 4
 
 
 @dataclass
@@ -44,6 +45,11 @@ def gateway(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ga
     config = processes.write_gateway_config(
         work / "gateway.toml", gateway_addr, MODEL, engine_addr, tiny.tokenizer_dir
     )
+    # Small output limits keep the valid requests cheap while their bounds are still crossed.
+    text = config.read_text().replace(
+        "max_output_tokens = 512", f"max_output_tokens = {MAX_TOKENS}"
+    )
+    config.write_text(text.replace("default_max_tokens = 64", "default_max_tokens = 2"))
     engine = processes.spawn(
         ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], work / "engine.log"
     )
@@ -60,7 +66,7 @@ class Fuzzer:
     """Request fields drawn from values at and beyond every limit the API states."""
 
     WORDS = ("The", "gateway", "streams", "tokens", "hello", "cache", "é", "日本", "🙂", "\n")
-    INTS = (0, 1, -1, 2, 4, 511, 512, 513, 2047, 2048, 2**31 - 1, -(2**31))
+    INTS = (0, 1, -1, 2, MAX_TOKENS, MAX_TOKENS + 1, 2047, 2048, 2**31 - 1, -(2**31))
     FLOATS = (
         0.0,
         -0.0,
@@ -147,6 +153,16 @@ class Fuzzer:
                 data[r.randrange(len(data))] = r.randrange(256)
         return bytes(data[: r.randint(0, len(data))])
 
+    def admin(self) -> tuple[str, bytes]:
+        """A CacheAdmin call: Stats, or Invalidate of any namespace and model, or a bad body."""
+        r = self.rng
+        if r.random() < 0.2:
+            return "Stats", r.randbytes(r.randint(0, 8))
+        request = pb.InvalidateRequest(namespace=self.text(), model=self.text())
+        request.all = r.random() < 0.1
+        body = request.SerializeToString()
+        return "Invalidate", body if r.random() < 0.8 else r.randbytes(len(body) or 3)
+
 
 async def _call(channel: grpc.aio.Channel, fuzzer: Fuzzer) -> tuple[grpc.StatusCode, str]:
     r = fuzzer.rng
@@ -154,6 +170,10 @@ async def _call(channel: grpc.aio.Channel, fuzzer: Fuzzer) -> tuple[grpc.StatusC
     method = "/appliance.v1.Inference/" + ("Generate" if streaming else "Complete")
     raw = r.random() < 0.15
     body = fuzzer.body() if raw else fuzzer.request().SerializeToString()
+    if r.random() < 0.05:
+        streaming = False
+        name, body = fuzzer.admin()
+        method = f"/appliance.v1.CacheAdmin/{name}"
     try:
         if streaming:
             async for _ in channel.unary_stream(method)(body, timeout=60):
