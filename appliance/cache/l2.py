@@ -61,10 +61,15 @@ class RedisTier:
             "max_connections": settings.max_connections,
             "socket_connect_timeout": max(self._budget, 0.05),
             "retry_on_timeout": False,
+            # With every connection in use, a call waits for one (within its own time budget)
+            # rather than failing at once: a burst of lookups is not a Redis fault and must not
+            # open the breaker.
+            "timeout": None,
         }
         if settings.tls_ca_file:
             kwargs["ssl_ca_certs"] = settings.tls_ca_file
-        self.client: redis.Redis = redis.Redis.from_url(settings.url, **kwargs)
+        pool = redis.BlockingConnectionPool.from_url(settings.url, **kwargs)
+        self.client: redis.Redis = redis.Redis.from_pool(pool)
 
     def redis_key(self, namespace: str, model: str, key: bytes) -> str:
         s = self.settings
