@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import os
 import random
@@ -107,8 +108,8 @@ async def lookups(tier: RedisTier, rate: float, seconds: float, seed: int) -> np
     async def one(key: bytes) -> None:
         started = time.perf_counter_ns()
         hit = await tier.get("bench", "tiny", key)
-        latencies.append((time.perf_counter_ns() - started) / 1e6)
-        assert hit is not None, "a lookup missed: the measuring budget was exceeded or Redis failed"
+        # A miss (a fault: every key is there) counts as a lookup that never answered.
+        latencies.append((time.perf_counter_ns() - started) / 1e6 if hit else math.inf)
 
     loop = asyncio.get_running_loop()
     start = due = loop.time()
@@ -128,7 +129,7 @@ def _key(i: int) -> bytes:
 
 
 def report(name: str, ms: np.ndarray, budgets: list[float], elsewhere: float) -> None:
-    p50, p99, p999 = np.percentile(ms, [50, 99, 99.9])
+    p50, p99, p999 = np.percentile(ms, [50, 99, 99.9])  # a miss is inf: it is in every count
     print(
         f"| {name} | {elsewhere:.2f} | {len(ms)} | {p50:.3f} | {p99:.3f} | {p999:.3f} | "
         f"{ms.max():.3f} | " + " | ".join(str(int((ms > b).sum())) for b in budgets) + " |"
