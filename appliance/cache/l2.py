@@ -33,7 +33,9 @@ class RedisSettings:
     tls_ca_file: str | None = None
     key_prefix: str = "appliance"
     ttl_s: int = 86400
-    timeout_ms: float = 5.0
+    # A healthy local Redis answers well within this even on a loaded host; past it: a miss.
+    # bench/redis_budget.py measures that tail (docs/PERFORMANCE.md, "Redis time budget").
+    timeout_ms: float = 20.0
     max_connections: int = 32
     breaker_failures: int = 5
     breaker_reset_s: float = 2.0
