@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -47,21 +48,25 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
 
 
 def refuse_taken_address(listen: str) -> None:
-    """StartupError when `listen` cannot be bound (in use, not local, privileged). Checked before
-    gRPC binds, whose own refusal also writes a line of its own to stderr."""
+    """StartupError when another process holds `listen`'s port (or it is privileged), checked
+    before gRPC binds: gRPC's own refusal writes a second line to stderr. Other faults (a name
+    that does not resolve, an address family the host lacks) are left to gRPC, which binds what
+    it can."""
     host, _, port = listen.rpartition(":")
-    host = host.strip("[]")
     try:
         addresses = socket.getaddrinfo(
-            host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
-        for family, kind, proto, _, address in addresses:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+    except (OSError, ValueError):
+        return
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
                 probe.bind(address)
-    except (OSError, ValueError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise StartupError(f"cannot listen on {listen}: {why}") from None
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise StartupError(f"cannot listen on {listen}: {exc.strerror}") from None
 
 
 @dataclass
