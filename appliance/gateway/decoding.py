@@ -10,8 +10,9 @@ expected. Such refusals are logged once per interval with a count.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,10 @@ def _unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     return unary
 
 
-def _stream(behavior: Callable[..., AsyncGenerator[Any, None]], method: str) -> Callable[..., Any]:
+def _stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(behavior):  # a servicer that writes with context.write
+        return _unary(behavior, method)
+
     # A coroutine that writes (grpc's reader/writer form) rather than a wrapping generator: the
     # messages take the same path through grpc as the servicer's own generator would.
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:

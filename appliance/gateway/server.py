@@ -112,7 +112,7 @@ async def start_server(
     decoding.add_service(pb_grpc.add_InferenceServicer_to_server, service, server)
     decoding.add_service(pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache), server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,

@@ -2,7 +2,7 @@
 
 Thousands of generated requests (out-of-range numbers, NaN and infinite floats, empty, huge, unicode
 and control-character strings, enum values outside the enum, odd chat messages, random bytes sent
-as the body of a generic call; cache administration calls among them), many in flight at once. Whatever they are, none may end INTERNAL or
+as the body of a generic call; cache administration and health checks among them), many in flight at once. Whatever they are, none may end INTERNAL or
 UNKNOWN, the gateway logs no error, and it still answers a normal request afterwards.
 """
 
@@ -170,10 +170,15 @@ async def _call(channel: grpc.aio.Channel, fuzzer: Fuzzer) -> tuple[grpc.StatusC
     method = "/appliance.v1.Inference/" + ("Generate" if streaming else "Complete")
     raw = r.random() < 0.15
     body = fuzzer.body() if raw else fuzzer.request().SerializeToString()
-    if r.random() < 0.05:
+    other = r.random()
+    if other < 0.05:
         streaming = False
         name, body = fuzzer.admin()
         method = f"/appliance.v1.CacheAdmin/{name}"
+    elif other < 0.07:  # health checks: a service name of any bytes, or any body
+        streaming = False
+        method = "/grpc.health.v1.Health/Check"
+        body = fuzzer.body()
     try:
         if streaming:
             async for _ in channel.unary_stream(method)(body, timeout=60):

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from appliance import logline, processes
 from appliance.config import GatewayConfig, ServerConfig
@@ -69,6 +70,8 @@ METHODS = [
     ("/appliance.v1.Inference/Complete", pb.GenerateRequest),
     ("/appliance.v1.CacheAdmin/Invalidate", pb.InvalidateRequest),
     ("/appliance.v1.CacheAdmin/Stats", pb.CacheStatsRequest),
+    ("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest),
+    ("/grpc.health.v1.Health/Watch", health_pb2.HealthCheckRequest),
 ]
 
 
@@ -83,7 +86,7 @@ def _undecodable(body: bytes, message: type[Message]) -> bool:
 def _send_raw(channel: grpc.Channel, method: str, body: bytes) -> grpc.RpcError:
     """The body as it is (no serializer), through a generic method; the error it ends with."""
     try:
-        if method.endswith("/Generate"):
+        if method.endswith(("/Generate", "/Watch")):
             for _ in channel.unary_stream(method)(body, timeout=30):
                 pass
         else:
@@ -201,3 +204,12 @@ async def test_a_gateway_refuses_a_port_another_server_holds(engine: Engine) -> 
 async def test_a_second_engine_server_on_a_taken_port_is_refused(engine: Engine) -> None:
     with pytest.raises(RepositoryError, match=re.escape(f"cannot listen on {engine.address}")):
         await start_engine({}, engine.address)
+
+
+def test_health_watch_still_streams(gateway: Gateway) -> None:
+    with grpc.insecure_channel(gateway.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="appliance.v1.Inference"), timeout=30
+        )
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
