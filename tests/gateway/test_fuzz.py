@@ -13,53 +13,31 @@ import math
 import random
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
 
-from appliance import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
+from tests.gateway.stack import MODEL, Stack, engine_and_gateway
 
-MODEL = "tiny"
 SEED = 20240611
 REQUESTS = 10_000
 IN_FLIGHT = 32
 MAX_TOKENS = 4
 
 
-@dataclass
-class Gateway:
-    address: str
-    log: Path
+def _small_limits(config: str) -> str:
+    """Small output limits keep the valid requests cheap while their bounds are still crossed."""
+    config = config.replace("max_output_tokens = 512", f"max_output_tokens = {MAX_TOKENS}")
+    return config.replace("default_max_tokens = 64", "default_max_tokens = 2")
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    work = tmp_path_factory.mktemp("fuzz")
-    engine_addr = f"127.0.0.1:{processes.free_port()}"
-    gateway_addr = f"127.0.0.1:{processes.free_port()}"
-    config = processes.write_gateway_config(
-        work / "gateway.toml", gateway_addr, MODEL, engine_addr, tiny.tokenizer_dir
-    )
-    # Small output limits keep the valid requests cheap while their bounds are still crossed.
-    text = config.read_text().replace(
-        "max_output_tokens = 512", f"max_output_tokens = {MAX_TOKENS}"
-    )
-    config.write_text(text.replace("default_max_tokens = 64", "default_max_tokens = 2"))
-    engine = processes.spawn(
-        ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], work / "engine.log"
-    )
-    gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
-    try:
-        processes.wait_serving(gateway_addr, gateway)
-        yield Gateway(gateway_addr, work / "gateway.log")
-    finally:
-        codes = processes.stop(gateway), processes.stop(engine)
-        assert codes == (0, 0), (work / "gateway.log").read_text()[-2000:]
+def gateway(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with engine_and_gateway(tiny, tmp_path_factory.mktemp("fuzz"), _small_limits) as stack:
+        yield stack
 
 
 class Fuzzer:
@@ -190,7 +168,7 @@ async def _call(channel: grpc.aio.Channel, fuzzer: Fuzzer) -> tuple[grpc.StatusC
     return grpc.StatusCode.OK, ""
 
 
-async def test_fuzzed_requests_never_end_internal_or_unknown(gateway: Gateway) -> None:
+async def test_fuzzed_requests_never_end_internal_or_unknown(gateway: Stack) -> None:
     fuzzer = Fuzzer(SEED)
     codes: Counter[grpc.StatusCode] = Counter()
     bad: list[str] = []
@@ -214,6 +192,6 @@ async def test_fuzzed_requests_never_end_internal_or_unknown(gateway: Gateway) -
             pb.GenerateRequest(model=MODEL, prompt="after the fuzz", max_tokens=4), timeout=60
         )
         assert reply.final.usage.completion_tokens > 0
-    log = gateway.log.read_text(errors="replace").splitlines()
+    log = gateway.log_lines()
     assert not [line for line in log if " ERROR " in line or line.startswith("Traceback")]
     assert not [line for line in log if line.startswith("FORGED")]

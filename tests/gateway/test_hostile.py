@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,7 +17,7 @@ import pytest
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from appliance import logline, processes
+from appliance import logline
 from appliance.config import GatewayConfig, ServerConfig
 from appliance.engine.repository import RepositoryError
 from appliance.engine.server import start_engine
@@ -28,40 +27,18 @@ from appliance.logline import OneLineFormatter, Throttled
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
+from tests.gateway.stack import MODEL, Stack, engine_and_gateway
 
-MODEL = "tiny"
 
-
-@dataclass
-class Gateway:
-    address: str
-    log: Path
-    config: Path
-
-    def log_lines(self) -> list[str]:
-        return self.log.read_text(errors="replace").splitlines()
+def _debug(config: str) -> str:
+    return config.replace("[server]\n", '[server]\nlog_level = "debug"\n')
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gateway(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Engine server and gateway processes; the gateway logs at debug (every request a line)."""
-    work = tmp_path_factory.mktemp("hostile")
-    engine_addr = f"127.0.0.1:{processes.free_port()}"
-    gateway_addr = f"127.0.0.1:{processes.free_port()}"
-    config = processes.write_gateway_config(
-        work / "gateway.toml", gateway_addr, MODEL, engine_addr, tiny.tokenizer_dir
-    )
-    config.write_text(config.read_text().replace("[server]\n", '[server]\nlog_level = "debug"\n'))
-    engine = processes.spawn(
-        ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], work / "engine.log"
-    )
-    gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
-    try:
-        processes.wait_serving(gateway_addr, gateway)
-        yield Gateway(gateway_addr, work / "gateway.log", config)
-    finally:
-        codes = processes.stop(gateway), processes.stop(engine)
-        assert codes == (0, 0), (work / "gateway.log").read_text()[-2000:]
+    with engine_and_gateway(tiny, tmp_path_factory.mktemp("hostile"), _debug) as stack:
+        yield stack
 
 
 GARBAGE = [b"\xff", b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x02\xff\xfe", bytes(range(256))]
@@ -96,7 +73,7 @@ def _send_raw(channel: grpc.Channel, method: str, body: bytes) -> grpc.RpcError:
     raise AssertionError(f"{method} accepted {body!r}")
 
 
-def test_undecodable_bodies_are_invalid_argument_and_logged_once(gateway: Gateway) -> None:
+def test_undecodable_bodies_are_invalid_argument_and_logged_once(gateway: Stack) -> None:
     started = time.monotonic()
     with grpc.insecure_channel(gateway.address) as channel:
         for method, message in METHODS:
@@ -123,7 +100,7 @@ def test_undecodable_bodies_are_invalid_argument_and_logged_once(gateway: Gatewa
     assert 1 <= len(refusals) <= 1 + int(elapsed // 10), refusals
 
 
-def test_client_values_never_start_a_log_line(gateway: Gateway) -> None:
+def test_client_values_never_start_a_log_line(gateway: Stack) -> None:
     forged = "x\nFORGED line\r\x1b[2K"
     with grpc.insecure_channel(gateway.address) as channel:
         stub = pb_grpc.InferenceStub(channel)
@@ -180,7 +157,7 @@ def test_a_flood_of_one_warning_is_one_line_per_interval(
 
 
 def test_a_second_gateway_on_a_taken_port_exits_with_one_line(
-    gateway: Gateway, tmp_path: Path
+    gateway: Stack, tmp_path: Path
 ) -> None:
     second = tmp_path / "second.toml"
     second.write_text(gateway.config.read_text().replace('log_level = "debug"\n', ""))
@@ -206,7 +183,7 @@ async def test_a_second_engine_server_on_a_taken_port_is_refused(engine: Engine)
         await start_engine({}, engine.address)
 
 
-def test_health_watch_still_streams(gateway: Gateway) -> None:
+def test_health_watch_still_streams(gateway: Stack) -> None:
     with grpc.insecure_channel(gateway.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(service="appliance.v1.Inference"), timeout=30
