@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+from appliance import logline
 from appliance.config import ConfigError, load_config
 
 
@@ -17,7 +17,8 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"appliance serve: {exc}", file=sys.stderr)
         return 2
-    logging.getLogger().setLevel(config.server.log_level.upper())
+    # The command line's --log-level wins over the file's.
+    logline.configure(args.log_level or config.server.log_level, config.server.log_format)
     import uvloop  # the loop must exist before any grpc.aio object
 
     from appliance.gateway.server import serve
@@ -114,7 +115,12 @@ def _cache(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance", description=__doc__)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="overrides the configuration file's log_level (default: the file's, else info)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the gRPC gateway")
@@ -160,9 +166,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logline.configure(args.log_level or "info")
     code: int = args.func(args)
     return code
 

@@ -34,7 +34,9 @@ class RedisSettings:
     tls_ca_file: str | None = None
     key_prefix: str = "appliance"
     ttl_s: int = 86400
-    timeout_ms: float = 5.0
+    # A healthy local Redis answers well within this even on a loaded host; past it: a miss.
+    # bench/redis_budget.py measures that tail (docs/PERFORMANCE.md, "Redis time budget").
+    timeout_ms: float = 20.0
     max_connections: int = 32
     breaker_failures: int = 5
     breaker_reset_s: float = 2.0
@@ -62,10 +64,15 @@ class RedisTier:
             "max_connections": settings.max_connections,
             "socket_connect_timeout": max(self._budget, 0.05),
             "retry_on_timeout": False,
+            # With every connection in use, a call waits for one (within its own time budget)
+            # rather than failing at once: a burst of lookups is not a Redis fault and must not
+            # open the breaker.
+            "timeout": None,
         }
         if settings.tls_ca_file:
             kwargs["ssl_ca_certs"] = settings.tls_ca_file
-        self.client: redis.Redis = redis.Redis.from_url(settings.url, **kwargs)
+        pool = redis.BlockingConnectionPool.from_url(settings.url, **kwargs)
+        self.client: redis.Redis = redis.Redis.from_pool(pool)
 
     def redis_key(self, namespace: str, model: str, key: bytes) -> str:
         s = self.settings

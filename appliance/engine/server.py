@@ -516,7 +516,7 @@ async def start_engine(
     models: dict[str, EngineModel], listen: str
 ) -> tuple[grpc.aio.Server, EngineService, int]:
     """Starts serving; returns the bound port (listen may end in :0 for a free port)."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service = EngineService(models)
     ts_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     try:

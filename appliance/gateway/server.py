@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +22,7 @@ from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
+from appliance.gateway import decoding
 from appliance.gateway.health import HealthMonitor
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
@@ -58,6 +61,28 @@ def make_admission(config: GatewayConfig, models: dict[str, ServedModel]) -> Gat
             for name, model in models.items()
         }
     )
+
+
+def refuse_taken_address(listen: str) -> None:
+    """StartupError when another process holds `listen`'s port (or it is privileged), checked
+    before gRPC binds: gRPC's own refusal writes a second line to stderr. Other faults (a name
+    that does not resolve, an address family the host lacks) are left to gRPC, which binds what
+    it can."""
+    host, _, port = listen.rpartition(":")
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, ValueError):
+        return
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise StartupError(f"cannot listen on {listen}: {exc.strerror}") from None
 
 
 @dataclass
@@ -99,7 +124,10 @@ class RunningGateway:
 async def start_server(
     config: GatewayConfig, models: dict[str, ServedModel], sink: ReportSink | None = None
 ) -> RunningGateway:
-    server = grpc.aio.server()
+    refuse_taken_address(config.server.listen)
+    # Without this gRPC sets SO_REUSEPORT: a second gateway on the same port would start and
+    # silently take half of the connections.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     cache = make_cache(config.cache)
     admission = make_admission(config, models)
     metrics = GatewayMetrics()
@@ -111,10 +139,10 @@ async def start_server(
     pipeline = Pipeline(models, cache, admission, Sinks(*sinks))
     metrics.watch(models, admission, cache, pipeline.in_flight)
     service = InferenceService(pipeline)
-    pb_grpc.add_InferenceServicer_to_server(service, server)
-    pb_grpc.add_CacheAdminServicer_to_server(CacheAdminService(cache), server)
+    decoding.add_service(pb_grpc.add_InferenceServicer_to_server, service, server)
+    decoding.add_service(pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache), server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,

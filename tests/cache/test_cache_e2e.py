@@ -11,7 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance.cache.l2 import RedisSettings
+from appliance.cache.entry import CachedAnswer
+from appliance.cache.l2 import RedisSettings, RedisTier
+from appliance.cache.metrics import CacheMetrics
 from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import load_models
@@ -369,3 +371,22 @@ async def test_slow_redis_does_not_make_requests_miss_their_deadline(
     finally:
         redis_server.resume()
         await g.close()
+
+
+async def test_more_lookups_than_connections_wait_for_one_instead_of_failing(
+    redis_server: RedisServer,
+) -> None:
+    # A burst larger than the pool is not a Redis fault: it must neither miss nor open the breaker.
+    metrics = CacheMetrics()
+    tier = RedisTier(
+        RedisSettings(url=redis_server.url, timeout_ms=5000.0, max_connections=2), metrics
+    )
+    answer = CachedAnswer("an answer", (1, 2, 3), "stop", 4, 3)
+    try:
+        assert await tier.put("ns", "m", b"k" * 16, answer)
+        hits = await asyncio.gather(*(tier.get("ns", "m", b"k" * 16) for _ in range(64)))
+    finally:
+        await tier.close()
+    assert hits == [answer] * 64
+    assert (metrics.l2_errors, metrics.l2_timeouts, metrics.breaker_opened) == (0, 0, 0)
+    assert tier.breaker.state == "closed"

@@ -20,28 +20,15 @@ from appliance.client import generate
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
+from tests.gateway.stack import engine_and_gateway
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def gateway_address(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    work = tmp_path_factory.mktemp("e2e")
-    engine_addr = f"127.0.0.1:{processes.free_port()}"
-    gateway_addr = f"127.0.0.1:{processes.free_port()}"
-    config = processes.write_gateway_config(
-        work / "gateway.toml", gateway_addr, MODEL, engine_addr, tiny.tokenizer_dir
-    )
-    engine = processes.spawn(
-        ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], work / "engine.log"
-    )
-    gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
-    try:
-        processes.wait_serving(gateway_addr, gateway)
-        yield gateway_addr
-    finally:
-        codes = processes.stop(gateway), processes.stop(engine)
-        assert codes == (0, 0), (work / "gateway.log").read_text()[-2000:]
+    with engine_and_gateway(tiny, tmp_path_factory.mktemp("e2e")) as stack:
+        yield stack.address
 
 
 @pytest.fixture

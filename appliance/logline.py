@@ -1,0 +1,112 @@
+"""Log lines a client cannot forge or flood.
+
+Clients choose request ids, model names, namespaces and prompts; any of them may hold a newline, a
+carriage return or a terminal escape. A record's message is written as one line with such characters
+escaped, so a value can never start a line of its own in the journal. A traceback keeps its lines
+but each is indented, so only a record's first line starts at column 0.
+
+A fault a client can cause at will (an undecodable body, say) is logged at most once per interval
+with the count of the ones not logged, so a flood of bad requests is one line every few seconds,
+not one line each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from logging import _SysExcInfoType
+
+FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+# Control characters (C0, DEL, C1) and the Unicode line and paragraph separators.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+_ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def escape(text: str) -> str:
+    """The text with every character that could break or rewrite a line escaped."""
+    if text.isascii() and text.isprintable():
+        return text
+    return text.translate(_ESCAPES)
+
+
+class OneLineFormatter(logging.Formatter):
+    """A record is one line; a traceback follows it indented."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return escape(super().formatMessage(record))
+
+    def formatException(self, ei: _SysExcInfoType) -> str:
+        text = super().formatException(ei)
+        return "\n".join("    " + escape(line) for line in text.splitlines())
+
+    def formatStack(self, stack_info: str) -> str:
+        return "\n".join("    " + escape(line) for line in stack_info.splitlines())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time, level, logger, message, and an access record's fields.
+
+    json.dumps escapes every control character, so a client's value cannot break the line."""
+
+    converter = staticmethod(time.gmtime)
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "access", None)
+        if fields is not None:
+            if dataclasses.is_dataclass(fields) and not isinstance(fields, type):
+                fields = dataclasses.asdict(fields)
+            out.update(fields)
+            out.pop("inter_token_us", None)  # one number per token: the histograms hold them
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+def configure(level: str, log_format: str = "text") -> None:
+    """The process's root logger: stderr (the journal under systemd), one line a record, escaped
+    text or JSON. Called again (the configuration file is read after the command line), it
+    replaces the handler's formatter and the level."""
+    root = logging.getLogger()
+    formatter: logging.Formatter = (
+        JsonFormatter() if log_format == "json" else OneLineFormatter(FORMAT)
+    )
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler())
+    for handler in root.handlers:
+        handler.setFormatter(formatter)
+    root.setLevel(level.upper())
+
+
+class Throttled:
+    """One warning per `interval_s` at most; the next one says how many were not logged."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.suppressed = 0
+        self._next = 0.0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        self._next = now + self.interval_s
+        if self.suppressed:
+            message += " (%d more since the last such line, not logged)"
+            args = (*args, self.suppressed)
+            self.suppressed = 0
+        self.logger.warning(message, *args)
