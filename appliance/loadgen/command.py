@@ -169,24 +169,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     import uvloop
 
     try:
-        s = settings(
-            address=args.address,
-            model=args.model,
-            concurrency=args.concurrency,
-            rate=args.rate,
-            requests=args.requests,
-            duration=args.duration,
-            warmup=args.warmup,
-            prompt_tokens=args.prompt_tokens,
-            output_tokens=args.output_tokens,
-            prompts=args.prompts,
-            cache_policy=args.cache_policy,
-            temperature=args.temperature,
-            seed=args.seed,
-            timeout=args.timeout,
-            connect_timeout=args.connect_timeout,
-            out=args.out,
-        )
+        s = settings(args)
         prompts = load_prompts(s.prompts_file) if s.prompts_file else None
         _out_dir(s.out)
     except BenchInputError as exc:

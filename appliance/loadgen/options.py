@@ -3,6 +3,7 @@ naming the option and what to write instead."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,36 +139,20 @@ class Settings:
     out: Path | None
 
 
-def settings(
-    *,
-    address: str,
-    model: str,
-    concurrency: str | None,
-    rate: str | None,
-    requests: int | None,
-    duration: float | None,
-    warmup: int,
-    prompt_tokens: str | None,
-    output_tokens: str,
-    prompts: str | None,
-    cache_policy: str,
-    temperature: float,
-    seed: int,
-    timeout: float,
-    connect_timeout: float,
-    out: str | None,
-) -> Settings:
-    """Checks every option; the first problem found is raised."""
-    target = Target(parse_address(address), connect_timeout)
-    if not model.strip():
+def settings(a: argparse.Namespace) -> Settings:
+    """Checks every option of `appliance bench` (see `command.add_arguments`); the first problem
+    found is raised."""
+    target = Target(parse_address(a.address), a.connect_timeout)
+    if not a.model.strip():
         raise BenchInputError("--model: give the model name the deployment serves")
     levels = []
-    if concurrency is not None:
-        levels += parse_levels("--concurrency", concurrency)
-    if rate is not None:
-        levels += parse_levels("--rate", rate)
+    if a.concurrency is not None:
+        levels += parse_levels("--concurrency", a.concurrency)
+    if a.rate is not None:
+        levels += parse_levels("--rate", a.rate)
     if not levels:
         levels = [Level("concurrency", 1)]
+    requests, duration = a.requests, a.duration
     if requests is not None and duration is not None:
         raise BenchInputError("--requests and --duration: give one of them (per load level)")
     if requests is None and duration is None:
@@ -176,36 +161,36 @@ def settings(
         raise BenchInputError(f"--requests {requests}: expected 1 to 1000000 per level")
     if duration is not None and not (math.isfinite(duration) and 0 < duration <= 86_400):
         raise BenchInputError(f"--duration {duration}: expected seconds in (0, 86400]")
-    if not 0 <= warmup <= 10_000:
-        raise BenchInputError(f"--warmup {warmup}: expected 0 to 10000 requests")
-    if prompts is not None and prompt_tokens is not None:
+    if not 0 <= a.warmup <= 10_000:
+        raise BenchInputError(f"--warmup {a.warmup}: expected 0 to 10000 requests")
+    if a.prompts is not None and a.prompt_tokens is not None:
         raise BenchInputError(
             "--prompts and --prompt-tokens: the prompt file sets the prompts; give one of them"
         )
-    for name, value in (("--timeout", timeout), ("--connect-timeout", connect_timeout)):
+    for name, value in (("--timeout", a.timeout), ("--connect-timeout", a.connect_timeout)):
         if not (math.isfinite(value) and 0 < value <= 3600):
             raise BenchInputError(f"{name} {value}: expected seconds in (0, 3600]")
-    if not (math.isfinite(temperature) and 0 <= temperature <= 100):
-        raise BenchInputError(f"--temperature {temperature}: expected 0 (greedy) to 100")
-    if cache_policy not in CACHE_POLICIES:
+    if not (math.isfinite(a.temperature) and 0 <= a.temperature <= 100):
+        raise BenchInputError(f"--temperature {a.temperature}: expected 0 (greedy) to 100")
+    if a.cache_policy not in CACHE_POLICIES:
         raise BenchInputError(
-            f"--cache-policy {cache_policy!r}: expected one of {', '.join(CACHE_POLICIES)}"
+            f"--cache-policy {a.cache_policy!r}: expected one of {', '.join(CACHE_POLICIES)}"
         )
-    if not 0 <= seed < 2**63:
-        raise BenchInputError(f"--seed {seed}: expected 0 to 2**63-1")
+    if not 0 <= a.seed < 2**63:
+        raise BenchInputError(f"--seed {a.seed}: expected 0 to 2**63-1")
     return Settings(
         target=target,
-        model=model,
+        model=a.model,
         levels=levels,
         requests=requests,
         duration_s=duration,
-        warmup=warmup,
-        prompt_tokens=parse_lengths("--prompt-tokens", prompt_tokens or "128"),
-        output_tokens=parse_lengths("--output-tokens", output_tokens),
-        prompts_file=Path(prompts) if prompts is not None else None,
-        cache_policy=cache_policy,
-        temperature=temperature,
-        seed=seed,
-        timeout_s=timeout,
-        out=Path(out) if out is not None else None,
+        warmup=a.warmup,
+        prompt_tokens=parse_lengths("--prompt-tokens", a.prompt_tokens or "128"),
+        output_tokens=parse_lengths("--output-tokens", a.output_tokens),
+        prompts_file=Path(a.prompts) if a.prompts is not None else None,
+        cache_policy=a.cache_policy,
+        temperature=a.temperature,
+        seed=a.seed,
+        timeout_s=a.timeout,
+        out=Path(a.out) if a.out is not None else None,
     )

@@ -8,8 +8,8 @@ Definitions (client side, every time from the bench's own clock):
 - Chunk gap: every gap between consecutive streamed messages after the first, pooled over requests
   (vLLM's ITL).
 - Request latency: request sent → stream closed.
-- Output tokens/s per request: (output tokens − 1) / (request latency − TTFT), the decode speed one
-  user sees (genai-perf's output token throughput per user).
+- Output tokens/s per request: 1 / ITL = (output tokens − 1) / (request latency − TTFT), the
+  decode speed one user sees (genai-perf's output token throughput per user).
 - Output token throughput and request throughput: successful requests' output tokens, and their
   number, over the level's wall time (first request sent → last answer received).
 Percentiles are numpy's (linear interpolation between the closest ranks).
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from appliance.client import inter_token_latency
 from appliance.loadgen.options import Level
 
 OK = "OK"
@@ -61,10 +62,9 @@ class Record:
 
     @property
     def itl_s(self) -> float | None:
-        if not self.generated or self.output_tokens < 2 or self.ttft_s is None:
+        if not self.generated or self.ttft_s is None or self.latency_s is None:
             return None
-        assert self.latency_s is not None
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+        return inter_token_latency(self.latency_s, self.ttft_s, self.output_tokens)
 
     @property
     def first_token_s(self) -> float | None:
@@ -141,14 +141,7 @@ def summarize(level: Level, records: list[Record]) -> LevelSummary:
     generated = [r for r in ok if r.generated]
     ends = [e for r in done if (e := r.end_s) is not None]
     wall = max(ends) - min(r.start_s for r in done) if ends else 0.0
-    per_user = [
-        (r.output_tokens - 1) / (r.latency_s - r.ttft_s)
-        for r in generated
-        if r.output_tokens > 1
-        and r.ttft_s is not None
-        and r.latency_s is not None
-        and r.latency_s > r.ttft_s
-    ]
+    per_user = [1.0 / itl for r in generated if (itl := r.itl_s)]
     raw: dict[str, list[float]] = {
         "ttft_ms": [r.ttft_s for r in ok if r.ttft_s is not None],
         "itl_ms": [i for r in generated if (i := r.itl_s) is not None],

@@ -142,24 +142,11 @@ def test_the_same_seed_makes_the_same_requests(tmp_path: Path) -> None:
     from appliance.loadgen.options import settings
 
     def requests(seed: int, level: int) -> list[pb.GenerateRequest]:
-        s = settings(
-            address="h:1",
-            model="m",
-            concurrency=None,
-            rate=None,
-            requests=None,
-            duration=None,
-            warmup=0,
-            prompt_tokens="uniform:4,12",
-            output_tokens="normal:16,4",
-            prompts=None,
-            cache_policy="bypass",
-            temperature=0.0,
-            seed=seed,
-            timeout=1.0,
-            connect_timeout=1.0,
-            out=None,
+        lengths = ["--prompt-tokens", "uniform:4,12", "--output-tokens", "normal:16,4"]
+        args = cli.parser().parse_args(
+            ["bench", "--address", "h:1", "--model", "m", *lengths, "--seed", str(seed)]
         )
+        s = settings(args)
         workload = Workload(s, None, level)
         return [workload.next() for _ in range(5)]
 
