@@ -185,6 +185,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     except BenchRunError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C while connecting, or a second Ctrl-C: stop at once, nothing is written.
+        why = "again: stopped at once" if outcome.interrupted else "while connecting"
+        print(f"{PROG}: interrupted {why}; nothing written", file=sys.stderr)
+        return INTERRUPTED_EXIT
     print(f"\n{report.sweep_table(outcome.summaries)}")
     print(f"definitions: {report.DEFINITIONS}")
     print(f"sweep took {time.monotonic() - started:.1f} s", flush=True)
