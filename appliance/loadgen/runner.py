@@ -91,6 +91,8 @@ class Runner:
             await generate(self.stub, request, timeout=self.settings.timeout_s)
         except grpc.aio.AioRpcError as exc:
             line = f"{self.settings.target.address}: {exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                line += " (nothing there serves appliance.v1.Inference: is it the gateway?)"
             if exc.code() in INPUT_STATUSES:
                 raise BenchInputError(line) from None
             raise BenchRunError(f"the first request failed: {line}") from None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -68,6 +70,21 @@ def test_an_address_where_nothing_listens_is_refused_after_the_connect_timeout(
     assert one_line(capsys.readouterr().err) == (
         f"appliance bench: --address {address}: nothing answered within 0.5 s "
         "(is the gateway running there? see --connect-timeout)"
+    )
+
+
+def test_a_server_that_is_not_the_gateway_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))  # serves no method at all
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        rc = cli.main(["bench", "--address", f"127.0.0.1:{port}", "--model", "m"])
+    finally:
+        server.stop(grace=None)
+    assert rc == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"appliance bench: 127.0.0.1:{port}: UNIMPLEMENTED: Method not found! "
+        "(nothing there serves appliance.v1.Inference: is it the gateway?)"
     )
 
 
