@@ -29,7 +29,7 @@ import uvloop
 from appliance import processes
 from appliance.backends.base import GREEDY, GenerationRequest
 from appliance.backends.triton import TritonBackend
-from appliance.client import generate
+from appliance.client import generate, inter_token_latency
 from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
@@ -83,7 +83,7 @@ async def direct(
         count += len(tokens)
     end = time.perf_counter()
     ttft = first - sent
-    itl = (end - sent - ttft) / (count - 1) if count > 1 else 0.0
+    itl = inter_token_latency(end - sent, ttft, count) or 0.0
     return ttft, itl, gaps, count
 
 
