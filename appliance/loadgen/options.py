@@ -99,8 +99,12 @@ def parse_levels(option: str, text: str) -> list[Level]:
             value = int(part) if mode == "concurrency" else float(part)
         except ValueError:
             value = 0
-        if not (math.isfinite(value) and value > 0) or (mode == "concurrency" and value > 10_000):
-            what = "whole numbers from 1 to 10000" if mode == "concurrency" else "numbers > 0"
+        if not (math.isfinite(value) and 0 < value <= 10_000):
+            what = (
+                "whole numbers from 1 to 10000"
+                if mode == "concurrency"
+                else "requests per second, > 0 and <= 10000"
+            )
             raise BenchInputError(f"{option} {text!r}: expected a comma-separated list of {what}")
         levels.append(Level(mode, float(value)))
     return levels

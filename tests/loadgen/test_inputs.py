@@ -31,7 +31,11 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     [
         (["--concurrency", "1,0"], "--concurrency '1,0': expected a comma-separated list of whole"),
         (["--concurrency", "two"], "--concurrency 'two': expected a comma-separated list"),
-        (["--rate", "5,-1"], "--rate '5,-1': expected a comma-separated list of numbers > 0"),
+        (
+            ["--rate", "5,-1"],
+            "--rate '5,-1': expected a comma-separated list of requests per second",
+        ),
+        (["--rate", "1e6"], "--rate '1e6': expected a comma-separated list of requests per second"),
         (["--rate", "nan"], "--rate 'nan': expected"),
         (["--prompt-tokens", "normal:128"], "--prompt-tokens 'normal:128': expected N, normal:"),
         (["--output-tokens", "uniform:9,3"], "--output-tokens 'uniform:9,3': expected N,"),
