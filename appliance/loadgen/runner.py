@@ -126,10 +126,14 @@ class Runner:
             assert s.duration_s is not None
             return time.monotonic() - started < s.duration_s
 
-        if level.mode == "concurrency":
-            await self._closed_loop(level, workload, int(level.value), more)
-        else:
-            await self._open_loop(level, workload, index, more)
+        ticker = asyncio.create_task(self._tick())  # progress even while no answer ends
+        try:
+            if level.mode == "concurrency":
+                await self._closed_loop(level, workload, int(level.value), more)
+            else:
+                await self._open_loop(level, workload, index, more)
+        finally:
+            ticker.cancel()
         self.progress.end(self.level_done, self.level_errors)
         return self.records[first:]
 
@@ -206,6 +210,11 @@ class Runner:
         record.server_ttft_us = final.timings.ttft_us
         record.server_total_us = final.timings.total_us
         return record
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.progress.interval_s)
+            self._show()
 
     def _show(self) -> None:
         self.progress.update(self.level_done, self.level_errors, len(self.in_flight))
