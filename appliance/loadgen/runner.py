@@ -87,8 +87,14 @@ class Runner:
         request = Workload(self.settings, self.prompts, len(self.settings.levels) + 1).next()
         request.max_tokens = 1
         request.cache_policy = pb.CACHE_POLICY_BYPASS
+        call = asyncio.create_task(generate(self.stub, request, timeout=self.settings.timeout_s))
+        self.in_flight.add(call)
         try:
-            await generate(self.stub, request, timeout=self.settings.timeout_s)
+            await call
+        except asyncio.CancelledError:
+            if not call.cancelled():
+                raise
+            # Interrupted (Ctrl-C): the sweep stops before its first level.
         except grpc.aio.AioRpcError as exc:
             line = f"{self.settings.target.address}: {exc.code().name}: {exc.details()}"
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -96,6 +102,8 @@ class Runner:
             if exc.code() in INPUT_STATUSES:
                 raise BenchInputError(line) from None
             raise BenchRunError(f"the first request failed: {line}") from None
+        finally:
+            self.in_flight.discard(call)
 
     async def warmup(self) -> dict[str, int]:
         """`warmup` requests one after another, not recorded; returns their statuses."""
