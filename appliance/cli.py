@@ -1,4 +1,5 @@
-"""`appliance` command line: serve (gateway), engine (inference process), the model makers, demo."""
+"""`appliance` command line: serve (gateway), engine (inference process), the model makers, demo,
+bench (a load generator for any deployment)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,15 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from appliance.loadgen.command import run
+
+    return run(args, args.argv[args.argv.index("bench") + 1 :])
+
+
 def parser() -> argparse.ArgumentParser:
+    from appliance.loadgen.command import add_arguments as add_bench_arguments
+
     p = argparse.ArgumentParser(prog="appliance", description=__doc__)
     p.add_argument(
         "--log-level",
@@ -156,6 +165,12 @@ def parser() -> argparse.ArgumentParser:
     csub.add_parser("stats", help="print the cache's counters")
     c.set_defaults(func=_cache)
 
+    b = sub.add_parser(
+        "bench", help="measure a deployment under load: TTFT, inter-token latency, throughput"
+    )
+    add_bench_arguments(b)
+    b.set_defaults(func=_bench)
+
     d = sub.add_parser("demo", help="start engine + gateway, stream a few requests, stop both")
     d.add_argument("--workdir", default="var", help="where the tiny model and configs go")
     d.add_argument("--requests", type=int, default=5)
@@ -165,7 +180,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser().parse_args(argv)
+    args.argv = argv
     logline.configure(args.log_level or "info")
     code: int = args.func(args)
     return code

@@ -29,8 +29,13 @@ class StreamResult:
 
     @property
     def inter_token_s(self) -> float:
-        n = len(self.token_ids)
-        return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+        itl = inter_token_latency(self.latency_s, self.ttft_s, len(self.token_ids))
+        return 0.0 if itl is None else itl
+
+
+def inter_token_latency(latency_s: float, ttft_s: float, tokens: int) -> float | None:
+    """genai-perf's inter-token latency of one answer; None when it has fewer than two tokens."""
+    return (latency_s - ttft_s) / (tokens - 1) if tokens > 1 else None
 
 
 async def generate(

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import psutil
 import redis.asyncio as aredis
 import uvloop
@@ -58,7 +59,6 @@ from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from bench.common import pct
 from bench.echo_server import METHOD
 from bench.streaming import MODEL, prompt_of
 from tests.cache.redis_server import RedisServer
@@ -525,7 +525,7 @@ def report(
 
     def row(name: str, values: list[float]) -> str:
         return (
-            f"| {name} | {pct(values, 0.5) * us:9.2f} | {pct(values, 0.99) * us:9.2f} "
+            f"| {name} | {np.percentile(values, 50) * us:9.2f} | {np.percentile(values, 99) * us:9.2f} "
             f"| {statistics.fmean(values) * us:9.2f} | {len(values)} |"
         )
 
@@ -568,17 +568,17 @@ def report(
     def verdict(ok: bool) -> str:
         return "met" if ok else "MISSED"
 
-    ratio_a = pct(a, 0.99) / pct(b, 0.99)
+    ratio_a = np.percentile(a, 99) / np.percentile(b, 99)
     print(f"\n(a) P99 / (b) P99 = {ratio_a:.3f} (target <= 1.25): {verdict(ratio_a <= 1.25)}")
-    for q, label in ((0.5, "P50"), (0.99, "P99")):
-        extra = (pct(c, q) - pct(a, q)) * us
-        floor = pct(d, q) * us
+    for q, label in ((50, "P50"), (99, "P99")):
+        extra = (np.percentile(c, q) - np.percentile(a, q)) * us
+        floor = np.percentile(d, q) * us
         ratio = extra / floor
         print(
             f"(c) - (a) {label} = {extra:.1f} µs vs (d) {label} {floor:.1f} µs -> "
             f"{ratio:.3f} x (target <= 1.2): {verdict(ratio <= 1.2)}"
         )
-    e1 = pct(e["(e) check + key + L1 get, 1 KB prompt"], 0.5) * us
+    e1 = np.percentile(e["(e) check + key + L1 get, 1 KB prompt"], 50) * us
     print(f"(e) P50 at 1 KB = {e1:.2f} µs (target <= 5 µs): {verdict(e1 <= 5.0)}")
     ratio_f = gw.per_s / echo.per_s
     per_core = (gw.requests / gw.server_cpu_s) / (echo.requests / echo.server_cpu_s)

@@ -11,6 +11,8 @@ GATEWAY_MODULES = [
     "appliance.gateway.pipeline",
     "appliance.client",
     "appliance.processes",
+    "appliance.loadgen.command",
+    "appliance.loadgen.plots",
 ]
 
 

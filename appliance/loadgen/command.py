@@ -1,0 +1,197 @@
+"""`appliance bench`: checks the command line, runs the sweep, prints and writes the results.
+
+Exit status: 0 done (request errors are results, counted in the tables), 1 the deployment failed
+the first request for a reason of its own, 2 a wrong option, input file or address, 130
+interrupted (what was measured is still printed and written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from appliance.loadgen import report
+from appliance.loadgen.options import BenchInputError, Settings, settings
+from appliance.loadgen.progress import Progress
+from appliance.loadgen.runner import BenchRunError, Runner, open_channel
+from appliance.loadgen.stats import LevelSummary, Record, summarize
+from appliance.loadgen.workload import Prompt, load_prompts
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+
+PROG = "appliance bench"
+INTERRUPTED_EXIT = 130
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", required=True, help="the deployment's gateway, HOST:PORT")
+    p.add_argument("--model", required=True, help="model name, as the deployment serves it")
+    p.add_argument(
+        "--concurrency", help="closed-loop levels: concurrent clients, e.g. 1,2,4,8 (default 1)"
+    )
+    p.add_argument("--rate", help="open-loop levels: Poisson arrivals per second, e.g. 5,10")
+    p.add_argument("--requests", type=int, help="requests per level (default 20)")
+    p.add_argument("--duration", type=float, help="seconds per level (instead of --requests)")
+    p.add_argument("--warmup", type=int, default=2, help="unrecorded requests first (default 2)")
+    p.add_argument(
+        "--prompt-tokens",
+        help="synthetic prompt length: N, normal:MEAN,STDDEV or uniform:LOW,HIGH (default 128); "
+        "approximated with words, the reported input tokens are the gateway's count",
+    )
+    p.add_argument(
+        "--output-tokens",
+        default="64",
+        help="max_tokens per request, same forms (default 64); a model may stop earlier",
+    )
+    p.add_argument(
+        "--prompts",
+        help="prompt file: one prompt per line, or JSONL of {prompt|messages[, max_tokens]}",
+    )
+    p.add_argument(
+        "--cache-policy",
+        default="bypass",
+        help="bypass (default: every request reaches the engine), default (cache hits count), "
+        "refresh",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrivals")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
+    p.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="wait for the address, s (default 10)"
+    )
+    p.add_argument("--out", help="directory for bench.json, requests.csv and the PNG plots")
+
+
+def _out_dir(path: Path | None) -> None:
+    """Creates the output directory and proves it writable before any request is sent."""
+    if path is None:
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".bench-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise BenchInputError(f"--out {path}: {exc.strerror or exc}") from None
+
+
+class Outcome:
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.summaries: list[LevelSummary] = []
+        self.warmup: dict[str, int] = {}
+        self.interrupted = False
+        self.started = datetime.now(UTC)
+
+
+async def _sweep(s: Settings, prompts: list[Prompt] | None, outcome: Outcome) -> None:
+    progress = Progress(sys.stderr)
+    channel = await open_channel(s.target)
+    loop = asyncio.get_running_loop()
+    async with channel:
+        runner = Runner(s, prompts, pb_grpc.InferenceStub(channel), progress)
+
+        def on_sigint() -> None:
+            # A second Ctrl-C ends the process at once.
+            loop.remove_signal_handler(signal.SIGINT)
+            outcome.interrupted = True
+            progress.say("interrupted: ending the requests in flight, then writing the results")
+            runner.interrupt()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            await runner.preflight()
+            if s.warmup:
+                progress.say(f"warm-up: {s.warmup} requests")
+                outcome.warmup = await runner.warmup()
+            for i, level in enumerate(s.levels):
+                if runner.stopping.is_set():
+                    break
+                records = await runner.level(i, level)
+                summary = summarize(level, records)
+                outcome.summaries.append(summary)
+                print(f"\n{report.level_table(summary)}", flush=True)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            outcome.records = runner.records
+
+
+def _run_info(s: Settings, outcome: Outcome, argv: list[str]) -> dict[str, Any]:
+    return {
+        "command": " ".join(["appliance", "bench", *argv]),
+        "started": outcome.started.isoformat(timespec="seconds"),
+        "address": s.target.address,
+        "model": s.model,
+        "levels": [lv.label for lv in s.levels],
+        "requests_per_level": s.requests,
+        "duration_per_level_s": s.duration_s,
+        "warmup": s.warmup,
+        "warmup_statuses": outcome.warmup,
+        "prompt_tokens": None if s.prompts_file else s.prompt_tokens.describe(),
+        "prompts_file": str(s.prompts_file) if s.prompts_file else None,
+        "output_tokens": s.output_tokens.describe(),
+        "cache_policy": s.cache_policy,
+        "temperature": s.temperature,
+        "seed": s.seed,
+        "interrupted": outcome.interrupted,
+        "client_host": platform.node(),
+        "client_cpus": os.cpu_count(),
+    }
+
+
+def _write(s: Settings, outcome: Outcome, argv: list[str]) -> None:
+    if s.out is None:
+        return
+    from appliance.loadgen import plots  # matplotlib: loaded only when files are written
+
+    report.write_json(
+        s.out / "bench.json", _run_info(s, outcome, argv), outcome.summaries, outcome.records
+    )
+    report.write_csv(s.out / "requests.csv", outcome.records)
+    (s.out / "summary.md").write_text(
+        "\n\n".join(report.level_table(x) for x in outcome.summaries)
+        + "\n\n"
+        + report.sweep_table(outcome.summaries)
+        + "\n"
+    )
+    plots.draw(s.out, outcome.summaries, outcome.records)
+    print(f"wrote {s.out}/: bench.json, requests.csv, summary.md, 4 PNG plots", flush=True)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    import uvloop
+
+    try:
+        s = settings(args)
+        prompts = load_prompts(s.prompts_file) if s.prompts_file else None
+        _out_dir(s.out)
+    except BenchInputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    outcome = Outcome()
+    started = time.monotonic()
+    try:
+        uvloop.run(_sweep(s, prompts, outcome))
+    except BenchInputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except BenchRunError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # Ctrl-C while connecting, or a second Ctrl-C: stop at once, nothing is written.
+        why = "again: stopped at once" if outcome.interrupted else "while connecting"
+        print(f"{PROG}: interrupted {why}; nothing written", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    print(f"\n{report.sweep_table(outcome.summaries)}")
+    print(f"definitions: {report.DEFINITIONS}")
+    print(f"sweep took {time.monotonic() - started:.1f} s", flush=True)
+    _write(s, outcome, argv)
+    return INTERRUPTED_EXIT if outcome.interrupted else 0

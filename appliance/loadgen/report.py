@@ -1,0 +1,103 @@
+"""The bench's tables (text) and its files: JSON with every record and the summaries, CSV with one
+row per request."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from appliance.loadgen.stats import METRICS, LevelSummary, Record
+
+DEFINITIONS = (
+    "TTFT = first non-empty response − request sent; inter-token latency = (request latency − TTFT)"
+    " / (output tokens − 1) per generated answer (genai-perf); chunk gap = every gap between"
+    " streamed messages, pooled (vLLM's ITL); percentiles: numpy, linear."
+)
+COLUMNS = ("avg", "p50", "p90", "p99", "min", "max")
+
+
+def _cell(value: float) -> str:
+    return f"{value:10.2f}" if abs(value) < 1e7 else f"{value:10.3g}"
+
+
+def level_table(summary: LevelSummary) -> str:
+    """A genai-perf-style table of one level, in Markdown."""
+    s = summary
+    head = (
+        f"{s.level}: {s.sent} sent, {s.ok} ok, {sum(s.errors.values())} errors"
+        + (f", {s.interrupted} interrupted" if s.interrupted else "")
+        + f" in {s.wall_s:.2f} s"
+    )
+    lines = [head, f"| {'metric':<36} | " + " | ".join(f"{c:>10}" for c in COLUMNS) + " |"]
+    lines.append("|" + "-" * 38 + "|" + "|".join("-" * 11 + ":" for _ in COLUMNS) + "|")
+    for key, title, _ in METRICS:
+        d = s.metrics[key]
+        cells = [_cell(getattr(d, c)) for c in COLUMNS] if d else [f"{'-':>10}"] * len(COLUMNS)
+        lines.append(f"| {title:<36} | " + " | ".join(cells) + " |")
+    blank = [f"{'':>10}"] * (len(COLUMNS) - 1)
+    for title, value in (
+        ("Output token throughput (tokens/s)", s.output_token_throughput),
+        ("Request throughput (requests/s)", s.request_throughput),
+    ):
+        lines.append(f"| {title:<36} | " + " | ".join([_cell(value), *blank]) + " |")
+    if s.errors:
+        lines.append("errors: " + ", ".join(f"{k} {v}" for k, v in s.errors.items()))
+    if s.cache_tiers:
+        lines.append("answered by: " + ", ".join(f"{k} {v}" for k, v in s.cache_tiers.items()))
+    return "\n".join(lines)
+
+
+def sweep_table(summaries: list[LevelSummary]) -> str:
+    """One line per level: the figures that move with load."""
+    head = (
+        "| level | ok | errors | requests/s | output tokens/s | TTFT P50 ms | TTFT P99 ms "
+        "| ITL P50 ms | ITL P99 ms |"
+    )
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        ttft, itl = s.metrics["ttft_ms"], s.metrics["itl_ms"]
+
+        cells = [
+            "-" if d is None else f"{getattr(d, q):.2f}"
+            for d in (ttft, itl)
+            for q in ("p50", "p99")
+        ]
+        lines.append(
+            f"| {s.level} | {s.ok} | {sum(s.errors.values())} | {s.request_throughput:.2f} "
+            f"| {s.output_token_throughput:.1f} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def record_dict(r: Record) -> dict[str, Any]:
+    out = {f.name: getattr(r, f.name) for f in fields(r)}
+    out["itl_s"] = r.itl_s
+    return out
+
+
+CSV_COLUMNS = [f.name for f in fields(Record) if f.name != "gaps_s"] + ["itl_s", "chunks"]
+
+
+def write_json(
+    path: Path, run: dict[str, Any], summaries: list[LevelSummary], records: list[Record]
+) -> None:
+    document = {
+        "run": run,
+        "definitions": DEFINITIONS,
+        "levels": [s.as_dict() for s in summaries],
+        "requests": [record_dict(r) for r in records],
+    }
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def write_csv(path: Path, records: list[Record]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, CSV_COLUMNS)
+        writer.writeheader()
+        for r in records:
+            row = record_dict(r)
+            row["chunks"] = len(row.pop("gaps_s")) + (r.ttft_s is not None)
+            writer.writerow(row)

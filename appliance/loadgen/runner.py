@@ -1,0 +1,228 @@
+"""Sends the bench's requests to a deployment and records what the client sees (the network edge).
+
+Closed loop (`concurrency N`): N clients each send their next request when the previous answer has
+ended. Open loop (`rate R`): arrivals are a Poisson process of R per second, sent whether or not
+earlier answers have ended, so a slow server meets a growing queue, as with independent users.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from appliance.client import generate
+from appliance.loadgen.options import BenchInputError, Level, Settings, Target
+from appliance.loadgen.progress import Progress
+from appliance.loadgen.stats import INTERRUPTED, OK, Record
+from appliance.loadgen.workload import Prompt, Workload
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+
+
+class BenchRunError(Exception):
+    """The deployment answered the first request with an error that is not the input's fault."""
+
+
+# Statuses of the first request that mean the command line is wrong, not the deployment.
+INPUT_STATUSES = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+async def open_channel(target: Target) -> grpc.aio.Channel:
+    """A channel that is connected, or BenchInputError after the connect timeout."""
+    channel = grpc.aio.insecure_channel(target.address)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), target.connect_timeout_s)
+    except TimeoutError:
+        await channel.close()
+        raise BenchInputError(
+            f"--address {target.address}: nothing answered within {target.connect_timeout_s:g} s "
+            "(is the gateway running there? see --connect-timeout)"
+        ) from None
+    return channel
+
+
+def _name(value: int, enum: str) -> str:
+    prefix = "FINISH_REASON_" if enum == "finish" else "CACHE_TIER_"
+    kind = pb.FinishReason if enum == "finish" else pb.CacheTier
+    return kind.Name(value).removeprefix(prefix)
+
+
+class Runner:
+    def __init__(
+        self,
+        settings: Settings,
+        prompts: list[Prompt] | None,
+        stub: pb_grpc.InferenceStub,
+        progress: Progress,
+    ) -> None:
+        self.settings = settings
+        self.prompts = prompts
+        self.stub = stub
+        self.progress = progress
+        self.t0 = time.perf_counter()
+        self.records: list[Record] = []
+        self.stopping = asyncio.Event()
+        self.in_flight: set[asyncio.Task[object]] = set()
+        self.level_done = 0
+        self.level_errors = 0
+
+    def interrupt(self) -> None:
+        """Stops sending and ends the requests in flight (recorded as INTERRUPTED)."""
+        self.stopping.set()
+        for task in self.in_flight:
+            task.cancel()
+
+    async def preflight(self) -> None:
+        """One short request (max_tokens 1, cache bypassed): a wrong model or an API that is not
+        ours stops the run before any load, with the deployment's own message."""
+        request = Workload(self.settings, self.prompts, len(self.settings.levels) + 1).next()
+        request.max_tokens = 1
+        request.cache_policy = pb.CACHE_POLICY_BYPASS
+        call = asyncio.create_task(generate(self.stub, request, timeout=self.settings.timeout_s))
+        self.in_flight.add(call)
+        try:
+            await call
+        except asyncio.CancelledError:
+            if not call.cancelled():
+                raise
+            # Interrupted (Ctrl-C): the sweep stops before its first level.
+        except grpc.aio.AioRpcError as exc:
+            line = f"{self.settings.target.address}: {exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                line += " (nothing there serves appliance.v1.Inference: is it the gateway?)"
+            if exc.code() in INPUT_STATUSES:
+                raise BenchInputError(line) from None
+            raise BenchRunError(f"the first request failed: {line}") from None
+        finally:
+            self.in_flight.discard(call)
+
+    async def warmup(self) -> dict[str, int]:
+        """`warmup` requests one after another, not recorded; returns their statuses."""
+        workload = Workload(self.settings, self.prompts, len(self.settings.levels))
+        statuses: dict[str, int] = {}
+        for i in range(self.settings.warmup):
+            if self.stopping.is_set():
+                break
+            record = await self._one("warmup", i, workload.next())
+            statuses[record.status] = statuses.get(record.status, 0) + 1
+        return statuses
+
+    async def level(self, index: int, level: Level) -> list[Record]:
+        """Runs one load level to its count or duration (or until interrupted)."""
+        workload = Workload(self.settings, self.prompts, index)
+        s = self.settings
+        goal = f"{s.requests} requests" if s.requests is not None else f"{s.duration_s:g} s"
+        self.progress.start(level.label, goal)
+        self.level_done = self.level_errors = 0
+        first = len(self.records)
+        started = time.monotonic()
+
+        def more(issued: int) -> bool:
+            if self.stopping.is_set():
+                return False
+            if s.requests is not None:
+                return issued < s.requests
+            assert s.duration_s is not None
+            return time.monotonic() - started < s.duration_s
+
+        ticker = asyncio.create_task(self._tick())  # progress even while no answer ends
+        try:
+            if level.mode == "concurrency":
+                await self._closed_loop(level, workload, int(level.value), more)
+            else:
+                await self._open_loop(level, workload, index, more)
+        finally:
+            ticker.cancel()
+        self.progress.end(self.level_done, self.level_errors)
+        return self.records[first:]
+
+    async def _closed_loop(
+        self, level: Level, workload: Workload, clients: int, more: Callable[[int], bool]
+    ) -> None:
+        issued = 0
+
+        async def client() -> None:
+            nonlocal issued
+            while more(issued):
+                issued += 1
+                await self._one(level.label, issued - 1, workload.next())
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+
+    async def _open_loop(
+        self, level: Level, workload: Workload, index: int, more: Callable[[int], bool]
+    ) -> None:
+        arrivals = np.random.default_rng([self.settings.seed, index, 1])
+        loop = asyncio.get_running_loop()
+        tasks = []
+        next_at = loop.time()
+        issued = 0
+        while True:
+            next_at += float(arrivals.exponential(1.0 / level.value))
+            delay = next_at - loop.time()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay)
+            if not more(issued):
+                break
+            tasks.append(asyncio.create_task(self._one(level.label, issued, workload.next())))
+            issued += 1
+            self._show()
+        await asyncio.gather(*tasks)
+
+    async def _one(self, level: str, index: int, request: pb.GenerateRequest) -> Record:
+        record = Record(level, index, time.perf_counter() - self.t0, max_tokens=request.max_tokens)
+        if level != "warmup":
+            self.records.append(record)
+        call = asyncio.create_task(generate(self.stub, request, timeout=self.settings.timeout_s))
+        self.in_flight.add(call)
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            if not call.cancelled():
+                raise
+            record.status = INTERRUPTED
+            return record
+        except grpc.aio.AioRpcError as exc:
+            record.status = exc.code().name
+            record.error = exc.details() or ""
+            record.latency_s = time.perf_counter() - self.t0 - record.start_s
+            self.level_errors += level != "warmup"
+            return record
+        finally:
+            self.in_flight.discard(call)
+            if level != "warmup":
+                self.level_done += record.status != INTERRUPTED
+                self._show()
+        final = result.final
+        record.status = OK
+        record.request_id = result.request_id
+        record.ttft_s = result.ttft_s if result.messages and result.token_ids else None
+        record.latency_s = result.latency_s
+        record.gaps_s = result.gaps_s
+        record.input_tokens = final.usage.prompt_tokens
+        record.output_tokens = final.usage.completion_tokens or len(result.token_ids)
+        record.finish_reason = _name(final.finish_reason, "finish")
+        record.cache_tier = _name(final.cache_tier, "tier")
+        record.degraded = final.degraded
+        record.server_queue_us = final.timings.queue_us
+        record.server_ttft_us = final.timings.ttft_us
+        record.server_total_us = final.timings.total_us
+        return record
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.progress.interval_s)
+            self._show()
+
+    def _show(self) -> None:
+        self.progress.update(self.level_done, self.level_errors, len(self.in_flight))

@@ -1,0 +1,4 @@
+"""The bench runs against the same real processes as the end-to-end tests: an engine server on the
+tiny model and a gateway in front of it."""
+
+from tests.gateway.test_e2e import gateway_address  # noqa: F401  (a fixture)
