@@ -29,7 +29,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 from appliance import sdnotify
 from appliance.engine.llama import CheckpointError, LlamaModel
 from appliance.engine.repository import ModelEntry, RepositoryError, load_repository
-from appliance.engine.runner import Emission, Job, Runner
+from appliance.engine.runner import Emission, Job, RequestPerf, Runner, build_runner
 from appliance.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class ServedModel:
     runner: Runner
     inputs: dict[str, mc.ModelInput]
     max_len: int
+    output_names: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Decoded:
     streaming: bool
     stop: bool
     exclude_input: bool
+    return_perf: bool = False
 
 
 def _read_tensor(
@@ -202,7 +204,24 @@ def decode_request(request: ts.ModelInferRequest, model: ServedModel) -> Decoded
         streaming=bool(scalar("streaming", False)),
         stop=stop,
         exclude_input=bool(scalar("exclude_input_in_output", exclude)),
+        return_perf=bool(scalar("return_perf_metrics", False)),
     )
+
+
+def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, str, int | float]]:
+    """The backend's `return_perf_metrics` outputs: name -> (datatype, typecode, value)."""
+    return {
+        "kv_cache_alloc_new_blocks": ("INT32", "i", perf.kv.new_blocks),
+        "kv_cache_reused_blocks": ("INT32", "i", perf.kv.reused_blocks),
+        "kv_cache_alloc_total_blocks": ("INT32", "i", perf.kv.total_blocks),
+        "arrival_time_ns": ("INT64", "q", perf.arrival_ns),
+        "first_scheduled_time_ns": ("INT64", "q", perf.first_scheduled_ns),
+        "first_token_time_ns": ("INT64", "q", perf.first_token_ns),
+        "last_token_time_ns": ("INT64", "q", perf.last_token_ns),
+        "acceptance_rate": ("FP32", "f", 0.0),
+        "total_accepted_draft_tokens": ("INT32", "i", 0),
+        "total_draft_tokens": ("INT32", "i", 0),
+    }
 
 
 def _response(
@@ -210,6 +229,8 @@ def _response(
     request: ts.ModelInferRequest,
     tokens: list[int] | None,
     final: bool,
+    perf: RequestPerf | None = None,
+    declared: frozenset[str] = frozenset(),
 ) -> ts.ModelInferResponse:
     response = ts.ModelInferResponse(model_name=model_name, model_version="1", id=request.id)
     response.parameters["triton_final_response"].bool_param = final
@@ -228,6 +249,15 @@ def _response(
         if not LITTLE_ENDIAN:
             length.byteswap()
         response.raw_output_contents.append(length.tobytes())
+    if perf is not None:
+        # Only outputs the model config declares, as Triton allows a backend no others.
+        for name, (datatype, code, value) in _perf_outputs(perf).items():
+            if name in declared and (not wanted or name in wanted):
+                response.outputs.add(name=name, datatype=datatype, shape=[1, 1])
+                scalar = array.array(code, [value])
+                if not LITTLE_ENDIAN:
+                    scalar.byteswap()
+                response.raw_output_contents.append(scalar.tobytes())
     return response
 
 
@@ -372,7 +402,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         tokens = emission.tokens or []
         if not decoded.exclude_input:
             tokens = decoded.prompt_ids + tokens
-        return _response(model.entry.name, request, tokens, final=True)
+        return _response(model.entry.name, request, tokens, True, emission.perf, model.output_names)
 
     def _new_job(self, request: ts.ModelInferRequest, decoded: Decoded) -> Job:
         job = Job(
@@ -383,6 +413,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             params=decoded.params,
             streaming=decoded.streaming,
             emit=lambda e: None,
+            return_perf=decoded.return_perf,
         )
         if request.id:
             self._by_id.setdefault(request.id, []).append(job)
@@ -447,7 +478,9 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     tokens = e.tokens
                     if tokens is not None and not decoded.streaming and not decoded.exclude_input:
                         tokens = decoded.prompt_ids + tokens
-                    response = _response(model.entry.name, request, tokens, e.final)
+                    response = _response(
+                        model.entry.name, request, tokens, e.final, e.perf, model.output_names
+                    )
                     outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
                 if e.final:
                     finish(job)
@@ -498,14 +531,16 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 def _served(entry: ModelEntry, device: str) -> ServedModel:
     try:
         model = LlamaModel.load(entry.hf_model_dir, device=device)
-    except CheckpointError as exc:
+        runner = build_runner(model, entry.kv_cache, entry.fingerprint)
+    except (CheckpointError, RepositoryError) as exc:
         raise RepositoryError(f"model '{entry.name}': {exc}") from exc
     return ServedModel(
         entry=entry,
         model=model,
-        runner=Runner(model),
+        runner=runner,
         inputs={i.name: i for i in entry.config.input},
-        max_len=model.config.max_position_embeddings,
+        max_len=runner.cache.max_seq_len,
+        output_names=frozenset(o.name for o in entry.config.output),
     )
 
 
