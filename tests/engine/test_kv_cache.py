@@ -7,6 +7,7 @@ identical, and the counters must say how much was reused.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def run(runner: Runner, prompt: list[int], n: int = 6) -> tuple[list[int], Reque
 
 
 @pytest.fixture
-def runners(micro_model: LlamaModel) -> tuple[Runner, Runner]:
+def runners(micro_model: LlamaModel) -> Iterator[tuple[Runner, Runner]]:
     reuse, plain = prefix_runner(micro_model), Runner(micro_model, 64, B)
     yield reuse, plain
     reuse.close()
@@ -71,10 +72,10 @@ def test_whole_prompt_cached_recomputes_one_token(runners: tuple[Runner, Runner]
 @pytest.mark.parametrize(
     ("name", "prompt", "reused_tokens"),
     [
-        ("exactly-N-blocks", BASE[:8] + [11, 12, 13, 14], 8),
-        ("diverges-mid-block", BASE[:6] + [50, 51, 52, 53, 54], 4),
+        ("exactly-N-blocks", [*BASE[:8], 11, 12, 13, 14], 8),
+        ("diverges-mid-block", [*BASE[:6], 50, 51, 52, 53, 54], 4),
         ("shorter-than-a-block", BASE[:3], 0),
-        ("prefix-then-more", BASE + [70, 71, 72, 73, 74], 12),
+        ("prefix-then-more", [*BASE, 70, 71, 72, 73, 74], 12),
     ],
 )
 def test_reuse_never_changes_the_answer(
@@ -105,7 +106,7 @@ def test_reused_blocks_give_the_logits_of_a_full_prefill(micro_model: LlamaModel
     cache = micro_model.new_cache(32)
     micro_model.forward(BASE, cache, 0)
     assert pool.store(BASE, cache) == 3
-    prompt = BASE[:8] + [60, 61, 62]
+    prompt = [*BASE[:8], 60, 61, 62]
     slots = pool.match(prompt)
     assert len(slots) == 2
     fresh = micro_model.new_cache(32)
@@ -122,13 +123,13 @@ def test_block_n_matches_only_after_blocks_0_to_n_minus_1(micro_model: LlamaMode
     pool.store(BASE, cache)
     assert len(pool.match(BASE)) == 3
     # Same second and third blocks after a different first one: nothing matches.
-    assert pool.match([2, 2, 2, 2] + BASE[4:]) == []
+    assert pool.match([2, 2, 2, 2, *BASE[4:]]) == []
 
 
 def test_lru_eviction_keeps_recent_chains_and_parents(micro_model: LlamaModel) -> None:
     reuse = prefix_runner(micro_model, blocks=5)
     try:
-        x, y = BASE[:8] + [0], [8, 9, 10, 11, 12, 13, 14, 15, 0]
+        x, y = [*BASE[:8], 0], [8, 9, 10, 11, 12, 13, 14, 15, 0]
         run(reuse, x, n=1)  # stores x's 2 blocks
         run(reuse, y, n=1)  # 2 more: 4 of 5
         assert run(reuse, x, n=1)[1].kv.reused_blocks == 2  # x is now more recent than y
@@ -159,7 +160,7 @@ def test_another_fingerprint_never_matches(micro_model: LlamaModel) -> None:
 def test_counters_mirror_kv_cache_stats(runners: tuple[Runner, Runner]) -> None:
     reuse, _ = runners
     run(reuse, BASE, n=2)
-    run(reuse, BASE[:8] + [40, 41, 42, 43], n=2)
+    run(reuse, [*BASE[:8], 40, 41, 42, 43], n=2)
     kv = reuse.stats.kv
     assert kv.reused_blocks == 2 and kv.missed_blocks == 3 + 1
     assert kv.reused_tokens == 8
@@ -227,7 +228,7 @@ def test_bad_kv_parameters_name_the_key(
     tmp_path: Path, params: dict[str, str], message: str
 ) -> None:
     with pytest.raises(RepositoryError, match=message):
-        entry(tmp_path, params).kv_cache
+        _ = entry(tmp_path, params).kv_cache
 
 
 def test_runner_sized_from_the_repository(micro_model: LlamaModel) -> None:
