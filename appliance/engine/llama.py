@@ -15,11 +15,12 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+
+from engine_build.hf_config import CheckpointError, Llama3RopeScaling, LlamaConfig, read_config
 
 __all__ = [
     "CheckpointError",
@@ -27,188 +28,34 @@ __all__ = [
     "Llama3RopeScaling",
     "LlamaConfig",
     "LlamaModel",
+    "load_config",
 ]
 
 
-class CheckpointError(Exception):
-    """The checkpoint cannot be served; the message says what is wrong and how to fix it."""
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1-style RoPE frequency scaling, the only long-context scheme we implement."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-def _cfg_int(raw: Mapping[str, Any], key: str, path: Path, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if value is None:
+def load_config(model_dir: Path) -> LlamaConfig:
+    """Read the checkpoint's config.json, refusing anything this decoder would compute wrong."""
+    config = read_config(model_dir)
+    where = Path(model_dir) / "config.json"
+    if config.architecture != "LlamaForCausalLM":
         raise CheckpointError(
-            f"{path}: config.json has no {key!r}; add it (see the HF LlamaConfig)"
+            f"{where}: unsupported architecture {config.architecture!r} for the engine server; "
+            "it runs only LlamaForCausalLM checkpoints. Serve others with TensorRT-LLM."
         )
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if config.hidden_act != "silu":
         raise CheckpointError(
-            f"{path}: config.json {key!r} must be a positive integer, got {value!r}"
+            f"{where}: hidden_act {config.hidden_act!r} is not supported; only 'silu' is"
         )
-    return value
-
-
-def _cfg_float(raw: Mapping[str, Any], key: str, path: Path, default: float) -> float:
-    value = raw.get(key, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    if config.has_bias:
         raise CheckpointError(
-            f"{path}: config.json {key!r} must be a positive number, got {value!r}"
+            f"{where}: attention_bias/mlp_bias checkpoints are not supported by this engine"
         )
-    return float(value)
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return tuple(value)
-    return ()
-
-
-def _rope_scaling(raw: Mapping[str, Any], path: Path) -> Llama3RopeScaling | None:
-    # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_scaling`.
-    scaling = raw.get("rope_scaling")
-    if scaling is None:
-        scaling = raw.get("rope_parameters")
-    if scaling is None:
-        return None
-    if not isinstance(scaling, Mapping):
+    if config.rope_type not in ("default", "llama3"):
         raise CheckpointError(
-            f"{path}: config.json rope_scaling must be an object, got {scaling!r}"
+            f"{where}: rope_scaling type {config.rope_type!r} is not supported; this engine "
+            "implements only no scaling and 'llama3'. Use a checkpoint with one of those, or "
+            "serve it with TensorRT-LLM (engine_dir) instead."
         )
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise CheckpointError(
-            f"{path}: rope_scaling type {kind!r} is not supported; this engine implements only "
-            "no scaling and 'llama3'. Use a checkpoint with one of those, or serve it with "
-            "TensorRT-LLM (engine_dir) instead."
-        )
-    try:
-        return Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(
-            f"{path}: llama3 rope_scaling needs numeric factor, low_freq_factor, high_freq_factor "
-            f"and original_max_position_embeddings; got {dict(scaling)!r}"
-        ) from exc
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """The subset of HF's LlamaConfig that determines the computation."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    @classmethod
-    def from_dir(cls, path: Path) -> LlamaConfig:
-        """Read `path/config.json`, refusing anything this decoder would compute wrong."""
-        path = Path(path)
-        if not path.is_dir():
-            raise CheckpointError(
-                f"{path}: not a directory; hf_model_dir must name a Hugging Face checkpoint "
-                "directory"
-            )
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(
-                f"{path}: config.json not found; hf_model_dir must name a Hugging Face checkpoint "
-                "directory containing config.json and *.safetensors"
-            )
-        try:
-            raw = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{config_file}: cannot be read as JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{config_file}: must be a JSON object")
-
-        architectures = raw.get("architectures") or []
-        if "LlamaForCausalLM" not in architectures and raw.get("model_type") != "llama":
-            raise CheckpointError(
-                f"{path}: unsupported architecture (architectures={architectures!r}, "
-                f"model_type={raw.get('model_type')!r}); this engine runs only LlamaForCausalLM "
-                "checkpoints (model_type 'llama'). Serve other models with TensorRT-LLM."
-            )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"{path}: hidden_act {act!r} is not supported; only 'silu' is")
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise CheckpointError(
-                f"{path}: attention_bias/mlp_bias checkpoints are not supported by this engine"
-            )
-
-        hidden = _cfg_int(raw, "hidden_size", path)
-        heads = _cfg_int(raw, "num_attention_heads", path)
-        kv_heads = _cfg_int(raw, "num_key_value_heads", path, default=heads)
-        if heads % kv_heads:
-            raise CheckpointError(
-                f"{path}: num_attention_heads ({heads}) must be a multiple of "
-                f"num_key_value_heads ({kv_heads})"
-            )
-        if raw.get("head_dim") is not None:
-            head_dim = _cfg_int(raw, "head_dim", path)
-        else:
-            if hidden % heads:
-                raise CheckpointError(
-                    f"{path}: hidden_size ({hidden}) is not divisible by num_attention_heads "
-                    f"({heads}) and config.json has no head_dim; add head_dim"
-                )
-            head_dim = hidden // heads
-        if head_dim % 2:
-            raise CheckpointError(f"{path}: head_dim must be even for RoPE, got {head_dim}")
-
-        rope_params = raw.get("rope_parameters")
-        theta_default = 10000.0
-        if isinstance(rope_params, Mapping) and rope_params.get("rope_theta") is not None:
-            theta_default = float(rope_params["rope_theta"])
-        bos = _token_ids(raw.get("bos_token_id"))
-        return cls(
-            vocab_size=_cfg_int(raw, "vocab_size", path),
-            hidden_size=hidden,
-            intermediate_size=_cfg_int(raw, "intermediate_size", path),
-            num_hidden_layers=_cfg_int(raw, "num_hidden_layers", path),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=_cfg_int(raw, "max_position_embeddings", path),
-            rms_norm_eps=_cfg_float(raw, "rms_norm_eps", path, 1e-6),
-            rope_theta=_cfg_float(raw, "rope_theta", path, theta_default),
-            rope_scaling=_rope_scaling(raw, path),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=bos[0] if bos else None,
-            eos_token_ids=_token_ids(raw.get("eos_token_id")),
-        )
+    return config
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -429,7 +276,7 @@ class LlamaModel:
     ) -> LlamaModel:
         """Load a HF Llama checkpoint directory, checking every tensor before any is used."""
         model_dir = Path(model_dir)
-        config = LlamaConfig.from_dir(model_dir)
+        config = load_config(model_dir)
         source = _TensorSource(model_dir)
         with torch.inference_mode():
             tensors = {

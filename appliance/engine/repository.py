@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +98,14 @@ class ModelEntry:
                 f"{path}: parameter 'kv_cache_free_gpu_mem_fraction' must be in (0, 1], got "
                 f"{raw_fraction!r}"
             )
+        max_seq_len = self._positive_int("max_seq_len")
+        if max_seq_len is not None and max_seq_len < 2:
+            raise RepositoryError(
+                f"{path}: parameter 'max_seq_len' {max_seq_len} leaves no room for a prompt and a "
+                "generated token"
+            )
         return KvCacheParams(
-            max_seq_len=self._positive_int("max_seq_len"),
+            max_seq_len=max_seq_len,
             tokens_per_block=tokens_per_block,
             enable_reuse=reuse == "true",
             max_tokens=self._positive_int("max_tokens_in_paged_kv_cache"),
@@ -143,7 +151,7 @@ def _load_entry(directory: Path) -> ModelEntry:
     return ModelEntry(name=name, directory=directory, config=config, hf_model_dir=hf_dir.resolve())
 
 
-def load_repository(root: Path) -> dict[str, ModelEntry]:
+def read_repository(root: Path) -> dict[str, ModelEntry]:
     """Every model directory with a config.pbtxt; at least one is required."""
     if not root.is_dir():
         raise RepositoryError(f"{root}: model repository directory not found")
@@ -154,3 +162,26 @@ def load_repository(root: Path) -> dict[str, ModelEntry]:
     if not entries:
         raise RepositoryError(f"{root}: no model directory with a config.pbtxt")
     return entries
+
+
+def lock_repository(root: Path) -> int:
+    """Take the repository for this process; returns the descriptor that holds the lock.
+
+    An exclusive flock on the repository directory itself (opened read-only, so a read-only
+    model store works): a second engine server on the same repository is refused at start
+    instead of doubling the memory and racing the first. The kernel drops the lock when the
+    process exits, however it exits.
+    """
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RepositoryError(f"{root}: cannot open the model repository: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RepositoryError(
+            f"{root}: another engine server is already serving this repository; stop it first "
+            "(or give this one its own repository)"
+        ) from None
+    return fd

@@ -10,14 +10,13 @@ the same id cancels; closing the stream cancels what is in flight on it.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,14 @@ from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance import sdnotify
+from appliance.backends import wire
 from appliance.engine.llama import CheckpointError, LlamaModel
-from appliance.engine.repository import ModelEntry, RepositoryError, load_repository
+from appliance.engine.repository import (
+    ModelEntry,
+    RepositoryError,
+    lock_repository,
+    read_repository,
+)
 from appliance.engine.runner import Emission, Job, RequestPerf, Runner, build_runner
 from appliance.engine.sampling import SamplingParams
 
@@ -36,29 +41,6 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "appliance-engine"
 SERVER_VERSION = "1"
-LITTLE_ENDIAN = sys.byteorder == "little"
-_TYPECODES = {
-    "BOOL": "B",
-    "INT8": "b",
-    "UINT8": "B",
-    "INT32": "i",
-    "UINT32": "I",
-    "INT64": "q",
-    "UINT64": "Q",
-    "FP32": "f",
-    "FP64": "d",
-}
-_CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT32": "int_contents",
-    "UINT8": "uint_contents",
-    "UINT32": "uint_contents",
-    "INT64": "int64_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-}
 
 
 class InferError(Exception):
@@ -75,7 +57,9 @@ def _dtype_name(value: int) -> str:
 
 
 @dataclass
-class ServedModel:
+class EngineModel:
+    """One model of the repository as the engine server runs it."""
+
     entry: ModelEntry
     model: LlamaModel
     runner: Runner
@@ -99,7 +83,7 @@ class Decoded:
 
 
 def _read_tensor(
-    request: ts.ModelInferRequest, index: int, model: ServedModel
+    request: ts.ModelInferRequest, index: int, model: EngineModel
 ) -> tuple[str, list[Any]]:
     tensor = request.inputs[index]
     spec = model.inputs.get(tensor.name)
@@ -123,30 +107,14 @@ def _read_tensor(
             f"unexpected shape for input '{tensor.name}' for model '{name}'. "
             f"Expected {dims}, got {shape}"
         )
-    count = prod(shape)
-    if request.raw_input_contents:
-        raw = request.raw_input_contents[index]
-        data = array.array(_TYPECODES[expected])
-        if len(raw) != count * data.itemsize:
-            raise InferError(
-                f"unexpected raw input size {len(raw)} bytes for input '{tensor.name}' "
-                f"for model '{name}', expecting {count * data.itemsize}"
-            )
-        data.frombytes(raw)
-        if not LITTLE_ENDIAN:
-            data.byteswap()
-        values: list[Any] = data.tolist()
-    else:
-        values = list(getattr(tensor.contents, _CONTENTS_FIELD[expected]))
-        if len(values) != count:
-            raise InferError(
-                f"unexpected number of elements {len(values)} for input '{tensor.name}' "
-                f"for model '{name}', expecting {count}"
-            )
+    try:
+        values = wire.input_tensor(request, index).values
+    except wire.WireError as exc:
+        raise InferError(f"input '{tensor.name}' for model '{name}': {exc}") from exc
     return tensor.name, values
 
 
-def decode_request(request: ts.ModelInferRequest, model: ServedModel) -> Decoded:
+def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded:
     """Validates a ModelInferRequest against the model's config like Triton core does."""
     if request.raw_input_contents and len(request.raw_input_contents) != len(request.inputs):
         raise InferError("raw_input_contents must hold one entry per input")
@@ -208,19 +176,19 @@ def decode_request(request: ts.ModelInferRequest, model: ServedModel) -> Decoded
     )
 
 
-def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, str, int | float]]:
-    """The backend's `return_perf_metrics` outputs: name -> (datatype, typecode, value)."""
+def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, int | float]]:
+    """The backend's `return_perf_metrics` outputs (shape [1, 1] each): name -> (datatype, value)."""
     return {
-        "kv_cache_alloc_new_blocks": ("INT32", "i", perf.kv.new_blocks),
-        "kv_cache_reused_blocks": ("INT32", "i", perf.kv.reused_blocks),
-        "kv_cache_alloc_total_blocks": ("INT32", "i", perf.kv.total_blocks),
-        "arrival_time_ns": ("INT64", "q", perf.arrival_ns),
-        "first_scheduled_time_ns": ("INT64", "q", perf.first_scheduled_ns),
-        "first_token_time_ns": ("INT64", "q", perf.first_token_ns),
-        "last_token_time_ns": ("INT64", "q", perf.last_token_ns),
-        "acceptance_rate": ("FP32", "f", 0.0),
-        "total_accepted_draft_tokens": ("INT32", "i", 0),
-        "total_draft_tokens": ("INT32", "i", 0),
+        "kv_cache_alloc_new_blocks": ("INT32", perf.kv.new_blocks),
+        "kv_cache_reused_blocks": ("INT32", perf.kv.reused_blocks),
+        "kv_cache_alloc_total_blocks": ("INT32", perf.kv.total_blocks),
+        "arrival_time_ns": ("INT64", perf.arrival_ns),
+        "first_scheduled_time_ns": ("INT64", perf.first_scheduled_ns),
+        "first_token_time_ns": ("INT64", perf.first_token_ns),
+        "last_token_time_ns": ("INT64", perf.last_token_ns),
+        "acceptance_rate": ("FP32", 0.0),
+        "total_accepted_draft_tokens": ("INT32", 0),
+        "total_draft_tokens": ("INT32", 0),
     }
 
 
@@ -237,27 +205,16 @@ def _response(
     if tokens is None:
         return response
     wanted = {o.name for o in request.outputs}
-    data = array.array("i", tokens)
-    if not LITTLE_ENDIAN:
-        data.byteswap()
+    # Shapes of the tensorrt_llm model with its batch dimension: [batch, beam, tokens], [batch, beam].
     if not wanted or "output_ids" in wanted:
-        response.outputs.add(name="output_ids", datatype="INT32", shape=[1, 1, len(tokens)])
-        response.raw_output_contents.append(data.tobytes())
+        wire.add_output(response, "output_ids", "INT32", tokens, [1, 1, len(tokens)])
     if not wanted or "sequence_length" in wanted:
-        response.outputs.add(name="sequence_length", datatype="INT32", shape=[1, 1])
-        length = array.array("i", [len(tokens)])
-        if not LITTLE_ENDIAN:
-            length.byteswap()
-        response.raw_output_contents.append(length.tobytes())
+        wire.add_output(response, "sequence_length", "INT32", [len(tokens)], [1, 1])
     if perf is not None:
         # Only outputs the model config declares, as Triton allows a backend no others.
-        for name, (datatype, code, value) in _perf_outputs(perf).items():
+        for name, (datatype, value) in _perf_outputs(perf).items():
             if name in declared and (not wanted or name in wanted):
-                response.outputs.add(name=name, datatype=datatype, shape=[1, 1])
-                scalar = array.array(code, [value])
-                if not LITTLE_ENDIAN:
-                    scalar.byteswap()
-                response.raw_output_contents.append(scalar.tobytes())
+                wire.add_output(response, name, datatype, [value], [1, 1])
     return response
 
 
@@ -280,7 +237,7 @@ def _wants_empty_final(request: ts.ModelInferRequest) -> bool:
 
 
 class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    def __init__(self, models: dict[str, ServedModel]) -> None:
+    def __init__(self, models: dict[str, EngineModel]) -> None:
         self.models = models
         # Request id -> cancel flag of the job running or queued under it (for stop=true).
         self._by_id: dict[str, list[Job]] = {}
@@ -310,7 +267,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
     async def _model(
         self, name: str, version: str, context: grpc.aio.ServicerContext
-    ) -> ServedModel:
+    ) -> EngineModel:
         model = self.models.get(name)
         if model is None or version not in ("", "1"):
             what = f"'{name}'" + (f" version {version}" if version else "")
@@ -528,13 +485,13 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             reader.cancel()
 
 
-def _served(entry: ModelEntry, device: str) -> ServedModel:
+def _served(entry: ModelEntry, device: str) -> EngineModel:
     try:
         model = LlamaModel.load(entry.hf_model_dir, device=device)
         runner = build_runner(model, entry.kv_cache, entry.fingerprint)
     except (CheckpointError, RepositoryError) as exc:
         raise RepositoryError(f"model '{entry.name}': {exc}") from exc
-    return ServedModel(
+    return EngineModel(
         entry=entry,
         model=model,
         runner=runner,
@@ -544,13 +501,14 @@ def _served(entry: ModelEntry, device: str) -> ServedModel:
     )
 
 
-def load_models(repository: Path, device: str = "cpu") -> dict[str, ServedModel]:
-    entries = load_repository(repository)
+def load_repository(repository: Path, device: str = "cpu") -> dict[str, EngineModel]:
+    """Every model of the repository, loaded and with its compute thread running."""
+    entries = read_repository(repository)
     return {name: _served(entry, device) for name, entry in entries.items()}
 
 
 async def start_engine(
-    models: dict[str, ServedModel], listen: str
+    models: dict[str, EngineModel], listen: str
 ) -> tuple[grpc.aio.Server, EngineService, int]:
     """Starts serving; returns the bound port (listen may end in :0 for a free port)."""
     server = grpc.aio.server()
@@ -568,7 +526,8 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
     """The `appliance engine` process: serve until SIGTERM/SIGINT."""
     started = time.monotonic()
     try:
-        models = load_models(repository, device)
+        lock = lock_repository(repository)  # before loading: a second server fails in ms
+        models = load_repository(repository, device)
         server, _, _ = await start_engine(models, listen)
     except RepositoryError as exc:
         print(f"appliance engine: {exc}", file=sys.stderr, flush=True)
@@ -583,4 +542,5 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
     await server.stop(grace=1.0)
     for model in models.values():
         model.runner.close()
+    os.close(lock)
     return 0

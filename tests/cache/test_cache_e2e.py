@@ -191,7 +191,7 @@ async def test_a_cancelled_stream_is_never_cached(gw: Gateway, engine: Engine) -
 async def test_a_failed_stream_is_never_cached(
     tiny: Tiny, engine_repo: Path, redis_server: RedisServer
 ) -> None:
-    from appliance.engine.server import load_models as engine_models
+    from appliance.engine.server import load_repository as engine_models
     from appliance.engine.server import start_engine
 
     models = engine_models(engine_repo)

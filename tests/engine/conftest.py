@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from appliance.engine.llama import LlamaConfig, LlamaModel
+from appliance.engine.llama import LlamaModel, load_config
+
+torch.set_num_threads(1)
 
 MICRO_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -39,7 +41,7 @@ def write_micro_checkpoint(
     dest.mkdir(parents=True, exist_ok=True)
     raw = {**MICRO_CONFIG, **(overrides or {})}
     (dest / "config.json").write_text(json.dumps(raw), encoding="utf-8")
-    config = LlamaConfig.from_dir(dest)
+    config = load_config(dest)
     gen = torch.Generator().manual_seed(0)
     tensors = {
         name: (

@@ -39,7 +39,7 @@ def request(
     stop: bool = False,
     end_id: int | None = None,
     seed: int | None = None,
-    seed_name: str = "random_seed",
+    seed_name: str = "seed",
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -221,7 +221,7 @@ async def test_model_infer_serves_a_non_decoupled_model(
 async def test_seeded_sampling_is_reproducible_under_either_seed_name(
     triton: ts_grpc.GRPCInferenceServiceStub,
 ) -> None:
-    def run(seed: int, model: str = MODEL, name: str = "random_seed") -> ts.ModelInferRequest:
+    def run(seed: int, model: str = MODEL, name: str = "seed") -> ts.ModelInferRequest:
         return request(
             max_tokens=12, seed=seed, temperature=1.0, top_p=1.0, model=model, seed_name=name
         )
@@ -231,7 +231,7 @@ async def test_seeded_sampling_is_reproducible_under_either_seed_name(
 
     first, again, other = await tokens(run(7)), await tokens(run(7)), await tokens(run(8))
     assert first == again and first != other
-    assert await tokens(run(7, "renamed_llm", "seed")) == first
+    assert await tokens(run(7, "legacy_names_llm", "random_seed")) == first
 
 
 async def _first_token_then(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from appliance.engine.llama import CheckpointError, LlamaConfig, LlamaModel
+from appliance.engine.llama import CheckpointError, LlamaModel, load_config
 from appliance.tiny_model import write_tiny_model
 from tests.engine.conftest import MICRO_CONFIG, write_micro_checkpoint
 
@@ -18,7 +18,7 @@ TOKENS = [1, 5, 17, 42, 3, 88, 60, 7, 7, 19, 33, 96]
 
 
 def test_config_reads_gqa_and_head_dim(micro_dir: Path) -> None:
-    config = LlamaConfig.from_dir(micro_dir)
+    config = load_config(micro_dir)
     assert config.num_attention_heads == 6
     assert config.num_key_value_heads == 2
     assert config.head_dim == 8
@@ -116,9 +116,9 @@ def test_logits_match_transformers(
 
 
 def test_missing_directory_and_config(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="not a directory"):
+    with pytest.raises(CheckpointError, match="checkpoint directory missing"):
         LlamaModel.load(tmp_path / "nope")
-    with pytest.raises(CheckpointError, match=r"config\.json not found"):
+    with pytest.raises(CheckpointError, match=r"checkpoint config\.json missing"):
         LlamaModel.load(tmp_path)
 
 
@@ -140,7 +140,7 @@ def test_unsupported_rope_scaling(tmp_path: Path) -> None:
     config = {**MICRO_CONFIG, "rope_scaling": {"type": "yarn", "factor": 4.0}}
     (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
     with pytest.raises(CheckpointError, match="rope_scaling type 'yarn' is not supported"):
-        LlamaConfig.from_dir(tmp_path)
+        load_config(tmp_path)
 
 
 def test_missing_tensor_is_named(tmp_path: Path) -> None:
@@ -194,7 +194,21 @@ def test_transformers_v5_rope_parameters_are_read(tmp_path: Path) -> None:
         "original_max_position_embeddings": 8192,
     }
     (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    parsed = LlamaConfig.from_dir(tmp_path)
+    parsed = load_config(tmp_path)
     assert parsed.rope_theta == 500000.0
     assert parsed.rope_scaling is not None
     assert parsed.rope_scaling.original_max_position_embeddings == 8192
+
+
+def test_config_reader_and_shared_fixtures_do_not_import_torch() -> None:
+    """torch lives only in the engine: the config reader, engine_build and the root conftest
+    (imported by every suite) must not pull it in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tests.conftest, engine_build.hf_config, engine_build.repo, "
+        "appliance.model_store, appliance.backends.wire; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

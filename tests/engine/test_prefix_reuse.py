@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.runner import EngineStats
-from appliance.engine.server import ServedModel, load_models, start_engine
+from appliance.engine.server import EngineModel, load_repository, start_engine
 from tests.conftest import Tiny
 from tests.engine.conftest import write_micro_checkpoint
 from tests.engine.test_conformance import (
@@ -66,7 +66,7 @@ def write_model(
 @dataclass
 class Server:
     stub: ts_grpc.GRPCInferenceServiceStub
-    models: dict[str, ServedModel]
+    models: dict[str, EngineModel]
 
     def stats(self, model: str) -> EngineStats:
         return self.models[model].runner.stats
@@ -88,7 +88,7 @@ async def server(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> AsyncI
 
 @asynccontextmanager
 async def running(repo: Path) -> AsyncIterator[Server]:
-    models = load_models(repo)
+    models = load_repository(repo)
     grpc_server, _, port = await start_engine(models, "127.0.0.1:0")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

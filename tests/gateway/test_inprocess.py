@@ -12,7 +12,7 @@ import pytest
 
 from appliance.config import GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
-from appliance.engine.server import load_models as load_engine_models
+from appliance.engine.server import load_repository as load_engine_models
 from appliance.engine.server import start_engine
 from appliance.gateway import RunningGateway, StartupError, load_models, start_server
 from appliance.v1 import inference_pb2 as pb
@@ -123,8 +123,8 @@ async def test_a_model_that_is_not_decoupled_is_refused_at_start_up(
         await load_models(_config(tiny, engine.address, triton_model="sync_llm"))
 
 
-async def test_later_input_names_are_mapped(tiny: Tiny, engine: Engine) -> None:
-    running = await _gateway(_config(tiny, engine.address, triton_model="renamed_llm"))
+async def test_earlier_input_names_are_mapped(tiny: Tiny, engine: Engine) -> None:
+    running = await _gateway(_config(tiny, engine.address, triton_model="legacy_names_llm"))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)

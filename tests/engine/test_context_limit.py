@@ -1,0 +1,56 @@
+"""A prompt longer than what the engine serves: the engine's in-band error reaches the client as
+INVALID_ARGUMENT with the engine's own words.
+
+The gateway bounds prompts by the model's context (config.json); an engine built for a shorter
+max_seq_len (the repository's parameter) is the case where only the engine can refuse.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from appliance.config import GatewayConfig, ModelConfig, ServerConfig
+from appliance.engine.server import load_repository, start_engine
+from appliance.gateway import load_models, start_server
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from engine_build.repo import write_hf_repository
+from tests.conftest import Tiny
+
+SHORT = 64
+
+
+async def test_prompt_beyond_the_engine_limit_is_invalid_argument(
+    tiny: Tiny, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    repo = write_hf_repository(tiny.model_dir, tmp_path_factory.mktemp("short") / "repo", SHORT)
+    models = load_repository(repo)
+    assert models["tensorrt_llm"].max_len == SHORT
+    server, _, port = await start_engine(models, "127.0.0.1:0")
+    model = ModelConfig(
+        name="tiny",
+        backend=f"127.0.0.1:{port}",
+        tokenizer_dir=tiny.tokenizer_dir,
+        ready_timeout_s=5.0,
+    )
+    gateway = await start_server(
+        config := GatewayConfig(server=ServerConfig(listen="127.0.0.1:0"), models={"tiny": model}),
+        await load_models(config),
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            long_prompt = "the cache answers repeated questions " * 12
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Complete(pb.GenerateRequest(model="tiny", prompt=long_prompt))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"exceeds the maximum sequence length ({SHORT})" in (err.value.details() or "")
+            # A prompt that fits is served by the same engine.
+            ok = await stub.Complete(pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=4))
+            assert ok.final.usage.completion_tokens == 4
+    finally:
+        await gateway.drain(0.1)
+        await server.stop(grace=None)
+        for m in models.values():
+            m.runner.close()

@@ -1,0 +1,84 @@
+"""`appliance engine` refuses to start, with one line naming what to fix, when it cannot serve."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.engine.repository import RepositoryError, lock_repository
+from engine_build.repo import write_hf_repository
+from tests.conftest import Tiny
+
+
+def _engine(repo: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "appliance",
+            "engine",
+            "--repository",
+            str(repo),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("appliance engine: ")
+    return lines[0]
+
+
+def _repo_for(model_dir: Path, tmp_path: Path) -> Path:
+    return write_hf_repository(model_dir, tmp_path / "repo")
+
+
+def test_half_written_checkpoint_is_refused_naming_the_file(tiny: Tiny, tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny.model_dir, model_dir)
+    repo = _repo_for(model_dir, tmp_path)
+    weights = model_dir / "model.safetensors"
+    with weights.open("r+b") as f:  # a copy that stopped half way
+        f.truncate(weights.stat().st_size // 2)
+    done = _engine(repo)
+    assert done.returncode == 2
+    line = _one_line(done.stderr)
+    assert str(weights) in line and "not a readable safetensors file" in line
+
+
+def test_missing_checkpoint_is_refused_naming_the_directory(tiny: Tiny, tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny.model_dir, model_dir)
+    repo = _repo_for(model_dir, tmp_path)
+    shutil.rmtree(model_dir)
+    done = _engine(repo)
+    assert done.returncode == 2
+    line = _one_line(done.stderr)
+    assert "checkpoint directory missing" in line and str(model_dir) in line
+
+
+def test_a_second_engine_on_one_repository_fails_at_start(tiny: Tiny, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny.repo, repo)
+    held = lock_repository(repo)  # what a running engine server holds
+    try:
+        with pytest.raises(RepositoryError, match="another engine server is already serving"):
+            lock_repository(repo)
+        done = _engine(repo)
+        assert done.returncode == 2
+        assert "another engine server is already serving this repository" in _one_line(done.stderr)
+    finally:
+        os.close(held)
+    os.close(lock_repository(repo))  # released with its descriptor: free again
