@@ -174,6 +174,27 @@ def tokens_per_second(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def weight_floor_ms(model: LlamaModel, repeats: int = 5) -> float:
+    """Best time of the matrix-vector products one decode step must do: every weight read once.
+
+    No float32 decoder on this machine decodes faster than this (batch 1 is bound by reading the
+    weights); it tells how much of a step is overhead above it.
+    """
+    x = torch.randn(1, model.config.hidden_size, dtype=model.dtype)
+    up = torch.randn(1, model.config.intermediate_size, dtype=model.dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for layer in model.layers:
+                for weight in (layer.wqkv, layer.wo, layer.w13):
+                    torch.nn.functional.linear(x, weight)
+                torch.nn.functional.linear(up, layer.w2)
+            torch.nn.functional.linear(x, model.lm_head)
+            best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def bench_decode(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -218,6 +239,12 @@ def bench_decode(args: argparse.Namespace) -> None:
         results["transformers generate"]
     )
     print(f"engine decoder / transformers (medians): {ratio:.2f}x (goal >= 2x)")
+    floor = weight_floor_ms(ours)
+    print(
+        f"weight-read floor (every matrix-vector product of a step, best of 5): {floor:.1f} ms "
+        f"= {1e3 / floor:.1f} tok/s at most; engine step {1e3 / statistics.median(results['engine decoder']):.1f} ms, "
+        f"transformers step {1e3 / statistics.median(results['transformers generate']):.1f} ms"
+    )
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from appliance.engine.llama import LlamaModel
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
-from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams, RepositoryError
+from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
 from appliance.engine.sampling import SamplingParams, generate
 
 log = logging.getLogger(__name__)
@@ -232,14 +232,10 @@ class Runner:
 
 
 def build_runner(model: LlamaModel, params: KvCacheParams, fingerprint: str) -> Runner:
-    """The runner a repository's KV-cache parameters ask for; RepositoryError if they cannot hold."""
+    """The runner a repository's KV-cache parameters ask for."""
+    # The repository's limit (what an engine was built for), within the checkpoint's context.
     limit = model.config.max_position_embeddings
-    max_seq_len = params.max_seq_len or limit
-    if max_seq_len > limit:
-        raise RepositoryError(
-            f"parameter 'max_seq_len' {max_seq_len} exceeds the checkpoint's "
-            f"max_position_embeddings ({limit}); lower max_seq_len"
-        )
+    max_seq_len = min(params.max_seq_len or limit, limit)
     prefix = None
     if params.enable_reuse:
         blocks = pool_blocks(
