@@ -101,17 +101,27 @@ class KVCache:
                 f"{config.max_position_embeddings}"
             )
         self.max_seq_len = max_seq_len
-        shape = (
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            max_seq_len,
-            config.head_dim,
+        self.k, self.v = empty_kv(config, max_seq_len, device, dtype)
+
+
+def empty_kv(
+    config: LlamaConfig,
+    tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    blocks: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V storage of shape (*blocks, layers, kv_heads, tokens, head_dim).
+
+    Uninitialised on purpose: readers only touch positions a forward pass or a copy has written,
+    and skipping the memset keeps allocation cheap for long contexts and large pools.
+    """
+    shape = (*blocks, config.num_hidden_layers, config.num_key_value_heads, tokens, config.head_dim)
+    with torch.inference_mode():
+        return (
+            torch.empty(shape, device=device, dtype=dtype),
+            torch.empty(shape, device=device, dtype=dtype),
         )
-        # Uninitialised on purpose: attention only reads positions a forward pass has written,
-        # and skipping the memset keeps per-request setup cheap for long contexts.
-        with torch.inference_mode():
-            self.k = torch.empty(shape, device=device, dtype=dtype)
-            self.v = torch.empty(shape, device=device, dtype=dtype)
 
 
 @dataclass

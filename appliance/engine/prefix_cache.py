@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.llama import KVCache, LlamaConfig
+from appliance.engine.llama import KVCache, LlamaConfig, empty_kv
 
 __all__ = ["KvCacheStats", "PrefixCache", "RequestKvStats", "pool_blocks"]
 
@@ -169,17 +169,8 @@ class PrefixCache:
             raise ValueError("a prefix cache needs at least one block of at least one token")
         self.tokens_per_block = tokens_per_block
         self.root = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
-        shape = (
-            num_blocks,
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            tokens_per_block,
-            config.head_dim,
-        )
-        with torch.inference_mode():
-            # Uninitialised: a slot is read only after `store` has written it.
-            self.k = torch.empty(shape, device=device, dtype=dtype)
-            self.v = torch.empty(shape, device=device, dtype=dtype)
+        # A slot is read only after `store` has written it.
+        self.k, self.v = empty_kv(config, tokens_per_block, device, dtype, (num_blocks,))
         # key -> entry, least recently used first.
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self._free = list(range(num_blocks - 1, -1, -1))
