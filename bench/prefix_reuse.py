@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import shutil
 import statistics
@@ -39,6 +40,7 @@ from appliance import processes
 from appliance.backends import wire
 from appliance.engine.llama import LlamaModel
 from appliance.engine.sampling import SamplingParams, generate
+from bench.common import pct
 from engine_build.hf_config import read_config
 from engine_build.repo import write_hf_repository
 
@@ -205,6 +207,7 @@ def bench_decode(args: argparse.Namespace) -> None:
     n = args.decode_tokens
     cache = ours.new_cache(ours.config.max_position_embeddings)
     results: dict[str, list[float]] = {"engine decoder": [], "transformers generate": []}
+    gaps: dict[str, list[float]] = {name: [] for name in results}
     same = True
 
     def run_ours() -> list[float]:
@@ -237,17 +240,22 @@ def bench_decode(args: argparse.Namespace) -> None:
             stamps = runs[name]()
             if r:
                 results[name].append(tokens_per_second(stamps))
+                gaps[name] += [b - a for a, b in itertools.pairwise(stamps)]
         same = same and tokens == theirs_tokens
     print(
         f"(B) decode, {args.decode_rounds} rounds: prompt {len(prompt)} tokens, {n} new tokens, "
         f"greedy, float32, torch threads {torch.get_num_threads()}; same tokens: {same}"
     )
-    print("| decoder | median tok/s | min | max (least disturbed) |")
-    print("|---|---:|---:|---:|")
+    print("| decoder | median tok/s | min | max | step ms P10 | step ms min |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, values in results.items():
+        steps = [g * 1e3 for g in gaps[name]]
         print(
-            f"| {name} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} |"
+            f"| {name} | {statistics.median(values):.1f} | {min(values):.1f} | {max(values):.1f} "
+            f"| {pct(steps, 0.1):.1f} | {min(steps):.1f} |"
         )
+    best = min(gaps["transformers generate"]) / min(gaps["engine decoder"])
+    print(f"fastest step, transformers / engine decoder (least disturbed by load): {best:.2f}x")
     ratio = statistics.median(results["engine decoder"]) / statistics.median(
         results["transformers generate"]
     )
