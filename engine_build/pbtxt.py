@@ -66,6 +66,7 @@ class RepoParams:
     max_batch_size: int
     max_input_len: int
     max_seq_len: int
+    tokens_per_block: int
     kv_cache_free_gpu_mem_fraction: float
     enable_kv_cache_reuse: bool
     cuda_graph_mode: bool
@@ -97,9 +98,11 @@ def parameters(p: RepoParams) -> dict[str, str]:
         "cuda_graph_mode": _bool(p.cuda_graph_mode),
         "cuda_graph_cache_size": str(p.cuda_graph_cache_size),
         "gpu_device_ids": ",".join(str(i) for i in p.gpu_device_ids),
-        # Not read by the backend; they let the gateway and `verify` see the engine limits.
+        # Not read by the backend; they let the gateway, `verify` and the engine server see the
+        # engine's limits and KV block size.
         "max_input_len": str(p.max_input_len),
         "max_seq_len": str(p.max_seq_len),
+        "tokens_per_block": str(p.tokens_per_block),
         "hf_model_dir": p.hf_model_dir,
     }
     if p.engine_dir is not None:

@@ -36,6 +36,7 @@ def repo_params(spec: BuildSpec, engine_dir: Path | None) -> pbtxt.RepoParams:
         max_batch_size=spec.max_batch_size,
         max_input_len=spec.max_input_len,
         max_seq_len=spec.max_seq_len,
+        tokens_per_block=spec.tokens_per_block,
         kv_cache_free_gpu_mem_fraction=spec.kv_cache_free_gpu_mem_fraction,
         enable_kv_cache_reuse=spec.enable_kv_cache_reuse,
         cuda_graph_mode=spec.cuda_graph_mode,

@@ -101,17 +101,27 @@ class KVCache:
                 f"{config.max_position_embeddings}"
             )
         self.max_seq_len = max_seq_len
-        shape = (
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            max_seq_len,
-            config.head_dim,
+        self.k, self.v = empty_kv(config, max_seq_len, device, dtype)
+
+
+def empty_kv(
+    config: LlamaConfig,
+    tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    blocks: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V storage of shape (*blocks, layers, kv_heads, tokens, head_dim).
+
+    Uninitialised on purpose: readers only touch positions a forward pass or a copy has written,
+    and skipping the memset keeps allocation cheap for long contexts and large pools.
+    """
+    shape = (*blocks, config.num_hidden_layers, config.num_key_value_heads, tokens, config.head_dim)
+    with torch.inference_mode():
+        return (
+            torch.empty(shape, device=device, dtype=dtype),
+            torch.empty(shape, device=device, dtype=dtype),
         )
-        # Uninitialised on purpose: attention only reads positions a forward pass has written,
-        # and skipping the memset keeps per-request setup cheap for long contexts.
-        with torch.inference_mode():
-            self.k = torch.empty(shape, device=device, dtype=dtype)
-            self.v = torch.empty(shape, device=device, dtype=dtype)
 
 
 @dataclass
@@ -332,10 +342,11 @@ class LlamaModel:
         end = start_pos + n
         cos = self.cos[start_pos:end]
         sin = self.sin[start_pos:end]
+        group = c.num_attention_heads // c.num_key_value_heads
         mask: torch.Tensor | None = None
         if n > 1:
-            # Causal mask aligned to absolute positions, so chunked prefill after a cached prefix
-            # is also correct (SDPA's is_causal aligns top-left, which is wrong when start_pos > 0).
+            # Causal mask aligned to absolute positions, so a prefill after a reused prefix is also
+            # correct (SDPA's is_causal aligns top-left, which is wrong when start_pos > 0).
             q_pos = torch.arange(start_pos, end, device=self.device)
             k_pos = torch.arange(end, device=self.device)
             mask = k_pos[None, :] <= q_pos[:, None]
@@ -353,14 +364,26 @@ class LlamaModel:
             k = self._rope(k, cos, sin)
             cache.k[li, :, start_pos:end] = k
             cache.v[li, :, start_pos:end] = v
-            attn = F.scaled_dot_product_attention(
-                q,
-                cache.k[li, :, :end],
-                cache.v[li, :, :end],
-                attn_mask=mask,
-                enable_gqa=c.num_key_value_heads != c.num_attention_heads,
-            )  # (heads, n, head_dim)
-            x = x + F.linear(attn.transpose(0, 1).reshape(n, self._q_size), layer.wo)
+            keys, values = cache.k[li, :, :end], cache.v[li, :, :end]
+            if n == 1:
+                # A decode step: the query heads that share a KV head are the rows of one
+                # (kv_heads, group, d) batch, so GQA needs neither K/V expansion nor a mask. 3-D
+                # inputs keep SDPA on its math path, which on CPU beat the flash kernel's
+                # multi-threaded split for one query row and never stalled on a busy core.
+                attn = F.scaled_dot_product_attention(
+                    q.reshape(c.num_key_value_heads, group, c.head_dim), keys, values
+                )
+            else:
+                # A prefill: 4-D inputs take the fused CPU flash kernel, which also does GQA.
+                attn = F.scaled_dot_product_attention(
+                    q.unsqueeze(0),
+                    keys.unsqueeze(0),
+                    values.unsqueeze(0),
+                    attn_mask=mask,
+                    enable_gqa=group > 1,
+                )
+            attn = attn.view(c.num_attention_heads, n, c.head_dim).transpose(0, 1)
+            x = x + F.linear(attn.reshape(n, self._q_size), layer.wo)
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = F.linear(h, layer.w13).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w2)

@@ -3,10 +3,15 @@
 The gRPC side lives on an asyncio loop; compute runs on its own thread so a forward pass never blocks
 the loop. Each job reports back through a callback that the server makes thread-safe. Cancellation is a
 flag the generation loop polls before every step, so a cancelled job stops within one forward pass.
+
+Nothing is allocated per request: the runner owns one KV cache sized to the repository's
+`max_seq_len`, which every job overwrites, and (with `enable_kv_cache_reuse`) a pool of finished
+requests' blocks from which a job's matching prefix is copied in instead of recomputed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -15,9 +20,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from appliance.engine.llama import LlamaModel
+from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
+from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
 from appliance.engine.sampling import SamplingParams, generate
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestPerf:
+    """What TensorRT-LLM's `RequestPerfMetrics` holds for a request so far (`return_perf_metrics`).
+
+    Times are CLOCK_MONOTONIC nanoseconds, the clock of the executor's steady_clock time points.
+    """
+
+    kv: RequestKvStats
+    arrival_ns: int
+    first_scheduled_ns: int
+    first_token_ns: int
+    last_token_ns: int
 
 
 @dataclass(frozen=True)
@@ -27,6 +48,7 @@ class Emission:
     tokens: list[int] | None
     final: bool
     error: str | None = None
+    perf: RequestPerf | None = None
 
 
 @dataclass(eq=False)  # identity: jobs live in sets and are compared by who they are
@@ -40,6 +62,8 @@ class Job:
     emit: Callable[[Emission], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
+    return_perf: bool = False
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
 
 
 @dataclass
@@ -54,6 +78,7 @@ class EngineStats:
     queue_ns: int = 0
     compute_ns: int = 0
     running: str | None = None
+    kv: KvCacheStats = field(default_factory=KvCacheStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
     changed: threading.Condition = field(init=False)
 
@@ -64,9 +89,21 @@ class EngineStats:
 class Runner:
     """A single compute thread serving jobs in arrival order."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        max_seq_len: int | None = None,
+        tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK,
+        prefix: PrefixCache | None = None,
+    ) -> None:
+        """`max_seq_len` sizes the one working KV cache (default: the model's context)."""
         self.model = model
-        self.stats = EngineStats()
+        self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
+        self.prefix = prefix
+        self.tokens_per_block = prefix.tokens_per_block if prefix else tokens_per_block
+        # The compute thread's own counters; EngineStats.kv is a copy published under the lock.
+        self._kv = prefix.stats if prefix else KvCacheStats(tokens_per_block=self.tokens_per_block)
+        self.stats = EngineStats(kv=dataclasses.replace(self._kv))
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="engine-compute", daemon=True)
         self._thread.start()
@@ -101,7 +138,23 @@ class Runner:
                     self.stats.compute_ns += int((time.monotonic() - started) * 1e9)
                     self.stats.changed.notify_all()
 
+    def _reuse(self, prompt: Sequence[int]) -> RequestKvStats:
+        """Copy the longest pooled prefix of `prompt` into the working cache; say how much."""
+        b = self.tokens_per_block
+        prompt_blocks = -(-len(prompt) // b)
+        if self.prefix is None:
+            return RequestKvStats(total_blocks=prompt_blocks)
+        slots = self.prefix.match(prompt)
+        # The last prompt token is always recomputed: its forward pass yields the first logits.
+        reused_tokens = min(len(slots) * b, len(prompt) - 1)
+        reused_blocks = -(-reused_tokens // b)
+        self.prefix.load(slots[:reused_blocks], self.cache)
+        return RequestKvStats(prompt_blocks, reused_blocks, reused_tokens)
+
     def _run(self, job: Job) -> None:
+        scheduled_ns = time.monotonic_ns()
+        kv = self._reuse(job.prompt_ids)
+        history: list[int] = []
         tokens = generate(
             self.model,
             job.prompt_ids,
@@ -109,29 +162,66 @@ class Runner:
             job.end_id,
             job.params,
             should_stop=job.cancel.is_set,
+            cache=self.cache,
+            start_pos=kv.reused_tokens,
+            history=history,
         )
         produced: list[int] = []
+        first_token_ns = 0
+
+        def perf() -> RequestPerf | None:
+            if not job.return_perf:
+                return None
+            now = time.monotonic_ns()
+            length = len(job.prompt_ids) + len(produced)
+            return RequestPerf(
+                dataclasses.replace(kv, total_blocks=-(-length // self.tokens_per_block)),
+                job.arrival_ns,
+                scheduled_ns,
+                first_token_ns or now,
+                now,
+            )
+
+        finished = False
         for token in tokens:
             produced.append(token)
+            first_token_ns = first_token_ns or time.monotonic_ns()
             with self.stats.lock:
                 self.stats.tokens_generated += 1
             if job.streaming:
-                last = len(produced) == job.max_new_tokens
-                if last:  # counted before the final response leaves, so statistics never lag it
+                finished = len(produced) == job.max_new_tokens
+                if finished:  # counted before the final response leaves, so statistics never lag it
                     self._count(completed=1)
-                job.emit(Emission([token], final=last))
-                if last:
-                    return
-        if job.cancel.is_set():
+                job.emit(Emission([token], final=finished, perf=perf()))
+                if finished:
+                    break
+        if not finished and job.cancel.is_set():
             self._count(cancelled=1)
             job.emit(Emission(None, final=True))
-            return
-        self._count(completed=1)
-        if not job.streaming:
-            job.emit(Emission(produced, final=True))
-        else:
-            # Ended by the end id: a final response with no new tokens (not a null response).
-            job.emit(Emission([], final=True))
+        elif not finished:
+            finished = True
+            self._count(completed=1)
+            if not job.streaming:
+                job.emit(Emission(produced, final=True, perf=perf()))
+            else:
+                # Ended by the end id: a final response with no new tokens (not a null response).
+                job.emit(Emission([], final=True, perf=perf()))
+        self._account(job, kv, produced, history if finished else None)
+
+    def _account(
+        self, job: Job, kv: RequestKvStats, produced: list[int], history: list[int] | None
+    ) -> None:
+        """After the final response: pool a finished request's blocks, publish the counters.
+
+        `history` is None for a cancelled request, which stores nothing.
+        """
+        b = self.tokens_per_block
+        total = -(-(len(job.prompt_ids) + len(produced)) // b)
+        self._kv.record(dataclasses.replace(kv, total_blocks=total), -(-len(job.prompt_ids) // b))
+        if self.prefix is not None and history is not None:
+            self.prefix.store(history, self.cache)
+        with self.stats.lock:
+            self.stats.kv = dataclasses.replace(self._kv)
 
     def _count(self, completed: int = 0, cancelled: int = 0, failed: int = 0) -> None:
         with self.stats.changed:
@@ -139,3 +229,39 @@ class Runner:
             self.stats.cancelled += cancelled
             self.stats.failed += failed
             self.stats.changed.notify_all()
+
+
+def build_runner(model: LlamaModel, params: KvCacheParams, fingerprint: str) -> Runner:
+    """The runner a repository's KV-cache parameters ask for."""
+    # The repository's limit (what an engine was built for), within the checkpoint's context.
+    limit = model.config.max_position_embeddings
+    max_seq_len = min(params.max_seq_len or limit, limit)
+    prefix = None
+    if params.enable_reuse:
+        blocks = pool_blocks(
+            model.config,
+            model.dtype,
+            model.device,
+            params.tokens_per_block,
+            max_seq_len,
+            params.max_tokens,
+            params.free_mem_fraction,
+        )
+        if blocks:
+            prefix = PrefixCache(
+                model.config,
+                blocks,
+                params.tokens_per_block,
+                fingerprint,
+                model.device,
+                model.dtype,
+            )
+            log.info("KV cache reuse: %d blocks of %d tokens", blocks, params.tokens_per_block)
+        else:
+            log.warning(
+                "KV cache reuse is on but max_tokens_in_paged_kv_cache (%s) leaves no block "
+                "beyond the running request's %d tokens: reuse is off",
+                params.max_tokens,
+                max_seq_len,
+            )
+    return Runner(model, max_seq_len, params.tokens_per_block, prefix)

@@ -100,6 +100,8 @@ def generate(
     params: SamplingParams,
     should_stop: Callable[[], bool] = lambda: False,
     cache: KVCache | None = None,
+    start_pos: int = 0,
+    history: list[int] | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
 
@@ -108,6 +110,9 @@ def generate(
     and before every decode step, so a cancelled request costs at most one more forward pass.
     `cache` lets a caller reuse one preallocated cache across requests (its contents are simply
     overwritten); by default each request gets a cache sized to prompt + max_new_tokens.
+    `start_pos` > 0 says `cache` already holds the K/V of prompt positions 0..start_pos-1 (a reused
+    prefix): only the rest is prefilled. `history`, when given, is extended with each token once
+    its K/V is in the cache, so afterwards it names exactly the cache's valid positions.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must contain at least one token")
@@ -125,8 +130,23 @@ def generate(
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     if cache is not None and cache.max_seq_len < total:
         raise ValueError(f"the cache holds {cache.max_seq_len} tokens; this request needs {total}")
+    if not 0 <= start_pos < len(prompt_ids) or (start_pos and cache is None):
+        raise ValueError(
+            f"start_pos must be in [0, {len(prompt_ids)}) and needs a cache holding the prefix, "
+            f"got {start_pos}"
+        )
     sampler = Sampler(params)
-    return _generate(model, list(prompt_ids), max_new_tokens, end_id, sampler, should_stop, cache)
+    return _generate(
+        model,
+        list(prompt_ids),
+        max_new_tokens,
+        end_id,
+        sampler,
+        should_stop,
+        cache,
+        start_pos,
+        history if history is not None else [],
+    )
 
 
 def _generate(
@@ -137,12 +157,15 @@ def _generate(
     sampler: Sampler,
     should_stop: Callable[[], bool],
     cache: KVCache | None,
+    start_pos: int,
+    history: list[int],
 ) -> Iterator[int]:
     if max_new_tokens == 0 or should_stop():
         return
     if cache is None:
         cache = model.new_cache(len(prompt_ids) + max_new_tokens)
-    logits = model.forward(prompt_ids, cache, 0)
+    logits = model.forward(prompt_ids[start_pos:], cache, start_pos)
+    history.extend(prompt_ids)
     pos = len(prompt_ids)
     for step in range(max_new_tokens):
         token = sampler(logits)
@@ -152,4 +175,5 @@ def _generate(
         if step == max_new_tokens - 1 or should_stop():
             return
         logits = model.forward((token,), cache, pos)
+        history.append(token)
         pos += 1

@@ -34,7 +34,7 @@ from appliance.engine.repository import (
     lock_repository,
     read_repository,
 )
-from appliance.engine.runner import Emission, Job, Runner
+from appliance.engine.runner import Emission, Job, RequestPerf, Runner, build_runner
 from appliance.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class EngineModel:
     runner: Runner
     inputs: dict[str, mc.ModelInput]
     max_len: int
+    output_names: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Decoded:
     streaming: bool
     stop: bool
     exclude_input: bool
+    return_perf: bool = False
 
 
 def _read_tensor(
@@ -188,7 +190,24 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         streaming=bool(scalar("streaming", False)),
         stop=stop,
         exclude_input=bool(scalar("exclude_input_in_output", exclude)),
+        return_perf=bool(scalar("return_perf_metrics", False)),
     )
+
+
+def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, int | float]]:
+    """The backend's `return_perf_metrics` outputs (shape [1, 1] each): name -> (datatype, value)."""
+    return {
+        "kv_cache_alloc_new_blocks": ("INT32", perf.kv.new_blocks),
+        "kv_cache_reused_blocks": ("INT32", perf.kv.reused_blocks),
+        "kv_cache_alloc_total_blocks": ("INT32", perf.kv.total_blocks),
+        "arrival_time_ns": ("INT64", perf.arrival_ns),
+        "first_scheduled_time_ns": ("INT64", perf.first_scheduled_ns),
+        "first_token_time_ns": ("INT64", perf.first_token_ns),
+        "last_token_time_ns": ("INT64", perf.last_token_ns),
+        "acceptance_rate": ("FP32", 0.0),
+        "total_accepted_draft_tokens": ("INT32", 0),
+        "total_draft_tokens": ("INT32", 0),
+    }
 
 
 def _response(
@@ -196,6 +215,8 @@ def _response(
     request: ts.ModelInferRequest,
     tokens: list[int] | None,
     final: bool,
+    perf: RequestPerf | None = None,
+    declared: frozenset[str] = frozenset(),
 ) -> ts.ModelInferResponse:
     response = ts.ModelInferResponse(model_name=model_name, model_version="1", id=request.id)
     response.parameters["triton_final_response"].bool_param = final
@@ -207,6 +228,11 @@ def _response(
         wire.add_output(response, "output_ids", "INT32", tokens, [1, 1, len(tokens)])
     if not wanted or "sequence_length" in wanted:
         wire.add_output(response, "sequence_length", "INT32", [len(tokens)], [1, 1])
+    if perf is not None:
+        # Only outputs the model config declares, as Triton allows a backend no others.
+        for name, (datatype, value) in _perf_outputs(perf).items():
+            if name in declared and (not wanted or name in wanted):
+                wire.add_output(response, name, datatype, [value], [1, 1])
     return response
 
 
@@ -351,7 +377,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         tokens = emission.tokens or []
         if not decoded.exclude_input:
             tokens = decoded.prompt_ids + tokens
-        return _response(model.entry.name, request, tokens, final=True)
+        return _response(model.entry.name, request, tokens, True, emission.perf, model.output_names)
 
     def _new_job(self, request: ts.ModelInferRequest, decoded: Decoded) -> Job:
         job = Job(
@@ -362,6 +388,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             params=decoded.params,
             streaming=decoded.streaming,
             emit=lambda e: None,
+            return_perf=decoded.return_perf,
         )
         if request.id:
             self._by_id.setdefault(request.id, []).append(job)
@@ -426,7 +453,9 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     tokens = e.tokens
                     if tokens is not None and not decoded.streaming and not decoded.exclude_input:
                         tokens = decoded.prompt_ids + tokens
-                    response = _response(model.entry.name, request, tokens, e.final)
+                    response = _response(
+                        model.entry.name, request, tokens, e.final, e.perf, model.output_names
+                    )
                     outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
                 if e.final:
                     finish(job)
@@ -474,35 +503,19 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             reader.cancel()
 
 
-def _max_seq_len(entry: ModelEntry, context: int) -> int:
-    """The sequence limit: the repository's max_seq_len (what an engine was built for) when it
-    is set and smaller than the model's context."""
-    raw = entry.parameter("max_seq_len", "")
-    try:
-        limit = int(raw) if raw else context
-    except ValueError as exc:
-        raise RepositoryError(
-            f"{entry.directory / 'config.pbtxt'}: parameter max_seq_len {raw!r} is not an integer"
-        ) from exc
-    if limit < 2:
-        raise RepositoryError(
-            f"{entry.directory / 'config.pbtxt'}: parameter max_seq_len {limit} leaves no room "
-            "for a prompt and a generated token"
-        )
-    return min(limit, context)
-
-
 def _served(entry: ModelEntry, device: str) -> EngineModel:
     try:
         model = LlamaModel.load(entry.hf_model_dir, device=device)
-    except CheckpointError as exc:
+        runner = build_runner(model, entry.kv_cache, entry.fingerprint)
+    except (CheckpointError, RepositoryError) as exc:
         raise RepositoryError(f"model '{entry.name}': {exc}") from exc
     return EngineModel(
         entry=entry,
         model=model,
-        runner=Runner(model),
+        runner=runner,
         inputs={i.name: i for i in entry.config.input},
-        max_len=_max_seq_len(entry, model.config.max_position_embeddings),
+        max_len=runner.cache.max_seq_len,
+        output_names=frozenset(o.name for o in entry.config.output),
     )
 
 

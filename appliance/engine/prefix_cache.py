@@ -1,0 +1,255 @@
+"""Reuse of KV blocks across requests, with TensorRT-LLM's `enable_kv_cache_reuse` semantics.
+
+A request's KV is computed into the runner's one preallocated working cache. When a request finishes,
+every *full* block of `tokens_per_block` tokens whose K/V it computed is copied into a preallocated
+pool, keyed by the token ids of the whole prefix up to and including that block: block N of a new
+request matches only if blocks 0..N match, so a reused block always holds exactly the K/V a fresh
+prefill would compute at those positions. A new request copies its matched blocks back into the
+working cache and prefills only the rest; at least one prompt token is always recomputed, because
+the next token's logits come out of a forward pass.
+
+The chain of keys starts at the engine fingerprint, so blocks computed by other weights never match.
+Eviction is LRU with parents kept more recent than their children, so the tails of chains go first
+and a shared system prompt outlives the conversations built on it (TensorRT-LLM also evicts leaves
+of its radix tree first). Only finished requests store blocks: a cancelled or failed request leaves
+nothing behind, so nothing half-computed is ever reusable.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from appliance.engine.llama import KVCache, LlamaConfig, empty_kv
+
+__all__ = ["KvCacheStats", "PrefixCache", "RequestKvStats", "pool_blocks"]
+
+log = logging.getLogger(__name__)
+
+# Without `max_tokens_in_paged_kv_cache`, a CPU host shares its memory with the gateway and Redis, so
+# the pool takes the free-memory fraction TensorRT-LLM would take on a GPU, but never more than this.
+CPU_POOL_CAP_BYTES = 1 << 30
+
+
+@dataclass
+class KvCacheStats:
+    """The engine's KV-cache counters, named after TensorRT-LLM's executor `KvCacheStats`.
+
+    A Prometheus exporter can publish them as Triton's `nv_trt_llm_kv_cache_block_metrics` family
+    (label `kv_cache_block_type`): `tokens_per_block` is "tokens_per", `max_blocks` "max" (the reuse
+    pool's capacity), `used_blocks` "used" (blocks holding reusable K/V), `free_blocks` "free",
+    `reused_blocks` "reused" and used/max "fraction". The cumulative counters mirror `reusedBlocks`,
+    `missedBlocks`, `allocTotalBlocks` and `allocNewBlocks`; `reused_tokens` (prompt tokens not
+    recomputed, vLLM's `prefix_cache_hits`), `stored_blocks` and `evicted_blocks` have no
+    TensorRT-LLM gauge.
+    """
+
+    tokens_per_block: int = 0
+    max_blocks: int = 0
+    used_blocks: int = 0
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+    alloc_total_blocks: int = 0
+    alloc_new_blocks: int = 0
+    reused_tokens: int = 0
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.max_blocks - self.used_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """`cacheHitRate`: reused / (reused + missed)."""
+        looked_up = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / looked_up if looked_up else 0.0
+
+    def record(self, request: RequestKvStats, prompt_blocks: int) -> None:
+        """Count one request the way the executor does: prompt blocks reused or missed, and the
+        blocks its whole sequence took."""
+        self.reused_blocks += request.reused_blocks
+        self.missed_blocks += prompt_blocks - request.reused_blocks
+        self.reused_tokens += request.reused_tokens
+        self.alloc_total_blocks += request.total_blocks
+        self.alloc_new_blocks += request.new_blocks
+
+
+@dataclass(frozen=True)
+class RequestKvStats:
+    """One request's KV blocks, as TensorRT-LLM's `RequestPerfMetrics.kvCacheMetrics` counts them.
+
+    `total_blocks` is the blocks its sequence (prompt + generated so far) occupies, `reused_blocks`
+    those it took from the pool, `new_blocks` the rest; `reused_tokens` the prompt tokens not
+    recomputed. The backend returns the first three as `kv_cache_alloc_total_blocks`,
+    `kv_cache_reused_blocks` and `kv_cache_alloc_new_blocks`.
+    """
+
+    total_blocks: int = 0
+    reused_blocks: int = 0
+    reused_tokens: int = 0
+
+    @property
+    def new_blocks(self) -> int:
+        return self.total_blocks - self.reused_blocks
+
+
+def bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """K and V of one token across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return CPU_POOL_CAP_BYTES
+
+
+def pool_blocks(
+    config: LlamaConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tokens_per_block: int,
+    max_seq_len: int,
+    max_tokens: int | None,
+    free_mem_fraction: float,
+) -> int:
+    """How many blocks the reuse pool gets.
+
+    TensorRT-LLM's pool is `max_tokens_in_paged_kv_cache` tokens when the repository sets it, else
+    `kv_cache_free_gpu_mem_fraction` of free device memory; it also holds the running request. Here
+    the running request lives in the working cache (max_seq_len tokens), which is taken out of that
+    budget; the rest, in whole blocks, is the pool. On CPU the memory-fraction budget is capped at
+    CPU_POOL_CAP_BYTES (set max_tokens_in_paged_kv_cache for more).
+    """
+    if max_tokens is None:
+        budget = int(_free_device_bytes(device) * free_mem_fraction)
+        if device.type != "cuda":
+            budget = min(budget, CPU_POOL_CAP_BYTES)
+        max_tokens = budget // bytes_per_token(config, dtype)
+    return max(0, (max_tokens - max_seq_len) // tokens_per_block)
+
+
+@dataclass
+class _Entry:
+    slot: int
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+class PrefixCache:
+    """The pool of reusable blocks and its index; used only from the runner's compute thread."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        num_blocks: int,
+        tokens_per_block: int,
+        fingerprint: str,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if num_blocks <= 0 or tokens_per_block <= 0:
+            raise ValueError("a prefix cache needs at least one block of at least one token")
+        self.tokens_per_block = tokens_per_block
+        self.root = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
+        # A slot is read only after `store` has written it.
+        self.k, self.v = empty_kv(config, tokens_per_block, device, dtype, (num_blocks,))
+        # key -> entry, least recently used first.
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.stats = KvCacheStats(tokens_per_block=tokens_per_block, max_blocks=num_blocks)
+
+    def snapshot(self) -> KvCacheStats:
+        return dataclasses.replace(self.stats)
+
+    def _blocks(self, tokens: Sequence[int], count: int) -> list[tuple[int, ...]]:
+        b = self.tokens_per_block
+        return [tuple(tokens[i * b : (i + 1) * b]) for i in range(count)]
+
+    @staticmethod
+    def _key(parent: bytes, block: tuple[int, ...]) -> bytes:
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(array.array("q", block).tobytes())
+        return h.digest()
+
+    def _touch(self, keys: list[bytes]) -> None:
+        # Children first, so every parent ends up more recent than its children.
+        for key in reversed(keys):
+            self._index.move_to_end(key)
+
+    def match(self, prompt: Sequence[int]) -> list[int]:
+        """Pool slots of the longest run of leading full prompt blocks already computed."""
+        slots: list[int] = []
+        keys: list[bytes] = []
+        parent = self.root
+        for block in self._blocks(prompt, len(prompt) // self.tokens_per_block):
+            key = self._key(parent, block)
+            entry = self._index.get(key)
+            if entry is None or entry.parent != parent or entry.tokens != block:
+                break
+            slots.append(entry.slot)
+            keys.append(key)
+            parent = key
+        self._touch(keys)
+        return slots
+
+    def load(self, slots: Sequence[int], cache: KVCache) -> None:
+        """Copy pool blocks into positions 0.. of the working cache."""
+        b = self.tokens_per_block
+        with torch.inference_mode():
+            for i, slot in enumerate(slots):
+                cache.k[:, :, i * b : (i + 1) * b].copy_(self.k[slot])
+                cache.v[:, :, i * b : (i + 1) * b].copy_(self.v[slot])
+
+    def store(self, tokens: Sequence[int], cache: KVCache) -> int:
+        """Keep the full blocks of `tokens`, whose K/V the working cache holds at 0..len(tokens).
+
+        Blocks already pooled are only refreshed; new ones take a free slot or evict the least
+        recently used block of another chain. Returns how many blocks were newly stored.
+        """
+        b = self.tokens_per_block
+        count = min(len(tokens) // b, self.stats.max_blocks)
+        keys: list[bytes] = []
+        stored = 0
+        parent = self.root
+        with torch.inference_mode():
+            for i, block in enumerate(self._blocks(tokens, count)):
+                key = self._key(parent, block)
+                if key not in self._index:
+                    slot = self._take_slot()
+                    self.k[slot].copy_(cache.k[:, :, i * b : (i + 1) * b])
+                    self.v[slot].copy_(cache.v[:, :, i * b : (i + 1) * b])
+                    self._index[key] = _Entry(slot, parent, block)
+                    stored += 1
+                keys.append(key)
+                parent = key
+        self._touch(keys)
+        self.stats.stored_blocks += stored
+        self.stats.used_blocks = len(self._index)
+        return stored
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        # The chain being stored was touched by `match` at the start of this request and its new
+        # blocks go to the recent end, so with count <= max_blocks the LRU end is another chain's.
+        _, victim = self._index.popitem(last=False)
+        self.stats.evicted_blocks += 1
+        return victim.slot
