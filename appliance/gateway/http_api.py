@@ -95,10 +95,18 @@ class HttpApi:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         # handle_signals=False: the gateway owns SIGTERM/SIGINT (drain). handler_cancellation:
-        # a client's disconnect cancels its handler and so its pipeline stream.
+        # a client's disconnect cancels its handler and so its pipeline stream. keepalive_timeout
+        # also closes a connection that sends no complete request head in time. shutdown_timeout:
+        # what close() leaves running after its grace is cancelled this much later.
         self._runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, handler_cancellation=True
+            app,
+            handle_signals=False,
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=config.client_timeout_s,
+            shutdown_timeout=1.0,
         )
+        self._site: web.TCPSite | None = None
         self.port = 0
 
     async def start(self) -> int:
@@ -112,6 +120,7 @@ class HttpApi:
         except OSError:
             await self._runner.cleanup()
             raise
+        self._site = site
         self.port = site.port
         return self.port
 
@@ -119,9 +128,15 @@ class HttpApi:
         await self._idle.wait()
 
     async def close(self, grace_s: float) -> None:
-        """Refuses new requests (503), lets running ones finish for up to grace_s, then closes."""
+        """Stops listening and refuses new requests on open connections (503), lets running
+        ones finish for up to grace_s, then closes every connection."""
         self.draining = True
-        self._runner._shutdown_timeout = grace_s  # aiohttp reads it in cleanup()
+        if self._site is not None:
+            await self._site.stop()
+        try:
+            await asyncio.wait_for(self.wait_idle(), grace_s)
+        except TimeoutError:
+            log.warning("HTTP requests still running after %.1f s; ending them", grace_s)
         await self._runner.cleanup()
 
     # -- routes -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ in the test's event loop so a test can look at the engine's statistics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -434,3 +435,32 @@ async def test_drain_ends_an_http_stream_as_cancelled(tiny: Tiny, engine: Engine
         chunks += [c async for c in stream]
         await drained
     assert chunks[-1].choices[0].finish_reason == "cancelled"  # type: ignore[comparison-overlap]
+
+
+async def test_slow_and_silent_clients_are_cut_off(tiny: Tiny, engine: Engine) -> None:
+    config = _config(tiny, engine.address)
+    config = dataclasses.replace(
+        config, http=dataclasses.replace(config.http, client_timeout_s=0.3)
+    )
+    running = await _gateway(config)
+    assert running.http is not None
+    try:
+        # A body that never completes: 408 in OpenAI's shape, and nothing reaches the pipeline.
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.http.port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model"'
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 408 ")
+        writer.close()
+        # A connection that never sends a complete request head is closed.
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.http.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        assert running.pipeline.in_flight == {"tiny": 0}
+    finally:
+        await running.drain(0.5)
