@@ -464,3 +464,21 @@ async def test_slow_and_silent_clients_are_cut_off(tiny: Tiny, engine: Engine) -
         assert running.pipeline.in_flight == {"tiny": 0}
     finally:
         await running.drain(0.5)
+
+
+async def test_an_error_after_the_stream_began_is_an_event_the_sdk_raises(
+    client: AsyncOpenAI,
+) -> None:
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=LONG,
+        max_tokens=1500,
+        stream=True,
+        extra_body={"appliance": {"deadline_ms": 300, "cache_policy": "bypass"}},
+    )
+    texts: list[str] = []
+    with pytest.raises(openai.APIError, match="within the deadline") as err:
+        async for chunk in stream:
+            texts.append(chunk.choices[0].text)
+    assert texts  # the stream had begun: the status line said 200
+    assert isinstance(err.value.body, dict) and err.value.body["type"] == "timeout_error"
