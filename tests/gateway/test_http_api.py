@@ -20,13 +20,11 @@ from openai import AsyncOpenAI
 from appliance.admission import GatedAdmission
 from appliance.config import GatewayConfig, HttpConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
-from appliance.engine.server import load_repository as load_engine_models
-from appliance.engine.server import start_engine
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from tests.conftest import Engine, Tiny
+from tests.conftest import Engine, Tiny, engine_to_stop
 from tests.engine.test_conformance import wait_for
 
 LONG = "Tell me everything"
@@ -357,17 +355,15 @@ async def test_deadline_is_504(client: AsyncOpenAI) -> None:
 
 
 async def test_engine_down_is_503(tiny: Tiny, engine_repo: Path) -> None:
-    models = load_engine_models(engine_repo)
-    server, _, port = await start_engine({"tensorrt_llm": models["tensorrt_llm"]}, "127.0.0.1:0")
-    running = await _gateway(_config(tiny, f"127.0.0.1:{port}"))
+    address, stop_engine = await engine_to_stop(engine_repo)
+    running = await _gateway(_config(tiny, address))
     try:
-        await server.stop(grace=None)
-        models["tensorrt_llm"].runner.close()
+        await stop_engine()
         async with _client(running) as client:
             with pytest.raises(openai.InternalServerError) as err:
                 await client.completions.create(model="tiny", prompt="hi", max_tokens=4)
         assert err.value.status_code == 503
-        assert f"inference server at 127.0.0.1:{port}" in str(err.value.body)
+        assert f"inference server at {address}" in str(err.value.body)
     finally:
         await running.drain(0.1)
 
