@@ -26,6 +26,7 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny, engine_to_stop
 from tests.engine.test_conformance import wait_for
+from tests.gateway.test_inprocess import RecordingSink
 
 LONG = "Tell me everything"
 # Greedy decoding of LONG runs to max_tokens (a sampled answer may end early), and bypassing the
@@ -483,3 +484,22 @@ async def test_an_error_after_the_stream_began_is_an_event_the_sdk_raises(
             texts.append(chunk.choices[0].text)
     assert texts  # the stream had begun: the status line said 200
     assert isinstance(err.value.body, dict) and err.value.body["type"] == "timeout_error"
+
+
+async def test_http_requests_are_reported_like_grpc_ones(tiny: Tiny, engine: Engine) -> None:
+    sink = RecordingSink()
+    config = _config(tiny, engine.address)
+    running = await start_server(config, await load_models(config), sink)
+    try:
+        body = {"model": "tiny", "prompt": "Report me", "max_tokens": 4, "temperature": 0}
+        body["appliance"] = {"request_id": "h1"}
+        status, headers, reply = await _post(running, "/v1/completions", json.dumps(body).encode())
+        assert status == 200 and headers["X-Request-Id"] == "h1" and reply["id"] == "cmpl-h1"
+        status, _, _ = await _post(running, "/v1/completions", b"{oops")
+        assert status == 400
+        good, bad = await sink.wait_for(2)
+    finally:
+        await running.drain(0.5)
+    assert (good.request_id, good.model, good.status, good.tier) == ("h1", "tiny", "OK", "miss")
+    assert good.completion_tokens == reply["usage"]["completion_tokens"]
+    assert (bad.model, bad.status) == ("", "INVALID_ARGUMENT")
