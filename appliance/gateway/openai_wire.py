@@ -113,7 +113,7 @@ class HttpRequest:
 def decode_body(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 4300+ digits
         raise invalid(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise invalid("the request body is not valid JSON: nested too deeply") from None
@@ -124,6 +124,17 @@ def decode_body(body: bytes) -> dict[str, Any]:
 
 def parse_request(data: dict[str, Any], chat: bool) -> HttpRequest:
     """A chat (`/v1/chat/completions`) or completion (`/v1/completions`) body as a request."""
+    try:
+        return _parse(data, chat)
+    except UnicodeEncodeError as exc:
+        # JSON can escape half a UTF-16 pair ("\ud800"); protobuf strings must be valid UTF-8.
+        raise invalid(
+            f"the request holds text that is not valid Unicode: an unpaired surrogate "
+            f"{exc.object[exc.start : exc.end]!a}"
+        ) from None
+
+
+def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name in data:
         if name not in known:
@@ -356,7 +367,10 @@ def error_body(err: WireError, code: str | None = None) -> dict[str, Any]:
 
 
 def dumps(value: object) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON; an unpaired surrogate echoed from a client stays a JSON escape."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(
+        errors="backslashreplace"
+    )
 
 
 # -- answers -----------------------------------------------------------------------------------

@@ -276,6 +276,7 @@ REFUSED: list[tuple[bytes, str]] = [
     (b"[1, 2]", "must be a JSON object, got an array"),
     (b"\xff\xfe", "not valid JSON"),
     (b"[" * 50_000, "nested too deeply"),
+    (b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
     (b'{"model": "tiny"}', "messages is required"),
     (b'{"model": 5, "messages": []}', "model must be a string, got a number"),
     (b'{"model": "tiny", "messages": "hi"}', "messages must be an array, got a string"),
@@ -297,6 +298,9 @@ REFUSED: list[tuple[bytes, str]] = [
     ),
     (b'{"model": "tiny", "messages": [], "max_tokens": 1, "max_completion_tokens": 2}', "differ"),
     (b'{"model": "tiny", "messages": []}', "messages is empty: send at least one message"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "unpaired"),
+    (b'{"model": "ti\\udfffny", "messages": []}', "unpaired surrogate '\\udfff'"),
+    (b'{"model": "tiny", "messages": [], "\\ud800": 1}', "Unrecognized request argument"),
 ]
 
 
