@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gzip
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -319,6 +320,15 @@ async def test_huge_body_is_413_and_unknown_routes_404(gateway: RunningGateway) 
     body = json.dumps({"model": "tiny", "prompt": "x" * 100_000}).encode()
     status, _, reply = await _post(gateway, "/v1/completions", body)
     assert status == 413 and "larger than 65536 bytes" in reply["error"]["message"]
+    # The limit holds for the decompressed body: 20 MB of gzip-compressed text is 19 KB.
+    bomb = gzip.compress(b'{"model": "tiny", "prompt": "' + b"x" * 20_000_000 + b'"}')
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            _url(gateway) + "/v1/completions", data=bomb, headers={"Content-Encoding": "gzip"}
+        ) as r,
+    ):
+        assert r.status == 413
     status, _, reply = await _post(gateway, "/v1/embeddings", b"{}")
     assert status == 404 and "POST /v1/chat/completions" in reply["error"]["message"]
     async with (
