@@ -36,6 +36,16 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    # HOST:PORT of the OpenAI-compatible HTTP API; None: no listener (the gRPC API only).
+    listen: str | None = None
+    # Largest request body; a larger one is refused with 413 before it is read.
+    max_body_bytes: int = 4 * 1024 * 1024
+    # A client that sends its body, or reads its stream, with no progress for this long is cut off.
+    client_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     backend: str
@@ -83,6 +93,7 @@ class GatewayConfig:
     models: dict[str, ModelConfig] = field(default_factory=dict)
     cache: CacheConfig = field(default_factory=CacheConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -107,7 +118,7 @@ def load_config(path: Path) -> GatewayConfig:
     """Reads and validates the gateway configuration; raises ConfigError with file:line: key."""
     text, data = tomlcheck.read(path, "configuration", ConfigError)
 
-    top = _Reader(path, text, "", data, {"server", "models", "cache", "metrics"})
+    top = _Reader(path, text, "", data, {"server", "models", "cache", "metrics", "http"})
     server_data = top.get("server", dict, {})
     srv = _Reader(
         path,
@@ -186,7 +197,22 @@ def load_config(path: Path) -> GatewayConfig:
             others = ", ".join(sorted(set(models) - {name})) or "none"
             r.fail("fallback", f"must name another served model (configured: {others})")
     return GatewayConfig(
-        server=server, models=models, cache=_cache(top, path, text), metrics=metrics
+        server=server,
+        models=models,
+        cache=_cache(top, path, text),
+        metrics=metrics,
+        http=_http(top.sub("http", {"listen", "max_body_bytes", "client_timeout_s"})),
+    )
+
+
+def _http(r: _Reader) -> HttpConfig:
+    max_body = r.size("max_body_bytes", HttpConfig.max_body_bytes)
+    if not max_body:
+        r.fail("max_body_bytes", "must be greater than 0")
+    return HttpConfig(
+        listen=_address(r, "listen", "") if "listen" in r.data else None,
+        max_body_bytes=max_body,
+        client_timeout_s=r.positive("client_timeout_s", float, HttpConfig.client_timeout_s),
     )
 
 

@@ -40,13 +40,15 @@ def write_gateway_config(
     backend: str,
     tokenizer_dir: Path,
     ready_timeout_s: float = 60.0,
+    http_listen: str | None = None,
 ) -> Path:
+    http = f'\n[http]\nlisten = "{http_listen}"\n' if http_listen else ""
     path.write_text(
         f"""# Written by the appliance for a local run.
 [server]
 listen = "{listen}"
 drain_seconds = 5.0
-
+{http}
 [models.{model}]
 backend = "{backend}"
 tokenizer_dir = "{tokenizer_dir}"

@@ -34,6 +34,7 @@ from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench.common import workload_args
 from bench.echo_server import METHOD
 
 MODEL = "tiny"
@@ -185,11 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--model-root", default="var/tiny")
+    workload_args(parser, requests=200)
     uvloop.run(run(parser.parse_args()))
 
 

@@ -10,7 +10,7 @@ uses none of them (engine_build, host_tuning, the gateway's unit tests) never lo
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,6 +121,20 @@ async def engine(engine_repo: Path) -> AsyncIterator[Engine]:
     await server.stop(grace=None)
     for m in models.values():
         m.runner.close()
+
+
+async def engine_to_stop(engine_repo: Path) -> tuple[str, Callable[[], Awaitable[None]]]:
+    """A private engine server's address and a function that stops it (an engine that dies)."""
+    from appliance.engine.server import load_repository, start_engine
+
+    models = load_repository(engine_repo)
+    server, _, port = await start_engine({"tensorrt_llm": models["tensorrt_llm"]}, "127.0.0.1:0")
+
+    async def stop() -> None:
+        await server.stop(grace=None)
+        models["tensorrt_llm"].runner.close()
+
+    return f"127.0.0.1:{port}", stop
 
 
 @pytest.fixture

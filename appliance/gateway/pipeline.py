@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -106,7 +107,9 @@ class Pipeline:
         self.flights: SingleFlight[Event] = SingleFlight()
         # Engine-side request ids are the gateway's own: a client's request_id is not unique across
         # clients, and `stop=true` with a shared id would cancel another client's generation.
-        self._engine_ids = (f"gw{os.getpid()}-{n}" for n in itertools.count())
+        # The random part keeps two pipelines of one process (tests, a restart in place) apart.
+        prefix = f"gw{os.getpid()}-{secrets.token_hex(4)}"
+        self._engine_ids = (f"{prefix}-{n}" for n in itertools.count())
         self._tokenizers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.draining = False
         # Requests being answered, by requested model (read by the metrics collector).

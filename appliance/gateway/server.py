@@ -24,6 +24,7 @@ from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
 from appliance.gateway import decoding
 from appliance.gateway.health import HealthMonitor
+from appliance.gateway.http_api import HttpApi
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
@@ -96,6 +97,8 @@ class RunningGateway:
     metrics: GatewayMetrics
     # Port of the /metrics listener (0: none).
     metrics_port: int = 0
+    # The OpenAI-compatible HTTP API (None: not configured).
+    http: HttpApi | None = None
 
     @property
     def pipeline(self) -> Pipeline:
@@ -106,13 +109,18 @@ class RunningGateway:
         await self.monitor.stop()
         await self.health.enter_graceful_shutdown()
         stopping = asyncio.ensure_future(self.server.stop(grace=drain_seconds + 2.0))
+        http = self.http
+        http_stopping = asyncio.ensure_future(http.close(drain_seconds + 2.0)) if http else None
+        idle = [self.service.wait_idle(), *([http.wait_idle()] if http else [])]
         try:
-            await asyncio.wait_for(self.service.wait_idle(), timeout=drain_seconds)
+            await asyncio.wait_for(asyncio.gather(*idle), timeout=drain_seconds)
         except TimeoutError:
             self.pipeline.draining = True
             for m in self.models.values():
                 m.backend.cancel_all()
         await stopping
+        if http_stopping is not None:
+            await http_stopping
         for m in self.models.values():
             await m.backend.close()
         if self.pipeline.cache is not None:
@@ -174,6 +182,17 @@ async def start_server(
                 f"cannot serve metrics on {config.metrics.listen}: {exc.strerror or exc}"
             ) from exc
         log.info("metrics on http://%s/metrics", config.metrics.listen)
+    if config.http.listen is not None:
+        http = HttpApi(pipeline, health_servicer, SERVICE_NAME, config.http)
+        try:
+            await http.start()
+        except OSError as exc:
+            await running.drain(0)
+            raise StartupError(
+                f"cannot serve the HTTP API on {config.http.listen}: {exc.strerror or exc}"
+            ) from exc
+        running.http = http
+        log.info("OpenAI-compatible HTTP API on http://%s/v1", config.http.listen)
     return running
 
 

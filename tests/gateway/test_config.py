@@ -99,3 +99,31 @@ def test_latency_keys_load(tmp_path: Path) -> None:
 def test_latency_keys_are_checked(tmp_path: Path, extra: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         load_config(_write(tmp_path, GOOD + extra + "\n"))
+
+
+def test_http_api_is_off_unless_configured(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, GOOD)).http.listen is None
+    text = (
+        GOOD + '[http]\nlisten = "127.0.0.1:8080"\nmax_body_bytes = "1MiB"\nclient_timeout_s = 5\n'
+    )
+    http = load_config(_write(tmp_path, text)).http
+    assert (http.listen, http.max_body_bytes, http.client_timeout_s) == (
+        "127.0.0.1:8080",
+        2**20,
+        5.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ('listen = "8080"', r":12: key 'http.listen': expected HOST:PORT, got '8080'"),
+        ("max_body_bytes = 1000", r":12: key 'http.max_body_bytes': expected str, got int"),
+        ('max_body_bytes = "0MiB"', r":12: key 'http.max_body_bytes': must be greater than 0"),
+        ("client_timeout_s = 0", r":12: key 'http.client_timeout_s': must be greater than 0"),
+        ("port = 1", r":12: key 'http.port': unknown key; known keys are client_timeout_s"),
+    ],
+)
+def test_http_keys_are_checked(tmp_path: Path, extra: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_config(_write(tmp_path, GOOD + "[http]\n" + extra + "\n"))

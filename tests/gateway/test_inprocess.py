@@ -12,14 +12,12 @@ import pytest
 
 from appliance.config import GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
-from appliance.engine.server import load_repository as load_engine_models
-from appliance.engine.server import start_engine
 from appliance.gateway.models import StartupError, load_models
 from appliance.gateway.report import RequestReport
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from tests.conftest import Engine, Tiny
+from tests.conftest import Engine, Tiny, engine_to_stop
 from tests.engine.test_conformance import wait_for
 
 
@@ -92,12 +90,10 @@ async def test_stop_string_stops_the_engine_too(
 async def test_engine_unreachable_at_run_time_is_unavailable_fast(
     tiny: Tiny, engine_repo: Path
 ) -> None:
-    models = load_engine_models(engine_repo)
-    server, _, port = await start_engine({"tensorrt_llm": models["tensorrt_llm"]}, "127.0.0.1:0")
-    running = await _gateway(_config(tiny, f"127.0.0.1:{port}"))
+    address, stop_engine = await engine_to_stop(engine_repo)
+    running = await _gateway(_config(tiny, address))
     try:
-        await server.stop(grace=None)
-        models["tensorrt_llm"].runner.close()
+        await stop_engine()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
             loop = asyncio.get_running_loop()
@@ -108,7 +104,7 @@ async def test_engine_unreachable_at_run_time_is_unavailable_fast(
                 )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             # Whether the health monitor saw it first or the request did, the message says where.
-            assert f"inference server at 127.0.0.1:{port}" in (err.value.details() or "")
+            assert f"inference server at {address}" in (err.value.details() or "")
             assert "unavailable" in (err.value.details() or "")
             assert loop.time() - started < 5.0  # refused at once, not a TCP or deadline timeout
     finally:

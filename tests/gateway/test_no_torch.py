@@ -9,6 +9,8 @@ GATEWAY_MODULES = [
     "appliance.cli",
     "appliance.gateway.server",
     "appliance.gateway.pipeline",
+    "appliance.gateway.http_api",
+    "appliance.gateway.openai_wire",
     "appliance.client",
     "appliance.processes",
     "appliance.loadgen.command",

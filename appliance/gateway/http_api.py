@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP API: a second front door onto the gRPC API's pipeline.
+
+Served by aiohttp's web server inside the gateway's own event loop (aiohttp was measured against
+uvicorn with and without Starlette: bench/http_servers.py, docs/PERFORMANCE.md). Thin like the gRPC
+service: a body becomes the pipeline's GenerateRequest (openai_wire), the pipeline's messages become
+server-sent events or one JSON answer, and a RequestError becomes an HTTP status in OpenAI's error
+shape. Nothing about validation, caching or the engine is decided here.
+
+A client that disconnects cancels its handler (aiohttp's handler cancellation), which closes the
+pipeline's stream exactly as a cancelled gRPC call does. A body larger than `max_body_bytes` is
+refused with 413; a client that sends its body, or reads its stream, with no progress for
+`client_timeout_s` is cut off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2
+
+from appliance.config import HttpConfig
+from appliance.errors import RequestError
+from appliance.gateway import openai_wire as wire
+from appliance.gateway.health import health_name
+from appliance.gateway.pipeline import Pipeline
+from appliance.gateway.report import RequestReport
+from appliance.v1 import inference_pb2 as pb
+
+log = logging.getLogger(__name__)
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    # Proxies (nginx) must pass events on as they come, not buffer them.
+    "X-Accel-Buffering": "no",
+}
+# The status the access log and metrics record for a body refused before the pipeline saw it.
+WIRE_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _finish(messages: AsyncIterator[pb.GenerateResponse]) -> None:
+    """Runs the pipeline past its final message: the answer is stored in the cache and the request
+    reported there (closing the stream early would count it as cancelled)."""
+    async for _ in messages:
+        pass
+
+
+def error_response(err: wire.WireError, retry_after_ms: int | None = None) -> web.Response:
+    headers = {}
+    if retry_after_ms is not None:
+        # Retry-After is whole seconds; the openai SDK reads retry-after-ms first.
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+        headers["retry-after-ms"] = str(retry_after_ms)
+    return web.Response(
+        status=err.status,
+        body=wire.dumps(wire.error_body(err)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+class HttpApi:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        health_servicer: health.aio.HealthServicer,
+        service_name: str,
+        config: HttpConfig,
+    ) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self._health = health_servicer
+        self._service = service_name
+        self._created = int(time.time())
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = False
+        app = web.Application(
+            client_max_size=config.max_body_bytes, middlewares=[self._openai_errors]
+        )
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/health", self.health)
+        # handle_signals=False: the gateway owns SIGTERM/SIGINT (drain). handler_cancellation:
+        # a client's disconnect cancels its handler and so its pipeline stream. keepalive_timeout
+        # also closes a connection that sends no complete request head in time. shutdown_timeout:
+        # what close() leaves running after its grace is cancelled this much later.
+        self._runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=config.client_timeout_s,
+            shutdown_timeout=1.0,
+        )
+        self._site: web.TCPSite | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Listens on `config.listen`; returns the bound port. OSError when it cannot."""
+        assert self.config.listen is not None
+        host, _, port = self.config.listen.rpartition(":")
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host.strip("[]"), int(port))
+        try:
+            await site.start()
+        except OSError:
+            await self._runner.cleanup()
+            raise
+        self._site = site
+        self.port = site.port
+        return self.port
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def close(self, grace_s: float) -> None:
+        """Stops listening and refuses new requests on open connections (503), lets running
+        ones finish for up to grace_s, then closes every connection."""
+        self.draining = True
+        if self._site is not None:
+            await self._site.stop()
+        try:
+            await asyncio.wait_for(self.wait_idle(), grace_s)
+        except TimeoutError:
+            log.warning("HTTP requests still running after %.1f s; ending them", grace_s)
+        await self._runner.cleanup()
+
+    # -- routes -----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(wire.model_list(sorted(self.pipeline.models), self._created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.pipeline.models:
+            known = ", ".join(sorted(self.pipeline.models))
+            return error_response(
+                wire.WireError(
+                    404, "invalid_request_error", f"unknown model; known models: {known}", "model"
+                )
+            )
+        return web.json_response(wire.model_entry(name, self._created))
+
+    async def health(self, request: web.Request) -> web.Response:
+        """What grpc.health.v1 answers for the gateway, or for one model with ?model=NAME."""
+        model = request.query.get("model")
+        service = ""
+        if model is not None:
+            if model not in self.pipeline.models:
+                return web.json_response({"status": "SERVICE_UNKNOWN"}, status=404)
+            service = health_name(self._service, model)
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), None)
+        name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        return web.json_response({"status": name}, status=200 if serving else 503)
+
+    @web.middleware
+    async def _openai_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """aiohttp's own refusals (no such route, wrong method) in OpenAI's error shape."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = f"{request.method} {request.path}: {exc.reason}"
+            if exc.status in (404, 405):
+                message += (
+                    "; this server offers POST /v1/chat/completions, POST /v1/completions, "
+                    "GET /v1/models, GET /health"
+                )
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            return error_response(wire.WireError(exc.status, kind, message))
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.draining:
+            return error_response(
+                wire.WireError(503, "service_unavailable_error", "the gateway is shutting down")
+            )
+        self._active += 1
+        self._idle.clear()
+        received = time.monotonic_ns()
+        try:
+            try:
+                http = wire.parse_request(wire.decode_body(await self._body(request)), chat)
+            except wire.WireError as err:
+                self._report_refusal(err, received)
+                return error_response(err)
+            messages = self.pipeline.run(http.request, http.deadline_s)
+            assert isinstance(messages, AsyncGenerator)  # closed below, whatever happens
+            try:
+                return await self._answer(request, http, messages)
+            finally:
+                await messages.aclose()
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def _body(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.config.client_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise wire.WireError(
+                413,
+                "invalid_request_error",
+                f"the request body is larger than {self.config.max_body_bytes} bytes "
+                "(the gateway's [http] max_body_bytes)",
+            ) from None
+        except TimeoutError:
+            raise wire.WireError(
+                408,
+                "invalid_request_error",
+                f"the request body did not arrive within {self.config.client_timeout_s:g} s",
+            ) from None
+
+    def _report_refusal(self, err: wire.WireError, received: int) -> None:
+        """A body refused before the pipeline saw it still counts in metrics and the access log."""
+        report = RequestReport(
+            status=WIRE_STATUS.get(err.status, grpc.StatusCode.INVALID_ARGUMENT).name,
+            total_us=(time.monotonic_ns() - received) // 1000,
+        )
+        self.pipeline.sink.report(report)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        http: wire.HttpRequest,
+        messages: AsyncIterator[pb.GenerateResponse],
+    ) -> web.StreamResponse:
+        # The first message decides the status line: refusals before it are HTTP errors.
+        try:
+            first = await anext(messages)
+        except RequestError as exc:
+            return self._refused(http, exc)
+        answer = wire.Answer(http, first.request_id, int(time.time()))
+        if http.stream:
+            return await self._stream(request, answer, first, messages)
+        text = [first.text]
+        message = first
+        try:
+            while not message.HasField("final"):
+                message = await anext(messages)
+                text.append(message.text)
+        except RequestError as exc:
+            return self._refused(http, exc)
+        await _finish(messages)
+        return web.Response(
+            body=wire.dumps(answer.whole("".join(text), message.final)),
+            content_type="application/json",
+            headers={"X-Request-Id": answer.request_id},
+        )
+
+    def _refused(self, http: wire.HttpRequest, exc: RequestError) -> web.Response:
+        err = wire.error_of(exc, model_known=http.request.model in self.pipeline.models)
+        return error_response(err, exc.retry_after_ms)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        answer: wire.Answer,
+        message: pb.GenerateResponse,
+        messages: AsyncIterator[pb.GenerateResponse],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": answer.request_id})
+        await response.prepare(request)
+        out = answer.first_chunk()
+        try:
+            while True:
+                if message.text:
+                    out += answer.chunk(message.text)
+                if message.HasField("final"):
+                    await self._write(request, response, out + answer.last_chunks(message.final))
+                    await _finish(messages)
+                    break
+                if out:
+                    await self._write(request, response, out)
+                    out = b""
+                message = await anext(messages)
+        except RequestError as exc:
+            # The status line is gone: the error travels as an event (the SDKs raise it).
+            err = wire.error_of(exc, model_known=True)
+            await self._write(request, response, out + wire.stream_error(err))
+        await response.write_eof()
+        return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """Writes, bounding the wait for a client that stopped reading (its buffers are full)."""
+        transport = request.transport
+        if transport is None or transport.get_write_buffer_size() == 0:
+            await response.write(data)
+            return
+        try:
+            async with asyncio.timeout(self.config.client_timeout_s):
+                await response.write(data)
+        except TimeoutError:
+            log.warning(
+                "HTTP client %s read nothing for %.0f s; disconnecting",
+                request.remote,
+                self.config.client_timeout_s,
+            )
+            transport.abort()
+            raise ConnectionResetError("HTTP client stopped reading") from None

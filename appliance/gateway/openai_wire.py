@@ -1,0 +1,488 @@
+"""The OpenAI-compatible HTTP API's wire format: JSON bodies in, the pipeline's messages out.
+
+Pure logic, no I/O. A request body becomes the same `GenerateRequest` the gRPC front end passes, so
+the pipeline's check stage validates both front ends with the same messages; this module only checks
+what JSON can get wrong and protobuf cannot hold (types, ranges of the wire's integer fields, fields
+the appliance does not implement). Answers are rendered with pre-encoded heads and tails, so a
+streamed token costs one `json.dumps` of its text.
+
+Field policy, documented in the README: an unknown field is refused (as OpenAI's own API does); an
+OpenAI field the appliance does not implement is accepted only at its no-op value (`n: 1`,
+`logprobs: false`, penalties 0, ...), since anything else would silently change the answer; `user`,
+`metadata`, `store` and `service_tier` are accepted and ignored. The appliance's own fields ride in
+an `"appliance"` object (the `openai` SDK sends it with `extra_body`); the answer's extras come back
+in an `"appliance"` object too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from appliance.errors import RequestError
+from appliance.gateway.messages import FINISH, TIERS
+from appliance.v1 import inference_pb2 as pb
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+CACHE_POLICIES = {
+    "default": pb.CACHE_POLICY_DEFAULT,
+    "bypass": pb.CACHE_POLICY_BYPASS,
+    "refresh": pb.CACHE_POLICY_REFRESH,
+    "only": pb.CACHE_POLICY_ONLY,
+}
+FINISH_NAMES = {v: k for k, v in FINISH.items()}
+TIER_NAMES = {v: k for k, v in TIERS.items()}
+# Roles the chat template knows; OpenAI's "developer" role is its system role.
+ROLE_ALIASES = {"developer": "system"}
+
+# Accepted and ignored: they never change the answer.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+# OpenAI fields the appliance does not implement, with the value(s) that mean "off".
+NO_OP: dict[str, tuple[object, ...]] = {
+    "n": (1,),
+    "logprobs": (False, None),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": (None,),
+    "tools": (None,),
+    "tool_choice": (None, "none"),
+    "functions": (None,),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None,),
+    "echo": (False, None),
+    "best_of": (1, None),
+    "suffix": (None,),
+}
+COMMON = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "appliance",
+        *IGNORED,
+        *NO_OP,
+    }
+)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON | {"prompt"}
+EXTENSION_FIELDS = frozenset(
+    {"request_id", "namespace", "cache_policy", "top_k", "ttft_budget_ms", "deadline_ms"}
+)
+
+
+def invalid(message: str, param: str | None = None) -> WireError:
+    return WireError(400, "invalid_request_error", message, param)
+
+
+class WireError(Exception):
+    """An HTTP request refused before it reaches the pipeline (its body cannot be a request)."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.param = status, kind, message, param
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """A decoded body: the pipeline's request and what only the HTTP answer needs."""
+
+    request: pb.GenerateRequest
+    chat: bool
+    stream: bool
+    include_usage: bool
+    # Seconds the client gives the request (appliance.deadline_ms); None: the model's default.
+    deadline_s: float | None
+
+
+# -- request -----------------------------------------------------------------------------------
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 4300+ digits
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid("the request body is not valid JSON: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, got {_kind(data)}")
+    return data
+
+
+def parse_request(data: dict[str, Any], chat: bool) -> HttpRequest:
+    """A chat (`/v1/chat/completions`) or completion (`/v1/completions`) body as a request."""
+    try:
+        return _parse(data, chat)
+    except UnicodeEncodeError as exc:
+        # JSON can escape half a UTF-16 pair ("\ud800"); protobuf strings must be valid UTF-8.
+        raise invalid(
+            f"the request holds text that is not valid Unicode: an unpaired surrogate "
+            f"{exc.object[exc.start : exc.end]!a}"
+        ) from None
+
+
+def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in data:
+        if name not in known:
+            raise invalid(f"Unrecognized request argument supplied: {name}", name)
+    for name, allowed in NO_OP.items():
+        if name in data and data[name] not in allowed and data[name] not in ({}, []):
+            shown = ", ".join(json.dumps(a) for a in allowed)
+            raise invalid(f"{name} is not supported by this server (accepted: {shown})", name)
+    req = pb.GenerateRequest(model=_field(data, "model", str, required=True))
+    if chat:
+        _messages(req, data)
+    else:
+        _prompt(req, data)
+    max_tokens = _int(data, "max_tokens", -INT32_MAX, INT32_MAX)
+    if chat:
+        other = _int(data, "max_completion_tokens", -INT32_MAX, INT32_MAX)
+        if max_tokens is not None and other is not None and max_tokens != other:
+            raise invalid(
+                "max_tokens and max_completion_tokens differ; send one of them",
+                "max_completion_tokens",
+            )
+        max_tokens = other if other is not None else max_tokens
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    for name in ("temperature", "top_p"):
+        value = _number(data, name)
+        if value is not None:
+            setattr(req, name, value)
+    seed = _int(data, "seed", 0, UINT64_MAX)
+    if seed is not None:
+        req.seed = seed
+    req.stop.extend(_stops(data))
+    stream = bool(_field(data, "stream", bool) or False)
+    include_usage = _include_usage(data, stream)
+    deadline_s = _extension(req, data)
+    return HttpRequest(req, chat, stream, include_usage, deadline_s)
+
+
+def _messages(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+    messages = _field(data, "messages", list, required=True)
+    req.messages.SetInParent()  # an empty list reaches the check stage, which names it
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}] must be an object, got {_kind(m)}", f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"messages[{i}].role must be a string", f"messages[{i}].role")
+        req.messages.messages.add(
+            role=ROLE_ALIASES.get(role, role), content=_content(m.get("content"), i)
+        )
+
+
+def _content(content: object, i: int) -> str:
+    """A message's text: a string, or a list of text parts (joined); other parts are refused."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise invalid(
+                    f"messages[{i}].content[{j}]: only text parts are supported",
+                    f"messages[{i}].content",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(
+                    f"messages[{i}].content[{j}].text must be a string", f"messages[{i}].content"
+                )
+            texts.append(text)
+        return "".join(texts)
+    raise invalid(
+        f"messages[{i}].content must be a string or a list of text parts, got {_kind(content)}",
+        f"messages[{i}].content",
+    )
+
+
+def _prompt(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid(
+            "prompt must be a string (one prompt per request; token ids are not accepted)",
+            "prompt",
+        )
+    req.prompt = prompt
+
+
+def _stops(data: dict[str, Any]) -> list[str]:
+    stop = data.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise invalid("stop must be a string or a list of strings", "stop")
+
+
+def _include_usage(data: dict[str, Any], stream: bool) -> bool:
+    options = _field(data, "stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    for name in options:
+        if name != "include_usage":
+            raise invalid(f"Unrecognized stream_options argument: {name}", "stream_options")
+    return bool(_field(options, "include_usage", bool, prefix="stream_options.") or False)
+
+
+def _extension(req: pb.GenerateRequest, data: dict[str, Any]) -> float | None:
+    ext = _field(data, "appliance", dict)
+    if ext is None:
+        return None
+    for name in ext:
+        if name not in EXTENSION_FIELDS:
+            known = ", ".join(sorted(EXTENSION_FIELDS))
+            raise invalid(
+                f"unknown field appliance.{name}; known fields: {known}", f"appliance.{name}"
+            )
+    p = "appliance."
+    req.request_id = _field(ext, "request_id", str, prefix=p) or ""
+    req.namespace = _field(ext, "namespace", str, prefix=p) or ""
+    policy = _field(ext, "cache_policy", str, prefix=p)
+    if policy is not None:
+        if policy.lower() not in CACHE_POLICIES:
+            raise invalid(
+                f"appliance.cache_policy must be one of {', '.join(CACHE_POLICIES)}, got "
+                f"{json.dumps(policy)[:64]}",
+                "appliance.cache_policy",
+            )
+        req.cache_policy = CACHE_POLICIES[policy.lower()]
+    top_k = _int(ext, "top_k", -INT32_MAX, INT32_MAX, prefix=p)
+    if top_k is not None:
+        req.top_k = top_k
+    ttft = _int(ext, "ttft_budget_ms", 0, UINT32_MAX, prefix=p)
+    if ttft is not None:
+        req.ttft_budget_ms = ttft
+    deadline_ms = _int(ext, "deadline_ms", 1, UINT32_MAX, prefix=p)
+    return None if deadline_ms is None else deadline_ms / 1000
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+_KIND_NAMES = {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}
+
+
+def _field(
+    data: dict[str, Any], name: str, kind: type, required: bool = False, prefix: str = ""
+) -> Any:
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise invalid(f"{prefix}{name} is required", prefix + name)
+        return None
+    if not isinstance(value, kind):
+        raise invalid(
+            f"{prefix}{name} must be {_KIND_NAMES[kind]}, got {_kind(value)}", prefix + name
+        )
+    return value
+
+
+def _int(data: dict[str, Any], name: str, low: int, high: int, prefix: str = "") -> int | None:
+    """An integer field within the wire's range (beyond it no gRPC client could send it either)."""
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(f"{prefix}{name} must be an integer, got {_kind(value)}", prefix + name)
+    if not low <= value <= high:
+        raise invalid(
+            f"{prefix}{name} must be between {low} and {high}, got {value}", prefix + name
+        )
+    return value
+
+
+def _number(data: dict[str, Any], name: str) -> float | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise invalid(f"{name} must be a number, got {_kind(value)}", name)
+    return float(value)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+}
+
+
+def error_of(exc: RequestError, model_known: bool) -> WireError:
+    """A pipeline refusal as its HTTP status and OpenAI error type."""
+    status, kind = STATUS.get(exc.code, (500, "server_error"))
+    param = None
+    if exc.code == grpc.StatusCode.NOT_FOUND and not model_known:
+        param = "model"
+    return WireError(status, kind, exc.message, param)
+
+
+def error_body(err: WireError, code: str | None = None) -> dict[str, Any]:
+    if code is None and err.param == "model" and err.status == 404:
+        code = "model_not_found"
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": code}}
+
+
+def dumps(value: object) -> bytes:
+    """Compact UTF-8 JSON; an unpaired surrogate echoed from a client stays a JSON escape."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(
+        errors="backslashreplace"
+    )
+
+
+# -- answers -----------------------------------------------------------------------------------
+
+
+def extension(request_id: str, final: pb.Final) -> dict[str, Any]:
+    """The appliance's facts about an answer: which tier and model answered, and its timings."""
+    t = final.timings
+    return {
+        "request_id": request_id,
+        "cache_tier": TIER_NAMES.get(final.cache_tier, "miss"),
+        "model": final.model,
+        "degraded": final.degraded,
+        "timings": {"queue_us": t.queue_us, "ttft_us": t.ttft_us, "total_us": t.total_us},
+    }
+
+
+def usage(final: pb.Final) -> dict[str, int]:
+    p, c = final.usage.prompt_tokens, final.usage.completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def finish_reason(final: pb.Final) -> str:
+    """OpenAI's "stop" and "length"; "cancelled" when the gateway ended the answer early."""
+    return FINISH_NAMES.get(final.finish_reason, "stop")
+
+
+class Answer:
+    """One request's answer in OpenAI's shapes: chunk by chunk for SSE, or whole."""
+
+    def __init__(self, http: HttpRequest, request_id: str, created: int) -> None:
+        self.chat = http.chat
+        self.include_usage = http.include_usage
+        self.model = http.request.model
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.request_id = request_id
+        self.created = created
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        head = dumps({"id": self.id, "object": kind, "created": created, "model": self.model})
+        # Every chunk is `data: {head,"choices":[{"index":0,<part>...}]}\n\n`.
+        self._head = b"data: " + head[:-1] + b',"choices":[{"index":0,'
+        self._text: Callable[[str], bytes]
+        if self.chat:
+            tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+            self._text = lambda text: self._head + b'"delta":{"content":' + dumps(text) + tail
+        else:
+            tail = b',"logprobs":null,"finish_reason":null}]}\n\n'
+            self._text = lambda text: self._head + b'"text":' + dumps(text) + tail
+
+    def first_chunk(self) -> bytes:
+        """Chat streams open with the assistant's role (what OpenAI's clients expect)."""
+        if not self.chat:
+            return b""
+        return (
+            self._head
+            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def chunk(self, text: str) -> bytes:
+        return self._text(text)
+
+    def last_chunks(self, final: pb.Final) -> bytes:
+        """The chunk with the finish reason and the extension, the usage chunk, then [DONE]."""
+        choice: dict[str, Any] = {"index": 0}
+        choice["delta" if self.chat else "text"] = {} if self.chat else ""
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason(final)
+        out = self._chunk_of([choice], appliance=extension(self.request_id, final))
+        if self.include_usage:
+            out += self._chunk_of([], usage=usage(final))
+        return out + b"data: [DONE]\n\n"
+
+    def _chunk_of(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return b"data: " + dumps(body) + b"\n\n"
+
+    def whole(self, text: str, final: pb.Final) -> dict[str, Any]:
+        """The non-streaming answer."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason(final)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(final),
+            "appliance": extension(self.request_id, final),
+        }
+
+
+def stream_error(err: WireError) -> bytes:
+    """An error after the stream began (the status line is gone): an SSE event the SDKs raise."""
+    return b"data: " + dumps(error_body(err)) + b"\n\n"
+
+
+def model_list(names: list[str], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_entry(n, created) for n in names]}
+
+
+def model_entry(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "appliance"}

@@ -1,0 +1,519 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` SDK (and raw HTTP where the SDK
+cannot send what a hostile client can), against the gateway in front of the engine server; both run
+in the test's event loop so a test can look at the engine's statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gzip
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from appliance.admission import GatedAdmission
+from appliance.config import GatewayConfig, HttpConfig, ModelConfig, ServerConfig
+from appliance.engine.runner import EngineStats
+from appliance.gateway.models import load_models
+from appliance.gateway.server import RunningGateway, start_server
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Engine, Tiny, engine_to_stop
+from tests.engine.test_conformance import wait_for
+from tests.gateway.test_inprocess import RecordingSink
+
+LONG = "Tell me everything"
+# Greedy decoding of LONG runs to max_tokens (a sampled answer may end early), and bypassing the
+# cache keeps every such request at the engine.
+BYPASS = {"appliance": {"cache_policy": "bypass"}}
+LONG_ARGS: dict[str, Any] = dict(
+    model="tiny", prompt=LONG, max_tokens=1500, temperature=0, extra_body=BYPASS
+)
+
+
+def _config(tiny: Tiny, backend: str, **kw: object) -> GatewayConfig:
+    model = ModelConfig(
+        name="tiny",
+        backend=backend,
+        tokenizer_dir=tiny.tokenizer_dir,
+        max_output_tokens=2000,
+        ready_timeout_s=5.0,
+        **kw,  # type: ignore[arg-type]
+    )
+    return GatewayConfig(
+        server=ServerConfig(listen="127.0.0.1:0", access_log=False),
+        models={"tiny": model},
+        http=HttpConfig(listen="127.0.0.1:0", max_body_bytes=64 * 1024, client_timeout_s=5.0),
+    )
+
+
+async def _gateway(config: GatewayConfig) -> RunningGateway:
+    running = await start_server(config, await load_models(config))
+    assert running.http is not None
+    return running
+
+
+@pytest.fixture
+async def gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+    running = await _gateway(_config(tiny, engine.address))
+    yield running
+    await running.drain(0.5)
+
+
+def _url(running: RunningGateway) -> str:
+    assert running.http is not None
+    return f"http://127.0.0.1:{running.http.port}"
+
+
+def _client(running: RunningGateway) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=_url(running) + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+async def client(gateway: RunningGateway) -> AsyncIterator[AsyncOpenAI]:
+    async with _client(gateway) as c:
+        yield c
+
+
+@pytest.fixture
+async def stub(gateway: RunningGateway) -> AsyncIterator[pb_grpc.InferenceStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        yield pb_grpc.InferenceStub(channel)
+
+
+async def _post(running: RunningGateway, path: str, body: bytes) -> tuple[int, Any, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(_url(running) + path, data=body) as r,
+    ):
+        return r.status, r.headers, await r.json()
+
+
+# -- answers -----------------------------------------------------------------------------------
+
+
+async def test_chat_answers_and_a_cache_hit_matches_grpc(
+    client: AsyncOpenAI, stub: pb_grpc.InferenceStub
+) -> None:
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+    grpc_reply = await stub.Complete(
+        pb.GenerateRequest(
+            model="tiny",
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in chat]),
+            max_tokens=12,
+            temperature=0,
+        )
+    )
+    reply = await client.chat.completions.create(
+        model="tiny",
+        messages=chat,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == grpc_reply.text
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == grpc_reply.final.usage.completion_tokens
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    ext = (reply.model_extra or {})["appliance"]
+    assert (ext["cache_tier"], ext["model"], ext["degraded"]) == ("l1", "tiny", False)
+    assert reply.id == "chatcmpl-" + ext["request_id"]
+    assert 0 < ext["timings"]["ttft_us"] <= ext["timings"]["total_us"]
+
+
+async def test_chat_stream_with_usage_equals_the_whole_answer(client: AsyncOpenAI) -> None:
+    args: dict[str, Any] = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Stream this"}],
+        max_completion_tokens=20,
+        temperature=0,
+        extra_body={"appliance": {"cache_policy": "bypass"}},
+    )
+    whole = await client.chat.completions.create(**args)
+    stream = await client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1
+    assert finish[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert (finish[0].model_extra or {})["appliance"]["cache_tier"] == "miss"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_completion_stream_and_whole(client: AsyncOpenAI) -> None:
+    whole = await client.completions.create(
+        model="tiny", prompt="The gateway streams", max_tokens=10, seed=7, temperature=0.8
+    )
+    assert whole.object == "text_completion" and whole.choices[0].text
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=["The gateway streams"],
+        max_tokens=10,
+        seed=7,
+        temperature=0.8,
+        stream=True,
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+async def test_stop_strings_and_extension_fields(client: AsyncOpenAI) -> None:
+    base = await client.completions.create(model="tiny", prompt=LONG, max_tokens=30, temperature=0)
+    text = base.choices[0].text
+    stop = text[3:6]
+    cut = await client.completions.create(
+        model="tiny",
+        prompt=LONG,
+        max_tokens=30,
+        temperature=0,
+        stop=stop,
+        extra_body={"appliance": {"namespace": "other", "top_k": 1, "request_id": "mine"}},
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.id == "cmpl-mine"
+    only = await client.completions.create(
+        model="tiny",
+        prompt=LONG,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"appliance": {"cache_policy": "only"}},
+    )
+    assert only.choices[0].text == text
+    assert (only.model_extra or {})["appliance"]["cache_tier"] == "l1"
+
+
+async def test_models_and_health(client: AsyncOpenAI, gateway: RunningGateway) -> None:
+    listed = [m.id async for m in client.models.list()]
+    assert listed == ["tiny"]
+    assert (await client.models.retrieve("tiny")).id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-9")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(_url(gateway) + "/health") as r:
+            assert (r.status, await r.json()) == (200, {"status": "SERVING"})
+        async with session.get(_url(gateway) + "/health?model=tiny") as r:
+            assert r.status == 200
+        await gateway.health.enter_graceful_shutdown()  # what a draining gateway publishes
+        async with session.get(_url(gateway) + "/health") as r:
+            assert (r.status, await r.json()) == (503, {"status": "NOT_SERVING"})
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+SAME_AS_GRPC: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    ({"max_tokens": 0}, {"max_tokens": 0}),
+    ({"max_tokens": 100000}, {"max_tokens": 100000}),
+    ({"temperature": -0.5}, {"temperature": -0.5}),
+    ({"temperature": 1e9}, {"temperature": 1e9}),
+    ({"top_p": 1.5}, {"top_p": 1.5}),
+    ({"stop": ["x"] * 20}, {"stop": ["x"] * 20}),
+    ({"prompt": ""}, {"prompt": ""}),
+    ({"prompt": "word " * 3000}, {"prompt": "word " * 3000}),
+    ({"appliance": {"top_k": -1}}, {"top_k": -1}),
+    ({"appliance": {"ttft_budget_ms": 0}}, {"ttft_budget_ms": 0}),
+    ({"appliance": {"namespace": "n" * 100}}, {"namespace": "n" * 100}),
+]
+
+
+@pytest.mark.parametrize(("body", "fields"), SAME_AS_GRPC)
+async def test_invalid_fields_get_the_grpc_message(
+    gateway: RunningGateway,
+    stub: pb_grpc.InferenceStub,
+    body: dict[str, Any],
+    fields: dict[str, Any],
+) -> None:
+    fields = {"model": "tiny", "prompt": "hello", **fields}
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Complete(pb.GenerateRequest(**fields))
+    async with _client(gateway) as client:
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(
+                model="tiny",
+                prompt=body.pop("prompt", "hello"),
+                extra_body=body,  # sent as is, whatever the SDK's types allow
+            )
+    assert bad.value.status_code == 400
+    assert bad.value.body == {
+        "message": err.value.details(),
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+
+
+async def test_unknown_model_and_chat_role(client: AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert isinstance(err.value.body, dict)
+    assert err.value.body["message"] == "unknown model 'gpt-9'; known models: tiny"
+    assert (err.value.body["param"], err.value.body["code"]) == ("model", "model_not_found")
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role is 'tool'"):
+        await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "tool", "content": "hi", "tool_call_id": "1"}],
+        )
+
+
+REFUSED: list[tuple[bytes, str]] = [
+    (b"{not json", "the request body is not valid JSON"),
+    (b"[1, 2]", "must be a JSON object, got an array"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b"[" * 50_000, "nested too deeply"),
+    (b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"model": "tiny"}', "messages is required"),
+    (b'{"model": 5, "messages": []}', "model must be a string, got a number"),
+    (b'{"model": "tiny", "messages": "hi"}', "messages must be an array, got a string"),
+    (b'{"model": "tiny", "messages": [[]]}', "messages[0] must be an object"),
+    (b'{"model": "tiny", "messages": [], "max_tokens": "5"}', "max_tokens must be an integer"),
+    (b'{"model": "tiny", "messages": [], "max_tokens": 1e40}', "max_tokens must be between"),
+    (b'{"model": "tiny", "messages": [], "max_tokens": 2.5}', "max_tokens must be an integer"),
+    (b'{"model": "tiny", "messages": [], "seed": -1}', "seed must be between 0 and"),
+    (b'{"model": "tiny", "messages": [], "temperature": true}', "temperature must be a number"),
+    (b'{"model": "tiny", "messages": [], "stop": [1]}', "stop must be a string or a list"),
+    (b'{"model": "tiny", "messages": [], "n": 2}', "n is not supported"),
+    (b'{"model": "tiny", "messages": [], "logprobs": true}', "logprobs is not supported"),
+    (b'{"model": "tiny", "messages": [], "bogus": 1}', "Unrecognized request argument"),
+    (b'{"model": "tiny", "messages": [], "stream_options": {}}', "only allowed when stream"),
+    (b'{"model": "tiny", "messages": [], "appliance": {"x": 1}}', "unknown field appliance.x"),
+    (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+        "only text parts are supported",
+    ),
+    (b'{"model": "tiny", "messages": [], "max_tokens": 1, "max_completion_tokens": 2}', "differ"),
+    (b'{"model": "tiny", "messages": []}', "messages is empty: send at least one message"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "unpaired"),
+    (b'{"model": "ti\\udfffny", "messages": []}', "unpaired surrogate '\\udfff'"),
+    (b'{"model": "tiny", "messages": [], "\\ud800": 1}', "Unrecognized request argument"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), REFUSED)
+async def test_malformed_bodies_are_400_in_openai_shape(
+    gateway: RunningGateway, body: bytes, message: str
+) -> None:
+    status, _, reply = await _post(gateway, "/v1/chat/completions", body)
+    assert status == 400
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert message in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+async def test_huge_body_is_413_and_unknown_routes_404(gateway: RunningGateway) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "x" * 100_000}).encode()
+    status, _, reply = await _post(gateway, "/v1/completions", body)
+    assert status == 413 and "larger than 65536 bytes" in reply["error"]["message"]
+    # The limit holds for the decompressed body: 20 MB of gzip-compressed text is 19 KB.
+    bomb = gzip.compress(b'{"model": "tiny", "prompt": "' + b"x" * 20_000_000 + b'"}')
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            _url(gateway) + "/v1/completions", data=bomb, headers={"Content-Encoding": "gzip"}
+        ) as r,
+    ):
+        assert r.status == 413
+    status, _, reply = await _post(gateway, "/v1/embeddings", b"{}")
+    assert status == 404 and "POST /v1/chat/completions" in reply["error"]["message"]
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(_url(gateway) + "/v1/completions") as r,
+    ):
+        assert r.status == 405 and "error" in await r.json()
+
+
+async def test_overload_is_429_with_retry_after(tiny: Tiny, engine: Engine) -> None:
+    running = await _gateway(_config(tiny, engine.address, max_queue=0))
+    try:
+        async with _client(running) as client:
+            busy = await client.completions.create(**LONG_ARGS, stream=True)
+            await anext(aiter(busy))  # the only slot is generating
+            with pytest.raises(openai.RateLimitError) as err:
+                await client.completions.create(model="tiny", prompt="me too", max_tokens=4)
+            headers = err.value.response.headers
+            assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1
+            assert isinstance(err.value.body, dict)
+            assert err.value.body["type"] == "rate_limit_error"
+            await busy.close()
+    finally:
+        await running.drain(0.5)
+
+
+async def test_deadline_is_504(client: AsyncOpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(
+            model="tiny",
+            prompt=LONG,
+            max_tokens=1500,
+            temperature=0,
+            extra_body={"appliance": {"deadline_ms": 50, "cache_policy": "bypass"}},
+        )
+    assert err.value.status_code == 504
+    assert isinstance(err.value.body, dict) and err.value.body["type"] == "timeout_error"
+    assert "deadline" in err.value.body["message"]
+
+
+async def test_engine_down_is_503(tiny: Tiny, engine_repo: Path) -> None:
+    address, stop_engine = await engine_to_stop(engine_repo)
+    running = await _gateway(_config(tiny, address))
+    try:
+        await stop_engine()
+        async with _client(running) as client:
+            with pytest.raises(openai.InternalServerError) as err:
+                await client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+        assert err.value.status_code == 503
+        assert f"inference server at {address}" in str(err.value.body)
+    finally:
+        await running.drain(0.1)
+
+
+# -- cancellation and draining -----------------------------------------------------------------
+
+
+async def test_client_disconnect_mid_stream_cancels_the_engine_request(
+    engine: Engine, gateway: RunningGateway
+) -> None:
+    stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
+    cancelled, tokens = stats.cancelled, stats.tokens_generated
+    async with _client(gateway) as client:
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": LONG}],
+            max_tokens=1500,
+            temperature=0,
+            stream=True,
+            extra_body=BYPASS,
+        )
+        seen = 0
+        async for chunk in stream:
+            seen += bool(chunk.choices and chunk.choices[0].delta.content)
+            if seen >= 3:
+                break
+        await stream.close()
+    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    assert stats.tokens_generated - tokens < 1500
+
+
+async def test_disconnect_while_queued_leaves_the_line(tiny: Tiny, engine: Engine) -> None:
+    running = await _gateway(_config(tiny, engine.address))
+    try:
+        async with _client(running) as client:
+            busy = await client.completions.create(**LONG_ARGS, stream=True)
+            await anext(aiter(busy))
+            waiting = asyncio.ensure_future(
+                client.completions.create(model="tiny", prompt="queued", max_tokens=4)
+            )
+            await _until(lambda: _waiting(running) == 1)
+            waiting.cancel()
+            await _until(lambda: _waiting(running) == 0)
+            await busy.close()
+    finally:
+        await running.drain(0.5)
+
+
+def _waiting(running: RunningGateway) -> int:
+    admission = running.pipeline.admission
+    assert isinstance(admission, GatedAdmission)
+    return len(admission.gates["tiny"].waiting)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    assert condition()
+
+
+async def test_drain_ends_an_http_stream_as_cancelled(tiny: Tiny, engine: Engine) -> None:
+    running = await _gateway(_config(tiny, engine.address))
+    async with _client(running) as client:
+        stream = await client.completions.create(**LONG_ARGS, stream=True)
+        chunks = [await anext(aiter(stream))]
+        drained = asyncio.ensure_future(running.drain(0.2))
+        chunks += [c async for c in stream]
+        await drained
+    assert chunks[-1].choices[0].finish_reason == "cancelled"  # type: ignore[comparison-overlap]
+
+
+async def test_slow_and_silent_clients_are_cut_off(tiny: Tiny, engine: Engine) -> None:
+    config = _config(tiny, engine.address)
+    config = dataclasses.replace(
+        config, http=dataclasses.replace(config.http, client_timeout_s=0.3)
+    )
+    running = await _gateway(config)
+    assert running.http is not None
+    try:
+        # A body that never completes: 408 in OpenAI's shape, and nothing reaches the pipeline.
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.http.port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model"'
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 408 ")
+        writer.close()
+        # A connection that never sends a complete request head is closed.
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.http.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        assert running.pipeline.in_flight == {"tiny": 0}
+    finally:
+        await running.drain(0.5)
+
+
+async def test_an_error_after_the_stream_began_is_an_event_the_sdk_raises(
+    client: AsyncOpenAI,
+) -> None:
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=LONG,
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"appliance": {"deadline_ms": 300, "cache_policy": "bypass"}},
+    )
+    texts: list[str] = []
+    with pytest.raises(openai.APIError, match="deadline") as err:
+        async for chunk in stream:
+            texts.append(chunk.choices[0].text)
+    assert texts  # the stream had begun: the status line said 200
+    assert isinstance(err.value.body, dict) and err.value.body["type"] == "timeout_error"
+
+
+async def test_http_requests_are_reported_like_grpc_ones(tiny: Tiny, engine: Engine) -> None:
+    sink = RecordingSink()
+    config = _config(tiny, engine.address)
+    running = await start_server(config, await load_models(config), sink)
+    try:
+        body = {"model": "tiny", "prompt": "Report me", "max_tokens": 4, "temperature": 0}
+        body["appliance"] = {"request_id": "h1"}
+        status, headers, reply = await _post(running, "/v1/completions", json.dumps(body).encode())
+        assert status == 200 and headers["X-Request-Id"] == "h1" and reply["id"] == "cmpl-h1"
+        status, _, _ = await _post(running, "/v1/completions", b"{oops")
+        assert status == 400
+        good, bad = await sink.wait_for(2)
+    finally:
+        await running.drain(0.5)
+    assert (good.request_id, good.model, good.status, good.tier) == ("h1", "tiny", "OK", "miss")
+    assert good.completion_tokens == reply["usage"]["completion_tokens"]
+    assert (bad.model, bad.status) == ("", "INVALID_ARGUMENT")

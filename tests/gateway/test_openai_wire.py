@@ -1,0 +1,164 @@
+"""The HTTP API's wire format without servers: bodies to GenerateRequest, answers to OpenAI's shapes."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from appliance.errors import RequestError
+from appliance.gateway import openai_wire as wire
+from appliance.v1 import inference_pb2 as pb
+
+
+def test_every_field_reaches_the_grpc_request() -> None:
+    http = wire.parse_request(
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+                },
+            ],
+            "max_completion_tokens": 9,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 2**64 - 1,
+            "stop": "END",
+            "n": 1,
+            "user": "someone",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "appliance": {
+                "request_id": "r",
+                "namespace": "ns",
+                "cache_policy": "REFRESH",
+                "top_k": 4,
+                "ttft_budget_ms": 250,
+                "deadline_ms": 1500,
+            },
+        },
+        chat=True,
+    )
+    assert http.request == pb.GenerateRequest(
+        model="tiny",
+        messages=pb.ChatMessages(
+            messages=[
+                pb.ChatMessage(role="system", content="Be brief."),
+                pb.ChatMessage(role="user", content="Hi there"),
+            ]
+        ),
+        max_tokens=9,
+        temperature=0,
+        top_p=0.5,
+        seed=2**64 - 1,
+        stop=["END"],
+        request_id="r",
+        namespace="ns",
+        cache_policy=pb.CACHE_POLICY_REFRESH,
+        top_k=4,
+        ttft_budget_ms=250,
+    )
+    assert (http.stream, http.include_usage, http.deadline_s) == (True, True, 1.5)
+
+
+def test_unset_fields_stay_unset_for_the_check_stage() -> None:
+    http = wire.parse_request({"model": "tiny", "prompt": ["one"], "stop": None}, chat=False)
+    r = http.request
+    assert r.prompt == "one"
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ttft_budget_ms"):
+        assert not r.HasField(name)
+    assert (http.stream, http.include_usage, http.deadline_s) == (False, False, None)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "tiny", "prompt": ["a", "b"]},
+        {"model": "tiny", "prompt": [1, 2, 3]},
+        {"model": "tiny", "prompt": "x", "messages": []},
+        {"model": "tiny", "prompt": "x", "appliance": {"cache_policy": "sometimes"}},
+        {"model": "tiny", "prompt": "x", "appliance": []},
+        {"model": "tiny", "prompt": "x", "appliance": {"deadline_ms": 0}},
+    ],
+)
+def test_refused_completion_bodies(body: dict[str, object]) -> None:
+    with pytest.raises(wire.WireError) as err:
+        wire.parse_request(body, chat=False)
+    assert err.value.status == 400 and err.value.param
+
+
+def _final(**kw: object) -> pb.Final:
+    return pb.Final(
+        finish_reason=pb.FINISH_REASON_LENGTH,
+        usage=pb.Usage(prompt_tokens=3, completion_tokens=2),
+        timings=pb.Timings(queue_us=1, ttft_us=2, total_us=3),
+        cache_tier=pb.CACHE_TIER_EXACT_L2,
+        model="small",
+        degraded=True,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _events(data: bytes) -> list[object]:
+    parts = data.decode().split("\n\n")
+    assert parts[-1] == ""
+    assert all(p.startswith("data: ") for p in parts[:-1])
+    return [p[6:] if p == "data: [DONE]" else json.loads(p[6:]) for p in parts[:-1]]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_stream_chunks_are_the_openai_shapes(chat: bool) -> None:
+    body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"})
+    answer = wire.Answer(wire.parse_request(body, chat), "abc", 1700000000)
+    data = answer.first_chunk() + answer.chunk('a "quoted"\n\u00e9') + answer.last_chunks(_final())
+    events = _events(data)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    for c in chunks:
+        assert (c["id"], c["object"], c["created"], c["model"]) == (
+            ("chatcmpl-abc" if chat else "cmpl-abc"),
+            kind,
+            1700000000,
+            "tiny",
+        )
+    key = "delta" if chat else "text"
+    texts = [c["choices"][0][key] for c in chunks if c["choices"]]
+    if chat:
+        assert texts[0] == {"role": "assistant", "content": ""}
+        assert texts[1] == {"content": 'a "quoted"\n\u00e9'}
+    else:
+        assert texts[0] == 'a "quoted"\n\u00e9'
+    last, usage = chunks[-2], chunks[-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["appliance"] == {
+        "request_id": "abc",
+        "cache_tier": "l2",
+        "model": "small",
+        "degraded": True,
+        "timings": {"queue_us": 1, "ttft_us": 2, "total_us": 3},
+    }
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.FAILED_PRECONDITION, 400),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    ],
+)
+def test_statuses(code: grpc.StatusCode, status: int) -> None:
+    err = wire.error_of(RequestError(code, "why"), model_known=True)
+    assert err.status == status
+    assert wire.error_body(err)["error"]["message"] == "why"
