@@ -231,14 +231,16 @@ async def test_rate_limited_keys_over_tls_get_the_pushback_trailer(
 ) -> None:
     token = keys.add(["t"], ["generate"], limits=Limits(rate_per_s=0.5, burst=1))
     tls = TlsSettings(server_cert.cert, server_cert.key)
-    async with running(gateway_config(tiny, engine, tls, keys.auth())) as gw:
-        async with tls_channel(gw.port, ca.pem) as channel:
-            await _complete(channel, metadata=bearer(token))
-            call = pb_grpc.InferenceStub(channel).Complete(
-                hit_request(), timeout=10, metadata=bearer(token)
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            trailers = dict(err.value.trailing_metadata() or ())
-            assert 0 < int(trailers["grpc-retry-pushback-ms"]) <= 2000
+    async with (
+        running(gateway_config(tiny, engine, tls, keys.auth())) as gw,
+        tls_channel(gw.port, ca.pem) as channel,
+    ):
+        await _complete(channel, metadata=bearer(token))
+        call = pb_grpc.InferenceStub(channel).Complete(
+            hit_request(), timeout=10, metadata=bearer(token)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(err.value.trailing_metadata() or ())
+        assert 0 < int(trailers["grpc-retry-pushback-ms"]) <= 2000
