@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from appliance import logline
+from appliance import keyscli, logline
 from appliance.config import ConfigError, load_config
 
 
@@ -95,17 +95,23 @@ def _cache(args: argparse.Namespace) -> int:
     from appliance.v1 import inference_pb2 as pb
     from appliance.v1 import inference_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.gateway) as channel:
+    try:
+        channel, metadata = _admin_channel(args)
+    except OSError as exc:
+        print(f"appliance cache: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    with channel:
         admin = pb_grpc.CacheAdminStub(channel)
         try:
             if args.cache_command == "stats":
-                reply = admin.Stats(pb.CacheStatsRequest(), timeout=args.timeout)
+                reply = admin.Stats(pb.CacheStatsRequest(), timeout=args.timeout, metadata=metadata)
                 for name in sorted(reply.counters):
                     print(f"{name} {reply.counters[name]}")
                 return 0
             removed = admin.Invalidate(
                 pb.InvalidateRequest(namespace=args.namespace, model=args.model, all=args.all),
                 timeout=args.timeout,
+                metadata=metadata,
             )
         except grpc.RpcError as exc:
             print(f"appliance cache: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -118,6 +124,28 @@ def _bench(args: argparse.Namespace) -> int:
     from appliance.loadgen.command import run
 
     return run(args, args.argv[args.argv.index("bench") + 1 :])
+
+
+def _admin_channel(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str], ...]]:
+    """The channel to the gateway (TLS when --ca-file is given) and the key's metadata. The key
+    comes from $APPLIANCE_API_KEY or --api-key-file, never the command line (which `ps` shows)."""
+    import os
+
+    import grpc
+
+    key = os.environ.get("APPLIANCE_API_KEY", "")
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    if not args.ca_file:
+        return grpc.insecure_channel(args.gateway), metadata
+    credentials = grpc.ssl_channel_credentials(
+        Path(args.ca_file).read_bytes(),
+        Path(args.key_file).read_bytes() if args.key_file else None,
+        Path(args.cert_file).read_bytes() if args.cert_file else None,
+    )
+    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
+    return grpc.secure_channel(args.gateway, credentials, options=options), metadata
 
 
 def parser() -> argparse.ArgumentParser:
@@ -157,6 +185,11 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cache", help="operate a gateway's response cache")
     c.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    c.add_argument("--api-key-file", help="file holding an admin API key ($APPLIANCE_API_KEY)")
+    c.add_argument("--ca-file", help="CA bundle of the gateway's certificate: connect with TLS")
+    c.add_argument("--cert-file", help="client certificate (mutual TLS)")
+    c.add_argument("--key-file", help="client certificate's private key (mutual TLS)")
+    c.add_argument("--server-name", help="name to verify in the gateway's certificate")
     csub = c.add_subparsers(dest="cache_command", required=True)
     inv = csub.add_parser("invalidate", help="drop cached answers of a namespace and/or model")
     inv.add_argument("--namespace", default="", help="tenant namespace")
@@ -170,6 +203,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(b)
     b.set_defaults(func=_bench)
+    keyscli.add_parser(sub)
 
     d = sub.add_parser("demo", help="start engine + gateway, stream a few requests, stop both")
     d.add_argument("--workdir", default="var", help="where the tiny model and configs go")

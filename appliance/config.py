@@ -5,11 +5,15 @@ The README's "Configuration" section documents each key; keep the two in step.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import tomlcheck
 from appliance.cache.l2 import RedisSettings
+from appliance.security.keys import Limits
+from appliance.security.secretfile import MAC_PURPOSE, PEPPER_PURPOSE, SecretFileError, read_secret
+from appliance.security.tls import ServerTls, TlsError, TlsSettings
 from appliance.tomlcheck import Table
 
 
@@ -27,6 +31,20 @@ class ServerConfig:
     log_format: str = "text"
     # One INFO line per finished request (logger appliance.access).
     access_log: bool = True
+    # Plaintext on a non-loopback address (something else encrypts the traffic, a service mesh).
+    allow_plaintext: bool = False
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    # The API keys (hashes only; `appliance keys add`). None: no authentication (loopback only).
+    keys_file: Path | None = None
+    # Key of the keys' hashes, from `pepper_file` (a systemd credential).
+    pepper: bytes = field(default=b"", repr=False)
+    # No keys file on a non-loopback address.
+    allow_anonymous: bool = False
+    # Limits of keys that set none of their own.
+    limits: Limits = field(default_factory=lambda: Limits(100.0, 200, 32))
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,9 @@ class GatewayConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    # TLS of the public API; None: plaintext (loopback, or `allow_plaintext`).
+    tls: TlsSettings | None = None
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -104,6 +125,19 @@ class _Reader(Table):
     """Pulls typed values out of one TOML table; refusals are ConfigError."""
 
     error = ConfigError
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether HOST:PORT (or a unix: socket) is reachable from this host only."""
+    if listen.startswith("unix:"):
+        return True
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any address
 
 
 def _address(reader: _Reader, key: str, default: str) -> str:
@@ -118,14 +152,16 @@ def load_config(path: Path) -> GatewayConfig:
     """Reads and validates the gateway configuration; raises ConfigError with file:line: key."""
     text, data = tomlcheck.read(path, "configuration", ConfigError)
 
-    top = _Reader(path, text, "", data, {"server", "models", "cache", "metrics", "http"})
+    top = _Reader(
+        path, text, "", data, {"server", "models", "cache", "metrics", "http", "tls", "auth"}
+    )
     server_data = top.get("server", dict, {})
     srv = _Reader(
         path,
         text,
         "server",
         server_data,
-        {"listen", "drain_seconds", "log_level", "log_format", "access_log"},
+        {"listen", "drain_seconds", "log_level", "log_format", "access_log", "allow_plaintext"},
     )
     log_level = srv.get("log_level", str, "info")
     if log_level not in _LOG_LEVELS:
@@ -139,6 +175,7 @@ def load_config(path: Path) -> GatewayConfig:
         log_level=log_level,
         log_format=log_format,
         access_log=srv.get("access_log", bool, True),
+        allow_plaintext=srv.get("allow_plaintext", bool, False),
     )
     metrics_data = top.get("metrics", dict, {})
     met = _Reader(path, text, "metrics", metrics_data, {"listen"})
@@ -196,12 +233,42 @@ def load_config(path: Path) -> GatewayConfig:
             r = _Reader(path, text, f"models.{name}", models_data[name], known)
             others = ", ".join(sorted(set(models) - {name})) or "none"
             r.fail("fallback", f"must name another served model (configured: {others})")
+    tls = _tls(top.sub("tls", {"cert_file", "key_file", "client_ca_file"}), path)
+    auth = _auth(
+        top.sub(
+            "auth",
+            {"keys_file", "pepper_file", "allow_anonymous", "rate_per_s", "burst", "max_streams"},
+        ),
+        path,
+    )
+    http_reader = top.sub("http", {"listen", "max_body_bytes", "client_timeout_s"})
+    http = _http(http_reader)
+    # Both public front ends: plaintext and anonymous use only on loopback, unless said so.
+    for at, address in ((srv, server.listen), (http_reader, http.listen)):
+        if address is None or is_loopback(address):
+            continue
+        if tls is None and not server.allow_plaintext:
+            at.fail(
+                "listen",
+                f"{address} is not a loopback address, and plaintext would carry API keys "
+                "and answers in the clear: add a [tls] table (cert_file, key_file), or set "
+                "allow_plaintext = true when something else encrypts the traffic",
+            )
+        if auth.keys_file is None and not auth.allow_anonymous:
+            at.fail(
+                "listen",
+                f"{address} is not a loopback address and anyone reaching it could use "
+                "every tenant's cache: set [auth] keys_file (`appliance keys add`), or "
+                "[auth] allow_anonymous = true",
+            )
     return GatewayConfig(
         server=server,
         models=models,
         cache=_cache(top, path, text),
         metrics=metrics,
-        http=_http(top.sub("http", {"listen", "max_body_bytes", "client_timeout_s"})),
+        http=http,
+        tls=tls,
+        auth=auth,
     )
 
 
@@ -213,6 +280,53 @@ def _http(r: _Reader) -> HttpConfig:
         listen=_address(r, "listen", "") if "listen" in r.data else None,
         max_body_bytes=max_body,
         client_timeout_s=r.positive("client_timeout_s", float, HttpConfig.client_timeout_s),
+    )
+
+
+def _tls(r: _Reader, path: Path) -> TlsSettings | None:
+    if not r.data:
+        return None
+    cert = r.file_path("cert_file", path.parent) or Path(r.require("cert_file"))
+    key = r.file_path("key_file", path.parent) or Path(r.require("key_file"))
+    settings = TlsSettings(cert, key, r.file_path("client_ca_file", path.parent))
+    try:
+        ServerTls(settings)
+    except TlsError as exc:
+        r.fail("cert_file", str(exc))
+    return settings
+
+
+def _auth(r: _Reader, path: Path) -> AuthConfig:
+    keys_file = r.file_path("keys_file", path.parent)
+    pepper = b""
+    if keys_file is not None:
+        pepper_file = r.file_path("pepper_file", path.parent)
+        if pepper_file is None:
+            r.fail("pepper_file", "required with keys_file: the secret the keys are hashed with")
+        try:
+            pepper = read_secret(pepper_file, PEPPER_PURPOSE)
+        except SecretFileError as exc:
+            r.fail("pepper_file", str(exc))
+    elif "pepper_file" in r.data:
+        r.fail("keys_file", "pepper_file is set but keys_file is not")
+    d = AuthConfig().limits
+
+    def limit(key: str, kind: type, default: float | int | None) -> float | int | None:
+        value = r.get(key, kind, default)
+        if value is not None and value < 0:
+            r.fail(key, "must be 0 (unlimited) or more")
+        return value or None
+
+    burst = limit("burst", int, d.burst)
+    return AuthConfig(
+        keys_file=keys_file,
+        pepper=pepper,
+        allow_anonymous=r.get("allow_anonymous", bool, False),
+        limits=Limits(
+            rate_per_s=limit("rate_per_s", float, d.rate_per_s),
+            burst=int(burst) if burst else None,
+            max_streams=int(m) if (m := limit("max_streams", int, d.max_streams)) else None,
+        ),
     )
 
 
@@ -247,6 +361,7 @@ _REDIS_KEYS = {
     "max_connections",
     "breaker_failures",
     "breaker_reset_s",
+    "mac_key_file",
 }
 
 
@@ -265,6 +380,17 @@ def _redis(r: _Reader, path: Path) -> RedisSettings:
     ca = r.file_path("tls_ca_file", path.parent)
     if ca is not None and not ca.is_file():
         r.fail("tls_ca_file", f"{ca} not found")
+    mac_file = r.file_path("mac_key_file", path.parent)
+    if mac_file is None:
+        r.fail(
+            None,
+            "missing required key 'mac_key_file': the secret every gateway on this Redis shares "
+            "to authenticate entries (`appliance keys secret FILE` writes one)",
+        )
+    try:
+        mac_key = read_secret(mac_file, MAC_PURPOSE)
+    except SecretFileError as exc:
+        r.fail("mac_key_file", str(exc))
     prefix = r.get("key_prefix", str, d.key_prefix)
     if not prefix or ":" in prefix:
         r.fail("key_prefix", "must be non-empty and contain no ':'")
@@ -279,4 +405,5 @@ def _redis(r: _Reader, path: Path) -> RedisSettings:
         max_connections=r.positive("max_connections", int, d.max_connections),
         breaker_failures=r.positive("breaker_failures", int, d.breaker_failures),
         breaker_reset_s=r.positive("breaker_reset_s", float, d.breaker_reset_s),
+        mac_key=mac_key,
     )

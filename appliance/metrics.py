@@ -373,6 +373,7 @@ _CACHE_COUNTERS = {
     "l2_errors": "appliance_redis_errors",
     "l2_skipped_breaker_open": "appliance_redis_skipped_breaker_open",
     "l2_corrupt_entries": "appliance_redis_corrupt_entries",
+    "l2_forged_entries": "appliance_redis_forged_entries",
     "breaker_opened": "appliance_redis_breaker_opened",
 }
 _CACHE_GAUGES = {

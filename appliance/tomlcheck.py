@@ -9,10 +9,13 @@ without the gateway's dependencies.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Self
+
+CREDENTIALS_PREFIX = "$CREDENTIALS_DIRECTORY/"
 
 
 class TomlError(ValueError):
@@ -149,9 +152,20 @@ class Table:
         return size
 
     def file_path(self, key: str, base: Path) -> Path | None:
-        value = self.get(key, str, "")
+        """A path relative to `base`; a leading `$CREDENTIALS_DIRECTORY/` names a systemd
+        credential of the unit (LoadCredential=), where secrets are passed."""
+        value: str = self.get(key, str, "")
         if not value:
             return None
+        if value.startswith(CREDENTIALS_PREFIX):
+            directory = os.environ.get("CREDENTIALS_DIRECTORY")
+            if not directory:
+                self.fail(
+                    key,
+                    "$CREDENTIALS_DIRECTORY is not set: systemd sets it for a unit with "
+                    "LoadCredential=; elsewhere give the file's path",
+                )
+            return Path(directory) / value.removeprefix(CREDENTIALS_PREFIX)
         path = Path(value).expanduser()
         return path if path.is_absolute() else base / path
 

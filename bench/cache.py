@@ -111,7 +111,7 @@ def cache_tables(redis_url: str, timeout_ms: float, l1_max_entries: int | None) 
     l1 = "" if l1_max_entries is None else f"l1_max_entries = {l1_max_entries}\n"
     return (
         f'\n[cache]\n{l1}\n[cache.redis]\nurl = "{redis_url}"\nkey_prefix = "{KEY_PREFIX}"\n'
-        f"timeout_ms = {timeout_ms}\n"
+        f'timeout_ms = {timeout_ms}\nmac_key_file = "mac-key"\n'
     )
 
 
@@ -155,6 +155,7 @@ def main() -> None:
         )
         stack.callback(processes.stop, engine)
         gateways = []
+        (work / "mac-key").write_text("bench-cache-mac-key-shared-by-both-gateways\n")
         for name, l1_entries in (("gw1", None), ("gw2", 0)):
             addr = f"127.0.0.1:{processes.free_port()}"
             config = processes.write_gateway_config(

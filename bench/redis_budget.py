@@ -138,7 +138,13 @@ def report(name: str, ms: np.ndarray, budgets: list[float], elsewhere: float) ->
 
 async def run(args: argparse.Namespace, redis_pid: int, url: str, budgets: list[float]) -> None:
     tier = RedisTier(
-        RedisSettings(url=url, timeout_ms=MEASURING_BUDGET_MS, key_prefix="bench"), CacheMetrics()
+        RedisSettings(
+            url=url,
+            timeout_ms=MEASURING_BUDGET_MS,
+            key_prefix="bench",
+            mac_key=b"bench-mac-key" * 3,
+        ),
+        CacheMetrics(),
     )
     answer = CachedAnswer(
         text="word " * 64, token_ids=tuple(range(64)), finish_reason="length",

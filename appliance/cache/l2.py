@@ -12,7 +12,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as redis
@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.metrics import CacheMetrics
+from appliance.cache.seal import Sealer
 from appliance.cache.tiers import CacheQuery
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class RedisSettings:
     max_connections: int = 32
     breaker_failures: int = 5
     breaker_reset_s: float = 2.0
+    # Key of the entries' authentication tags, shared by every gateway on this Redis (required:
+    # the configuration reads it from `mac_key_file`).
+    mac_key: bytes | None = field(default=None, repr=False)
 
 
 def _key_part(value: str) -> str:
@@ -53,8 +57,11 @@ class RedisTier:
     name = "l2"
 
     def __init__(self, settings: RedisSettings, metrics: CacheMetrics) -> None:
+        if not settings.mac_key:
+            raise ValueError("RedisSettings.mac_key is required: entries are authenticated")
         self.settings = settings
         self.metrics = metrics
+        self._sealer = Sealer(settings.mac_key)
         self._writes: set[asyncio.Task[None]] = set()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._budget = settings.timeout_ms / 1000.0
@@ -147,20 +154,24 @@ class RedisTier:
         return ""
 
     async def get(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
-        data = await self._call("GET", self.client.get(self.redis_key(namespace, model, key)))
+        name = self.redis_key(namespace, model, key)
+        data = await self._call("GET", self.client.get(name))
         if not isinstance(data, bytes):
             return None
+        body = self._sealer.open(name.encode(), data)
+        if body is None:
+            self.metrics.l2_forged_entries += 1
+            return None
         try:
-            return decode(data)
+            return decode(body)
         except CorruptEntryError:
             self.metrics.l2_corrupt_entries += 1
             return None
 
     async def put(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> bool:
         name = self.redis_key(namespace, model, key)
-        done = await self._call(
-            "SET", self.client.set(name, encode(answer), ex=self.settings.ttl_s)
-        )
+        value = self._sealer.seal(name.encode(), encode(answer))
+        done = await self._call("SET", self.client.set(name, value, ex=self.settings.ttl_s))
         return done is True
 
     async def invalidate(self, namespace: str, model: str) -> int:

@@ -16,6 +16,9 @@ class CacheMetrics:
     l2_errors: int = 0
     l2_skipped_breaker_open: int = 0
     l2_corrupt_entries: int = 0
+    # Entries whose authentication tag did not verify (written by something that is not a gateway
+    # of this appliance, or damaged): misses, never answers.
+    l2_forged_entries: int = 0
     breaker_opened: int = 0
     # Hits by tier name ("l1", "l2", ...), exported as NAME_hits.
     hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0})

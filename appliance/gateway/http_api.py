@@ -30,6 +30,8 @@ from appliance.gateway import openai_wire as wire
 from appliance.gateway.health import health_name
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import RequestReport
+from appliance.security.auth import Credentials, bearer_token
+from appliance.security.tls import ServerTls, peercert_names
 from appliance.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ async def _finish(messages: AsyncIterator[pb.GenerateResponse]) -> None:
 
 def error_response(err: wire.WireError, retry_after_ms: int | None = None) -> web.Response:
     headers = {}
+    if err.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
     if retry_after_ms is not None:
         # Retry-After is whole seconds; the openai SDK reads retry-after-ms first.
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
@@ -76,9 +80,14 @@ class HttpApi:
         health_servicer: health.aio.HealthServicer,
         service_name: str,
         config: HttpConfig,
+        tls: ServerTls | None = None,
+        mutual_tls: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
+        # The public API's TLS (the same [tls] files as the gRPC port; None: plaintext).
+        self.tls = tls
+        self.mutual_tls = mutual_tls
         self._health = health_servicer
         self._service = service_name
         self._created = int(time.time())
@@ -114,7 +123,8 @@ class HttpApi:
         assert self.config.listen is not None
         host, _, port = self.config.listen.rpartition(":")
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host.strip("[]"), int(port))
+        ssl_context = self.tls.ssl_context() if self.tls is not None else None
+        site = web.TCPSite(self._runner, host.strip("[]"), int(port), ssl_context=ssl_context)
         try:
             await site.start()
         except OSError:
@@ -207,7 +217,7 @@ class HttpApi:
             except wire.WireError as err:
                 self._report_refusal(err, received)
                 return error_response(err)
-            messages = self.pipeline.run(http.request, http.deadline_s)
+            messages = self.pipeline.run(http.request, http.deadline_s, self._credentials(request))
             assert isinstance(messages, AsyncGenerator)  # closed below, whatever happens
             try:
                 return await self._answer(request, http, messages)
@@ -217,6 +227,17 @@ class HttpApi:
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
+
+    def _credentials(self, request: web.Request) -> Credentials:
+        """What the request presents, read as the gRPC service reads its metadata: a Bearer key
+        from `Authorization` (present but not Bearer: an invalid key), else, under mutual TLS,
+        the verified client certificate's names."""
+        header = request.headers.get("Authorization")
+        if header is not None:
+            return Credentials(bearer_token(header) or "")
+        if self.mutual_tls and request.transport is not None:
+            return Credentials(None, peercert_names(request.transport.get_extra_info("peercert")))
+        return Credentials(None)
 
     async def _body(self, request: web.Request) -> bytes:
         try:

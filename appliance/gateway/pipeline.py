@@ -1,8 +1,10 @@
 """The gateway's request path, as named stages, for every front end (gRPC today).
 
-    route → check → cache lookup → failover → tokenize → single flight → [admission → engine]
+    gate → route → check → cache lookup → failover → tokenize → single flight → [admission → engine]
           → deliver → store
 
+- gate: who is asking and whether they may (security.auth): the API key or client certificate,
+  the key's rate limits, its scope and namespace; before anything else is looked at.
 - route: the model the request names.
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
@@ -52,6 +54,7 @@ from appliance.gateway.generation import Delta, Event, Outcome, Started, generat
 from appliance.gateway.models import ServedModel
 from appliance.gateway.report import ReportSink, RequestReport
 from appliance.request import CheckedRequest, PreparedRequest, check, echo, tokenize
+from appliance.security.auth import CACHE_ONLY, GENERATE, NO_CREDENTIALS, Credentials, Gate, Pass
 from appliance.v1 import inference_pb2 as pb
 
 # Inputs longer than this are tokenized on a worker thread (the tokenizer releases the GIL).
@@ -99,8 +102,10 @@ class Pipeline:
         cache: TierCascade | None,
         admission: Admission,
         sink: ReportSink,
+        gate: Gate | None = None,
     ) -> None:
         self.models = models
+        self.gate = gate or Gate()
         self.cache = cache
         self.admission = admission
         self.sink = sink
@@ -116,12 +121,18 @@ class Pipeline:
         self.in_flight: dict[str, int] = dict.fromkeys(models, 0)
 
     async def run(
-        self, request: pb.GenerateRequest, deadline_s: float | None
+        self,
+        request: pb.GenerateRequest,
+        deadline_s: float | None,
+        credentials: Credentials = NO_CREDENTIALS,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The request's messages; raises RequestError. `deadline_s`: seconds the client gives."""
+        """The request's messages; raises RequestError. `deadline_s`: seconds the client gives;
+        `credentials`: what the client presented (none: refused when the gateway has keys)."""
         received = time.monotonic_ns()
         report = RequestReport(request_id=request.request_id)
+        admitted: Pass | None = None
         try:
+            admitted = self.admit(request, credentials, report)
             model = self.route(request)
             report.model = model.name
             self.in_flight[model.name] += 1
@@ -158,6 +169,8 @@ class Pipeline:
             report.status = grpc.StatusCode.CANCELLED.name
             raise
         finally:
+            if admitted is not None:
+                admitted.release()
             if report.model:
                 self.in_flight[report.model] -= 1
             if not report.total_us:
@@ -165,6 +178,19 @@ class Pipeline:
             self.sink.report(report)
 
     # -- stages -------------------------------------------------------------------------------
+
+    def admit(
+        self, request: pb.GenerateRequest, credentials: Credentials, report: RequestReport
+    ) -> Pass:
+        """The gate; the request's namespace becomes the one the key may use (a key holding one
+        namespace may leave it out)."""
+        scope = CACHE_ONLY if request.cache_policy == pb.CACHE_POLICY_ONLY else GENERATE
+        report.key_id = credentials.claimed_key_id()
+        report.namespace = request.namespace[:64]
+        admitted = self.gate.admit(credentials, request.namespace, scope)
+        report.key_id = admitted.key_id
+        request.namespace = report.namespace = admitted.namespace
+        return admitted
 
     def route(self, request: pb.GenerateRequest) -> ServedModel:
         model = self.models.get(request.model)

@@ -16,6 +16,8 @@ access = logging.getLogger("appliance.access")
 @dataclass(slots=True)
 class RequestReport:
     request_id: str = ""
+    # The API key's id (never the key): "anonymous" without keys; "" when none was presented.
+    key_id: str = ""
     namespace: str = ""
     model: str = ""
     # Which model produced the answer: differs from `model` when a fallback answered.
@@ -48,7 +50,7 @@ class AccessLog:
     `access`, so a JSON formatter writes its fields as fields."""
 
     FORMAT = (
-        "request_id=%r namespace=%r model=%r answered_by=%r tier=%s status=%s finish_reason=%s "
+        "request_id=%r key_id=%r namespace=%r model=%r answered_by=%r tier=%s status=%s finish_reason=%s "
         "prompt_tokens=%d completion_tokens=%d queue_ms=%.3f ttft_ms=%.3f total_ms=%.3f"
     )
 
@@ -57,6 +59,7 @@ class AccessLog:
             access.info(
                 self.FORMAT,
                 r.request_id,
+                r.key_id,
                 r.namespace,
                 r.model,
                 r.answered_by,
@@ -70,6 +73,29 @@ class AccessLog:
                 r.total_us / 1000,
                 extra={"access": r},
             )
+
+
+def admin_call(
+    method: str,
+    key_id: str,
+    namespace: str,
+    model: str,
+    everything: bool,
+    status: str,
+    outcome: str,
+) -> None:
+    """One INFO line per CacheAdmin call on `appliance.access`, whatever `access_log` says: who
+    invalidated what is an audit record."""
+    access.info(
+        "admin method=%s key_id=%r namespace=%r model=%r all=%s status=%s %s",
+        method,
+        key_id,
+        namespace,
+        model,
+        everything,
+        status,
+        outcome,
+    )
 
 
 class Sinks:

@@ -6,6 +6,7 @@ import asyncio
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
 from appliance.metrics import GatewayMetrics, MetricsSink
+from appliance.security.auth import Gate
+from appliance.security.keys import KeyRing, KeysFileError
+from appliance.security.tls import ServerTls, TlsError
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -99,6 +103,20 @@ class RunningGateway:
     metrics_port: int = 0
     # The OpenAI-compatible HTTP API (None: not configured).
     http: HttpApi | None = None
+    gate: Gate | None = None
+    tls: ServerTls | None = None
+
+    def reload(self) -> None:
+        """SIGHUP: re-reads the keys file (a file that cannot be used leaves the keys in use) and
+        the TLS files (which are also picked up on their own at the next handshake)."""
+        if self.gate is not None and self.gate.keys is not None:
+            try:
+                count = self.gate.keys.reload()
+                log.info("keys file %s reloaded: %d keys", self.gate.keys.path, count)
+            except KeysFileError as exc:
+                log.error("keys file not reloaded, the keys in use stay: %s", exc)
+        if self.tls is not None:
+            self.tls.refresh()
 
     @property
     def pipeline(self) -> Pipeline:
@@ -129,10 +147,43 @@ class RunningGateway:
         self.metrics.close()
 
 
+def make_gate(config: GatewayConfig) -> Gate:
+    """The keys of `[auth] keys_file` (none: every request is anonymous, allowed on loopback)."""
+    auth = config.auth
+    if auth.keys_file is None:
+        return Gate()
+    try:
+        return Gate(KeyRing(auth.keys_file, auth.pepper, auth.limits))
+    except KeysFileError as exc:
+        raise StartupError(str(exc), exit_status=2) from None
+
+
+def listen(server: grpc.aio.Server, config: GatewayConfig) -> tuple[int, ServerTls | None]:
+    """Binds the public port: TLS when `[tls]` is configured, else plaintext (the configuration
+    allows that on loopback only, unless `allow_plaintext`)."""
+    address = config.server.listen
+    tls = None
+    try:
+        if config.tls is not None:
+            tls = ServerTls(config.tls)
+            port = server.add_secure_port(address, tls.grpc_credentials())
+        else:
+            port = server.add_insecure_port(address)
+    except TlsError as exc:
+        raise StartupError(str(exc), exit_status=2) from None
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise StartupError(f"cannot listen on {address}: address in use or invalid")
+    return port, tls
+
+
 async def start_server(
     config: GatewayConfig, models: dict[str, ServedModel], sink: ReportSink | None = None
 ) -> RunningGateway:
     refuse_taken_address(config.server.listen)
+    gate = make_gate(config)
+    mutual = config.tls is not None and config.tls.client_ca_file is not None
     # Without this gRPC sets SO_REUSEPORT: a second gateway on the same port would start and
     # silently take half of the connections.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -144,11 +195,13 @@ async def start_server(
         sinks.append(AccessLog())
     if sink is not None:
         sinks.append(sink)
-    pipeline = Pipeline(models, cache, admission, Sinks(*sinks))
+    pipeline = Pipeline(models, cache, admission, Sinks(*sinks), gate)
     metrics.watch(models, admission, cache, pipeline.in_flight)
-    service = InferenceService(pipeline)
+    service = InferenceService(pipeline, mutual)
     decoding.add_service(pb_grpc.add_InferenceServicer_to_server, service, server)
-    decoding.add_service(pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache), server)
+    decoding.add_service(
+        pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache, gate, mutual), server
+    )
     health_servicer = health.aio.HealthServicer()
     decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
     reflection.enable_server_reflection(
@@ -160,19 +213,16 @@ async def start_server(
         ),
         server,
     )
-    try:
-        port = server.add_insecure_port(config.server.listen)
-    except RuntimeError as exc:
-        raise StartupError(f"cannot listen on {config.server.listen}: {exc}") from exc
-    if port == 0:
-        raise StartupError(f"cannot listen on {config.server.listen}: address in use or invalid")
+    port, tls = listen(server, config)
     await server.start()
     monitor = HealthMonitor(health_servicer, SERVICE_NAME, models)
     await monitor.publish()
     monitor.start()
     if cache is not None:
         await cache.check()
-    running = RunningGateway(server, service, health_servicer, monitor, models, port, metrics)
+    running = RunningGateway(
+        server, service, health_servicer, monitor, models, port, metrics, gate=gate, tls=tls
+    )
     if config.metrics.listen is not None:
         try:
             running.metrics_port = metrics.serve(config.metrics.listen)
@@ -183,7 +233,7 @@ async def start_server(
             ) from exc
         log.info("metrics on http://%s/metrics", config.metrics.listen)
     if config.http.listen is not None:
-        http = HttpApi(pipeline, health_servicer, SERVICE_NAME, config.http)
+        http = HttpApi(pipeline, health_servicer, SERVICE_NAME, config.http, tls, mutual)
         try:
             await http.start()
         except OSError as exc:
@@ -230,7 +280,20 @@ async def serve(config: GatewayConfig) -> int:
     except StartupError as exc:
         print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
         return exc.exit_status
-    log.info("gateway listening on %s, models: %s", config.server.listen, ", ".join(models))
+    log.info(
+        "gateway listening on %s (%s, %s), models: %s",
+        config.server.listen,
+        "mutual TLS"
+        if running.tls and running.tls.mutual
+        else "TLS"
+        if running.tls
+        else "plaintext",
+        f"{len(running.gate.keys)} API keys"
+        if running.gate and running.gate.keys
+        else "no API keys",
+        ", ".join(models),
+    )
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, running.reload)
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {config.server.listen}")
     log.info("draining for up to %.1f s", config.server.drain_seconds)
     await running.drain(config.server.drain_seconds)

@@ -1,7 +1,8 @@
 """The gRPC services of the public API: Inference (Generate, Complete) and CacheAdmin.
 
-Thin on purpose: each RPC hands the request to the pipeline and turns a RequestError into the call's
-status; nothing about caching, tokenizing or the engine is decided here.
+Thin on purpose: each RPC hands the request and the caller's credentials (the `authorization`
+metadata, the client certificate's names under mutual TLS) to the pipeline and turns a RequestError
+into the call's status; nothing about keys, caching, tokenizing or the engine is decided here.
 """
 
 from __future__ import annotations
@@ -13,14 +14,38 @@ import grpc
 
 from appliance.cache.tiers import TierCascade
 from appliance.errors import RequestError
+from appliance.gateway import report
 from appliance.gateway.pipeline import Pipeline
+from appliance.security.auth import Credentials, Gate, bearer_token
+from appliance.security.tls import grpc_peer_names
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
 
+def credentials(context: grpc.aio.ServicerContext, mutual_tls: bool) -> Credentials:
+    """What the call presents; the certificate's names are read only when no key is sent."""
+    bearer = None
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            bearer = bearer_token(value) if isinstance(value, str) else None
+            if bearer is None:
+                bearer = ""  # present but not a Bearer token: an invalid key, not no key
+            break
+    if bearer is None and mutual_tls:
+        return Credentials(None, grpc_peer_names(context))
+    return Credentials(bearer)
+
+
+def _set_pushback(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
+    if exc.retry_after_ms is not None:
+        # gRPC's retry policy reads this trailer (gRFC A6) and waits as long before retrying.
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(exc.retry_after_ms)),))
+
+
 class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, mutual_tls: bool = False) -> None:
         self.pipeline = pipeline
+        self.mutual_tls = mutual_tls
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -31,14 +56,12 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         self._active += 1
         self._idle.clear()
         try:
-            async for message in self.pipeline.run(request, context.time_remaining()):
+            async for message in self.pipeline.run(
+                request, context.time_remaining(), credentials(context, self.mutual_tls)
+            ):
                 yield message
         except RequestError as exc:
-            if exc.retry_after_ms is not None:
-                # gRPC's retry policy reads this trailer (gRFC A6) and waits as long before retrying.
-                context.set_trailing_metadata(
-                    (("grpc-retry-pushback-ms", str(exc.retry_after_ms)),)
-                )
+            _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
         finally:
             self._active -= 1
@@ -66,12 +89,43 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
 
 
 class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
-    def __init__(self, cache: TierCascade | None) -> None:
+    """Needs the `admin` scope; every call, refused or not, is an access-log line."""
+
+    def __init__(
+        self, cache: TierCascade | None, gate: Gate | None = None, mutual_tls: bool = False
+    ) -> None:
         self._cache = cache
+        self._gate = gate or Gate()
+        self._mutual_tls = mutual_tls
+
+    async def _admit(
+        self, method: str, request: pb.InvalidateRequest | None, context: grpc.aio.ServicerContext
+    ) -> str:
+        """The caller's key id once the gate lets the call through; else the call ends here."""
+        presented = credentials(context, self._mutual_tls)
+        namespace = request.namespace if request is not None else ""
+        model = request.model if request is not None else ""
+        everything = request.all if request is not None else False
+        try:
+            return self._gate.admit_admin(presented, namespace).key_id
+        except RequestError as exc:
+            report.admin_call(
+                method,
+                presented.claimed_key_id(),
+                namespace[:64],
+                model[:64],
+                everything,
+                exc.code.name,
+                "refused",
+            )
+            _set_pushback(context, exc)
+            await context.abort(exc.code, exc.message)
+            raise  # abort raises; this line is never reached
 
     async def Invalidate(
         self, request: pb.InvalidateRequest, context: grpc.aio.ServicerContext
     ) -> pb.InvalidateResponse:
+        key_id = await self._admit("Invalidate", request, context)
         if self._cache is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the cache is disabled")
         assert self._cache is not None
@@ -80,10 +134,18 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "name a namespace, a model or both; set all=true to drop every cached answer",
             )
+        audit = (key_id, request.namespace[:64], request.model[:64], request.all)
         try:
             removed = await self._cache.invalidate(request.namespace, request.model)
         except Exception as exc:  # Redis down: say so; the in-process tier was still dropped
+            report.admin_call("Invalidate", *audit, "UNAVAILABLE", f"error={exc!s:.200}")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis invalidation failed: {exc}")
+        report.admin_call(
+            "Invalidate",
+            *audit,
+            "OK",
+            f"l1_removed={removed.get('l1', 0)} l2_removed={removed.get('l2', 0)}",
+        )
         return pb.InvalidateResponse(
             l1_removed=removed.get("l1", 0), l2_removed=removed.get("l2", 0)
         )
@@ -91,5 +153,7 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
     async def Stats(
         self, request: pb.CacheStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.CacheStatsResponse:
+        key_id = await self._admit("Stats", None, context)
+        report.admin_call("Stats", key_id, "", "", False, "OK", "")
         counters = self._cache.counters() if self._cache is not None else {}
         return pb.CacheStatsResponse(counters=counters)

@@ -23,6 +23,8 @@ from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer
 from tests.conftest import Engine, Tiny
 
+# The secret every gateway of a test shares to authenticate Redis entries.
+MAC_KEY = b"test-cache-mac-key-0123456789abc"
 MISS, L1, L2 = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
 
 
@@ -38,7 +40,9 @@ def cache_config(redis_server: RedisServer | None, **l1: object) -> CacheConfig:
     redis = None
     if redis_server is not None:
         # A budget loose enough for a loaded 2-core CI machine; the slow-Redis test tightens it.
-        redis = RedisSettings(url=redis_server.url, timeout_ms=200.0, breaker_reset_s=0.2)
+        redis = RedisSettings(
+            url=redis_server.url, timeout_ms=200.0, breaker_reset_s=0.2, mac_key=MAC_KEY
+        )
     return dataclasses.replace(CacheConfig(redis=redis), **l1)  # type: ignore[arg-type]
 
 
@@ -379,7 +383,8 @@ async def test_more_lookups_than_connections_wait_for_one_instead_of_failing(
     # A burst larger than the pool is not a Redis fault: it must neither miss nor open the breaker.
     metrics = CacheMetrics()
     tier = RedisTier(
-        RedisSettings(url=redis_server.url, timeout_ms=5000.0, max_connections=2), metrics
+        RedisSettings(url=redis_server.url, timeout_ms=5000.0, max_connections=2, mac_key=MAC_KEY),
+        metrics,
     )
     answer = CachedAnswer("an answer", (1, 2, 3), "stop", 4, 3)
     try:

@@ -48,7 +48,7 @@ def test_good_config_loads_with_defaults_and_relative_paths(tmp_path: Path) -> N
         ),
         (
             GOOD.replace("drain_seconds = 3", "drain_secs = 3"),
-            r":4: key 'server.drain_secs': unknown key; known keys are access_log, drain_seconds, listen, log_format, log_level",
+            r":4: key 'server.drain_secs': unknown key; known keys are access_log, allow_plaintext, drain_seconds, listen, log_format, log_level",
         ),
         (
             GOOD.replace('backend = "127.0.0.1:8001"', 'backend = "localhost"'),

@@ -49,7 +49,7 @@ async def gateway(
     config = GatewayConfig(
         server=ServerConfig(listen="127.0.0.1:0"),
         models={"tiny": model},
-        cache=CacheConfig(redis=RedisSettings(url=redis.url, timeout_ms=100)),
+        cache=CacheConfig(redis=RedisSettings(url=redis.url, timeout_ms=100, mac_key=b"k" * 32)),
         metrics=MetricsConfig(listen="127.0.0.1:0"),
     )
     reports = Reports()

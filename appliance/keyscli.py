@@ -1,0 +1,138 @@
+"""`appliance keys add|list|revoke|secret`: the API keys file and the secrets beside it.
+
+`add` prints the new key once, on stdout, and stores only its salted, peppered hash; the running
+gateway picks the change up on `systemctl reload appliance-gateway` (SIGHUP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from appliance.security.keys import SCOPES, KeysFileError, Limits, new_key, read_entries
+from appliance.security.keys import write_entries as write_keys
+from appliance.security.secretfile import PEPPER_PURPOSE, SecretFileError, read_secret, write_secret
+
+DEFAULT_KEYS_FILE = "/etc/appliance/api-keys.json"
+DEFAULT_PEPPER_FILE = "/etc/appliance/credentials/api-key-pepper"
+RELOAD_HINT = "the gateway uses it after `systemctl reload appliance-gateway` (SIGHUP)"
+
+
+class _Refused(Exception):
+    """One line for stderr; exit status 2 (fix the input and rerun)."""
+
+
+def _entries(path: Path, create: bool) -> list[dict[str, Any]]:
+    if create and not path.exists():
+        return []
+    try:
+        return list(read_entries(path))
+    except KeysFileError as exc:
+        raise _Refused(str(exc)) from None
+
+
+def _add(args: argparse.Namespace) -> int:
+    try:
+        pepper = read_secret(Path(args.pepper_file), PEPPER_PURPOSE)
+    except SecretFileError as exc:
+        raise _Refused(f"--pepper-file: {exc}") from None
+    path = Path(args.keys_file)
+    entries = _entries(path, create=True)
+    limits = Limits(args.rate_per_s, args.burst, args.max_streams)
+    token, entry = new_key(
+        pepper, args.namespace, args.scope or ["generate"], args.identity, limits, args.note
+    )
+    write_keys(path, [*entries, entry])
+    print(token)
+    print(
+        f"appliance keys: added key {entry['id']} to {path}; this is the only time the key is "
+        f"shown; {RELOAD_HINT}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    for e in _entries(Path(args.keys_file), create=False):
+        limits = " ".join(f"{k}={e[k]}" for k in ("rate_per_s", "burst", "max_streams") if k in e)
+        identities = ",".join(e.get("identities", [])) or "-"
+        print(
+            f"{e['id']} namespaces={','.join(e['namespaces'])} "
+            f"scopes={','.join(e['scopes'])} identities={identities} "
+            f"created={e.get('created', '-')} {limits} note={e.get('note', '')!r}".rstrip()
+        )
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    path = Path(args.keys_file)
+    entries = _entries(path, create=False)
+    kept = [e for e in entries if e["id"] != args.key_id]
+    if len(kept) == len(entries):
+        raise _Refused(f"no key {args.key_id!r} in {path} (`appliance keys list` shows them)")
+    write_keys(path, kept)
+    print(f"appliance keys: revoked key {args.key_id}; {RELOAD_HINT}", file=sys.stderr)
+    return 0
+
+
+def _secret(args: argparse.Namespace) -> int:
+    try:
+        write_secret(Path(args.file))
+    except FileExistsError:
+        raise _Refused(f"{args.file} exists; a secret is never overwritten") from None
+    except OSError as exc:
+        raise _Refused(f"cannot write {args.file}: {exc.strerror or exc}") from None
+    print(f"appliance keys: wrote a new secret to {args.file} (mode 0600)", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        code: int = args.keys_func(args)
+    except _Refused as exc:
+        print(f"appliance keys: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"appliance keys: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+
+    return parse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    k = sub.add_parser("keys", help="API keys: add, list, revoke; write a secret file")
+    k.add_argument("--keys-file", default=DEFAULT_KEYS_FILE, help=f"default {DEFAULT_KEYS_FILE}")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    a = ksub.add_parser("add", help="make a key; prints it once, stores only its hash")
+    a.add_argument(
+        "--pepper-file", default=DEFAULT_PEPPER_FILE, help=f"default {DEFAULT_PEPPER_FILE}"
+    )
+    a.add_argument("--namespace", action="append", required=True, help="repeat; * for any")
+    a.add_argument("--scope", action="append", choices=SCOPES, help="repeat; default generate")
+    a.add_argument("--identity", action="append", help="client certificate name (mutual TLS)")
+    a.add_argument("--rate-per-s", type=_positive(float), help="requests per second")
+    a.add_argument("--burst", type=_positive(int), help="requests at once above the rate")
+    a.add_argument("--max-streams", type=_positive(int), help="requests in flight at once")
+    a.add_argument("--note", default="", help="who the key is for")
+    a.set_defaults(keys_func=_add)
+    ksub.add_parser("list", help="the keys (ids, namespaces, scopes; never secrets)").set_defaults(
+        keys_func=_list
+    )
+    r = ksub.add_parser("revoke", help="remove a key")
+    r.add_argument("key_id")
+    r.set_defaults(keys_func=_revoke)
+    s = ksub.add_parser("secret", help="write a new random secret file (pepper, cache MAC key)")
+    s.add_argument("file")
+    s.set_defaults(keys_func=_secret)
+    k.set_defaults(func=run)

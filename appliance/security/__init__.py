@@ -1,0 +1,1 @@
+"""Who may use the gateway and how: TLS, API keys bound to namespaces and scopes, rate limits."""

@@ -1,0 +1,159 @@
+"""The gate at the front of every request: who is asking (authentication), may they (scope and
+namespace), and not too often (rate limits) — before validation, the cache or the engine.
+
+Front ends (gRPC, HTTP) turn what their protocol carries into Credentials (a bearer token, the client
+certificate's names) and call `Gate.admit`; the pipeline and CacheAdmin only ever see the Pass it
+returns. Refusals are RequestErrors: UNAUTHENTICATED for a missing or unknown key, PERMISSION_DENIED
+for a key that may not do this (scope or namespace), RESOURCE_EXHAUSTED over a rate limit. A
+refusal's message names only the caller's own key and what it sent, never another tenant's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from appliance.errors import RequestError
+from appliance.security.keys import ANONYMOUS, KeyRing, Principal, is_hex, parse_token
+from appliance.security.ratelimit import RateLimiter
+
+GENERATE = "generate"
+# May send cache_policy ONLY: answers from the cache, never the engine. Such a request tells
+# whether a prompt was asked before in the namespace, so it needs a scope of its own.
+CACHE_ONLY = "cache:read-only-policy"
+ADMIN = "admin"
+
+
+# Not frozen: a frozen dataclass's __init__ costs twice as much, and one is made per request.
+@dataclass(slots=True)
+class Credentials:
+    """What a request presents: an `authorization: Bearer KEY` value and, under mutual TLS, the
+    names of its verified client certificate (subject CN, DNS and URI SANs)."""
+
+    bearer: str | None = None
+    identities: tuple[str, ...] = ()
+
+    def claimed_key_id(self) -> str:
+        """The key id the bearer token names, for the access log of a refused request ("" when
+        there is no well-formed token)."""
+        parsed = parse_token(self.bearer) if self.bearer else None
+        return parsed[0] if parsed and is_hex(parsed[0]) else ""
+
+
+NO_CREDENTIALS = Credentials()
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an `authorization` value of the Bearer scheme (case-insensitive), else None."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class Pass:
+    """An admitted request: its key id and namespace; `release` once it ends (frees its stream)."""
+
+    __slots__ = ("_limiter", "key_id", "namespace")
+
+    def __init__(self, key_id: str, namespace: str, limiter: RateLimiter | None) -> None:
+        self.key_id = key_id
+        self.namespace = namespace
+        self._limiter = limiter
+
+    def release(self) -> None:
+        if self._limiter is not None:
+            self._limiter.close_stream(self.key_id)
+            self._limiter = None
+
+
+def _unauthenticated(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def _denied(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.PERMISSION_DENIED, message)
+
+
+class Gate:
+    """Authentication, per-key rate limits and authorization. Without a key ring (no keys file;
+    allowed on loopback) every request is the anonymous principal, which may do everything."""
+
+    def __init__(self, keys: KeyRing | None = None) -> None:
+        self.keys = keys
+        self.limiter = RateLimiter()
+
+    @property
+    def required(self) -> bool:
+        return self.keys is not None
+
+    def authenticate(self, credentials: Credentials) -> Principal:
+        keys = self.keys
+        if keys is None:
+            return ANONYMOUS
+        if credentials.bearer is not None:
+            principal = keys.by_token(credentials.bearer)
+            if principal is None:
+                raise _unauthenticated("the API key is not valid (malformed, unknown or revoked)")
+            return principal
+        if credentials.identities:
+            principal = keys.by_identity(credentials.identities)
+            if principal is None:
+                raise _unauthenticated(
+                    "the client certificate stands for no API key; send metadata "
+                    "'authorization: Bearer KEY'"
+                )
+            return principal
+        raise _unauthenticated(
+            "this gateway requires an API key: send metadata 'authorization: Bearer KEY'"
+        )
+
+    def admit(self, credentials: Credentials, namespace: str, scope: str) -> Pass:
+        """A request for `namespace` ("": the key's only one, else "default") needing `scope`."""
+        principal = self.authenticate(credentials)
+        if principal is ANONYMOUS:
+            return Pass(principal.key_id, namespace, None)
+        limits = principal.limits
+        self.limiter.take(principal.key_id, limits)
+        self._scope(principal, scope)
+        namespace = self._namespace(principal, namespace)
+        counted = self.limiter.open_stream(principal.key_id, limits)
+        return Pass(principal.key_id, namespace, self.limiter if counted else None)
+
+    def admit_admin(self, credentials: Credentials, namespace: str) -> Pass:
+        """A CacheAdmin call: the `admin` scope; a namespace the key holds, or any namespace
+        (every namespace's entries or counters) only for a key that holds "*"."""
+        principal = self.authenticate(credentials)
+        if principal is ANONYMOUS:
+            return Pass(principal.key_id, namespace, None)
+        self.limiter.take(principal.key_id, principal.limits)
+        self._scope(principal, ADMIN)
+        if not principal.any_namespace and (not namespace or namespace not in principal.namespaces):
+            raise _denied(
+                f"key '{principal.key_id}' may administer only its own namespaces "
+                f"({', '.join(sorted(principal.namespaces))}): name one of them"
+                + ("" if namespace else '; all namespaces need a key holding "*"')
+            )
+        return Pass(principal.key_id, namespace, None)
+
+    @staticmethod
+    def _scope(principal: Principal, scope: str) -> None:
+        if scope not in principal.scopes:
+            raise _denied(
+                f"key '{principal.key_id}' lacks the scope '{scope}' "
+                f"(it holds: {', '.join(sorted(principal.scopes))})"
+            )
+
+    @staticmethod
+    def _namespace(principal: Principal, namespace: str) -> str:
+        if principal.any_namespace:
+            return namespace
+        if not namespace:
+            if len(principal.namespaces) == 1:
+                return next(iter(principal.namespaces))
+            namespace = "default"
+        if namespace in principal.namespaces:
+            return namespace
+        holds = ", ".join(sorted(principal.namespaces))
+        raise _denied(
+            f"key '{principal.key_id}' may not use namespace {namespace[:64]!r}; it holds: {holds}"
+        )

@@ -1,0 +1,189 @@
+"""TLS of the public API: the server certificate, optionally mutual TLS, and reloading the files.
+
+One set of `[tls]` settings serves every front end: `ServerTls.grpc_credentials()` for the gRPC
+server, `ServerTls.ssl_context()` for an asyncio/aiohttp server. The files are checked at start-up
+(the certificate must match its key; the client CA must parse). A renewed certificate is picked
+up without a restart and without touching open connections: before each new handshake the files'
+sizes and modification times are compared with the loaded ones (a few stat calls), and changed
+files are loaded and checked first; a half-written or mismatched pair is logged and the previous
+certificate stays in use. Replace files atomically (write a new file, then rename it over the old).
+
+Mutual TLS (`client_ca_file` set) requires every client to present a certificate the CA signed;
+gRPC's Python API has no "optional client certificate" mode, so neither does this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from appliance.logline import Throttled
+
+log = logging.getLogger(__name__)
+_throttled = Throttled(log)
+
+
+class TlsError(ValueError):
+    """Certificate files that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cert_file: Path
+    key_file: Path
+    # Set: mutual TLS; every client presents a certificate this CA bundle verifies.
+    client_ca_file: Path | None = None
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        paths = (self.cert_file, self.key_file)
+        return (*paths, self.client_ca_file) if self.client_ca_file else paths
+
+
+@dataclass(frozen=True)
+class _Material:
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None
+    stamp: tuple[tuple[int, int, int], ...]
+
+
+def _stamp(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int], ...]:
+    stamps = []
+    for p in paths:
+        st = os.stat(p)
+        stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamps)
+
+
+def _load(settings: TlsSettings) -> _Material:
+    """Reads and checks the files; TlsError says which one is wrong."""
+    try:
+        stamp = _stamp(settings.files)
+        cert, key = settings.cert_file.read_bytes(), settings.key_file.read_bytes()
+        ca = settings.client_ca_file.read_bytes() if settings.client_ca_file else None
+    except OSError as exc:
+        raise TlsError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
+    _check(settings)
+    return _Material(cert, key, ca, stamp)
+
+
+def _check(settings: TlsSettings) -> ssl.SSLContext:
+    """An SSL server context of the files: proves the certificate matches its key and the CA
+    parses, with the error of the file at fault."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(settings.cert_file, settings.key_file)
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsError(
+            f"{settings.cert_file} with key {settings.key_file}: not a certificate and its "
+            f"private key ({exc})"
+        ) from None
+    if settings.client_ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=settings.client_ca_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise TlsError(f"{settings.client_ca_file}: not a CA bundle ({exc})") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class ServerTls:
+    """The certificate files of one listener, reloaded when they change."""
+
+    def __init__(self, settings: TlsSettings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()  # gRPC asks for certificates from its own threads
+        self._material = _load(settings)
+        self.generation = 0
+        self._contexts: list[ssl.SSLContext] = []
+
+    @property
+    def mutual(self) -> bool:
+        return self.settings.client_ca_file is not None
+
+    def refresh(self) -> bool:
+        """Loads the files if they changed since they were loaded; True when a new certificate
+        is in use. A file that cannot be used is logged; the previous certificate stays."""
+        with self._lock:
+            try:
+                if _stamp(self.settings.files) == self._material.stamp:
+                    return False
+                material = _load(self.settings)
+            except (OSError, TlsError) as exc:
+                _throttled.warning("TLS files not reloaded, the previous ones stay: %s", exc)
+                return False
+            self._material = material
+            self.generation += 1
+            for context in self._contexts:
+                self._load_into(context)
+        log.info("TLS certificate reloaded from %s", self.settings.cert_file)
+        return True
+
+    def _grpc_config(self) -> Any:
+        m = self._material
+        return grpc.ssl_server_certificate_configuration([(m.key, m.cert)], m.client_ca)
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        """Server credentials whose certificate follows the files (checked before each handshake)."""
+        served = [self.generation]
+
+        def fetch() -> Any:
+            self.refresh()
+            if served[0] == self.generation:
+                return None  # unchanged: gRPC keeps the configuration it has
+            served[0] = self.generation
+            return self._grpc_config()
+
+        return grpc.dynamic_ssl_server_credentials(
+            self._grpc_config(), fetch, require_client_authentication=self.mutual
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A server SSLContext of the same files for an asyncio/aiohttp listener; `refresh()`
+        (call it on SIGHUP or before accepting) loads renewed files into it for new handshakes."""
+        context = _check(self.settings)
+        context.set_alpn_protocols(["h2", "http/1.1"])
+        with self._lock:
+            self._contexts.append(context)
+        return context
+
+    def _load_into(self, context: ssl.SSLContext) -> None:
+        try:
+            context.load_cert_chain(self.settings.cert_file, self.settings.key_file)
+            if self.settings.client_ca_file is not None:
+                context.load_verify_locations(cafile=self.settings.client_ca_file)
+        except (ssl.SSLError, OSError) as exc:
+            _throttled.warning("TLS files not reloaded into an SSL context: %s", exc)
+
+
+def certificate_names(common_names: list[str], dns: list[str], uris: list[str]) -> tuple[str, ...]:
+    """A client certificate's names that may stand for an API key, in the order they are tried."""
+    return (*common_names, *dns, *uris)
+
+
+def grpc_peer_names(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
+    """The verified client certificate's names of a gRPC call (empty without mutual TLS)."""
+    auth = context.auth_context() or {}
+    cns = [v.decode(errors="replace") for v in auth.get("x509_common_name", ())]
+    sans = [v.decode(errors="replace") for v in auth.get("x509_subject_alternative_name", ())]
+    return certificate_names(cns, sans, [])
+
+
+def peercert_names(peercert: dict[str, Any] | None) -> tuple[str, ...]:
+    """The same names from `ssl.SSLObject.getpeercert()` (an HTTP front end's transport
+    `get_extra_info("peercert")`)."""
+    if not peercert:
+        return ()
+    cns = [v for rdn in peercert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    dns = [v for k, v in peercert.get("subjectAltName", ()) if k == "DNS"]
+    uris = [v for k, v in peercert.get("subjectAltName", ()) if k == "URI"]
+    return certificate_names(cns, dns, uris)

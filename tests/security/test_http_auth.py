@@ -1,0 +1,43 @@
+"""The OpenAI-compatible HTTP API applies the same keys, namespaces and scopes as the gRPC API."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import openai
+import pytest
+
+from appliance.config import HttpConfig
+from tests.conftest import Engine, Tiny
+from tests.security.conftest import Keys, gateway_config, running
+
+
+async def test_http_requests_need_a_key_with_the_namespace_and_scope(
+    tiny: Tiny, engine: Engine, keys: Keys
+) -> None:
+    token = keys.add(["team-a"], ["generate"])
+    config = dataclasses.replace(
+        gateway_config(tiny, engine, auth=keys.auth()),
+        http=HttpConfig(listen="127.0.0.1:0"),
+    )
+    async with running(config) as gw:
+        assert gw.http is not None
+        base = f"http://127.0.0.1:{gw.http.port}/v1"
+
+        def client(key: str) -> openai.AsyncOpenAI:
+            return openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+
+        ask = dict(model="tiny", prompt="Who answers?", max_tokens=4, temperature=0)
+        with pytest.raises(openai.AuthenticationError) as anonymous:
+            await client("not-a-key").completions.create(**ask)  # type: ignore[call-overload]
+        assert anonymous.value.status_code == 401
+        with pytest.raises(openai.PermissionDeniedError):
+            await client(token).completions.create(  # type: ignore[call-overload]
+                **ask, extra_body={"appliance": {"namespace": "team-b"}}
+            )
+        with pytest.raises(openai.PermissionDeniedError):  # ONLY needs its own scope
+            await client(token).completions.create(  # type: ignore[call-overload]
+                **ask, extra_body={"appliance": {"cache_policy": "only"}}
+            )
+        answer = await client(token).completions.create(**ask)  # type: ignore[call-overload]
+        assert answer.choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,107 @@
+"""`appliance keys` and the configuration of secrets: a key is printed once and only its hash is
+stored; secrets come from systemd's credentials directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.config import ConfigError, load_config
+from appliance.security.keys import KeyRing, Limits
+
+
+def keys(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "keys", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_add_list_revoke(tmp_path: Path) -> None:
+    pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
+    assert keys("secret", str(pepper)).returncode == 0
+    assert pepper.stat().st_mode & 0o777 == 0o600
+    refused = keys("secret", str(pepper))
+    assert refused.returncode == 2 and "never overwritten" in refused.stderr
+    add = keys(
+        "--keys-file", str(path), "add", "--pepper-file", str(pepper),
+        "--namespace", "acme", "--scope", "generate", "--scope", "admin",
+        "--identity", "client-a.example", "--rate-per-s", "5", "--note", "acme's batch jobs",
+    )  # fmt: skip
+    assert add.returncode == 0, add.stderr
+    token = add.stdout.strip()
+    assert token.startswith("ak_") and "only time the key is shown" in add.stderr
+    stored = path.read_text()
+    assert token not in stored and token[16:] not in stored
+    assert path.stat().st_mode & 0o777 == 0o640
+    from appliance.security.secretfile import PEPPER_PURPOSE, read_secret
+
+    ring = KeyRing(path, read_secret(pepper, PEPPER_PURPOSE), Limits())
+    principal = ring.by_token(token)
+    assert principal is not None and principal.namespaces == {"acme"}
+    assert principal.limits.rate_per_s == 5 and principal.scopes == {"generate", "admin"}
+    assert ring.by_identity(["client-a.example"]) == principal
+    listed = keys("--keys-file", str(path), "list")
+    key_id = token[3:15]
+    assert listed.stdout.startswith(f"{key_id} namespaces=acme scopes=admin,generate")
+    assert token[16:] not in listed.stdout
+    gone = keys("--keys-file", str(path), "revoke", "000000000000")
+    assert gone.returncode == 2 and "no key '000000000000'" in gone.stderr
+    assert keys("--keys-file", str(path), "revoke", key_id).returncode == 0
+    assert json.loads(path.read_text())["keys"] == []
+
+
+def test_a_short_pepper_is_refused(tmp_path: Path) -> None:
+    pepper = tmp_path / "pepper"
+    pepper.write_text("short\n")
+    add = keys("--keys-file", str(tmp_path / "k.json"), "add", "--pepper-file", str(pepper),
+               "--namespace", "a")  # fmt: skip
+    assert add.returncode == 2
+    assert add.stderr.count("\n") == 1 and "needs at least 32" in add.stderr
+
+
+def _config(tmp_path: Path, extra: str) -> Path:
+    tok = tmp_path / "tok"
+    tok.mkdir(exist_ok=True)
+    path = tmp_path / "g.toml"
+    path.write_text(f'[models.m]\nbackend = "127.0.0.1:1"\ntokenizer_dir = "{tok}"\n' + extra)
+    return path
+
+
+def test_secrets_come_from_the_credentials_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "cache-mac-key").write_text("x" * 64)
+    (creds / "api-key-pepper").write_text("y" * 64)
+    (tmp_path / "keys.json").write_text('{"version": 1, "keys": []}')
+    text = (
+        '[cache.redis]\nurl = "redis://127.0.0.1:1/0"\n'
+        'mac_key_file = "$CREDENTIALS_DIRECTORY/cache-mac-key"\n'
+        '[auth]\nkeys_file = "keys.json"\npepper_file = "$CREDENTIALS_DIRECTORY/api-key-pepper"\n'
+    )
+    path = _config(tmp_path, text)
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"key 'auth.pepper_file': \$CREDENTIALS_DIRECTORY is not set"
+    ):
+        load_config(path)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    config = load_config(path)
+    assert config.cache.redis is not None and config.cache.redis.mac_key
+    assert config.auth.pepper and config.auth.keys_file == tmp_path / "keys.json"
+
+
+def test_redis_needs_a_mac_key(tmp_path: Path) -> None:
+    path = _config(tmp_path, '[cache.redis]\nurl = "redis://127.0.0.1:1/0"\n')
+    with pytest.raises(
+        ConfigError, match=r"key 'cache.redis': missing required key 'mac_key_file'"
+    ):
+        load_config(path)

@@ -1,0 +1,246 @@
+"""Real TLS and mutual-TLS handshakes against the gateway, with certificates the test makes, and a
+certificate renewal under load that fails no stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+from pathlib import Path
+
+import grpc
+import pytest
+
+from appliance.security.keys import Limits
+from appliance.security.tls import ServerTls, TlsError, TlsSettings
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Engine, Tiny
+from tests.security.certs import CA, Issued
+from tests.security.conftest import Keys, bearer, gateway_config, running, tls_channel
+
+
+def hit_request(prompt: str = "tls says hello") -> pb.GenerateRequest:
+    return pb.GenerateRequest(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> CA:
+    return CA(tmp_path, "test-ca")
+
+
+@pytest.fixture
+def other_ca(tmp_path: Path) -> CA:
+    return CA(tmp_path, "other-ca")
+
+
+@pytest.fixture
+def server_cert(ca: CA) -> Issued:
+    return ca.issue("server", "gateway")
+
+
+async def _complete(channel: grpc.aio.Channel, **kw: object) -> pb.CompleteResponse:
+    return await pb_grpc.InferenceStub(channel).Complete(hit_request(), timeout=10, **kw)
+
+
+async def _refused(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _complete(channel)
+    await channel.close()
+    return err.value.code()
+
+
+async def test_tls_handshake_serves_and_plaintext_is_refused(
+    tiny: Tiny, engine: Engine, ca: CA, server_cert: Issued
+) -> None:
+    tls = TlsSettings(server_cert.cert, server_cert.key)
+    async with running(gateway_config(tiny, engine, tls)) as gw:
+        async with tls_channel(gw.port, ca.pem) as channel:
+            reply = await _complete(channel)
+            assert reply.final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        plain = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
+        assert await _refused(plain) == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("fault", ["expired", "wrong-ca", "wrong-host"])
+async def test_a_client_refuses_a_bad_server_certificate(
+    tiny: Tiny, engine: Engine, ca: CA, other_ca: CA, fault: str
+) -> None:
+    cert = {
+        "expired": lambda: ca.issue("server", "gateway", expired=True),
+        "wrong-ca": lambda: other_ca.issue("server", "gateway"),
+        "wrong-host": lambda: ca.issue("server", "gateway", hosts=("other.example",)),
+    }[fault]()
+    async with running(gateway_config(tiny, engine, TlsSettings(cert.cert, cert.key))) as gw:
+        assert await _refused(tls_channel(gw.port, ca.pem)) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_mutual_tls_refuses_clients_without_a_good_certificate(
+    tiny: Tiny, engine: Engine, ca: CA, other_ca: CA, server_cert: Issued
+) -> None:
+    tls = TlsSettings(server_cert.cert, server_cert.key, client_ca_file=ca.path)
+    good = ca.issue("client", "client-a", hosts=("client-a.example",), client=True)
+    expired = ca.issue("old", "client-a", client=True, expired=True)
+    foreign = other_ca.issue("foreign", "client-a", client=True)
+    async with running(gateway_config(tiny, engine, tls)) as gw:
+        async with tls_channel(gw.port, ca.pem, good.cert_pem, good.key_pem) as channel:
+            await _complete(channel)
+        for refused in (
+            tls_channel(gw.port, ca.pem),
+            tls_channel(gw.port, ca.pem, expired.cert_pem, expired.key_pem),
+            tls_channel(gw.port, ca.pem, foreign.cert_pem, foreign.key_pem),
+        ):
+            assert await _refused(refused) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_client_certificate_stands_for_its_key(
+    tiny: Tiny, engine: Engine, ca: CA, server_cert: Issued, keys: Keys
+) -> None:
+    keys.add(["tenant-a"], ["generate"], identities=["client-a.example"])
+    other_token = keys.add(["tenant-b"], ["generate"])
+    tls = TlsSettings(server_cert.cert, server_cert.key, client_ca_file=ca.path)
+    mapped = ca.issue("mapped", "client-a", hosts=("client-a.example",), client=True)
+    unmapped = ca.issue("unmapped", "client-z", hosts=("client-z.example",), client=True)
+    async with running(gateway_config(tiny, engine, tls, keys.auth())) as gw:
+        async with tls_channel(gw.port, ca.pem, mapped.cert_pem, mapped.key_pem) as channel:
+            await _complete(channel)  # the certificate's key holds one namespace: implied
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                r = hit_request()
+                r.namespace = "tenant-b"
+                await pb_grpc.InferenceStub(channel).Complete(r, timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            # A bearer key wins over the certificate.
+            r.namespace = "tenant-b"
+            await pb_grpc.InferenceStub(channel).Complete(
+                r, timeout=10, metadata=bearer(other_token)
+            )
+        async with tls_channel(gw.port, ca.pem, unmapped.cert_pem, unmapped.key_pem) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _complete(channel)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_certificate_that_does_not_match_its_key_is_refused(ca: CA) -> None:
+    a, b = ca.issue("a", "a"), ca.issue("b", "b")
+    with pytest.raises(TlsError, match=r"a\.crt with key .*b\.key: not a certificate and its"):
+        ServerTls(TlsSettings(a.cert, b.key))
+
+
+def _served_certificate(port: int, ca: Path) -> bytes:
+    """The DER certificate the server presents to a new connection (a handshake of its own)."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def _der(issued: Issued) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(issued.cert_pem.decode())
+
+
+async def test_a_renewed_certificate_is_used_without_failing_a_stream(
+    tiny: Tiny, engine: Engine, ca: CA, tmp_path: Path
+) -> None:
+    live = Issued(tmp_path / "live.crt", tmp_path / "live.key")
+    first = ca.issue("first", "gateway")
+    renewed = ca.issue("renewed", "gateway")
+    live.cert.write_bytes(first.cert_pem)
+    live.key.write_bytes(first.key_pem)
+    tls = TlsSettings(live.cert, live.key)
+    failures: list[BaseException] = []
+    done = {"unary": 0, "new_channel": 0, "streams": 0}
+    stop = asyncio.Event()
+
+    async def unary(channel: grpc.aio.Channel) -> None:
+        while not stop.is_set():
+            await _complete(channel)
+            done["unary"] += 1
+
+    async def new_channels(port: int) -> None:
+        while not stop.is_set():
+            async with tls_channel(port, ca.pem) as channel:
+                await _complete(channel)
+            done["new_channel"] += 1
+
+    async def streams(channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.InferenceStub(channel)
+        while not stop.is_set():
+            request = pb.GenerateRequest(
+                model="tiny",
+                prompt="a long answer please",
+                max_tokens=40,
+                temperature=0,
+                cache_policy=pb.CACHE_POLICY_BYPASS,
+            )
+            final = None
+            async for message in stub.Generate(request, timeout=60):
+                final = message
+            assert final is not None and final.HasField("final")
+            done["streams"] += 1
+
+    async def guarded(work: asyncio.Future[None] | asyncio.Task[None]) -> None:
+        try:
+            await work
+        except BaseException as exc:  # every failure is the test's failure
+            failures.append(exc)
+            stop.set()
+
+    async with running(gateway_config(tiny, engine, tls)) as gw:
+        assert await asyncio.to_thread(_served_certificate, gw.port, ca.path) == _der(first)
+        channels = [tls_channel(gw.port, ca.pem) for _ in range(3)]
+        workers = [
+            asyncio.ensure_future(guarded(unary(channels[0]))),
+            asyncio.ensure_future(guarded(unary(channels[1]))),
+            asyncio.ensure_future(guarded(streams(channels[2]))),
+            asyncio.ensure_future(guarded(new_channels(gw.port))),
+        ]
+        while done["streams"] < 1 or done["new_channel"] < 3:
+            await asyncio.sleep(0.01)
+        # The renewal as a certificate tool does it: each file replaced by a rename (the pair is
+        # mismatched in between: that handshake keeps the old certificate).
+        for source, target in ((renewed.cert, live.cert), (renewed.key, live.key)):
+            staged = target.with_suffix(".new")
+            staged.write_bytes(source.read_bytes())
+            os.replace(staged, target)
+        for _ in range(200):
+            if await asyncio.to_thread(_served_certificate, gw.port, ca.path) == _der(renewed):
+                break
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(_served_certificate, gw.port, ca.path) == _der(renewed)
+        before = dict(done)
+        while (
+            done["streams"] <= before["streams"] or done["new_channel"] < before["new_channel"] + 3
+        ):
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.gather(*workers)
+        for channel in channels:
+            await channel.close()
+    assert failures == []
+    assert min(done.values()) > 0, done
+
+
+async def test_rate_limited_keys_over_tls_get_the_pushback_trailer(
+    tiny: Tiny, engine: Engine, ca: CA, server_cert: Issued, keys: Keys
+) -> None:
+    token = keys.add(["t"], ["generate"], limits=Limits(rate_per_s=0.5, burst=1))
+    tls = TlsSettings(server_cert.cert, server_cert.key)
+    async with (
+        running(gateway_config(tiny, engine, tls, keys.auth())) as gw,
+        tls_channel(gw.port, ca.pem) as channel,
+    ):
+        await _complete(channel, metadata=bearer(token))
+        call = pb_grpc.InferenceStub(channel).Complete(
+            hit_request(), timeout=10, metadata=bearer(token)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(err.value.trailing_metadata() or ())
+        assert 0 < int(trailers["grpc-retry-pushback-ms"]) <= 2000
