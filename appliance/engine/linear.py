@@ -6,8 +6,9 @@ once at load, and each call quantizes its activations on the fly (one scale per 
 for the whole tensor), so the product runs on FP8 tensor cores and both operands are one byte.
 
 Scaling follows TensorRT-LLM's FP8 recipe: a scale maps the largest magnitude onto E4M3's largest
-finite value (448), values are clamped into [-448, 448] before the cast (E4M3 has no infinity, and
-an out-of-range cast would give NaN), and the product is rescaled by scale_a * scale_b. "channel"
+finite value (448), values are clamped into [-448, 448] before the cast (E4M3 has no infinity, so
+the result must not depend on how a cast treats a value that rounds past 448), and the product is
+rescaled by scale_a * scale_b. "channel"
 keeps one weight scale per output row and one activation scale per token (rowwise scaling);
 "tensor" keeps one scale per weight matrix and per activation tensor.
 

@@ -96,7 +96,8 @@ class RandomTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         generator = torch.Generator(device=self.device)
-        generator.manual_seed((self.seed << 32) ^ zlib.crc32(name.encode()))
+        # 32 bits: the CPU generator (mt19937) keeps only those of a seed.
+        generator.manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
         with torch.inference_mode():
             if len(shape) == 1:
                 return torch.ones(shape, device=self.device)
