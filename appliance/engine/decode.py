@@ -126,19 +126,22 @@ def cuda_graph_capture(device: torch.device) -> Capture:
     Sharing the pool is safe because no graph leaves a live tensor in it: inputs and outputs are
     allocated outside, and only one graph replays at a time (the runner's compute thread).
     """
-    pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.device(device):
+        pool = torch.cuda.graph_pool_handle()
 
     def capture(body: Callable[[], None]) -> Callable[[], None]:
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+        # The capture stream and the graph belong to the current device: make it the model's.
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    body()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
                 body()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            body()
-        torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
         replay: Callable[[], None] = graph.replay
         return replay
 

@@ -22,7 +22,7 @@ from appliance.engine.repository import KvCacheParams
 from engine_build.planner import GIB, MIB, FitPlan, make_plan
 from engine_build.spec import BuildSpec
 
-__all__ = ["DTYPES", "EngineOptions", "FitError", "check_fit", "device_problem", "fit_plan"]
+__all__ = ["DTYPES", "EngineOptions", "FitError", "check_fit", "device_problem"]
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -143,29 +143,6 @@ class _EngineFitSpec:
     runtime_overhead_bytes: int = RUNTIME_OVERHEAD_BYTES
 
 
-def fit_plan(
-    config: LlamaConfig,
-    options: EngineOptions,
-    kv: KvCacheParams,
-    max_seq_len: int,
-    prefill_chunk: int,
-    graphs: int,
-    free_bytes: int,
-) -> FitPlan:
-    """The planner's fit table for serving `config` with `options` in `free_bytes`."""
-    spec = _EngineFitSpec(
-        dtype=options.dtype_name,
-        weights_fp8=options.weights == "fp8",
-        max_seq_len=max_seq_len,
-        max_num_tokens=min(prefill_chunk, max_seq_len),
-        tokens_per_block=kv.tokens_per_block,
-        kv_cache_free_gpu_mem_fraction=kv.free_mem_fraction,
-        cuda_graph_mode=graphs > 0,
-        cuda_graph_cache_size=graphs,
-    )
-    return make_plan(config, spec, free_bytes)
-
-
 def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
@@ -179,14 +156,25 @@ def check_fit(
     graphs: int,
     free_bytes: int | None = None,
 ) -> FitPlan:
-    """The fit plan, or FitError naming every number when the model does not fit.
+    """The planner's fit plan for serving `config` with `options`, or FitError naming every number
+    when the model does not fit.
 
     `free_bytes` defaults to what the device has free now (MemAvailable on a CPU).
     """
     device = options.torch_device
     if free_bytes is None:
         free_bytes = free_device_bytes(device)
-    plan = fit_plan(config, options, kv, max_seq_len, prefill_chunk, graphs, free_bytes)
+    spec = _EngineFitSpec(
+        dtype=options.dtype_name,
+        weights_fp8=options.weights == "fp8",
+        max_seq_len=max_seq_len,
+        max_num_tokens=min(prefill_chunk, max_seq_len),
+        tokens_per_block=kv.tokens_per_block,
+        kv_cache_free_gpu_mem_fraction=kv.free_mem_fraction,
+        cuda_graph_mode=graphs > 0,
+        cuda_graph_cache_size=graphs,
+    )
+    plan = make_plan(config, spec, free_bytes)
     if plan.fits:
         return plan
     weights = "FP8 linear layers" if options.weights == "fp8" else options.dtype_name
