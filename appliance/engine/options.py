@@ -32,6 +32,8 @@ DTYPES: dict[str, torch.dtype] = {
 # What a CUDA context, cuBLAS workspaces and the caching allocator's slack take on a GPU beyond the
 # tensors (the planner's default for a TensorRT-LLM engine); on a CPU, the torch runtime itself.
 RUNTIME_OVERHEAD_BYTES = BuildSpec.runtime_overhead_bytes
+# FP8 tensor cores (and torch._scaled_mm on CUDA) start with Ada (8.9) and Hopper (9.0).
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 class FitError(ValueError):
@@ -94,6 +96,14 @@ class EngineOptions:
                 "--weights fp8",
                 f"FP8 linear layers compute in bfloat16; use --dtype bfloat16, not {self.dtype_name}",
             )
+        if self.weights == "fp8" and self.torch_device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.torch_device)
+            if (major, minor) < FP8_MIN_CAPABILITY:
+                return (
+                    "--weights fp8",
+                    f"FP8 matrix products need compute capability 8.9 or later (Ada, Hopper); "
+                    f"this GPU is {major}.{minor}: use --weights dtype",
+                )
         if self.cuda_graph == "on" and self.torch_device.type != "cuda":
             return "--cuda-graph on", "CUDA graphs need a CUDA device; use --cuda-graph off or auto"
         if self.random_weights is not None and self.random_weights not in SHAPES:
