@@ -31,31 +31,25 @@ def _engine(args: argparse.Namespace) -> int:
     import torch
     import uvloop
 
+    from appliance.engine.options import EngineOptions
     from appliance.engine.server import run_engine
 
-    problem = _device_problem(torch, args.device)
+    options = EngineOptions(
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        fp8_scaling=args.fp8_scaling,
+        cuda_graph=args.cuda_graph,
+        random_weights=args.random_weights,
+        seed=args.seed,
+    )
+    problem = options.problem()
     if problem:
-        print(f"appliance engine: --device {args.device}: {problem}", file=sys.stderr)
+        option, why = problem
+        print(f"appliance engine: {option}: {why}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    return uvloop.run(run_engine(Path(args.repository), args.listen, args.device))
-
-
-def _device_problem(torch: Any, device: str) -> str | None:
-    """Why the engine server cannot compute on `device` (None: it can); checked before loading."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        return "not a device; expected cpu, cuda or cuda:N"
-    if parsed.type == "cpu":
-        return None
-    if parsed.type != "cuda":
-        return "not a device; expected cpu, cuda or cuda:N"
-    if not torch.cuda.is_available():
-        return "CUDA is not available on this machine; use --device cpu"
-    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
-    return None
+    return uvloop.run(run_engine(Path(args.repository), args.listen, options))
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -167,7 +161,38 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engine", help="run the Triton-protocol engine server on a model repository")
     e.add_argument("--repository", required=True, help="model repository directory")
     e.add_argument("--listen", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
-    e.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    e.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="weights, activations and KV cache (default auto: float32 on cpu, bfloat16 on cuda)",
+    )
+    e.add_argument(
+        "--weights",
+        default="dtype",
+        choices=["dtype", "fp8"],
+        help="linear layers in --dtype, or quantized to FP8 E4M3 at load (needs bfloat16)",
+    )
+    e.add_argument(
+        "--fp8-scaling",
+        default="channel",
+        choices=["channel", "tensor"],
+        help="FP8 scales per output channel and token (default), or per tensor",
+    )
+    e.add_argument(
+        "--cuda-graph",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="capture the decode step in CUDA graphs (default auto: on for cuda)",
+    )
+    e.add_argument(
+        "--random-weights",
+        metavar="SHAPE",
+        help="serve seeded random weights of this shape (llama-3.1-8b, tiny) instead of each "
+        "model's checkpoint",
+    )
+    e.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default 0)")
     e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     e.set_defaults(func=_engine)
 

@@ -88,7 +88,11 @@ async def direct(
     return ttft, itl, gaps, count
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> dict[str, float]:
+    """Runs the comparison and prints its table; returns P50/P99/mean of each row in µs.
+
+    `engine_args` are extra `appliance engine` options (bench/gpu_decode.py adds --device cuda).
+    """
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     _, repo = ensure_tiny_model(Path(args.model_root))
     tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
@@ -100,7 +104,8 @@ async def run(args: argparse.Namespace) -> None:
         work / "g.toml", gateway_addr, MODEL, engine_addr, tok_dir
     )
     engine = processes.spawn(
-        ["engine", "--repository", str(repo), "--listen", engine_addr], work / "engine.log"
+        ["engine", "--repository", str(repo), "--listen", engine_addr, *engine_args],
+        work / "engine.log",
     )
     gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
     echo = subprocess.Popen([sys.executable, "-m", "bench.echo_server", "--port", str(echo_port)])
@@ -155,9 +160,16 @@ async def run(args: argparse.Namespace) -> None:
         echo.wait()
 
     us = 1e6
+    results: dict[str, float] = {}
 
     def row(name: str, values: list[float]) -> str:
-        return f"| {name} | {np.percentile(values, 50) * us:9.1f} | {np.percentile(values, 99) * us:9.1f} | {statistics.fmean(values) * us:9.1f} |"
+        p50, p99, mean = (
+            np.percentile(values, 50) * us,
+            np.percentile(values, 99) * us,
+            statistics.fmean(values) * us,
+        )
+        results.update({f"{name} P50": p50, f"{name} P99": p99, f"{name} mean": mean})
+        return f"| {name} | {p50:9.1f} | {p99:9.1f} | {mean:9.1f} |"
 
     print(
         f"\nstreaming path: {args.requests} requests, prompt {len(ids)} tokens, output {sorted(lengths)} tokens, payload {len(payload)} B"
@@ -180,6 +192,7 @@ async def run(args: argparse.Namespace) -> None:
         f"-> ratio {added_ttft_p99 / echo_p99:.2f} (target <= 1.00)"
     )
     print(f"added inter-token P50 (a-b): {added_itl_p50:.1f} µs (target <= 50 µs)")
+    return results
 
 
 def main() -> None:

@@ -15,6 +15,10 @@ the embedding table is replicated (``use_parallel_embedding`` is off by default)
 norms. KV heads are split across ranks, but a rank never holds less than one.
 ``lm_head`` is counted even for tied embeddings because the engine keeps its own copy.
 
+The arithmetic reads only the fields of ``FitSpec``, so the engine server checks that a model fits
+the device it is about to load onto with these same functions (``appliance.engine.options``); a
+``BuildSpec`` is one. ``dtype`` float32 (the engine server's CPU default) counts 4 bytes.
+
 Activation/workspace headroom is an estimate, not a TensorRT measurement: two live buffers of
 the widest per-token activation (hidden + q/k/v + 2 × MLP intermediate, in ``dtype``) for
 ``max_num_tokens`` tokens, float32 logits for the batch, and a fixed runtime overhead (CUDA
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine_build.checkpoint import ModelShape
 from engine_build.spec import BuildSpec
@@ -35,6 +40,36 @@ GIB = 1 << 30
 CUDA_GRAPH_RESERVE_BYTES = 32 * MIB
 ACTIVATION_BUFFERS = 2
 LOGITS_BYTES = 4
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class FitSpec(Protocol):
+    """What the fit arithmetic reads of a plan; ``BuildSpec`` has every field."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def weights_fp8(self) -> bool: ...
+    @property
+    def kv_fp8(self) -> bool: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def max_num_tokens(self) -> int: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def kv_cache_free_gpu_mem_fraction(self) -> float: ...
+    @property
+    def cuda_graph_mode(self) -> bool: ...
+    @property
+    def cuda_graph_cache_size(self) -> int: ...
+    @property
+    def runtime_overhead_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +142,7 @@ def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
     return max(1, math.ceil(shape.num_key_value_heads / tp))
 
 
-def weight_bytes_per_gpu(shape: ModelShape, spec: BuildSpec) -> int:
+def weight_bytes_per_gpu(shape: ModelShape, spec: FitSpec) -> int:
     """Bytes of weights on one rank for the spec's precision and tensor parallelism."""
     tp = spec.tp_size
     h, hd = shape.hidden_size, shape.head_dim
@@ -116,7 +151,7 @@ def weight_bytes_per_gpu(shape: ModelShape, spec: BuildSpec) -> int:
     attn = h * q_out + 2 * h * kv_out + q_out * h
     mlp = 3 * h * (shape.intermediate_size // tp)
     linear = shape.num_hidden_layers * (attn + mlp)
-    wide = 2  # bfloat16 / float16
+    wide = DTYPE_BYTES[spec.dtype]
     linear_bytes = linear * (1 if spec.weights_fp8 else wide)
     embedding = shape.vocab_size * h
     lm_head = math.ceil(shape.vocab_size / tp) * h
@@ -124,24 +159,24 @@ def weight_bytes_per_gpu(shape: ModelShape, spec: BuildSpec) -> int:
     return linear_bytes + (embedding + lm_head + norms) * wide
 
 
-def kv_bytes_per_token(shape: ModelShape, spec: BuildSpec) -> int:
+def kv_bytes_per_token(shape: ModelShape, spec: FitSpec) -> int:
     """K and V for one token across all layers on one rank."""
-    elem = 1 if spec.kv_fp8 else 2
+    elem = 1 if spec.kv_fp8 else DTYPE_BYTES[spec.dtype]
     return (
         2 * shape.num_hidden_layers * kv_heads_per_gpu(shape, spec.tp_size) * shape.head_dim * elem
     )
 
 
-def activation_bytes(shape: ModelShape, spec: BuildSpec) -> int:
+def activation_bytes(shape: ModelShape, spec: FitSpec) -> int:
     """Estimated activation workspace for one ``max_num_tokens`` step on one rank."""
     tp = spec.tp_size
     q = shape.num_attention_heads * shape.head_dim // tp
     kv = 2 * kv_heads_per_gpu(shape, tp) * shape.head_dim
     widest = shape.hidden_size + q + kv + 2 * (shape.intermediate_size // tp)
-    return spec.max_num_tokens * widest * 2 * ACTIVATION_BUFFERS
+    return spec.max_num_tokens * widest * DTYPE_BYTES[spec.dtype] * ACTIVATION_BUFFERS
 
 
-def make_plan(shape: ModelShape, spec: BuildSpec, gpu_memory_bytes: int) -> FitPlan:
+def make_plan(shape: ModelShape, spec: FitSpec, gpu_memory_bytes: int) -> FitPlan:
     """The fit table for one GPU of ``gpu_memory_bytes`` (the smallest of the spec's GPUs)."""
     per_token = kv_bytes_per_token(shape, spec)
     blocks = math.ceil(spec.max_seq_len / spec.tokens_per_block)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from appliance.engine.linear import Linear, PlainLinear, Scaling, quantize_linear
 from engine_build.hf_config import CheckpointError, Llama3RopeScaling, LlamaConfig, read_config
 
 __all__ = [
@@ -87,11 +88,18 @@ class KVCache:
     """Keys and values for one request, preallocated for `max_seq_len` so decode never allocates.
 
     Layout (layers, kv_heads, max_seq_len, head_dim): a step writes one column per layer in place
-    and attention reads the contiguous prefix `[:, :, :end]`.
+    and attention reads the contiguous prefix `[:, :, :end]`. `zeroed` fills it with zeros: a
+    fixed-shape decode step (`LlamaModel.decode_static`) also reads masked positions nobody wrote,
+    and uninitialised memory there could hold NaN, which a mask does not cancel (NaN * 0 is NaN).
     """
 
     def __init__(
-        self, config: LlamaConfig, max_seq_len: int, device: torch.device, dtype: torch.dtype
+        self,
+        config: LlamaConfig,
+        max_seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        zeroed: bool = False,
     ) -> None:
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
@@ -102,6 +110,10 @@ class KVCache:
             )
         self.max_seq_len = max_seq_len
         self.k, self.v = empty_kv(config, max_seq_len, device, dtype)
+        if zeroed:
+            with torch.inference_mode():
+                self.k.zero_()
+                self.v.zero_()
 
 
 def empty_kv(
@@ -127,11 +139,16 @@ def empty_kv(
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # (hidden,)
-    wqkv: torch.Tensor  # ((heads + 2 * kv_heads) * head_dim, hidden)
-    wo: torch.Tensor  # (hidden, heads * head_dim)
+    wqkv: Linear  # ((heads + 2 * kv_heads) * head_dim, hidden)
+    wo: Linear  # (hidden, heads * head_dim)
     mlp_norm: torch.Tensor  # (hidden,)
-    w13: torch.Tensor  # (2 * intermediate, hidden): gate rows then up rows
-    w2: torch.Tensor  # (hidden, intermediate)
+    w13: Linear  # (2 * intermediate, hidden): gate rows then up rows
+    w2: Linear  # (hidden, intermediate)
+
+
+# One attention call of a block: (layer index, q (heads, n, d), k and v (kv_heads, n, d)) -> the
+# attention output (heads, n, d). It also stores k and v in the cache.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class _TensorSource:
@@ -205,7 +222,11 @@ class _TensorSource:
 
 
 class LlamaModel:
-    """Weights plus the forward pass; stateless between calls (all request state is in KVCache)."""
+    """Weights plus the forward pass; stateless between calls (all request state is in KVCache).
+
+    `fp8` quantizes the linear layers of every block to E4M3 with that scaling at load; the
+    embedding, the norms and lm_head stay in `dtype` (as TensorRT-LLM's FP8 recipe leaves them).
+    """
 
     def __init__(
         self,
@@ -213,44 +234,77 @@ class LlamaModel:
         tensors: Mapping[str, torch.Tensor],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        fp8: Scaling | None = None,
     ) -> None:
-        """Build from HF-named tensors already checked for shape (see `load`)."""
+        """Build from HF-named tensors already checked for shape (see `load`).
+
+        `tensors` is read one name at a time, so a mapping that makes each tensor on access (random
+        weights) never holds more than one block's weights beside the model.
+        """
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.fp8 = fp8
         c = config
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
-        self.norm = w("model.norm.weight")
-        self.layers: list[_Layer] = []
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(
-                _Layer(
-                    attn_norm=w(p + "input_layernorm.weight"),
-                    wqkv=torch.cat(
-                        [w(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-                    ).contiguous(),
-                    wo=w(p + "self_attn.o_proj.weight"),
-                    mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    w13=torch.cat(
-                        [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
-                    ).contiguous(),
-                    w2=w(p + "mlp.down_proj.weight"),
+        def linear(name: str, *parts: str) -> Linear:
+            weight = torch.cat([w(part) for part in parts]) if len(parts) > 1 else w(parts[0])
+            if fp8 is None:
+                return PlainLinear(weight.contiguous())
+            try:
+                return quantize_linear(name, weight, fp8, dtype)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from exc
+
+        with torch.inference_mode():
+            self.embed = w("model.embed_tokens.weight")
+            self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+            self.norm = w("model.norm.weight")
+            self.layers: list[_Layer] = []
+            for i in range(c.num_hidden_layers):
+                p = f"model.layers.{i}."
+                self.layers.append(
+                    _Layer(
+                        attn_norm=w(p + "input_layernorm.weight"),
+                        wqkv=linear(
+                            p + "self_attn.qkv",
+                            *(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")),
+                        ),
+                        wo=linear(p + "self_attn.o_proj", p + "self_attn.o_proj.weight"),
+                        mlp_norm=w(p + "post_attention_layernorm.weight"),
+                        w13=linear(
+                            p + "mlp.gate_up",
+                            p + "mlp.gate_proj.weight",
+                            p + "mlp.up_proj.weight",
+                        ),
+                        w2=linear(p + "mlp.down_proj", p + "mlp.down_proj.weight"),
+                    )
                 )
-            )
-        # cos/sin for every position, computed in float32 (as HF does) then cast once.
-        positions = torch.arange(c.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(c))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=self.device, dtype=dtype)
-        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+            # cos/sin for every position, computed in float32 (as HF does) then cast once.
+            positions = torch.arange(c.max_position_embeddings, dtype=torch.float32)
+            freqs = torch.outer(positions, rope_inv_freq(c))
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos = emb.cos().to(device=self.device, dtype=dtype)
+            self.sin = emb.sin().to(device=self.device, dtype=dtype)
+            self.positions = torch.arange(c.max_position_embeddings, device=self.device)
         self._q_size = c.num_attention_heads * c.head_dim
         self._kv_size = c.num_key_value_heads * c.head_dim
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a batch-1 decode step reads from weights: every linear layer, lm_head, the norms.
+
+        The embedding table is not read whole (one row per token), unless it is also lm_head.
+        """
+        linear = sum(
+            layer.wqkv.nbytes + layer.wo.nbytes + layer.w13.nbytes + layer.w2.nbytes
+            for layer in self.layers
+        )
+        norms = sum(layer.attn_norm.nbytes + layer.mlp_norm.nbytes for layer in self.layers)
+        return linear + norms + self.norm.nbytes + self.lm_head.nbytes
 
     @staticmethod
     def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -282,7 +336,11 @@ class LlamaModel:
 
     @classmethod
     def load(
-        cls, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        model_dir: Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        fp8: Scaling | None = None,
     ) -> LlamaModel:
         """Load a HF Llama checkpoint directory, checking every tensor before any is used."""
         model_dir = Path(model_dir)
@@ -292,15 +350,15 @@ class LlamaModel:
             tensors = {
                 name: source.get(name, shape) for name, shape in cls.expected_shapes(config).items()
             }
-            return cls(config, tensors, device=device, dtype=dtype)
+            return cls(config, tensors, device=device, dtype=dtype, fp8=fp8)
 
-    def new_cache(self, max_seq_len: int) -> KVCache:
+    def new_cache(self, max_seq_len: int, zeroed: bool = False) -> KVCache:
         """A cache for one request of at most `max_seq_len` tokens (prompt + generated).
 
         A single-stream server may allocate one at max_position_embeddings and pass it to every
         `generate` call instead, so no request pays for the allocation.
         """
-        return KVCache(self.config, max_seq_len, self.device, self.dtype)
+        return KVCache(self.config, max_seq_len, self.device, self.dtype, zeroed)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Variance in float32 as HF does, so bf16/fp16 runs do not drift from the reference.
@@ -340,28 +398,16 @@ class LlamaModel:
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         n = ids.shape[0]
         end = start_pos + n
-        cos = self.cos[start_pos:end]
-        sin = self.sin[start_pos:end]
         group = c.num_attention_heads // c.num_key_value_heads
         mask: torch.Tensor | None = None
-        if n > 1:
-            # Causal mask aligned to absolute positions, so a prefill after a reused prefix is also
-            # correct (SDPA's is_causal aligns top-left, which is wrong when start_pos > 0).
-            q_pos = torch.arange(start_pos, end, device=self.device)
-            k_pos = torch.arange(end, device=self.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
+        if n > 1 and start_pos > 0:
+            # Causal mask aligned to absolute positions, so a prefill after a reused prefix (or a
+            # later chunk of one) is also correct: SDPA's is_causal aligns top-left, which is right
+            # only when the queries start at position 0.
+            q_pos = self.positions[start_pos:end]
+            mask = self.positions[:end][None, :] <= q_pos[:, None]
 
-        x = F.embedding(ids, self.embed)  # (n, hidden)
-        for li, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.attn_norm)
-            qkv = F.linear(h, layer.wqkv)
-            qs, kvs = self._q_size, self._kv_size
-            q, k, v = qkv[:, :qs], qkv[:, qs : qs + kvs], qkv[:, qs + kvs :]
-            q = q.view(n, c.num_attention_heads, c.head_dim).transpose(0, 1)
-            k = k.view(n, c.num_key_value_heads, c.head_dim).transpose(0, 1)
-            v = v.view(n, c.num_key_value_heads, c.head_dim).transpose(0, 1)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.k[li, :, start_pos:end] = k
             cache.v[li, :, start_pos:end] = v
             keys, values = cache.k[li, :, :end], cache.v[li, :, :end]
@@ -373,19 +419,82 @@ class LlamaModel:
                 attn = F.scaled_dot_product_attention(
                     q.reshape(c.num_key_value_heads, group, c.head_dim), keys, values
                 )
-            else:
-                # A prefill: 4-D inputs take the fused CPU flash kernel, which also does GQA.
-                attn = F.scaled_dot_product_attention(
-                    q.unsqueeze(0),
-                    keys.unsqueeze(0),
-                    values.unsqueeze(0),
-                    attn_mask=mask,
-                    enable_gqa=group > 1,
-                )
-            attn = attn.view(c.num_attention_heads, n, c.head_dim).transpose(0, 1)
-            x = x + F.linear(attn.reshape(n, self._q_size), layer.wo)
+                return attn.view(c.num_attention_heads, 1, c.head_dim)
+            # A prefill: 4-D inputs take the fused flash kernels (CPU and CUDA), which do GQA; with
+            # no mask (queries from position 0) CUDA's flash attention qualifies.
+            attn = F.scaled_dot_product_attention(
+                q.unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=group > 1,
+            )
+            return attn.squeeze(0)
+
+        x = self._blocks(F.embedding(ids, self.embed), start_pos, end, attend)
+        return self._logits(x[-1])
+
+    def decode_static(
+        self, step_in: torch.Tensor, cache: KVCache, span: int, logits_out: torch.Tensor
+    ) -> None:
+        """One decode step whose every shape is fixed by `span`, so a CUDA graph can replay it.
+
+        `step_in` is a (2,) long tensor on the device: the token id and its position. Attention
+        reads the first `span` cache positions (span > position) and masks those after the
+        position; the result is written into `logits_out` (vocab,) float32. Nothing here reads a
+        tensor's value on the host, so the same kernels run whatever the token and position.
+        """
+        c = self.config
+        token, pos = step_in[0:1], step_in[1:2]
+        group = c.num_attention_heads // c.num_key_value_heads
+        # (1, 1, 1, span): a key position is visible when it is at or before the query's.
+        visible = (self.positions[:span] <= pos).view(1, 1, 1, span)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[li].index_copy_(1, pos, k)
+            cache.v[li].index_copy_(1, pos, v)
+            attn = F.scaled_dot_product_attention(
+                q.reshape(1, c.num_key_value_heads, group, c.head_dim),
+                cache.k[li, :, :span].unsqueeze(0),
+                cache.v[li, :, :span].unsqueeze(0),
+                attn_mask=visible,
+            )
+            return attn.view(c.num_attention_heads, 1, c.head_dim)
+
+        x = self._blocks(F.embedding(token, self.embed), pos, None, attend)
+        logits_out.copy_(self._logits(x[-1]))
+
+    def _blocks(
+        self, x: torch.Tensor, start: int | torch.Tensor, end: int | None, attend: Attend
+    ) -> torch.Tensor:
+        """Every decoder block over hidden states x (n, hidden) at positions start..
+
+        `start` is an int with `end` (a slice of the RoPE tables) or a (1,) device tensor with
+        `end` None (a gather, for the fixed-shape decode step).
+        """
+        c = self.config
+        n = x.shape[0]
+        if isinstance(start, int):
+            cos, sin = self.cos[start:end], self.sin[start:end]
+        else:
+            cos, sin = self.cos.index_select(0, start), self.sin.index_select(0, start)
+        qs, kvs = self._q_size, self._kv_size
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm)
+            qkv = layer.wqkv(h)
+            q, k, v = qkv[:, :qs], qkv[:, qs : qs + kvs], qkv[:, qs + kvs :]
+            q = q.view(n, c.num_attention_heads, c.head_dim).transpose(0, 1)
+            k = k.view(n, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+            v = v.view(n, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            attn = attend(li, q, k, v).transpose(0, 1)
+            x = x + layer.wo(attn.reshape(n, qs))
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = F.linear(h, layer.w13).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w2)
-        last = self._rms_norm(x[-1], self.norm)
-        return F.linear(last, self.lm_head).float()
+            gate, up = layer.w13(h).chunk(2, dim=-1)
+            x = x + layer.w2(F.silu(gate) * up)
+        return x
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms_norm(last, self.norm), self.lm_head).float()

@@ -29,7 +29,7 @@ import torch
 
 from appliance.engine.llama import KVCache, LlamaConfig, empty_kv
 
-__all__ = ["KvCacheStats", "PrefixCache", "RequestKvStats", "pool_blocks"]
+__all__ = ["KvCacheStats", "PrefixCache", "RequestKvStats", "free_device_bytes", "pool_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ def bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
 
 
-def _free_device_bytes(device: torch.device) -> int:
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes free on `device` now: the CUDA driver's free memory, or MemAvailable on a CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
@@ -139,7 +140,7 @@ def pool_blocks(
     CPU_POOL_CAP_BYTES (set max_tokens_in_paged_kv_cache for more).
     """
     if max_tokens is None:
-        budget = int(_free_device_bytes(device) * free_mem_fraction)
+        budget = int(free_device_bytes(device) * free_mem_fraction)
         if device.type != "cuda":
             budget = min(budget, CPU_POOL_CAP_BYTES)
         max_tokens = budget // bytes_per_token(config, dtype)

@@ -6,7 +6,11 @@ flag the generation loop polls before every step, so a cancelled job stops withi
 
 Nothing is allocated per request: the runner owns one KV cache sized to the repository's
 `max_seq_len`, which every job overwrites, and (with `enable_kv_cache_reuse`) a pool of finished
-requests' blocks from which a job's matching prefix is copied in instead of recomputed.
+requests' blocks from which a job's matching prefix is copied in instead of recomputed. With a
+`Capture` (CUDA graphs on a GPU), the decode step is captured once on that cache at start-up.
+
+Prompts are prefilled in chunks of `prefill_chunk_tokens`, and cancellation is checked between
+chunks, so stopping the engine (or a cancelled request) waits for at most one chunk's forward pass.
 """
 
 from __future__ import annotations
@@ -19,12 +23,29 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from appliance.engine.llama import LlamaModel
+import torch
+
+from appliance.engine.decode import Capture, DecodeStep, EagerDecode, GraphDecode
+from appliance.engine.llama import LlamaConfig, LlamaModel
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
 from appliance.engine.sampling import SamplingParams, generate
 
 log = logging.getLogger(__name__)
+
+# How long `Runner.close` waits for the running step to finish before giving up on the thread.
+CLOSE_TIMEOUT_S = 30.0
+
+
+def prefill_chunk_tokens(device: torch.device) -> int:
+    """Most prompt tokens in one forward pass on `device`.
+
+    On a GPU, 2,048 (TensorRT-LLM's default max_num_tokens for a build here) keeps a prefill
+    compute-bound while bounding its activations; on a CPU a 256-token chunk is already an efficient
+    matrix product and takes about a second on a busy core, which bounds how long a cancellation or a
+    shutdown waits.
+    """
+    return 2048 if device.type == "cuda" else 256
 
 
 @dataclass(frozen=True)
@@ -95,28 +116,61 @@ class Runner:
         max_seq_len: int | None = None,
         tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK,
         prefix: PrefixCache | None = None,
+        capture: Capture | None = None,
     ) -> None:
-        """`max_seq_len` sizes the one working KV cache (default: the model's context)."""
+        """`max_seq_len` sizes the one working KV cache (default: the model's context); `capture`
+        (None: eager decode) captures the decode step on it before the compute thread starts."""
         self.model = model
-        self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
+        self.cache = model.new_cache(
+            max_seq_len or model.config.max_position_embeddings, zeroed=capture is not None
+        )
+        self.decode: DecodeStep = (
+            EagerDecode(model, self.cache)
+            if capture is None
+            else GraphDecode(model, self.cache, capture)
+        )
+        self.prefill_chunk = prefill_chunk_tokens(model.device)
         self.prefix = prefix
         self.tokens_per_block = prefix.tokens_per_block if prefix else tokens_per_block
         # The compute thread's own counters; EngineStats.kv is a copy published under the lock.
         self._kv = prefix.stats if prefix else KvCacheStats(tokens_per_block=self.tokens_per_block)
         self.stats = EngineStats(kv=dataclasses.replace(self._kv))
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._current: Job | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine-compute", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
+        if self._closed:
+            job.cancel.set()
         self._jobs.put(job)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Cancel the running and queued jobs and join the compute thread; True if it ended.
+
+        The process must not exit while this thread is inside torch: interpreter shutdown would
+        tear down what torch's native threads still use, and the C++ runtime aborts
+        ("terminate called without an active exception"). A cancelled job stops after its
+        current forward pass (one prefill chunk or one decode step).
+        """
+        self._closed = True
+        current = self._current
+        if current is not None:
+            current.cancel.set()
         self._jobs.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("the compute thread did not stop within %.0f s", timeout)
+            return False
+        return True
 
     def _loop(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.set_device(self.model.device)  # the current device is per thread
         while (job := self._jobs.get()) is not None:
+            if self._closed:
+                job.cancel.set()
             if job.cancel.is_set():
                 self._count(cancelled=1)
                 job.emit(Emission(None, final=True))
@@ -126,6 +180,9 @@ class Runner:
                 self.stats.started += 1
                 self.stats.running = job.request_id
                 self.stats.queue_ns += int((started - job.enqueued) * 1e9)
+            self._current = job
+            if self._closed:  # close() may have looked before this job became current
+                job.cancel.set()
             try:
                 self._run(job)
             except Exception as exc:  # a failed request must not take the engine down
@@ -133,6 +190,7 @@ class Runner:
                 self._count(failed=1)
                 job.emit(Emission(None, final=True, error=f"engine failure: {exc}"))
             finally:
+                self._current = None
                 with self.stats.changed:
                     self.stats.running = None
                     self.stats.compute_ns += int((time.monotonic() - started) * 1e9)
@@ -165,6 +223,8 @@ class Runner:
             cache=self.cache,
             start_pos=kv.reused_tokens,
             history=history,
+            decode=self.decode,
+            prefill_chunk=self.prefill_chunk,
         )
         produced: list[int] = []
         first_token_ns = 0
@@ -231,11 +291,18 @@ class Runner:
             self.stats.changed.notify_all()
 
 
-def build_runner(model: LlamaModel, params: KvCacheParams, fingerprint: str) -> Runner:
+def working_seq_len(config: LlamaConfig, params: KvCacheParams) -> int:
+    """Tokens of the one working cache: the repository's limit (what an engine was built for),
+    within the checkpoint's context."""
+    limit = config.max_position_embeddings
+    return min(params.max_seq_len or limit, limit)
+
+
+def build_runner(
+    model: LlamaModel, params: KvCacheParams, fingerprint: str, capture: Capture | None = None
+) -> Runner:
     """The runner a repository's KV-cache parameters ask for."""
-    # The repository's limit (what an engine was built for), within the checkpoint's context.
-    limit = model.config.max_position_embeddings
-    max_seq_len = min(params.max_seq_len or limit, limit)
+    max_seq_len = working_seq_len(model.config, params)
     prefix = None
     if params.enable_reuse:
         blocks = pool_blocks(
@@ -264,4 +331,4 @@ def build_runner(model: LlamaModel, params: KvCacheParams, fingerprint: str) -> 
                 params.max_tokens,
                 max_seq_len,
             )
-    return Runner(model, max_seq_len, params.tokens_per_block, prefix)
+    return Runner(model, max_seq_len, params.tokens_per_block, prefix, capture)

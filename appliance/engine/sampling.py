@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from appliance.engine.decode import DecodeStep, EagerDecode
 from appliance.engine.llama import KVCache, LlamaModel
 
 __all__ = ["Sampler", "SamplingParams", "generate"]
@@ -102,6 +103,8 @@ def generate(
     cache: KVCache | None = None,
     start_pos: int = 0,
     history: list[int] | None = None,
+    decode: DecodeStep | None = None,
+    prefill_chunk: int | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
 
@@ -113,6 +116,9 @@ def generate(
     `start_pos` > 0 says `cache` already holds the K/V of prompt positions 0..start_pos-1 (a reused
     prefix): only the rest is prefilled. `history`, when given, is extended with each token once
     its K/V is in the cache, so afterwards it names exactly the cache's valid positions.
+    `decode` runs the decode steps (a CUDA-graph step, say) on `cache`; by default they are eager
+    forward passes. `prefill_chunk` splits the prefill into forward passes of at most that many
+    tokens, which bounds the activations and lets a cancellation stop a long prompt between chunks.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must contain at least one token")
@@ -135,6 +141,10 @@ def generate(
             f"start_pos must be in [0, {len(prompt_ids)}) and needs a cache holding the prefix, "
             f"got {start_pos}"
         )
+    if decode is not None and decode.cache is not cache:
+        raise ValueError("a decode step runs on its own cache; pass that cache")
+    if prefill_chunk is not None and prefill_chunk <= 0:
+        raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
     sampler = Sampler(params)
     return _generate(
         model,
@@ -146,6 +156,8 @@ def generate(
         cache,
         start_pos,
         history if history is not None else [],
+        decode,
+        prefill_chunk or len(prompt_ids),
     )
 
 
@@ -159,12 +171,18 @@ def _generate(
     cache: KVCache | None,
     start_pos: int,
     history: list[int],
+    decode: DecodeStep | None,
+    prefill_chunk: int,
 ) -> Iterator[int]:
     if max_new_tokens == 0 or should_stop():
         return
     if cache is None:
         cache = model.new_cache(len(prompt_ids) + max_new_tokens)
-    logits = model.forward(prompt_ids[start_pos:], cache, start_pos)
+    step_once = decode or EagerDecode(model, cache)
+    for start in range(start_pos, len(prompt_ids), prefill_chunk):
+        if start > start_pos and should_stop():
+            return
+        logits = model.forward(prompt_ids[start : start + prefill_chunk], cache, start)
     history.extend(prompt_ids)
     pos = len(prompt_ids)
     for step in range(max_new_tokens):
@@ -174,6 +192,6 @@ def _generate(
         yield token
         if step == max_new_tokens - 1 or should_stop():
             return
-        logits = model.forward((token,), cache, pos)
+        logits = step_once(token, pos)
         history.append(token)
         pos += 1

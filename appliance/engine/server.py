@@ -28,13 +28,15 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 from appliance import sdnotify
 from appliance.backends import wire
 from appliance.engine.llama import CheckpointError, LlamaModel
+from appliance.engine.loading import load_model
+from appliance.engine.options import EngineOptions, FitError
 from appliance.engine.repository import (
     ModelEntry,
     RepositoryError,
     lock_repository,
     read_repository,
 )
-from appliance.engine.runner import Emission, Job, RequestPerf, Runner, build_runner
+from appliance.engine.runner import Emission, Job, RequestPerf, Runner
 from appliance.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -503,11 +505,10 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             reader.cancel()
 
 
-def _served(entry: ModelEntry, device: str) -> EngineModel:
+def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
     try:
-        model = LlamaModel.load(entry.hf_model_dir, device=device)
-        runner = build_runner(model, entry.kv_cache, entry.fingerprint)
-    except (CheckpointError, RepositoryError) as exc:
+        model, runner = load_model(entry, options)
+    except (CheckpointError, RepositoryError, FitError) as exc:
         raise RepositoryError(f"model '{entry.name}': {exc}") from exc
     return EngineModel(
         entry=entry,
@@ -519,10 +520,12 @@ def _served(entry: ModelEntry, device: str) -> EngineModel:
     )
 
 
-def load_repository(repository: Path, device: str = "cpu") -> dict[str, EngineModel]:
+def load_repository(
+    repository: Path, options: EngineOptions | None = None
+) -> dict[str, EngineModel]:
     """Every model of the repository, loaded and with its compute thread running."""
     entries = read_repository(repository)
-    return {name: _served(entry, device) for name, entry in entries.items()}
+    return {name: _served(entry, options or EngineOptions()) for name, entry in entries.items()}
 
 
 async def start_engine(
@@ -540,12 +543,12 @@ async def start_engine(
     return server, service, port
 
 
-async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
+async def run_engine(repository: Path, listen: str, options: EngineOptions | None = None) -> int:
     """The `appliance engine` process: serve until SIGTERM/SIGINT."""
     started = time.monotonic()
     try:
         lock = lock_repository(repository)  # before loading: a second server fails in ms
-        models = load_repository(repository, device)
+        models = load_repository(repository, options)
         server, _, _ = await start_engine(models, listen)
     except RepositoryError as exc:
         print(f"appliance engine: {exc}", file=sys.stderr, flush=True)
@@ -558,6 +561,7 @@ async def run_engine(repository: Path, listen: str, device: str = "cpu") -> int:
     )
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {listen}")
     await server.stop(grace=1.0)
+    # Cancel and join every compute thread before the interpreter exits (Runner.close).
     for model in models.values():
         model.runner.close()
     os.close(lock)

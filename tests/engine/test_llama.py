@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from appliance.engine.linear import PlainLinear
 from appliance.engine.llama import CheckpointError, LlamaModel, load_config
 from appliance.tiny_model import write_tiny_model
 from tests.engine.conftest import MICRO_CONFIG, write_micro_checkpoint
@@ -31,7 +32,8 @@ def test_gqa_cache_shapes_and_logits(micro_model: LlamaModel) -> None:
     assert cache.k.shape == (2, 2, 16, 8)
     assert cache.v.shape == cache.k.shape
     layer = micro_model.layers[0]
-    assert layer.wqkv.shape == ((6 + 2 * 2) * 8, 48)
+    assert isinstance(layer.wqkv, PlainLinear)
+    assert layer.wqkv.weight.shape == ((6 + 2 * 2) * 8, 48)
     logits = micro_model.forward(TOKENS[:4], cache, 0)
     assert logits.shape == (97,)
     assert logits.dtype == torch.float32

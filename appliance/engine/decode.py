@@ -1,0 +1,148 @@
+"""The single-token decode step: eager, or captured once into CUDA graphs and replayed per token.
+
+At batch 1 a Llama decode step is a few hundred small kernels (eight per block and more); launched
+one by one from Python, their launch gaps are a large share of a step on a GPU that reads 8B
+parameters in a few milliseconds. A CUDA graph records the launches once and replays them with one
+call. That needs every shape and every device address fixed: the step reads its token and position
+from one static input buffer, writes its logits into one static output buffer, and attends over a
+fixed number of cache positions with a mask (`LlamaModel.decode_static`).
+
+The attention span is not one fixed length: a step attends over the smallest of a few "spans"
+(powers of two from 256 up to the cache size) that covers its position, each captured as its own
+graph at start-up, so a short request does not read a 128k-token cache every step.
+
+`torch.cuda.CUDAGraph` is used directly rather than `torch.compile(mode="reduce-overhead")`: the
+eager kernels are replayed as they are (no compile step at start-up, which takes minutes for an 8B
+model, and no recompilation when a shape changes), the capture is one small function the CPU tests
+can drive with a fake (`Capture`), and the prefill path stays plain eager torch. What compile would
+add, fusing the small elementwise kernels (norms, RoPE, SiLU), moves far fewer bytes than the
+weight reads that bound a batch-1 step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from appliance.engine.llama import KVCache, LlamaModel
+
+__all__ = [
+    "Capture",
+    "DecodeStep",
+    "EagerDecode",
+    "GraphDecode",
+    "cuda_graph_capture",
+    "decode_spans",
+]
+
+# The shortest attention span captured; shorter contexts attend (masked) over this many positions.
+SMALLEST_SPAN = 256
+# Runs of the step before capture: cuBLAS and the caching allocator set themselves up on first use,
+# which must not happen inside a capture.
+WARMUP_RUNS = 2
+
+# Turns a step body into its replay: the real one captures a CUDA graph, a test's may just record.
+Capture = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+class DecodeStep(Protocol):
+    """One decode step on one preallocated cache."""
+
+    cache: KVCache
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        """Logits (vocab,) float32 of `token` at `pos`; valid until the next call."""
+        ...
+
+
+class EagerDecode:
+    """The step as plain torch calls, attending over exactly the positions written so far."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        return self.model.forward((token,), self.cache, pos)
+
+
+def decode_spans(max_seq_len: int, smallest: int = SMALLEST_SPAN) -> list[int]:
+    """Attention spans to capture: smallest, 2x, 4x ... below max_seq_len, then max_seq_len."""
+    spans = []
+    span = smallest
+    while span < max_seq_len:
+        spans.append(span)
+        span *= 2
+    spans.append(max_seq_len)
+    return spans
+
+
+class GraphDecode:
+    """The fixed-shape step, captured once per attention span and replayed per token.
+
+    The contract with a capture: `step_in` (token, position) and `logits` are allocated once here
+    and never reallocated; each call copies its inputs into `step_in`, replays the graph of the
+    smallest span above the position, and returns `logits`, which the graph wrote.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        capture: Capture,
+        smallest_span: int = SMALLEST_SPAN,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        device = model.device
+        self.step_in = torch.zeros(2, dtype=torch.long, device=device)
+        self.logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=device)
+        self.spans = decode_spans(cache.max_seq_len, smallest_span)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self._replays = [
+                capture(partial(model.decode_static, self.step_in, cache, span, self.logits))
+                for span in self.spans
+            ]
+        self.capture_seconds = time.perf_counter() - started
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        if not 0 <= pos < self.cache.max_seq_len:
+            raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
+        with torch.inference_mode():
+            self.step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
+            self._replays[bisect.bisect_right(self.spans, pos)]()
+        return self.logits
+
+
+def cuda_graph_capture(device: torch.device) -> Capture:
+    """A `Capture` recording CUDA graphs on `device`, all drawing on one memory pool.
+
+    Sharing the pool is safe because no graph leaves a live tensor in it: inputs and outputs are
+    allocated outside, and only one graph replays at a time (the runner's compute thread).
+    """
+    with torch.cuda.device(device):
+        pool = torch.cuda.graph_pool_handle()
+
+    def capture(body: Callable[[], None]) -> Callable[[], None]:
+        # The capture stream and the graph belong to the current device: make it the model's.
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    body()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                body()
+            torch.cuda.synchronize(device)
+        replay: Callable[[], None] = graph.replay
+        return replay
+
+    return capture

@@ -1,0 +1,63 @@
+"""Loading one model of the repository onto the engine's device: fit check, weights, runner.
+
+The order is the point: the fit check runs on config.json alone (or the random-weights shape),
+before a byte of weights moves, so a model too large for the device is refused in milliseconds with
+the numbers; then the weights load (or are drawn on the device), then the runner allocates its
+working cache and, on a GPU, captures the decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from appliance.engine.decode import cuda_graph_capture, decode_spans
+from appliance.engine.llama import LlamaModel, load_config
+from appliance.engine.options import EngineOptions, check_fit
+from appliance.engine.random_weights import random_config, random_model
+from appliance.engine.repository import ModelEntry
+from appliance.engine.runner import Runner, build_runner, prefill_chunk_tokens, working_seq_len
+
+__all__ = ["load_model"]
+
+log = logging.getLogger(__name__)
+
+
+def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, Runner]:
+    """The model and its running compute thread; CheckpointError, FitError or RepositoryError
+    (each a one-line message) when it cannot be served."""
+    started = time.monotonic()
+    shape = options.random_weights
+    config = random_config(shape) if shape else load_config(entry.hf_model_dir)
+    kv = entry.kv_cache
+    max_seq_len = working_seq_len(config, kv)
+    device = options.torch_device
+    graphs = len(decode_spans(max_seq_len)) if options.use_cuda_graph else 0
+    plan = check_fit(config, options, kv, max_seq_len, prefill_chunk_tokens(device), graphs)
+    if shape:
+        model = random_model(config, device, options.torch_dtype, options.fp8, options.seed)
+        # Random weights compute other tokens than the checkpoint: their reusable KV blocks must
+        # never match blocks of the real weights.
+        fingerprint = f"random-weights {shape} seed {options.seed} {entry.fingerprint}"
+    else:
+        model = LlamaModel.load(entry.hf_model_dir, device, options.torch_dtype, options.fp8)
+        fingerprint = entry.fingerprint
+    loaded = time.monotonic()
+    capture = cuda_graph_capture(device) if options.use_cuda_graph else None
+    runner = build_runner(model, kv, fingerprint, capture)
+    log.info(
+        "model %s: %s %s, weights %s (%.2f GiB read per decode step), working cache %d tokens, "
+        "decode %s; fit: %.2f of %.2f GiB free; loaded in %.1f s, runner ready in %.1f s",
+        entry.name,
+        device,
+        options.dtype_name,
+        f"fp8 ({options.fp8_scaling})" if options.fp8 else "in the model dtype",
+        model.weight_bytes / 2**30,
+        max_seq_len,
+        f"CUDA graphs for {graphs} attention spans" if graphs else "eager",
+        plan.required_bytes / 2**30,
+        plan.gpu_memory_bytes / 2**30,
+        loaded - started,
+        time.monotonic() - loaded,
+    )
+    return model, runner

@@ -1,0 +1,202 @@
+"""How the engine server computes: device, dtype, weight format, CUDA graphs, and the fit check.
+
+Everything here is decided before a weight is loaded, so a wrong device or a model that cannot fit
+is refused in milliseconds with one line that says what to change, not by an out-of-memory error
+minutes into loading. The fit arithmetic is engine_build's planner (`make_plan`): the same weights
++ KV cache + activation/workspace budget a TensorRT-LLM build is planned with, applied to the memory
+the device has free right now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from appliance.engine.linear import Scaling
+from appliance.engine.llama import LlamaConfig
+from appliance.engine.prefix_cache import free_device_bytes
+from appliance.engine.random_weights import SHAPES
+from appliance.engine.repository import KvCacheParams
+from engine_build.planner import GIB, MIB, FitPlan, make_plan
+from engine_build.spec import BuildSpec
+
+__all__ = ["DTYPES", "EngineOptions", "FitError", "check_fit", "device_problem"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+# What a CUDA context, cuBLAS workspaces and the caching allocator's slack take on a GPU beyond the
+# tensors (the planner's default for a TensorRT-LLM engine); on a CPU, the torch runtime itself.
+RUNTIME_OVERHEAD_BYTES = BuildSpec.runtime_overhead_bytes
+# FP8 tensor cores (and torch._scaled_mm on CUDA) start with Ada (8.9) and Hopper (9.0).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+class FitError(ValueError):
+    """The model does not fit the device's free memory; the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The `appliance engine` compute options (docs/MODEL_REPOSITORY.md, "Engine server options").
+
+    `dtype` "auto" is float32 on a CPU and bfloat16 on a GPU; `weights` "fp8" quantizes the
+    linear layers of every block to E4M3 at load (`fp8_scaling` per output channel or per tensor);
+    `cuda_graph` "auto" captures the decode step on a GPU only. `random_weights` names a shape
+    from `appliance.engine.random_weights.SHAPES` to serve seeded random weights of instead of each
+    model's checkpoint (latency work without a download).
+    """
+
+    device: str = "cpu"
+    dtype: str = "auto"
+    weights: Literal["dtype", "fp8"] = "dtype"
+    fp8_scaling: Scaling = "channel"
+    cuda_graph: Literal["auto", "on", "off"] = "auto"
+    random_weights: str | None = None
+    seed: int = 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.torch_device.type == "cuda" else "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def fp8(self) -> Scaling | None:
+        """The FP8 scaling of the linear layers, None for weights in the model dtype."""
+        return self.fp8_scaling if self.weights == "fp8" else None
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        if self.cuda_graph == "auto":
+            return self.torch_device.type == "cuda"
+        return self.cuda_graph == "on"
+
+    def problem(self) -> tuple[str, str] | None:
+        """(option, why) for the first option this process cannot honour; None when all can."""
+        why = device_problem(self.device)
+        if why:
+            return f"--device {self.device}", why
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            return f"--dtype {self.dtype}", f"expected auto or one of {', '.join(DTYPES)}"
+        if self.weights == "fp8" and self.dtype_name != "bfloat16":
+            return (
+                "--weights fp8",
+                f"FP8 linear layers compute in bfloat16; use --dtype bfloat16, not {self.dtype_name}",
+            )
+        if self.weights == "fp8" and self.torch_device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.torch_device)
+            if (major, minor) < FP8_MIN_CAPABILITY:
+                return (
+                    "--weights fp8",
+                    f"FP8 matrix products need compute capability 8.9 or later (Ada, Hopper); "
+                    f"this GPU is {major}.{minor}: use --weights dtype",
+                )
+        if self.cuda_graph == "on" and self.torch_device.type != "cuda":
+            return "--cuda-graph on", "CUDA graphs need a CUDA device; use --cuda-graph off or auto"
+        if self.random_weights is not None and self.random_weights not in SHAPES:
+            return f"--random-weights {self.random_weights}", f"known shapes: {', '.join(SHAPES)}"
+        if not 0 <= self.seed < 2**31:
+            return f"--seed {self.seed}", "expected an integer in [0, 2**31)"
+        return None
+
+
+def device_problem(device: str) -> str | None:
+    """Why the engine server cannot compute on `device` (None: it can); checked before loading."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        return "not a device; expected cpu, cuda or cuda:N"
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        return "not a device; expected cpu, cuda or cuda:N"
+    if not torch.cuda.is_available():
+        build = "" if torch.version.cuda else f" (this torch, {torch.__version__}, has no CUDA)"
+        return f"CUDA is not available on this machine; use --device cpu{build}"
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+@dataclass(frozen=True)
+class _EngineFitSpec:
+    """The planner's `FitSpec` for the engine server: one stream, no tensor parallelism.
+
+    The working cache holds `max_seq_len` tokens at batch 1; activations are one prefill chunk of
+    `max_num_tokens`; one CUDA graph reservation per captured attention span.
+    """
+
+    dtype: str
+    weights_fp8: bool
+    max_seq_len: int
+    max_num_tokens: int
+    tokens_per_block: int
+    kv_cache_free_gpu_mem_fraction: float
+    cuda_graph_mode: bool
+    cuda_graph_cache_size: int
+    kv_fp8: bool = False
+    tp_size: int = 1
+    max_batch_size: int = 1
+    runtime_overhead_bytes: int = RUNTIME_OVERHEAD_BYTES
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def check_fit(
+    config: LlamaConfig,
+    options: EngineOptions,
+    kv: KvCacheParams,
+    max_seq_len: int,
+    prefill_chunk: int,
+    graphs: int,
+    free_bytes: int | None = None,
+) -> FitPlan:
+    """The planner's fit plan for serving `config` with `options`, or FitError naming every number
+    when the model does not fit.
+
+    `free_bytes` defaults to what the device has free now (MemAvailable on a CPU).
+    """
+    device = options.torch_device
+    if free_bytes is None:
+        free_bytes = free_device_bytes(device)
+    spec = _EngineFitSpec(
+        dtype=options.dtype_name,
+        weights_fp8=options.weights == "fp8",
+        max_seq_len=max_seq_len,
+        max_num_tokens=min(prefill_chunk, max_seq_len),
+        tokens_per_block=kv.tokens_per_block,
+        kv_cache_free_gpu_mem_fraction=kv.free_mem_fraction,
+        cuda_graph_mode=graphs > 0,
+        cuda_graph_cache_size=graphs,
+    )
+    plan = make_plan(config, spec, free_bytes)
+    if plan.fits:
+        return plan
+    weights = "FP8 linear layers" if options.weights == "fp8" else options.dtype_name
+    hints = ["lower max_seq_len in config.pbtxt"]
+    if options.weights != "fp8":
+        hints.append("use --weights fp8")
+    hints.append("free memory on the device")
+    raise FitError(
+        f"does not fit on {device}: needs {_size(plan.required_bytes)} = weights "
+        f"{_size(plan.weight_bytes)} ({weights}) + KV cache {_size(plan.kv_bytes_needed)} "
+        f"({max_seq_len} tokens) + activations {_size(plan.activation_bytes + plan.logits_bytes)}"
+        f" + runtime {_size(plan.overhead_bytes)}, with the KV cache at most "
+        f"{kv.free_mem_fraction:g} of what is left, and {_size(free_bytes)} is free; "
+        + ", or ".join(hints)
+    )

@@ -1,0 +1,301 @@
+"""The engine server on a GPU, measured in one run against the memory-bandwidth floor.
+
+What it measures (docs/PERFORMANCE.md, "GPU"), for one shape of seeded random weights drawn on the
+device (`--shape llama-3.1-8b`: 32 layers, 4096 hidden, 14336 intermediate, 32/8 heads, vocab
+128256; nothing downloaded):
+
+- the floor: a device-to-device copy's bandwidth (bytes read + bytes written over time, best of
+  several) measured in this run, and per variant the weight bytes a batch-1 decode step must read
+  divided by it: no decoder can step faster than that;
+- per variant (bf16 or FP8 weights, eager or CUDA-graph decode): decode latency per token at batch
+  1, P50/P99 over `--tokens` tokens (256 by default) after a warm-up; TTFT of 128- and
+  2,048-token prompts, and of a 2,048-token prompt whose first 2,000 tokens an earlier request
+  left in the reuse pool; peak device memory; graph capture time; start-up (weights drawn + runner
+  ready). The variants run through the engine's own Runner (prefix reuse, chunked prefill, the
+  decode step), timed at the runner's emissions, so gRPC is not in these numbers;
+- the whole path, on the host's cores: client -> gateway -> engine server vs client -> engine
+  server vs a bare gRPC echo (bench/streaming.py), with the engine on this device.
+
+Prints one table; writes everything as JSON to `--out` (default $OUT, else var/bench).
+
+    python -m bench.gpu_decode                                 # on a GPU host: the 8B shape
+    python -m bench.gpu_decode --device cpu --shape tiny --tokens 16 --skip-path   # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from appliance.engine.decode import cuda_graph_capture
+from appliance.engine.linear import Scaling
+from appliance.engine.random_weights import random_config, random_model
+from appliance.engine.repository import KvCacheParams
+from appliance.engine.runner import Emission, Job, Runner, build_runner
+from appliance.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(top_k=1)
+REUSED_PREFIX = 2000
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fp8: Scaling | None
+    graph: bool
+
+
+VARIANTS = (
+    Variant("bf16 eager", None, False),
+    Variant("bf16 graph", None, True),
+    Variant("fp8 eager", "channel", False),
+    Variant("fp8 graph", "channel", True),
+    Variant("fp8-tensor graph", "tensor", True),
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, runs: int = 10) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (best run)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(runs):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / best
+
+
+@dataclass
+class Timed:
+    """Emission times of one job, in perf_counter seconds."""
+
+    submitted: float
+    times: list[float] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    perf: Any = None
+    error: str | None = None
+
+
+def run_job(runner: Runner, prompt: list[int], new_tokens: int) -> Timed:
+    """One streamed greedy job on the runner; returns when its final emission arrived."""
+    timed = Timed(time.perf_counter())
+
+    def emit(e: Emission) -> None:
+        if e.tokens:
+            timed.times.append(time.perf_counter())
+        if e.perf is not None:
+            timed.perf = e.perf
+        timed.error = e.error or timed.error
+        if e.final:
+            timed.done.set()
+
+    job = Job("bench", prompt, new_tokens, None, GREEDY, True, emit, return_perf=True)
+    timed.submitted = time.perf_counter()
+    runner.submit(job)
+    if not timed.done.wait(600):
+        raise TimeoutError("a benchmark job did not finish in 600 s")
+    if timed.error or not timed.times:
+        raise RuntimeError(f"a benchmark job failed: {timed.error or 'no tokens'}")
+    return timed
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
+
+
+def measure_variant(
+    args: argparse.Namespace, variant: Variant, device: torch.device, rng: random.Random
+) -> dict[str, Any]:
+    config = random_config(args.shape)
+    vocab = config.vocab_size
+    max_seq_len = min(args.max_seq_len, config.max_position_embeddings)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    model = random_model(config, device, torch.bfloat16, variant.fp8, seed=args.seed)
+    _sync(device)
+    weights_ready = time.perf_counter()
+    params = KvCacheParams(
+        max_seq_len=max_seq_len,
+        tokens_per_block=32,
+        enable_reuse=True,
+        max_tokens=max_seq_len + 4096,  # a pool of 4,096 tokens beside the working cache
+        free_mem_fraction=0.9,
+    )
+    capture = cuda_graph_capture(device) if variant.graph else None
+    runner = build_runner(model, params, f"bench {args.shape}", capture)
+    _sync(device)
+    ready = time.perf_counter()
+    result: dict[str, Any] = {
+        "variant": variant.name,
+        "weight_bytes_per_step": model.weight_bytes,
+        "weights_s": weights_ready - started,
+        "startup_s": ready - started,
+        "graph_capture_s": getattr(runner.decode, "capture_seconds", None),
+        "graph_spans": getattr(runner.decode, "spans", None),
+    }
+    try:
+        run_job(runner, prompt(128), 8)  # warm-up: kernels, cuBLAS handles, allocator
+        decode = run_job(runner, prompt(128), args.tokens + args.warmup_tokens)
+        gaps = np.diff(decode.times[args.warmup_tokens :]).tolist()
+        result["decode_ms_p50"] = pct(gaps, 50) * 1e3
+        result["decode_ms_p99"] = pct(gaps, 99) * 1e3
+        result["decode_tokens"] = len(gaps) + 1
+        for n in (128, 2048):
+            ttfts = [
+                (t.times[0] - t.submitted) * 1e3
+                for t in (run_job(runner, prompt(n), 1) for _ in range(args.ttft_runs))
+            ]
+            result[f"ttft_{n}_ms_p50"] = statistics.median(ttfts)
+            result[f"ttft_{n}_ms_all"] = ttfts
+        prefix = prompt(REUSED_PREFIX)
+        run_job(runner, prefix + prompt(48), 1)  # computes and pools the prefix's blocks
+        reused = [run_job(runner, prefix + prompt(48), 1) for _ in range(args.ttft_runs)]
+        result["ttft_reuse_ms_p50"] = statistics.median(
+            (t.times[0] - t.submitted) * 1e3 for t in reused
+        )
+        result["reused_tokens"] = [t.perf.kv.reused_tokens for t in reused]
+        if device.type == "cuda":
+            result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    finally:
+        runner.close()
+        del runner, model
+        gc.collect()
+    return result
+
+
+def measure_path(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """bench/streaming.py with the engine on `device`; skipped with the reason when it cannot run."""
+    try:
+        import uvloop
+
+        from bench import streaming
+    except ImportError as exc:  # the GPU host's image may lack the appliance's dependencies
+        return {"skipped": f"missing Python module {exc.name}; carry wheels (docs/PERFORMANCE.md)"}
+    path_args = argparse.Namespace(
+        requests=args.path_requests,
+        warmup=5,
+        prompt_tokens=128,
+        output_tokens=64,
+        model_root=str(Path(args.out) / "tiny"),
+    )
+    started = time.perf_counter()
+    results = uvloop.run(streaming.run(path_args, ("--device", str(device))))
+    return {"seconds": time.perf_counter() - started, **results}
+
+
+def table(report: dict[str, Any]) -> str:
+    floor_bw = report["copy_bandwidth_gbps"]
+    lines = [
+        f"GPU decode: {report['device_name']}, shape {report['shape']}, torch {report['torch']}; "
+        f"copy bandwidth (read+write) {floor_bw:.0f} GB/s",
+        "| variant | weights GB/step | floor ms | decode P50 ms | P99 ms | P50/floor | "
+        "TTFT 128 ms | TTFT 2048 ms | TTFT 2048 reuse ms | peak GiB | capture s | start-up s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(value: Any, spec: str = ".2f") -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    for v in report["variants"]:
+        if "skipped" in v:
+            lines.append(f"| {v['variant']} | skipped: {v['skipped']} |")
+            continue
+        floor_ms = v["weight_bytes_per_step"] / (floor_bw * 1e9) * 1e3
+        lines.append(
+            f"| {v['variant']} | {v['weight_bytes_per_step'] / 1e9:.3g} | {floor_ms:.3f} "
+            f"| {v['decode_ms_p50']:.3f} | {v['decode_ms_p99']:.3f} "
+            f"| {v['decode_ms_p50'] / floor_ms:.2f} | {v['ttft_128_ms_p50']:.1f} "
+            f"| {v['ttft_2048_ms_p50']:.1f} | {v['ttft_reuse_ms_p50']:.1f} "
+            f"| {f(v.get('peak_memory_gib'))} | {f(v['graph_capture_s'])} | {v['startup_s']:.1f} |"
+        )
+    path = report["path"]
+    if "skipped" in path:
+        lines.append(f"whole path: skipped ({path['skipped']})")
+    else:
+        keys = [
+            "(a) TTFT via gateway",
+            "(b) TTFT direct to engine",
+            "(c) bare grpc.aio unary echo",
+            "(a) inter-token via gateway",
+            "(b) inter-token direct",
+        ]
+        lines.append("| whole path (µs) | P50 | P99 |\n|---|---:|---:|")
+        lines += [f"| {k} | {path[k + ' P50']:.1f} | {path[k + ' P99']:.1f} |" for k in keys]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="llama-3.1-8b", help="llama-3.1-8b or tiny")
+    parser.add_argument("--tokens", type=int, default=256, help="decode tokens timed (>= 256)")
+    parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument("--ttft-runs", type=int, default=5)
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument(
+        "--copy-bytes", type=int, default=None, help="default 2 GiB GPU, 256 MiB CPU"
+    )
+    parser.add_argument("--path-requests", type=int, default=200)
+    parser.add_argument("--skip-path", action="store_true", help="skip the whole-path comparison")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.environ.get("OUT") or "var/bench")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
+    report: dict[str, Any] = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "tokens": args.tokens,
+        "copy_bandwidth_gbps": copy_bandwidth(device, copy_bytes) / 1e9,
+        "variants": [],
+    }
+    for variant in VARIANTS:
+        if variant.graph and device.type != "cuda":
+            report["variants"].append({"variant": variant.name, "skipped": "CUDA graphs need cuda"})
+            continue
+        report["variants"].append(measure_variant(args, variant, device, rng))
+        print(json.dumps(report["variants"][-1]), flush=True)
+    report["path"] = {"skipped": "--skip-path"} if args.skip_path else measure_path(args, device)
+    (Path(args.out) / "gpu_decode.json").write_text(json.dumps(report, indent=2))
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
