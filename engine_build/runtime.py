@@ -34,9 +34,7 @@ def require_single_gpu(spec: BuildSpec) -> None:
     """``build`` and ``repo`` refuse what Triton would not be started for (``plan`` still
     shows how a multi-GPU engine would fit)."""
     if spec.tp_size > 1:
-        raise SpecError(
-            f"{spec.source}: key 'parallel.tp_size': {multi_gpu_refusal(spec.tp_size)}"
-        )
+        raise SpecError(f"{spec.source}: key 'parallel.tp_size': {multi_gpu_refusal(spec.tp_size)}")
 
 
 def root_trtllm_version(root: Path) -> str | None:

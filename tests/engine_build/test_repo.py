@@ -314,9 +314,9 @@ def test_verify_requires_the_engine_version_of_the_triton_root(
     repo = write_repository(spec, tmp_path / "repo")
     assert verify_repository(repo, _triton_root(tmp_path / "same", "1.2.1")) == []
     problems = verify_repository(repo, _triton_root(tmp_path / "older", "1.2.0"))
-    assert any(
-        "built by TensorRT-LLM 1.2.1 but" in p and "runs 1.2.0" in p for p in problems
-    ), problems
+    assert any("built by TensorRT-LLM 1.2.1 but" in p and "runs 1.2.0" in p for p in problems), (
+        problems
+    )
     problems = verify_repository(repo, tmp_path / "not-a-root")
     assert any("holds no single tensorrt_llm installation" in p for p in problems), problems
 
