@@ -67,7 +67,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         stub.chmod(0o755)
     # Triton runs inside the exported image root (RootDirectory=): its programs are looked up there.
     triton_root = root / "opt/triton-rootfs"
-    for program in ("/opt/tritonserver/bin/tritonserver", "/usr/bin/curl", "/bin/sh"):
+    for program in (
+        "/opt/tritonserver/bin/tritonserver",
+        "/usr/bin/curl",
+        "/bin/sh",
+        "/usr/local/libexec/appliance-triton-check-libs",
+    ):
         stub = triton_root / program.lstrip("/")
         stub.parent.mkdir(parents=True, exist_ok=True)
         stub.write_text("#!/bin/sh\n")
