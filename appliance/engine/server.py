@@ -234,6 +234,14 @@ def _log_failure(task: asyncio.Future[None]) -> None:
         log.error("stream reader failed", exc_info=task.exception())
 
 
+async def _no_region(context: grpc.aio.ServicerContext, kind: str, name: str) -> None:
+    """A status request naming a shared-memory region: none is ever registered here."""
+    if name:
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"Unable to find {kind} shared memory region: '{name}'"
+        )
+
+
 class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     def __init__(self, models: dict[str, EngineModel]) -> None:
         self.models = models
@@ -349,11 +357,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def SystemSharedMemoryStatus(
         self, request: ts.SystemSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
     ) -> ts.SystemSharedMemoryStatusResponse:
-        if request.name:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"Unable to find system shared memory region: '{request.name}'",
-            )
+        await _no_region(context, "system", request.name)
         return ts.SystemSharedMemoryStatusResponse()  # no region is ever registered
 
     async def SystemSharedMemoryRegister(
@@ -372,11 +376,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def CudaSharedMemoryStatus(
         self, request: ts.CudaSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
     ) -> ts.CudaSharedMemoryStatusResponse:
-        if request.name:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"Unable to find cuda shared memory region: '{request.name}'",
-            )
+        await _no_region(context, "cuda", request.name)
         return ts.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(
