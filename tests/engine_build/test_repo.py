@@ -277,15 +277,20 @@ def test_verify_on_absent_repository(tmp_path: Path) -> None:
     assert verify_repository(tmp_path)[0].startswith("cannot read")
 
 
+def _edit_engine_config(spec: BuildSpec, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change the engine's config.json as a damaged or foreign engine would have it."""
+    engine_cfg = spec.engine_dir / "config.json"
+    data = json.loads(engine_cfg.read_text())
+    edit(data)
+    engine_cfg.write_text(json.dumps(data))
+
+
 def test_verify_reports_a_damaged_engine_config_instead_of_crashing(
     tmp_path: Path, built: Callable[..., BuildSpec]
 ) -> None:
     spec = built()
     repo = write_repository(spec, tmp_path / "repo")
-    engine_cfg = spec.engine_dir / "config.json"
-    data = json.loads(engine_cfg.read_text())
-    data["pretrained_config"]["mapping"]["world_size"] = "one"
-    engine_cfg.write_text(json.dumps(data))
+    _edit_engine_config(spec, lambda d: d["pretrained_config"]["mapping"].update(world_size="one"))
     assert any("world_size 'one' is not a count" in p for p in verify_repository(repo))
 
 
@@ -330,13 +335,7 @@ def test_verify_requires_an_engine_of_the_pinned_line(
 ) -> None:
     spec = built()
     repo = write_repository(spec, tmp_path / "repo")
-    engine_cfg = spec.engine_dir / "config.json"
-    data = json.loads(engine_cfg.read_text())
-    if version is None:
-        del data["version"]
-    else:
-        data["version"] = version
-    engine_cfg.write_text(json.dumps(data))
+    _edit_engine_config(spec, lambda d: d.update(version=version) if version else d.pop("version"))
     assert any(problem in p for p in verify_repository(repo)), verify_repository(repo)
 
 
@@ -345,10 +344,7 @@ def test_multi_gpu_engines_are_refused_until_triton_launches_them(
 ) -> None:
     spec = built()
     repo = write_repository(spec, tmp_path / "repo")
-    engine_cfg = spec.engine_dir / "config.json"
-    data = json.loads(engine_cfg.read_text())
-    data["pretrained_config"]["mapping"]["world_size"] = 2
-    engine_cfg.write_text(json.dumps(data))
+    _edit_engine_config(spec, lambda d: d["pretrained_config"]["mapping"].update(world_size=2))
     (spec.engine_dir / "rank1.engine").write_bytes(b"engine")
     _edit_params(repo, gpu_device_ids="0,1")
     problems = verify_repository(repo)
