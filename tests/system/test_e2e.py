@@ -473,8 +473,9 @@ def test_gpu_roles_provision_with_stubbed_hardware(
     recap = _recap(out)
     assert recap["failed"] == 0 and recap["changed"] > 0
     changed = _changed_tasks(out)
-    for handler in ("nvidia_prereqs : Restart nvidia-persistenced", "triton : Restart triton"):
-        assert handler in changed, changed
+    assert "nvidia_prereqs : Restart nvidia-persistenced" in changed, changed
+    # triton and engine_build both notify "Restart triton"; Ansible runs the one handler once.
+    assert any(task.endswith(" : Restart triton") for task in changed), changed
     # nvidia_prereqs: persistence mode on through the drop-in, the daemon running.
     assert machine.is_active("nvidia-persistenced.service") == "active"
     assert "--persistence-mode" in machine.show("nvidia-persistenced.service", "ExecStart")
