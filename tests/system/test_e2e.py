@@ -431,18 +431,17 @@ def gpu(machine: Machine) -> gpu_stubs.GpuArtifacts:
 
 
 def _gpu_inventory(machine: Machine, gpu: gpu_stubs.GpuArtifacts, **extra: object) -> Path:
-    return machine.inventory(
-        "gpu",
+    variables: dict[str, object] = {
         # Triton cannot start without a GPU; the GPU roles install and configure, nothing starts.
-        appliance_start=False,
-        host_tuning_enabled=False,
-        triton_archive_src=str(gpu.archive),
-        triton_archive_sha256=gpu.archive_sha256,
-        triton_image_config_src=str(gpu.image_config),
-        engine_build_spec_src=str(gpu.spec),
-        engine_build_gpu_memory="80GiB",
-        **extra,
-    )
+        "appliance_start": False,
+        "host_tuning_enabled": False,
+        "triton_archive_src": str(gpu.archive),
+        "triton_archive_sha256": gpu.archive_sha256,
+        "triton_image_config_src": str(gpu.image_config),
+        "engine_build_spec_src": str(gpu.spec),
+        "engine_build_gpu_memory": "80GiB",
+    }
+    return machine.inventory("gpu", **{**variables, **extra})
 
 
 def _role_tasks(output: str, role: str) -> list[str]:
