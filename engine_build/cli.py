@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine_build import commands, gpu, planner, runner
+from engine_build import commands, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape_for
 from engine_build.errors import BuildError, DoesNotFit, SpecError
 from engine_build.repo import write_repository
@@ -95,6 +95,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_build(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    runtime.require_single_gpu(spec)
     check_fit(spec, args.gpu_memory)
     results = runner.BuildRunner(spec, quiet=args.quiet).run(force=args.force)
     built = [r.name for r in results if not r.skipped]
@@ -110,7 +111,7 @@ def cmd_repo(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    problems = verify_repository(args.repository)
+    problems = verify_repository(args.repository, args.triton_root)
     for p in problems:
         print(f"engine-build: error: {args.repository}: {p}", file=sys.stderr)
     if problems:
@@ -152,6 +153,11 @@ def parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check an existing model repository")
     v.add_argument("repository", type=Path)
+    v.add_argument(
+        "--triton-root",
+        type=Path,
+        help="Triton root filesystem that serves it: the engine's TensorRT-LLM must match",
+    )
     v.set_defaults(func=cmd_verify)
     return ap
 

@@ -119,10 +119,11 @@ def build_args(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[
         ("disable" if low_latency else "fp8") if fp8 else spec.dtype,
         "--low_latency_gemm_plugin",
         "fp8" if low_latency else "disable",
+        # Both fused plugins need --use_fused_mlp enable (always passed below).
         "--gemm_swiglu_plugin",
-        "disable",
+        "fp8" if spec.gemm_swiglu == "gemm_swiglu_plugin" else "disable",
         "--low_latency_gemm_swiglu_plugin",
-        "disable",
+        "fp8" if spec.gemm_swiglu == "low_latency_gemm_swiglu_plugin" else "disable",
         "--fp8_rowwise_gemm_plugin",
         "disable",
         "--lora_plugin",

@@ -58,6 +58,20 @@ _OUTPUTS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
 )
 REQUIRED_OUTPUTS = ("output_ids", "sequence_length")
 
+# Parameters the tensorrtllm backend (1.2 line, inflight_batcher_llm model_instance_state.cc) reads
+# with no fallback when a model instance is created: `getBatchingTypeFromParams` reads
+# gpt_model_type and `getGuidedDecodingConfigFromParams` the other three, and a missing key throws
+# "Cannot find parameter with name: ..." so the model never loads. Every other parameter it reads
+# sits in a try/catch with a logged default. Empty strings turn guided decoding off.
+BACKEND_REQUIRED_PARAMETERS = (
+    "gpt_model_type",
+    "tokenizer_dir",
+    "xgrammar_tokenizer_info_path",
+    "guided_decoding_backend",
+)
+# The values the backend accepts for gpt_model_type ("v1" is static batching).
+GPT_MODEL_TYPES = ("inflight_fused_batching", "inflight_batching", "V1", "v1")
+
 
 @dataclass(frozen=True)
 class RepoParams:
@@ -88,6 +102,10 @@ def parameters(p: RepoParams) -> dict[str, str]:
         "max_beam_width": "1",
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         "gpt_model_type": "inflight_fused_batching",
+        # Read unconditionally by the backend; empty: no guided decoding.
+        "tokenizer_dir": "",
+        "xgrammar_tokenizer_info_path": "",
+        "guided_decoding_backend": "",
         "batch_scheduler_policy": "guaranteed_no_evict",
         "kv_cache_free_gpu_mem_fraction": f"{p.kv_cache_free_gpu_mem_fraction:g}",
         "enable_kv_cache_reuse": _bool(p.enable_kv_cache_reuse),

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engine_build import pbtxt, runner
+from engine_build import pbtxt, runner, runtime
 from engine_build.checkpoint import fingerprint_tree, read_json, read_shape_for
 from engine_build.errors import BuildError
 from engine_build.hf_config import read_config
@@ -90,6 +90,7 @@ def write_repository(
     engine_dir: Path | None = None
     limits: dict[str, Any] = {}
     if not hf_only:
+        runtime.require_single_gpu(spec)
         engine_dir = spec.engine_dir
         if not (engine_dir / "config.json").is_file():
             raise BuildError(

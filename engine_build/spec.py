@@ -23,6 +23,15 @@ DTYPES = ("bfloat16", "float16")
 QUANTIZATIONS = ("fp8", "none")
 KV_CACHE_DTYPES = ("fp8", "auto")
 GEMM_CHOICES = ("gemm_plugin", "low_latency_gemm_plugin")
+# GEMM + SwiGLU fusion of the gated MLP (FP8 on Hopper only). Each fused plugin goes with its GEMM
+# plugin: NVIDIA's batch-1 latency recipe pairs low_latency_gemm_plugin with
+# low_latency_gemm_swiglu_plugin (the low-latency GEMM alone measured slower), and trtllm-build
+# takes one SwiGLU plugin or the other, never both — one key makes "both" impossible to write.
+SWIGLU_FOR_GEMM = {
+    "gemm_plugin": "gemm_swiglu_plugin",
+    "low_latency_gemm_plugin": "low_latency_gemm_swiglu_plugin",
+}
+SWIGLU_CHOICES = ("none", *SWIGLU_FOR_GEMM.values())
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class BuildSpec:
     enable_kv_cache_reuse: bool = False
     kv_cache_free_gpu_mem_fraction: float = 0.9
     gemm: str = "gemm_plugin"
+    gemm_swiglu: str = "none"
     cuda_graph_mode: bool = True
     cuda_graph_cache_size: int = 1
     cancellation_check_period_ms: int = 10
@@ -132,6 +142,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type | str]]] = {
     },
     "plugins": {
         "gemm": ("gemm", str),
+        "gemm_swiglu": ("gemm_swiglu", str),
     },
     "runtime": {
         "cuda_graph_mode": ("cuda_graph_mode", bool),
@@ -229,6 +240,7 @@ def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
         "precision.quantization": (spec.quantization, QUANTIZATIONS),
         "precision.kv_cache_dtype": (spec.kv_cache_dtype, KV_CACHE_DTYPES),
         "plugins.gemm": (spec.gemm, GEMM_CHOICES),
+        "plugins.gemm_swiglu": (spec.gemm_swiglu, SWIGLU_CHOICES),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -239,6 +251,20 @@ def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
             "'low_latency_gemm_plugin' exists only for fp8 weights; "
             "use 'gemm_plugin' with quantization = 'none'",
         )
+    if spec.gemm_swiglu != "none":
+        if not spec.weights_fp8:
+            fail(
+                "plugins.gemm_swiglu",
+                f"{spec.gemm_swiglu!r} exists only for fp8 weights (Hopper); "
+                "set quantization = 'fp8' or gemm_swiglu = 'none'",
+            )
+        paired = SWIGLU_FOR_GEMM[spec.gemm]
+        if spec.gemm_swiglu != paired:
+            fail(
+                "plugins.gemm_swiglu",
+                f"{spec.gemm_swiglu!r} does not pair with plugins.gemm = {spec.gemm!r}; "
+                f"use {paired!r} (or 'none')",
+            )
     positive = {
         "precision.calib_size": spec.calib_size,
         "limits.max_input_len": spec.max_input_len,

@@ -14,7 +14,7 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from engine_build import pbtxt
+from engine_build import commands, pbtxt, runtime
 from engine_build.checkpoint import read_json
 from engine_build.errors import BuildError
 
@@ -55,6 +55,7 @@ def engine_limits(engine_cfg: dict[str, Any]) -> dict[str, Any]:
         "max_seq_len": build.get("max_seq_len"),
         "use_paged_context_fmha": plugin.get("use_paged_context_fmha"),
         "world_size": mapping.get("world_size", 1) if isinstance(mapping, dict) else 1,
+        "version": engine_cfg.get("version"),
     }
 
 
@@ -123,6 +124,18 @@ def check_config(cfg: mc.ModelConfig) -> list[str]:
         if name not in outputs:
             problems.append(f"output {name} missing")
     params = {k: v.string_value for k, v in cfg.parameters.items()}
+    for key in pbtxt.BACKEND_REQUIRED_PARAMETERS:
+        if key not in params:
+            problems.append(
+                f"parameter {key} missing: the tensorrtllm backend reads it without a default "
+                "and fails the model load (write it, empty when unused)"
+            )
+    model_type = params.get("gpt_model_type")
+    if model_type is not None and model_type not in pbtxt.GPT_MODEL_TYPES:
+        problems.append(
+            f"parameter gpt_model_type {model_type!r} is not one of "
+            f"{', '.join(pbtxt.GPT_MODEL_TYPES)}"
+        )
     if params.get("cuda_graph_mode") != "true":
         problems.append(
             f"parameter cuda_graph_mode is {params.get('cuda_graph_mode')!r}, not 'true'"
@@ -151,8 +164,12 @@ def check_config(cfg: mc.ModelConfig) -> list[str]:
     return problems
 
 
-def verify_repository(repo: Path) -> list[str]:
-    """Every problem found in ``repo``; an empty list means it can be served."""
+def verify_repository(repo: Path, triton_root: Path | None = None) -> list[str]:
+    """Every problem found in ``repo``; an empty list means it can be served.
+
+    With ``triton_root`` (the Triton root filesystem that will serve it), the engine's
+    TensorRT-LLM version must equal the root's.
+    """
     model_dir = repo / pbtxt.MODEL_NAME
     config_path = model_dir / "config.pbtxt"
     try:
@@ -206,6 +223,10 @@ def verify_repository(repo: Path) -> list[str]:
             if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
                 problems.append(f"engine config.json mapping.world_size {ranks!r} is not a count")
                 ranks = 1
+            if ranks > 1:
+                problems.append(f"engine has {runtime.multi_gpu_refusal(ranks)}")
+            supported = ".".join(str(n) for n in commands.TRTLLM_SUPPORTED)
+            problems += runtime.version_problems(limits["version"], triton_root, supported)
             for rank in range(ranks):
                 if not (engine_dir / f"rank{rank}.engine").is_file():
                     problems.append(f"engine file {engine_dir / f'rank{rank}.engine'} missing")

@@ -10,6 +10,7 @@ from host_tuning.plugins.hugepages import HugePages
 from host_tuning.plugins.irq import Irq
 from host_tuning.plugins.irqbalance import Irqbalance
 from host_tuning.plugins.nic import Nic
+from host_tuning.plugins.partition import SystemdAffinity, Workqueue
 from host_tuning.plugins.sysctl import Sysctl
 from host_tuning.plugins.thp import Thp
 
@@ -21,6 +22,8 @@ PLUGINS: tuple[Plugin, ...] = (
     HugePages(),
     Irqbalance(),
     Irq(),
+    Workqueue(),
+    SystemdAffinity(),
     Nic(),
     GpuDirect(),
     Cmdline(),

@@ -9,6 +9,7 @@ run them are listed once, in .ci/debian-packages, which `make test` (.ci/system-
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from dataclasses import dataclass
@@ -48,21 +49,46 @@ def programs(text: str) -> list[Program]:
     return found
 
 
+LIBRARY = "lib:"
+
+
+def _present(program: str) -> bool:
+    """A program on PATH, or (``lib:NAME``) a shared library the dynamic linker loads."""
+    if program.startswith(LIBRARY):
+        try:
+            ctypes.CDLL(program.removeprefix(LIBRARY))
+        except OSError:
+            return False
+        return True
+    return shutil.which(program) is not None
+
+
+def _install_hint(absent: list[Program]) -> str:
+    packages = " ".join(sorted({p.package for p in absent}))
+    return (
+        f"install with `sudo apt-get install -y --no-install-recommends {packages}` "
+        "(`make test` as root installs it)"
+    )
+
+
 def missing(tests: set[str]) -> list[str]:
     """One message per missing prerequisite of these tests (paths relative to the repository)."""
     absent = [
         p
         for p in programs(PACKAGES_FILE.read_text())
-        if tests.intersection(p.tests) and shutil.which(p.program) is None
+        if tests.intersection(p.tests) and not _present(p.program)
     ]
     problems = []
-    if absent:
-        packages = " ".join(sorted({p.package for p in absent}))
+    commands = [p for p in absent if not p.program.startswith(LIBRARY)]
+    libraries = [p for p in absent if p.program.startswith(LIBRARY)]
+    if commands:
         problems.append(
-            f"{', '.join(p.program for p in absent)} not found on PATH: install with "
-            f"`sudo apt-get install -y --no-install-recommends {packages}` "
-            "(`make test` as root installs it)"
+            f"{', '.join(p.program for p in commands)} not found on PATH: "
+            + _install_hint(commands)
         )
+    if libraries:
+        names = ", ".join(p.program.removeprefix(LIBRARY) for p in libraries)
+        problems.append(f"{names} not found by the dynamic linker: " + _install_hint(libraries))
     if tests.intersection(NEEDS_ROOT) and os.geteuid() != 0:
         needing = ", ".join(sorted(tests.intersection(NEEDS_ROOT)))
         problems.append(f"not root: {needing} need root (network namespaces, systemd-nspawn)")

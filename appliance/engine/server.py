@@ -2,10 +2,19 @@
 
 It is the inference process on hosts without the GPU stack and the peer every test runs against, so it
 keeps Triton's semantics on every point the gateway relies on: decoupled streaming with
-`triton_final_response` on every response; a flag-only final response sent (empty) only when the request
-set `triton_enable_empty_final_response`; in-band `error_message` with the stream left open (or a gRPC
+`triton_final_response` on every response; in-band `error_message` with the stream left open (or a gRPC
 status with header `triton_grpc_error: true`); ModelInfer refused for decoupled models; `stop=true` with
 the same id cancels; closing the stream cancels what is in flight on it.
+
+A stopped or cancelled request ends the way the tensorrtllm backend ends it: the executor returns a final
+result (possibly no new tokens) and the backend sends it as a response with its output tensors and the
+final flag, so its stream ends whether or not the client set `triton_enable_empty_final_response` (Triton
+only drops a *null* final response). The `stop=true` request itself is answered at once with a response
+without outputs carrying the final flag.
+
+The RPCs Triton has and this server does not (shared memory, trace, log settings, model load/unload)
+answer with the status and wording Triton uses when the feature is absent; ServerMetadata lists only the
+extensions served here.
 """
 
 from __future__ import annotations
@@ -38,11 +47,16 @@ from appliance.engine.repository import (
 )
 from appliance.engine.runner import Emission, Job, RequestPerf, Runner
 from appliance.engine.sampling import SamplingParams
+from appliance.engine.statistics import ModelStatistics, RequestClock
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "appliance-engine"
 SERVER_VERSION = "1"
+# The protocol extensions this server implements (Triton's names): ModelConfig, ModelStatistics,
+# request and response parameters. perf_analyzer reads server-side statistics only when
+# "statistics" is listed.
+EXTENSIONS = ("model_configuration", "statistics", "parameters")
 
 
 class InferError(Exception):
@@ -248,12 +262,12 @@ def _log_failure(task: asyncio.Future[None]) -> None:
         log.error("stream reader failed", exc_info=task.exception())
 
 
-def _wants_empty_final(request: ts.ModelInferRequest) -> bool:
-    params = request.parameters
-    return (
-        "triton_enable_empty_final_response" in params
-        and params["triton_enable_empty_final_response"].bool_param
-    )
+async def _no_region(context: grpc.aio.ServicerContext, kind: str, name: str) -> None:
+    """A status request naming a shared-memory region: none is ever registered here."""
+    if name:
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"Unable to find {kind} shared memory region: '{name}'"
+        )
 
 
 class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -261,6 +275,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self.models = models
         # Request id -> cancel flag of the job running or queued under it (for stop=true).
         self._by_id: dict[str, list[Job]] = {}
+        self.statistics = {name: ModelStatistics() for name in models}
 
     # --- health and metadata -------------------------------------------------------------------
 
@@ -277,7 +292,9 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ServerMetadata(
         self, request: ts.ServerMetadataRequest, context: Any
     ) -> ts.ServerMetadataResponse:
-        return ts.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
+        return ts.ServerMetadataResponse(
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=list(EXTENSIONS)
+        )
 
     async def ModelReady(
         self, request: ts.ModelReadyRequest, context: Any
@@ -326,28 +343,104 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         names = [request.name] if request.name else sorted(self.models)
         reply = ts.ModelStatisticsResponse()
         for name in names:
-            model = await self._model(name, request.version, context)
-            s = model.runner.stats
-            with s.lock:
-                stats = reply.model_stats.add(
-                    name=name,
-                    version="1",
-                    inference_count=s.started,
-                    execution_count=s.started,
-                )
-                ok = s.completed + s.cancelled
-                stats.inference_stats.success.count = ok
-                stats.inference_stats.success.ns = s.compute_ns
-                stats.inference_stats.fail.count = s.failed
-                stats.inference_stats.queue.count = s.started
-                stats.inference_stats.queue.ns = s.queue_ns
+            await self._model(name, request.version, context)
+            self.statistics[name].write(reply.model_stats.add(name=name, version="1"))
         return reply
+
+    # --- what Triton has and this server does not -------------------------------------------------
+    # Answered the way Triton answers when the feature is absent from its build or its model control
+    # mode; never the servicer base class's NotImplementedError (an UNKNOWN status and a traceback).
+
+    async def RepositoryIndex(
+        self, request: ts.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> ts.RepositoryIndexResponse:
+        if request.repository_name:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "'repository_name' specification is not supported"
+            )
+        reply = ts.RepositoryIndexResponse()
+        for name in sorted(self.models):
+            reply.models.add(name=name, version="1", state="READY")
+        return reply
+
+    async def _load_unload(self, context: grpc.aio.ServicerContext) -> None:
+        # The repository is fixed at start-up, like Triton's model control mode NONE.
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "explicit model load / unload is not allowed if polling is enabled",
+        )
+
+    async def RepositoryModelLoad(
+        self, request: ts.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> ts.RepositoryModelLoadResponse:
+        await self._load_unload(context)
+        return ts.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: ts.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> ts.RepositoryModelUnloadResponse:
+        await self._load_unload(context)
+        return ts.RepositoryModelUnloadResponse()
+
+    async def SystemSharedMemoryStatus(
+        self, request: ts.SystemSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
+    ) -> ts.SystemSharedMemoryStatusResponse:
+        await _no_region(context, "system", request.name)
+        return ts.SystemSharedMemoryStatusResponse()  # no region is ever registered
+
+    async def SystemSharedMemoryRegister(
+        self, request: ts.SystemSharedMemoryRegisterRequest, context: grpc.aio.ServicerContext
+    ) -> ts.SystemSharedMemoryRegisterResponse:
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, "the server does not support system shared memory"
+        )
+        return ts.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: ts.SystemSharedMemoryUnregisterRequest, context: grpc.aio.ServicerContext
+    ) -> ts.SystemSharedMemoryUnregisterResponse:
+        return ts.SystemSharedMemoryUnregisterResponse()  # nothing registered: nothing to do
+
+    async def CudaSharedMemoryStatus(
+        self, request: ts.CudaSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
+    ) -> ts.CudaSharedMemoryStatusResponse:
+        await _no_region(context, "cuda", request.name)
+        return ts.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(
+        self, request: ts.CudaSharedMemoryRegisterRequest, context: grpc.aio.ServicerContext
+    ) -> ts.CudaSharedMemoryRegisterResponse:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"failed to register CUDA shared memory region: '{request.name}', GPUs not supported",
+        )
+        return ts.CudaSharedMemoryRegisterResponse()
+
+    async def CudaSharedMemoryUnregister(
+        self, request: ts.CudaSharedMemoryUnregisterRequest, context: grpc.aio.ServicerContext
+    ) -> ts.CudaSharedMemoryUnregisterResponse:
+        return ts.CudaSharedMemoryUnregisterResponse()
+
+    async def TraceSetting(
+        self, request: ts.TraceSettingRequest, context: grpc.aio.ServicerContext
+    ) -> ts.TraceSettingResponse:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server does not support trace")
+        return ts.TraceSettingResponse()
+
+    async def LogSettings(
+        self, request: ts.LogSettingsRequest, context: grpc.aio.ServicerContext
+    ) -> ts.LogSettingsResponse:
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, "the server does not support dynamic logging"
+        )
+        return ts.LogSettingsResponse()
 
     # --- inference -----------------------------------------------------------------------------
 
     async def ModelInfer(
         self, request: ts.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelInferResponse:
+        clock = RequestClock()
         model = await self._model(request.model_name, request.model_version, context)
         if model.entry.decoupled:
             await context.abort(
@@ -359,6 +452,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         except InferError as exc:
             await context.abort(exc.code, exc.message)
         decoded.streaming = False
+        clock.taken()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Emission] = loop.create_future()
 
@@ -369,17 +463,25 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         job = self._new_job(request, decoded)
         job.emit = emit
         model.runner.submit(job)
+        clock.enqueued()
         try:
             emission = await done
         finally:
             job.cancel.set()
             self._forget(job)
+        clock.computed()
+        statistics = self.statistics[model.entry.name]
         if emission.error:
+            statistics.finished(clock, ok=False)
             await context.abort(grpc.StatusCode.INTERNAL, emission.error)
         tokens = emission.tokens or []
         if not decoded.exclude_input:
             tokens = decoded.prompt_ids + tokens
-        return _response(model.entry.name, request, tokens, True, emission.perf, model.output_names)
+        response = _response(
+            model.entry.name, request, tokens, True, emission.perf, model.output_names
+        )
+        statistics.finished(clock, ok=True)
+        return response
 
     def _new_job(self, request: ts.ModelInferRequest, decoded: Decoded) -> Job:
         job = Job(
@@ -427,6 +529,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         reading = True
 
         def start(request: ts.ModelInferRequest) -> None:
+            clock = RequestClock()
             model = self.models.get(request.model_name)
             if model is None or request.model_version not in ("", "1"):
                 raise InferError(
@@ -434,32 +537,32 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     grpc.StatusCode.NOT_FOUND,
                 )
             decoded = decode_request(request, model)
-            empty_final = _wants_empty_final(request)
             if decoded.stop:
-                self.cancel_request(request.id)
-                if empty_final:
-                    outbox.put_nowait(
-                        ts.ModelStreamInferResponse(
-                            infer_response=_response(model.entry.name, request, None, True)
-                        )
-                    )
+                stop(request, model)
                 return
             if not model.entry.decoupled:
                 decoded.streaming = False  # one response per request, like a non-decoupled model
+            clock.taken()
             job = self._new_job(request, decoded)
+            statistics = self.statistics[model.entry.name]
 
             def deliver(e: Emission) -> None:
+                if e.final:
+                    clock.computed()
                 if e.error:
                     outbox.put_nowait(ts.ModelStreamInferResponse(error_message=e.error))
-                elif e.tokens is not None or empty_final:
-                    tokens = e.tokens
-                    if tokens is not None and not decoded.streaming and not decoded.exclude_input:
+                else:
+                    # A final emission without tokens is a stopped or cancelled request: the
+                    # executor's final result, sent with (empty) outputs, never dropped.
+                    tokens = e.tokens if e.tokens is not None else []
+                    if not decoded.streaming and not decoded.exclude_input:
                         tokens = decoded.prompt_ids + tokens
                     response = _response(
                         model.entry.name, request, tokens, e.final, e.perf, model.output_names
                     )
                     outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
                 if e.final:
+                    statistics.finished(clock, ok=not e.error)
                     finish(job)
 
             def emit(e: Emission) -> None:
@@ -468,6 +571,16 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             job.emit = emit
             jobs.add(job)
             model.runner.submit(job)
+            clock.enqueued()
+
+        def stop(request: ts.ModelInferRequest, model: EngineModel) -> None:
+            """`stop=true`: cancel what runs under the id; this request itself gets a response
+            without outputs, flagged final."""
+            if not request.id:
+                raise InferError("Trying to stop a request but request ID is not provided")
+            self.cancel_request(request.id)
+            response = _response(model.entry.name, request, None, True)
+            outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
 
         def finish(job: Job) -> None:
             jobs.discard(job)

@@ -53,10 +53,23 @@ def planned_tokens(facts: Facts, profile: Profile, cores: CorePlan) -> list[tupl
             (f"nohz_full={iso}", "tuned cpu-partitioning: no scheduler tick on serving cores"),
             (f"rcu_nocbs={iso}", "tuned cpu-partitioning: RCU callbacks run on housekeeping"),
             (
-                f"isolcpus=managed_irq,domain,{iso}",
-                "no load balancing onto serving cores; managed IRQs (NVMe) avoid them at boot",
+                # No `domain`: it would take the serving cores out of load balancing, so each
+                # gateway/Triton thread would stay on the core it first ran on. Other work is kept
+                # off by affinity instead (the workqueue and systemd plugins), as tuned does.
+                f"isolcpus=managed_irq,{iso}",
+                "tuned cpu-partitioning: managed IRQs (NVMe queues) avoid serving cores from "
+                "boot; the scheduler still balances the serving threads across them",
             ),
             (f"irqaffinity={hk}", "IRQs start on housekeeping cores from boot"),
+            (
+                "rcutree.nohz_full_patience_delay=1000",
+                "tuned cpu-partitioning: RCU waits up to 1 s before interrupting a nohz_full "
+                "core busy in the kernel (Linux >= 6.11; older kernels ignore it)",
+            ),
+            (
+                "nosoftlockup",
+                "tuned cpu-partitioning: no soft-lockup watchdog timer firing on serving cores",
+            ),
         ]
     if profile.iommu_pt:
         out.append(("iommu=pt", "GPUDirect RDMA needs IOMMU off or pass-through"))

@@ -49,7 +49,9 @@ class Irqbalance(FilePlugin):
             advice.append(
                 Advice(
                     "irqbalance",
-                    "restart irqbalance after apply/revert (systemctl restart irqbalance)",
+                    "restart irqbalance after apply/revert (systemctl restart irqbalance; the "
+                    "host_tuning role does it when the list changed, and at boot "
+                    "appliance-host-tune.service runs before irqbalance.service)",
                     "irqbalance reads its banned list only at start",
                 )
             )

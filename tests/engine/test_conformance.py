@@ -257,7 +257,17 @@ async def read_rest(call: grpc.aio.StreamStreamCall) -> list[ts.ModelInferRespon
     return out
 
 
-async def test_stop_with_the_same_id_cancels_and_sends_the_empty_final(
+def _final_of_stopped(rest: list[ts.ModelInferResponse], request_id: str) -> ts.ModelInferResponse:
+    """The tensorrtllm backend sends the executor's final result of a stopped request as a
+    response with output tensors (here no new tokens) and the final flag."""
+    assert rest and all(not is_final(r) for r in rest[:-1])
+    last = rest[-1]
+    assert last.id == request_id and is_final(last)
+    assert {o.name for o in last.outputs} >= {"output_ids", "sequence_length"}
+    return last
+
+
+async def test_stop_with_the_same_id_ends_the_stopped_stream_with_a_final_result(
     engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
 ) -> None:
     stats: EngineStats = engine.models[MODEL].runner.stats
@@ -268,25 +278,48 @@ async def test_stop_with_the_same_id_cancels_and_sends_the_empty_final(
     await outgoing.put(None)
     rest = await read_rest(call)
     assert stats.tokens_generated and stats.running is None
-    assert rest and rest[-1].id == "long-1" and is_final(rest[-1]) and not rest[-1].outputs
+    _final_of_stopped(rest, "long-1")
     assert sum(len(tokens_of(r)) for r in rest) < 1499
+    # The stop request itself: one response without outputs, flagged final.
     assert [is_final(m.infer_response) for m in stop_replies] == [True]
+    assert not stop_replies[0].infer_response.outputs
 
 
-async def test_without_the_flag_a_cancelled_request_ends_with_no_response(
-    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
+@pytest.mark.parametrize("how", ["stop", "stop from another stream"])
+async def test_a_stopped_stream_ends_without_empty_final_responses_enabled(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub, how: str
 ) -> None:
+    """A plain Triton client (no triton_enable_empty_final_response) still sees its stopped
+    request end: the final response carries outputs, so Triton never drops it."""
     stats: EngineStats = engine.models[MODEL].runner.stats
     before = stats.cancelled
+    rid = f"plain-{how.replace(' ', '-')}"
     call, outgoing = await _first_token_then(
-        triton, request("long-2", max_tokens=1500, empty_final=False)
+        triton, request(rid, max_tokens=1500, empty_final=False)
     )
-    await outgoing.put(request("long-2", stop=True, empty_final=False))
+    stop = request(rid, stop=True, empty_final=False)
+    if how == "stop":
+        await outgoing.put(stop)
+    else:
+        await collect(triton, stop)
     await wait_for(stats, lambda: stats.cancelled > before)
     await outgoing.put(None)
     rest = await read_rest(call)
-    assert not any(is_final(r) for r in rest)  # Triton drops a flag-only final response
-    assert all(tokens_of(r) for r in rest)
+    finals = [r for r in rest if is_final(r)]
+    if how == "stop":
+        # The stop request's own answer comes on the same stream, without outputs.
+        assert len(finals) == 2 and {r.id for r in finals} == {rid}
+        assert sum(1 for r in finals if not r.outputs) == 1
+        rest = [r for r in rest if r.outputs]
+    _final_of_stopped(rest, rid)
+    assert tokens_of(rest[-1]) == []
+
+
+async def test_stop_without_a_request_id_is_an_in_band_error(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    responses = await collect(triton, request("", stop=True))
+    assert responses[0].error_message == "Trying to stop a request but request ID is not provided"
 
 
 async def test_closing_the_stream_cancels_generation(
@@ -300,12 +333,105 @@ async def test_closing_the_stream_cancels_generation(
     assert stats.tokens_generated - before_tokens < 1500
 
 
-async def test_statistics_count_requests(triton: ts_grpc.GRPCInferenceServiceStub) -> None:
-    before = (await triton.ModelStatistics(ts.ModelStatisticsRequest(name=MODEL))).model_stats[0]
-    await collect(triton, request(max_tokens=2))
-    after = (await triton.ModelStatistics(ts.ModelStatisticsRequest(name=MODEL))).model_stats[0]
+async def test_statistics_count_finished_requests_with_triton_breakdown(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
+) -> None:
+    async def snapshot() -> ts.ModelStatistics:
+        reply = await triton.ModelStatistics(ts.ModelStatisticsRequest(name=MODEL))
+        return reply.model_stats[0]
+
+    before = await snapshot()
+    call, outgoing = await _first_token_then(triton, request("counted", max_tokens=1500))
+    running = await snapshot()
+    # Triton counts a request when the backend reports it, at its end: not while it runs.
+    assert running.inference_count == before.inference_count
+    await outgoing.put(request("counted", stop=True))
+    await outgoing.put(None)
+    await read_rest(call)
+    after = await snapshot()
     assert after.inference_count == before.inference_count + 1
-    assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+    assert after.execution_count == before.execution_count + 1
+    stats = after.inference_stats
+    assert stats.success.count == before.inference_stats.success.count + 1  # stopped = success
+    for part in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert getattr(stats, part).count == stats.success.count, part
+    parts = sum(
+        getattr(stats, p).ns - getattr(before.inference_stats, p).ns
+        for p in ("queue", "compute_input", "compute_infer", "compute_output")
+    )
+    assert parts == stats.success.ns - before.inference_stats.success.ns  # the parts add up
+    assert stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+    assert after.last_inference >= before.last_inference
+    assert [b.batch_size for b in after.batch_stats] == [1]
+    assert after.batch_stats[0].compute_infer.count == stats.success.count
+
+
+async def test_server_metadata_lists_the_extensions_served(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    meta = await triton.ServerMetadata(ts.ServerMetadataRequest())
+    assert set(meta.extensions) == {"model_configuration", "statistics", "parameters"}
+
+
+UNSERVED = [
+    ("TraceSetting", ts.TraceSettingRequest(), "UNAVAILABLE", "the server does not support trace"),
+    (
+        "LogSettings",
+        ts.LogSettingsRequest(),
+        "UNAVAILABLE",
+        "the server does not support dynamic logging",
+    ),
+    (
+        "RepositoryModelLoad",
+        ts.RepositoryModelLoadRequest(model_name=MODEL),
+        "UNAVAILABLE",
+        "explicit model load / unload is not allowed if polling is enabled",
+    ),
+    (
+        "RepositoryModelUnload",
+        ts.RepositoryModelUnloadRequest(model_name=MODEL),
+        "UNAVAILABLE",
+        "explicit model load / unload is not allowed if polling is enabled",
+    ),
+    (
+        "CudaSharedMemoryRegister",
+        ts.CudaSharedMemoryRegisterRequest(name="r"),
+        "INVALID_ARGUMENT",
+        "failed to register CUDA shared memory region: 'r', GPUs not supported",
+    ),
+    (
+        "SystemSharedMemoryStatus",
+        ts.SystemSharedMemoryStatusRequest(name="r"),
+        "NOT_FOUND",
+        "Unable to find system shared memory region: 'r'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("rpc", "message", "code", "details"), UNSERVED)
+async def test_rpcs_not_served_answer_as_triton_does_without_a_traceback(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+    caplog: pytest.LogCaptureFixture,
+    rpc: str,
+    message: object,
+    code: str,
+    details: str,
+) -> None:
+    with caplog.at_level("ERROR"), pytest.raises(grpc.aio.AioRpcError) as err:
+        await getattr(triton, rpc)(message)
+    assert err.value.code() == getattr(grpc.StatusCode, code)
+    assert err.value.details() == details
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_repository_index_and_empty_shared_memory_status(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    index = await triton.RepositoryIndex(ts.RepositoryIndexRequest())
+    assert {(m.name, m.version, m.state) for m in index.models} >= {(MODEL, "1", "READY")}
+    assert not (await triton.SystemSharedMemoryStatus(ts.SystemSharedMemoryStatusRequest())).regions
+    assert not (await triton.CudaSharedMemoryStatus(ts.CudaSharedMemoryStatusRequest())).regions
+    await triton.SystemSharedMemoryUnregister(ts.SystemSharedMemoryUnregisterRequest())
 
 
 async def test_prompt_beyond_the_model_context_is_refused(

@@ -255,6 +255,7 @@ def test_engine_config_json_shape_matches_what_verify_reads(tmp_path: Path) -> N
         "max_seq_len": 4096,
         "use_paged_context_fmha": True,
         "world_size": 2,
+        "version": "1.2.1",
     }
 
 
@@ -294,3 +295,46 @@ def test_unwritable_outputs_are_one_line_errors(
     repo = str(blocker / "repo")
     assert cli.main(["repo", "--spec", spec, "--output", repo, "--hf-only"]) == 1
     assert str(blocker) in one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", ["build", "repo"])
+def test_build_and_repo_refuse_multi_gpu_engines(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    calls: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm, parallel={"tp_size": 2})
+    # plan still says how a two-GPU engine would fit
+    assert cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB"]) == 0
+    capsys.readouterr()
+    argv = {
+        "build": ["build", "--spec", spec, "--gpu-memory", "80GiB"],
+        "repo": ["repo", "--spec", spec, "--output", str(tmp_path / "repo")],
+    }[command]
+    assert cli.main(argv) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "key 'parallel.tp_size'" in line and "does not launch multi-GPU engines" in line
+    assert "TRTLLM_ORCHESTRATOR=1" in line
+    assert read_calls(calls) == []
+
+
+def test_verify_triton_root_option(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB", "--quiet"]) == 0
+    repo = str(tmp_path / "repo")
+    assert cli.main(["repo", "--spec", spec, "--output", repo]) == 0
+    root = tmp_path / "root"
+    (root / "usr/local/lib/python3.12/dist-packages/tensorrt_llm-1.2.0.dist-info").mkdir(
+        parents=True
+    )
+    capsys.readouterr()
+    assert cli.main(["verify", repo, "--triton-root", str(root)]) == 1
+    assert "runs 1.2.0" in one_line_error(capsys.readouterr().err)

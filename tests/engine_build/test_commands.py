@@ -55,6 +55,11 @@ def spec(**kw: Any) -> BuildSpec:
 VARIANTS = {
     "default fp8": {},
     "low latency gemm": {"gemm": "low_latency_gemm_plugin"},
+    "gemm swiglu": {"gemm_swiglu": "gemm_swiglu_plugin"},
+    "low latency gemm swiglu": {
+        "gemm": "low_latency_gemm_plugin",
+        "gemm_swiglu": "low_latency_gemm_swiglu_plugin",
+    },
     "kv reuse": {"enable_kv_cache_reuse": True, "tokens_per_block": 64},
     "bf16": {"quantization": "none", "kv_cache_dtype": "auto"},
     "bf16 weights fp8 kv": {"quantization": "none"},
@@ -107,6 +112,24 @@ def test_low_latency_gemm_knob_swaps_the_gemm_plugin() -> None:
         "trtllm-build", commands.build_args(spec(gemm="low_latency_gemm_plugin"), CKPT, ENGINE)
     )
     assert ns.low_latency_gemm_plugin == "fp8" and ns.gemm_plugin == "disable"
+
+
+@pytest.mark.parametrize(
+    ("gemm", "swiglu", "flags"),
+    [
+        ("gemm_plugin", "none", ("disable", "disable")),
+        ("gemm_plugin", "gemm_swiglu_plugin", ("fp8", "disable")),
+        ("low_latency_gemm_plugin", "low_latency_gemm_swiglu_plugin", ("disable", "fp8")),
+    ],
+)
+def test_swiglu_knob_sets_exactly_one_fused_plugin(
+    gemm: str, swiglu: str, flags: tuple[str, str]
+) -> None:
+    s = spec(gemm=gemm, gemm_swiglu=swiglu)
+    ns = parse("trtllm-build", commands.build_args(s, CKPT, ENGINE))
+    assert (ns.gemm_swiglu_plugin, ns.low_latency_gemm_swiglu_plugin) == flags
+    # trtllm-build raises "GemmSwiGLU plugin requires --use_fused_mlp flag" otherwise.
+    assert ns.use_fused_mlp == "enable"
 
 
 def test_kv_reuse_builds_paged_context_fmha() -> None:

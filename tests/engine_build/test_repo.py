@@ -236,6 +236,12 @@ PARAM_EDITS: list[tuple[dict[str, str | None], str]] = [
         "nothing to serve",
     ),
     ({"hf_model_dir": "/nonexistent/model"}, "hf_model_dir config.json missing"),
+    # Read without a default by the backend: a missing key fails the model load.
+    ({"tokenizer_dir": None}, "parameter tokenizer_dir missing"),
+    ({"xgrammar_tokenizer_info_path": None}, "parameter xgrammar_tokenizer_info_path missing"),
+    ({"guided_decoding_backend": None}, "parameter guided_decoding_backend missing"),
+    ({"gpt_model_type": None}, "parameter gpt_model_type missing"),
+    ({"gpt_model_type": "inflight"}, "gpt_model_type 'inflight' is not one of"),
 ]
 
 
@@ -271,13 +277,75 @@ def test_verify_on_absent_repository(tmp_path: Path) -> None:
     assert verify_repository(tmp_path)[0].startswith("cannot read")
 
 
+def _edit_engine_config(spec: BuildSpec, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change the engine's config.json as a damaged or foreign engine would have it."""
+    engine_cfg = spec.engine_dir / "config.json"
+    data = json.loads(engine_cfg.read_text())
+    edit(data)
+    engine_cfg.write_text(json.dumps(data))
+
+
 def test_verify_reports_a_damaged_engine_config_instead_of_crashing(
     tmp_path: Path, built: Callable[..., BuildSpec]
 ) -> None:
     spec = built()
     repo = write_repository(spec, tmp_path / "repo")
-    engine_cfg = spec.engine_dir / "config.json"
-    data = json.loads(engine_cfg.read_text())
-    data["pretrained_config"]["mapping"]["world_size"] = "one"
-    engine_cfg.write_text(json.dumps(data))
+    _edit_engine_config(spec, lambda d: d["pretrained_config"]["mapping"].update(world_size="one"))
     assert any("world_size 'one' is not a count" in p for p in verify_repository(repo))
+
+
+def test_written_repository_has_every_parameter_the_backend_requires(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    repo = write_repository(built(), tmp_path / "repo")
+    p = params(parse_config(repo))
+    for key in ("tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
+        assert p[key] == "", key  # present, and empty: no guided decoding
+    assert p["gpt_model_type"] == "inflight_fused_batching"
+    assert verify_repository(repo) == []
+
+
+def _triton_root(root: Path, version: str) -> Path:
+    (root / "usr/local/lib/python3.12/dist-packages" / f"tensorrt_llm-{version}.dist-info").mkdir(
+        parents=True
+    )
+    return root
+
+
+def test_verify_requires_the_engine_version_of_the_triton_root(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    spec = built()
+    repo = write_repository(spec, tmp_path / "repo")
+    assert verify_repository(repo, _triton_root(tmp_path / "same", "1.2.1")) == []
+    problems = verify_repository(repo, _triton_root(tmp_path / "older", "1.2.0"))
+    assert any("built by TensorRT-LLM 1.2.1 but" in p and "runs 1.2.0" in p for p in problems), (
+        problems
+    )
+    problems = verify_repository(repo, tmp_path / "not-a-root")
+    assert any("holds no single tensorrt_llm installation" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("version", "problem"),
+    [(None, "records no TensorRT-LLM version"), ("1.3.0", "not the 1.2 line")],
+)
+def test_verify_requires_an_engine_of_the_pinned_line(
+    tmp_path: Path, built: Callable[..., BuildSpec], version: str | None, problem: str
+) -> None:
+    spec = built()
+    repo = write_repository(spec, tmp_path / "repo")
+    _edit_engine_config(spec, lambda d: d.update(version=version) if version else d.pop("version"))
+    assert any(problem in p for p in verify_repository(repo)), verify_repository(repo)
+
+
+def test_multi_gpu_engines_are_refused_until_triton_launches_them(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    spec = built()
+    repo = write_repository(spec, tmp_path / "repo")
+    _edit_engine_config(spec, lambda d: d["pretrained_config"]["mapping"].update(world_size=2))
+    (spec.engine_dir / "rank1.engine").write_bytes(b"engine")
+    _edit_params(repo, gpu_device_ids="0,1")
+    problems = verify_repository(repo)
+    assert any("does not launch multi-GPU engines" in p for p in problems), problems

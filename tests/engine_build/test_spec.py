@@ -81,6 +81,19 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
         "exists only for fp8 weights",
     ),
     ({"plugins": {"gemm": "cublas"}}, "key 'plugins.gemm': must be one of"),
+    ({"plugins": {"gemm_swiglu": "both"}}, "key 'plugins.gemm_swiglu': must be one of none,"),
+    (
+        {"precision": {"quantization": "none"}, "plugins": {"gemm_swiglu": "gemm_swiglu_plugin"}},
+        "key 'plugins.gemm_swiglu': 'gemm_swiglu_plugin' exists only for fp8 weights",
+    ),
+    (
+        {"plugins": {"gemm_swiglu": "low_latency_gemm_swiglu_plugin"}},
+        "does not pair with plugins.gemm = 'gemm_plugin'; use 'gemm_swiglu_plugin'",
+    ),
+    (
+        {"plugins": {"gemm": "low_latency_gemm_plugin", "gemm_swiglu": "gemm_swiglu_plugin"}},
+        "use 'low_latency_gemm_swiglu_plugin'",
+    ),
     ({"kv_cache": {"tokens_per_block": 48}}, "power of two"),
     ({"kv_cache": {"free_gpu_mem_fraction": 1.5}}, "must be in (0, 1], got 1.5"),
     ({"parallel": {"tp_size": 2, "gpu_ids": [0]}}, "has 1 ids but parallel.tp_size is 2"),

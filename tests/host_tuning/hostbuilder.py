@@ -265,6 +265,12 @@ class Builder:
         if irqbalance_running:
             self.write("/proc/1234/comm", "irqbalance\n")
         self.write("/proc/1/comm", "systemd\n")
+        everything = cpulist.format(c for cs in self.nodes.values() for c in cs)
+        self.write("/proc/1/status", f"Name:\tsystemd\nCpus_allowed_list:\t{everything}\n")
+        ncpus = sum(len(cs) for cs in self.nodes.values())
+        all_mask = cpulist.format_mask(range(ncpus), ncpus)
+        self.write("/sys/devices/virtual/workqueue/cpumask", all_mask + "\n")
+        self.write("/sys/bus/workqueue/devices/writeback/cpumask", all_mask + "\n")
         self.write("/dev/cpu_dma_latency", "")
 
     def finish(self) -> None:

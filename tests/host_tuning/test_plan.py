@@ -70,7 +70,16 @@ def test_hgx_settings(hgx: Machine) -> None:
     assert k["thp enabled"] == "never"
     assert k["hugepages node1 1G"] == "8"
     assert k["cmdline nohz_full"] == "nohz_full=52-95,148-191"
-    assert k["cmdline isolcpus"] == "isolcpus=managed_irq,domain,52-95,148-191"
+    # No `domain`: the scheduler keeps balancing gateway/Triton threads across serving cores;
+    # other work stays off them by affinity (workqueues, systemd's default CPUAffinity=).
+    assert k["cmdline isolcpus"] == "isolcpus=managed_irq,52-95,148-191"
+    assert k["cmdline rcutree.nohz_full_patience_delay"] == "rcutree.nohz_full_patience_delay=1000"
+    assert k["cmdline nosoftlockup"] == "nosoftlockup"
+    housekeeping = set(range(192)) - set(range(50, 96)) - set(range(146, 192))
+    assert cpulist.parse_mask(k["workqueue cpumask"]) == housekeeping
+    assert cpulist.parse_mask(k["writeback cpumask"]) == housekeeping
+    assert k["workqueue cpumask"].count(",") == 5  # 192 CPUs: six 32-bit words, as sysfs shows
+    assert cpulist.parse(k["systemd default CPUAffinity"]) == housekeeping
     assert k["cmdline iommu"] == "iommu=pt"
     assert k["irqbalance banned cpus"] == "50-95,146-191"
     assert k["nic ibp153s0 mtu"] == "9000"

@@ -79,6 +79,27 @@ def test_missing_required_variable_fails_the_first_task(tmp_path: Path, missing:
     assert "gpu-test                   : ok=0    changed=0    unreachable=0    failed=1" in out
 
 
+@pytest.mark.parametrize("empty", sorted(k for k, v in GPU_REQUIRED.items() if isinstance(v, str)))
+def test_an_empty_required_variable_fails_the_first_task(tmp_path: Path, empty: str) -> None:
+    result = _playbook(tmp_path, _gpu_host({**GPU_REQUIRED, empty: ""}))
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert f"value of {empty} must be one of: a non-empty value, got: " in out, out
+    assert _tasks(out) == [
+        "Fail when no host is in group gpu or cpu",
+        "Validate the variables of every role this host runs",
+    ], out
+
+
+def test_every_required_variable_set_passes_the_first_task(tmp_path: Path) -> None:
+    """With every required variable set, validation passes and the play goes on to the host
+    (here a closed port: unreachable, not failed)."""
+    result = _playbook(tmp_path, _gpu_host(GPU_REQUIRED))
+    out = result.stdout + result.stderr
+    assert "missing required arguments" not in out, out
+    assert "unreachable=1" in out, out
+
+
 def test_an_inventory_without_appliance_hosts_fails(tmp_path: Path) -> None:
     result = _playbook(tmp_path, {"all": {"children": {"gpu": {}, "cpu": {}}}})
     out = result.stdout + result.stderr

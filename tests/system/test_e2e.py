@@ -9,6 +9,11 @@ Steps, in order (each test is one step; they share one container):
   bad units   -> a missing config file / program fails the unit with a journal line naming it
   watchdog    -> SIGSTOP to the gateway: killed by the watchdog, restarted by systemd, answers again
   stop        -> `systemctl stop appliance.target` drains and stops every service cleanly
+  GPU roles   -> the same host as a GPU host, with stand-ins for only what needs hardware (nvidia-smi,
+                 nvidia-persistenced, the NGC Triton root, TensorRT-LLM; tests/system/gpu_stubs.py):
+                 nvidia_prereqs, triton and engine_build in check mode, for real, again (changed=0),
+                 in check mode again (changed=0); a driver below the image's floor and an empty
+                 required variable fail with their messages
 
 The Debian root (debootstrap, ~1-2 min) and the dependency wheels are cached in /var/cache/appliance-ci
 (APPLIANCE_CI_CACHE); each run boots a fresh copy and installs a fresh wheel of this package. Nothing inside
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.system import gpu_stubs
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
@@ -90,7 +97,7 @@ class Machine:
             time.sleep(0.5)
         pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
-    def inventory(self, **extra: object) -> Path:
+    def inventory(self, group: str = "cpu", **extra: object) -> Path:
         host: dict[str, object] = {
             "ansible_connection": "community.docker.nsenter",
             "ansible_nsenter_pid": self.leader,
@@ -102,7 +109,7 @@ class Machine:
         host = {k: v for k, v in host.items() if v is not None}
         path = self.workdir / f"inventory-{uuid.uuid4().hex[:8]}.json"
         path.write_text(
-            json.dumps({"all": {"children": {"cpu": {"hosts": {"appliance-ci": host}}}}})
+            json.dumps({"all": {"children": {group: {"hosts": {"appliance-ci": host}}}}})
         )
         return path
 
@@ -402,3 +409,149 @@ def test_stop_target_drains_and_stops_cleanly(machine: Machine) -> None:
         assert machine.show(unit, "Result") == "success", machine.journal(unit)[-2000:]
     journal = machine.journal("appliance-gateway.service")
     assert "draining for up to" in journal, journal[-2000:]
+
+
+# --- the GPU roles, with stand-ins for what needs hardware ----------------------------------------
+
+GPU_ROLES = ("nvidia_prereqs", "triton", "engine_build")
+
+
+@pytest.fixture(scope="module")
+def gpu(machine: Machine) -> gpu_stubs.GpuArtifacts:
+    """The stand-ins, put into the container once its CPU-profile steps are done."""
+    version = machine.sh(
+        "python3", "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"
+    )
+    assert version.returncode == 0, version.stderr
+    venv = machine.sh("python3", "-m", "venv", "--without-pip", gpu_stubs.TRTLLM_VENV)
+    assert venv.returncode == 0, venv.stderr
+    gpu_stubs.install_in_root(machine.workdir / "root", version.stdout.strip())
+    assert machine.sh("systemctl", "daemon-reload").returncode == 0
+    return gpu_stubs.controller_artifacts(machine.workdir / "gpu")
+
+
+def _gpu_inventory(machine: Machine, gpu: gpu_stubs.GpuArtifacts, **extra: object) -> Path:
+    variables: dict[str, object] = {
+        # Triton cannot start without a GPU; the GPU roles install and configure, nothing starts.
+        "appliance_start": False,
+        "host_tuning_enabled": False,
+        "triton_archive_src": str(gpu.archive),
+        "triton_archive_sha256": gpu.archive_sha256,
+        "triton_image_config_src": str(gpu.image_config),
+        "engine_build_spec_src": str(gpu.spec),
+        "engine_build_gpu_memory": "80GiB",
+    }
+    return machine.inventory("gpu", **{**variables, **extra})
+
+
+def _role_tasks(output: str, role: str) -> list[str]:
+    return [t for t in _tasks(output) if t.startswith(f"{role} : ")]
+
+
+def test_gpu_roles_in_check_mode_on_a_new_gpu_host(
+    machine: Machine, gpu: gpu_stubs.GpuArtifacts
+) -> None:
+    result = machine.playbook(_gpu_inventory(machine, gpu), check=True)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert _recap(out)["failed"] == 0
+    for role in GPU_ROLES:
+        assert _role_tasks(out, role), f"{role} did not run"
+    assert "nvidia_prereqs : Check the NVIDIA driver runs the pinned Triton image" in out
+    # Check mode changed nothing on the host.
+    assert machine.sh("test", "-e", "/opt/triton-rootfs").returncode != 0
+    assert machine.sh("test", "-e", "/etc/appliance/engine-build.toml").returncode != 0
+
+
+def test_gpu_roles_provision_with_stubbed_hardware(
+    machine: Machine, gpu: gpu_stubs.GpuArtifacts
+) -> None:
+    result = machine.playbook(_gpu_inventory(machine, gpu), timeout=900)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    recap = _recap(out)
+    assert recap["failed"] == 0 and recap["changed"] > 0
+    changed = _changed_tasks(out)
+    assert "nvidia_prereqs : Restart nvidia-persistenced" in changed, changed
+    # triton and engine_build both notify "Restart triton"; Ansible runs the one handler once.
+    assert any(task.endswith(" : Restart triton") for task in changed), changed
+    # nvidia_prereqs: persistence mode on through the drop-in, the daemon running.
+    assert machine.is_active("nvidia-persistenced.service") == "active"
+    assert "--persistence-mode" in machine.show("nvidia-persistenced.service", "ExecStart")
+    # triton: root unpacked, the image's own environment, the library check in the root.
+    env = machine.sh("cat", "/etc/appliance/triton-image.env").stdout
+    assert gpu_stubs.IMAGE_MARKER in env and gpu_stubs.IMAGE_LD_LIBRARY_PATH in env, env
+    check = "/opt/triton-rootfs/usr/local/libexec/appliance-triton-check-libs"
+    assert machine.sh("test", "-x", check).returncode == 0
+    assert machine.show("appliance-triton.service", "UnitFileState") == "enabled"
+    assert "/etc/appliance/triton-image.env" in machine.show(
+        "appliance-triton.service", "EnvironmentFiles"
+    )
+    # engine_build: built by the stand-in TensorRT-LLM, laid out, verified against the root.
+    config = machine.sh("cat", "/var/lib/appliance/models/repo/tensorrt_llm/config.pbtxt").stdout
+    assert 'key: "guided_decoding_backend"' in config, config
+    verify = machine.sh(
+        "/opt/appliance/venv/bin/engine-build",
+        "verify",
+        "/var/lib/appliance/models/repo",
+        "--triton-root",
+        "/opt/triton-rootfs",
+    )
+    assert verify.returncode == 0, verify.stderr
+
+
+def test_gpu_second_run_changes_nothing(machine: Machine, gpu: gpu_stubs.GpuArtifacts) -> None:
+    result = machine.playbook(_gpu_inventory(machine, gpu))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert _recap(out)["changed"] == 0, _changed_tasks(out)
+
+
+def test_gpu_check_mode_after_provisioning_changes_nothing(
+    machine: Machine, gpu: gpu_stubs.GpuArtifacts
+) -> None:
+    result = machine.playbook(_gpu_inventory(machine, gpu), check=True)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert _recap(out)["changed"] == 0, _changed_tasks(out)
+
+
+def test_a_driver_below_the_image_floor_fails_naming_the_image(
+    machine: Machine, gpu: gpu_stubs.GpuArtifacts
+) -> None:
+    root = machine.workdir / "root"
+    gpu_stubs.set_driver(root, "570.172.08")
+    try:
+        result = machine.playbook(_gpu_inventory(machine, gpu))
+    finally:
+        gpu_stubs.set_driver(root, gpu_stubs.GOOD_DRIVER)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (
+        "NVIDIA driver 570.172.08 is older than 580.65.06, the floor of "
+        "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 (CUDA 13.0)"
+    ) in out, out[-3000:]
+    assert (
+        _tasks(out)[-1] == "nvidia_prereqs : Check the NVIDIA driver runs the pinned Triton image"
+    )
+
+
+def test_an_archive_other_than_the_pinned_one_is_refused_before_the_copy(
+    machine: Machine, gpu: gpu_stubs.GpuArtifacts
+) -> None:
+    wrong = "f" * 64
+    result = machine.playbook(_gpu_inventory(machine, gpu, triton_archive_sha256=wrong))
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"has sha256 {gpu.archive_sha256}, not triton_archive_sha256 {wrong}" in out, out[-3000:]
+    assert _tasks(out)[-1] == "triton : Check the Triton archive is the pinned one"
+
+
+def test_an_empty_required_gpu_variable_fails_the_first_task(
+    machine: Machine, gpu: gpu_stubs.GpuArtifacts
+) -> None:
+    result = machine.playbook(_gpu_inventory(machine, gpu, triton_archive_sha256=""), timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert _tasks(out) == FIRST_TASKS, out
+    assert "value of triton_archive_sha256 must be one of: a non-empty value" in out

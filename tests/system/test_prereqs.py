@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests import prereqs
 from tests.prereqs import EXIT_MISSING, PACKAGES_FILE, REPO, programs
 
 
@@ -51,3 +54,20 @@ def test_missing_program_fails_with_the_install_command(tmp_path: Path) -> None:
         "`sudo apt-get install -y --no-install-recommends redis-server`"
     ) in out
     assert "passed" not in out and "skipped" not in out and "error" not in out, out
+
+
+def test_a_missing_library_is_reported_with_its_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    listing = tmp_path / "debian-packages"
+    listing.write_text(
+        "libnothing-0  lib:libnothing-appliance.so.0  tests/engine/test_perf_analyzer.py\n"
+        "libb64-0d     lib:libb64.so.0d               tests/engine/test_perf_analyzer.py\n"
+    )
+    monkeypatch.setattr(prereqs, "PACKAGES_FILE", listing)
+    problems = prereqs.missing({"tests/engine/test_perf_analyzer.py"})
+    assert problems == [
+        "libnothing-appliance.so.0 not found by the dynamic linker: install with "
+        "`sudo apt-get install -y --no-install-recommends libnothing-0` "
+        "(`make test` as root installs it)"
+    ]

@@ -44,7 +44,7 @@ plugin = {
     "multiple_profiles": args.multiple_profiles == "enable",
 }
 config = {
-    "version": "fake",
+    "version": "1.2.1",  # the version trtllm-build records: its own
     "pretrained_config": pretrained,
     "build_config": {
         "max_batch_size": args.max_batch_size,
