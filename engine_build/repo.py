@@ -150,7 +150,9 @@ def write_hf_repository(hf_model_dir: Path, output: Path, max_seq_len: int | Non
 
     The limits default to the checkpoint's whole context (max_seq_len = max_position_embeddings,
     inputs up to one token less); the other settings are the spec's defaults, so the repository
-    is the one an operator's minimal spec would produce. An existing ``output`` is replaced.
+    is the one an operator's minimal spec would produce, except that prefix reuse is on: the
+    engine server reuses KV blocks without the paged-context kernel a TensorRT engine needs for it
+    (the backend's own default when the parameter is unset). An existing ``output`` is replaced.
     """
     hf_model_dir = Path(hf_model_dir).resolve()
     seq = max_seq_len or read_config(hf_model_dir).max_position_embeddings
@@ -161,6 +163,7 @@ def write_hf_repository(hf_model_dir: Path, output: Path, max_seq_len: int | Non
         max_input_len=seq - 1,
         max_seq_len=seq,
         max_num_tokens=seq - 1,
+        enable_kv_cache_reuse=True,
     )
     validate(spec)
     return write_repository(spec, Path(output), hf_only=True, force=True)
