@@ -49,7 +49,7 @@ def _engine(args: argparse.Namespace) -> int:
         print(f"appliance engine: {option}: {why}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    return uvloop.run(run_engine(Path(args.repository), args.listen, options))
+    return uvloop.run(run_engine(Path(args.repository), args.listen, options, args.metrics))
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -161,6 +161,12 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engine", help="run the Triton-protocol engine server on a model repository")
     e.add_argument("--repository", required=True, help="model repository directory")
     e.add_argument("--listen", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
+    e.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus /metrics in Triton's names (nv_inference_*) here (default: off)",
+    )
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     e.add_argument(
         "--dtype",

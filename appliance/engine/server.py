@@ -38,6 +38,7 @@ from appliance import sdnotify
 from appliance.backends import wire
 from appliance.engine.llama import CheckpointError, LlamaModel
 from appliance.engine.loading import load_model
+from appliance.engine.metrics import serve_metrics
 from appliance.engine.options import EngineOptions, FitError
 from appliance.engine.repository import (
     ModelEntry,
@@ -275,6 +276,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self.models = models
         # Request id -> cancel flag of the job running or queued under it (for stop=true).
         self._by_id: dict[str, list[Job]] = {}
+        # Every job queued or running, with its model (jobs compare by identity).
+        self._live: dict[Job, str] = {}
         self.statistics = {name: ModelStatistics() for name in models}
 
     # --- health and metadata -------------------------------------------------------------------
@@ -496,14 +499,23 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         )
         if request.id:
             self._by_id.setdefault(request.id, []).append(job)
+        self._live[job] = request.model_name
         return job
 
     def _forget(self, job: Job) -> None:
+        self._live.pop(job, None)
         jobs = self._by_id.get(job.request_id)
         if jobs and job in jobs:
             jobs.remove(job)
             if not jobs:
                 del self._by_id[job.request_id]
+
+    def pending_by_model(self) -> dict[str, int]:
+        """Requests queued or running, by model (Triton's pending request count)."""
+        counts: dict[str, int] = {}
+        for model in list(self._live.values()):
+            counts[model] = counts.get(model, 0) + 1
+        return counts
 
     def pending_requests(self) -> int:
         """Requests queued or running under an id (what `stop=true` can reach)."""
@@ -656,16 +668,35 @@ async def start_engine(
     return server, service, port
 
 
-async def run_engine(repository: Path, listen: str, options: EngineOptions | None = None) -> int:
+async def run_engine(
+    repository: Path,
+    listen: str,
+    options: EngineOptions | None = None,
+    metrics_listen: str | None = None,
+) -> int:
     """The `appliance engine` process: serve until SIGTERM/SIGINT."""
     started = time.monotonic()
     try:
         lock = lock_repository(repository)  # before loading: a second server fails in ms
         models = load_repository(repository, options)
-        server, _, _ = await start_engine(models, listen)
+        server, service, _ = await start_engine(models, listen)
     except RepositoryError as exc:
         print(f"appliance engine: {exc}", file=sys.stderr, flush=True)
         return 2
+    if metrics_listen is not None:
+        try:
+            serve_metrics(service, models, metrics_listen)
+        except OSError as exc:
+            print(
+                f"appliance engine: cannot serve metrics on {metrics_listen}: "
+                f"{exc.strerror or exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            await server.stop(grace=None)
+            for model in models.values():
+                model.runner.close()
+            return 1
     log.info(
         "engine serving %s on %s (loaded in %.1f s)",
         ", ".join(models),

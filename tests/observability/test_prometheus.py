@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.cache.l2 import RedisSettings
 from appliance.config import CacheConfig, GatewayConfig, MetricsConfig, ModelConfig, ServerConfig
+from appliance.engine.metrics import serve_metrics
 from appliance.gateway.models import load_models
 from appliance.gateway.report import RequestReport
 from appliance.gateway.server import RunningGateway, start_server
@@ -90,11 +91,18 @@ async def test_dashboard_and_alerts_use_only_exported_metrics(
 
 
 async def test_prometheus_sees_requests_and_ttft(
-    gateway: tuple[RunningGateway, Reports], tmp_path: Path
+    gateway: tuple[RunningGateway, Reports], engine: Engine, tmp_path: Path
 ) -> None:
     running, reports = gateway
     assert running.metrics_port
-    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{running.metrics_port}"})
+    engine_metrics = serve_metrics(engine.service, engine.models, "127.0.0.1:0")
+    prom = Prometheus(
+        tmp_path,
+        {
+            "gateway": f"127.0.0.1:{running.metrics_port}",
+            "engine": f"127.0.0.1:{engine_metrics.server_address[1]}",
+        },
+    )
     try:
         prom.wait_ready()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
@@ -132,5 +140,19 @@ async def test_prometheus_sees_requests_and_ttft(
         estimate = float(result[0]["value"][1])
         assert low <= estimate <= high, (estimate, true_p99, low, high)
         assert prom.query('appliance_engine_ready{model="tiny"}')[0]["value"][1] == "1"
+
+        # The engine server, in Triton's names: every generation the gateway sent it succeeded.
+        served = engine.service.statistics["tensorrt_llm"].success.count
+        assert served >= 12
+        prom.wait_value('nv_inference_request_success{job="engine",model="tensorrt_llm"}', served)
+        prom.wait_value('nv_inference_pending_request_count{model="tensorrt_llm"}', 0)
+        queue = prom.query('nv_inference_queue_duration_us{model="tensorrt_llm"}')
+        assert float(queue[0]["value"][1]) > 0
+        kinds = {
+            s["metric"]["kv_cache_block_type"]
+            for s in prom.query('nv_trt_llm_kv_cache_block_metrics{model="tensorrt_llm"}')
+        }
+        assert {"max", "used", "free", "reused", "tokens_per", "fraction"} <= kinds
     finally:
         prom.stop()
+        engine_metrics.shutdown()

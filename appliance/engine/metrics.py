@@ -1,0 +1,137 @@
+"""Prometheus metrics of the engine server, in the names Triton and its TensorRT-LLM backend use.
+
+An operator's Triton dashboards and alerts read `nv_inference_*` (per model and version: request
+success and failure counts, inference and execution counts, cumulative request, queue and compute
+durations in microseconds, pending requests) and `nv_trt_llm_*` (KV-cache blocks by type, requests by
+type). The engine server exports the same families from the statistics it already keeps for the
+ModelStatistics RPC, read at scrape time: serving pays nothing for them. Triton serves them on its own
+port (8002 by default); `appliance engine --metrics HOST:PORT` does the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from appliance.engine.server import EngineModel, EngineService
+
+_LABELS = ("model", "version")
+# (family, help, ModelStatistics duration field)
+_DURATIONS = (
+    ("nv_inference_request_duration_us", "Cumulative inference request duration", "success"),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration", "queue"),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration",
+        "compute_input",
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute inference duration",
+        "compute_infer",
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative inference compute output duration",
+        "compute_output",
+    ),
+)
+
+
+class _Counter:
+    """A counter whose series carry Triton's exact names: prometheus-client's counter families
+    add `_total` to every sample, and Triton's dashboards query `nv_inference_count`, not
+    `nv_inference_count_total`."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.metric = Metric(name, doc, "counter")
+        self._name = name
+
+    def add_metric(self, labels: tuple[str, ...], value: float) -> None:
+        self.metric.add_sample(self._name, dict(zip(_LABELS, labels, strict=True)), value)
+
+
+class EngineCollector(Collector):
+    def __init__(self, service: EngineService, models: dict[str, EngineModel]) -> None:
+        self._service = service
+        self._models = models
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        success = _Counter(
+            "nv_inference_request_success", "Number of successful inference requests"
+        )
+        failure = _Counter("nv_inference_request_failure", "Number of failed inference requests")
+        count = _Counter("nv_inference_count", "Number of inferences performed")
+        execs = _Counter("nv_inference_exec_count", "Number of model executions performed")
+        durations = [_Counter(name, doc) for name, doc, _ in _DURATIONS]
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of pending requests awaiting execution per-model.",
+            labels=_LABELS,
+        )
+        blocks = GaugeMetricFamily(
+            "nv_trt_llm_kv_cache_block_metrics",
+            "TRT LLM KV cache block metrics",
+            labels=("model", "version", "kv_cache_block_type"),
+        )
+        requests = GaugeMetricFamily(
+            "nv_trt_llm_request_metrics",
+            "TRT LLM request metrics",
+            labels=("model", "version", "request_type"),
+        )
+        pending_by_model = self._service.pending_by_model()
+        for name, stats in self._service.statistics.items():
+            labels = (name, "1")
+            with stats.lock:
+                success.add_metric(labels, stats.success.count)
+                failure.add_metric(labels, stats.fail.count)
+                executed = stats.success.count + stats.fail.count
+                count.add_metric(labels, executed)
+                execs.add_metric(labels, executed)
+                for family, (_, _, field) in zip(durations, _DURATIONS, strict=True):
+                    family.add_metric(labels, getattr(stats, field).ns // 1000)
+            waiting = pending_by_model.get(name, 0)
+            pending.add_metric(labels, waiting)
+            model = self._models.get(name)
+            if model is None:
+                continue
+            runner = model.runner.stats
+            active = 1 if runner.running is not None else 0
+            requests.add_metric((*labels, "active"), active)
+            requests.add_metric((*labels, "max"), 1)
+            requests.add_metric((*labels, "waiting"), max(0, waiting - active))
+            kv = runner.kv
+            for kind, value in (
+                ("tokens_per", kv.tokens_per_block),
+                ("max", kv.max_blocks),
+                ("used", kv.used_blocks),
+                ("free", kv.free_blocks),
+                ("reused", kv.reused_blocks),
+                ("fraction", kv.used_blocks / kv.max_blocks if kv.max_blocks else 0.0),
+            ):
+                blocks.add_metric((*labels, kind), value)
+        counters = (success, failure, count, execs, *durations)
+        yield from (c.metric for c in counters)
+        yield from (pending, blocks, requests)
+
+
+def serve_metrics(
+    service: EngineService, models: dict[str, EngineModel], listen: str
+) -> WSGIServer:
+    """Starts the /metrics listener in its own thread; `server_address` has the bound port."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EngineCollector(service, models))
+    host, _, port = listen.rpartition(":")
+    server, thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    assert isinstance(thread, threading.Thread)
+    return server
