@@ -6,6 +6,7 @@ import asyncio
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from appliance.gateway.health import HealthMonitor
 from appliance.gateway.http_api import HttpApi
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
+from appliance.gateway.quiesce import quiesce
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
 from appliance.metrics import GatewayMetrics, MetricsSink
@@ -231,7 +233,18 @@ async def serve(config: GatewayConfig) -> int:
         print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
         return exc.exit_status
     log.info("gateway listening on %s, models: %s", config.server.listen, ", ".join(models))
+    quiescing: list[asyncio.Task[None]] = []
+
+    def start_quiescing() -> None:  # SIGUSR1; a second signal changes nothing
+        if not quiescing:
+            quiescing.append(
+                asyncio.ensure_future(quiesce(running.monitor, running.pipeline.in_flight))
+            )
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, start_quiescing)
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {config.server.listen}")
+    for task in quiescing:
+        task.cancel()
     log.info("draining for up to %.1f s", config.server.drain_seconds)
     await running.drain(config.server.drain_seconds)
     return 0
