@@ -92,6 +92,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _cache(args: argparse.Namespace) -> int:
     import grpc
 
+    if args.cache_command == "warm":
+        return _cache_warm(args)
+
     from appliance.v1 import inference_pb2 as pb
     from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -112,6 +115,20 @@ def _cache(args: argparse.Namespace) -> int:
             return 1
     print(f"removed {removed.l1_removed} from L1 (this gateway), {removed.l2_removed} from Redis")
     return 0
+
+
+def _cache_warm(args: argparse.Namespace) -> int:
+    from appliance.warm import WarmInputError, read_prompts, run_warm
+
+    if args.ttft_budget_ms < 1:
+        print("appliance cache warm: --ttft-budget-ms must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        requests = read_prompts(Path(args.prompts), args.model, args.max_tokens)
+    except WarmInputError as exc:
+        print(f"appliance cache warm: {exc}", file=sys.stderr)
+        return 2
+    return run_warm(args.gateway, requests, args.ttft_budget_ms, args.timeout)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -163,6 +180,23 @@ def parser() -> argparse.ArgumentParser:
     inv.add_argument("--model", default="", help="model name")
     inv.add_argument("--all", action="store_true", help="drop every cached answer")
     csub.add_parser("stats", help="print the cache's counters")
+    w = csub.add_parser(
+        "warm", help="cache the answers of a file of likely questions, yielding to client traffic"
+    )
+    w.add_argument(
+        "--prompts",
+        required=True,
+        help="file: a prompt a line, or a JSON GenerateRequest a line (JSONL)",
+    )
+    w.add_argument("--model", default="", help="model of lines that name none")
+    w.add_argument("--max-tokens", type=int, default=None, help="max_tokens of lines that set none")
+    w.add_argument(
+        "--ttft-budget-ms",
+        type=int,
+        default=500,
+        help="TTFT budget of each warm-up request: the gateway refuses it while clients keep the "
+        "engine busy longer; keep it above the engine's own TTFT (default 500)",
+    )
     c.set_defaults(func=_cache)
 
     b = sub.add_parser(
