@@ -131,6 +131,18 @@ def _cache_warm(args: argparse.Namespace) -> int:
     return run_warm(args.gateway, requests, args.ttft_budget_ms, args.timeout)
 
 
+def _health(args: argparse.Namespace) -> int:
+    from appliance.processes import wait_serving
+
+    try:
+        wait_serving(args.gateway, timeout_s=args.wait, service=args.service)
+    except RuntimeError as exc:
+        print(f"appliance health: {exc}", file=sys.stderr)
+        return 1
+    print("SERVING")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from appliance.loadgen.command import run
 
@@ -198,6 +210,18 @@ def parser() -> argparse.ArgumentParser:
         "engine busy longer; keep it above the engine's own TTFT (default 500)",
     )
     c.set_defaults(func=_cache)
+
+    h = sub.add_parser("health", help="wait until a gateway's gRPC health is SERVING (exit 0)")
+    h.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    h.add_argument(
+        "--service",
+        default="appliance.v1.Inference",
+        help="health service name: appliance.v1.Inference (default), appliance.v1.Inference/MODEL",
+    )
+    h.add_argument(
+        "--wait", type=float, default=0.0, help="seconds to wait for SERVING (default 0)"
+    )
+    h.set_defaults(func=_health)
 
     b = sub.add_parser(
         "bench", help="measure a deployment under load: TTFT, inter-token latency, throughput"
