@@ -120,9 +120,13 @@ def _cache(args: argparse.Namespace) -> int:
 def _cache_warm(args: argparse.Namespace) -> int:
     from appliance.warm import WarmInputError, read_prompts, run_warm
 
-    if args.ttft_budget_ms < 1:
-        print("appliance cache warm: --ttft-budget-ms must be >= 1", file=sys.stderr)
-        return 2
+    for option, value in (
+        ("--ttft-budget-ms", args.ttft_budget_ms),
+        ("--max-tokens", args.max_tokens),
+    ):
+        if value is not None and value < 1:
+            print(f"appliance cache warm: {option} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         requests = read_prompts(Path(args.prompts), args.model, args.max_tokens)
     except WarmInputError as exc:
@@ -200,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="file: a prompt a line, or a JSON GenerateRequest a line (JSONL)",
     )
-    w.add_argument("--model", default="", help="model of lines that name none")
+    w.add_argument("--model", required=True, help="model of lines that name none")
     w.add_argument("--max-tokens", type=int, default=None, help="max_tokens of lines that set none")
     w.add_argument(
         "--ttft-budget-ms",
