@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -17,7 +17,14 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from appliance.warm import Tally, read_prompts, warm_one
 from tests.cache.redis_server import RedisServer
-from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, settle, started
+from tests.cache.test_cache_e2e import (  # redis_server: the fixture, one per module
+    Gateway,
+    cache_config,
+    gateway,
+    redis_server,  # noqa: F401
+    settle,
+    started,
+)
 from tests.conftest import Engine, Tiny
 
 L2 = pb.CACHE_TIER_EXACT_L2
@@ -30,17 +37,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis-warm"))
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.fixture
 async def two(
-    tiny: Tiny, engine: Engine, redis_server: RedisServer
+    tiny: Tiny,
+    engine: Engine,
+    redis_server: RedisServer,  # noqa: F811 (the imported fixture)
 ) -> AsyncIterator[tuple[Gateway, Gateway]]:
     redis_server.client().flushall()
     a = await gateway(tiny, engine, cache_config(redis_server))
