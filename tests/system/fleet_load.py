@@ -16,13 +16,19 @@ import grpc
 
 from appliance.client import connect_fleet, generate
 from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
 
 QUESTIONS = [f"Question number {n}: what happens next?" for n in range(24)]
 
 
-async def worker(n: int, stub: object, stop: asyncio.Event, model: str) -> None:
+async def worker(
+    n: int, stub: pb_grpc.InferenceStub, stop: asyncio.Event, model: str, pause_s: float
+) -> None:
     k = n
     while not stop.is_set():
+        await asyncio.sleep(
+            pause_s
+        )  # a client's think time: the hosts share two cores with the roll
         k += 2
         sampled = k % 3 == 0
         request = pb.GenerateRequest(
@@ -34,19 +40,19 @@ async def worker(n: int, stub: object, stop: asyncio.Event, model: str) -> None:
         sent = time.time()
         record: dict[str, object] = {"sent": sent, "kind": "sampled" if sampled else "greedy"}
         try:
-            result = await generate(stub, request, timeout=60)  # type: ignore[arg-type]
+            result = await generate(stub, request, timeout=60)
             record.update(status="OK", ttft=result.ttft_s, tier=result.final.cache_tier)
         except grpc.aio.AioRpcError as exc:
             record.update(status=exc.code().name, details=exc.details())
         print(json.dumps(record), flush=True)
 
 
-async def main(addresses: str, workers: int, model: str) -> None:
+async def main(addresses: str, workers: int, model: str, pause_s: float) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     channel, stub = connect_fleet(addresses)
     async with channel:
-        await asyncio.gather(*(worker(n, stub, stop, model) for n in range(workers)))
+        await asyncio.gather(*(worker(n, stub, stop, model, pause_s) for n in range(workers)))
 
 
 if __name__ == "__main__":
@@ -54,6 +60,9 @@ if __name__ == "__main__":
     p.add_argument("addresses")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument(
+        "--pause-ms", type=float, default=25.0, help="each worker's wait between requests"
+    )
     args = p.parse_args()
-    asyncio.run(main(args.addresses, args.workers, args.model))
+    asyncio.run(main(args.addresses, args.workers, args.model, args.pause_ms / 1000))
     sys.exit(0)
