@@ -86,6 +86,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _cache(args: argparse.Namespace) -> int:
     import grpc
 
+    if args.cache_command == "warm":
+        return _cache_warm(args)
+
     from appliance.v1 import inference_pb2 as pb
     from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -111,6 +114,36 @@ def _cache(args: argparse.Namespace) -> int:
             print(f"appliance cache: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     print(f"removed {removed.l1_removed} from L1 (this gateway), {removed.l2_removed} from Redis")
+    return 0
+
+
+def _cache_warm(args: argparse.Namespace) -> int:
+    from appliance.warm import WarmInputError, read_prompts, run_warm
+
+    for option, value in (
+        ("--ttft-budget-ms", args.ttft_budget_ms),
+        ("--max-tokens", args.max_tokens),
+    ):
+        if value is not None and value < 1:
+            print(f"appliance cache warm: {option} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    try:
+        requests = read_prompts(Path(args.prompts), args.model, args.max_tokens)
+    except WarmInputError as exc:
+        print(f"appliance cache warm: {exc}", file=sys.stderr)
+        return 2
+    return run_warm(args.gateway, requests, args.ttft_budget_ms, args.timeout)
+
+
+def _health(args: argparse.Namespace) -> int:
+    from appliance.processes import wait_serving
+
+    try:
+        wait_serving(args.gateway, timeout_s=args.wait, service=args.service)
+    except RuntimeError as exc:
+        print(f"appliance health: {exc}", file=sys.stderr)
+        return 1
+    print("SERVING")
     return 0
 
 
@@ -227,7 +260,36 @@ def parser() -> argparse.ArgumentParser:
     inv.add_argument("--model", default="", help="model name")
     inv.add_argument("--all", action="store_true", help="drop every cached answer")
     csub.add_parser("stats", help="print the cache's counters")
+    w = csub.add_parser(
+        "warm", help="cache the answers of a file of likely questions, yielding to client traffic"
+    )
+    w.add_argument(
+        "--prompts",
+        required=True,
+        help="file: a prompt a line, or a JSON GenerateRequest a line (JSONL)",
+    )
+    w.add_argument("--model", required=True, help="model of lines that name none")
+    w.add_argument("--max-tokens", type=int, default=None, help="max_tokens of lines that set none")
+    w.add_argument(
+        "--ttft-budget-ms",
+        type=int,
+        default=500,
+        help="TTFT budget of each warm-up request: the gateway refuses it while clients keep the "
+        "engine busy longer; keep it above the engine's own TTFT (default 500)",
+    )
     c.set_defaults(func=_cache)
+
+    h = sub.add_parser("health", help="wait until a gateway's gRPC health is SERVING (exit 0)")
+    h.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    h.add_argument(
+        "--service",
+        default="appliance.v1.Inference",
+        help="health service name: appliance.v1.Inference (default), appliance.v1.Inference/MODEL",
+    )
+    h.add_argument(
+        "--wait", type=float, default=0.0, help="seconds to wait for SERVING (default 0)"
+    )
+    h.set_defaults(func=_health)
 
     b = sub.add_parser(
         "bench", help="measure a deployment under load: TTFT, inter-token latency, throughput"

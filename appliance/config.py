@@ -140,10 +140,15 @@ def is_loopback(listen: str) -> bool:
         return False  # a name: it may resolve to any address
 
 
+def _is_address(value: object) -> bool:
+    """Whether `value` is a HOST:PORT string."""
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def _address(reader: _Reader, key: str, default: str) -> str:
     value = str(reader.get(key, str, default))
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not _is_address(value):
         reader.fail(key, f"expected HOST:PORT, got {value!r}")
     return value
 
@@ -362,7 +367,17 @@ _REDIS_KEYS = {
     "breaker_failures",
     "breaker_reset_s",
     "mac_key_file",
+    "sentinels",
+    "sentinel_service",
 }
+
+
+def _sentinels(r: _Reader) -> tuple[str, ...]:
+    addresses = r.get("sentinels", list, [])
+    for address in addresses:
+        if not _is_address(address):
+            r.fail("sentinels", f"expected a list of HOST:PORT strings, got {address!r}")
+    return tuple(addresses)
 
 
 def _redis(r: _Reader, path: Path) -> RedisSettings:
@@ -406,4 +421,7 @@ def _redis(r: _Reader, path: Path) -> RedisSettings:
         breaker_failures=r.positive("breaker_failures", int, d.breaker_failures),
         breaker_reset_s=r.positive("breaker_reset_s", float, d.breaker_reset_s),
         mac_key=mac_key,
+        sentinels=_sentinels(r),
+        sentinel_service=r.get("sentinel_service", str, d.sentinel_service)
+        or r.fail("sentinel_service", "must be the non-empty name the Sentinels monitor"),
     )

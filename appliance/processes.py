@@ -60,22 +60,32 @@ ready_timeout_s = {ready_timeout_s}
     return path
 
 
-def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
-    """Waits until the gRPC health service says SERVING; fails early if the process exits."""
+def wait_serving(
+    address: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout_s: float = 90.0,
+    service: str = "",
+) -> None:
+    """Waits until the gRPC health service says SERVING for `service` ("": the whole server);
+    fails early if `proc` exits. RuntimeError says what was last seen."""
     deadline = time.monotonic() + timeout_s
+    seen = "no answer"
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
+        while True:  # at least one check, even with no time to wait
+            if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.RpcError:
-                pass
+                seen = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                seen = f"{exc.code().name}: {exc.details()}"
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.1)
-    raise RuntimeError(f"{address} not serving after {timeout_s} s")
+    raise RuntimeError(f"{address} not serving after {timeout_s:g} s (last: {seen})")
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:

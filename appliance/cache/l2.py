@@ -4,6 +4,11 @@ Redis is an optimization, never a dependency: each call has a small time budget,
 is a miss (counted), a breaker stops calling a Redis that keeps failing and probes it again later, and
 the connection pool reconnects on its own. Keys are `PREFIX:NAMESPACE:MODEL:HEX` so a namespace or
 model can be invalidated with SCAN + UNLINK.
+
+With Sentinels configured, the tier asks them which server is the primary of `sentinel_service`
+before each new connection: when the primary dies, calls fail (misses; the breaker opens) until the
+Sentinels have promoted a replica, and the next probe connects to the new primary, with no restart.
+Redis Cluster is not supported: every key of the cache lives in one keyspace (SCAN invalidation).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as redis
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.connection import parse_url
 from redis.exceptions import RedisError
 
 from appliance.breaker import CircuitBreaker
@@ -44,6 +51,10 @@ class RedisSettings:
     # Key of the entries' authentication tags, shared by every gateway on this Redis (required:
     # the configuration reads it from `mac_key_file`).
     mac_key: bytes | None = field(default=None, repr=False)
+    # HOST:PORT of Redis Sentinels; empty: `url` names the one server. With Sentinels, `url` only
+    # gives the database number and TLS (rediss://); its host and port are not used.
+    sentinels: tuple[str, ...] = ()
+    sentinel_service: str = "appliance"
 
 
 def _key_part(value: str) -> str:
@@ -78,8 +89,13 @@ class RedisTier:
         }
         if settings.tls_ca_file:
             kwargs["ssl_ca_certs"] = settings.tls_ca_file
-        pool = redis.BlockingConnectionPool.from_url(settings.url, **kwargs)
-        self.client: redis.Redis = redis.Redis.from_pool(pool)
+        self._sentinel: Sentinel | None = None
+        self.client: redis.Redis
+        if settings.sentinels:
+            self._sentinel, self.client = _primary_of(settings, kwargs)
+        else:
+            pool = redis.BlockingConnectionPool.from_url(settings.url, **kwargs)
+            self.client = redis.Redis.from_pool(pool)
 
     def redis_key(self, namespace: str, model: str, key: bytes) -> str:
         s = self.settings
@@ -195,3 +211,33 @@ class RedisTier:
         if self._writes:
             await asyncio.wait(self._writes, timeout=1.0)
         await self.client.aclose()
+        if self._sentinel is not None:
+            for sentinel in self._sentinel.sentinels:
+                await sentinel.aclose()
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """Sentinel's pool (connections go to the primary the Sentinels name) that waits for a free
+    connection when all are in use, as the single-server pool does."""
+
+
+def _primary_of(settings: RedisSettings, kwargs: dict[str, Any]) -> tuple[Sentinel, redis.Redis]:
+    """The Sentinels and a client of the primary they name for `sentinel_service`."""
+    addresses = []
+    for address in settings.sentinels:
+        host, _, port = address.rpartition(":")
+        addresses.append((host.strip("[]"), int(port)))
+    timeout = kwargs["socket_connect_timeout"]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        addresses,
+        sentinel_kwargs={"socket_connect_timeout": timeout, "socket_timeout": timeout},
+    )
+    url = parse_url(settings.url)  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(
+        settings.sentinel_service,
+        connection_pool_class=_BlockingSentinelPool,
+        db=url.get("db", 0),
+        ssl=settings.url.startswith("rediss://"),
+        **kwargs,
+    )
+    return sentinel, client

@@ -2,7 +2,8 @@
 
 A model is SERVING while its engine answers readiness checks and its breaker is not open, or while its
 fallback is serving in its place; NOT_SERVING otherwise. The gateway as a whole ("" and the Inference
-service) is SERVING only while every model is. A monitor task polls each engine's readiness, so health
+service) is SERVING only while every model is. A gateway told to drain (a rolling upgrade) is
+NOT_SERVING under every name, whatever its engines say, so clients that follow health send it nothing. A monitor task polls each engine's readiness, so health
 flips when an engine dies or comes back even without traffic, and a restarted engine's configuration
 is read again before it takes requests. The watchdog is separate and never depends on this.
 """
@@ -78,6 +79,7 @@ class HealthMonitor:
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
         self._statuses: dict[str, int] = {}
+        self.draining = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -107,12 +109,18 @@ class HealthMonitor:
             model.health.reachable = ready
         await self.publish()
 
+    async def drain(self) -> None:
+        """NOT_SERVING from now on, under every name (the readiness polls go on)."""
+        self.draining = True
+        await self.publish()
+
     async def publish(self) -> None:
         usable = {name: m.health.usable() for name, m in self._models.items()}
-        every = True
+        every = not self.draining
         for name, model in self._models.items():
             fallback = model.policy.fallback
             serving = usable[name] or (fallback is not None and usable.get(fallback, False))
+            serving = serving and not self.draining
             every = every and serving
             await self._set(health_name(self._service, name), serving)
         for name in ("", self._service):

@@ -28,6 +28,7 @@ from appliance.gateway.health import HealthMonitor
 from appliance.gateway.http_api import HttpApi
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
+from appliance.gateway.quiesce import quiesce
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
 from appliance.metrics import GatewayMetrics, MetricsSink
@@ -294,7 +295,18 @@ async def serve(config: GatewayConfig) -> int:
         ", ".join(models),
     )
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, running.reload)
+    quiescing: list[asyncio.Task[None]] = []
+
+    def start_quiescing() -> None:  # SIGUSR1; a second signal changes nothing
+        if not quiescing:
+            quiescing.append(
+                asyncio.ensure_future(quiesce(running.monitor, running.pipeline.in_flight))
+            )
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, start_quiescing)
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {config.server.listen}")
+    for task in quiescing:
+        task.cancel()
     log.info("draining for up to %.1f s", config.server.drain_seconds)
     await running.drain(config.server.drain_seconds)
     return 0

@@ -29,7 +29,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    def start(self, extra: list[str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [
                 self.binary,
@@ -43,6 +43,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                *(extra or []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -73,3 +74,78 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port)
+
+
+class SentinelGroup:
+    """A primary, a replica and three Sentinels (quorum 2) watching them as service `name`, all
+    real processes on loopback; `down_after_ms` is how long a silent primary takes to be down."""
+
+    def __init__(self, workdir: Path, name: str = "appliance", down_after_ms: int = 1000) -> None:
+        self.name = name
+        self.primary = RedisServer(workdir / "primary")
+        self.replica = RedisServer(workdir / "replica")
+        self.workdir = workdir
+        self.down_after_ms = down_after_ms
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+
+    def start(self) -> None:
+        for server in (self.primary, self.replica):
+            server.workdir.mkdir(parents=True, exist_ok=True)
+        self.primary.start()
+        self.replica.start(["--replicaof", "127.0.0.1", str(self.primary.port)])
+        for port in self.sentinel_ports:
+            conf = self.workdir / f"sentinel-{port}.conf"
+            # Sentinel rewrites its own file (the replicas and peers it learns): one file each.
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {self.workdir}\n"
+                f"sentinel monitor {self.name} 127.0.0.1 {self.primary.port} 2\n"
+                f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.name} 10000\n"
+            )
+            self.sentinels.append(
+                subprocess.Popen(
+                    [self.binary_sentinel(), str(conf)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all(self._knows_replica(port) for port in self.sentinel_ports):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Sentinels did not find the replica within 30 s")
+
+    @staticmethod
+    def binary_sentinel() -> str:
+        binary = shutil.which("redis-sentinel")
+        if binary is None:
+            raise RuntimeError("redis-sentinel not found: apt-get install redis-sentinel")
+        return binary
+
+    def _knows_replica(self, port: int) -> bool:
+        try:
+            replicas = redis.Redis(port=port).sentinel_slaves(self.name)
+        except redis.RedisError:
+            return False
+        return any(r.get("port") == self.replica.port for r in replicas)
+
+    def primary_port(self) -> int:
+        """The port of the server the Sentinels now name as primary."""
+        sentinel = redis.Redis(port=self.sentinel_ports[0])
+        address = sentinel.execute_command(  # type: ignore[no-untyped-call]
+            "SENTINEL GET-MASTER-ADDR-BY-NAME", self.name
+        )
+        return int(address[1])
+
+    def stop(self) -> None:
+        for proc in self.sentinels:
+            proc.kill()
+            proc.wait()
+        self.primary.kill()
+        self.replica.kill()

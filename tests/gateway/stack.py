@@ -19,6 +19,7 @@ class Stack:
     address: str  # the gateway's
     config: Path
     log: Path  # the gateway's output
+    gateway_pid: int = 0
 
     def log_lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
@@ -41,7 +42,7 @@ def engine_and_gateway(
     gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
     try:
         processes.wait_serving(gateway_addr, gateway)
-        yield Stack(gateway_addr, config, work / "gateway.log")
+        yield Stack(gateway_addr, config, work / "gateway.log", gateway.pid)
     finally:
         codes = processes.stop(gateway), processes.stop(engine)
         assert codes == (0, 0), (work / "gateway.log").read_text()[-2000:]

@@ -4,7 +4,7 @@
 # builds a new root. Everything the roles need is in it: no apt inside the container.
 set -euo pipefail
 cache="${APPLIANCE_CI_CACHE:-/var/cache/appliance-ci}"
-include="systemd,systemd-sysv,dbus,python3,python3-venv,python3-apt,python3-packaging,redis-server,iproute2,procps,ca-certificates"
+include="systemd,systemd-sysv,dbus,python3,python3-venv,python3-apt,python3-packaging,redis-server,redis-sentinel,iproute2,procps,ca-certificates"
 key=$(printf '%s' "bookworm:$include" | sha256sum | cut -c1-12)
 root="$cache/rootfs-bookworm-$key"
 if [ -x "$root/usr/bin/redis-server" ] && [ -f "$root/.complete" ]; then

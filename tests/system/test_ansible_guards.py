@@ -27,7 +27,9 @@ GPU_REQUIRED = {
 }
 
 
-def _playbook(tmp_path: Path, inventory: object) -> subprocess.CompletedProcess[str]:
+def _playbook(
+    tmp_path: Path, inventory: object, playbook: str = "site.yml"
+) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "hosts.json"
     path.write_text(json.dumps(inventory))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PIP_"))}
@@ -40,7 +42,7 @@ def _playbook(tmp_path: Path, inventory: object) -> subprocess.CompletedProcess[
         LC_ALL="C.UTF-8",
     )
     return subprocess.run(
-        [str(ANSIBLE_BIN / "ansible-playbook"), "-i", str(path), "site.yml", "--check"],
+        [str(ANSIBLE_BIN / "ansible-playbook"), "-i", str(path), playbook, "--check"],
         cwd=ANSIBLE,
         env=env,
         capture_output=True,
@@ -105,3 +107,22 @@ def test_an_inventory_without_appliance_hosts_fails(tmp_path: Path) -> None:
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "has no host in group gpu or cpu; start from inventory/example/hosts.yml" in out
+
+
+def test_a_rolling_upgrade_stops_at_the_first_failed_host(tmp_path: Path) -> None:
+    """upgrade.yml takes one host at a time and touches no other host once one has failed."""
+    hosts = {
+        name: {"ansible_host": "127.0.0.1", "ansible_port": 9, "ansible_connection": "ssh"}
+        for name in ("cpu-a", "cpu-b")
+    }
+    inventory = {
+        "all": {
+            "children": {"cpu": {"hosts": hosts}},
+            "vars": {"appliance_wheelhouse": {"dir": "/srv/wheelhouse"}},
+        }
+    }
+    result = _playbook(tmp_path, inventory, "upgrade.yml")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert re.search(r"^fatal: \[cpu-a\]: UNREACHABLE", out, re.M), out
+    assert "[cpu-b]" not in out, out

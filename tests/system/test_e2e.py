@@ -29,215 +29,51 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.system import gpu_stubs
-
-REPO = Path(__file__).resolve().parents[2]
-ANSIBLE = REPO / "ansible"
-ANSIBLE_BIN = REPO / ".venv-ansible" / "bin"
-HERE = Path(__file__).resolve().parent
+from tests.system import containers, gpu_stubs
+from tests.system.containers import REPO, Machine
 
 pytestmark = pytest.mark.timeout(900)
 
 
 UNITS = ["redis-server.service", "appliance-engine.service", "appliance-gateway.service"]
-
-
-def _run(
-    argv: list[str],
-    timeout: float = 120,
-    cwd: Path | None = None,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        argv, capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd, env=env
-    )
-
-
-@dataclass
-class Machine:
-    workdir: Path
-    netns: str
-    nspawn: subprocess.Popen[bytes]
-    leader: int
-
-    def sh(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        """Runs a command inside the container (all its namespaces)."""
-        return _run(["nsenter", "-t", str(self.leader), "-a", *argv], timeout=timeout)
-
-    def show(self, unit: str, prop: str) -> str:
-        return self.sh("systemctl", "show", "-p", prop, "--value", unit).stdout.strip()
-
-    def is_active(self, unit: str) -> str:
-        return self.sh("systemctl", "is-active", unit).stdout.strip()
-
-    def journal(self, unit: str, since: str = "") -> str:
-        argv = ["journalctl", "--no-pager", "-o", "cat", "-u", unit]
-        if since:
-            argv += ["--since", since]
-        return self.sh(*argv).stdout
-
-    def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float) -> None:
-        """Polls `predicate()` until true, at most `timeout` seconds; fails naming `what`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.5)
-        pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-
-    def inventory(self, group: str = "cpu", **extra: object) -> Path:
-        host: dict[str, object] = {
-            "ansible_connection": "community.docker.nsenter",
-            "ansible_nsenter_pid": self.leader,
-            # nsenter already runs as root inside the container (no sudo there).
-            "ansible_become": False,
-            "appliance_wheelhouse": {"dir": "/srv/wheelhouse"},
-        }
-        host.update(extra)
-        host = {k: v for k, v in host.items() if v is not None}
-        path = self.workdir / f"inventory-{uuid.uuid4().hex[:8]}.json"
-        path.write_text(
-            json.dumps({"all": {"children": {group: {"hosts": {"appliance-ci": host}}}}})
-        )
-        return path
-
-    def playbook(
-        self, inventory: Path, timeout: float = 600, check: bool = False
-    ) -> subprocess.CompletedProcess[str]:
-        # A clean environment: nsenter passes ours into the container (PIP_* settings of this host
-        # would point pip inside at paths that do not exist there).
-        env = {
-            "PATH": f"{ANSIBLE_BIN}:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": str(self.workdir),
-            "LC_ALL": "C.UTF-8",
-            "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
-            "ANSIBLE_LOCAL_TEMP": str(self.workdir / "ansible-tmp"),
-            "ANSIBLE_NOCOLOR": "1",
-        }
-        result = _run(
-            [
-                str(ANSIBLE_BIN / "ansible-playbook"),
-                "-i",
-                str(inventory),
-                "site.yml",
-                *(["--check"] if check else []),
-            ],
-            timeout=timeout,
-            cwd=ANSIBLE,
-            env=env,
-        )
-        (self.workdir / f"{inventory.stem}.log").write_text(result.stdout + result.stderr)
-        return result
+HOST = "appliance-ci"
+_run = containers.run
 
 
 def _recap(output: str) -> dict[str, int]:
-    m = re.search(r"appliance-ci\s*:\s*(ok=.*)", output)
-    assert m, output[-3000:]
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
-
-
-def _changed_tasks(output: str) -> list[str]:
-    """The names of the tasks that reported a change."""
-    changed: list[str] = []
-    task = ""
-    for line in output.splitlines():
-        m = re.match(r"^(?:TASK|RUNNING HANDLER) \[(.*?)\]", line)
-        if m:
-            task = m.group(1)
-        elif line.startswith("changed:") and task not in changed:
-            changed.append(task)
-    return changed
+    return containers.recap(output, HOST)
 
 
 def _tasks(output: str) -> list[str]:
     return re.findall(r"^TASK \[(.*?)\]", output, re.M)
 
 
-def _stop(nspawn: subprocess.Popen[bytes]) -> None:
-    if nspawn.poll() is not None:
-        return
-    nspawn.send_signal(signal.SIGTERM)  # nspawn asks the container's systemd to power off
-    try:
-        nspawn.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        nspawn.kill()
-        nspawn.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def machine() -> Iterator[Machine]:
     started = time.monotonic()
-    root_src = _run([str(HERE / "build-rootfs.sh")], timeout=900)
-    assert root_src.returncode == 0, root_src.stderr
+    root_src = containers.root_source()
     workdir = Path(tempfile.mkdtemp(prefix="appliance-e2e-", dir="/var/tmp"))
     netns = f"appliance-e2e-{os.getpid()}"
-    nspawn: subprocess.Popen[bytes] | None = None
+    m: Machine | None = None
     try:
-        wheels = _run([str(HERE / "build-wheelhouse.sh"), str(workdir / "wheels")], timeout=900)
-        assert wheels.returncode == 0, wheels.stderr
-        root = workdir / "root"
-        copied = _run(
-            ["cp", "-a", "--reflink=auto", root_src.stdout.strip(), str(root)], timeout=300
-        )
-        assert copied.returncode == 0, copied.stderr
+        wheels = containers.wheelhouse(workdir / "wheels")
+        root = containers.copy_root(root_src, workdir / "root")
         assert _run(["ip", "netns", "add", netns]).returncode == 0
         assert _run(["ip", "-n", netns, "link", "set", "lo", "up"]).returncode == 0
-        log = (workdir / "nspawn.log").open("wb")
-        nspawn = subprocess.Popen(
-            [
-                "systemd-nspawn",
-                "--quiet",
-                "--keep-unit",
-                "--register=no",
-                f"--directory={root}",
-                f"--machine=appliance-ci-{os.getpid()}",
-                "--boot",
-                "--console=passive",
-                f"--network-namespace-path=/run/netns/{netns}",
-                f"--bind-ro={workdir / 'wheels'}:/srv/wheelhouse",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        leader = 0
-        deadline = time.monotonic() + 60
-        while not leader and time.monotonic() < deadline:
-            assert nspawn.poll() is None, (workdir / "nspawn.log").read_text()
-            children = _run(["pgrep", "-P", str(nspawn.pid)]).stdout.split()
-            leader = int(children[0]) if children else 0
-            if not leader:
-                time.sleep(0.2)
-        assert leader, "systemd-nspawn started no container"
-        m = Machine(workdir, netns, nspawn, leader)
-        # Until PID 1 has its private bus socket, systemctl cannot connect: poll, bounded.
-        state = ""
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            booted = m.sh("systemctl", "is-system-running", "--wait", timeout=120)
-            state = booted.stdout.strip()
-            if state:
-                break
-            assert nspawn.poll() is None, (workdir / "nspawn.log").read_text()
-            time.sleep(0.2)
-        assert state in ("running", "degraded"), f"container state {state!r}"
+        m = containers.boot(HOST, workdir, root, netns, [f"{wheels}:/srv/wheelhouse"])
         print(f"\ncontainer booted in {time.monotonic() - started:.0f} s", file=sys.stderr)
         yield m
     finally:
-        if nspawn is not None:
-            _stop(nspawn)
+        if m is not None:
+            containers.stop(m.nspawn)
         _run(["ip", "netns", "delete", netns])
         if os.environ.get("APPLIANCE_E2E_KEEP"):
             print(f"kept {workdir}", file=sys.stderr)
@@ -321,7 +157,7 @@ def test_second_run_changes_nothing(machine: Machine) -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     recap = _recap(out)
-    assert recap["changed"] == 0, _changed_tasks(out)
+    assert recap["changed"] == 0, containers.changed_tasks(out)
     print(f"\nsecond playbook run: {time.monotonic() - t0:.0f} s, {recap}", file=sys.stderr)
 
 
@@ -330,7 +166,7 @@ def test_check_mode_changes_nothing(machine: Machine) -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     recap = _recap(out)
-    assert recap["changed"] == 0, _changed_tasks(out)
+    assert recap["changed"] == 0, containers.changed_tasks(out)
 
 
 def test_missing_config_is_named_in_the_journal(machine: Machine) -> None:
@@ -471,7 +307,7 @@ def test_gpu_roles_provision_with_stubbed_hardware(
     assert result.returncode == 0, out[-4000:]
     recap = _recap(out)
     assert recap["failed"] == 0 and recap["changed"] > 0
-    changed = _changed_tasks(out)
+    changed = containers.changed_tasks(out)
     assert "nvidia_prereqs : Restart nvidia-persistenced" in changed, changed
     # triton and engine_build both notify "Restart triton"; Ansible runs the one handler once.
     assert any(task.endswith(" : Restart triton") for task in changed), changed
@@ -504,7 +340,7 @@ def test_gpu_second_run_changes_nothing(machine: Machine, gpu: gpu_stubs.GpuArti
     result = machine.playbook(_gpu_inventory(machine, gpu))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert _recap(out)["changed"] == 0, _changed_tasks(out)
+    assert _recap(out)["changed"] == 0, containers.changed_tasks(out)
 
 
 def test_gpu_check_mode_after_provisioning_changes_nothing(
@@ -513,7 +349,7 @@ def test_gpu_check_mode_after_provisioning_changes_nothing(
     result = machine.playbook(_gpu_inventory(machine, gpu), check=True)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert _recap(out)["changed"] == 0, _changed_tasks(out)
+    assert _recap(out)["changed"] == 0, containers.changed_tasks(out)
 
 
 def test_a_driver_below_the_image_floor_fails_naming_the_image(
