@@ -8,9 +8,9 @@ Celsius" (0.98 apart is common for such pairs), so the rule has two parts:
    antonym in place of a word, a term of a closed class (programming language, unit, month, weekday,
    operating system) present in one only, a named entity swapped for another, or two shared words in
    the opposite order around a relation word ("X to Y" / "Y to X", "A about B" / "B about A").
-2. A small classifier (one hidden layer, numpy) over the two unit vectors (their product and absolute
-   difference) and a few lexical features, trained on the QQP dev split (`bench/semantic_train.py`),
-   whose probability must reach a threshold chosen on held-out dev pairs for precision first.
+2. A small classifier (numpy) over the two unit vectors, seen through a learned projection, and a few
+   lexical features, trained on the QQP dev split (`bench/semantic_train.py`), whose probability must
+   reach a threshold chosen on held-out dev pairs for precision first.
 
 A pair below the cosine floor is refused before either part runs. The weights, floor and threshold
 ship in `appliance/data/semantic_rule.npz`; `appliance semantic-eval` runs exactly this rule.
@@ -33,282 +33,51 @@ _NEGATION = re.compile(
 )
 _CAPITALIZED = re.compile(r"\b[A-Z][A-Za-z0-9]*(?:\+\+|#)?")
 
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
 STOPWORDS = frozenset(
-    [
-        "a",
-        "an",
-        "the",
-        "is",
-        "are",
-        "was",
-        "were",
-        "be",
-        "been",
-        "being",
-        "am",
-        "do",
-        "does",
-        "did",
-        "doing",
-        "have",
-        "has",
-        "had",
-        "having",
-        "i",
-        "me",
-        "my",
-        "we",
-        "our",
-        "you",
-        "your",
-        "he",
-        "she",
-        "it",
-        "its",
-        "they",
-        "them",
-        "their",
-        "this",
-        "that",
-        "these",
-        "those",
-        "what",
-        "which",
-        "who",
-        "whom",
-        "whose",
-        "when",
-        "where",
-        "why",
-        "how",
-        "there",
-        "here",
-        "of",
-        "in",
-        "on",
-        "at",
-        "by",
-        "for",
-        "with",
-        "as",
-        "and",
-        "or",
-        "but",
-        "if",
-        "then",
-        "so",
-        "than",
-        "too",
-        "very",
-        "can",
-        "could",
-        "would",
-        "should",
-        "will",
-        "shall",
-        "may",
-        "might",
-        "must",
-        "s",
-        "t",
-        "to",
-        "from",
-        "into",
-        "about",
-        "over",
-        "under",
-        "up",
-        "down",
-        "out",
-        "off",
-        "any",
-        "some",
-        "all",
-        "most",
-        "more",
-        "much",
-        "many",
-        "such",
-        "only",
-        "own",
-        "same",
-        "just",
-        "also",
-        "get",
-        "got",
-        "one",
-        "way",
-        "ways",
-        "best",
-        "good",
-        "really",
-        "quora",
-        "someone",
-        "something",
-        "anyone",
-        "anything",
-        "thing",
-        "things",
-        "like",
-    ]
+    _words(
+        """a an the is are was were be been being am do does did doing have has had having i me my
+        we our you your he she it its they them their this that these those what which who whom
+        whose when where why how there here of in on at by for with as and or but if then so than
+        too very can could would should will shall may might must s t to from into about over under
+        up down out off any some all most more much many such only own same just also get got one
+        way ways best good really quora someone something anyone anything thing things like"""
+    )
 )
 # Words that relate the words around them: their two sides may not trade places.
 RELATIONS = frozenset(
-    [
-        "to",
-        "into",
-        "from",
-        "than",
-        "vs",
-        "versus",
-        "about",
-        "over",
-        "against",
-        "before",
-        "after",
-        "for",
-        "by",
-        "under",
-        "above",
-    ]
+    _words("to into from than vs versus about over against before after for by under above")
 )
+# Number words as digits ("one" is left out: far more often a pronoun than a count).
 NUMBER_WORDS = {
     w: str(n)
     for n, w in enumerate(
-        [
-            "zero",
-            "one",
-            "two",
-            "three",
-            "four",
-            "five",
-            "six",
-            "seven",
-            "eight",
-            "nine",
-            "ten",
-            "eleven",
-            "twelve",
-            "thirteen",
-            "fourteen",
-            "fifteen",
-            "sixteen",
-            "seventeen",
-            "eighteen",
-            "nineteen",
-            "twenty",
-        ]
+        _words(
+            """zero _ two three four five six seven eight nine ten eleven twelve thirteen fourteen
+            fifteen sixteen seventeen eighteen nineteen twenty"""
+        )
     )
+    if w != "_"
 } | {"thirty": "30", "forty": "40", "fifty": "50", "hundred": "100", "thousand": "1000"}
 NUMBER_WORDS["million"] = "1000000"
 NUMBER_WORDS["billion"] = "1000000000"
 # Closed classes: a term of one present in only one question changes what is asked.
 CLOSED_TERMS = frozenset(
-    [
-        "python",
-        "java",
-        "javascript",
-        "typescript",
-        "c",
-        "c++",
-        "c#",
-        "golang",
-        "rust",
-        "ruby",
-        "php",
-        "perl",
-        "swift",
-        "kotlin",
-        "scala",
-        "haskell",
-        "erlang",
-        "elixir",
-        "lua",
-        "r",
-        "matlab",
-        "julia",
-        "fortran",
-        "cobol",
-        "sql",
-        "bash",
-        "powershell",
-        "dart",
-        "html",
-        "css",
-        "react",
-        "angular",
-        "vue",
-        "django",
-        "flask",
-        "node",
-        "nodejs",
-        "celsius",
-        "fahrenheit",
-        "kelvin",
-        "meters",
-        "meter",
-        "metres",
-        "km",
-        "kilometers",
-        "kilometres",
-        "miles",
-        "mile",
-        "feet",
-        "foot",
-        "inches",
-        "inch",
-        "cm",
-        "centimeters",
-        "kg",
-        "kilograms",
-        "pounds",
-        "pound",
-        "lbs",
-        "grams",
-        "gram",
-        "ounces",
-        "ounce",
-        "liters",
-        "litres",
-        "gallons",
-        "gallon",
-        "dollars",
-        "dollar",
-        "euros",
-        "euro",
-        "rupees",
-        "rupee",
-        "yen",
-        "yuan",
-        "bitcoin",
-        "january",
-        "february",
-        "march",
-        "april",
-        "june",
-        "july",
-        "august",
-        "september",
-        "october",
-        "november",
-        "december",
-        "monday",
-        "tuesday",
-        "wednesday",
-        "thursday",
-        "friday",
-        "saturday",
-        "sunday",
-        "windows",
-        "linux",
-        "ubuntu",
-        "mac",
-        "macos",
-        "ios",
-        "android",
-        "iphone",
-        "ipad",
-    ]
+    _words(
+        """python java javascript typescript c c++ c# golang rust ruby php perl swift kotlin scala
+        haskell erlang elixir lua r matlab julia fortran cobol sql bash powershell dart
+        html css react angular vue django flask node nodejs
+        celsius fahrenheit kelvin meters meter metres km kilometers kilometres miles mile feet foot
+        inches inch cm centimeters kg kilograms pounds pound lbs grams gram ounces ounce liters
+        litres gallons gallon dollars dollar euros euro rupees rupee yen yuan bitcoin
+        january february march april june july august september october november december
+        monday tuesday wednesday thursday friday saturday sunday
+        windows linux ubuntu mac macos ios android iphone ipad"""
+    )
 )
 _ANTONYM_PAIRS = """increase decrease|increasing decreasing|best worst|better worse|advantages
 disadvantages|advantage disadvantage|pros cons|buy sell|buying selling|good bad|hot cold|up down|
@@ -356,7 +125,7 @@ def analyze(text: str) -> Question:
         numbers=numbers,
         negated=_NEGATION.search(lower.replace("’", "'")) is not None,
         entities=entities,
-        closed=frozenset(w for w in words if w in CLOSED_TERMS),
+        closed=frozenset(_stem(w) for w in words if w in CLOSED_TERMS),
     )
 
 
@@ -374,7 +143,13 @@ def _swapped_order(a: Question, b: Question) -> bool:
     pos_b = {w: i for i, w in enumerate(b.words)}
     rel_a = [i for i, w in enumerate(a.words) if w in RELATIONS]
     rel_b = [i for i, w in enumerate(b.words) if w in RELATIONS]
-    if not rel_a or not rel_b:
+    # The same words in another order around a shared word ("why do cats hate dogs" / "dogs hate
+    # cats") is a swap too: subject and object traded places.
+    same_words = a.content == b.content
+    if same_words:
+        rel_a += [pos_a[w] for w in shared]
+        rel_b += [pos_b[w] for w in shared]
+    if not (rel_a and rel_b):
         return False
     for i, x in enumerate(shared):
         for y in shared[i + 1 :]:
@@ -401,14 +176,20 @@ def veto(a: Question, b: Question) -> str:
     for w in a_words - b_words:
         if ANTONYMS.get(w, frozenset()) & (b_words - a_words):
             return "antonym"
-    if (a.entities - b_words) and (b.entities - a_words):
+    if _unmatched(a.entities, b_words) and _unmatched(b.entities, a_words):
         return "entity"
     if _swapped_order(a, b):
         return "order"
     return ""
 
 
-LEXICAL_FEATURES = 8
+def _unmatched(entities: frozenset[str], words: set[str]) -> set[str]:
+    """Entities the other question does not name, allowing a derived form (India/Indian)."""
+    return {
+        e
+        for e in entities
+        if e not in words and not (len(e) >= 5 and any(w.startswith(e[:5]) for w in words))
+    }
 
 
 def lexical_features(a: Question, b: Question) -> list[float]:
@@ -433,10 +214,8 @@ def lexical_features(a: Question, b: Question) -> list[float]:
 
 
 def features(u: Vector, v: Vector, a: Question, b: Question) -> Vector:
-    """The classifier's input: u·v elementwise, |u−v|, cosine and the lexical features."""
-    cos = float(u @ v)
-    extra = np.array([cos, *lexical_features(a, b)], dtype=np.float32)
-    return np.concatenate([u * v, np.abs(u - v), extra]).astype(np.float32)
+    """The pair's scalar features: the cosine, then the lexical ones."""
+    return np.array([float(u @ v), *lexical_features(a, b)], dtype=np.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,10 +227,17 @@ class Decision:
 
 
 class Rule:
-    """The shipped decision rule: floor, guards, then the classifier's threshold."""
+    """The shipped decision rule: floor, guards, then the classifier's threshold.
+
+    The classifier projects both unit vectors with a learned matrix P (a low-rank metric: which
+    directions of the embedding matter for "same question"), takes the projections' elementwise
+    product and absolute difference (symmetric in the two questions) and the standardized pair
+    features, and applies one ReLU layer and a logistic output.
+    """
 
     def __init__(self, path: Path = RULE_FILE) -> None:
         with np.load(path) as data:
+            self.proj = data["proj"].astype(np.float32)
             self.mean = data["mean"].astype(np.float32)
             self.scale = data["scale"].astype(np.float32)
             self.w1 = data["w1"].astype(np.float32)
@@ -461,11 +247,12 @@ class Rule:
             self.floor = float(data["floor"])
             self.threshold = float(data["threshold"])
 
-    def scores(self, x: Vector) -> Vector:
-        """Probabilities for rows of features."""
-        h = np.maximum((x - self.mean) / self.scale @ self.w1 + self.b1, 0.0)
-        z = h @ self.w2 + self.b2
-        out: Vector = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    def scores(self, u: Vector, v: Vector, x: Vector) -> Vector:
+        """Probabilities for rows of vectors (n × dim each) and pair features (n × k)."""
+        pu, pv = u @ self.proj, v @ self.proj
+        z = np.concatenate([pu * pv, np.abs(pu - pv), (x - self.mean) / self.scale], axis=1)
+        h = np.maximum(z @ self.w1 + self.b1, 0.0)
+        out: Vector = (1.0 / (1.0 + np.exp(-(h @ self.w2 + self.b2)))).astype(np.float32)
         return out
 
     def decide(self, u: Vector, v: Vector, a: Question, b: Question) -> Decision:
@@ -475,7 +262,7 @@ class Rule:
         why = veto(a, b)
         if why:
             return Decision(False, cos, 0.0, why)
-        score = float(self.scores(features(u, v, a, b)[None, :])[0])
+        score = float(self.scores(u[None, :], v[None, :], features(u, v, a, b)[None, :])[0])
         if score < self.threshold:
             return Decision(False, cos, score, "score")
         return Decision(True, cos, score, "")
