@@ -297,7 +297,8 @@ class SemanticTier:
         if self.l2 is None:
             return
         record = encode_record(entry, vector, time.time())
-        name = self.l2.redis_key(query.namespace, query.model.name, MARK.encode() + query.key)
+        # The L2 key layout with the entry's id marked, so L2's GETs never meet a record.
+        name = self.l2.redis_key(query.namespace, query.model.name, b"") + MARK + query.key.hex()
         pipe = self.l2.client.pipeline(transaction=False)
         pipe.set(name, record, ex=max(1, int(self.settings.ttl_s)))
         pipe.xadd(

@@ -18,8 +18,8 @@ from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, started
 from tests.conftest import Engine, Tiny
 
 MISS, L1, SEMANTIC = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_SEMANTIC
-FRANCE = "What's the capital of France?"
-FRANCE_AGAIN = "Which city is France's capital?"
+QUESTION = "How do I get rid of acne?"
+PARAPHRASE = "How can I get rid of acne?"
 
 
 @pytest.fixture(scope="module")
@@ -89,23 +89,23 @@ async def stored(g: Gateway, n: int) -> None:
 async def test_a_paraphrase_is_answered_from_the_semantic_tier_with_its_audit_fields(
     gw: Gateway, engine: Engine, tiny: Tiny
 ) -> None:
-    first = await gw.stub.Complete(ask(FRANCE))
+    first = await gw.stub.Complete(ask(QUESTION))
     assert first.final.cache_tier == MISS
     await stored(gw, 1)
     before = started(engine)
-    hit = await gw.stub.Complete(ask(FRANCE_AGAIN))
+    hit = await gw.stub.Complete(ask(PARAPHRASE))
     assert hit.final.cache_tier == SEMANTIC
     assert (hit.text, list(hit.token_ids)) == (first.text, list(first.token_ids))
     assert 0.8 < hit.final.similarity <= 1.0
     model = gw.running.pipeline.models["tiny"].identity
-    key = cache_key("sem", model, FRANCE, (), SamplingKey(8, True, 0.0, 1.0, 1, None, ()))
+    key = cache_key("sem", model, QUESTION, (), SamplingKey(8, True, 0.0, 1.0, 1, None, ()))
     assert hit.final.cache_entry == key.hex()
     # Not copied into the exact tiers: the same paraphrase again is again a semantic hit.
-    again = await gw.stub.Complete(ask(FRANCE_AGAIN))
+    again = await gw.stub.Complete(ask(PARAPHRASE))
     assert again.final.cache_tier == SEMANTIC
     assert started(engine) == before
     # An exact hit says nothing of similarity.
-    exact = await gw.stub.Complete(ask(FRANCE))
+    exact = await gw.stub.Complete(ask(QUESTION))
     assert (exact.final.cache_tier, exact.final.similarity, exact.final.cache_entry) == (L1, 0, "")
 
 
@@ -118,27 +118,28 @@ async def test_near_identical_questions_with_other_answers_miss(gw: Gateway) -> 
 
 
 async def test_scope_namespace_model_sampling_stops_and_earlier_messages(gw: Gateway) -> None:
-    await gw.stub.Complete(ask(FRANCE))
-    await gw.stub.Complete(chat(("system", "Be brief."), ("user", FRANCE)))
+    await gw.stub.Complete(ask(QUESTION))
+    await gw.stub.Complete(chat(("system", "Be brief."), ("user", QUESTION)))
     await stored(gw, 2)
+    # A hit is never stored under its own key, so these leave the misses below untouched.
+    assert (await gw.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
+    hit = await gw.stub.Complete(chat(("system", "Be brief."), ("user", PARAPHRASE)))
+    assert hit.final.cache_tier == SEMANTIC
     misses = [
-        ask(FRANCE_AGAIN, namespace="other"),  # enabled, but another tenant
-        ask(FRANCE_AGAIN, namespace="off"),  # not enabled for the tier
-        ask(FRANCE_AGAIN, max_tokens=9),
-        ask(FRANCE_AGAIN, temperature=0.5, seed=7),
-        ask(FRANCE_AGAIN, stop=["."]),
-        ask(FRANCE_AGAIN, semantic_cache=False),
-        ask(FRANCE_AGAIN, cache_policy=pb.CACHE_POLICY_BYPASS),
-        chat(("system", "Be verbose."), ("user", FRANCE_AGAIN)),
-        chat(("user", FRANCE_AGAIN)),
-        chat(("system", "Be brief."), ("user", FRANCE), ("assistant", "Paris")),
+        ask(PARAPHRASE, namespace="other"),  # enabled, but another tenant
+        ask(PARAPHRASE, namespace="off"),  # not enabled for the tier
+        ask(PARAPHRASE, max_tokens=9),
+        ask(PARAPHRASE, temperature=0.5, seed=7),
+        ask(PARAPHRASE, stop=["."]),
+        ask(PARAPHRASE, semantic_cache=False),
+        ask(PARAPHRASE, cache_policy=pb.CACHE_POLICY_BYPASS),
+        chat(("system", "Be verbose."), ("user", PARAPHRASE)),
+        chat(("user", PARAPHRASE)),
+        chat(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hi"), ("user", PARAPHRASE)),
     ]
     for request in misses:
         final = (await gw.stub.Complete(request)).final
         assert final.cache_tier == MISS, request
-    assert (await gw.stub.Complete(ask(FRANCE_AGAIN))).final.cache_tier == SEMANTIC
-    hit = await gw.stub.Complete(chat(("system", "Be brief."), ("user", FRANCE_AGAIN)))
-    assert hit.final.cache_tier == SEMANTIC
 
 
 async def test_unset_semantic_cache_follows_the_request_default(
@@ -150,10 +151,10 @@ async def test_unset_semantic_cache_follows_the_request_default(
     )
     try:
         await until(g, lambda c: c["semantic_in_sync"] == 1)
-        await g.stub.Complete(ask(FRANCE))
+        await g.stub.Complete(ask(QUESTION))
         await stored(g, 1)
         unset = pb.GenerateRequest(
-            model="tiny", namespace="sem", prompt=FRANCE_AGAIN, temperature=0, max_tokens=8
+            model="tiny", namespace="sem", prompt=PARAPHRASE, temperature=0, max_tokens=8
         )
         assert (await g.stub.Complete(unset)).final.cache_tier == SEMANTIC
     finally:
@@ -161,7 +162,7 @@ async def test_unset_semantic_cache_follows_the_request_default(
 
 
 async def test_bad_texts_never_fail_a_request(gw: Gateway) -> None:
-    for text in ("", "?!...", "\u200b\u200b", "word " * 3000, "\x00\x01 binary \x7f"):
+    for text in ("", "?!...", "\u200b\u200b", "word " * 600, "\x00\x01 binary \x7f"):
         request = ask(text, max_tokens=2)
         if not text:
             request = chat(("user", ""), max_tokens=2)
@@ -176,9 +177,9 @@ async def test_another_gateway_finds_the_entry_and_a_restarted_one_rebuilds(
     other = await gateway(tiny, engine, config)
     try:
         await until(other, lambda c: c["semantic_in_sync"] == 1)
-        first = await gw.stub.Complete(ask(FRANCE))
+        first = await gw.stub.Complete(ask(QUESTION))
         await until(other, lambda c: c["semantic_entries"] >= 1)
-        hit = await other.stub.Complete(ask(FRANCE_AGAIN))
+        hit = await other.stub.Complete(ask(PARAPHRASE))
         assert (hit.final.cache_tier, hit.text) == (SEMANTIC, first.text)
     finally:
         await other.close()
@@ -186,7 +187,7 @@ async def test_another_gateway_finds_the_entry_and_a_restarted_one_rebuilds(
     try:
         counters = await until(restarted, lambda c: c["semantic_in_sync"] == 1)
         assert counters["semantic_entries"] >= 1 and counters["semantic_rebuilds"] >= 1
-        hit = await restarted.stub.Complete(ask(FRANCE_AGAIN))
+        hit = await restarted.stub.Complete(ask(PARAPHRASE))
         assert hit.final.cache_tier == SEMANTIC
     finally:
         await restarted.close()
@@ -198,11 +199,11 @@ async def test_invalidation_reaches_the_other_gateways(
     other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
         await until(other, lambda c: c["semantic_in_sync"] == 1)
-        await gw.stub.Complete(ask(FRANCE))
+        await gw.stub.Complete(ask(QUESTION))
         await until(other, lambda c: c["semantic_entries"] >= 1)
         await gw.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
         await until(other, lambda c: c["semantic_entries"] == 0)
-        assert (await other.stub.Complete(ask(FRANCE_AGAIN))).final.cache_tier == MISS
+        assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
     finally:
         await other.close()
 
@@ -214,12 +215,12 @@ async def test_redis_down_means_no_semantic_hits_and_no_failed_request(
     g = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
         await until(g, lambda c: c["semantic_in_sync"] == 1)
-        await g.stub.Complete(ask(FRANCE))
+        await g.stub.Complete(ask(QUESTION))
         await stored(g, 1)
         redis_server.kill()
         await until(g, lambda c: c["semantic_in_sync"] == 0)
-        for _ in range(3):
-            reply = await g.stub.Complete(ask(FRANCE_AGAIN), timeout=30)
+        for text in (PARAPHRASE, "How do I get rid of my acne?", "How can one get rid of acne?"):
+            reply = await g.stub.Complete(ask(text), timeout=30)
             assert reply.final.cache_tier == MISS
         assert (await g.counters())["semantic_unsynced"] >= 3
     finally:
@@ -238,7 +239,7 @@ async def test_without_an_embedder_the_gateway_starts_without_the_tier(
         ]
         assert len(lines) == 1 and "appliance semantic-setup" in lines[0]
         assert not any(k.startswith("semantic_") for k in await g.counters())
-        reply = await g.stub.Complete(ask(FRANCE))
+        reply = await g.stub.Complete(ask(QUESTION))
         assert reply.final.cache_tier == MISS
     finally:
         await g.close()
@@ -249,8 +250,8 @@ async def test_without_redis_the_tier_is_this_gateways_own(
 ) -> None:
     g = await gateway(tiny, engine, semantic_config(None, embedder_dir))
     try:
-        await g.stub.Complete(ask(FRANCE))
+        await g.stub.Complete(ask(QUESTION))
         await stored(g, 1)
-        assert (await g.stub.Complete(ask(FRANCE_AGAIN))).final.cache_tier == SEMANTIC
+        assert (await g.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
     finally:
         await g.close()
