@@ -101,6 +101,13 @@ class VectorIndex:
             out.append((entry, stored))
         return out
 
+    def entries(self) -> list[tuple[Entry, Vector]]:
+        """Every entry with its vector (least recently used first)."""
+        return [
+            (e, np.asarray(self._scopes[e.scope].get(e.label), dtype=np.float32))
+            for e in self._lru.values()
+        ]
+
     def touch(self, entry: Entry) -> None:
         """Marks an entry as just used (it answered a request)."""
         if entry.entry_id in self._lru:
