@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,22 +27,44 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from appliance.cache.embedder import Embedder
+from appliance.cache.embedder import Embedder, Vector
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.paraphrase import Rule
 from appliance.cache.semantic import SemanticTier, encode_record
-from appliance.cache.semantic_eval import decide_all, read_pairs, render, report
+from appliance.cache.semantic_eval import Pair, decide_all, read_pairs, render, report
 from appliance.cache.tiers import CacheQuery
 from appliance.cache.vectors import Entry
 from appliance.config import SemanticConfig
 from bench.common import pct
-from bench.semantic_train import vectors
 
 QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp"
 HARD = Path(__file__).resolve().parents[1] / "tests" / "cache" / "data" / "semantic_pairs.jsonl"
 MODEL = ModelIdentity("bench", "engine-fp", "tok-fp", "v1")
 SAMPLING = SamplingKey(64, True, 0.0, 1.0, 1, None, ())
+
+
+def vectors(embedder_dir: Path, cache: Path, pairs: list[Pair]) -> tuple[Vector, Vector]:
+    """Vectors of both sides from the shipped embedder, kept in `cache` (a second run reads them;
+    importing torch in the same process as onnxruntime crashes it, so training imports this)."""
+    texts = sorted({t for p in pairs for t in (p.a, p.b)})
+    known: dict[str, int] = {}
+    if cache.exists():
+        with np.load(cache, allow_pickle=False) as data:
+            stored_texts, stored = list(data["texts"]), data["vectors"]
+        known = {t: i for i, t in enumerate(stored_texts)}
+    missing = [t for t in texts if t not in known]
+    if missing:
+        print(f"embedding {len(missing)} texts", file=sys.stderr, flush=True)
+        new, _ = Embedder(embedder_dir, threads=2).embed_many(missing)
+        stored_texts = [*((known and stored_texts) or []), *missing]
+        stored = np.concatenate([stored, new]) if known else new
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(cache, texts=np.array(stored_texts), vectors=stored)
+        known = {t: i for i, t in enumerate(stored_texts)}
+    ia = np.array([known[p.a] for p in pairs])
+    ib = np.array([known[p.b] for p in pairs])
+    return stored[ia], stored[ib]
 
 
 def quality(embedder_dir: Path, qqp: Path) -> None:
@@ -59,7 +82,7 @@ def quality(embedder_dir: Path, qqp: Path) -> None:
 
 
 def ms(values: list[float]) -> str:
-    return f"P50 {pct(values, 50) * 1e3:6.2f} ms  P99 {pct(values, 99) * 1e3:6.2f} ms"
+    return f"P50 {pct(values, 0.5) * 1e3:6.2f} ms  P99 {pct(values, 0.99) * 1e3:6.2f} ms"
 
 
 def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:

@@ -20,30 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from appliance.cache.embedder import Embedder, Vector
+from appliance.cache.embedder import Vector
 from appliance.cache.paraphrase import Question, Rule, analyze, features, veto
-from appliance.cache.semantic_eval import Pair, read_pairs
-
-
-def vectors(embedder_dir: Path, cache: Path, pairs: list[Pair]) -> tuple[Vector, Vector]:
-    texts = sorted({t for p in pairs for t in (p.a, p.b)})
-    known: dict[str, int] = {}
-    if cache.exists():
-        with np.load(cache, allow_pickle=False) as data:
-            stored_texts, stored = list(data["texts"]), data["vectors"]
-        known = {t: i for i, t in enumerate(stored_texts)}
-    missing = [t for t in texts if t not in known]
-    if missing:
-        print(f"embedding {len(missing)} texts", file=sys.stderr, flush=True)
-        new, _ = Embedder(embedder_dir, threads=2).embed_many(missing)
-        stored_texts = [*((known and stored_texts) or []), *missing]
-        stored = np.concatenate([stored, new]) if known else new
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(cache, texts=np.array(stored_texts), vectors=stored)
-        known = {t: i for i, t in enumerate(stored_texts)}
-    ia = np.array([known[p.a] for p in pairs])
-    ib = np.array([known[p.b] for p in pairs])
-    return stored[ia], stored[ib]
+from appliance.cache.semantic_eval import read_pairs
+from bench.semantic import vectors
 
 
 class Classifier(torch.nn.Module):

@@ -19,6 +19,12 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+try:
+    # At import, not first use: onnxruntime must load before usearch (vectors.py), or it crashes.
+    import onnxruntime as ort
+except ImportError:  # the gateway then runs without the semantic tier
+    ort = None
+
 MANIFEST = "embedder.json"
 MAX_TOKENS = 128
 # Characters looked at before tokenizing: a longer text cannot fit MAX_TOKENS word pieces of
@@ -35,8 +41,10 @@ class EmbedderUnavailable(Exception):
 class Embedder:
     def __init__(self, model_dir: Path, threads: int = 1) -> None:
         try:
-            import onnxruntime as ort
             from tokenizers import Tokenizer
+
+            if ort is None:
+                raise ImportError("onnxruntime is not installed")
 
             manifest = json.loads((model_dir / MANIFEST).read_text())
             self.name = str(manifest["model"])

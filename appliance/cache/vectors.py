@@ -14,9 +14,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from usearch.index import Index
 
 from appliance.cache.embedder import Vector
 from appliance.cache.entry import CachedAnswer
@@ -51,7 +51,7 @@ class VectorIndex:
         self.max_bytes = max_bytes
         self._clock = clock
         self._labels = itertools.count(1)
-        self._scopes: dict[bytes, Index] = {}
+        self._scopes: dict[bytes, Any] = {}  # scope → usearch Index
         self._by_label: dict[int, Entry] = {}
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # entry_id → entry
         self.bytes = 0
@@ -71,7 +71,7 @@ class VectorIndex:
             self._drop(self._lru[entry.entry_id])
         index = self._scopes.get(entry.scope)
         if index is None:
-            index = self._scopes[entry.scope] = Index(ndim=self.dim, metric="ip", dtype="f32")
+            index = self._scopes[entry.scope] = _new_index(self.dim)
         entry.label = next(self._labels)
         index.add(entry.label, np.ascontiguousarray(vector, dtype=np.float32))
         self._by_label[entry.label] = entry
@@ -150,3 +150,12 @@ class VectorIndex:
     def memory_bytes(self) -> int:
         """What usearch itself holds (vectors and graph), for the benchmark's memory figure."""
         return sum(int(index.memory_usage) for index in self._scopes.values())
+
+
+def _new_index(dim: int) -> Any:
+    """A usearch index for unit vectors (inner product = cosine). usearch is imported here, not
+    at the top: onnxruntime (imported by the embedder module) must be loaded first; the other order
+    crashes the process when onnxruntime loads (a native-library clash)."""
+    from usearch.index import Index
+
+    return Index(ndim=dim, metric="ip", dtype="f32")
