@@ -175,6 +175,45 @@ def _admin_channel(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str]
     return grpc.secure_channel(args.gateway, credentials, options=options), metadata
 
 
+def _semantic_setup(args: argparse.Namespace) -> int:
+    from appliance.cache.embedder_export import ExportError, export_embedder
+
+    try:
+        dest = export_embedder(Path(args.dest))
+    except ExportError as exc:
+        print(f"appliance semantic-setup: {exc}", file=sys.stderr)
+        return 1
+    print(f"embedder: {dest}")
+    return 0
+
+
+def _semantic_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from appliance.cache.embedder import Embedder, EmbedderUnavailable
+    from appliance.cache.paraphrase import Rule
+    from appliance.cache.semantic_eval import (
+        PairsError,
+        decide_all,
+        embed_pairs,
+        read_pairs,
+        render,
+        report,
+    )
+
+    try:
+        pairs = read_pairs(Path(args.pairs))
+        embedder = Embedder(Path(args.embedder), threads=args.threads)
+    except (PairsError, EmbedderUnavailable) as exc:
+        print(f"appliance semantic-eval: {exc}", file=sys.stderr)
+        return 2
+    rule = Rule()
+    va, vb, fits = embed_pairs(embedder, pairs)
+    result = report(pairs, decide_all(rule, pairs, va, vb, fits), rule)
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from appliance.loadgen.command import add_arguments as add_bench_arguments
 
@@ -297,6 +336,23 @@ def parser() -> argparse.ArgumentParser:
     add_bench_arguments(b)
     b.set_defaults(func=_bench)
     keyscli.add_parser(sub)
+
+    ss = sub.add_parser(
+        "semantic-setup", help="export the semantic tier's embedder (needs the set-up extra)"
+    )
+    ss.add_argument(
+        "--dest", default="var/semantic", help="output directory (default var/semantic)"
+    )
+    ss.set_defaults(func=_semantic_setup)
+
+    se = sub.add_parser(
+        "semantic-eval", help="precision and recall of the semantic tier's rule on labelled pairs"
+    )
+    se.add_argument("--pairs", required=True, help='JSON lines {"a", "b", "label"} (gzip accepted)')
+    se.add_argument("--embedder", default="var/semantic", help="embedder directory")
+    se.add_argument("--threads", type=int, default=2, help="embedding threads (default 2)")
+    se.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    se.set_defaults(func=_semantic_eval)
 
     d = sub.add_parser("demo", help="start engine + gateway, stream a few requests, stop both")
     d.add_argument("--workdir", default="var", help="where the tiny model and configs go")

@@ -97,12 +97,36 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SemanticConfig:
+    """`[cache.semantic]`: the semantic tier (off unless enabled, and only for listed namespaces)."""
+
+    enabled: bool = False
+    # Namespaces whose requests take part; "*" means every namespace.
+    namespaces: tuple[str, ...] = ()
+    # Whether a request that does not set semantic_cache asks the tier.
+    request_default: bool = False
+    embedder_dir: Path = Path("var/semantic")
+    max_entries: int = 100_000
+    max_bytes: int = 512 * 1024 * 1024
+    ttl_s: float = 86400.0
+    # Nearest entries the rule looks at per lookup.
+    candidates: int = 4
+    # Overrides of the shipped rule's cosine floor and classifier threshold (None: shipped).
+    min_similarity: float | None = None
+    min_score: float | None = None
+    # Longest a stream read blocks; lookups stop once the follower is this many times later.
+    follow_block_ms: int = 500
+    stream_max_len: int = 100_000
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     enabled: bool = True
     l1_max_entries: int = 10000
     l1_max_bytes: int = 256 * 1024 * 1024
     l1_ttl_s: float = 300.0
     redis: RedisSettings | None = None
+    semantic: SemanticConfig = field(default_factory=SemanticConfig)
 
 
 @dataclass(frozen=True)
@@ -337,7 +361,7 @@ def _auth(r: _Reader, path: Path) -> AuthConfig:
 
 def _cache(top: _Reader, path: Path, text: str) -> CacheConfig:
     data = top.get("cache", dict, {})
-    known = {"enabled", "l1_max_entries", "l1_max_bytes", "l1_ttl_s", "redis"}
+    known = {"enabled", "l1_max_entries", "l1_max_bytes", "l1_ttl_s", "redis", "semantic"}
     r = _Reader(path, text, "cache", data, known)
     redis_data = r.get("redis", dict, None)
     redis = None
@@ -352,7 +376,45 @@ def _cache(top: _Reader, path: Path, text: str) -> CacheConfig:
         l1_max_bytes=r.positive("l1_max_bytes", int, CacheConfig.l1_max_bytes),
         l1_ttl_s=r.positive("l1_ttl_s", float, CacheConfig.l1_ttl_s),
         redis=redis,
+        semantic=_semantic(r.sub("semantic", _SEMANTIC_KEYS), path),
     )
+
+
+_SEMANTIC_KEYS = {
+    "enabled",
+    "namespaces",
+    "request_default",
+    "embedder_dir",
+    "max_entries",
+    "max_bytes",
+    "ttl_s",
+    "candidates",
+    "min_similarity",
+    "min_score",
+}
+
+
+def _semantic(r: _Reader, path: Path) -> SemanticConfig:
+    d = SemanticConfig()
+    config = SemanticConfig(
+        enabled=r.get("enabled", bool, d.enabled),
+        namespaces=r.str_list("namespaces", d.namespaces),
+        request_default=r.get("request_default", bool, d.request_default),
+        embedder_dir=r.file_path("embedder_dir", path.parent) or d.embedder_dir,
+        max_entries=r.positive("max_entries", int, d.max_entries),
+        max_bytes=r.size("max_bytes", d.max_bytes) or d.max_bytes,
+        ttl_s=r.positive("ttl_s", float, d.ttl_s),
+        candidates=r.positive("candidates", int, d.candidates),
+        min_similarity=r.get("min_similarity", float, None),
+        min_score=r.get("min_score", float, None),
+    )
+    for key in ("min_similarity", "min_score"):
+        value = getattr(config, key)
+        if value is not None and not 0.0 < value <= 1.0:
+            r.fail(key, f"must be in (0, 1], got {value!r}")
+    if config.enabled and not config.namespaces:
+        r.fail("namespaces", 'list the namespaces that use the tier ("*" for all)')
+    return config
 
 
 _REDIS_KEYS = {

@@ -2,8 +2,10 @@
 
 A tier finds an answer for a CacheQuery: the exact tiers use its key alone; a semantic tier needs the
 normalized input, the namespace, the model identity and the sampling parameters, so the query carries
-them all. The cascade asks tiers in order (cheapest first); a hit in a later tier is copied into the
-earlier ones, so the next identical request stops at the first tier.
+them all. The cascade asks tiers in order (cheapest first); an exact hit in a later tier is copied into
+the earlier ones, so the next identical request stops at the first tier. A semantic hit is not: it is
+another request's answer, and copied under this request's key it would turn a similarity judgment into
+an exact entry that outlives the judgment (an invalidation of the cached question would not reach it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ class CacheQuery:
     prompt: str | None
     messages: tuple[tuple[str, str], ...]
     sampling: SamplingKey
+    # The request's own say on the semantic tier: True asks it, False never, None the default.
+    semantic: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A cached answer and where it came from."""
+
+    answer: CachedAnswer
+    tier: str
+    # False for an answer cached under another key (a paraphrase): never copied to exact tiers.
+    exact: bool = True
+    # Semantic hits: the cosine similarity of the two questions and the answering entry's key.
+    similarity: float = 0.0
+    entry: bytes = b""
 
 
 class CacheTier(Protocol):
@@ -38,8 +55,9 @@ class CacheTier(Protocol):
 
     name: str
 
-    async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
-        """The answer for the query, or None; a fault is a (counted) miss, never an exception."""
+    async def lookup(self, query: CacheQuery) -> CachedAnswer | Hit | None:
+        """The answer for the query (a Hit when the tier says more than the answer), or None; a
+        fault is a (counted) miss, never an exception."""
         ...
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
@@ -95,15 +113,18 @@ class TierCascade:
         self.tiers = tuple(tiers)
         self.metrics = metrics
 
-    async def lookup(self, query: CacheQuery) -> tuple[CachedAnswer, str] | None:
-        """The cached answer and the name of the tier that had it, or None on a miss."""
+    async def lookup(self, query: CacheQuery) -> Hit | None:
+        """The cached answer and the tier that had it, or None on a miss."""
         for index, tier in enumerate(self.tiers):
-            answer = await tier.lookup(query)
-            if answer is not None:
-                self.metrics.count_hit(tier.name)
+            found = await tier.lookup(query)
+            if found is None:
+                continue
+            hit = Hit(found, tier.name) if isinstance(found, CachedAnswer) else found
+            self.metrics.count_hit(tier.name)
+            if hit.exact:
                 for earlier in self.tiers[:index]:
-                    earlier.store(query, answer)
-                return answer, tier.name
+                    earlier.store(query, hit.answer)
+            return hit
         self.metrics.misses += 1
         return None
 

@@ -43,6 +43,8 @@ def final(
             cache_tier=TIERS[r.tier],
             model=r.answered_by or r.model,
             degraded=r.answered_by not in ("", r.model),
+            similarity=r.similarity,
+            cache_entry=r.cache_entry,
         ),
     )
 

@@ -31,6 +31,7 @@ ended, go to the report sink once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import secrets
@@ -43,11 +44,10 @@ import grpc
 
 from appliance.admission import Admission
 from appliance.backends.base import BackendError, GenerationRequest
-from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import SamplingKey, cache_key, is_deterministic
 from appliance.cache.policy import CachePlan, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
-from appliance.cache.tiers import CacheQuery, TierCascade
+from appliance.cache.tiers import CacheQuery, Hit, TierCascade
 from appliance.errors import RequestError
 from appliance.gateway import messages
 from appliance.gateway.generation import Delta, Event, Outcome, Started, generate
@@ -139,7 +139,7 @@ class Pipeline:
             budget = self.budget(model, request, deadline_s)
             checked = check(request, model.limits)
             report.request_id, report.namespace = checked.request_id, checked.namespace
-            query = self.cache_query(model, checked)
+            query = self.cache_query(model, checked, request)
             cache_plan = self.cache_plan(checked, query)
             if query is not None and cache_plan.read:
                 hit = await self.lookup(query, cache_plan)
@@ -150,7 +150,7 @@ class Pipeline:
             for retry in (False, True):
                 target = self.failover(model, skip_primary=retry)
                 prepared = await self.tokenize(target, checked)
-                shared = self.cache_query(target, checked) if cache_plan.write else None
+                shared = self.cache_query(target, checked, request) if cache_plan.write else None
                 flight = self.single_flight(target, prepared, shared, budget)
                 try:
                     async for message in self.deliver(flight, report, received, budget, model):
@@ -220,7 +220,9 @@ class Pipeline:
         first_by = expires if ttft_s is None else min(expires, now + ttft_s)
         return Budget(expires, first_by, ttft_s)
 
-    def cache_query(self, model: ServedModel, checked: CheckedRequest) -> CacheQuery | None:
+    def cache_query(
+        self, model: ServedModel, checked: CheckedRequest, request: pb.GenerateRequest
+    ) -> CacheQuery | None:
         """The request as the cache sees it; None when its answer may not be cached."""
         if self.cache is None or checked.cache_policy == checked.cache_policy.BYPASS:
             return None
@@ -231,8 +233,15 @@ class Pipeline:
         key = cache_key(
             checked.namespace, model.identity, checked.prompt, checked.messages, sampling
         )
+        semantic = request.semantic_cache if request.HasField("semantic_cache") else None
         return CacheQuery(
-            key, checked.namespace, model.identity, checked.prompt, checked.messages, sampling
+            key,
+            checked.namespace,
+            model.identity,
+            checked.prompt,
+            checked.messages,
+            sampling,
+            semantic,
         )
 
     @staticmethod
@@ -242,9 +251,7 @@ class Pipeline:
         except OnlyNotPossible as exc:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
-    async def lookup(
-        self, query: CacheQuery, cache_plan: CachePlan
-    ) -> tuple[CachedAnswer, str] | None:
+    async def lookup(self, query: CacheQuery, cache_plan: CachePlan) -> Hit | None:
         assert self.cache is not None
         hit = await self.cache.lookup(query)
         if hit is None and cache_plan.only:
@@ -253,11 +260,11 @@ class Pipeline:
             )
         return hit
 
-    def replay(
-        self, hit: tuple[CachedAnswer, str], report: RequestReport, received: int
-    ) -> list[pb.GenerateResponse]:
+    def replay(self, hit: Hit, report: RequestReport, received: int) -> list[pb.GenerateResponse]:
         """A cached answer in the shape of a generated one: one delta, then the final message."""
-        answer, report.tier = hit
+        answer, report.tier = hit.answer, hit.tier
+        if not hit.exact:
+            report.similarity, report.cache_entry = hit.similarity, hit.entry.hex()
         started = time.monotonic_ns()
         report.answered_by = report.model
         report.finish_reason = answer.finish_reason
@@ -457,14 +464,7 @@ class Pipeline:
             key = cache_key(
                 query.namespace, outcome.produced_by, query.prompt, query.messages, query.sampling
             )
-            query = CacheQuery(
-                key,
-                query.namespace,
-                outcome.produced_by,
-                query.prompt,
-                query.messages,
-                query.sampling,
-            )
+            query = dataclasses.replace(query, key=key, model=outcome.produced_by)
         self.cache.store(query, messages.answer_of(flight.events))
 
     # -- helpers ------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ class RequestReport:
     answered_by: str = ""
     # "miss" (generated), or the cache tier that answered ("l1", "l2", ...).
     tier: str = "miss"
+    # A semantic hit: the similarity of the two questions and the answering entry's key (hex).
+    similarity: float = 0.0
+    cache_entry: str = ""
     # gRPC status name the request ended with: "OK", "INVALID_ARGUMENT", "CANCELLED", ...
     status: str = "OK"
     # "stop", "length", "cancelled", or "" when the request failed.

@@ -21,6 +21,7 @@ from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
+from appliance.cache.semantic import make_semantic_tier
 from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
 from appliance.gateway import decoding
@@ -50,8 +51,13 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
     tiers: list[CacheTier] = [
         L1Tier(LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s))
     ]
-    if config.redis is not None:
-        tiers.append(RedisTier(config.redis, metrics))
+    l2 = RedisTier(config.redis, metrics) if config.redis is not None else None
+    if l2 is not None:
+        tiers.append(l2)
+    if config.semantic.enabled:
+        semantic = make_semantic_tier(config.semantic, l2)
+        if semantic is not None:
+            tiers.append(semantic)
     return TierCascade(tiers, metrics)
 
 

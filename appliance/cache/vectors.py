@@ -1,0 +1,161 @@
+"""The semantic tier's in-process vector index: entries by scope, bounded by entries, bytes and TTL.
+
+A scope is everything that must be identical for two requests to share an answer (namespace, model
+identity, sampling, stop strings, earlier chat messages), so each scope has its own usearch HNSW
+index and a search never sees another scope's vectors. Vectors are kept once, in usearch (float32, so
+the similarities are those the decision rule was tuned on). Eviction is least recently used across
+all scopes; an expired entry is dropped when a search meets it or when it reaches the LRU end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from appliance.cache.embedder import Vector
+from appliance.cache.entry import CachedAnswer
+
+# Bytes an entry costs beyond its text and answer: the float32 vector, usearch's graph links at the
+# default connectivity (about 2 × 16 neighbours × 4 bytes at level 0), and the Python objects.
+ENTRY_OVERHEAD = 384 * 4 + 160 + 400
+
+
+@dataclass(slots=True)
+class Entry:
+    entry_id: bytes  # the exact cache key of the request whose answer this is
+    scope: bytes
+    text: str  # the question the vector was computed from
+    answer: CachedAnswer
+    labels: tuple[str, str]  # (namespace, model name) for invalidation
+    expires: float  # on the index's clock
+    label: int = 0  # usearch key
+    size: int = 0
+
+
+class VectorIndex:
+    def __init__(
+        self,
+        dim: int,
+        max_entries: int,
+        max_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dim = dim
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._labels = itertools.count(1)
+        self._scopes: dict[bytes, Any] = {}  # scope → usearch Index
+        self._by_label: dict[int, Entry] = {}
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # entry_id → entry
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, entry_id: bytes) -> bool:
+        return entry_id in self._lru
+
+    def add(self, entry: Entry, vector: Vector) -> bool:
+        """Adds (or replaces) an entry; False when it cannot fit at all or has expired."""
+        entry.size = ENTRY_OVERHEAD + len(entry.text.encode()) + entry.answer.size()
+        if entry.size > self.max_bytes or self.max_entries == 0 or entry.expires <= self._clock():
+            return False
+        if entry.entry_id in self._lru:
+            self._drop(self._lru[entry.entry_id])
+        index = self._scopes.get(entry.scope)
+        if index is None:
+            index = self._scopes[entry.scope] = _new_index(self.dim)
+        entry.label = next(self._labels)
+        index.add(entry.label, np.ascontiguousarray(vector, dtype=np.float32))
+        self._by_label[entry.label] = entry
+        self._lru[entry.entry_id] = entry
+        self.bytes += entry.size
+        while len(self._lru) > self.max_entries or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._lru.values())))
+        return True
+
+    def search(self, scope: bytes, vector: Vector, k: int) -> list[tuple[Entry, Vector]]:
+        """Up to k live entries of the scope nearest to the vector, nearest first, each with its
+        stored vector (the rule compares the two)."""
+        index = self._scopes.get(scope)
+        if index is None or len(index) == 0:
+            return []
+        found = index.search(vector, min(k, len(index)))
+        now = self._clock()
+        out: list[tuple[Entry, Vector]] = []
+        for label in found.keys:
+            entry = self._by_label.get(int(label))
+            if entry is None:
+                continue
+            if entry.expires <= now:
+                self._drop(entry)
+                continue
+            stored: Vector = np.asarray(index.get(int(label)), dtype=np.float32)
+            out.append((entry, stored))
+        return out
+
+    def entries(self) -> list[tuple[Entry, Vector]]:
+        """Every entry with its vector (least recently used first)."""
+        return [
+            (e, np.asarray(self._scopes[e.scope].get(e.label), dtype=np.float32))
+            for e in self._lru.values()
+        ]
+
+    def touch(self, entry: Entry) -> None:
+        """Marks an entry as just used (it answered a request)."""
+        if entry.entry_id in self._lru:
+            self._lru.move_to_end(entry.entry_id)
+
+    def remove(self, entry_id: bytes) -> bool:
+        entry = self._lru.get(entry_id)
+        if entry is None:
+            return False
+        self._drop(entry)
+        return True
+
+    def invalidate(self, namespace: str, model: str) -> int:
+        """Drops entries of a namespace and/or model ("" matches any)."""
+        doomed = [
+            e
+            for e in self._lru.values()
+            if (not namespace or e.labels[0] == namespace) and (not model or e.labels[1] == model)
+        ]
+        for entry in doomed:
+            self._drop(entry)
+        return len(doomed)
+
+    def clear(self) -> None:
+        self._scopes.clear()
+        self._by_label.clear()
+        self._lru.clear()
+        self.bytes = 0
+
+    def _drop(self, entry: Entry) -> None:
+        self._lru.pop(entry.entry_id, None)
+        if self._by_label.pop(entry.label, None) is None:
+            return
+        self.bytes -= entry.size
+        index = self._scopes[entry.scope]
+        index.remove(entry.label)
+        if len(index) == 0:
+            del self._scopes[entry.scope]
+
+    def memory_bytes(self) -> int:
+        """What usearch itself holds (vectors and graph), for the benchmark's memory figure."""
+        return sum(int(index.memory_usage) for index in self._scopes.values())
+
+
+def _new_index(dim: int) -> Any:
+    """A usearch index for unit vectors (inner product = cosine). usearch is imported here, not
+    at the top: onnxruntime (imported by the embedder module) must be loaded first; the other order
+    crashes the process when onnxruntime loads (a native-library clash)."""
+    from usearch.index import Index
+
+    return Index(ndim=dim, metric="ip", dtype="f32")

@@ -1,0 +1,186 @@
+"""Semantic-tier benchmark: quality on QQP test and the hard negatives, lookup cost, memory, rebuild.
+
+    PYTHONPATH=. .venv/bin/python -m bench.semantic [--entries 100000] [--queries 300]
+
+(a) QQP test split (../shared/data/qqp/test.jsonl.gz): the shipped rule (exactly `appliance
+    semantic-eval`) beside plain cosine at 0.80/0.90/0.95 and the rule's precision–recall curve, from
+    the same vectors. The vectors come from the shipped embedder and are kept in
+    var/semantic/test-vectors.npz so a second run does not embed 40k texts again.
+(b) tests/cache/data/semantic_pairs.jsonl: false hits on the hard negatives, recall on paraphrases.
+(c) lookup at --entries entries in one scope (QQP dev questions, real vectors): embed, search +
+    verify, and the whole lookup, P50/P99; a miss pays the same embed + search + verify.
+(d) memory of those entries (RSS growth and the index's own accounting) and the rebuild of the index
+    from a real redis-server holding them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from appliance.cache.embedder import Embedder, Vector
+from appliance.cache.entry import CachedAnswer
+from appliance.cache.keys import ModelIdentity, SamplingKey
+from appliance.cache.paraphrase import Rule
+from appliance.cache.semantic import SemanticTier, encode_record
+from appliance.cache.semantic_eval import Pair, decide_all, read_pairs, render, report
+from appliance.cache.tiers import CacheQuery
+from appliance.cache.vectors import Entry
+from appliance.config import SemanticConfig
+from bench.common import pct
+
+QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp"
+HARD = Path(__file__).resolve().parents[1] / "tests" / "cache" / "data" / "semantic_pairs.jsonl"
+MODEL = ModelIdentity("bench", "engine-fp", "tok-fp", "v1")
+SAMPLING = SamplingKey(64, True, 0.0, 1.0, 1, None, ())
+
+
+def vectors(embedder_dir: Path, cache: Path, pairs: list[Pair]) -> tuple[Vector, Vector]:
+    """Vectors of both sides from the shipped embedder, kept in `cache` (a second run reads them;
+    importing torch in the same process as onnxruntime crashes it, so training imports this)."""
+    texts = sorted({t for p in pairs for t in (p.a, p.b)})
+    known: dict[str, int] = {}
+    if cache.exists():
+        with np.load(cache, allow_pickle=False) as data:
+            stored_texts, stored = list(data["texts"]), data["vectors"]
+        known = {t: i for i, t in enumerate(stored_texts)}
+    missing = [t for t in texts if t not in known]
+    if missing:
+        print(f"embedding {len(missing)} texts", file=sys.stderr, flush=True)
+        new, _ = Embedder(embedder_dir, threads=2).embed_many(missing)
+        stored_texts = [*((known and stored_texts) or []), *missing]
+        stored = np.concatenate([stored, new]) if known else new
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(cache, texts=np.array(stored_texts), vectors=stored)
+        known = {t: i for i, t in enumerate(stored_texts)}
+    ia = np.array([known[p.a] for p in pairs])
+    ib = np.array([known[p.b] for p in pairs])
+    return stored[ia], stored[ib]
+
+
+def quality(embedder_dir: Path, qqp: Path) -> None:
+    rule = Rule()
+    pairs = read_pairs(qqp / "test.jsonl.gz")
+    va, vb = vectors(embedder_dir, Path("var/semantic/test-vectors.npz"), pairs)
+    result = report(pairs, decide_all(rule, pairs, va, vb, [True] * len(pairs)), rule)
+    print(f"(a) QQP test split, {len(pairs)} pairs\n{render(result)}\n")
+    hard = read_pairs(HARD)
+    embedder = Embedder(embedder_dir)
+    ha, hb = vectors(embedder_dir, Path("var/semantic/hard-vectors.npz"), hard)
+    r = report(hard, decide_all(rule, hard, ha, hb, [True] * len(hard)), rule)
+    print(f"(b) hard negatives (tests/cache/data/semantic_pairs.jsonl)\n{render(r)}\n")
+    del embedder
+
+
+def ms(values: list[float]) -> str:
+    return f"P50 {pct(values, 0.5) * 1e3:6.2f} ms  P99 {pct(values, 0.99) * 1e3:6.2f} ms"
+
+
+def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
+    with np.load("var/semantic/dev-vectors.npz") as data:
+        texts, vecs = list(data["texts"][:entries]), data["vectors"][:entries]
+    config = SemanticConfig(enabled=True, namespaces=("*",), embedder_dir=embedder_dir)
+    config = dataclasses.replace(config, max_entries=entries + 1, max_bytes=2**40)
+    tier = SemanticTier(config, Embedder(embedder_dir), Rule(), None)
+    query = CacheQuery(b"", "ns", MODEL, "x", (), SAMPLING)
+    found = tier.eligible(query, asking=False)
+    assert found is not None
+    scope = found[0]
+    answer = CachedAnswer("an answer of a typical length " * 8, tuple(range(64)), "stop", 12, 64)
+    gc.collect()
+    rss = psutil.Process().memory_info().rss
+    started = time.perf_counter()
+    for i, (text, vec) in enumerate(zip(texts, vecs, strict=True)):
+        entry = Entry(i.to_bytes(16, "big"), scope, str(text), answer, ("ns", "bench"), 1e12)
+        tier.index.add(entry, vec)
+    took = time.perf_counter() - started
+    gc.collect()
+    grown = psutil.Process().memory_info().rss - rss
+    print(
+        f"(d) {entries} entries: RSS +{grown / 2**20:.0f} MiB ({grown / entries:.0f} B/entry, "
+        f"answers of {answer.size()} B included); index accounting {tier.index.bytes / 2**20:.0f} "
+        f"MiB; usearch {tier.index.memory_bytes() / 2**20:.0f} MiB; built in {took:.1f} s"
+    )
+    return tier, scope
+
+
+def lookups(tier: SemanticTier, scope: bytes, queries: list[str]) -> None:
+    embed_s: list[float] = []
+    match_s: list[float] = []
+    total_s: list[float] = []
+    hits = 0
+    for text in queries:
+        t0 = time.perf_counter()
+        vector = tier.embedder.embed(text)
+        t1 = time.perf_counter()
+        if vector is None:
+            continue
+        hit = tier.match(scope, text, vector)
+        t2 = time.perf_counter()
+        hits += hit is not None
+        embed_s.append(t1 - t0)
+        match_s.append(t2 - t1)
+        total_s.append(t2 - t0)
+    print(f"(c) lookups at {len(tier.index)} entries, {len(total_s)} queries ({hits} hits)")
+    print(f"    embed                {ms(embed_s)}")
+    print(f"    search + verify      {ms(match_s)}")
+    print(f"    whole lookup         {ms(total_s)}  (what a miss pays)")
+
+
+async def rebuild(tier: SemanticTier, entries: int) -> None:
+    from appliance.cache.l2 import RedisSettings, RedisTier
+    from appliance.cache.metrics import CacheMetrics
+    from tests.cache.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory() as work:
+        server = RedisServer(Path(work))
+        server.start()
+        try:
+            l2 = RedisTier(RedisSettings(url=server.url, timeout_ms=1000.0), CacheMetrics())
+            config = dataclasses.replace(tier.settings, max_entries=entries + 1)
+            shared = SemanticTier(config, tier.embedder, tier.rule, l2)
+            pipe = l2.client.pipeline(transaction=False)
+            for n, (entry, vector) in enumerate(tier.index.entries()):
+                name = l2.redis_key("ns", "bench", b"") + "sem-" + entry.entry_id.hex()
+                pipe.set(name, encode_record(entry, vector, time.time()))
+                if n % 2000 == 1999:
+                    await pipe.execute()
+            await pipe.execute()
+            started = time.perf_counter()
+            await shared._rebuild()
+            took = time.perf_counter() - started
+            print(f"(d) rebuild from redis: {len(shared.index)} entries in {took:.1f} s")
+            await shared.close()
+            await l2.close()
+        finally:
+            server.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--embedder", type=Path, default=Path("var/semantic"))
+    ap.add_argument("--qqp", type=Path, default=QQP)
+    ap.add_argument("--entries", type=int, default=100_000)
+    ap.add_argument("--queries", type=int, default=300)
+    ap.add_argument("--skip-quality", action="store_true")
+    args = ap.parse_args()
+    if not args.skip_quality:
+        quality(args.embedder, args.qqp)
+    tier, scope = filled_tier(args.embedder, args.entries)
+    test = read_pairs(args.qqp / "test.jsonl.gz")[: args.queries]
+    # QQP test questions against dev questions: mostly misses, some paraphrase hits.
+    lookups(tier, scope, [p.a for p in test])
+    asyncio.run(rebuild(tier, args.entries))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The semantic tier in the gateway's request path: the tiny engine server and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.cache.keys import SamplingKey, cache_key
+from appliance.config import CacheConfig, SemanticConfig
+from appliance.v1 import inference_pb2 as pb
+from tests.cache.redis_server import RedisServer
+from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, started
+from tests.conftest import Engine, Tiny
+
+MISS, L1, SEMANTIC = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_SEMANTIC
+QUESTION = "How do I get rid of acne?"
+PARAPHRASE = "How can I get rid of acne?"
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+def semantic_config(
+    redis_server: RedisServer | None, embedder_dir: Path, **semantic: object
+) -> CacheConfig:
+    settings = dataclasses.replace(
+        SemanticConfig(
+            enabled=True,
+            namespaces=("sem", "other"),
+            embedder_dir=embedder_dir,
+            follow_block_ms=100,
+        ),
+        **semantic,  # type: ignore[arg-type]
+    )
+    return dataclasses.replace(cache_config(redis_server), semantic=settings)
+
+
+@pytest.fixture
+async def gw(
+    tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> AsyncIterator[Gateway]:
+    redis_server.client().flushall()
+    g = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    await until(g, lambda c: c["semantic_in_sync"] == 1)
+    yield g
+    await g.close()
+
+
+def ask(text: str, namespace: str = "sem", **kw: object) -> pb.GenerateRequest:
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("semantic_cache", True)
+    if "messages" not in kw:
+        kw["prompt"] = text
+    return pb.GenerateRequest(model="tiny", namespace=namespace, **kw)  # type: ignore[arg-type]
+
+
+def chat(*turns: tuple[str, str], **kw: object) -> pb.GenerateRequest:
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in turns])
+    return ask("", messages=messages, **kw)
+
+
+async def until(
+    g: Gateway, done: Callable[[dict[str, int]], bool], timeout: float = 20.0
+) -> dict[str, int]:
+    """Polls the gateway's counters until `done` holds (the tier's writes are in the background)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            counters = await g.counters()
+            if done(counters):
+                return counters
+            await asyncio.sleep(0.02)
+
+
+async def stored(g: Gateway, n: int) -> None:
+    await until(g, lambda c: c["semantic_stored"] >= n)
+
+
+async def test_a_paraphrase_is_answered_from_the_semantic_tier_with_its_audit_fields(
+    gw: Gateway, engine: Engine, tiny: Tiny
+) -> None:
+    first = await gw.stub.Complete(ask(QUESTION))
+    assert first.final.cache_tier == MISS
+    await stored(gw, 1)
+    before = started(engine)
+    hit = await gw.stub.Complete(ask(PARAPHRASE))
+    assert hit.final.cache_tier == SEMANTIC
+    assert (hit.text, list(hit.token_ids)) == (first.text, list(first.token_ids))
+    assert 0.8 < hit.final.similarity <= 1.0
+    model = gw.running.pipeline.models["tiny"].identity
+    key = cache_key("sem", model, QUESTION, (), SamplingKey(8, True, 0.0, 1.0, 1, None, ()))
+    assert hit.final.cache_entry == key.hex()
+    # Not copied into the exact tiers: the same paraphrase again is again a semantic hit.
+    again = await gw.stub.Complete(ask(PARAPHRASE))
+    assert again.final.cache_tier == SEMANTIC
+    assert started(engine) == before
+    # An exact hit says nothing of similarity.
+    exact = await gw.stub.Complete(ask(QUESTION))
+    assert (exact.final.cache_tier, exact.final.similarity, exact.final.cache_entry) == (L1, 0, "")
+
+
+async def test_near_identical_questions_with_other_answers_miss(gw: Gateway) -> None:
+    await gw.stub.Complete(ask("How do I convert Celsius to Fahrenheit?"))
+    await gw.stub.Complete(ask("How do I reverse a list in Python?"))
+    await stored(gw, 2)
+    for text in ("How do I convert Fahrenheit to Celsius?", "How do I reverse a list in Java?"):
+        assert (await gw.stub.Complete(ask(text))).final.cache_tier == MISS
+
+
+async def test_scope_namespace_model_sampling_stops_and_earlier_messages(gw: Gateway) -> None:
+    await gw.stub.Complete(ask(QUESTION))
+    await gw.stub.Complete(chat(("system", "Be brief."), ("user", QUESTION)))
+    await stored(gw, 2)
+    # A hit is never stored under its own key, so these leave the misses below untouched.
+    assert (await gw.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
+    hit = await gw.stub.Complete(chat(("system", "Be brief."), ("user", PARAPHRASE)))
+    assert hit.final.cache_tier == SEMANTIC
+    misses = [
+        ask(PARAPHRASE, namespace="other"),  # enabled, but another tenant
+        ask(PARAPHRASE, namespace="off"),  # not enabled for the tier
+        ask(PARAPHRASE, max_tokens=9),
+        ask(PARAPHRASE, temperature=0.5, seed=7),
+        ask(PARAPHRASE, stop=["."]),
+        ask(PARAPHRASE, semantic_cache=False),
+        ask(PARAPHRASE, cache_policy=pb.CACHE_POLICY_BYPASS),
+        chat(("system", "Be verbose."), ("user", PARAPHRASE)),
+        chat(("user", PARAPHRASE)),
+        chat(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hi"), ("user", PARAPHRASE)),
+    ]
+    for request in misses:
+        final = (await gw.stub.Complete(request)).final
+        assert final.cache_tier == MISS, request
+
+
+async def test_unset_semantic_cache_follows_the_request_default(
+    tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    redis_server.client().flushall()
+    g = await gateway(
+        tiny, engine, semantic_config(redis_server, embedder_dir, request_default=True)
+    )
+    try:
+        await until(g, lambda c: c["semantic_in_sync"] == 1)
+        await g.stub.Complete(ask(QUESTION))
+        await stored(g, 1)
+        unset = pb.GenerateRequest(
+            model="tiny", namespace="sem", prompt=PARAPHRASE, temperature=0, max_tokens=8
+        )
+        assert (await g.stub.Complete(unset)).final.cache_tier == SEMANTIC
+    finally:
+        await g.close()
+
+
+async def test_bad_texts_never_fail_a_request(gw: Gateway) -> None:
+    for text in ("", "?!...", "\u200b\u200b", "word " * 600, "\x00\x01 binary \x7f"):
+        request = ask(text, max_tokens=2)
+        if not text:
+            request = chat(("user", ""), max_tokens=2)
+        final = (await gw.stub.Complete(request)).final
+        assert final.cache_tier in (MISS, L1)
+
+
+async def test_another_gateway_finds_the_entry_and_a_restarted_one_rebuilds(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    config = semantic_config(redis_server, embedder_dir)
+    other = await gateway(tiny, engine, config)
+    try:
+        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        first = await gw.stub.Complete(ask(QUESTION))
+        await until(other, lambda c: c["semantic_entries"] >= 1)
+        hit = await other.stub.Complete(ask(PARAPHRASE))
+        assert (hit.final.cache_tier, hit.text) == (SEMANTIC, first.text)
+    finally:
+        await other.close()
+    restarted = await gateway(tiny, engine, config)
+    try:
+        counters = await until(restarted, lambda c: c["semantic_in_sync"] == 1)
+        assert counters["semantic_entries"] >= 1 and counters["semantic_rebuilds"] >= 1
+        hit = await restarted.stub.Complete(ask(PARAPHRASE))
+        assert hit.final.cache_tier == SEMANTIC
+    finally:
+        await restarted.close()
+
+
+async def test_invalidation_reaches_the_other_gateways(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    try:
+        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        await gw.stub.Complete(ask(QUESTION))
+        await until(other, lambda c: c["semantic_entries"] >= 1)
+        await gw.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
+        await until(other, lambda c: c["semantic_entries"] == 0)
+        assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
+    finally:
+        await other.close()
+
+
+async def test_redis_down_means_no_semantic_hits_and_no_failed_request(
+    tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    redis_server.client().flushall()
+    g = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    try:
+        await until(g, lambda c: c["semantic_in_sync"] == 1)
+        await g.stub.Complete(ask(QUESTION))
+        await stored(g, 1)
+        redis_server.kill()
+        await until(g, lambda c: c["semantic_in_sync"] == 0)
+        for text in (PARAPHRASE, "How do I get rid of my acne?", "How can one get rid of acne?"):
+            reply = await g.stub.Complete(ask(text), timeout=30)
+            assert reply.final.cache_tier == MISS
+        assert (await g.counters())["semantic_unsynced"] >= 3
+    finally:
+        redis_server.start()
+        await g.close()
+
+
+async def test_without_an_embedder_the_gateway_starts_without_the_tier(
+    tiny: Tiny, engine: Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="appliance.cache.semantic"):
+        g = await gateway(tiny, engine, semantic_config(None, tmp_path / "missing"))
+    try:
+        lines = [
+            r.getMessage() for r in caplog.records if "semantic cache tier off" in r.getMessage()
+        ]
+        assert len(lines) == 1 and "appliance semantic-setup" in lines[0]
+        assert not any(k.startswith("semantic_") for k in await g.counters())
+        reply = await g.stub.Complete(ask(QUESTION))
+        assert reply.final.cache_tier == MISS
+    finally:
+        await g.close()
+
+
+async def test_without_redis_the_tier_is_this_gateways_own(
+    tiny: Tiny, engine: Engine, embedder_dir: Path
+) -> None:
+    g = await gateway(tiny, engine, semantic_config(None, embedder_dir))
+    try:
+        await g.stub.Complete(ask(QUESTION))
+        await stored(g, 1)
+        assert (await g.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
+    finally:
+        await g.close()

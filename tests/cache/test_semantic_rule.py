@@ -1,0 +1,142 @@
+"""The semantic tier's decision rule on near-identical questions with different answers, and the
+`appliance semantic-eval` command that reports it.
+
+tests/cache/data/semantic_pairs.jsonl is written for this (not taken from QQP): pairs that differ in
+one entity, number, programming language or platform, conversion direction, negation, antonym or
+year (label 0), and paraphrases of the same questions (label 1).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance.cache.embedder import Embedder
+from appliance.cache.paraphrase import Rule, analyze, veto
+from appliance.cache.semantic_eval import decide_all, embed_pairs, read_pairs
+
+PAIRS = Path(__file__).parent / "data" / "semantic_pairs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def embedder(embedder_dir: Path) -> Embedder:
+    return Embedder(embedder_dir)
+
+
+def test_hard_negatives_almost_never_hit_and_paraphrases_do(embedder: Embedder) -> None:
+    pairs = read_pairs(PAIRS)
+    rule = Rule()
+    va, vb, fits = embed_pairs(embedder, pairs)
+    decisions = decide_all(rule, pairs, va, vb, fits)
+    negatives = [d for p, d in zip(pairs, decisions, strict=True) if p.label == 0]
+    positives = [d for p, d in zip(pairs, decisions, strict=True) if p.label == 1]
+    false_hits = sum(d.same for d in negatives)
+    assert len(negatives) >= 90 and len(positives) >= 40
+    assert false_hits / len(negatives) <= 0.02, [
+        (p.a, p.b) for p, d in zip(pairs, decisions, strict=True) if p.label == 0 and d.same
+    ]
+    assert sum(d.same for d in positives) / len(positives) >= 0.5
+    # Plain cosine cannot tell them apart: most negatives sit above RedisVL's default threshold.
+    cos = (va * vb).sum(1)
+    labels = np.array([p.label for p in pairs])
+    assert (cos[labels == 0] >= 0.9).mean() > 0.3
+
+
+def test_the_motivating_examples(embedder: Embedder) -> None:
+    rule = Rule()
+
+    def same(a: str, b: str) -> bool:
+        u, v = embedder.embed(a), embedder.embed(b)
+        assert u is not None and v is not None
+        return rule.decide(u, v, analyze(a), analyze(b)).same
+
+    assert same(
+        "How do I convert Celsius to Fahrenheit?", "How can I convert Celsius to Fahrenheit?"
+    )
+    assert same("How do I reverse a list in Python?", "How can I reverse a list in Python?")
+    assert not same(
+        "How do I convert Celsius to Fahrenheit?", "How do I convert Fahrenheit to Celsius?"
+    )
+    assert not same("How do I reverse a list in Python?", "How do I reverse a list in Java?")
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "why"),
+    [
+        ("Reset an HP M604n", "Reset an HP M604dn", "numbers"),
+        (
+            "What do people in Denver think about Seattle?",
+            "What do people in Seattle think about Denver?",
+            "order",
+        ),
+        ("Why is the sky blue?", "Why is the sky not blue?", "negation"),
+        ("How do I gain weight?", "How do I lose weight?", "antonym"),
+        ("How do I sort a list in Python?", "How do I sort a list in Ruby?", "closed-class term"),
+        ("What is the capital of France?", "What is the capital of Germany?", "entity"),
+        ("What's the capital of France?", "Which city is France's capital?", ""),
+        ("How can I lose weight fast?", "How can I fast lose weight?", ""),
+    ],
+)
+def test_guards(a: str, b: str, why: str) -> None:
+    assert veto(analyze(a), analyze(b)) == why
+
+
+def run_eval(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "semantic-eval", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_semantic_eval_reports_the_shipped_rule(embedder_dir: Path, tmp_path: Path) -> None:
+    pairs = tmp_path / "pairs.jsonl.gz"
+    with gzip.open(pairs, "wt") as f:
+        f.write(
+            json.dumps(
+                {"a": "Why is the sky blue?", "b": "Why does the sky look blue?", "label": 1}
+            )
+            + "\n"
+        )
+        f.write(
+            json.dumps({"a": "How do I gain weight?", "b": "How do I lose weight?", "label": 0})
+            + "\n"
+        )
+    out = run_eval("--pairs", str(pairs), "--embedder", str(embedder_dir), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["positives"], result["negatives"], result["false_hits"]) == (1, 1, 0)
+    assert {"precision", "recall", "cosine", "curve"} <= set(result)
+    table = run_eval("--pairs", str(pairs), "--embedder", str(embedder_dir))
+    assert "plain cosine >= 0.90" in table.stdout and "shipped" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("not json", "not JSON"),
+        ('{"a": "x", "b": "y", "label": 2}', '"label" must be 0 or 1'),
+        ('{"a": 1, "b": "y", "label": 0}', '"a" and "b" must be strings'),
+        ("[1, 2]", "expected an object"),
+    ],
+)
+def test_semantic_eval_bad_lines(tmp_path: Path, line: str, says: str) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"a": "x", "b": "y", "label": 1}) + "\n" + line + "\n")
+    out = run_eval("--pairs", str(pairs), "--embedder", str(tmp_path / "none"))
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and f"{pairs}:2: {says}" in out.stderr
+
+
+def test_semantic_eval_without_embedder_says_how_to_make_it(tmp_path: Path) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"a": "x", "b": "y", "label": 1}) + "\n")
+    out = run_eval("--pairs", str(pairs), "--embedder", str(tmp_path / "none"))
+    assert out.returncode == 2 and "appliance semantic-setup" in out.stderr
