@@ -16,6 +16,7 @@ from contextlib import ExitStack
 import pytest
 from grpc_health.v1 import health_pb2
 
+from appliance import sdnotify
 from appliance.client import connect, connect_fleet, fleet_target, generate
 from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
 from appliance.gateway import quiesce as quiesce_module
@@ -131,7 +132,7 @@ async def test_quiesce_holds_not_serving_and_says_when_drained(
         lines.extend(fields)
         return True
 
-    monkeypatch.setattr(quiesce_module.sdnotify, "notify", notify)
+    monkeypatch.setattr(sdnotify, "notify", notify)
     in_flight = {MODEL: 1}
     task = asyncio.ensure_future(quiesce_module.quiesce(running.monitor, in_flight, quiet_s=0.05))
     try:
