@@ -9,13 +9,8 @@ random-weight tiny model stays for tests and overhead benchmarks, where answers 
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from pathlib import Path
-
-import grpc
-from tritonclient.grpc import service_pb2 as ts
-from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance import processes
 from appliance.client import StreamResult, connect, generate
@@ -100,25 +95,6 @@ def _report(results: list[StreamResult]) -> None:
     print("as one message, so it has no inter-token latency.")
 
 
-def _wait_engine(address: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    """Polls Triton's ServerReady/ModelReady; fails with the engine's own last words if it exits."""
-    started = time.monotonic()
-    with grpc.insecure_channel(address) as channel:
-        stub = ts_grpc.GRPCInferenceServiceStub(channel)
-        while time.monotonic() - started < 300:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace").strip().splitlines()[-1:]
-                raise RuntimeError(f"engine server exited with {proc.returncode}: {tail}")
-            try:
-                if stub.ModelReady(ts.ModelReadyRequest(name="tensorrt_llm"), timeout=1.0).ready:
-                    _say(f"engine server ready after {time.monotonic() - started:.1f} s")
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"engine server at {address} not ready after 300 s (log: {log})")
-
-
 def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
     from appliance.instruct_model import ModelError, ensure_instruct_model
 
@@ -146,7 +122,8 @@ def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
     )
     gateway = None
     try:
-        _wait_engine(engine_addr, engine, workdir / "engine.log")
+        took = processes.wait_engine(engine_addr, engine, workdir / "engine.log")
+        _say(f"engine server ready after {took:.1f} s")
         _say(f"starting the gateway on {gateway_addr} (log: {workdir / 'gateway.log'})")
         gateway = processes.spawn(["serve", "--config", str(config)], workdir / "gateway.log")
         processes.wait_serving(gateway_addr, gateway)

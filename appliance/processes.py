@@ -88,6 +88,30 @@ def wait_serving(
     raise RuntimeError(f"{address} not serving after {timeout_s:g} s (last: {seen})")
 
 
+def wait_engine(
+    address: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300.0
+) -> float:
+    """Polls Triton's ModelReady until the engine server is ready; returns the seconds it took.
+    Fails with the engine's own last words if it exits."""
+    from tritonclient.grpc import service_pb2 as ts
+    from tritonclient.grpc import service_pb2_grpc as ts_grpc
+
+    started = time.monotonic()
+    with grpc.insecure_channel(address) as channel:
+        stub = ts_grpc.GRPCInferenceServiceStub(channel)
+        while time.monotonic() - started < timeout_s:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+                raise RuntimeError(f"engine server exited with {proc.returncode}: {tail}")
+            try:
+                if stub.ModelReady(ts.ModelReadyRequest(name="tensorrt_llm"), timeout=1.0).ready:
+                    return time.monotonic() - started
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"engine server at {address} not ready after {timeout_s:g} s (log: {log})")
+
+
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:
     """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
     if proc.poll() is None:

@@ -166,7 +166,9 @@ class RedisTier:
             for _ in range(self.breaker.threshold):
                 self.breaker.failure()
             where = re.sub(r"//[^@/]*@", "//", self.settings.url)  # never log a password
-            return f"redis at {where} unreachable ({exc or type(exc).__name__})"
+            if self.settings.sentinels:
+                where = f"'{self.settings.sentinel_service}' of Sentinels {', '.join(self.settings.sentinels)}"
+            return f"redis at {where} unreachable ({str(exc) or type(exc).__name__})"
         return ""
 
     async def get(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:

@@ -14,10 +14,17 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import pytest
+from grpc_health.v1 import health_pb2
 
+from appliance import sdnotify
 from appliance.client import connect, connect_fleet, fleet_target, generate
+from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
+from appliance.gateway import quiesce as quiesce_module
+from appliance.gateway.health import health_name
+from appliance.gateway.models import load_models
+from appliance.gateway.server import SERVICE_NAME, start_server
 from appliance.v1 import inference_pb2 as pb
-from tests.conftest import Tiny, copy_repository
+from tests.conftest import Engine, Tiny, copy_repository
 from tests.gateway.stack import MODEL, Stack, engine_and_gateway
 
 
@@ -105,3 +112,39 @@ async def test_a_draining_gateway_gets_no_new_requests(fleet: list[Stack]) -> No
     await asyncio.to_thread(
         wait_for, "drained", lambda: any(" drained: " in line for line in a.log_lines())
     )
+
+
+async def test_quiesce_holds_not_serving_and_says_when_drained(
+    tiny: Tiny, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process: the readiness polls do not bring SERVING back, and the status line follows the
+    requests in flight until none has been for the quiet time."""
+    model = ModelConfig(
+        name=MODEL, backend=engine.address, tokenizer_dir=tiny.tokenizer_dir, ready_timeout_s=5
+    )
+    config = GatewayConfig(
+        ServerConfig(listen="127.0.0.1:0"), {MODEL: model}, CacheConfig(enabled=False)
+    )
+    running = await start_server(config, await load_models(config))
+    lines: list[str] = []
+
+    def notify(*fields: str) -> bool:  # what systemd would receive
+        lines.extend(fields)
+        return True
+
+    monkeypatch.setattr(sdnotify, "notify", notify)
+    in_flight = {MODEL: 1}
+    task = asyncio.ensure_future(quiesce_module.quiesce(running.monitor, in_flight, quiet_s=0.05))
+    try:
+        while "STATUS=draining: 1 requests in flight, health NOT_SERVING" not in lines:
+            await asyncio.sleep(0.01)
+        await running.monitor.check()  # a readiness round: the engine is fine
+        for name in ("", SERVICE_NAME, health_name(SERVICE_NAME, MODEL)):
+            reply = await running.health.Check(health_pb2.HealthCheckRequest(service=name), None)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING, name
+        in_flight[MODEL] = 0
+        while not any(line.startswith("STATUS=drained: ") for line in lines):
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await running.drain(0.2)
