@@ -28,7 +28,7 @@ import struct
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -64,7 +64,7 @@ class _Counters:
     store_failures: int = 0
     follower_errors: int = 0
     rebuilds: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
+    corrupt: int = 0
 
 
 def encode_record(entry: Entry, vector: Vector, created: float) -> bytes:
@@ -233,6 +233,7 @@ class SemanticTier:
             "semantic_store_failures": c.store_failures,
             "semantic_follower_errors": c.follower_errors,
             "semantic_rebuilds": c.rebuilds,
+            "semantic_corrupt_records": c.corrupt,
         }
 
     async def check(self) -> str:
@@ -310,17 +311,19 @@ class SemanticTier:
         if await self.l2._call("semantic write", pipe.execute()) is None:
             self.counts.store_failures += 1
 
-    def _add_record(self, entry_id: bytes, data: bytes, labels: tuple[str, str]) -> bool:
+    def _record(
+        self, entry_id: bytes, data: bytes, labels: tuple[str, str]
+    ) -> tuple[Entry, Vector] | None:
+        """The entry a Redis record holds, unless it is corrupt or already in the index."""
+        if entry_id in self.index:
+            return None
         try:
             created, scope, vector, text, answer = decode_record(data, self.embedder.dim)
         except (CorruptEntryError, ValueError):
-            self.counts.extra["corrupt"] = self.counts.extra.get("corrupt", 0) + 1
-            return False
-        if entry_id in self.index:
-            return False
+            self.counts.corrupt += 1
+            return None
         left = created + self.settings.ttl_s - time.time()
-        entry = Entry(entry_id, scope, text, answer, labels, time.monotonic() + left)
-        return self.index.add(entry, vector)
+        return Entry(entry_id, scope, text, answer, labels, time.monotonic() + left), vector
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         if b"inv" in fields:
@@ -328,7 +331,9 @@ class SemanticTier:
             return
         parsed = self._parse_key(fields.get(b"k", b""))
         if parsed is not None:
-            self._add_record(parsed[0], fields.get(b"v", b""), parsed[1])
+            record = self._record(parsed[0], fields.get(b"v", b""), parsed[1])
+            if record is not None:
+                self.index.add(*record)
 
     def _parse_key(self, name: bytes) -> tuple[bytes, tuple[str, str]] | None:
         """The entry id and (namespace, model) of a record's Redis key."""
@@ -363,12 +368,15 @@ class SemanticTier:
 
     async def _load(self, names: list[bytes]) -> int:
         assert self._client is not None
-        added = 0
+        records = []
         for name, data in zip(names, await self._client.mget(names), strict=True):
             parsed = self._parse_key(name)
-            if parsed is not None and isinstance(data, bytes):
-                added += self._add_record(parsed[0], data, parsed[1])
-        return added
+            record = (
+                parsed and isinstance(data, bytes) and self._record(*parsed[:1], data, parsed[1])
+            )
+            if record:
+                records.append(record)
+        return self.index.add_many(records)
 
     async def _follow(self) -> None:
         """Keeps the index in step with the stream; on any Redis fault, waits, then rebuilds."""
