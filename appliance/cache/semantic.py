@@ -23,6 +23,7 @@ down means no semantic hits, never a failed request. Without Redis the tier is t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 import time
@@ -250,13 +251,16 @@ class SemanticTier:
         return ""
 
     async def close(self) -> None:
+        # Every wait is bounded: a stop must not hang on a Redis read that ignores cancellation.
         if self._follower is not None:
             self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
+            await asyncio.wait({self._follower}, timeout=1.0)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
         if self._client is not None:
-            await self._client.aclose()
+            with contextlib.suppress(TimeoutError, RedisError, OSError):
+                async with asyncio.timeout(1.0):
+                    await self._client.aclose()
         self._embeds.shutdown(wait=False, cancel_futures=True)
 
     # -- work off the request path ------------------------------------------------------------
