@@ -23,12 +23,13 @@ down means no semantic hits, never a failed request. Without Redis the tier is t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -64,7 +65,7 @@ class _Counters:
     store_failures: int = 0
     follower_errors: int = 0
     rebuilds: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
+    corrupt: int = 0
 
 
 def encode_record(entry: Entry, vector: Vector, created: float) -> bytes:
@@ -233,6 +234,7 @@ class SemanticTier:
             "semantic_store_failures": c.store_failures,
             "semantic_follower_errors": c.follower_errors,
             "semantic_rebuilds": c.rebuilds,
+            "semantic_corrupt_records": c.corrupt,
         }
 
     async def check(self) -> str:
@@ -249,13 +251,16 @@ class SemanticTier:
         return ""
 
     async def close(self) -> None:
+        # Every wait is bounded: a stop must not hang on a Redis read that ignores cancellation.
         if self._follower is not None:
             self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
+            await asyncio.wait({self._follower}, timeout=1.0)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
         if self._client is not None:
-            await self._client.aclose()
+            with contextlib.suppress(TimeoutError, RedisError, OSError):
+                async with asyncio.timeout(1.0):
+                    await self._client.aclose()
         self._embeds.shutdown(wait=False, cancel_futures=True)
 
     # -- work off the request path ------------------------------------------------------------
@@ -310,17 +315,19 @@ class SemanticTier:
         if await self.l2._call("semantic write", pipe.execute()) is None:
             self.counts.store_failures += 1
 
-    def _add_record(self, entry_id: bytes, data: bytes, labels: tuple[str, str]) -> bool:
+    def _record(
+        self, entry_id: bytes, data: bytes, labels: tuple[str, str]
+    ) -> tuple[Entry, Vector] | None:
+        """The entry a Redis record holds, unless it is corrupt or already in the index."""
+        if entry_id in self.index:
+            return None
         try:
             created, scope, vector, text, answer = decode_record(data, self.embedder.dim)
         except (CorruptEntryError, ValueError):
-            self.counts.extra["corrupt"] = self.counts.extra.get("corrupt", 0) + 1
-            return False
-        if entry_id in self.index:
-            return False
+            self.counts.corrupt += 1
+            return None
         left = created + self.settings.ttl_s - time.time()
-        entry = Entry(entry_id, scope, text, answer, labels, time.monotonic() + left)
-        return self.index.add(entry, vector)
+        return Entry(entry_id, scope, text, answer, labels, time.monotonic() + left), vector
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         if b"inv" in fields:
@@ -328,7 +335,9 @@ class SemanticTier:
             return
         parsed = self._parse_key(fields.get(b"k", b""))
         if parsed is not None:
-            self._add_record(parsed[0], fields.get(b"v", b""), parsed[1])
+            record = self._record(parsed[0], fields.get(b"v", b""), parsed[1])
+            if record is not None:
+                self.index.add(*record)
 
     def _parse_key(self, name: bytes) -> tuple[bytes, tuple[str, str]] | None:
         """The entry id and (namespace, model) of a record's Redis key."""
@@ -363,12 +372,15 @@ class SemanticTier:
 
     async def _load(self, names: list[bytes]) -> int:
         assert self._client is not None
-        added = 0
+        records = []
         for name, data in zip(names, await self._client.mget(names), strict=True):
             parsed = self._parse_key(name)
-            if parsed is not None and isinstance(data, bytes):
-                added += self._add_record(parsed[0], data, parsed[1])
-        return added
+            record = (
+                parsed and isinstance(data, bytes) and self._record(*parsed[:1], data, parsed[1])
+            )
+            if record:
+                records.append(record)
+        return self.index.add_many(records)
 
     async def _follow(self) -> None:
         """Keeps the index in step with the stream; on any Redis fault, waits, then rebuilds."""

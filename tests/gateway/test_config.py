@@ -127,3 +127,29 @@ def test_http_api_is_off_unless_configured(tmp_path: Path) -> None:
 def test_http_keys_are_checked(tmp_path: Path, extra: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
         load_config(_write(tmp_path, GOOD + "[http]\n" + extra + "\n"))
+
+
+def test_semantic_table_loads(tmp_path: Path) -> None:
+    text = GOOD + (
+        '\n[cache.semantic]\nenabled = true\nnamespaces = ["support", "*"]\n'
+        'embedder_dir = "emb"\nmax_bytes = "64MiB"\nmin_score = 0.9\n'
+    )
+    semantic = load_config(_write(tmp_path, text)).cache.semantic
+    assert semantic.enabled and semantic.namespaces == ("support", "*")
+    assert semantic.embedder_dir == tmp_path / "emb" and semantic.max_bytes == 64 * 2**20
+    assert (semantic.min_score, semantic.min_similarity) == (0.9, None)
+    assert not load_config(_write(tmp_path, GOOD)).cache.semantic.enabled
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("enabled = true", "key 'cache.semantic.namespaces': list the namespaces"),
+        ("min_score = 1.5", "key 'cache.semantic.min_score': must be in (0, 1]"),
+        ("threshold = 0.9", "key 'cache.semantic.threshold': unknown key"),
+    ],
+)
+def test_semantic_table_is_checked(tmp_path: Path, extra: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=r":\d+: ") as err:
+        load_config(_write(tmp_path, GOOD + f"\n[cache.semantic]\n{extra}\n"))
+    assert expected in str(err.value)

@@ -1,0 +1,112 @@
+"""The semantic tier's index bounds and the cascade's promotion rule, without servers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from appliance.cache.entry import CachedAnswer
+from appliance.cache.keys import ModelIdentity, SamplingKey
+from appliance.cache.l1 import LruCache
+from appliance.cache.metrics import CacheMetrics
+from appliance.cache.semantic import decode_record, encode_record
+from appliance.cache.tiers import CacheQuery, Hit, L1Tier, TierCascade
+from appliance.cache.vectors import Entry, VectorIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def unit(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(384).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def entry(
+    n: int, scope: bytes = b"s", ns: str = "ns", model: str = "m", ttl: float = 1e12
+) -> Entry:
+    """An entry that expires at `ttl` on the index's clock; scopes are 16-byte keys."""
+    answer = CachedAnswer(f"answer {n}", (1, 2, 3), "stop", 4, 3)
+    return Entry(
+        n.to_bytes(16, "big"), scope.ljust(16, b"."), f"question {n}", answer, (ns, model), ttl
+    )
+
+
+def test_search_stays_in_its_scope_and_finds_the_nearest() -> None:
+    index = VectorIndex(384, 100, 10**8)
+    index.add(entry(1, b"a"), unit(1))
+    index.add(entry(2, b"b"), unit(1))
+    found = index.search(entry(1, b"a").scope, unit(1), 4)
+    assert [e.entry_id for e, _ in found] == [entry(1).entry_id]
+    assert float(found[0][1] @ unit(1)) > 0.999
+    assert index.search(entry(1, b"c").scope, unit(1), 4) == []
+
+
+def test_bounds_entries_bytes_and_ttl() -> None:
+    clock = Clock()
+    index = VectorIndex(384, 3, 10**8, clock=clock)
+    for n in range(5):
+        index.add(entry(n, ttl=60), unit(n))
+    assert len(index) == 3 and entry(0).entry_id not in index and entry(4).entry_id in index
+    one = index.bytes // 3
+    small = VectorIndex(384, 100, 2 * one + 10, clock=clock)
+    for n in range(4):
+        small.add(entry(n), unit(n))
+    assert len(small) == 2 and small.bytes <= 2 * one + 10
+    clock.now = 61.0
+    assert index.search(entry(0).scope, unit(4), 4) == [] and len(index) == 0
+
+
+def test_invalidate_by_namespace_and_model() -> None:
+    index = VectorIndex(384, 100, 10**8)
+    index.add(entry(1, ns="a", model="x"), unit(1))
+    index.add(entry(2, ns="b", model="x"), unit(2))
+    index.add(entry(3, ns="a", model="y"), unit(3))
+    assert index.invalidate("a", "") == 2 and len(index) == 1
+    assert index.invalidate("", "x") == 1 and len(index) == 0
+
+
+def test_records_round_trip() -> None:
+    e = entry(7)
+    created, scope, vector, text, answer = decode_record(encode_record(e, unit(7), 123.5), 384)
+    assert (created, scope, text, answer) == (123.5, e.scope, e.text, e.answer)
+    assert np.array_equal(vector, unit(7))
+
+
+class ParaphraseTier:
+    """A tier that answers every query with another request's answer (a semantic hit)."""
+
+    name = "semantic"
+
+    async def lookup(self, query: CacheQuery) -> Hit:
+        return Hit(CachedAnswer("other", (9,), "stop", 1, 1), self.name, False, 0.97, b"\x01" * 16)
+
+    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        return None
+
+    async def invalidate(self, namespace: str, model: str) -> int:
+        return 0
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    async def check(self) -> str:
+        return ""
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_semantic_hit_is_never_copied_into_the_exact_tiers() -> None:
+    lru = LruCache(10, 10**6, 60)
+    cascade = TierCascade([L1Tier(lru), ParaphraseTier()], CacheMetrics())
+    model = ModelIdentity("m", "e", "t", "v")
+    query = CacheQuery(b"k" * 16, "ns", model, "q", (), SamplingKey(8, True, 0, 1, 1, None, ()))
+    hit = await cascade.lookup(query)
+    assert hit is not None and (hit.tier, hit.exact, hit.similarity) == ("semantic", False, 0.97)
+    assert len(lru) == 0
+    assert cascade.counters()["semantic_hits"] == 1
