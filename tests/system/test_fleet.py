@@ -67,6 +67,11 @@ class Fleet:
                 redis_sentinel_quorum=1,
                 appliance_redis_sentinels=sentinels,
                 appliance_roll_min_ready_s=3,
+                # The hosts' own addresses on the test's private bridge: clients in another
+                # namespace reach the gateways there, in plaintext and without keys.
+                appliance_listen="0.0.0.0:50051",
+                appliance_allow_plaintext=True,
+                appliance_allow_anonymous=True,
             )
             for name, m in self.machines.items()
         }
