@@ -54,7 +54,15 @@ async def stub(gateway: RunningGateway) -> AsyncIterator[pb_grpc.InferenceStub]:
 
 
 def long_request(**kw: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(model="tiny", prompt="Tell me everything", max_tokens=1500, **kw)  # type: ignore[arg-type]
+    """A request that runs for all its 1500 tokens: the tiny model's greedy answer to this prompt
+    never reaches the end-of-sequence token, where a sampled one may end after any token. It always
+    reaches the engine: a greedy answer would otherwise be stored and replayed from the cache."""
+    fields: dict[str, object] = {
+        "temperature": 0.0,
+        "cache_policy": pb.CACHE_POLICY_BYPASS,
+        **kw,
+    }
+    return pb.GenerateRequest(model="tiny", prompt="Tell me everything", max_tokens=1500, **fields)  # type: ignore[arg-type]
 
 
 async def test_client_cancellation_reaches_the_engine(
@@ -82,7 +90,7 @@ async def test_stop_string_stops_the_engine_too(
     )
     cancelled = stats.cancelled
     stop = probe.text[2:5]
-    reply = await stub.Complete(long_request(temperature=0, stop=[stop]))
+    reply = await stub.Complete(long_request(stop=[stop]))
     assert reply.final.finish_reason == pb.FINISH_REASON_STOP
     await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
 

@@ -140,7 +140,13 @@ def req(model: str = "primary", **kw: object) -> pb.GenerateRequest:
     return pb.GenerateRequest(model=model, **kw)  # type: ignore[arg-type]
 
 
-LONG = dict(prompt="Tell me everything", max_tokens=1500, cache_policy=pb.CACHE_POLICY_BYPASS)
+# Greedy: the tiny model's answer to this prompt runs all 1500 tokens (a sampled one may end early).
+LONG = dict(
+    prompt="Tell me everything",
+    max_tokens=1500,
+    temperature=0.0,
+    cache_policy=pb.CACHE_POLICY_BYPASS,
+)
 
 
 @pytest.mark.parametrize("gateway", [({"max_queue": 3}, {})], indirect=True)

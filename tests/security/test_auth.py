@@ -242,8 +242,9 @@ async def test_rate_and_stream_limits_per_key(gateway: Client, keys: Keys) -> No
     # Streams: one open at a time for `limited`.
     long = pb.GenerateRequest(
         model="tiny",
-        prompt="keep going",
+        prompt="Tell me everything",  # greedy, it runs all 1500 tokens
         max_tokens=1500,
+        temperature=0.0,
         namespace="t",
         cache_policy=pb.CACHE_POLICY_BYPASS,
     )
