@@ -18,8 +18,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from appliance.gateway.report import RequestReport
 
 if TYPE_CHECKING:
-    from appliance.admission import Admission
+    from appliance.admission import Admission, ModelGate
     from appliance.cache.tiers import TierCascade
     from appliance.gateway.models import ServedModel
 
@@ -301,65 +301,77 @@ class _StateCollector(Collector):
         return []
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        ready = GaugeMetricFamily(
-            "appliance_engine_ready",
-            "1 while the model's engine passes readiness checks and its breaker is not open.",
-            labels=("model",),
+        yield from _gauges_by_model(
+            _MODEL_GAUGES,
+            {name: (model, self._in_flight.get(name, 0)) for name, model in self._models.items()},
         )
-        breaker = GaugeMetricFamily(
-            "appliance_engine_breaker_open",
-            "1 while the model's breaker is open.",
-            labels=("model",),
-        )
-        in_flight = GaugeMetricFamily(
-            "appliance_requests_in_flight", "Requests the gateway is answering.", labels=("model",)
-        )
-        for name, model in self._models.items():
-            ready.add_metric((name,), float(model.health.usable()))
-            breaker.add_metric((name,), float(model.health.breaker.state == "open"))
-            in_flight.add_metric((name,), float(self._in_flight.get(name, 0)))
-        yield from (ready, breaker, in_flight)
         yield from _admission_series(self._admission)
         if self._cache is not None:
             yield from _cache_series(self._cache.counters())
+
+
+_T = TypeVar("_T")
+
+# One gauge family per row, one series per model: (name, help, value of the model's state).
+_GaugeTable = tuple[tuple[str, str, Callable[[_T], float]], ...]
+
+_MODEL_GAUGES: _GaugeTable[tuple[ServedModel, int]] = (
+    (
+        "appliance_engine_ready",
+        "1 while the model's engine passes readiness checks and its breaker is not open.",
+        lambda s: float(s[0].health.usable()),
+    ),
+    (
+        "appliance_engine_breaker_open",
+        "1 while the model's breaker is open.",
+        lambda s: float(s[0].health.breaker.state == "open"),
+    ),
+    ("appliance_requests_in_flight", "Requests the gateway is answering.", lambda s: float(s[1])),
+)
+
+_GATE_GAUGES: _GaugeTable[tuple[ModelGate, float]] = (
+    (
+        "appliance_engine_generating",
+        "Generations holding a slot at the engine.",
+        lambda g: len(g[0].running),
+    ),
+    (
+        "appliance_requests_waiting",
+        "Requests waiting for a slot at the engine.",
+        lambda g: len(g[0].waiting),
+    ),
+    ("appliance_engine_slots", "Generations the engine runs at once.", lambda g: g[0].slots),
+    (
+        "appliance_estimated_wait_seconds",
+        "Estimated wait of a request arriving now (a scaling signal).",
+        lambda g: g[0].estimated_wait(g[1]),
+    ),
+)
+
+
+def _gauges_by_model(table: _GaugeTable[_T], states: dict[str, _T]) -> Iterable[GaugeMetricFamily]:
+    for name, doc, value in table:
+        family = GaugeMetricFamily(name, doc, labels=("model",))
+        for model, state in states.items():
+            family.add_metric((model,), value(state))
+        yield family
 
 
 def _admission_series(admission: Admission) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
     gates = getattr(admission, "gates", None)
     if not gates:
         return
-    generating = GaugeMetricFamily(
-        "appliance_engine_generating",
-        "Generations holding a slot at the engine.",
-        labels=("model",),
-    )
-    waiting = GaugeMetricFamily(
-        "appliance_requests_waiting",
-        "Requests waiting for a slot at the engine.",
-        labels=("model",),
-    )
-    slots = GaugeMetricFamily(
-        "appliance_engine_slots", "Generations the engine runs at once.", labels=("model",)
-    )
-    wait = GaugeMetricFamily(
-        "appliance_estimated_wait_seconds",
-        "Estimated wait of a request arriving now (a scaling signal).",
-        labels=("model",),
-    )
+    now = time.monotonic()
+    yield from _gauges_by_model(_GATE_GAUGES, {name: (gate, now) for name, gate in gates.items()})
     refused = CounterMetricFamily(
         "appliance_admission_refused",
         "Requests refused at admission (budget or full line) or whose budget passed in line.",
         labels=("model", "reason"),
     )
-    now = time.monotonic()
     for name, gate in gates.items():
-        generating.add_metric((name,), len(gate.running))
-        waiting.add_metric((name,), len(gate.waiting))
-        slots.add_metric((name,), gate.slots)
-        wait.add_metric((name,), gate.estimated_wait(now))
         refused.add_metric((name, "estimate"), gate.refused)
         refused.add_metric((name, "expired"), gate.expired)
-    yield from (generating, waiting, slots, wait, refused)
+    yield refused
 
 
 # Cache counter name → (metric, labels) in Prometheus' naming.

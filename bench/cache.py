@@ -59,8 +59,8 @@ from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench.common import MODEL, prompt_of
 from bench.echo_server import METHOD
-from bench.streaming import MODEL, prompt_of
 from tests.cache.redis_server import RedisServer
 
 L1_TIER, L2_TIER = pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+from appliance import processes
+from appliance.tiny_model import ensure_tiny_model
+from appliance.tokenizer import ModelText
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -20,3 +29,78 @@ def workload_args(parser: argparse.ArgumentParser, requests: int) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--model-root", default="var/tiny")
+
+
+MODEL = "tiny"
+
+
+def prompt_of(text: ModelText, n: int) -> str:
+    """A prompt of exactly n tokens (BOS included) for this tokenizer."""
+    words = [
+        "the",
+        "gateway",
+        "streams",
+        "tokens",
+        "from",
+        "the",
+        "engine",
+        "server",
+        "over",
+        "grpc",
+    ]
+    out: list[str] = []
+    while len(text.encode_prompt(" ".join(out))) < n:
+        out.append(words[len(out) % len(words)])
+    while len(text.encode_prompt(" ".join(out))) > n:
+        out.pop()
+    return " ".join(out)
+
+
+@dataclass
+class TinyStack:
+    """An engine server and a gateway serving the tiny model, as real processes."""
+
+    work: Path
+    repo: Path
+    text: ModelText
+    engine_addr: str
+    gateway_addr: str
+    http_addr: str | None
+    gateway: subprocess.Popen[bytes]
+
+
+@contextmanager
+def tiny_stack(
+    model_root: str,
+    *,
+    http: bool = False,
+    access_log: bool = True,
+    engine_args: Sequence[str] = (),
+) -> Iterator[TinyStack]:
+    """Starts both processes, waits until the gateway serves, and stops both on the way out (their
+    logs stay in the temporary `work` directory)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    _, repo = ensure_tiny_model(Path(model_root))
+    tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
+    engine_addr = f"127.0.0.1:{processes.free_port()}"
+    gateway_addr = f"127.0.0.1:{processes.free_port()}"
+    http_addr = f"127.0.0.1:{processes.free_port()}" if http else None
+    config = processes.write_gateway_config(
+        work / "g.toml", gateway_addr, MODEL, engine_addr, tok_dir, http_listen=http_addr
+    )
+    if not access_log:
+        config.write_text(
+            config.read_text().replace("[server]\n", "[server]\naccess_log = false\n")
+        )
+    with ExitStack() as stack:
+        engine = processes.spawn(
+            ["engine", "--repository", str(repo), "--listen", engine_addr, *engine_args],
+            work / "engine.log",
+        )
+        stack.callback(processes.stop, engine)
+        gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
+        stack.callback(processes.stop, gateway)
+        processes.wait_serving(gateway_addr, gateway)
+        yield TinyStack(
+            work, repo, ModelText.load(tok_dir), engine_addr, gateway_addr, http_addr, gateway
+        )

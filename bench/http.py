@@ -20,25 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 import grpc
 import psutil
 import uvloop
 
-from appliance import processes
-from appliance.tiny_model import ensure_tiny_model
-from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from bench.common import pct, workload_args
-from bench.streaming import prompt_of
+from bench.common import MODEL, pct, prompt_of, tiny_stack, workload_args
 
-MODEL = "tiny"
 # (TTFT s, per-token s, completion tokens)
 Sample = tuple[float, float, int]
 
@@ -97,31 +90,15 @@ def bodies(prompt: str, output_tokens: int, hit: bool) -> tuple[pb.GenerateReque
 
 
 async def run(args: argparse.Namespace) -> None:
-    work = Path(tempfile.mkdtemp(prefix="bench-http-"))
-    _, repo = ensure_tiny_model(Path(args.model_root))
-    tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
-    text = ModelText.load(tok_dir)
-    engine_addr = f"127.0.0.1:{processes.free_port()}"
-    gateway_addr = f"127.0.0.1:{processes.free_port()}"
-    http_addr = f"127.0.0.1:{processes.free_port()}"
-    config = processes.write_gateway_config(
-        work / "g.toml", gateway_addr, MODEL, engine_addr, tok_dir, http_listen=http_addr
-    )
-    # The access log is formatted per request; it is the same for both front ends, so it is off.
-    config.write_text(config.read_text().replace("[server]\n", "[server]\naccess_log = false\n"))
-    engine = processes.spawn(
-        ["engine", "--repository", str(repo), "--listen", engine_addr], work / "engine.log"
-    )
-    gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
-    url = f"http://{http_addr}/v1/completions"
-    prompt = prompt_of(text, args.prompt_tokens)
     results: dict[str, dict[str, list[Sample]]] = {}
     cpu_us: dict[str, dict[str, float]] = {}
-    try:
-        processes.wait_serving(gateway_addr, gateway)
-        proc = psutil.Process(gateway.pid)
+    # The access log is formatted per request; it is the same for both front ends, so it is off.
+    with tiny_stack(args.model_root, http=True, access_log=False) as stack:
+        url = f"http://{stack.http_addr}/v1/completions"
+        prompt = prompt_of(stack.text, args.prompt_tokens)
+        proc = psutil.Process(stack.gateway.pid)
         async with (
-            grpc.aio.insecure_channel(gateway_addr) as channel,
+            grpc.aio.insecure_channel(stack.gateway_addr) as channel,
             aiohttp.ClientSession() as session,
         ):
             stub = pb_grpc.InferenceStub(channel)
@@ -147,9 +124,6 @@ async def run(args: argparse.Namespace) -> None:
                     after = proc.cpu_times()
                     spent = (after.user + after.system) - (before.user + before.system)
                     cpu_us[workload][name] = spent / args.requests * 1e6
-    finally:
-        processes.stop(gateway)
-        processes.stop(engine)
     report(args, results, cpu_us)
 
 

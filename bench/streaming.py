@@ -18,50 +18,19 @@ import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import grpc
-import numpy as np
 import uvloop
 
 from appliance import processes
 from appliance.backends.base import GREEDY, GenerationRequest
 from appliance.backends.triton import TritonBackend
 from appliance.client import generate, inter_token_latency
-from appliance.tiny_model import ensure_tiny_model
-from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from bench.common import workload_args
+from bench.common import MODEL, pct, prompt_of, tiny_stack, workload_args
 from bench.echo_server import METHOD
-
-MODEL = "tiny"
-
-
-def prompt_of(text: ModelText, n: int) -> str:
-    """A prompt of exactly n tokens (BOS included) for this tokenizer."""
-    words = [
-        "the",
-        "gateway",
-        "streams",
-        "tokens",
-        "from",
-        "the",
-        "engine",
-        "server",
-        "over",
-        "grpc",
-    ]
-    out: list[str] = []
-    i = 0
-    while len(text.encode_prompt(" ".join(out))) < n:
-        out.append(words[i % len(words)])
-        i += 1
-    while len(text.encode_prompt(" ".join(out))) > n:
-        out.pop()
-    return " ".join(out)
 
 
 async def direct(
@@ -93,69 +62,53 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
 
     `engine_args` are extra `appliance engine` options (bench/gpu_decode.py adds --device cuda).
     """
-    work = Path(tempfile.mkdtemp(prefix="bench-"))
-    _, repo = ensure_tiny_model(Path(args.model_root))
-    tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
-    text = ModelText.load(tok_dir)
-    engine_addr = f"127.0.0.1:{processes.free_port()}"
-    gateway_addr = f"127.0.0.1:{processes.free_port()}"
     echo_port = processes.free_port()
-    config = processes.write_gateway_config(
-        work / "g.toml", gateway_addr, MODEL, engine_addr, tok_dir
-    )
-    engine = processes.spawn(
-        ["engine", "--repository", str(repo), "--listen", engine_addr, *engine_args],
-        work / "engine.log",
-    )
-    gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
     echo = subprocess.Popen([sys.executable, "-m", "bench.echo_server", "--port", str(echo_port)])
     try:
-        processes.wait_serving(gateway_addr, gateway)
-        prompt = prompt_of(text, args.prompt_tokens)
-        ids = text.encode_prompt(prompt)
-        request = pb.GenerateRequest(
-            model=MODEL,
-            prompt=prompt,
-            max_tokens=args.output_tokens,
-            temperature=0,
-            cache_policy=pb.CACHE_POLICY_BYPASS,
-        )
-        payload = request.SerializeToString()
-        backend = TritonBackend(engine_addr, "tensorrt_llm")
-        await backend.wait_ready(30)
-        async with (
-            grpc.aio.insecure_channel(gateway_addr) as gch,
-            grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as ech,
-        ):
-            stub = pb_grpc.InferenceStub(gch)
-            echo_call = ech.unary_unary(METHOD)
-            for _ in range(args.warmup):
-                await generate(stub, request)
-                await direct(backend, ids, args.output_tokens, "warm")
-                await echo_call(payload, wait_for_ready=True)
-            a_ttft, a_itl, a_gaps, b_ttft, b_itl, b_gaps, echo_s = [], [], [], [], [], [], []
-            a_queue, a_server_ttft = [], []
-            lengths = set()
-            for i in range(args.requests):
-                r = await generate(stub, request)
-                lengths.add(len(r.token_ids))
-                a_ttft.append(r.ttft_s)
-                a_itl.append(r.inter_token_s)
-                a_gaps.extend(r.gaps_s)
-                a_queue.append(r.final.timings.queue_us / 1e6)
-                a_server_ttft.append(r.final.timings.ttft_us / 1e6)
-                ttft, itl, gaps, count = await direct(backend, ids, args.output_tokens, f"b{i}")
-                lengths.add(count)
-                b_ttft.append(ttft)
-                b_itl.append(itl)
-                b_gaps.extend(gaps)
-                t0 = time.perf_counter()
-                await echo_call(payload)
-                echo_s.append(time.perf_counter() - t0)
-        await backend.close()
+        with tiny_stack(args.model_root, engine_args=engine_args) as stack:
+            prompt = prompt_of(stack.text, args.prompt_tokens)
+            ids = stack.text.encode_prompt(prompt)
+            request = pb.GenerateRequest(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=args.output_tokens,
+                temperature=0,
+                cache_policy=pb.CACHE_POLICY_BYPASS,
+            )
+            payload = request.SerializeToString()
+            backend = TritonBackend(stack.engine_addr, "tensorrt_llm")
+            await backend.wait_ready(30)
+            async with (
+                grpc.aio.insecure_channel(stack.gateway_addr) as gch,
+                grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as ech,
+            ):
+                stub = pb_grpc.InferenceStub(gch)
+                echo_call = ech.unary_unary(METHOD)
+                for _ in range(args.warmup):
+                    await generate(stub, request)
+                    await direct(backend, ids, args.output_tokens, "warm")
+                    await echo_call(payload, wait_for_ready=True)
+                a_ttft, a_itl, a_gaps, b_ttft, b_itl, b_gaps, echo_s = [], [], [], [], [], [], []
+                a_queue, a_server_ttft = [], []
+                lengths = set()
+                for i in range(args.requests):
+                    r = await generate(stub, request)
+                    lengths.add(len(r.token_ids))
+                    a_ttft.append(r.ttft_s)
+                    a_itl.append(r.inter_token_s)
+                    a_gaps.extend(r.gaps_s)
+                    a_queue.append(r.final.timings.queue_us / 1e6)
+                    a_server_ttft.append(r.final.timings.ttft_us / 1e6)
+                    ttft, itl, gaps, count = await direct(backend, ids, args.output_tokens, f"b{i}")
+                    lengths.add(count)
+                    b_ttft.append(ttft)
+                    b_itl.append(itl)
+                    b_gaps.extend(gaps)
+                    t0 = time.perf_counter()
+                    await echo_call(payload)
+                    echo_s.append(time.perf_counter() - t0)
+            await backend.close()
     finally:
-        processes.stop(gateway)
-        processes.stop(engine)
         echo.terminate()
         echo.wait()
 
@@ -164,8 +117,8 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
 
     def row(name: str, values: list[float]) -> str:
         p50, p99, mean = (
-            np.percentile(values, 50) * us,
-            np.percentile(values, 99) * us,
+            pct(values, 0.5) * us,
+            pct(values, 0.99) * us,
             statistics.fmean(values) * us,
         )
         results.update({f"{name} P50": p50, f"{name} P99": p99, f"{name} mean": mean})
@@ -184,9 +137,9 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
     print(row("(c) bare grpc.aio unary echo", echo_s))
     print(row("(a) gateway-side: arrival → engine request sent", a_queue))
     print(row("(a) gateway-side: arrival → first token sent", a_server_ttft))
-    added_ttft_p99 = (np.percentile(a_ttft, 99) - np.percentile(b_ttft, 99)) * us
-    added_itl_p50 = (np.percentile(a_itl, 50) - np.percentile(b_itl, 50)) * us
-    echo_p99 = np.percentile(echo_s, 99) * us
+    added_ttft_p99 = (pct(a_ttft, 0.99) - pct(b_ttft, 0.99)) * us
+    added_itl_p50 = (pct(a_itl, 0.5) - pct(b_itl, 0.5)) * us
+    echo_p99 = pct(echo_s, 0.99) * us
     print(
         f"\nadded TTFT P99 (a-b): {added_ttft_p99:.1f} µs vs echo P99 {echo_p99:.1f} µs "
         f"-> ratio {added_ttft_p99 / echo_p99:.2f} (target <= 1.00)"

@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -463,9 +463,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             if e.final:
                 loop.call_soon_threadsafe(_resolve, done, e)
 
-        job = self._new_job(request, decoded)
-        job.emit = emit
-        model.runner.submit(job)
+        job = self._submit(model, request, decoded, emit)
         clock.enqueued()
         try:
             emission = await done
@@ -477,16 +475,26 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         if emission.error:
             statistics.finished(clock, ok=False)
             await context.abort(grpc.StatusCode.INTERNAL, emission.error)
-        tokens = emission.tokens or []
-        if not decoded.exclude_input:
-            tokens = decoded.prompt_ids + tokens
         response = _response(
-            model.entry.name, request, tokens, True, emission.perf, model.output_names
+            model.entry.name,
+            request,
+            _output_ids(decoded, emission.tokens or []),
+            True,
+            emission.perf,
+            model.output_names,
         )
         statistics.finished(clock, ok=True)
         return response
 
-    def _new_job(self, request: ts.ModelInferRequest, decoded: Decoded) -> Job:
+    def _submit(
+        self,
+        model: EngineModel,
+        request: ts.ModelInferRequest,
+        decoded: Decoded,
+        emit: Callable[[Emission], None],
+    ) -> Job:
+        """Queues the decoded request on the model's compute thread, reachable by its id (for
+        `stop=true`) and counted as pending until `_forget`."""
         job = Job(
             request_id=request.id,
             prompt_ids=decoded.prompt_ids,
@@ -494,12 +502,13 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             end_id=decoded.end_id,
             params=decoded.params,
             streaming=decoded.streaming,
-            emit=lambda e: None,
+            emit=emit,
             return_perf=decoded.return_perf,
         )
         if request.id:
             self._by_id.setdefault(request.id, []).append(job)
         self._live[job] = request.model_name
+        model.runner.submit(job)
         return job
 
     def _forget(self, job: Job) -> None:
@@ -555,8 +564,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             if not model.entry.decoupled:
                 decoded.streaming = False  # one response per request, like a non-decoupled model
             clock.taken()
-            job = self._new_job(request, decoded)
             statistics = self.statistics[model.entry.name]
+            job: Job | None = None
 
             def deliver(e: Emission) -> None:
                 if e.final:
@@ -567,22 +576,24 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     # A final emission without tokens is a stopped or cancelled request: the
                     # executor's final result, sent with (empty) outputs, never dropped.
                     tokens = e.tokens if e.tokens is not None else []
-                    if not decoded.streaming and not decoded.exclude_input:
-                        tokens = decoded.prompt_ids + tokens
                     response = _response(
-                        model.entry.name, request, tokens, e.final, e.perf, model.output_names
+                        model.entry.name,
+                        request,
+                        _output_ids(decoded, tokens),
+                        e.final,
+                        e.perf,
+                        model.output_names,
                     )
                     outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
-                if e.final:
+                if e.final and job is not None:
                     statistics.finished(clock, ok=not e.error)
                     finish(job)
 
             def emit(e: Emission) -> None:
                 loop.call_soon_threadsafe(deliver, e)
 
-            job.emit = emit
+            job = self._submit(model, request, decoded, emit)
             jobs.add(job)
-            model.runner.submit(job)
             clock.enqueued()
 
         def stop(request: ts.ModelInferRequest, model: EngineModel) -> None:
@@ -628,6 +639,14 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 job.cancel.set()
                 self._forget(job)
             reader.cancel()
+
+
+def _output_ids(decoded: Decoded, generated: list[int]) -> list[int]:
+    """A non-streaming answer holds the prompt before the generated ids unless the request
+    excluded it (`exclude_input_in_output`); streamed responses hold only new ids."""
+    if decoded.streaming or decoded.exclude_input:
+        return generated
+    return decoded.prompt_ids + generated
 
 
 def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:

@@ -139,7 +139,25 @@ async def test_prometheus_sees_requests_and_ttft(
         )
         estimate = float(result[0]["value"][1])
         assert low <= estimate <= high, (estimate, true_p99, low, high)
-        assert prom.query('appliance_engine_ready{model="tiny"}')[0]["value"][1] == "1"
+        scraped_state = {
+            name: prom.query(f'{name}{{model="tiny"}}')[0]["value"][1]
+            for name in (
+                "appliance_engine_ready",
+                "appliance_engine_breaker_open",
+                "appliance_requests_in_flight",
+                "appliance_engine_slots",
+                "appliance_engine_generating",
+                "appliance_requests_waiting",
+            )
+        }
+        assert scraped_state == {
+            "appliance_engine_ready": "1",
+            "appliance_engine_breaker_open": "0",
+            "appliance_requests_in_flight": "0",
+            "appliance_engine_slots": "1",
+            "appliance_engine_generating": "0",
+            "appliance_requests_waiting": "0",
+        }
 
         # The engine server, in Triton's names: every generation the gateway sent it succeeded.
         served = engine.service.statistics["tensorrt_llm"].success.count
