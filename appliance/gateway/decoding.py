@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -81,10 +81,29 @@ def _stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     return stream
 
 
+def _bidi(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """A stream of requests (server reflection's one method): the call ends INVALID_ARGUMENT at
+    the first body that does not decode; the ones before it were answered."""
+
+    async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        async for request in requests:
+            if isinstance(request, Undecodable):
+                await _refuse(request, context, method)
+            yield request
+
+    async def bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+        async with (
+            aclosing(checked(requests, context)) as decoded,
+            aclosing(behavior(decoded, context)) as messages,
+        ):
+            async for message in messages:
+                await context.write(message)
+
+    return bidi
+
+
 def _tolerant(service: str, name: str, handler: Any) -> Any:
     method = f"/{service}/{name}"
-    if handler.request_streaming:
-        return handler  # no streaming-request methods here; grpc's handling stays as it is
     expected = (
         descriptor_pool.Default()
         .FindServiceByName(service)
@@ -92,6 +111,12 @@ def _tolerant(service: str, name: str, handler: Any) -> Any:
         .input_type.full_name
     )
     deserialize = _deserializer(handler.request_deserializer, expected)
+    if handler.request_streaming:
+        if not handler.response_streaming or not inspect.isasyncgenfunction(handler.stream_stream):
+            raise TypeError(f"{method}: only a bidirectional async-generator method is wrapped")
+        return handler._replace(
+            request_deserializer=deserialize, stream_stream=_bidi(handler.stream_stream, method)
+        )
     if handler.response_streaming:
         return handler._replace(
             request_deserializer=deserialize, unary_stream=_stream(handler.unary_stream, method)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from appliance import sdnotify
 from appliance.admission import GatedAdmission, ModelGate
@@ -211,13 +211,15 @@ async def start_server(
     )
     health_servicer = health.aio.HealthServicer()
     decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            ADMIN_SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
+    reflected = (
+        SERVICE_NAME,
+        ADMIN_SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    decoding.add_service(
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+        reflection.aio.ReflectionServicer(reflected),
         server,
     )
     port, tls = listen(server, config)

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from appliance import logline
 from appliance.config import GatewayConfig, ServerConfig
@@ -49,6 +50,10 @@ METHODS = [
     ("/appliance.v1.CacheAdmin/Stats", pb.CacheStatsRequest),
     ("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest),
     ("/grpc.health.v1.Health/Watch", health_pb2.HealthCheckRequest),
+    (
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        reflection_pb2.ServerReflectionRequest,
+    ),
 ]
 
 
@@ -63,7 +68,10 @@ def _undecodable(body: bytes, message: type[Message]) -> bool:
 def _send_raw(channel: grpc.Channel, method: str, body: bytes) -> grpc.RpcError:
     """The body as it is (no serializer), through a generic method; the error it ends with."""
     try:
-        if method.endswith(("/Generate", "/Watch")):
+        if method.endswith("/ServerReflectionInfo"):
+            for _ in channel.stream_stream(method)(iter([body]), timeout=30):
+                pass
+        elif method.endswith(("/Generate", "/Watch")):
             for _ in channel.unary_stream(method)(body, timeout=30):
                 pass
         else:
