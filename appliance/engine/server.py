@@ -49,6 +49,7 @@ from appliance.engine.repository import (
 from appliance.engine.runner import Emission, Job, RequestPerf, Runner
 from appliance.engine.sampling import SamplingParams
 from appliance.engine.statistics import ModelStatistics, RequestClock
+from appliance.listen import taken_address
 
 log = logging.getLogger(__name__)
 
@@ -697,6 +698,8 @@ async def run_engine(
     started = time.monotonic()
     try:
         lock = lock_repository(repository)  # before loading: a second server fails in ms
+        if (taken := taken_address(listen)) is not None:
+            raise RepositoryError(taken)
         models = load_repository(repository, options)
         server, service, _ = await start_engine(models, listen)
     except RepositoryError as exc:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -32,6 +30,7 @@ from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.quiesce import quiesce
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
+from appliance.listen import taken_address
 from appliance.metrics import GatewayMetrics, MetricsSink
 from appliance.security.auth import Gate
 from appliance.security.keys import KeyRing, KeysFileError
@@ -73,28 +72,6 @@ def make_admission(config: GatewayConfig, models: dict[str, ServedModel]) -> Gat
             for name, model in models.items()
         }
     )
-
-
-def refuse_taken_address(listen: str) -> None:
-    """StartupError when another process holds `listen`'s port (or it is privileged), checked
-    before gRPC binds: gRPC's own refusal writes a second line to stderr. Other faults (a name
-    that does not resolve, an address family the host lacks) are left to gRPC, which binds what
-    it can."""
-    host, _, port = listen.rpartition(":")
-    try:
-        addresses = socket.getaddrinfo(
-            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except (OSError, ValueError):
-        return
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                    raise StartupError(f"cannot listen on {listen}: {exc.strerror}") from None
 
 
 @dataclass
@@ -188,7 +165,8 @@ def listen(server: grpc.aio.Server, config: GatewayConfig) -> tuple[int, ServerT
 async def start_server(
     config: GatewayConfig, models: dict[str, ServedModel], sink: ReportSink | None = None
 ) -> RunningGateway:
-    refuse_taken_address(config.server.listen)
+    if (taken := taken_address(config.server.listen)) is not None:
+        raise StartupError(taken)
     gate = make_gate(config)
     mutual = config.tls is not None and config.tls.client_ca_file is not None
     # Without this gRPC sets SO_REUSEPORT: a second gateway on the same port would start and

@@ -3,6 +3,7 @@ that try to forge log lines, a second server on a port already taken."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -27,7 +28,7 @@ from appliance.gateway.server import start_server
 from appliance.logline import OneLineFormatter, Throttled
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from tests.conftest import Engine, Tiny
+from tests.conftest import Engine, Tiny, copy_repository
 from tests.gateway.stack import MODEL, Stack, engine_and_gateway
 
 
@@ -190,6 +191,23 @@ async def test_a_gateway_refuses_a_port_another_server_holds(engine: Engine) -> 
 async def test_a_second_engine_server_on_a_taken_port_is_refused(engine: Engine) -> None:
     with pytest.raises(RepositoryError, match=re.escape(f"cannot listen on {engine.address}")):
         await start_engine({}, engine.address)
+
+
+async def test_an_engine_cli_on_a_taken_port_exits_with_one_line_before_loading(
+    engine: Engine, tiny: Tiny, tmp_path: Path
+) -> None:
+    repo = copy_repository(tiny.repo, tmp_path)  # a repository no running server holds
+    command = ["engine", "--repository", str(repo), "--listen", engine.address]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "appliance", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert lines == [f"appliance engine: cannot listen on {engine.address}: Address already in use"]
 
 
 def test_health_watch_still_streams(gateway: Stack) -> None:

@@ -1,0 +1,33 @@
+"""Whether a listen address can be bound, asked before a server binds it.
+
+gRPC's own refusal of a taken port writes a line of its own to stderr (from its C core) besides the
+exception, so a CLI that lets gRPC find out prints two lines; and a server that loads a model first
+finds out only after the load.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+
+def taken_address(listen: str) -> str | None:
+    """ "cannot listen on HOST:PORT: <reason>" when another process holds the port (or it is
+    privileged and we are not); None otherwise. Other faults (a name that does not resolve, an
+    address family the host lacks) are left to gRPC, which binds what it can."""
+    host, _, port = listen.rpartition(":")
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, ValueError):
+        return None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    return f"cannot listen on {listen}: {exc.strerror}"
+    return None
