@@ -132,7 +132,7 @@ class GatewayMetrics:
         self.requests = Counters(
             "appliance_requests",
             "Finished requests by outcome.",
-            ("model", "tier", "status", "finish_reason"),
+            ("model", "tier", "status", "finish_reason", "front_end"),
         )
         self.prompt_tokens = Counters(
             "appliance_prompt_tokens", "Prompt tokens of answered requests.", ("model",)
@@ -246,7 +246,7 @@ class MetricsSink:
     def report(self, r: RequestReport) -> None:
         m = self.m
         model = r.model or "unknown"
-        m.requests.inc((model, r.tier, r.status, r.finish_reason or "none"))
+        m.requests.inc((model, r.tier, r.status, r.finish_reason or "none", r.front_end))
         m.e2e.observe(m.e2e.child(model, r.tier), r.total_us / 1e6)
         if r.status != "OK":
             return

@@ -217,7 +217,9 @@ class HttpApi:
             except wire.WireError as err:
                 self._report_refusal(err, received)
                 return error_response(err)
-            messages = self.pipeline.run(http.request, http.deadline_s, self._credentials(request))
+            messages = self.pipeline.run(
+                http.request, http.deadline_s, self._credentials(request), front_end="http"
+            )
             assert isinstance(messages, AsyncGenerator)  # closed below, whatever happens
             try:
                 return await self._answer(request, http, messages)
@@ -260,6 +262,7 @@ class HttpApi:
     def _report_refusal(self, err: wire.WireError, received: int) -> None:
         """A body refused before the pipeline saw it still counts in metrics and the access log."""
         report = RequestReport(
+            front_end="http",
             status=WIRE_STATUS.get(err.status, grpc.StatusCode.INVALID_ARGUMENT).name,
             total_us=(time.monotonic_ns() - received) // 1000,
         )

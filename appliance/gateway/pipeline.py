@@ -125,11 +125,13 @@ class Pipeline:
         request: pb.GenerateRequest,
         deadline_s: float | None,
         credentials: Credentials = NO_CREDENTIALS,
+        front_end: str = "grpc",
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The request's messages; raises RequestError. `deadline_s`: seconds the client gives;
-        `credentials`: what the client presented (none: refused when the gateway has keys)."""
+        `credentials`: what the client presented (none: refused when the gateway has keys);
+        `front_end`: which one received it, for metrics and the access log."""
         received = time.monotonic_ns()
-        report = RequestReport(request_id=request.request_id)
+        report = RequestReport(request_id=request.request_id, front_end=front_end)
         admitted: Pass | None = None
         try:
             admitted = self.admit(request, credentials, report)

@@ -16,6 +16,8 @@ access = logging.getLogger("appliance.access")
 @dataclass(slots=True)
 class RequestReport:
     request_id: str = ""
+    # Which front end received it: "grpc" (the Inference service) or "http" (the OpenAI API).
+    front_end: str = "grpc"
     # The API key's id (never the key): "anonymous" without keys; "" when none was presented.
     key_id: str = ""
     namespace: str = ""
@@ -53,7 +55,7 @@ class AccessLog:
     `access`, so a JSON formatter writes its fields as fields."""
 
     FORMAT = (
-        "request_id=%r key_id=%r namespace=%r model=%r answered_by=%r tier=%s status=%s finish_reason=%s "
+        "front_end=%s request_id=%r key_id=%r namespace=%r model=%r answered_by=%r tier=%s status=%s finish_reason=%s "
         "prompt_tokens=%d completion_tokens=%d queue_ms=%.3f ttft_ms=%.3f total_ms=%.3f"
     )
 
@@ -61,6 +63,7 @@ class AccessLog:
         if access.isEnabledFor(logging.INFO):
             access.info(
                 self.FORMAT,
+                r.front_end,
                 r.request_id,
                 r.key_id,
                 r.namespace,

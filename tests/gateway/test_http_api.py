@@ -511,9 +511,15 @@ async def test_http_requests_are_reported_like_grpc_ones(tiny: Tiny, engine: Eng
         assert status == 200 and headers["X-Request-Id"] == "h1" and reply["id"] == "cmpl-h1"
         status, _, _ = await _post(running, "/v1/completions", b"{oops")
         assert status == 400
-        good, bad = await sink.wait_for(2)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            await pb_grpc.InferenceStub(channel).Complete(
+                pb.GenerateRequest(model="tiny", prompt="Report me", max_tokens=4, request_id="g1")
+            )
+        good, bad, via_grpc = await sink.wait_for(3)
     finally:
         await running.drain(0.5)
     assert (good.request_id, good.model, good.status, good.tier) == ("h1", "tiny", "OK", "miss")
     assert good.completion_tokens == reply["usage"]["completion_tokens"]
     assert (bad.model, bad.status) == ("", "INVALID_ARGUMENT")
+    assert (good.front_end, bad.front_end) == ("http", "http")
+    assert (via_grpc.request_id, via_grpc.front_end) == ("g1", "grpc")
