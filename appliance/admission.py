@@ -85,6 +85,18 @@ class ServiceEstimate:
         decode = self.decode_s_per_token * self.token_fraction * max_tokens
         return self.prefill_s_per_token * prompt_tokens + decode
 
+    def remaining_s(self, prompt_tokens: int, max_tokens: int, elapsed_s: float) -> float:
+        """What a generation running for `elapsed_s` still needs. Whether it stops at the next
+        token is taken as independent of how long it has run (a generation that outlived the
+        average is not about to end): the decode still ahead is the average one, but never more
+        than its token limit leaves."""
+        prefill = self.prefill_s_per_token * prompt_tokens
+        average = prefill + self.decode_s_per_token * self.token_fraction * max_tokens
+        most = prefill + self.decode_s_per_token * max_tokens
+        if elapsed_s < prefill:
+            return average - elapsed_s
+        return max(0.0, min(average - prefill, most - elapsed_s))
+
     def observe(
         self, prompt_tokens: int, max_tokens: int, ttft_s: float, tokens: int, total_s: float
     ) -> None:
@@ -154,8 +166,7 @@ class ModelGate:
         """Seconds until a request joining the back of the line would start."""
         est = self.estimate
         left = sum(
-            max(0.0, est.service_s(w.prompt_tokens, w.max_tokens) - (now - w.started))
-            for w in self.running
+            est.remaining_s(w.prompt_tokens, w.max_tokens, now - w.started) for w in self.running
         )
         left += sum(est.service_s(w.prompt_tokens, w.max_tokens) for w in self.waiting)
         return left / self.slots
