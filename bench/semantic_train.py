@@ -1,8 +1,8 @@
 """Trains the semantic tier's decision rule on QQP's dev split (never on test).
 
     PYTHONPATH=. .venv/bin/python -m bench.semantic_train \
-        --pairs ../shared/data/qqp/dev.jsonl.gz \
-        --vectors var/semantic/dev-vectors.npz --out appliance/data/semantic_rule.npz
+        --pairs ../shared/data/qqp/dev.jsonl.gz --embedder var/semantic \
+        --out appliance/data/semantic_rule.npz
 
 The classifier is stacked: a network over the two vectors and the pair features (torch here, numpy
 in the gateway), then boosted trees (scikit-learn here, numpy in the gateway) over the features and
@@ -11,8 +11,8 @@ network and the trees that score it never saw it. The floor and the probability 
 setting with the highest out-of-fold recall whose precision is at least --target-precision with
 --confidence (a one-sided Wilson lower bound, so the figure is not luck of the dev sample), the
 guards applied exactly as the tier applies them. The shipped network and trees are then fitted on
-all of dev. Vectors come from the shipped embedder and are kept in --vectors so a second run does
-not embed again.
+all of dev. Vectors come from the shipped embedder and are kept beside it (dev-vectors.npz) so a second
+run does not embed again.
 """
 
 from __future__ import annotations
@@ -85,11 +85,12 @@ def train_network(u: Vector, v: Vector, x: Vector, y: np.ndarray, args: Any) -> 
     }
 
 
-def fit_trees(z: Floats, y: np.ndarray) -> Any:
+def fit_trees(z: Floats, y: np.ndarray, depth: int) -> Any:
+    """Trees of bounded depth: the gateway walks every tree `depth` steps per decision."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     return HistGradientBoostingClassifier(
-        max_iter=300, learning_rate=0.05, random_state=0, early_stopping=True
+        max_iter=300, learning_rate=0.05, max_depth=depth, random_state=0, early_stopping=True
     ).fit(z, y)
 
 
@@ -158,7 +159,6 @@ def main() -> int:
     ap.add_argument("--pairs", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--embedder", type=Path, default=Path("var/semantic"))
-    ap.add_argument("--vectors", type=Path, default=Path("var/semantic/dev-vectors.npz"))
     ap.add_argument("--out", type=Path, default=Path("appliance/data/semantic_rule.npz"))
     ap.add_argument("--target-precision", type=float, default=0.90)
     ap.add_argument("--confidence", type=float, default=0.95)
@@ -167,13 +167,14 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--tree-depth", type=int, default=6)
     args = ap.parse_args()
     if "test" in args.pairs.name:
         ap.error("the rule is tuned on dev only")
 
     pairs = read_pairs(args.pairs)[: args.limit]
     print(f"{len(pairs)} dev pairs")
-    va, vb = vectors(args.embedder, args.vectors, pairs)
+    va, vb = vectors(args.embedder, "dev", pairs)
     questions: list[tuple[Question, Question]] = [(analyze(p.a), analyze(p.b)) for p in pairs]
     idf = idf_table([q for pair in questions for q in pair])
     cos = (va * vb).sum(1).astype(np.float64)
@@ -199,7 +200,7 @@ def main() -> int:
     oof = np.full(len(pairs), -1.0)
     for k in range(args.folds):
         fit, held = rows[fold[rows] != k], rows[fold[rows] == k]
-        oof[held] = fit_trees(z[fit], labels[fit]).predict_proba(z[held])[:, 1]
+        oof[held] = fit_trees(z[fit], labels[fit], args.tree_depth).predict_proba(z[held])[:, 1]
     floor, threshold, recall, precision = choose(oof, cos, vetoed, labels, args)
     if recall == 0.0:
         print("no setting reaches the target precision", file=sys.stderr)
@@ -210,7 +211,7 @@ def main() -> int:
     )
 
     weights = train_network(va[rows], vb[rows], x[rows], labels[rows], args)
-    trees = fit_trees(z[rows], labels[rows])
+    trees = fit_trees(z[rows], labels[rows], args.tree_depth)
     shipped = {**weights, "idf": idf, **export_trees(trees)}
     np.savez(args.out, **shipped, floor=np.float32(floor), threshold=np.float32(threshold))
     scratch.unlink(missing_ok=True)

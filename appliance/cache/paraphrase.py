@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -287,29 +288,36 @@ class Decision:
 
 class Trees:
     """A boosted tree ensemble (scikit-learn's HistGradientBoostingClassifier, exported by
-    `bench/semantic_train.py`) evaluated in numpy: every tree is padded to the same node count, and
-    all trees walk one level per step, a row going left where its feature is <= the threshold."""
+    `bench/semantic_train.py`) evaluated in numpy. The trees' nodes are laid end to end in flat
+    arrays, a node's two children side by side in `child` (left, then right), and a leaf leads to
+    itself, so every tree of every row takes one step a level, `depth` levels in all, with no test
+    for having arrived: a row goes left where its feature is <= the node's threshold."""
 
     def __init__(self, data: Any) -> None:
-        self.feature = data["tree_feature"].astype(np.intp)  # trees × nodes
-        self.cut = data["tree_threshold"].astype(np.float64)
-        self.left = data["tree_left"].astype(np.intp)
-        self.right = data["tree_right"].astype(np.intp)
-        self.leaf = data["tree_leaf"].astype(bool)
-        self.value = data["tree_value"].astype(np.float64)
+        trees, width = data["tree_feature"].shape
+        flat = np.arange(trees * width).reshape(trees, width)
+        base = (np.arange(trees) * width)[:, None]
+        leaf = data["tree_leaf"].astype(bool)
+        left = np.where(leaf, flat, base + data["tree_left"]).ravel()
+        right = np.where(leaf, flat, base + data["tree_right"]).ravel()
+        self.child = np.stack([left, right], axis=1).ravel().astype(np.intp)
+        self.feature = np.where(leaf, 0, data["tree_feature"]).astype(np.intp).ravel()
+        self.cut = data["tree_threshold"].astype(np.float64).ravel()
+        self.value = data["tree_value"].astype(np.float64).ravel()
+        self.roots = base[:, 0].astype(np.intp)
         self.base = float(data["tree_base"])
         self.depth = int(data["tree_depth"])
 
     def probabilities(self, x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """P(same) for each row of x (n × features)."""
-        trees = np.arange(self.feature.shape[0])[None, :]
-        rows = np.arange(x.shape[0])[:, None]
-        node = np.zeros((x.shape[0], self.feature.shape[0]), dtype=np.intp)
+        rows, width = x.shape
+        flat = np.ascontiguousarray(x).ravel()
+        row_start = (np.arange(rows) * width)[:, None]
+        node = np.broadcast_to(self.roots, (rows, self.roots.size))
         for _ in range(self.depth):
-            goes_left = x[rows, self.feature[trees, node]] <= self.cut[trees, node]
-            step = np.where(goes_left, self.left[trees, node], self.right[trees, node])
-            node = np.where(self.leaf[trees, node], node, step)
-        raw = self.base + self.value[trees, node].sum(axis=1)
+            right = flat[row_start + self.feature[node]] > self.cut[node]
+            node = self.child[2 * node + right]
+        raw = self.base + self.value[node].sum(axis=1)
         out: npt.NDArray[np.float64] = 1.0 / (1.0 + np.exp(-raw))
         return out
 
@@ -359,13 +367,26 @@ class Rule:
         return features(u, v, a, b, self.idf)
 
     def decide(self, u: Vector, v: Vector, a: Question, b: Question) -> Decision:
-        cos = float(u @ v)
-        if cos < self.floor:
-            return Decision(False, cos, 0.0, "floor")
-        why = veto(a, b)
-        if why:
-            return Decision(False, cos, 0.0, why)
-        score = float(self.scores(u[None, :], v[None, :], self.features(u, v, a, b)[None, :])[0])
-        if score < self.threshold:
-            return Decision(False, cos, score, "score")
-        return Decision(True, cos, score, "")
+        return self.decide_many(u, a, [(v, b)])[0]
+
+    def decide_many(
+        self, u: Vector, a: Question, others: Sequence[tuple[Vector, Question]]
+    ) -> list[Decision]:
+        """Question a (vector u) against each of others, the classifier run once over those the
+        floor and the guards let through."""
+        out: list[Decision] = []
+        scored: list[int] = []
+        for v, b in others:
+            cos = float(u @ v)
+            why = "floor" if cos < self.floor else veto(a, b)
+            out.append(Decision(False, cos, 0.0, why))
+            if not why:
+                scored.append(len(out) - 1)
+        if scored:
+            vs = np.stack([others[i][0] for i in scored])
+            x = np.stack([self.features(u, others[i][0], a, others[i][1]) for i in scored])
+            scores = self.scores(np.broadcast_to(u, vs.shape), vs, x)
+            for i, score in zip(scored, scores, strict=True):
+                same = bool(score >= self.threshold)
+                out[i] = Decision(same, out[i].similarity, float(score), "" if same else "score")
+        return out
