@@ -101,9 +101,12 @@ def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
     gc.collect()
     rss = psutil.Process().memory_info().rss
     started = time.perf_counter()
-    for i, (text, vec) in enumerate(zip(texts, vecs, strict=True)):
-        entry = Entry(i.to_bytes(16, "big"), scope, str(text), answer, ("ns", "bench"), 1e12)
-        tier.index.add(entry, vec)
+    tier.index.add_many(
+        [
+            (Entry(i.to_bytes(16, "big"), scope, str(text), answer, ("ns", "bench"), 1e12), vec)
+            for i, (text, vec) in enumerate(zip(texts, vecs, strict=True))
+        ]
+    )
     took = time.perf_counter() - started
     gc.collect()
     grown = psutil.Process().memory_info().rss - rss
