@@ -166,7 +166,8 @@ async def rebuild(tier: SemanticTier, entries: int) -> None:
         server = RedisServer(Path(work))
         server.start()
         try:
-            l2 = RedisTier(RedisSettings(url=server.url, timeout_ms=1000.0), CacheMetrics())
+            settings = RedisSettings(url=server.url, timeout_ms=1000.0, mac_key=b"bench-key" * 4)
+            l2 = RedisTier(settings, CacheMetrics())
             config = dataclasses.replace(tier.settings, max_entries=entries + 1)
             shared = SemanticTier(config, tier.embedder, tier.rule, l2)
             pipe = l2.client.pipeline(transaction=False)
