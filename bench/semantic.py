@@ -4,8 +4,8 @@
 
 (a) QQP test split (../shared/data/qqp/test.jsonl.gz): the shipped rule (exactly `appliance
     semantic-eval`) beside plain cosine at 0.80/0.90/0.95 and the rule's precision–recall curve, from
-    the same vectors. The vectors come from the shipped embedder and are kept in
-    var/semantic/test-vectors.npz so a second run does not embed 40k texts again.
+    the same vectors. The vectors come from the shipped embedder and are kept beside it
+    (test-vectors.npz) so a second run does not embed 40k texts again.
 (b) tests/cache/data/semantic_pairs.jsonl: false hits on the hard negatives, recall on paraphrases.
 (c) lookup at --entries entries in one scope (QQP dev questions, real vectors): embed, search +
     verify, and the whole lookup, P50/P99; a miss pays the same embed + search + verify.
@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from appliance.cache.embedder import Embedder, Vector
+from appliance.cache.embedder import MANIFEST, Embedder, Vector
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.paraphrase import Rule
@@ -44,23 +45,26 @@ MODEL = ModelIdentity("bench", "engine-fp", "tok-fp", "v1")
 SAMPLING = SamplingKey(64, True, 0.0, 1.0, 1, None, ())
 
 
-def vectors(embedder_dir: Path, cache: Path, pairs: list[Pair]) -> tuple[Vector, Vector]:
-    """Vectors of both sides from the shipped embedder, kept in `cache` (a second run reads them;
+def vectors(embedder_dir: Path, name: str, pairs: list[Pair]) -> tuple[Vector, Vector]:
+    """Vectors of both sides from the embedder in `embedder_dir`, kept beside it in
+    NAME-vectors.npz with the model's digest (a second run reads them unless the model changed;
     importing torch in the same process as onnxruntime crashes it, so training imports this)."""
+    cache = embedder_dir / f"{name}-vectors.npz"
+    model = json.loads((embedder_dir / MANIFEST).read_text())["onnx_sha256"]
     texts = sorted({t for p in pairs for t in (p.a, p.b)})
     known: dict[str, int] = {}
     if cache.exists():
         with np.load(cache, allow_pickle=False) as data:
-            stored_texts, stored = list(data["texts"]), data["vectors"]
-        known = {t: i for i, t in enumerate(stored_texts)}
+            if "model" in data and str(data["model"]) == model:
+                stored_texts, stored = list(data["texts"]), data["vectors"]
+                known = {t: i for i, t in enumerate(stored_texts)}
     missing = [t for t in texts if t not in known]
     if missing:
         print(f"embedding {len(missing)} texts", file=sys.stderr, flush=True)
         new, _ = Embedder(embedder_dir, threads=2).embed_many(missing)
         stored_texts = [*((known and stored_texts) or []), *missing]
         stored = np.concatenate([stored, new]) if known else new
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(cache, texts=np.array(stored_texts), vectors=stored)
+        np.savez(cache, texts=np.array(stored_texts), vectors=stored, model=np.array(model))
         known = {t: i for i, t in enumerate(stored_texts)}
     ia = np.array([known[p.a] for p in pairs])
     ib = np.array([known[p.b] for p in pairs])
@@ -70,15 +74,13 @@ def vectors(embedder_dir: Path, cache: Path, pairs: list[Pair]) -> tuple[Vector,
 def quality(embedder_dir: Path, qqp: Path) -> None:
     rule = Rule()
     pairs = read_pairs(qqp / "test.jsonl.gz")
-    va, vb = vectors(embedder_dir, Path("var/semantic/test-vectors.npz"), pairs)
+    va, vb = vectors(embedder_dir, "test", pairs)
     result = report(pairs, decide_all(rule, pairs, va, vb, [True] * len(pairs)), rule)
     print(f"(a) QQP test split, {len(pairs)} pairs\n{render(result)}\n")
     hard = read_pairs(HARD)
-    embedder = Embedder(embedder_dir)
-    ha, hb = vectors(embedder_dir, Path("var/semantic/hard-vectors.npz"), hard)
+    ha, hb = vectors(embedder_dir, "hard", hard)
     r = report(hard, decide_all(rule, hard, ha, hb, [True] * len(hard)), rule)
     print(f"(b) hard negatives (tests/cache/data/semantic_pairs.jsonl)\n{render(r)}\n")
-    del embedder
 
 
 def ms(values: list[float]) -> str:
@@ -86,7 +88,7 @@ def ms(values: list[float]) -> str:
 
 
 def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
-    with np.load("var/semantic/dev-vectors.npz") as data:
+    with np.load(embedder_dir / "dev-vectors.npz") as data:
         texts, vecs = list(data["texts"][:entries]), data["vectors"][:entries]
     config = SemanticConfig(enabled=True, namespaces=("*",), embedder_dir=embedder_dir)
     config = dataclasses.replace(config, max_entries=entries + 1, max_bytes=2**40)
@@ -99,9 +101,12 @@ def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
     gc.collect()
     rss = psutil.Process().memory_info().rss
     started = time.perf_counter()
-    for i, (text, vec) in enumerate(zip(texts, vecs, strict=True)):
-        entry = Entry(i.to_bytes(16, "big"), scope, str(text), answer, ("ns", "bench"), 1e12)
-        tier.index.add(entry, vec)
+    tier.index.add_many(
+        [
+            (Entry(i.to_bytes(16, "big"), scope, str(text), answer, ("ns", "bench"), 1e12), vec)
+            for i, (text, vec) in enumerate(zip(texts, vecs, strict=True))
+        ]
+    )
     took = time.perf_counter() - started
     gc.collect()
     grown = psutil.Process().memory_info().rss - rss
@@ -113,25 +118,41 @@ def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
     return tier, scope
 
 
-def lookups(tier: SemanticTier, scope: bytes, queries: list[str]) -> None:
-    embed_s: list[float] = []
+def lookups(
+    tier: SemanticTier, scope: bytes, queries: list[str], baseline: Embedder | None
+) -> None:
+    """The whole lookup per query, split into tokenizing, the model run, and search + verify; with
+    a baseline embedder, its model run on the same query right after ours (same load, same text)."""
+    tokenize_s: list[float] = []
+    run_s: list[float] = []
+    base_s: list[float] = []
     match_s: list[float] = []
     total_s: list[float] = []
     hits = 0
     for text in queries:
         t0 = time.perf_counter()
-        vector = tier.embedder.embed(text)
+        ids = tier.embedder.token_ids(text)
         t1 = time.perf_counter()
-        if vector is None:
+        if ids is None:
             continue
-        hit = tier.match(scope, text, vector)
+        vector = tier.embedder.embed_ids([ids])[0]
         t2 = time.perf_counter()
+        hit = tier.match(scope, text, vector)
+        t3 = time.perf_counter()
+        if baseline is not None:
+            baseline.embed_ids([ids])
+            base_s.append(time.perf_counter() - t3)
         hits += hit is not None
-        embed_s.append(t1 - t0)
-        match_s.append(t2 - t1)
-        total_s.append(t2 - t0)
+        tokenize_s.append(t1 - t0)
+        run_s.append(t2 - t1)
+        match_s.append(t3 - t2)
+        total_s.append(t3 - t0)
     print(f"(c) lookups at {len(tier.index)} entries, {len(total_s)} queries ({hits} hits)")
-    print(f"    embed                {ms(embed_s)}")
+    print(f"    tokenize             {ms(tokenize_s)}")
+    print(f"    model run            {ms(run_s)}")
+    if base_s:
+        ratio = pct(base_s, 0.5) / pct(run_s, 0.5)
+        print(f"    baseline model run   {ms(base_s)}  (ours {ratio:.2f}x faster at P50)")
     print(f"    search + verify      {ms(match_s)}")
     print(f"    whole lookup         {ms(total_s)}  (what a miss pays)")
 
@@ -145,7 +166,8 @@ async def rebuild(tier: SemanticTier, entries: int) -> None:
         server = RedisServer(Path(work))
         server.start()
         try:
-            l2 = RedisTier(RedisSettings(url=server.url, timeout_ms=1000.0), CacheMetrics())
+            settings = RedisSettings(url=server.url, timeout_ms=1000.0, mac_key=b"bench-key" * 4)
+            l2 = RedisTier(settings, CacheMetrics())
             config = dataclasses.replace(tier.settings, max_entries=entries + 1)
             shared = SemanticTier(config, tier.embedder, tier.rule, l2)
             pipe = l2.client.pipeline(transaction=False)
@@ -172,13 +194,20 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument(
+        "--baseline-embedder",
+        type=Path,
+        default=None,
+        help="another embedder directory (e.g. the unquantized export) timed beside ours",
+    )
     args = ap.parse_args()
     if not args.skip_quality:
         quality(args.embedder, args.qqp)
     tier, scope = filled_tier(args.embedder, args.entries)
     test = read_pairs(args.qqp / "test.jsonl.gz")[: args.queries]
     # QQP test questions against dev questions: mostly misses, some paraphrase hits.
-    lookups(tier, scope, [p.a for p in test])
+    baseline = Embedder(args.baseline_embedder) if args.baseline_embedder else None
+    lookups(tier, scope, [p.a for p in test], baseline)
     asyncio.run(rebuild(tier, args.entries))
 
 

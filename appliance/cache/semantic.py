@@ -183,10 +183,12 @@ class SemanticTier:
 
     def match(self, scope: bytes, text: str, vector: Vector) -> Hit | None:
         """The decision over the scope's nearest entries: the best one the rule accepts."""
-        question = analyze(text)
+        found = self.index.search(scope, vector, self.settings.candidates)
+        decisions = self.rule.decide_many(
+            vector, analyze(text), [(stored, analyze(entry.text)) for entry, stored in found]
+        )
         best: tuple[Entry, float, float] | None = None
-        for entry, stored in self.index.search(scope, vector, self.settings.candidates):
-            decision = self.rule.decide(vector, stored, question, analyze(entry.text))
+        for (entry, _), decision in zip(found, decisions, strict=True):
             if not decision.same:
                 self.counts.refused += 1
             elif best is None or decision.score > best[2]:

@@ -67,27 +67,37 @@ class VectorIndex:
         return self.add_many([(entry, vector)]) == 1
 
     def add_many(self, items: list[tuple[Entry, Vector]]) -> int:
-        """Adds entries (a rebuild adds hundreds at once); returns how many were added."""
+        """Adds entries (a rebuild adds hundreds at once, one usearch call per scope); returns
+        how many were added."""
         now = self._clock()
+        pending: dict[bytes, list[tuple[int, Vector]]] = {}
         added = 0
         for entry, vector in items:
             entry.size = ENTRY_OVERHEAD + len(entry.text.encode()) + entry.answer.size()
             if entry.size > self.max_bytes or self.max_entries == 0 or entry.expires <= now:
                 continue
             if entry.entry_id in self._lru:
+                self._insert(pending)  # the entry it replaces may be among them
+                pending = {}
                 self._drop(self._lru[entry.entry_id])
-            index = self._scopes.get(entry.scope)
-            if index is None:
-                index = self._scopes[entry.scope] = _new_index(self.dim)
             entry.label = next(self._labels)
-            index.add(entry.label, np.ascontiguousarray(vector, dtype=np.float32))
+            pending.setdefault(entry.scope, []).append((entry.label, vector))
             self._by_label[entry.label] = entry
             self._lru[entry.entry_id] = entry
             self.bytes += entry.size
             added += 1
+        self._insert(pending)
         while len(self._lru) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._lru.values())))
         return added
+
+    def _insert(self, pending: dict[bytes, list[tuple[int, Vector]]]) -> None:
+        for scope, rows in pending.items():
+            index = self._scopes.get(scope)
+            if index is None:
+                index = self._scopes[scope] = _new_index(self.dim)
+            labels = np.array([label for label, _ in rows], dtype=np.uint64)
+            index.add(labels, np.ascontiguousarray(np.stack([v for _, v in rows]), np.float32))
 
     def search(self, scope: bytes, vector: Vector, k: int) -> list[tuple[Entry, Vector]]:
         """Up to k live entries of the scope nearest to the vector, nearest first, each with its

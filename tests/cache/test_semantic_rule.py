@@ -140,3 +140,33 @@ def test_semantic_eval_without_embedder_says_how_to_make_it(tmp_path: Path) -> N
     pairs.write_text(json.dumps({"a": "x", "b": "y", "label": 1}) + "\n")
     out = run_eval("--pairs", str(pairs), "--embedder", str(tmp_path / "none"))
     assert out.returncode == 2 and "appliance semantic-setup" in out.stderr
+
+
+def test_exported_trees_score_as_scikit_learn_does() -> None:
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    from appliance.cache.paraphrase import Trees
+    from bench.semantic_train import export_trees
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3000, 5))
+    y = (x[:, 0] + x[:, 1] * x[:, 2] + rng.normal(scale=0.5, size=3000) > 0).astype(int)
+    model = HistGradientBoostingClassifier(max_iter=40, random_state=0).fit(x, y)
+    want = model.predict_proba(x)[:, 1]
+    assert want.std() > 0.2  # a fitted model, not a constant
+    got = Trees(export_trees(model)).probabilities(x)
+    np.testing.assert_allclose(got, want, atol=1e-9)
+
+
+def test_pair_features_are_symmetric_and_see_rare_words() -> None:
+    rule = Rule()
+    u = np.full(4, 0.5, dtype=np.float32)
+    a = analyze("How do I learn the piano quickly?")
+    b = analyze("How can I learn to play piano fast?")
+    np.testing.assert_allclose(rule.features(u, u, a, b), rule.features(u, u, b, a), rtol=1e-6)
+    # A rare word present in one question only weighs more than a common one (the features after
+    # the cosine and the eight plain lexical ones: weighted overlap, then min/max/largest weight of
+    # the words one side only has).
+    rare = rule.features(u, u, a, analyze("How do I learn the piano quickly in Reykjavik?"))
+    common = rule.features(u, u, a, analyze("How do I learn the piano quickly in time?"))
+    assert rare[9] < common[9] and rare[11] > common[11] and rare[12] > common[12]

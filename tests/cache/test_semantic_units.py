@@ -46,6 +46,24 @@ def test_search_stays_in_its_scope_and_finds_the_nearest() -> None:
     assert index.search(entry(1, b"c").scope, unit(1), 4) == []
 
 
+def test_a_batch_of_entries_in_several_scopes_with_a_replacement() -> None:
+    index = VectorIndex(384, 100, 10**8)
+    batch = [(entry(n, b"ab"[n % 2 : n % 2 + 1]), unit(n)) for n in range(6)]
+    batch.append((entry(2, b"a"), unit(7)))  # entry 2 again, now with another vector
+    assert index.add_many(batch) == 7 and len(index) == 6
+    one = index.bytes // 6
+    assert index.bytes == 6 * one
+    for n in (0, 4):
+        found = index.search(entry(n, b"a").scope, unit(n), 1)
+        assert [e.entry_id for e, _ in found] == [entry(n).entry_id]
+    in_a = index.search(entry(2, b"a").scope, unit(7), 10)
+    assert {e.entry_id for e, _ in in_a} == {entry(n).entry_id for n in (0, 2, 4)}
+    assert in_a[0][0].entry_id == entry(2).entry_id and float(in_a[0][1] @ unit(7)) > 0.999
+    assert [e.entry_id for e, _ in index.search(entry(3, b"b").scope, unit(3), 1)] == [
+        entry(3).entry_id
+    ]
+
+
 def test_bounds_entries_bytes_and_ttl() -> None:
     clock = Clock()
     index = VectorIndex(384, 3, 10**8, clock=clock)
