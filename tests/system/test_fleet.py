@@ -10,9 +10,9 @@ Steps, in order (they share the two containers):
                gateway restarted, no request failed; TTFT during the roll against the steady state
   again     -> upgrade.yml with nothing new: changed=0, nothing restarted
   failover  -> under the same load, fleet-a's Redis (the primary) is killed and stays down: the
-               Sentinels promote fleet-b's, both gateways use it for L2 again (a question one
-               gateway answered is an L2 hit at the other), no request failed; restarted, fleet-a's
-               Redis rejoins as a replica of the new primary
+               Sentinels promote fleet-b's, both gateways write to L2 again (their cache counters,
+               read between questions nobody asked before), no request failed; restarted,
+               fleet-a's Redis rejoins as a replica of the new primary
 
 Redis runs with ACL users only (the role turns `default` off): the gateways', the replication user
 every server uses with its primary, and the Sentinels'. Their passwords, and the cache MAC key, are
@@ -25,6 +25,7 @@ naming what is missing); the Debian root and the dependency wheels are the ones 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -63,7 +64,6 @@ SECRETS = {
     "redis-sentinel-password": "redis_sentinel_password_src",
 }
 SENTINEL_PASSWORD = "/etc/appliance/credentials/redis-sentinel-password"
-L2 = "CACHE_TIER_EXACT_L2"
 
 
 @dataclass
@@ -314,29 +314,35 @@ def test_an_upgrade_with_nothing_new_changes_nothing(fleet: Fleet) -> None:
     assert not re.search(r"RUNNING HANDLER \[appliance : Drain the gateway\]", out)
 
 
+def _l2_back(probes: list[dict[str, Any]], gateway: str, since: float) -> float | None:
+    """When `gateway` had written to L2 again after `since`: the first of its probe turns whose
+    counters show a successful L2 write of a question asked after `since`, or None."""
+    turns = [r for r in probes if r["gateway"] == gateway and r["at"] > since and "l2_written" in r]
+    for before, after in itertools.pairwise(turns):
+        if after["l2_written"] > before["l2_written"]:
+            return float(after["at"])
+    return None
+
+
 def test_a_killed_redis_primary_fails_over_to_the_replica(fleet: Fleet) -> None:
     a, b = fleet.machines["fleet-a"], fleet.machines["fleet-b"]
     b_ip = HOSTS["fleet-b"]
+    gateways = [f"{ip}:50051" for ip in HOSTS.values()]
     load = fleet.in_client_ns_background("load-failover", "tests.system.fleet_load", GATEWAYS)
-    probe = fleet.in_client_ns_background(
-        "probe", "tests.system.fleet_l2_probe", *(f"{ip}:50051" for ip in HOSTS.values())
-    )
+    probe = fleet.in_client_ns_background("probe", "tests.system.fleet_l2_probe", *gateways)
 
-    def l2_answers(since: float) -> list[dict[str, Any]]:
-        return [r for r in fleet.records("probe") if r["sent"] > since and r.get("tier") == L2]
+    def l2_back(since: float) -> dict[str, float | None]:
+        probes = fleet.records("probe")
+        return {g: _l2_back(probes, g, since) for g in gateways}
 
     try:
-        # Before the kill: each gateway's L2 writes are the other's L2 hits.
-        a.wait_for("L2 shared by the gateways", lambda: len(l2_answers(0)) >= 4, 60)
+        started = time.time()
+        a.wait_for("both gateways writing to L2", lambda: all(l2_back(started).values()), 60)
         # The primary stays down (as its host would): without this, systemd restarts it at once.
         norestart = "/run/systemd/system/redis-server.service.d"
         assert a.sh("mkdir", "-p", norestart).returncode == 0
-        assert (
-            a.sh(
-                "sh", "-c", f"printf '[Service]\\nRestart=no\\n' > {norestart}/kill.conf"
-            ).returncode
-            == 0
-        )
+        dropin = f"printf '[Service]\\nRestart=no\\n' > {norestart}/kill.conf"
+        assert a.sh("sh", "-c", dropin).returncode == 0
         assert a.sh("systemctl", "daemon-reload").returncode == 0
         killed = time.time()
         assert a.sh("systemctl", "kill", "--signal=SIGKILL", "redis-server.service").returncode == 0
@@ -346,26 +352,33 @@ def test_a_killed_redis_primary_fails_over_to_the_replica(fleet: Fleet) -> None:
             60,
         )
         promoted = time.time()
-        b.wait_for("an L2 hit through the new primary", lambda: bool(l2_answers(killed)), 60)
+        # Each gateway's writes reach the new primary, as the ACL user it knows too.
+        b.wait_for(
+            "both gateways writing to L2 on the new primary",
+            lambda: all(l2_back(killed).values()),
+            60,
+        )
     finally:
         fleet.stop("probe", probe)
         fleet.stop("load-failover", load)
     assert _replication(b)["role"] == "master"
     assert _primary_named(a) == [b_ip, "6379"]
 
-    probes = fleet.records("probe")
-    back = min(r["sent"] for r in l2_answers(killed))
+    back = l2_back(killed)
     records = fleet.records("load-failover")
     failed = [r for r in records if r["status"] != "OK"]
-    during = [r for r in records if killed <= r["sent"] <= back]
-    before = [r for r in probes if r["sent"] < killed]
+    probe_failed = [r for r in fleet.records("probe") if r["status"] != "OK"]
+    last = max(t for t in back.values() if t is not None)
+    during = [r for r in records if killed <= r["sent"] <= last]
+    gaps = ", ".join(f"{g} {t - killed:.1f} s" for g, t in back.items() if t is not None)
     containers.say(
-        f"redis primary killed: the Sentinels named the replica after {promoted - killed:.1f} s"
-        f" (down-after 5000 ms, polled every 0.5 s); no L2 answer for {back - killed:.1f} s"
-        f" ({sum(r.get('tier') == L2 for r in before)} of {len(before)} probes before the kill were"
-        f" L2 hits); {len(during)} requests meanwhile, {len(failed)} failed of {len(records)}"
+        f"redis primary killed (down-after 5000 ms): the Sentinels named the replica after"
+        f" {promoted - killed:.1f} s (polled every 0.5 s); no L2 write until {gaps} after the kill;"
+        f" {len(during)} requests meanwhile; {len(failed)} of {len(records)} failed"
+        f" ({len(probe_failed)} probe questions failed)"
     )
     assert failed == [], failed[:5]
+    assert probe_failed == [], probe_failed[:5]
 
     # Back again, the old primary is made a replica of the new one, and authenticates to it.
     assert a.sh("rm", "-r", norestart).returncode == 0
