@@ -26,10 +26,12 @@ EXIT_MISSING = pytest.ExitCode.USAGE_ERROR
 # What is not a Debian package: the tests that need root, and those that run the pinned Ansible.
 NEEDS_ROOT = (
     "tests/system/test_e2e.py",
+    "tests/system/test_fleet.py",
     "tests/host_tuning/test_nic_netns.py",
 )
 NEEDS_ANSIBLE = (
     "tests/system/test_e2e.py",
+    "tests/system/test_fleet.py",
     "tests/system/test_ansible_lint.py",
     "tests/system/test_ansible_guards.py",
 )

@@ -201,13 +201,14 @@ def boot(
                 time.sleep(0.2)
         assert leader, "systemd-nspawn started no container"
         m = Machine(name, workdir, netns, nspawn, leader)
-        # Until PID 1 has its private bus socket, systemctl cannot connect: poll, bounded.
+        # Until PID 1 has its private bus socket, systemctl cannot connect; entered before nspawn
+        # has exec'd systemd, it answers "offline": poll, bounded.
         state = ""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             booted = m.sh("systemctl", "is-system-running", "--wait", timeout=timeout)
             state = booted.stdout.strip()
-            if state:
+            if state not in ("", "offline"):
                 break
             assert nspawn.poll() is None, (workdir / f"nspawn-{name}.log").read_text()
             time.sleep(0.2)

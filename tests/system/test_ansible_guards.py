@@ -126,3 +126,34 @@ def test_a_rolling_upgrade_stops_at_the_first_failed_host(tmp_path: Path) -> Non
     assert result.returncode != 0, out
     assert re.search(r"^fatal: \[cpu-a\]: UNREACHABLE", out, re.M), out
     assert "[cpu-b]" not in out, out
+
+
+@pytest.mark.parametrize(
+    "replicated",
+    [
+        {"redis_sentinel": True, "redis_sentinel_primary": "10.0.0.1 6379"},
+        {"redis_replicaof": "10.0.0.1 6379"},
+    ],
+)
+def test_a_replicated_redis_without_shared_passwords_fails_first(
+    tmp_path: Path, replicated: dict[str, object]
+) -> None:
+    """A replica or Sentinel with passwords generated on its own host could never authenticate to
+    the primary: the redis role stops at its first task, naming the variables to set."""
+    play = [
+        {
+            "name": "The redis role alone",
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "vars": replicated,
+            "roles": ["redis"],
+        }
+    ]
+    (tmp_path / "redis.yml").write_text(json.dumps(play))
+    local = {"localhost": {"ansible_python_interpreter": str(ANSIBLE_BIN / "python")}}
+    result = _playbook(tmp_path, {"all": {"hosts": local}}, str(tmp_path / "redis.yml"))
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "set redis_replication_password_src, redis_sentinel_password_src and" in out, out
+    assert _tasks(out)[-1] == "redis : Check a replicated Redis is given its shared passwords", out

@@ -1,9 +1,4 @@
-"""NOT IN THE SUITE (named so pytest does not collect it): since the Redis role turns the default
-user off for an ACL user, the replica and the Sentinels of this two-host set-up cannot authenticate
-(they need masteruser/masterauth and sentinel auth-user/auth-pass), so provisioning times out waiting
-for replication. Run it by hand once that is done: `pytest tests/system/fleet_roll.py`.
-
-A fleet of two appliance hosts (booted Debian containers, CPU profile), each in a network namespace of its
+"""A fleet of two appliance hosts (booted Debian containers, CPU profile), each in a network namespace of its
 own, bridged to a client namespace where a load of deterministic and sampled requests runs through one
 `connect_fleet` channel (round_robin over the gateways whose health is SERVING).
 
@@ -14,16 +9,27 @@ Steps, in order (they share the two containers):
                upgrade.yml under load, one host at a time (drain, upgrade, restart, SERVING): every
                gateway restarted, no request failed; TTFT during the roll against the steady state
   again     -> upgrade.yml with nothing new: changed=0, nothing restarted
+  failover  -> under the same load, fleet-a's Redis (the primary) is killed and stays down: the
+               Sentinels promote fleet-b's, both gateways write to L2 again (their cache counters,
+               read between questions nobody asked before), no request failed; restarted,
+               fleet-a's Redis rejoins as a replica of the new primary
 
-Needs root, systemd-nspawn, debootstrap, nsenter, ip and .venv-ansible; the Debian root and the dependency
-wheels are the ones test_e2e.py uses (cached). APPLIANCE_E2E_KEEP=1 keeps the work directory.
+Redis runs with ACL users only (the role turns `default` off): the gateways', the replication user
+every server uses with its primary, and the Sentinels'. Their passwords, and the cache MAC key, are
+controller files the test writes once and gives both hosts, as a fleet's inventory must.
+
+Needs root, systemd-nspawn, debootstrap, nsenter, ip and .venv-ansible (tests/prereqs.py stops the run
+naming what is missing); the Debian root and the dependency wheels are the ones test_e2e.py uses
+(cached). APPLIANCE_E2E_KEEP=1 keeps the work directory.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import statistics
@@ -50,6 +56,14 @@ GATEWAYS = ",".join(f"{ip}:50051" for ip in HOSTS.values())
 GATEWAY = "appliance-gateway.service"
 # Requests of the load before the roll: the first COLD fill the cache, the next STEADY are measured.
 COLD, STEADY = 100, 500
+# The fleet's shared secrets (controller files) and the host variable that installs each.
+SECRETS = {
+    "cache-mac-key": "appliance_cache_mac_key_src",
+    "redis-password": "appliance_redis_password_src",
+    "redis-replication-password": "redis_replication_password_src",
+    "redis-sentinel-password": "redis_sentinel_password_src",
+}
+SENTINEL_PASSWORD = "/etc/appliance/credentials/redis-sentinel-password"
 
 
 @dataclass
@@ -62,8 +76,10 @@ class Fleet:
     def inventory(self) -> Path:
         sentinels = [f"{ip}:26379" for ip in HOSTS.values()]
         primary = f"{HOSTS['fleet-a']} 6379"
+        shared = {var: str(self.workdir / "secrets" / name) for name, var in SECRETS.items()}
         hosts = {
             name: m.host_vars(
+                **shared,
                 redis_bind="0.0.0.0",
                 redis_protected_mode=False,
                 redis_replicaof="" if name == "fleet-a" else primary,
@@ -97,6 +113,45 @@ class Fleet:
 
     def gateway_pids(self) -> dict[str, str]:
         return {name: m.show(GATEWAY, "MainPID") for name, m in self.machines.items()}
+
+    def in_client_ns_background(self, name: str, *argv: str) -> subprocess.Popen[bytes]:
+        """A module of tests.system run in the client namespace until SIGTERM; its stdout goes to
+        NAME.jsonl in the work directory, its stderr to NAME.err."""
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.client_ns, sys.executable, "-m", *argv],
+            cwd=REPO,
+            stdout=(self.workdir / f"{name}.jsonl").open("w"),
+            stderr=(self.workdir / f"{name}.err").open("w"),
+        )
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        return [
+            json.loads(line) for line in (self.workdir / f"{name}.jsonl").read_text().splitlines()
+        ]
+
+    def stop(self, name: str, process: subprocess.Popen[bytes]) -> None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        assert process.returncode == 0, (self.workdir / f"{name}.err").read_text()[-3000:]
+
+
+def _replication(m: Machine) -> dict[str, str]:
+    """INFO replication of the container's Redis, asked as the Sentinels' ACL user (the only one
+    allowed INFO; the password goes through the environment, not the command line)."""
+    out = m.sh(
+        "sh",
+        "-c",
+        f'REDISCLI_AUTH="$(cat {SENTINEL_PASSWORD})" redis-cli --no-auth-warning --user sentinel'
+        " info replication",
+    ).stdout
+    return dict(line.strip().split(":", 1) for line in out.splitlines() if ":" in line)
+
+
+def _primary_named(m: Machine) -> list[str]:
+    """HOST PORT of the primary, as the container's Sentinel names it."""
+    return m.sh(
+        "redis-cli", "-p", "26379", "sentinel", "get-master-addr-by-name", "appliance"
+    ).stdout.split()
 
 
 def _ip(*argv: str) -> None:
@@ -137,6 +192,9 @@ def fleet() -> Iterator[Fleet]:
     machines: dict[str, Machine] = {}
     try:
         wheels = containers.wheelhouse(workdir / "wheels")
+        (workdir / "secrets").mkdir(mode=0o700)
+        for name in SECRETS:
+            (workdir / "secrets" / name).write_text(secrets.token_hex(32) + "\n")
         client, spaces = _network(tag)
         for (name, _), ns in zip(HOSTS.items(), spaces[1:], strict=True):
             root = containers.copy_root(root_src, workdir / f"root-{name}")
@@ -167,12 +225,12 @@ def test_provision_two_hosts(fleet: Fleet) -> None:
     replica, a_ip = fleet.machines["fleet-b"], HOSTS["fleet-a"]
     replica.wait_for(
         "fleet-b's Redis replicating fleet-a's",
-        lambda: "master_link_status:up" in replica.sh("redis-cli", "info", "replication").stdout,
+        lambda: _replication(replica).get("master_link_status") == "up",
         60,
     )
+    assert _replication(replica)["master_host"] == a_ip
     for m in fleet.machines.values():
-        named = m.sh("redis-cli", "-p", "26379", "sentinel", "get-master-addr-by-name", "appliance")
-        assert named.stdout.split() == [a_ip, "6379"], named.stdout + named.stderr
+        assert _primary_named(m) == [a_ip, "6379"]
 
 
 def _new_build(wheels: Path) -> None:
@@ -197,30 +255,14 @@ def test_rolling_upgrade_under_load_fails_no_request(fleet: Fleet) -> None:
     assert "appliance : Record which wheel is installed" in containers.changed_tasks(checked)
     assert fleet.gateway_pids() == pids  # check mode restarts nothing
 
-    load = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            fleet.client_ns,
-            sys.executable,
-            "-m",
-            "tests.system.fleet_load",
-            GATEWAYS,
-        ],
-        cwd=REPO,
-        stdout=(fleet.workdir / "load.jsonl").open("w"),
-        stderr=(fleet.workdir / "load.err").open("w"),
-    )
+    load = fleet.in_client_ns_background("load", "tests.system.fleet_load", GATEWAYS)
     try:
-
-        def done() -> int:
-            return len((fleet.workdir / "load.jsonl").read_text().splitlines())
-
         # Steady state first: both hosts serving, the cache warm for the repeated questions
         # (the first COLD requests fill it and are left out of the figures).
         fleet.machines["fleet-a"].wait_for(
-            "the steady state before the roll", lambda: done() >= COLD + STEADY, 180
+            "the steady state before the roll",
+            lambda: len(fleet.records("load")) >= COLD + STEADY,
+            180,
         )
         roll_start = time.time()
         t0 = time.monotonic()
@@ -228,9 +270,7 @@ def test_rolling_upgrade_under_load_fails_no_request(fleet: Fleet) -> None:
         roll_s = time.monotonic() - t0
         roll_end = time.time()
     finally:
-        load.send_signal(signal.SIGTERM)
-        load.wait(timeout=60)
-    assert load.returncode == 0, (fleet.workdir / "load.err").read_text()[-3000:]
+        fleet.stop("load", load)
 
     # One host at a time: every task of fleet-a's batch before any of fleet-b's.
     play = out[out.index("PLAY [Provision") :]
@@ -244,7 +284,7 @@ def test_rolling_upgrade_under_load_fails_no_request(fleet: Fleet) -> None:
         since_start = journal[journal.rindex("gateway listening on") :]
         assert " appliance.access " in since_start, since_start[-2000:]
 
-    records = [json.loads(line) for line in (fleet.workdir / "load.jsonl").read_text().splitlines()]
+    records = fleet.records("load")
     failed = [r for r in records if r["status"] != "OK"]
     steady = [r for r in records[COLD:] if r["sent"] < roll_start]
     rolling = [r for r in records if roll_start <= r["sent"] <= roll_end]
@@ -272,3 +312,82 @@ def test_an_upgrade_with_nothing_new_changes_nothing(fleet: Fleet) -> None:
         assert containers.recap(out, name)["changed"] == 0, containers.changed_tasks(out)
     assert fleet.gateway_pids() == pids
     assert not re.search(r"RUNNING HANDLER \[appliance : Drain the gateway\]", out)
+
+
+def _l2_back(probes: list[dict[str, Any]], gateway: str, since: float) -> float | None:
+    """When `gateway` had written to L2 again after `since`: the first of its probe turns whose
+    counters show a successful L2 write of a question asked after `since`, or None."""
+    turns = [r for r in probes if r["gateway"] == gateway and r["at"] > since and "l2_written" in r]
+    for before, after in itertools.pairwise(turns):
+        if after["l2_written"] > before["l2_written"]:
+            return float(after["at"])
+    return None
+
+
+def test_a_killed_redis_primary_fails_over_to_the_replica(fleet: Fleet) -> None:
+    a, b = fleet.machines["fleet-a"], fleet.machines["fleet-b"]
+    b_ip = HOSTS["fleet-b"]
+    gateways = [f"{ip}:50051" for ip in HOSTS.values()]
+    load = fleet.in_client_ns_background("load-failover", "tests.system.fleet_load", GATEWAYS)
+    probe = fleet.in_client_ns_background("probe", "tests.system.fleet_l2_probe", *gateways)
+
+    def l2_back(since: float) -> dict[str, float | None]:
+        probes = fleet.records("probe")
+        return {g: _l2_back(probes, g, since) for g in gateways}
+
+    try:
+        started = time.time()
+        a.wait_for("both gateways writing to L2", lambda: all(l2_back(started).values()), 60)
+        # The primary stays down (as its host would): without this, systemd restarts it at once.
+        norestart = "/run/systemd/system/redis-server.service.d"
+        assert a.sh("mkdir", "-p", norestart).returncode == 0
+        dropin = f"printf '[Service]\\nRestart=no\\n' > {norestart}/kill.conf"
+        assert a.sh("sh", "-c", dropin).returncode == 0
+        assert a.sh("systemctl", "daemon-reload").returncode == 0
+        pid = a.show("redis-server.service", "MainPID")
+        killed = time.time()
+        assert a.sh("kill", "-KILL", pid).returncode == 0
+        b.wait_for(
+            "the Sentinels to promote fleet-b's Redis",
+            lambda: _primary_named(b) == [b_ip, "6379"],
+            60,
+        )
+        promoted = time.time()
+        # Each gateway's writes reach the new primary, as the ACL user it knows too.
+        b.wait_for(
+            "both gateways writing to L2 on the new primary",
+            lambda: all(l2_back(killed).values()),
+            60,
+        )
+    finally:
+        fleet.stop("probe", probe)
+        fleet.stop("load-failover", load)
+    assert _replication(b)["role"] == "master"
+    assert _primary_named(a) == [b_ip, "6379"]
+
+    back = l2_back(killed)
+    records = fleet.records("load-failover")
+    failed = [r for r in records if r["status"] != "OK"]
+    probe_failed = [r for r in fleet.records("probe") if r["status"] != "OK"]
+    last = max(t for t in back.values() if t is not None)
+    during = [r for r in records if killed <= r["sent"] <= last]
+    gaps = ", ".join(f"{g} {t - killed:.1f} s" for g, t in back.items() if t is not None)
+    containers.say(
+        f"redis primary killed (down-after 5000 ms): the Sentinels named the replica after"
+        f" {promoted - killed:.1f} s (polled every 0.5 s); no L2 write until {gaps} after the kill;"
+        f" {len(during)} requests meanwhile; {len(failed)} of {len(records)} failed"
+        f" ({len(probe_failed)} probe questions failed)"
+    )
+    assert failed == [], failed[:5]
+    assert probe_failed == [], probe_failed[:5]
+
+    # Back again, the old primary is made a replica of the new one, and authenticates to it.
+    assert a.sh("rm", "-r", norestart).returncode == 0
+    assert a.sh("systemctl", "daemon-reload").returncode == 0
+    assert a.sh("systemctl", "start", "redis-server.service").returncode == 0
+    a.wait_for(
+        "fleet-a's Redis replicating fleet-b's",
+        lambda: _replication(a).get("master_link_status") == "up",
+        60,
+    )
+    assert _replication(a)["master_host"] == b_ip
