@@ -22,6 +22,7 @@ from engine_build.spec import BuildSpec
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelShape",
+    "content_fingerprint",
     "fingerprint_tree",
     "read_json",
     "read_shape",
@@ -52,6 +53,25 @@ def read_shape_for(spec: BuildSpec) -> ModelShape:
                 f"{spec.hf_model_dir}"
             )
     return shape
+
+
+def content_fingerprint(root: Path) -> str:
+    """Identity of a directory's contents: relative path, size and SHA-256 of every file.
+
+    Unlike `fingerprint_tree` it is the same on every host that holds the same bytes, however
+    and whenever they were copied there, so gateways on different hosts share cache entries for
+    the same checkpoint. Reading every byte costs about a second per GB; it is computed when a
+    repository is written, never per request.
+    """
+    h = hashlib.sha256()
+    try:
+        for p in sorted(p for p in root.rglob("*") if p.is_file()):
+            with p.open("rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0{digest}\n".encode())
+    except OSError as err:
+        raise BuildError(f"cannot read {root}: {err.strerror or err}") from err
+    return h.hexdigest()
 
 
 def fingerprint_tree(root: Path) -> str:

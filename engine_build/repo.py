@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_build import pbtxt, runner, runtime
-from engine_build.checkpoint import fingerprint_tree, read_json, read_shape_for
+from engine_build.checkpoint import content_fingerprint, fingerprint_tree, read_json, read_shape_for
 from engine_build.errors import BuildError
 from engine_build.hf_config import read_config
 from engine_build.spec import BuildSpec, validate
@@ -64,9 +64,10 @@ def engine_fingerprint(spec: BuildSpec, engine_dir: Path | None) -> str:
 
 
 def hf_fingerprint(hf_model_dir: Path) -> str:
-    """The engine_fingerprint of a repository served from the checkpoint itself (``--hf-only``)."""
+    """The engine_fingerprint of a repository served from the checkpoint itself (``--hf-only``):
+    its contents, so every host serving the same checkpoint shares cache entries."""
     h = hashlib.sha256()
-    h.update(b"hf\0" + fingerprint_tree(hf_model_dir).encode())
+    h.update(b"hf\0" + content_fingerprint(hf_model_dir).encode())
     return h.hexdigest()
 
 

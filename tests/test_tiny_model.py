@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -185,3 +186,20 @@ def test_ensure_reuses_a_complete_pair_and_rebuilds_a_broken_one(tmp_path: Path)
 def test_weights_are_readable_by_other_users(tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path)
     assert (model_dir / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_the_same_checkpoint_on_two_hosts_has_one_cache_identity(tmp_path: Path) -> None:
+    """Gateways on different hosts share cache entries only if their fingerprints agree: copies
+    made at other times, under other paths, agree; a change of content, even one that keeps
+    the file's size and modification time, does not."""
+    first, _ = ensure_tiny_model(tmp_path / "host-a")
+    copy = tmp_path / "host-b" / "model"
+    shutil.copytree(first, copy)  # new mtimes, another path
+    assert hf_fingerprint(copy) == hf_fingerprint(first)
+    weights = copy / "model.safetensors"
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert hf_fingerprint(copy) != hf_fingerprint(first)
