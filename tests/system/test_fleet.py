@@ -231,6 +231,45 @@ def test_provision_two_hosts(fleet: Fleet) -> None:
     assert _replication(replica)["master_host"] == a_ip
     for m in fleet.machines.values():
         assert _primary_named(m) == [a_ip, "6379"]
+    _warm_up_on_one_host_is_cached_for_the_other(fleet)
+
+
+def _warm_up_on_one_host_is_cached_for_the_other(fleet: Fleet) -> None:
+    """Both hosts serve the same model bytes, hence one engine fingerprint: what a warm-up
+    through fleet-a stores in the shared Redis, fleet-b answers from it."""
+    prompts = fleet.workdir / "warm-prompts.txt"
+    prompts.write_text("Which host answers this?\nWhat is a fleet of appliances for?\n")
+
+    def warm(ip: str) -> str:
+        done = fleet.in_client_ns(
+            "-m", "appliance", "cache", "--gateway", f"{ip}:50051", "warm",
+            "--prompts", str(prompts), "--model", "tiny-llama", "--max-tokens", "8",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    assert warm(HOSTS["fleet-a"]).startswith("2/2: 2 warmed, 0 already cached, 0 failed")
+
+    def in_l2_for_b() -> bool:
+        """Asked with cache_policy ONLY, so polling never generates an answer on fleet-b."""
+        asked = fleet.in_client_ns("-c", _ASK_CACHE_ONLY, f"{HOSTS['fleet-b']}:50051", str(prompts))
+        return asked.returncode == 0 and asked.stdout.split() == ["CACHE_TIER_EXACT_L2"] * 2
+
+    # fleet-a writes to L2 in the background, right after answering.
+    fleet.machines["fleet-b"].wait_for("fleet-b to find fleet-a's answers in L2", in_l2_for_b, 30)
+    assert warm(HOSTS["fleet-b"]).startswith("2/2: 0 warmed, 2 already cached, 0 failed")
+
+
+# argv: GATEWAY PROMPTS_FILE; prints the tier that answered each prompt as the warm-up asked it.
+_ASK_CACHE_ONLY = """
+import sys, grpc
+from appliance.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+stub = pb_grpc.InferenceStub(grpc.insecure_channel(sys.argv[1]))
+for prompt in open(sys.argv[2]).read().splitlines():
+    request = pb.GenerateRequest(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0.0,
+                                 cache_policy=pb.CACHE_POLICY_ONLY)
+    print(pb.CacheTier.Name(stub.Complete(request, timeout=10).final.cache_tier))
+"""
 
 
 def _new_build(wheels: Path) -> None:
