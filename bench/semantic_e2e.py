@@ -48,9 +48,8 @@ from appliance.cache.embedder import Embedder
 from appliance.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from bench.cache import box_busy_s, ours_s
-from bench.common import MODEL, pct
-from tests.cache.redis_server import RedisServer
+from bench.cache import box_busy_s, cache_tables, ours_s
+from bench.common import MODEL, pct, start_redis_and_engine
 
 MISS, L1, SEMANTIC = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_SEMANTIC
 PAIRS = Path(__file__).resolve().parents[1] / "tests" / "cache" / "data" / "semantic_pairs.jsonl"
@@ -69,11 +68,8 @@ class Gateways:
 
 
 def semantic_tables(redis_url: str, embedder_dir: Path) -> str:
-    return (
-        f'\n[cache]\n\n[cache.redis]\nurl = "{redis_url}"\nkey_prefix = "bench"\n'
-        'timeout_ms = 50\nmac_key_file = "mac-key"\n'
-        f'\n[cache.semantic]\nenabled = true\nnamespaces = ["*"]\nembedder_dir = "{embedder_dir}"\n'
-    )
+    semantic = f'enabled = true\nnamespaces = ["*"]\nembedder_dir = "{embedder_dir}"\n'
+    return cache_tables(redis_url, 50.0, None) + "\n[cache.semantic]\n" + semantic
 
 
 def paraphrases() -> list[tuple[str, str]]:
@@ -332,14 +328,8 @@ def main() -> None:
     tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
     ok = False
     with contextlib.ExitStack() as stack:
-        redis_server = RedisServer(work)
-        stack.callback(redis_server.kill)
-        redis_server.start()
-        engine_addr = f"127.0.0.1:{processes.free_port()}"
-        engine = processes.spawn(
-            ["engine", "--repository", str(repo), "--listen", engine_addr], work / "engine.log"
-        )
-        stack.callback(processes.stop, engine)
+        backends = start_redis_and_engine(stack, work, repo)
+        redis_server, engine_addr = backends.redis, backends.engine_addr
         (work / "mac-key").write_text("bench-semantic-mac-key-shared-by-both-gateways\n")
         gateways: list[tuple[str, Path]] = []
         procs: list[subprocess.Popen[bytes]] = []
@@ -357,8 +347,7 @@ def main() -> None:
         try:
             for (addr, _), proc in zip(gateways, procs, strict=True):
                 processes.wait_serving(addr, proc)
-            assert redis_server.proc is not None
-            pids = (os.getpid(), redis_server.proc.pid, engine.pid, *(p.pid for p in procs))
+            pids = (os.getpid(), backends.redis_pid, backends.engine.pid, *(p.pid for p in procs))
             setup = Gateways(gateways[0][0], gateways[1][0], gateways[1][1], work, pids)
             uvloop.run(measure(args, setup, embedder, procs[1]))
             ok = True
