@@ -59,9 +59,8 @@ from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from bench.common import MODEL, prompt_of
+from bench.common import MODEL, prompt_of, start_redis_and_engine
 from bench.echo_server import METHOD
-from tests.cache.redis_server import RedisServer
 
 L1_TIER, L2_TIER = pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
 KEY_PREFIX = "bench"
@@ -144,16 +143,8 @@ def main() -> None:
     ok = False
     # Every process is stopped (and Redis killed) on the way out, whatever happened.
     with contextlib.ExitStack() as stack:
-        redis_server = RedisServer(work)
-        stack.callback(redis_server.kill)
-        redis_server.start()
-        redis_proc = redis_server.proc
-        assert redis_proc is not None
-        engine_addr = f"127.0.0.1:{processes.free_port()}"
-        engine = processes.spawn(
-            ["engine", "--repository", str(repo), "--listen", engine_addr], work / "engine.log"
-        )
-        stack.callback(processes.stop, engine)
+        backends = start_redis_and_engine(stack, work, repo)
+        redis_server, engine_addr, engine = backends.redis, backends.engine_addr, backends.engine
         gateways = []
         (work / "mac-key").write_text("bench-cache-mac-key-shared-by-both-gateways\n")
         for name, l1_entries in (("gw1", None), ("gw2", 0)):
@@ -183,7 +174,13 @@ def main() -> None:
                 echo_addr,
                 gateways[0][1].pid,
                 echo.pid,
-                (os.getpid(), redis_proc.pid, engine.pid, *(p.pid for _, p in gateways), echo.pid),
+                (
+                    os.getpid(),
+                    backends.redis_pid,
+                    engine.pid,
+                    *(p.pid for _, p in gateways),
+                    echo.pid,
+                ),
             )
             uvloop.run(measure(args, setup))
             ok = True

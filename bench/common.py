@@ -15,6 +15,7 @@ import numpy as np
 from appliance import processes
 from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
+from tests.cache.redis_server import RedisServer
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -104,3 +105,28 @@ def tiny_stack(
         yield TinyStack(
             work, repo, ModelText.load(tok_dir), engine_addr, gateway_addr, http_addr, gateway
         )
+
+
+@dataclass
+class SharedBackends:
+    """A redis-server and the engine server, both real processes, for benches that start their
+    own gateways on them."""
+
+    redis: RedisServer
+    redis_pid: int
+    engine_addr: str
+    engine: subprocess.Popen[bytes]
+
+
+def start_redis_and_engine(stack: ExitStack, work: Path, repo: Path) -> SharedBackends:
+    """Starts both with their logs in `work`; `stack` stops the engine and kills Redis."""
+    redis_server = RedisServer(work)
+    stack.callback(redis_server.kill)
+    redis_server.start()
+    assert redis_server.proc is not None
+    engine_addr = f"127.0.0.1:{processes.free_port()}"
+    engine = processes.spawn(
+        ["engine", "--repository", str(repo), "--listen", engine_addr], work / "engine.log"
+    )
+    stack.callback(processes.stop, engine)
+    return SharedBackends(redis_server, redis_server.proc.pid, engine_addr, engine)

@@ -393,6 +393,9 @@ class SemanticTier:
             try:
                 if position is None:
                     position = await self._rebuild()
+                    # The scan is a sync point: lookups need not wait for the first stream read,
+                    # which blocks up to follow_block_ms when nothing is written.
+                    self._synced_at = time.monotonic()
                 reply: Any = await self._client.xread(
                     {self._stream: position}, count=1000, block=self.settings.follow_block_ms
                 )

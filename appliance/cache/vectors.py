@@ -26,6 +26,13 @@ from appliance.cache.entry import CachedAnswer
 ENTRY_OVERHEAD = 384 * 4 + 160 + 400
 
 
+# Scopes up to this size are searched exhaustively (0.6 ms at 4096 entries here, against 0.4 ms for
+# the graph): the graph, built with a narrow expansion_add, loses the nearest entry once a scope
+# holds a cluster of near-identical questions ("rainfall in district N during week M" x 160 hid
+# "What is the meaning of life?" from "What's the meaning of life?", cosine 0.98).
+EXACT_SEARCH_UP_TO = 4096
+
+
 @dataclass(slots=True)
 class Entry:
     entry_id: bytes  # the exact cache key of the request whose answer this is
@@ -105,7 +112,7 @@ class VectorIndex:
         index = self._scopes.get(scope)
         if index is None or len(index) == 0:
             return []
-        found = index.search(vector, min(k, len(index)))
+        found = index.search(vector, min(k, len(index)), exact=len(index) <= EXACT_SEARCH_UP_TO)
         now = self._clock()
         out: list[tuple[Entry, Vector]] = []
         for label in found.keys:

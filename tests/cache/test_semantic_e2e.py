@@ -193,6 +193,21 @@ async def test_another_gateway_finds_the_entry_and_a_restarted_one_rebuilds(
         await restarted.close()
 
 
+async def test_a_restarted_gateway_answers_once_rebuilt_not_after_the_first_stream_read(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    await gw.stub.Complete(ask(QUESTION))
+    await stored(gw, 1)
+    # Nothing more is written: its first stream read blocks the whole minute.
+    config = semantic_config(redis_server, embedder_dir, follow_block_ms=60_000)
+    restarted = await gateway(tiny, engine, config)
+    try:
+        await until(restarted, lambda c: c["semantic_rebuilds"] >= 1 and c["semantic_in_sync"] == 1)
+        assert (await restarted.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
+    finally:
+        await restarted.close()
+
+
 async def test_invalidation_reaches_the_other_gateways(
     gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
 ) -> None:

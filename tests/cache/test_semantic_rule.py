@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from appliance.cache.embedder import Embedder
+from appliance.cache.entry import CachedAnswer
 from appliance.cache.paraphrase import Rule, analyze, veto
 from appliance.cache.semantic_eval import decide_all, embed_pairs, read_pairs
+from appliance.cache.vectors import Entry, VectorIndex
 
 PAIRS = Path(__file__).parent / "data" / "semantic_pairs.jsonl"
 
@@ -170,3 +172,23 @@ def test_pair_features_are_symmetric_and_see_rare_words() -> None:
     rare = rule.features(u, u, a, analyze("How do I learn the piano quickly in Reykjavik?"))
     common = rule.features(u, u, a, analyze("How do I learn the piano quickly in time?"))
     assert rare[9] < common[9] and rare[11] > common[11] and rare[12] > common[12]
+
+
+def test_a_cluster_of_near_identical_questions_does_not_hide_the_nearest_entry(
+    embedder: Embedder,
+) -> None:
+    """Hundreds of questions that differ only in numbers, in the scope beside the one that matches:
+    the search must still return that one (the graph search alone lost it from 160 entries on)."""
+    texts = ["What is the meaning of life?", "How do I get rid of acne?"] + [
+        f"What was the rainfall in district {n} during week {n // 2 + 7}?" for n in range(440)
+    ]
+    vectors, _ = embedder.embed_many(texts)
+    index = VectorIndex(embedder.dim, 1000, 10**9)
+    answer = CachedAnswer("42", (1,), "stop", 1, 1)
+    scope = b"s" * 16
+    for n, (text, vector) in enumerate(zip(texts, vectors, strict=True)):
+        index.add(Entry(n.to_bytes(16, "big"), scope, text, answer, ("ns", "m"), 1e18), vector)
+    probe = embedder.embed("What's the meaning of life?")
+    assert probe is not None
+    found = [entry.text for entry, _ in index.search(scope, probe, 4)]
+    assert found[0] == "What is the meaning of life?", found
