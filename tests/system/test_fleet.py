@@ -86,6 +86,9 @@ class Fleet:
                 redis_sentinel=True,
                 redis_sentinel_primary=primary,
                 redis_sentinel_quorum=1,
+                # Two Sentinels that see the primary down at the same moment may each vote for
+                # itself; neither wins, and the next election waits twice the failover timeout.
+                redis_sentinel_failover_timeout_ms=10000,
                 appliance_redis_sentinels=sentinels,
                 appliance_roll_min_ready_s=3,
                 # The hosts' own addresses on the test's private bridge: clients in another
