@@ -389,11 +389,19 @@ def test_a_killed_redis_primary_fails_over_to_the_replica(fleet: Fleet) -> None:
         pid = a.show("redis-server.service", "MainPID")
         killed = time.time()
         assert a.sh("kill", "-KILL", pid).returncode == 0
-        b.wait_for(
-            "the Sentinels to promote fleet-b's Redis",
-            lambda: _primary_named(b) == [b_ip, "6379"],
-            60,
-        )
+        try:
+            b.wait_for(
+                "the Sentinels to promote fleet-b's Redis",
+                lambda: _primary_named(b) == [b_ip, "6379"],
+                60,
+            )
+        except BaseException:  # what the Sentinels decided, for whoever reads the failure
+            for m in (a, b):
+                print(
+                    f"{m.name} redis-sentinel:\n{m.journal('redis-sentinel.service')}",
+                    file=sys.stderr,
+                )
+            raise
         promoted = time.time()
         # Each gateway's writes reach the new primary, as the ACL user it knows too.
         b.wait_for(
