@@ -20,6 +20,7 @@ extensions served here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -460,7 +461,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Emission] = loop.create_future()
 
-        def emit(e: Emission) -> None:
+        def emit(_: Job, e: Emission) -> None:
             if e.final:
                 loop.call_soon_threadsafe(_resolve, done, e)
 
@@ -492,7 +493,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         model: EngineModel,
         request: ts.ModelInferRequest,
         decoded: Decoded,
-        emit: Callable[[Emission], None],
+        emit: Callable[[Job, Emission], None],
     ) -> Job:
         """Queues the decoded request on the model's compute thread, reachable by its id (for
         `stop=true`) and counted as pending until `_forget`."""
@@ -503,9 +504,10 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             end_id=decoded.end_id,
             params=decoded.params,
             streaming=decoded.streaming,
-            emit=emit,
+            emit=lambda e: None,
             return_perf=decoded.return_perf,
         )
+        job.emit = functools.partial(emit, job)
         if request.id:
             self._by_id.setdefault(request.id, []).append(job)
         self._live[job] = request.model_name
@@ -566,9 +568,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 decoded.streaming = False  # one response per request, like a non-decoupled model
             clock.taken()
             statistics = self.statistics[model.entry.name]
-            job: Job | None = None
 
-            def deliver(e: Emission) -> None:
+            def deliver(job: Job, e: Emission) -> None:
                 if e.final:
                     clock.computed()
                 if e.error:
@@ -586,12 +587,12 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                         model.output_names,
                     )
                     outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
-                if e.final and job is not None:
+                if e.final:
                     statistics.finished(clock, ok=not e.error)
                     finish(job)
 
-            def emit(e: Emission) -> None:
-                loop.call_soon_threadsafe(deliver, e)
+            def emit(job: Job, e: Emission) -> None:
+                loop.call_soon_threadsafe(deliver, job, e)
 
             job = self._submit(model, request, decoded, emit)
             jobs.add(job)
