@@ -111,6 +111,8 @@ class SemanticConfig:
     ttl_s: float = 86400.0
     # Nearest entries the rule looks at per lookup.
     candidates: int = 4
+    # Threads of one embedding (onnxruntime intra-op): two halve the model run of a question.
+    embed_threads: int = 2
     # Overrides of the shipped rule's cosine floor and classifier threshold (None: shipped).
     min_similarity: float | None = None
     min_score: float | None = None
@@ -389,6 +391,7 @@ _SEMANTIC_KEYS = {
     "max_bytes",
     "ttl_s",
     "candidates",
+    "embed_threads",
     "min_similarity",
     "min_score",
 }
@@ -405,6 +408,7 @@ def _semantic(r: _Reader, path: Path) -> SemanticConfig:
         max_bytes=r.size("max_bytes", d.max_bytes) or d.max_bytes,
         ttl_s=r.positive("ttl_s", float, d.ttl_s),
         candidates=r.positive("candidates", int, d.candidates),
+        embed_threads=r.positive("embed_threads", int, d.embed_threads),
         min_similarity=r.get("min_similarity", float, None),
         min_score=r.get("min_score", float, None),
     )

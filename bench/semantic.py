@@ -92,7 +92,7 @@ def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
         texts, vecs = list(data["texts"][:entries]), data["vectors"][:entries]
     config = SemanticConfig(enabled=True, namespaces=("*",), embedder_dir=embedder_dir)
     config = dataclasses.replace(config, max_entries=entries + 1, max_bytes=2**40)
-    tier = SemanticTier(config, Embedder(embedder_dir), Rule(), None)
+    tier = SemanticTier(config, Embedder(embedder_dir, config.embed_threads), Rule(), None)
     query = CacheQuery(b"", "ns", MODEL, "x", (), SAMPLING)
     found = tier.eligible(query, asking=False)
     assert found is not None
@@ -206,7 +206,8 @@ def main() -> None:
     tier, scope = filled_tier(args.embedder, args.entries)
     test = read_pairs(args.qqp / "test.jsonl.gz")[: args.queries]
     # QQP test questions against dev questions: mostly misses, some paraphrase hits.
-    baseline = Embedder(args.baseline_embedder) if args.baseline_embedder else None
+    threads = tier.settings.embed_threads
+    baseline = Embedder(args.baseline_embedder, threads) if args.baseline_embedder else None
     lookups(tier, scope, [p.a for p in test], baseline)
     asyncio.run(rebuild(tier, args.entries))
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -367,26 +368,44 @@ class Rule:
         return features(u, v, a, b, self.idf)
 
     def decide(self, u: Vector, v: Vector, a: Question, b: Question) -> Decision:
-        return self.decide_many(u, a, [(v, b)])[0]
+        return self._decide(u, lambda: a, [(v, lambda: b)])[0]
 
     def decide_many(
-        self, u: Vector, a: Question, others: Sequence[tuple[Vector, Question]]
+        self, u: Vector, text: str, others: Sequence[tuple[Vector, str]]
     ) -> list[Decision]:
-        """Question a (vector u) against each of others, the classifier run once over those the
-        floor and the guards let through."""
+        """Question `text` (vector u) against stored questions. Most of a lookup's candidates fall
+        below the floor; only those above it (and then the question itself) are analyzed."""
+        asked: list[Question] = []
+
+        def question() -> Question:
+            if not asked:
+                asked.append(analyze(text))
+            return asked[0]
+
+        return self._decide(u, question, [(v, partial(analyze, b)) for v, b in others])
+
+    def _decide(
+        self,
+        u: Vector,
+        a: Callable[[], Question],
+        others: Sequence[tuple[Vector, Callable[[], Question]]],
+    ) -> list[Decision]:
+        """The floor, then the guards, then the classifier, run once over the pairs the floor and
+        the guards let through; questions are asked for only past the floor."""
         out: list[Decision] = []
-        scored: list[int] = []
-        for v, b in others:
+        scored: list[tuple[int, Question]] = []
+        for v, b_of in others:
             cos = float(u @ v)
-            why = "floor" if cos < self.floor else veto(a, b)
+            b = None if cos < self.floor else b_of()
+            why = "floor" if b is None else veto(a(), b)
             out.append(Decision(False, cos, 0.0, why))
-            if not why:
-                scored.append(len(out) - 1)
+            if b is not None and not why:
+                scored.append((len(out) - 1, b))
         if scored:
-            vs = np.stack([others[i][0] for i in scored])
-            x = np.stack([self.features(u, others[i][0], a, others[i][1]) for i in scored])
+            vs = np.stack([others[i][0] for i, _ in scored])
+            x = np.stack([self.features(u, others[i][0], a(), b) for i, b in scored])
             scores = self.scores(np.broadcast_to(u, vs.shape), vs, x)
-            for i, score in zip(scored, scores, strict=True):
+            for (i, _), score in zip(scored, scores, strict=True):
                 same = bool(score >= self.threshold)
                 out[i] = Decision(same, out[i].similarity, float(score), "" if same else "score")
         return out

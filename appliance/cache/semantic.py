@@ -41,7 +41,7 @@ from appliance.cache.embedder import Embedder, EmbedderUnavailable, Vector
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.keys import cache_key
 from appliance.cache.l2 import RedisTier
-from appliance.cache.paraphrase import Rule, analyze
+from appliance.cache.paraphrase import Rule
 from appliance.cache.tiers import CacheQuery, Hit
 from appliance.cache.vectors import Entry, VectorIndex
 from appliance.config import SemanticConfig
@@ -185,7 +185,7 @@ class SemanticTier:
         """The decision over the scope's nearest entries: the best one the rule accepts."""
         found = self.index.search(scope, vector, self.settings.candidates)
         decisions = self.rule.decide_many(
-            vector, analyze(text), [(stored, analyze(entry.text)) for entry, stored in found]
+            vector, text, [(stored, entry.text) for entry, stored in found]
         )
         best: tuple[Entry, float, float] | None = None
         for (entry, _), decision in zip(found, decisions, strict=True):
@@ -421,7 +421,7 @@ def make_semantic_tier(config: SemanticConfig, l2: RedisTier | None) -> Semantic
     """The tier, or None (said in one log line) when its embedder or rule cannot be loaded: the
     gateway then serves without it."""
     try:
-        embedder = Embedder(config.embedder_dir)
+        embedder = Embedder(config.embedder_dir, threads=config.embed_threads)
         rule = Rule()
     except EmbedderUnavailable as exc:
         log.warning("semantic cache tier off: %s", exc)
