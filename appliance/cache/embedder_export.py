@@ -12,9 +12,13 @@ rule is trained on vectors of exactly this export.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from appliance.cache.embedder import MANIFEST
@@ -50,43 +54,68 @@ def export_embedder(dest: Path) -> Path:
             return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
 
     source = Path(packaged.get_model_path())
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        bert = BertModel.from_pretrained(str(source))
-        bert.train(False)
-        model = Pooled(bert)
-        example = (torch.ones(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long))
-        axes = {0: "batch", 1: "tokens"}
-        partial = dest / "model.onnx.partial"
-        with torch.no_grad():
-            torch.onnx.export(
-                model,
-                example,
-                str(partial),
-                input_names=["input_ids", "attention_mask"],
-                output_names=["embedding"],
-                dynamic_axes={"input_ids": axes, "attention_mask": axes, "embedding": {0: "batch"}},
-                opset_version=17,
-                dynamo=False,
-            )
-        quantized = dest / "model.int8.partial"
-        _quantize(partial, quantized)
-        partial.unlink()
-        shutil.copyfile(source / "tokenizer.json", dest / "tokenizer.json")
-        digest = hashlib.sha256(quantized.read_bytes()).hexdigest()
-        quantized.replace(dest / "model.onnx")
-        manifest = {
-            "model": MODEL_NAME,
-            "source_package": SOURCE_PACKAGE,
-            "source_version": getattr(packaged, "__version__", "?"),
-            "dim": 384,
-            "weights": "int8 dynamic, per channel",
-            "onnx_sha256": digest,
-        }
-        (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    except OSError as exc:
-        raise ExportError(f"cannot write the embedder to {dest}: {exc.strerror or exc}") from exc
+    with _quiet():
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            bert = BertModel.from_pretrained(str(source))
+            bert.train(False)
+            model = Pooled(bert)
+            example = (torch.ones(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long))
+            axes = {0: "batch", 1: "tokens"}
+            partial = dest / "model.onnx.partial"
+            with torch.no_grad():
+                torch.onnx.export(
+                    model,
+                    example,
+                    str(partial),
+                    input_names=["input_ids", "attention_mask"],
+                    output_names=["embedding"],
+                    dynamic_axes={
+                        "input_ids": axes,
+                        "attention_mask": axes,
+                        "embedding": {0: "batch"},
+                    },
+                    opset_version=17,
+                    dynamo=False,
+                )
+            quantized = dest / "model.int8.partial"
+            _quantize(partial, quantized)
+            partial.unlink()
+            shutil.copyfile(source / "tokenizer.json", dest / "tokenizer.json")
+            digest = hashlib.sha256(quantized.read_bytes()).hexdigest()
+            quantized.replace(dest / "model.onnx")
+            manifest = {
+                "model": MODEL_NAME,
+                "source_package": SOURCE_PACKAGE,
+                "source_version": getattr(packaged, "__version__", "?"),
+                "dim": 384,
+                "weights": "int8 dynamic, per channel",
+                "onnx_sha256": digest,
+            }
+            (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        except OSError as exc:
+            raise ExportError(
+                f"cannot write the embedder to {dest}: {exc.strerror or exc}"
+            ) from exc
     return dest
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Set-up prints one line, not the libraries' chatter: the tracer's warnings about branches
+    this export does not take, transformers' progress bar, and the quantizer's INFO lines for every
+    tensor it leaves alone."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
+            hf_logging.enable_progress_bar()
 
 
 def _quantize(source: Path, dest: Path) -> None:

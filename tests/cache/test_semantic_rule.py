@@ -144,6 +144,17 @@ def test_semantic_eval_without_embedder_says_how_to_make_it(tmp_path: Path) -> N
     assert out.returncode == 2 and "appliance semantic-setup" in out.stderr
 
 
+def test_semantic_setup_says_one_line(
+    semantic_setup: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """Set-up output is the operator's: what was written, without the exporter's and the
+    quantizer's chatter."""
+    dest, run = semantic_setup
+    assert run.stdout == f"embedder: {dest}\n"
+    assert run.stderr == ""
+    assert {p.name for p in dest.iterdir()} == {"model.onnx", "tokenizer.json", "embedder.json"}
+
+
 def test_exported_trees_score_as_scikit_learn_does() -> None:
     from sklearn.ensemble import HistGradientBoostingClassifier
 
