@@ -155,6 +155,32 @@ def lookups(
         print(f"    baseline model run   {ms(base_s)}  (ours {ratio:.2f}x faster at P50)")
     print(f"    search + verify      {ms(match_s)}")
     print(f"    whole lookup         {ms(total_s)}  (what a miss pays)")
+    graph_recall(tier, scope, queries)
+
+
+def graph_recall(tier: SemanticTier, scope: bytes, queries: list[str]) -> None:
+    """The graph's candidates against an exhaustive search of the same scope: how often the
+    nearest entry is missed, and how often the lookup's answer changes."""
+    k = tier.settings.candidates
+    first = overlap = changed = n = 0
+    exact_s: list[float] = []
+    for text in queries:
+        vector = tier.embedder.embed(text)
+        if vector is None:
+            continue
+        n += 1
+        graph = [e.entry_id for e, _ in tier.index.search(scope, vector, k, exact=False)]
+        started = time.perf_counter()
+        exact = [e.entry_id for e, _ in tier.index.search(scope, vector, k, exact=True)]
+        exact_s.append(time.perf_counter() - started)
+        first += graph[:1] == exact[:1]
+        overlap += len(set(graph) & set(exact))
+        answers = [tier.match(scope, text, vector, exact=mode) for mode in (False, True)]
+        changed += len({hit.entry if hit else None for hit in answers}) > 1
+    print(
+        f"    graph vs exhaustive  nearest entry found {first}/{n}, candidates {overlap}/{n * k}, "
+        f"answers that differ {changed}/{n}; exhaustive search {ms(exact_s)}"
+    )
 
 
 async def rebuild(tier: SemanticTier, entries: int) -> None:
@@ -200,13 +226,19 @@ def main() -> None:
         default=None,
         help="another embedder directory (e.g. the unquantized export) timed beside ours",
     )
+    ap.add_argument(
+        "--baseline-threads",
+        type=int,
+        default=None,
+        help="intra-op threads of the baseline embedder (default: the tier's embed_threads)",
+    )
     args = ap.parse_args()
     if not args.skip_quality:
         quality(args.embedder, args.qqp)
     tier, scope = filled_tier(args.embedder, args.entries)
     test = read_pairs(args.qqp / "test.jsonl.gz")[: args.queries]
     # QQP test questions against dev questions: mostly misses, some paraphrase hits.
-    threads = tier.settings.embed_threads
+    threads = args.baseline_threads or tier.settings.embed_threads
     baseline = Embedder(args.baseline_embedder, threads) if args.baseline_embedder else None
     lookups(tier, scope, [p.a for p in test], baseline)
     asyncio.run(rebuild(tier, args.entries))

@@ -107,7 +107,7 @@ def _quiet() -> Iterator[None]:
     tensor it leaves alone."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)
@@ -115,7 +115,7 @@ def _quiet() -> Iterator[None]:
             yield
         finally:
             logging.disable(logging.NOTSET)
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _quantize(source: Path, dest: Path) -> None:

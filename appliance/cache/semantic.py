@@ -181,9 +181,12 @@ class SemanticTier:
             return None
         return self.match(scope, text, vector)
 
-    def match(self, scope: bytes, text: str, vector: Vector) -> Hit | None:
-        """The decision over the scope's nearest entries: the best one the rule accepts."""
-        found = self.index.search(scope, vector, self.settings.candidates)
+    def match(
+        self, scope: bytes, text: str, vector: Vector, exact: bool | None = None
+    ) -> Hit | None:
+        """The decision over the scope's nearest entries: the best one the rule accepts (`exact`:
+        see VectorIndex.search)."""
+        found = self.index.search(scope, vector, self.settings.candidates, exact)
         decisions = self.rule.decide_many(
             vector, text, [(stored, entry.text) for entry, stored in found]
         )

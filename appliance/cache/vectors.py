@@ -106,13 +106,18 @@ class VectorIndex:
             labels = np.array([label for label, _ in rows], dtype=np.uint64)
             index.add(labels, np.ascontiguousarray(np.stack([v for _, v in rows]), np.float32))
 
-    def search(self, scope: bytes, vector: Vector, k: int) -> list[tuple[Entry, Vector]]:
+    def search(
+        self, scope: bytes, vector: Vector, k: int, exact: bool | None = None
+    ) -> list[tuple[Entry, Vector]]:
         """Up to k live entries of the scope nearest to the vector, nearest first, each with its
-        stored vector (the rule compares the two)."""
+        stored vector (the rule compares the two). `exact`: search exhaustively or through the
+        graph (None: exhaustively up to EXACT_SEARCH_UP_TO entries)."""
         index = self._scopes.get(scope)
         if index is None or len(index) == 0:
             return []
-        found = index.search(vector, min(k, len(index)), exact=len(index) <= EXACT_SEARCH_UP_TO)
+        if exact is None:
+            exact = len(index) <= EXACT_SEARCH_UP_TO
+        found = index.search(vector, min(k, len(index)), exact=exact)
         now = self._clock()
         out: list[tuple[Entry, Vector]] = []
         for label in found.keys:
