@@ -106,6 +106,9 @@ class ParaphraseTier:
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         return None
 
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        return False
+
     async def invalidate(self, namespace: str, model: str) -> int:
         return 0
 

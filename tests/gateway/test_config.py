@@ -132,13 +132,14 @@ def test_http_keys_are_checked(tmp_path: Path, extra: str, expected: str) -> Non
 def test_semantic_table_loads(tmp_path: Path) -> None:
     text = GOOD + (
         '\n[cache.semantic]\nenabled = true\nnamespaces = ["support", "*"]\n'
-        'embedder_dir = "emb"\nmax_bytes = "64MiB"\nmin_score = 0.9\n'
+        'embedder_dir = "emb"\nmax_bytes = "64MiB"\nmin_score = 0.9\noverlap_engine = true\n'
     )
     semantic = load_config(_write(tmp_path, text)).cache.semantic
-    assert semantic.enabled and semantic.namespaces == ("support", "*")
+    assert semantic.enabled and semantic.namespaces == ("support", "*") and semantic.overlap_engine
     assert semantic.embedder_dir == tmp_path / "emb" and semantic.max_bytes == 64 * 2**20
     assert (semantic.min_score, semantic.min_similarity) == (0.9, None)
-    assert not load_config(_write(tmp_path, GOOD)).cache.semantic.enabled
+    default = load_config(_write(tmp_path, GOOD)).cache.semantic
+    assert not default.enabled and not default.overlap_engine
 
 
 @pytest.mark.parametrize(
@@ -147,6 +148,7 @@ def test_semantic_table_loads(tmp_path: Path) -> None:
         ("enabled = true", "key 'cache.semantic.namespaces': list the namespaces"),
         ("min_score = 1.5", "key 'cache.semantic.min_score': must be in (0, 1]"),
         ("threshold = 0.9", "key 'cache.semantic.threshold': unknown key"),
+        ('overlap_engine = "yes"', "key 'cache.semantic.overlap_engine'"),
     ],
 )
 def test_semantic_table_is_checked(tmp_path: Path, extra: str, expected: str) -> None:
