@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -114,12 +115,27 @@ async def gw(tiny: Tiny, engine: Engine, embedder_dir: Path) -> AsyncIterator[Ga
     await g.close()
 
 
-async def engine_generating(engine: Engine, before: int) -> None:
-    """Until the engine has started a generation after `before` and is running it."""
+@dataclass
+class Overlapping:
+    """A paraphrase asked while its semantic lookup is held and the engine runs its generation."""
+
+    answer: pb.CompleteResponse  # the cached question's
+    held: HeldEmbedding
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]
+    cancelled: int  # the engine's count of cancelled generations before the paraphrase
+
+
+async def paraphrase_while_generating(gw: Gateway, engine: Engine) -> Overlapping:
+    answer = await gw.stub.Complete(ask(QUESTION, max_tokens=LONG))
+    await stored(gw, 1)
+    held = HeldEmbedding(tier(gw), PARAPHRASE)
     stats = engine.stats()
+    before, cancelled = stats.started, stats.cancelled
+    call = gw.stub.Generate(ask(PARAPHRASE, max_tokens=LONG))
     async with asyncio.timeout(30):
         while not (stats.started > before and stats.running is not None):
             await asyncio.sleep(0.005)
+    return Overlapping(answer, held, call, cancelled)
 
 
 async def engine_cancelled(stats: EngineStats, before: int) -> None:
@@ -133,22 +149,17 @@ async def engine_cancelled(stats: EngineStats, before: int) -> None:
 async def test_a_hit_while_the_engine_generates_answers_and_cancels_the_generation(
     gw: Gateway, engine: Engine, reports: Callable[[], list[RequestReport]]
 ) -> None:
-    first = await gw.stub.Complete(ask(QUESTION, max_tokens=LONG))
-    await stored(gw, 1)
-    held = HeldEmbedding(tier(gw), PARAPHRASE)
-    stats = engine.stats()
-    before, cancelled = stats.started, stats.cancelled
-    call = gw.stub.Generate(ask(PARAPHRASE, max_tokens=LONG))
-    await engine_generating(engine, before)
-    held.release.set()
-    messages = [m async for m in call]
+    running = await paraphrase_while_generating(gw, engine)
+    first = running.answer
+    running.held.release.set()
+    messages = [m async for m in running.call]
     # Exactly a semantic hit's shape: one delta with the cached answer, then the final message.
     assert [m.HasField("final") for m in messages] == [False, True]
     final = messages[-1].final
     assert (final.cache_tier, messages[0].text) == (SEMANTIC, first.text)
     assert list(messages[0].token_ids) == list(first.token_ids)
     assert final.similarity > 0.8 and final.cache_entry
-    await engine_cancelled(stats, cancelled)
+    await engine_cancelled(engine.stats(), running.cancelled)
     assert (await gw.counters())["engine_cancelled_by_hit"] == 1
     scrape = generate_latest(gw.running.metrics.registry).decode()
     assert "appliance_cache_engine_cancelled_by_semantic_hit_total 1.0" in scrape
@@ -282,15 +293,9 @@ async def test_a_miss_with_the_engine_gone_fails_over_to_the_fallback(
 async def test_a_client_cancelling_during_the_lookup_stops_both(
     gw: Gateway, engine: Engine, reports: Callable[[], list[RequestReport]]
 ) -> None:
-    await gw.stub.Complete(ask(QUESTION, max_tokens=LONG))
-    await stored(gw, 1)
-    held = HeldEmbedding(tier(gw), PARAPHRASE)
-    stats = engine.stats()
-    before, cancelled = stats.started, stats.cancelled
-    call = gw.stub.Generate(ask(PARAPHRASE, max_tokens=LONG))
-    await engine_generating(engine, before)
-    call.cancel()
-    await engine_cancelled(stats, cancelled)
+    running = await paraphrase_while_generating(gw, engine)
+    running.call.cancel()
+    await engine_cancelled(engine.stats(), running.cancelled)
     overlapping = {"TierCascade.lookup", "Flight._run", "Pipeline.engine"}
 
     def pending() -> list[asyncio.Task[object]]:
@@ -303,7 +308,7 @@ async def test_a_client_cancelling_during_the_lookup_stops_both(
     async with asyncio.timeout(10):
         while pending() or not reports():
             await asyncio.sleep(0.01)
-    held.release.set()
+    running.held.release.set()
     assert reports()[-1].status == "CANCELLED" and reports()[-1].overlap == ""
     assert len(gw.running.pipeline.flights) == 0
     assert (await gw.counters())["engine_cancelled_by_hit"] == 0
