@@ -111,6 +111,8 @@ class Generation:
     flight: Flight[Event]
     # The request holds the flight (it was started beside a lookup); deliver ends the hold.
     held: bool = False
+    # When this request began to wait on it (time.monotonic_ns()): its queue time ends no earlier.
+    since_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
 
 
 class Pipeline:
@@ -505,7 +507,7 @@ class Pipeline:
         requested: ServedModel,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Events as this client's messages, within its deadline; the report gets its timings."""
-        started = time.monotonic_ns()
+        started = generation.since_ns
         first = last = 0
         gaps = report.inter_token_us
         events = generation.flight.follow()
