@@ -116,6 +116,9 @@ class SemanticConfig:
     # Overrides of the shipped rule's cosine floor and classifier threshold (None: shipped).
     min_similarity: float | None = None
     min_score: float | None = None
+    # Whether the lookup runs beside the engine's start (tokenizing, joining the single flight)
+    # instead of before it; README's `[cache.semantic]` says what that trades.
+    overlap_engine: bool = False
     # Longest a stream read blocks; lookups stop once the follower is this many times later.
     follow_block_ms: int = 500
     stream_max_len: int = 100_000
@@ -394,6 +397,7 @@ _SEMANTIC_KEYS = {
     "embed_threads",
     "min_similarity",
     "min_score",
+    "overlap_engine",
 }
 
 
@@ -411,6 +415,7 @@ def _semantic(r: _Reader, path: Path) -> SemanticConfig:
         embed_threads=r.positive("embed_threads", int, d.embed_threads),
         min_similarity=r.get("min_similarity", float, None),
         min_score=r.get("min_score", float, None),
+        overlap_engine=r.get("overlap_engine", bool, d.overlap_engine),
     )
     for key in ("min_similarity", "min_score"):
         value = getattr(config, key)

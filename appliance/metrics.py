@@ -387,6 +387,7 @@ _CACHE_COUNTERS = {
     "l2_corrupt_entries": "appliance_redis_corrupt_entries",
     "l2_forged_entries": "appliance_redis_forged_entries",
     "breaker_opened": "appliance_redis_breaker_opened",
+    "engine_cancelled_by_hit": "appliance_cache_engine_cancelled_by_semantic_hit",
 }
 _CACHE_GAUGES = {
     "l1_entries": "appliance_cache_l1_entries",

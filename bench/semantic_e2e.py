@@ -1,9 +1,10 @@
 """Semantic tier end to end: a semantic hit against an exact L1 hit, the miss's extra cost, the delay
 until another gateway sees a new entry, and a restarted gateway's first semantic hit.
 
-One run starts a redis-server, the engine server (tiny model) and two gateways A and B, both on that
-Redis with `[cache.semantic]` on for every namespace, all as real processes on 127.0.0.1, and
-measures from this process with streaming Generate calls (TTFT = first message with text):
+One run starts a redis-server, the engine server (tiny model) and three gateways A, B and C, all on
+that Redis with `[cache.semantic]` on for every namespace (C with `overlap_engine = true`, A and B
+without), all as real processes on 127.0.0.1, and measures from this process with streaming
+Generate calls (TTFT = first message with text):
   (a) an exact L1 hit of a cached prompt on A (tier asserted EXACT_L1),
   (b) a semantic hit on A: a paraphrase of a cached question (tier asserted SEMANTIC); every (b)
       text is a new string (the paraphrase with one more doubled space), so the gateway's vectors
@@ -11,6 +12,9 @@ measures from this process with streaming Generate calls (TTFT = first message w
   (c) a miss that asks the semantic tier (semantic_cache=true; distinct question, real engine run),
   (d) the same kind of miss with semantic_cache=false,
   (e) the embedding of the (b) text in this process (the shipped Embedder, one thread),
+  (b') and (c') as (b) and (c), asked of C: the semantic lookup overlaps the engine's start (a hit
+      cancels the generation C started beside it, a miss finds it under way); ratios (b')/(b) and
+      (c')/(c) say what the overlap gains on a miss and costs on a hit,
 alternating request by request; after each miss the run waits until A has stored its entry, so
 the store's background embedding does not land in the next sample. Goal: (b) <= 1.5 x (a) + (e).
   (f) cross-gateway delay: A answers a miss (a new question); from the moment A's final message
@@ -62,13 +66,15 @@ class Gateways:
 
     a: str
     b: str
+    c: str  # overlap_engine on
     b_config: Path
     work: Path
     pids: tuple[int, ...]  # every process this run started, this one included
 
 
-def semantic_tables(redis_url: str, embedder_dir: Path) -> str:
+def semantic_tables(redis_url: str, embedder_dir: Path, overlap: bool) -> str:
     semantic = f'enabled = true\nnamespaces = ["*"]\nembedder_dir = "{embedder_dir}"\n'
+    semantic += f"overlap_engine = {str(overlap).lower()}\n"
     return cache_tables(redis_url, 50.0, None) + "\n[cache.semantic]\n" + semantic
 
 
@@ -123,9 +129,11 @@ async def counter(admin: pb_grpc.CacheAdminStub, name: str) -> int:
     return int((await admin.Stats(pb.CacheStatsRequest())).counters.get(name, 0))
 
 
-async def until_stored(admin: pb_grpc.CacheAdminStub, n: int, timeout_s: float = 30.0) -> None:
+async def until_stored(
+    admin: pb_grpc.CacheAdminStub, n: int, timeout_s: float = 30.0, name: str = "semantic_stored"
+) -> None:
     async with asyncio.timeout(timeout_s):
-        while await counter(admin, "semantic_stored") < n:
+        while await counter(admin, name) < n:
             await asyncio.sleep(0.005)
 
 
@@ -154,10 +162,12 @@ def row(name: str, values: list[float]) -> str:
     )
 
 
-async def hits_and_misses(args: argparse.Namespace, a: str, embedder: Embedder) -> None:
-    async with grpc.aio.insecure_channel(a) as channel:
+async def hits_and_misses(args: argparse.Namespace, a: str, c: str, embedder: Embedder) -> None:
+    async with grpc.aio.insecure_channel(a) as channel, grpc.aio.insecure_channel(c) as channel_c:
         stub, admin = pb_grpc.InferenceStub(channel), pb_grpc.CacheAdminStub(channel)
+        stub_c, admin_c = pb_grpc.InferenceStub(channel_c), pb_grpc.CacheAdminStub(channel_c)
         stored = await counter(admin, "semantic_stored")
+        stored_c = await counter(admin_c, "semantic_stored")
         pairs = paraphrases()
         questions = list(dict.fromkeys([EXACT, *(q for q, _ in pairs)]))
         for question in questions:
@@ -166,14 +176,20 @@ async def hits_and_misses(args: argparse.Namespace, a: str, embedder: Embedder) 
             assert final.cache_tier == MISS, final
         stored += len(questions)
         await until_stored(admin, stored)
+        # C's index has them too (it follows the Redis stream A writes them to).
+        await until_stored(
+            admin_c, await counter(admin, "semantic_entries"), 30, "semantic_entries"
+        )
         # Only the paraphrases the shipped rule accepts take part in (b).
         spellings = []
         for _, paraphrase in pairs:
             if (await timed(stub, ask(paraphrase, "sem")))[1].cache_tier == SEMANTIC:
                 spellings.append(spaced(paraphrase))
         assert spellings, "no paraphrase of the set is a semantic hit"
-        samples: dict[str, list[float]] = {k: [] for k in "abcde"}
-        server: dict[str, list[float]] = {k: [] for k in "abcd"}
+        kinds = ("a", "b", "b'", "c", "c'", "d")
+        samples: dict[str, list[float]] = {k: [] for k in (*kinds, "e")}
+        server: dict[str, list[float]] = {k: [] for k in kinds}
+        cancelled = await counter(admin_c, "engine_cancelled_by_hit")
         for i in range(args.warmup + args.requests):
             text = next(spellings[i % len(spellings)])
             t0 = time.perf_counter()
@@ -181,30 +197,39 @@ async def hits_and_misses(args: argparse.Namespace, a: str, embedder: Embedder) 
             embed_s = time.perf_counter() - t0
             # Numbers differ from every stored question: the guard refuses, a real miss.
             question = "What was the rainfall in district {} during week {}?"
+            # (b') last: the generation its hit cancels is gone before the next engine run.
             requests = {
                 "a": ask(EXACT, "sem"),
                 "b": ask(text, "sem"),
                 "c": ask(question.format(2 * i, i + 7), "sem", semantic=True),
+                "c'": ask(question.format(2 * i, i + 100_007), "sem", semantic=True),
                 "d": ask(question.format(2 * i + 1, i + 7), "sem", semantic=False),
+                "b'": ask(next(spellings[i % len(spellings)]), "sem"),
             }
-            tiers = {"a": L1, "b": SEMANTIC, "c": MISS, "d": MISS}
+            tiers = {"a": L1, "b": SEMANTIC, "b'": SEMANTIC, "c": MISS, "c'": MISS, "d": MISS}
             for kind, request in requests.items():
-                ttft, final = await timed(stub, request)
+                ttft, final = await timed(stub_c if kind.endswith("'") else stub, request)
                 assert final.cache_tier == tiers[kind], (kind, request.prompt, final)
-                if kind in "cd":
+                if kind in ("c", "d"):
                     stored += 1
                     await until_stored(admin, stored)
+                elif kind == "c'":
+                    stored_c += 1
+                    await until_stored(admin_c, stored_c)
                 if i >= args.warmup:
                     samples[kind].append(ttft)
                     server[kind].append(final.timings.ttft_us / 1e6)
             if i >= args.warmup:
                 samples["e"].append(embed_s)
+        cancelled = await counter(admin_c, "engine_cancelled_by_hit") - cancelled
     a_, b_, e_ = (samples[k] for k in "abe")
     print(f"(a)-(e) {args.requests} samples each after {args.warmup} warm-up, alternating")
     labels = {
         "a": "(a) exact L1 hit",
         "b": "(b) semantic hit",
+        "b'": "(b') semantic hit, overlap",
         "c": "(c) miss, semantic tier asked",
+        "c'": "(c') miss, overlap",
         "d": "(d) miss, semantic_cache=false",
     }
     for kind, label in labels.items():
@@ -222,6 +247,14 @@ async def hits_and_misses(args: argparse.Namespace, a: str, embedder: Embedder) 
     for q, name in ((0.5, "P50"), (0.99, "P99")):
         extra = pct(samples["c"], q) - pct(samples["d"], q)
         print(f"miss's cost of asking the tier, {name}: (c) - (d) = {extra * 1e3:+.2f} ms")
+    for q, name in ((0.5, "P50"), (0.99, "P99")):
+        hit = pct(samples["b'"], q) / pct(samples["b"], q)
+        miss = pct(samples["c'"], q) / pct(samples["c"], q)
+        print(
+            f"overlap_engine on / off, {name}: hits (b')/(b) {hit:.2f}, misses (c')/(c) {miss:.2f}"
+        )
+    hits = args.warmup + args.requests
+    print(f"    C's generations cancelled by a semantic hit: {cancelled} of its {hits} hits")
 
 
 async def cross_gateway(args: argparse.Namespace, a: str, b: str) -> tuple[str, str]:
@@ -297,7 +330,7 @@ async def measure(
     args: argparse.Namespace, g: Gateways, embedder: Embedder, b: subprocess.Popen[bytes]
 ) -> None:
     t0, box0, ours0 = time.perf_counter(), box_busy_s(), ours_s(g.pids)
-    await hits_and_misses(args, g.a, embedder)
+    await hits_and_misses(args, g.a, g.c, embedder)
     outside = (box_busy_s() - box0 - (ours_s(g.pids) - ours0)) / (time.perf_counter() - t0)
     print(f"    cores busy with processes this run did not start, during (a)-(e): {outside:.2f}")
     probe = await cross_gateway(args, g.a, g.b)
@@ -310,7 +343,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=200, help="samples of (a)-(e) each")
+    parser.add_argument(
+        "--requests", type=int, default=200, help="samples of (a)-(e), (b'), (c') each"
+    )
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--trials", type=int, default=20, help="(f): cross-gateway trials")
     parser.add_argument("--trial-timeout", type=float, default=5.0, help="(f): seconds a trial")
@@ -333,13 +368,13 @@ def main() -> None:
         (work / "mac-key").write_text("bench-semantic-mac-key-shared-by-both-gateways\n")
         gateways: list[tuple[str, Path]] = []
         procs: list[subprocess.Popen[bytes]] = []
-        for name in ("a", "b"):
+        for name in ("a", "b", "c"):
             addr = f"127.0.0.1:{processes.free_port()}"
             config = processes.write_gateway_config(
                 work / f"{name}.toml", addr, MODEL, engine_addr, tok_dir
             )
             with config.open("a") as f:
-                f.write(semantic_tables(redis_server.url, embedder_dir))
+                f.write(semantic_tables(redis_server.url, embedder_dir, overlap=name == "c"))
             proc = processes.spawn(["serve", "--config", str(config)], work / f"{name}.log")
             stack.callback(processes.stop, proc)
             gateways.append((addr, config))
@@ -348,7 +383,8 @@ def main() -> None:
             for (addr, _), proc in zip(gateways, procs, strict=True):
                 processes.wait_serving(addr, proc)
             pids = (os.getpid(), backends.redis_pid, backends.engine.pid, *(p.pid for p in procs))
-            setup = Gateways(gateways[0][0], gateways[1][0], gateways[1][1], work, pids)
+            (a, _), (b, b_config), (c, _) = gateways
+            setup = Gateways(a, b, c, b_config, work, pids)
             uvloop.run(measure(args, setup, embedder, procs[1]))
             ok = True
         finally:

@@ -154,6 +154,9 @@ class RedisTier:
         if not await self.put(namespace, model, key, answer):
             self.metrics.write_failures += 1
 
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        return False
+
     def counters(self) -> dict[str, int]:
         return {"breaker_open": int(self.breaker.state != "closed")}
 

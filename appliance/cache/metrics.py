@@ -20,6 +20,9 @@ class CacheMetrics:
     # of this appliance, or damaged): misses, never answers.
     l2_forged_entries: int = 0
     breaker_opened: int = 0
+    # Generations started beside a semantic lookup (overlap_engine) and cancelled because it hit:
+    # the engine work the overlap wasted.
+    engine_cancelled_by_hit: int = 0
     # Hits by tier name ("l1", "l2", ...), exported as NAME_hits.
     hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0})
 

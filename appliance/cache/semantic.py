@@ -10,7 +10,8 @@ encoding. Only the namespaces the configuration lists take part; a request asks 
 Decision: the question is embedded (on a worker thread: the event loop keeps streaming), the scope's
 nearest entries are fetched from the in-process index, and the decision rule (paraphrase.py) accepts
 one or refuses all. A hit is another request's answer: the cascade never copies it into the exact
-tiers, and the final message names the answering entry and the similarity.
+tiers, and the final message names the answering entry and the similarity. With `overlap_engine` on,
+the gateway makes the lookup while the generation starts, and leaves the generation on a hit.
 
 Sharing: entries persist in Redis next to the exact L2 entries (`PREFIX:NS:MODEL:sem-HEX`, so an
 L2 invalidation of a namespace or model drops them too) and every new entry and invalidation is
@@ -202,6 +203,15 @@ class SemanticTier:
         self.index.touch(entry)
         return Hit(
             entry.answer, self.name, exact=False, similarity=similarity, entry=entry.entry_id
+        )
+
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        """With `overlap_engine` on, the lookups that embed: one the tier skips at once has no
+        time to hide behind the engine's start."""
+        return (
+            self.settings.overlap_engine
+            and self.in_sync()
+            and self.eligible(query, asking=True) is not None
         )
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:

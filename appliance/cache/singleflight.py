@@ -4,7 +4,8 @@ The first request for a key starts a Flight: a task that runs the generation and
 event. Every request for the key (the first one too) follows the flight: it gets the events recorded
 so far, then each new one as it arrives. A follower that goes away just stops following; the
 generation is cancelled only when nobody follows it any more, so a leader's client cancelling does
-not take the answer away from the followers waiting for it.
+not take the answer away from the followers waiting for it. A request that has not decided yet
+whether it wants the answer holds the flight: it counts as a follower until it releases it.
 """
 
 from __future__ import annotations
@@ -68,10 +69,21 @@ class Flight(Generic[T]):
                     return
                 await self._changed.wait()
         finally:
-            self.followers -= 1
-            if self.followers == 0 and not self.done:
-                self.abandoned = True
-                self._task.cancel()
+            self.release()
+
+    def hold(self) -> None:
+        """Counts the caller as a follower before it follows: the generation goes on for it while
+        it decides (a follow of its own counts once more; release the hold after it)."""
+        self.followers += 1
+
+    def release(self) -> bool:
+        """Ends a hold (or a follow); True when it was the last and the generation is cancelled."""
+        self.followers -= 1
+        if self.followers == 0 and not self.done:
+            self.abandoned = True
+            self._task.cancel()
+            return True
+        return False
 
 
 class SingleFlight(Generic[T]):

@@ -6,6 +6,10 @@ them all. The cascade asks tiers in order (cheapest first); an exact hit in a la
 the earlier ones, so the next identical request stops at the first tier. A semantic hit is not: it is
 another request's answer, and copied under this request's key it would turn a similarity judgment into
 an exact entry that outlives the judgment (an invalidation of the cached question would not reach it).
+
+A tier may say that its lookup of a query overlaps the engine: the gateway then asks the tiers before
+it, and on their miss asks it and the tiers after it while the generation starts (split, then lookup
+with start and stop). The counting and copying are the same either way.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ class CacheTier(Protocol):
         """Keeps the answer; must not wait on I/O (slow tiers write in the background)."""
         ...
 
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        """Whether the lookup of this query runs while the engine's generation starts, instead of
+        before it: worth it only for a tier slower than starting a generation."""
+        ...
+
     async def invalidate(self, namespace: str, model: str) -> int:
         """Drops entries of a namespace and/or model ("" matches any); returns how many."""
         ...
@@ -93,6 +102,9 @@ class L1Tier:
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         self.lru.put(query.key, answer, (query.namespace, query.model.name))
 
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        return False
+
     async def invalidate(self, namespace: str, model: str) -> int:
         return self.lru.invalidate(namespace, model)
 
@@ -113,9 +125,22 @@ class TierCascade:
         self.tiers = tuple(tiers)
         self.metrics = metrics
 
-    async def lookup(self, query: CacheQuery) -> Hit | None:
-        """The cached answer and the tier that had it, or None on a miss."""
+    def split(self, query: CacheQuery) -> int:
+        """The index of the first tier whose lookup of this query overlaps the engine (the ones
+        before it are asked first, alone); len(tiers) when none does."""
         for index, tier in enumerate(self.tiers):
+            if tier.overlaps_engine(query):
+                return index
+        return len(self.tiers)
+
+    async def lookup(
+        self, query: CacheQuery, start: int = 0, stop: int | None = None
+    ) -> Hit | None:
+        """The cached answer and the tier that had it, or None on a miss. `start`, `stop`: the
+        tiers to ask (all by default); a miss is counted once the last tier has missed."""
+        stop = len(self.tiers) if stop is None else stop
+        for index in range(start, stop):
+            tier = self.tiers[index]
             found = await tier.lookup(query)
             if found is None:
                 continue
@@ -125,7 +150,8 @@ class TierCascade:
                 for earlier in self.tiers[:index]:
                     earlier.store(query, hit.answer)
             return hit
-        self.metrics.misses += 1
+        if stop == len(self.tiers):
+            self.metrics.misses += 1
         return None
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:

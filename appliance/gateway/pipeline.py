@@ -8,7 +8,12 @@
 - route: the model the request names.
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
-  of a generated answer and never needs the engine, so nothing after this stage runs for it.
+  of a generated answer and never needs the engine, so nothing after this stage runs for it. A tier
+  that overlaps the engine (the semantic tier with `overlap_engine` on) is asked after the exact
+  tiers missed, while failover, tokenize and single flight start the generation: its miss finds the
+  generation under way, its hit leaves it (cancelled when nobody else follows it). The client sees
+  nothing of the generation before the tier's decision; a generation that failed meanwhile fails
+  the request only on a miss.
 - failover: the model's engine if it is usable (reachable, breaker not open), else its fallback
   model (the answer says it is degraded), else UNAVAILABLE at once.
 - tokenize: prompt or chat → token ids with the generating model's tokenizer, checked against its
@@ -32,11 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -95,6 +101,20 @@ class Budget:
     engine_ttft_s: float | None
 
 
+@dataclass(slots=True)
+class Generation:
+    """A generation this request follows: the model generating it, the cache query its answer is
+    written under (None: never written) and its flight."""
+
+    model: ServedModel
+    shared: CacheQuery | None
+    flight: Flight[Event]
+    # The request holds the flight (it was started beside a lookup); deliver ends the hold.
+    held: bool = False
+    # When this request began to wait on it (time.monotonic_ns()): its queue time ends no earlier.
+    since_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
+
+
 class Pipeline:
     def __init__(
         self,
@@ -143,26 +163,26 @@ class Pipeline:
             report.request_id, report.namespace = checked.request_id, checked.namespace
             query = self.cache_query(model, checked, request)
             cache_plan = self.cache_plan(checked, query)
+            start = functools.partial(self.start, model, checked, request, cache_plan, budget)
+            found: Hit | Generation | None = None
             if query is not None and cache_plan.read:
-                hit = await self.lookup(query, cache_plan)
-                if hit is not None:
-                    for message in self.replay(hit, report, received):
-                        yield message
-                    return
+                found = await self.lookup(query, cache_plan, start, report)
+            if isinstance(found, Hit):
+                for message in self.replay(found, report, received):
+                    yield message
+                return
             for retry in (False, True):
-                target = self.failover(model, skip_primary=retry)
-                prepared = await self.tokenize(target, checked)
-                shared = self.cache_query(target, checked, request) if cache_plan.write else None
-                flight = self.single_flight(target, prepared, shared, budget)
+                if retry or found is None:
+                    found = await start(retry)
                 try:
-                    async for message in self.deliver(flight, report, received, budget, model):
+                    async for message in self.deliver(found, report, received, budget, model):
                         yield message
                 except RequestError as exc:
-                    if retry or not self.may_retry(model, target, exc, report):
+                    if retry or not self.may_retry(model, found.model, exc, report):
                         raise
                     continue  # the engine failed before answering: the fallback answers
-                if shared is not None:
-                    self.store(shared, flight)
+                if found.shared is not None:
+                    self.store(found.shared, found.flight)
                 return
         except RequestError as exc:
             report.status = exc.code.name
@@ -253,14 +273,74 @@ class Pipeline:
         except OnlyNotPossible as exc:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
-    async def lookup(self, query: CacheQuery, cache_plan: CachePlan) -> Hit | None:
+    async def lookup(
+        self,
+        query: CacheQuery,
+        cache_plan: CachePlan,
+        start: Callable[[], Awaitable[Generation]],
+        report: RequestReport,
+    ) -> Hit | Generation | None:
+        """The tiers in order; those that overlap the engine beside `start` (never for ONLY, which
+        must not generate): then a miss returns the generation already under way."""
         assert self.cache is not None
-        hit = await self.cache.lookup(query)
+        split = len(self.cache.tiers) if cache_plan.only else self.cache.split(query)
+        hit = await self.cache.lookup(query, stop=split)
+        if hit is None and split < len(self.cache.tiers):
+            return await self.overlap(query, split, start, report)
         if hit is None and cache_plan.only:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND, "no cached answer for this request (cache_policy ONLY)"
             )
         return hit
+
+    async def overlap(
+        self,
+        query: CacheQuery,
+        first: int,
+        start: Callable[[], Awaitable[Generation]],
+        report: RequestReport,
+    ) -> Hit | Generation:
+        """The tiers from `first` on, asked while the generation starts. The request holds the
+        generation until the tiers decide: a hit leaves it, a miss follows it from its first event.
+        A generation that could not start (unavailable, refused) matters only on a miss."""
+        assert self.cache is not None
+        lookup = asyncio.get_running_loop().create_task(self.cache.lookup(query, start=first))
+        generation: Generation | None = None
+        failure: RequestError | None = None
+        try:
+            await asyncio.sleep(0)  # the lookup's first step hands its embedding to a thread
+            try:
+                generation = await start()
+            except RequestError as exc:
+                failure = exc
+            else:
+                # The flight was made without an await since: nobody has left it yet.
+                generation.flight.hold()
+                generation.held = True
+            hit = await lookup
+        except BaseException:
+            lookup.cancel()
+            if generation is not None:
+                generation.flight.release()
+            raise
+        if hit is not None:
+            report.overlap = self.leave(generation)
+            return hit
+        report.overlap = "missed"
+        if failure is not None:
+            raise failure
+        assert generation is not None
+        return generation
+
+    def leave(self, generation: Generation | None) -> str:
+        """Lets go of a generation a hit made unneeded; what became of it, for the report."""
+        if generation is None:
+            return "failed"
+        if generation.flight.release():
+            assert self.cache is not None
+            self.cache.metrics.engine_cancelled_by_hit += 1
+            return "cancelled"
+        return "ended" if generation.flight.done else "shared"
 
     def replay(self, hit: Hit, report: RequestReport, received: int) -> list[pb.GenerateResponse]:
         """A cached answer in the shape of a generated one: one delta, then the final message."""
@@ -311,6 +391,21 @@ class Pipeline:
             and fallback is not None
             and fallback.health.usable()
         )
+
+    async def start(
+        self,
+        model: ServedModel,
+        checked: CheckedRequest,
+        request: pb.GenerateRequest,
+        cache_plan: CachePlan,
+        budget: Budget,
+        retry: bool = False,
+    ) -> Generation:
+        """failover → tokenize → single flight: the generation under way, not yet followed."""
+        target = self.failover(model, skip_primary=retry)
+        prepared = await self.tokenize(target, checked)
+        shared = self.cache_query(target, checked, request) if cache_plan.write else None
+        return Generation(target, shared, self.single_flight(target, prepared, shared, budget))
 
     async def tokenize(self, model: ServedModel, checked: CheckedRequest) -> PreparedRequest:
         chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
@@ -405,17 +500,17 @@ class Pipeline:
 
     async def deliver(
         self,
-        flight: Flight[Event],
+        generation: Generation,
         report: RequestReport,
         received: int,
         budget: Budget,
         requested: ServedModel,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Events as this client's messages, within its deadline; the report gets its timings."""
-        started = time.monotonic_ns()
+        started = generation.since_ns
         first = last = 0
         gaps = report.inter_token_us
-        events = flight.follow()
+        events = generation.flight.follow()
         try:
             while True:
                 try:
@@ -451,6 +546,9 @@ class Pipeline:
             yield messages.final(report, received, started, first)
         finally:
             await events.aclose()
+            if generation.held:
+                generation.held = False
+                generation.flight.release()
 
     def store(self, query: CacheQuery, flight: Flight[Event]) -> None:
         """Once per flight, after the final message: a complete answer, keyed by its producer."""

@@ -29,6 +29,10 @@ class RequestReport:
     # A semantic hit: the similarity of the two questions and the answering entry's key (hex).
     similarity: float = 0.0
     cache_entry: str = ""
+    # A lookup that overlapped the engine's start: "missed" (the generation answers); on a hit,
+    # what became of the generation: "cancelled", "shared" (others follow it), "ended" (finished
+    # or failed before the hit), "failed" (it could not start). "" when no lookup overlapped.
+    overlap: str = ""
     # gRPC status name the request ended with: "OK", "INVALID_ARGUMENT", "CANCELLED", ...
     status: str = "OK"
     # "stop", "length", "cancelled", or "" when the request failed.
@@ -55,7 +59,7 @@ class AccessLog:
     `access`, so a JSON formatter writes its fields as fields."""
 
     FORMAT = (
-        "front_end=%s request_id=%r key_id=%r namespace=%r model=%r answered_by=%r tier=%s status=%s finish_reason=%s "
+        "front_end=%s request_id=%r key_id=%r namespace=%r model=%r answered_by=%r tier=%s overlap=%s status=%s finish_reason=%s "
         "prompt_tokens=%d completion_tokens=%d queue_ms=%.3f ttft_ms=%.3f total_ms=%.3f"
     )
 
@@ -70,6 +74,7 @@ class AccessLog:
                 r.model,
                 r.answered_by,
                 r.tier,
+                r.overlap or "-",
                 r.status,
                 r.finish_reason,
                 r.prompt_tokens,

@@ -99,12 +99,16 @@ class ParaphraseTier:
     """A tier that answers every query with another request's answer (a semantic hit)."""
 
     name = "semantic"
+    overlaps = False
 
     async def lookup(self, query: CacheQuery) -> Hit:
         return Hit(CachedAnswer("other", (9,), "stop", 1, 1), self.name, False, 0.97, b"\x01" * 16)
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         return None
+
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        return self.overlaps
 
     async def invalidate(self, namespace: str, model: str) -> int:
         return 0
@@ -128,3 +132,23 @@ async def test_a_semantic_hit_is_never_copied_into_the_exact_tiers() -> None:
     assert hit is not None and (hit.tier, hit.exact, hit.similarity) == ("semantic", False, 0.97)
     assert len(lru) == 0
     assert cascade.counters()["semantic_hits"] == 1
+
+
+async def test_a_split_cascade_counts_one_miss_and_copies_exact_hits_as_a_whole_one() -> None:
+    lru = LruCache(10, 10**6, 60)
+    metrics = CacheMetrics()
+    semantic = ParaphraseTier()
+    cascade = TierCascade([L1Tier(lru), semantic], metrics)
+    model = ModelIdentity("m", "e", "t", "v")
+    query = CacheQuery(b"k" * 16, "ns", model, "q", (), SamplingKey(8, True, 0, 1, 1, None, ()))
+    assert cascade.split(query) == 2
+    semantic.overlaps = True
+    assert cascade.split(query) == 1
+    assert await cascade.lookup(query, stop=1) is None
+    assert metrics.misses == 0  # the tiers after the split have not been asked yet
+    hit = await cascade.lookup(query, start=1)
+    assert hit is not None and hit.tier == "semantic" and len(lru) == 0
+    assert cascade.counters()["semantic_hits"] == 1
+    empty = TierCascade([L1Tier(LruCache(10, 10**6, 60))], metrics)
+    assert await empty.lookup(query, stop=empty.split(query)) is None
+    assert metrics.misses == 1

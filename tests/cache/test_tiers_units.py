@@ -161,6 +161,34 @@ async def test_a_flight_nobody_follows_is_cancelled() -> None:
     assert led and again is not flight
 
 
+async def test_a_held_flight_runs_until_released_and_a_follow_keeps_it() -> None:
+    gate = asyncio.Event()
+    flight, _ = SingleFlight[int]().join(b"k", lambda: _numbers(3, gate, []))
+    flight.hold()
+    other = flight.follow()
+    pending = asyncio.ensure_future(other.__anext__())
+    await flight.started.wait()
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await other.aclose()  # another follower came and went: the hold keeps the generation
+    assert not flight.abandoned
+    mine = asyncio.ensure_future(_drain(flight.follow()))
+    await asyncio.sleep(0)
+    assert not flight.release()  # the hold ends; the follow it turned into goes on
+    gate.set()
+    assert await mine == [0, 1, 2] and not flight.abandoned
+
+
+async def test_releasing_the_last_hold_cancels_the_flight() -> None:
+    flight, _ = SingleFlight[int]().join(b"k", lambda: _numbers(3, asyncio.Event(), []))
+    flight.hold()
+    await flight.started.wait()
+    assert flight.release()
+    await flight.wait()
+    assert flight.done and flight.abandoned
+
+
 async def _drain(it: AsyncIterator[int]) -> list[int]:
     return [x async for x in it]
 

@@ -133,13 +133,15 @@ def test_semantic_table_loads(tmp_path: Path) -> None:
     text = GOOD + (
         '\n[cache.semantic]\nenabled = true\nnamespaces = ["support", "*"]\n'
         'embedder_dir = "emb"\nmax_bytes = "64MiB"\nmin_score = 0.9\nembed_threads = 4\n'
+        "overlap_engine = true\n"
     )
     semantic = load_config(_write(tmp_path, text)).cache.semantic
-    assert semantic.enabled and semantic.namespaces == ("support", "*")
+    assert semantic.enabled and semantic.namespaces == ("support", "*") and semantic.overlap_engine
     assert semantic.embedder_dir == tmp_path / "emb" and semantic.max_bytes == 64 * 2**20
     assert (semantic.min_score, semantic.min_similarity) == (0.9, None)
     assert semantic.embed_threads == 4
-    assert not load_config(_write(tmp_path, GOOD)).cache.semantic.enabled
+    default = load_config(_write(tmp_path, GOOD)).cache.semantic
+    assert not default.enabled and not default.overlap_engine
 
 
 @pytest.mark.parametrize(
@@ -149,6 +151,7 @@ def test_semantic_table_loads(tmp_path: Path) -> None:
         ("min_score = 1.5", "key 'cache.semantic.min_score': must be in (0, 1]"),
         ("embed_threads = 0", "key 'cache.semantic.embed_threads': must be greater than 0"),
         ("threshold = 0.9", "key 'cache.semantic.threshold': unknown key"),
+        ('overlap_engine = "yes"', "key 'cache.semantic.overlap_engine'"),
     ],
 )
 def test_semantic_table_is_checked(tmp_path: Path, extra: str, expected: str) -> None:
