@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance import processes
+from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from tests.cache.redis_server import RedisServer
 
@@ -79,10 +80,6 @@ def tiny_stack(
 ) -> Iterator[TinyStack]:
     """Starts both processes, waits until the gateway serves, and stops both on the way out (their
     logs stay in the temporary `work` directory)."""
-    # Imported here: it loads torch, which a benchmark timing the gateway's own code (onnxruntime
-    # in bench/semantic.py) must not have in its process, as the gateway does not.
-    from appliance.tiny_model import ensure_tiny_model
-
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     _, repo = ensure_tiny_model(Path(model_root))
     tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()

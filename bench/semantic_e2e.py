@@ -11,7 +11,7 @@ Generate calls (TTFT = first message with text):
       of recent texts never spare it the embedding,
   (c) a miss that asks the semantic tier (semantic_cache=true; distinct question, real engine run),
   (d) the same kind of miss with semantic_cache=false,
-  (e) the embedding of the (b) text in this process (the shipped Embedder, one thread),
+  (e) the embedding of the (b) text in this process (the shipped Embedder on the threads the gateway gives it),
   (b') and (c') as (b) and (c), asked of C: the semantic lookup overlaps the engine's start (a hit
       cancels the generation C started beside it, a miss finds it under way); ratios (b')/(b) and
       (c')/(c) say what the overlap gains on a miss and costs on a hit,
@@ -49,6 +49,7 @@ import uvloop
 
 from appliance import processes
 from appliance.cache.embedder import Embedder
+from appliance.config import SemanticConfig
 from appliance.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -356,7 +357,7 @@ def main() -> None:
     embedder_dir = args.embedder_dir.resolve()
     if not embedder_dir.is_dir():
         sys.exit(f"no embedder in {embedder_dir}: run `appliance semantic-setup` first")
-    embedder = Embedder(embedder_dir)
+    embedder = Embedder(embedder_dir, SemanticConfig().embed_threads)
 
     work = Path(tempfile.mkdtemp(prefix="bench-semantic-e2e-"))
     _, repo = ensure_tiny_model(Path(args.model_root))
