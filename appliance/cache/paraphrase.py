@@ -37,6 +37,7 @@ _WORD = re.compile(r"[a-z0-9]+(?:\+\+|#)?")
 _NEGATION = re.compile(
     r"\b(?:not|no|never|none|nobody|nothing|neither|nor|without|cannot)\b|n't\b|n’t\b"
 )
+_HAS_DIGIT = re.compile(r"[0-9]").search
 _CAPITALIZED = re.compile(r"\b[A-Z][A-Za-z0-9]*(?:\+\+|#)?")
 
 
@@ -110,31 +111,34 @@ class Question:
     """The lexical facts of one question the rule compares."""
 
     words: tuple[str, ...]
+    word_set: frozenset[str]
     content: frozenset[str]
     numbers: frozenset[str]
     negated: bool
     entities: frozenset[str]
     closed: frozenset[str]
     stems: frozenset[str]  # every word, plurals folded
+    content_stems: frozenset[str]  # the content words, plurals folded
     grams: frozenset[str]  # character trigrams of the words, spaces between
 
 
 def analyze(text: str) -> Question:
     lower = text.lower()
     words = tuple(_WORD.findall(lower))
-    numbers = frozenset(
-        NUMBER_WORDS.get(w, w) for w in words if w in NUMBER_WORDS or any(c.isdigit() for c in w)
-    )
+    content = frozenset(w for w in words if w not in STOPWORDS)
     capitalized = [m.group(0).lower() for m in _CAPITALIZED.finditer(text) if m.start() > 0]
-    entities = frozenset(w for w in capitalized if w not in STOPWORDS and w != "i")
     return Question(
         words=words,
-        content=frozenset(w for w in words if w not in STOPWORDS),
-        numbers=numbers,
+        word_set=frozenset(words),
+        content=content,
+        numbers=frozenset(
+            NUMBER_WORDS.get(w, w) for w in words if w in NUMBER_WORDS or _HAS_DIGIT(w)
+        ),
         negated=_NEGATION.search(lower.replace("’", "'")) is not None,
-        entities=entities,
+        entities=frozenset(w for w in capitalized if w not in STOPWORDS and w != "i"),
         closed=frozenset(_stem(w) for w in words if w in CLOSED_TERMS),
         stems=frozenset(_stem(w) for w in words),
+        content_stems=frozenset(_stem(w) for w in content),
         grams=_trigrams(words),
     )
 
@@ -205,7 +209,7 @@ def veto(a: Question, b: Question) -> str:
         return "negation"
     if a.closed != b.closed:
         return "closed-class term"
-    a_words, b_words = set(a.words), set(b.words)
+    a_words, b_words = a.word_set, b.word_set
     for w in a_words - b_words:
         if ANTONYMS.get(w, frozenset()) & (b_words - a_words):
             return "antonym"
@@ -216,7 +220,7 @@ def veto(a: Question, b: Question) -> str:
     return ""
 
 
-def _unmatched(entities: frozenset[str], words: set[str]) -> set[str]:
+def _unmatched(entities: frozenset[str], words: frozenset[str]) -> set[str]:
     """Entities the other question does not name, allowing a derived form (India/Indian)."""
     return {
         e
@@ -229,13 +233,12 @@ def lexical_features(a: Question, b: Question, idf: npt.NDArray[np.float32]) -> 
     """Symmetric lexical facts of a pair, for the classifier: overlaps of words (plain and weighted
     by rarity), of word pairs and of character trigrams, and how much rare material only one side
     has."""
-    sa = {_stem(w) for w in a.content}
-    sb = {_stem(w) for w in b.content}
+    sa, sb = a.content_stems, b.content_stems
     union = sa | sb
     only_a, only_b = len(sa - sb), len(sb - sa)
-    ent_a, ent_b = len(a.entities - set(b.words)), len(b.entities - set(a.words))
+    all_a, all_b = a.word_set, b.word_set
+    ent_a, ent_b = len(a.entities - all_b), len(b.entities - all_a)
     la, lb = len(a.words), len(b.words)
-    all_a, all_b = set(a.words), set(b.words)
     return [
         len(sa & sb) / len(union) if union else 1.0,
         len(all_a & all_b) / max(1, len(all_a | all_b)),
