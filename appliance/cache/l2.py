@@ -157,6 +157,9 @@ class RedisTier:
     def overlaps_engine(self, query: CacheQuery) -> bool:
         return False
 
+    def prepare(self, query: CacheQuery) -> None:
+        return None
+
     def counters(self) -> dict[str, int]:
         return {"breaker_open": int(self.breaker.state != "closed")}
 

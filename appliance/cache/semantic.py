@@ -118,6 +118,8 @@ class SemanticTier:
         self._embeds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         # Vectors of recent lookups by text: the store after a miss does not embed again.
         self._recent: OrderedDict[str, Vector] = OrderedDict()
+        # Embeddings under way, by text: started by prepare, awaited by the lookup.
+        self._embedding: dict[str, asyncio.Future[Vector | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._follower: asyncio.Task[None] | None = None
         self._synced_at: float | None = None if l2 is not None else float("inf")
@@ -214,6 +216,13 @@ class SemanticTier:
             and self.eligible(query, asking=True) is not None
         )
 
+    def prepare(self, query: CacheQuery) -> None:
+        """Starts the embedding while the exact L2 tier asks Redis: a lookup that reaches this
+        tier finds it under way or done. After an L2 hit its vector only fills the recent ones."""
+        found = self.eligible(query, asking=True)
+        if found is not None and self.in_sync():
+            self._start_embedding(found[1])
+
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         found = self.eligible(query, asking=False)
         if found is None:
@@ -270,8 +279,9 @@ class SemanticTier:
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.wait({self._follower}, timeout=1.0)
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=1.0)
+        waiting: set[asyncio.Future[Any]] = {*self._tasks, *self._embedding.values()}
+        if waiting:
+            await asyncio.wait(waiting, timeout=1.0)
         if self._client is not None:
             with contextlib.suppress(TimeoutError, RedisError, OSError):
                 async with asyncio.timeout(1.0):
@@ -284,6 +294,21 @@ class SemanticTier:
         vector = self._recent.get(text)
         if vector is not None:
             return vector
+        # Shielded: a cancelled lookup leaves the embedding to finish for whoever else waits on it.
+        return await asyncio.shield(self._start_embedding(text))
+
+    def _start_embedding(self, text: str) -> asyncio.Future[Vector | None]:
+        """The embedding of the text on the embedding thread, one at a time per text."""
+        running = self._embedding.get(text)
+        if running is not None:
+            return running
+        loop = asyncio.get_running_loop()
+        future = loop.create_task(self._run_embedding(text))
+        self._embedding[text] = future
+        future.add_done_callback(lambda _: self._embedding.pop(text, None))
+        return future
+
+    async def _run_embedding(self, text: str) -> Vector | None:
         loop = asyncio.get_running_loop()
         try:
             vector = await loop.run_in_executor(self._embeds, self.embedder.embed, text)

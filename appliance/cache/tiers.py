@@ -73,6 +73,11 @@ class CacheTier(Protocol):
         before it: worth it only for a tier slower than starting a generation."""
         ...
 
+    def prepare(self, query: CacheQuery) -> None:
+        """Starts, without waiting, work its lookup of this query will need: the cascade calls it
+        once the first tier has missed, so the work runs while the tiers before this one answer."""
+        ...
+
     async def invalidate(self, namespace: str, model: str) -> int:
         """Drops entries of a namespace and/or model ("" matches any); returns how many."""
         ...
@@ -104,6 +109,9 @@ class L1Tier:
 
     def overlaps_engine(self, query: CacheQuery) -> bool:
         return False
+
+    def prepare(self, query: CacheQuery) -> None:
+        return None
 
     async def invalidate(self, namespace: str, model: str) -> int:
         return self.lru.invalidate(namespace, model)
@@ -139,10 +147,17 @@ class TierCascade:
         """The cached answer and the tier that had it, or None on a miss. `start`, `stop`: the
         tiers to ask (all by default); a miss is counted once the last tier has missed."""
         stop = len(self.tiers) if stop is None else stop
+        prepared = start > 0
         for index in range(start, stop):
             tier = self.tiers[index]
             found = await tier.lookup(query)
             if found is None:
+                if not prepared:
+                    # Past the first (in-process) tier: the later tiers' own work overlaps the
+                    # round trips before them. A hit in the first tier never pays for it.
+                    prepared = True
+                    for later in self.tiers[index + 1 :]:
+                        later.prepare(query)
                 continue
             hit = Hit(found, tier.name) if isinstance(found, CachedAnswer) else found
             self.metrics.count_hit(tier.name)

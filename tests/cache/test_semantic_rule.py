@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance.cache.embedder import Embedder
+from appliance.cache.embedder import Embedder, Vector
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.paraphrase import Rule, analyze, veto
 from appliance.cache.semantic_eval import decide_all, embed_pairs, read_pairs
@@ -203,3 +203,34 @@ def test_a_cluster_of_near_identical_questions_does_not_hide_the_nearest_entry(
     assert probe is not None
     found = [entry.text for entry, _ in index.search(scope, probe, 4)]
     assert found[0] == "What is the meaning of life?", found
+
+
+async def test_a_prepared_embedding_is_the_one_the_lookup_uses(
+    embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedding prepare starts while L2 answers is awaited by the lookup, not made twice."""
+    from appliance.cache.keys import ModelIdentity, SamplingKey
+    from appliance.cache.semantic import SemanticTier
+    from appliance.cache.tiers import CacheQuery
+    from appliance.config import SemanticConfig
+
+    calls: list[str] = []
+    embed = embedder.embed
+
+    def counted(text: str) -> Vector | None:
+        calls.append(text)
+        return embed(text)
+
+    config = SemanticConfig(enabled=True, namespaces=("*",), request_default=True)
+    tier = SemanticTier(config, embedder, Rule(), None)
+    monkeypatch.setattr(embedder, "embed", counted)
+    try:
+        sampling = SamplingKey(8, True, 0.0, 1.0, 1, None, ())
+        model = ModelIdentity("m", "e", "t", "v")
+        query = CacheQuery(b"k" * 16, "ns", model, "What is the capital of France?", (), sampling)
+        tier.prepare(query)
+        tier.prepare(query)  # one embedding per text, however often prepared
+        assert await tier.lookup(query) is None  # an empty index: a miss
+        assert calls == ["What is the capital of France?"]
+    finally:
+        await tier.close()

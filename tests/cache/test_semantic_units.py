@@ -101,6 +101,9 @@ class ParaphraseTier:
     name = "semantic"
     overlaps = False
 
+    def __init__(self) -> None:
+        self.prepared: list[bytes] = []
+
     async def lookup(self, query: CacheQuery) -> Hit:
         return Hit(CachedAnswer("other", (9,), "stop", 1, 1), self.name, False, 0.97, b"\x01" * 16)
 
@@ -109,6 +112,9 @@ class ParaphraseTier:
 
     def overlaps_engine(self, query: CacheQuery) -> bool:
         return self.overlaps
+
+    def prepare(self, query: CacheQuery) -> None:
+        self.prepared.append(query.key)
 
     async def invalidate(self, namespace: str, model: str) -> int:
         return 0
@@ -152,3 +158,51 @@ async def test_a_split_cascade_counts_one_miss_and_copies_exact_hits_as_a_whole_
     empty = TierCascade([L1Tier(LruCache(10, 10**6, 60))], metrics)
     assert await empty.lookup(query, stop=empty.split(query)) is None
     assert metrics.misses == 1
+
+
+class RoundTrip:
+    """A tier between L1 and the semantic one that notes what the semantic tier had been asked to
+    prepare by the time it is asked itself (it stands for L2's round trip to Redis)."""
+
+    name = "l2"
+
+    def __init__(self, later: ParaphraseTier) -> None:
+        self.later = later
+        self.seen: list[list[bytes]] = []
+
+    async def lookup(self, query: CacheQuery) -> None:
+        self.seen.append(list(self.later.prepared))
+
+    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        return None
+
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        return False
+
+    def prepare(self, query: CacheQuery) -> None:
+        return None
+
+    async def invalidate(self, namespace: str, model: str) -> int:
+        return 0
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    async def check(self) -> str:
+        return ""
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_later_tiers_prepare_once_the_first_tier_misses_and_not_on_its_hit() -> None:
+    lru = LruCache(10, 10**6, 60)
+    semantic = ParaphraseTier()
+    l2 = RoundTrip(semantic)
+    cascade = TierCascade([L1Tier(lru), l2, semantic], CacheMetrics())
+    model = ModelIdentity("m", "e", "t", "v")
+    query = CacheQuery(b"k" * 16, "ns", model, "q", (), SamplingKey(8, True, 0, 1, 1, None, ()))
+    assert await cascade.lookup(query) is not None
+    assert l2.seen == [[query.key]]  # the semantic tier's work began before L2 answered
+    lru.put(query.key, CachedAnswer("cached", (1,), "stop", 1, 1), ("ns", "m"))
+    assert (await cascade.lookup(query)) is not None and semantic.prepared == [query.key]
