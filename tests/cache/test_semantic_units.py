@@ -95,26 +95,11 @@ def test_records_round_trip() -> None:
     assert np.array_equal(vector, unit(7))
 
 
-class ParaphraseTier:
-    """A tier that answers every query with another request's answer (a semantic hit)."""
-
-    name = "semantic"
-    overlaps = False
-
-    def __init__(self) -> None:
-        self.prepared: list[bytes] = []
-
-    async def lookup(self, query: CacheQuery) -> Hit:
-        return Hit(CachedAnswer("other", (9,), "stop", 1, 1), self.name, False, 0.97, b"\x01" * 16)
+class StoreNothing:
+    """The tier methods these tests do not exercise: stores and invalidates nothing, always works."""
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         return None
-
-    def overlaps_engine(self, query: CacheQuery) -> bool:
-        return self.overlaps
-
-    def prepare(self, query: CacheQuery) -> None:
-        self.prepared.append(query.key)
 
     async def invalidate(self, namespace: str, model: str) -> int:
         return 0
@@ -127,6 +112,25 @@ class ParaphraseTier:
 
     async def close(self) -> None:
         return None
+
+
+class ParaphraseTier(StoreNothing):
+    """A tier that answers every query with another request's answer (a semantic hit)."""
+
+    name = "semantic"
+    overlaps = False
+
+    def __init__(self) -> None:
+        self.prepared: list[bytes] = []
+
+    async def lookup(self, query: CacheQuery) -> Hit:
+        return Hit(CachedAnswer("other", (9,), "stop", 1, 1), self.name, False, 0.97, b"\x01" * 16)
+
+    def overlaps_engine(self, query: CacheQuery) -> bool:
+        return self.overlaps
+
+    def prepare(self, query: CacheQuery) -> None:
+        self.prepared.append(query.key)
 
 
 async def test_a_semantic_hit_is_never_copied_into_the_exact_tiers() -> None:
@@ -160,7 +164,7 @@ async def test_a_split_cascade_counts_one_miss_and_copies_exact_hits_as_a_whole_
     assert metrics.misses == 1
 
 
-class RoundTrip:
+class RoundTrip(StoreNothing):
     """A tier between L1 and the semantic one that notes what the semantic tier had been asked to
     prepare by the time it is asked itself (it stands for L2's round trip to Redis)."""
 
@@ -173,25 +177,10 @@ class RoundTrip:
     async def lookup(self, query: CacheQuery) -> None:
         self.seen.append(list(self.later.prepared))
 
-    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
-        return None
-
     def overlaps_engine(self, query: CacheQuery) -> bool:
         return False
 
     def prepare(self, query: CacheQuery) -> None:
-        return None
-
-    async def invalidate(self, namespace: str, model: str) -> int:
-        return 0
-
-    def counters(self) -> dict[str, int]:
-        return {}
-
-    async def check(self) -> str:
-        return ""
-
-    async def close(self) -> None:
         return None
 
 
