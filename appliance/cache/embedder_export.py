@@ -127,7 +127,8 @@ def _quiet() -> Iterator[None]:
 def _fuse(source: Path, dest: Path) -> None:
     from onnxruntime.transformers import optimizer
 
-    # opt_level 1: the fusions only, written as portable ONNX (no onnxruntime-version layout).
+    # opt_level 1: basic optimizations and the BERT fusions (onnxruntime contrib ops), nothing
+    # tied to this machine's hardware.
     model = optimizer.optimize_model(
         str(source), model_type="bert", num_heads=12, hidden_size=384, opt_level=1
     )

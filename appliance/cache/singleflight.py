@@ -30,6 +30,16 @@ class Flight(Generic[T]):
         self.started = asyncio.Event()
         self._on_done = on_done
         self._task = asyncio.get_running_loop().create_task(self._run(source))
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A task cancelled before its first step never runs _run, nor its finally: the flight
+        ends here then (it would otherwise stay registered, never done)."""
+        if not self.done:
+            self.error = asyncio.CancelledError()
+            self.done = True
+            self._on_done(self)
+            self._notify()
 
     async def _run(self, source: AsyncIterator[T]) -> None:
         self.started.set()

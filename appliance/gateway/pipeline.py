@@ -309,6 +309,10 @@ class Pipeline:
         failure: RequestError | None = None
         try:
             await asyncio.sleep(0)  # the lookup's first step hands its embedding to a thread
+            answered = lookup.result() if lookup.done() else None
+            if answered is not None:
+                # It needed no thread (the question's vector was a recent one): nothing to overlap.
+                return answered
             try:
                 generation = await start()
             except RequestError as exc:
@@ -337,6 +341,8 @@ class Pipeline:
         if generation is None:
             return "failed"
         if generation.flight.release():
+            if not generation.flight.started.is_set():
+                return "unstarted"  # cancelled before its first step: no engine work was done
             assert self.cache is not None
             self.cache.metrics.engine_cancelled_by_hit += 1
             return "cancelled"

@@ -30,8 +30,9 @@ class RequestReport:
     similarity: float = 0.0
     cache_entry: str = ""
     # A lookup that overlapped the engine's start: "missed" (the generation answers); on a hit,
-    # what became of the generation: "cancelled", "shared" (others follow it), "ended" (finished
-    # or failed before the hit), "failed" (it could not start). "" when no lookup overlapped.
+    # what became of the generation: "cancelled", "unstarted" (cancelled before its first step),
+    # "shared" (others follow it), "ended" (finished or failed before the hit), "failed" (it could
+    # not start). "" when no lookup overlapped.
     overlap: str = ""
     # gRPC status name the request ended with: "OK", "INVALID_ARGUMENT", "CANCELLED", ...
     status: str = "OK"

@@ -167,6 +167,25 @@ async def test_a_hit_while_the_engine_generates_answers_and_cancels_the_generati
     assert len(gw.running.pipeline.flights) == 0
 
 
+async def test_a_paraphrase_whose_vector_is_recent_starts_no_generation(
+    gw: Gateway, engine: Engine, reports: Callable[[], list[RequestReport]]
+) -> None:
+    first = await gw.stub.Complete(ask(QUESTION))
+    await stored(gw, 1)
+    hit = await gw.stub.Complete(ask(PARAPHRASE))  # embeds: overlaps a generation
+    assert hit.final.cache_tier == SEMANTIC
+    cancelled = (await gw.counters())["engine_cancelled_by_hit"]
+    started = engine.stats().started
+    for _ in range(2):
+        hit = await gw.stub.Complete(ask(PARAPHRASE))
+        assert (hit.final.cache_tier, hit.text) == (SEMANTIC, first.text)
+        # The lookup answered from the recent vector before a generation was started.
+        assert reports()[-1].overlap == ""
+    assert engine.stats().started == started
+    assert (await gw.counters())["engine_cancelled_by_hit"] == cancelled
+    assert len(gw.running.pipeline.flights) == 0
+
+
 async def test_a_miss_answers_as_without_overlap_and_is_stored_in_every_tier(
     tiny: Tiny,
     engine: Engine,
@@ -223,7 +242,7 @@ async def test_a_hit_answers_when_the_engine_is_gone(
         for _ in range(3):
             hit = await g.stub.Complete(ask(PARAPHRASE))
             assert (hit.final.cache_tier, hit.text) == (SEMANTIC, first.text)
-            assert reports()[-1].overlap in ("ended", "failed", "cancelled")
+            assert reports()[-1].overlap in ("ended", "failed", "cancelled", "unstarted", "")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await g.stub.Complete(ask("Where is the nearest train station?"))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # a miss fails as it always did

@@ -189,6 +189,17 @@ async def test_releasing_the_last_hold_cancels_the_flight() -> None:
     assert flight.done and flight.abandoned
 
 
+async def test_a_flight_released_before_its_first_step_ends_and_leaves_no_entry() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    started: list[int] = []
+    flight, _ = flights.join(b"k", lambda: _numbers(3, asyncio.Event(), started))
+    flight.hold()
+    assert flight.release()  # at once: its task has not run a step
+    await flight.wait()
+    assert flight.done and flight.abandoned and not flight.started.is_set()
+    assert started == [] and len(flights) == 0
+
+
 async def _drain(it: AsyncIterator[int]) -> list[int]:
     return [x async for x in it]
 
