@@ -50,7 +50,8 @@ def vectors(embedder_dir: Path, name: str, pairs: list[Pair]) -> tuple[Vector, V
     NAME-vectors.npz with the model's digest (a second run reads them unless the model changed;
     importing torch in the same process as onnxruntime crashes it, so training imports this)."""
     cache = embedder_dir / f"{name}-vectors.npz"
-    model = json.loads((embedder_dir / MANIFEST).read_text())["onnx_sha256"]
+    # The model's digest and how the vectors were made (one text per run, as the gateway does).
+    model = json.loads((embedder_dir / MANIFEST).read_text())["onnx_sha256"] + " one per run"
     texts = sorted({t for p in pairs for t in (p.a, p.b)})
     known: dict[str, int] = {}
     if cache.exists():

@@ -234,3 +234,14 @@ async def test_a_prepared_embedding_is_the_one_the_lookup_uses(
         assert calls == ["What is the capital of France?"]
     finally:
         await tier.close()
+
+
+def test_many_texts_embed_as_each_alone(embedder: Embedder) -> None:
+    """The vectors the rule is trained and evaluated on are the ones the gateway computes, one
+    question per run (the int8 model's activation scale is per run)."""
+    texts = ["How do I learn Python?", "What is the capital of France?", "Why is the sky blue?"]
+    many, fits = embedder.embed_many(texts)
+    assert fits == [True, True, True]
+    for text, vector in zip(texts, many, strict=True):
+        alone = embedder.embed(text)
+        assert alone is not None and np.array_equal(vector, alone)
