@@ -104,7 +104,14 @@ class Fleet:
     def playbook(self, play: str, check: bool = False) -> str:
         result = containers.playbook(self.workdir, self.inventory(), 900, check, play)
         out = result.stdout + result.stderr
-        assert result.returncode == 0, out[-5000:]
+        if result.returncode != 0:
+            # A unit a handler failed to restart says why only in its journal.
+            journals = "".join(
+                f"\n--- {m.name} {unit}:\n{m.journal(unit)[-2000:]}"
+                for m in self.machines.values()
+                for unit in ("redis-server.service", "redis-sentinel.service")
+            )
+            raise AssertionError(out[-5000:] + journals)
         return out
 
     def in_client_ns(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
