@@ -136,12 +136,12 @@ def lookups(
         t1 = time.perf_counter()
         if ids is None:
             continue
-        vector = tier.embedder.embed_ids([ids])[0]
+        vector = tier.embedder.embed_ids(ids)
         t2 = time.perf_counter()
         hit = tier.match(scope, text, vector)
         t3 = time.perf_counter()
         if baseline is not None:
-            baseline.embed_ids([ids])
+            baseline.embed_ids(ids)
             base_s.append(time.perf_counter() - t3)
         hits += hit is not None
         tokenize_s.append(t1 - t0)

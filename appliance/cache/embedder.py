@@ -76,21 +76,16 @@ class Embedder:
         ids: list[int] = self._tokenizer.encode(text).ids
         return ids if len(ids) <= MAX_TOKENS else None
 
-    def embed_ids(self, batch: Sequence[Sequence[int]]) -> Vector:
-        """Unit vectors, one row per token-id list (lists of any lengths: padded here)."""
-        width = max(len(ids) for ids in batch)
-        ids = np.zeros((len(batch), width), dtype=np.int64)
-        mask = np.zeros((len(batch), width), dtype=np.int64)
-        for row, seq in enumerate(batch):
-            ids[row, : len(seq)] = seq
-            mask[row, : len(seq)] = 1
-        out = self._session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-        return np.ascontiguousarray(out, dtype=np.float32)
+    def embed_ids(self, ids: Sequence[int]) -> Vector:
+        """The unit vector of one text's token ids, run alone (see embed_many: no batches)."""
+        row = np.array([ids], dtype=np.int64)
+        out = self._session.run(None, {"input_ids": row, "attention_mask": np.ones_like(row)})[0]
+        return np.ascontiguousarray(out[0], dtype=np.float32)
 
     def embed(self, text: str) -> Vector | None:
         """The unit vector of one text, or None when it is empty or too long to embed whole."""
         ids = self.token_ids(text)
-        return None if ids is None else self.embed_ids([ids])[0]
+        return None if ids is None else self.embed_ids(ids)
 
     def embed_many(self, texts: Sequence[str]) -> tuple[Vector, list[bool]]:
         """Vectors for many texts (zeros where a text does not fit) and which ones fit, each text
@@ -102,5 +97,5 @@ class Embedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for row, one in enumerate(ids):
             if one is not None:
-                out[row] = self.embed_ids([one])[0]
+                out[row] = self.embed_ids(one)
         return out, [x is not None for x in ids]
