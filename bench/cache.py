@@ -29,11 +29,9 @@ import dataclasses
 import hashlib
 import logging
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,7 +57,7 @@ from appliance.tiny_model import ensure_tiny_model
 from appliance.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from bench.common import MODEL, prompt_of, start_redis_and_engine
+from bench.common import MODEL, prompt_of, run_dir, start_redis_and_engine
 from bench.echo_server import METHOD
 
 L1_TIER, L2_TIER = pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
@@ -136,13 +134,12 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="py-spy raw profile of gateway 1 under load")
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     _, repo = ensure_tiny_model(Path(args.model_root))
     tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
     fingerprint = (tok_dir.parent / "engine_fingerprint").read_text().strip()
-    ok = False
     # Every process is stopped (and Redis killed) on the way out, whatever happened.
     with contextlib.ExitStack() as stack:
+        work = stack.enter_context(run_dir("bench.cache"))
         backends = start_redis_and_engine(stack, work, repo)
         redis_server, engine_addr, engine = backends.redis, backends.engine_addr, backends.engine
         gateways = []
@@ -162,33 +159,26 @@ def main() -> None:
             [sys.executable, "-m", "bench.echo_server", "--port", echo_addr.rsplit(":", 1)[1]]
         )
         stack.callback(processes.stop, echo)
-        try:
-            for addr, proc in gateways:
-                processes.wait_serving(addr, proc)
-            setup = Setup(
-                tok_dir,
-                fingerprint,
-                redis_server.url,
-                gateways[0][0],
-                gateways[1][0],
-                echo_addr,
-                gateways[0][1].pid,
+        for addr, proc in gateways:
+            processes.wait_serving(addr, proc)
+        setup = Setup(
+            tok_dir,
+            fingerprint,
+            redis_server.url,
+            gateways[0][0],
+            gateways[1][0],
+            echo_addr,
+            gateways[0][1].pid,
+            echo.pid,
+            (
+                os.getpid(),
+                backends.redis_pid,
+                engine.pid,
+                *(p.pid for _, p in gateways),
                 echo.pid,
-                (
-                    os.getpid(),
-                    backends.redis_pid,
-                    engine.pid,
-                    *(p.pid for _, p in gateways),
-                    echo.pid,
-                ),
-            )
-            uvloop.run(measure(args, setup))
-            ok = True
-        finally:
-            if ok:
-                shutil.rmtree(work, ignore_errors=True)
-            else:
-                print(f"bench.cache failed; process logs in {work}", file=sys.stderr)
+            ),
+        )
+        uvloop.run(measure(args, setup))
 
 
 async def wait_l2_key(client: aredis.Redis, timeout_s: float = 10.0) -> bytes:

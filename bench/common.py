@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -105,6 +107,19 @@ def tiny_stack(
         yield TinyStack(
             work, repo, ModelText.load(tok_dir), engine_addr, gateway_addr, http_addr, gateway
         )
+
+
+@contextmanager
+def run_dir(name: str) -> Iterator[Path]:
+    """A run's working directory (configs, process logs): removed when the run succeeds, kept and
+    named when it fails, so the processes' logs can be read."""
+    work = Path(tempfile.mkdtemp(prefix=name.replace(".", "-").replace("_", "-") + "-"))
+    try:
+        yield work
+    except BaseException:
+        print(f"{name} failed; process logs in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
 
 
 @dataclass

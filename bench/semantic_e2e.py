@@ -35,10 +35,8 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,7 +52,7 @@ from appliance.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.cache import box_busy_s, cache_tables, ours_s
-from bench.common import MODEL, pct, start_redis_and_engine
+from bench.common import MODEL, pct, run_dir, start_redis_and_engine
 
 MISS, L1, SEMANTIC = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_SEMANTIC
 PAIRS = Path(__file__).resolve().parents[1] / "tests" / "cache" / "data" / "semantic_pairs.jsonl"
@@ -359,11 +357,10 @@ def main() -> None:
         sys.exit(f"no embedder in {embedder_dir}: run `appliance semantic-setup` first")
     embedder = Embedder(embedder_dir, SemanticConfig().embed_threads)
 
-    work = Path(tempfile.mkdtemp(prefix="bench-semantic-e2e-"))
     _, repo = ensure_tiny_model(Path(args.model_root))
     tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
-    ok = False
     with contextlib.ExitStack() as stack:
+        work = stack.enter_context(run_dir("bench.semantic_e2e"))
         backends = start_redis_and_engine(stack, work, repo)
         redis_server, engine_addr = backends.redis, backends.engine_addr
         (work / "mac-key").write_text("bench-semantic-mac-key-shared-by-both-gateways\n")
@@ -380,19 +377,12 @@ def main() -> None:
             stack.callback(processes.stop, proc)
             gateways.append((addr, config))
             procs.append(proc)
-        try:
-            for (addr, _), proc in zip(gateways, procs, strict=True):
-                processes.wait_serving(addr, proc)
-            pids = (os.getpid(), backends.redis_pid, backends.engine.pid, *(p.pid for p in procs))
-            (a, _), (b, b_config), (c, _) = gateways
-            setup = Gateways(a, b, c, b_config, work, pids)
-            uvloop.run(measure(args, setup, embedder, procs[1]))
-            ok = True
-        finally:
-            if ok:
-                shutil.rmtree(work, ignore_errors=True)
-            else:
-                print(f"bench.semantic_e2e failed; process logs in {work}", file=sys.stderr)
+        for (addr, _), proc in zip(gateways, procs, strict=True):
+            processes.wait_serving(addr, proc)
+        pids = (os.getpid(), backends.redis_pid, backends.engine.pid, *(p.pid for p in procs))
+        (a, _), (b, b_config), (c, _) = gateways
+        setup = Gateways(a, b, c, b_config, work, pids)
+        uvloop.run(measure(args, setup, embedder, procs[1]))
 
 
 if __name__ == "__main__":
