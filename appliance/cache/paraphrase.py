@@ -353,8 +353,8 @@ class Rule:
             self.threshold = float(data["threshold"])
 
     def network(self, u: Vector, v: Vector, x: Vector) -> Vector:
-        """The first stage's probabilities for rows of vectors (n × dim each) and pair features
-        (n × k)."""
+        """The first stage's probabilities for rows of vectors (n × dim each; u may be one vector,
+        the question every row compares) and pair features (n × k)."""
         pu, pv = u @ self.proj, v @ self.proj
         z = np.concatenate([pu * pv, np.abs(pu - pv), (x - self.mean) / self.scale], axis=1)
         h = np.maximum(z @ self.w1 + self.b1, 0.0)
@@ -407,7 +407,7 @@ class Rule:
         if scored:
             vs = np.stack([others[i][0] for i, _ in scored])
             x = np.stack([self.features(u, others[i][0], a(), b) for i, b in scored])
-            scores = self.scores(np.broadcast_to(u, vs.shape), vs, x)
+            scores = self.scores(u, vs, x)
             for (i, _), score in zip(scored, scores, strict=True):
                 same = bool(score >= self.threshold)
                 out[i] = Decision(same, out[i].similarity, float(score), "" if same else "score")
