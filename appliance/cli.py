@@ -190,8 +190,8 @@ def _semantic_setup(args: argparse.Namespace) -> int:
 def _semantic_eval(args: argparse.Namespace) -> int:
     import json
 
+    from appliance.cache.classifier import load_rule
     from appliance.cache.embedder import Embedder, EmbedderUnavailable
-    from appliance.cache.paraphrase import Rule
     from appliance.cache.semantic_eval import (
         PairsError,
         decide_all,
@@ -207,7 +207,7 @@ def _semantic_eval(args: argparse.Namespace) -> int:
     except (PairsError, EmbedderUnavailable) as exc:
         print(f"appliance semantic-eval: {exc}", file=sys.stderr)
         return 2
-    rule = Rule()
+    rule, _ = load_rule(Path(args.embedder))
     va, vb, fits = embed_pairs(embedder, pairs)
     result = report(pairs, decide_all(rule, pairs, va, vb, fits), rule)
     print(json.dumps(result) if args.json else render(result))

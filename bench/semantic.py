@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from appliance.cache.classifier import load_rule
 from appliance.cache.embedder import MANIFEST, Embedder, Vector
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
@@ -74,7 +75,7 @@ def vectors(embedder_dir: Path, name: str, pairs: list[Pair]) -> tuple[Vector, V
 
 
 def quality(embedder_dir: Path, qqp: Path) -> None:
-    rule = Rule()
+    rule = shipped_rule(embedder_dir)
     pairs = read_pairs(qqp / "test.jsonl.gz")
     va, vb = vectors(embedder_dir, "test", pairs)
     result = report(pairs, decide_all(rule, pairs, va, vb, [True] * len(pairs)), rule)
@@ -83,6 +84,14 @@ def quality(embedder_dir: Path, qqp: Path) -> None:
     ha, hb = vectors(embedder_dir, "hard", hard)
     r = report(hard, decide_all(rule, hard, ha, hb, [True] * len(hard)), rule)
     print(f"(b) hard negatives (tests/cache/data/semantic_pairs.jsonl)\n{render(r)}\n")
+
+
+def shipped_rule(embedder_dir: Path) -> Rule:
+    """The rule as the gateway loads it (its classifier compiled by set-up), or stop."""
+    rule, numpy_because = load_rule(embedder_dir)
+    if numpy_because:
+        sys.exit(f"bench.semantic: {numpy_because}")
+    return rule
 
 
 def ms(values: list[float]) -> str:
@@ -94,7 +103,8 @@ def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
         texts, vecs = list(data["texts"][:entries]), data["vectors"][:entries]
     config = SemanticConfig(enabled=True, namespaces=("*",), embedder_dir=embedder_dir)
     config = dataclasses.replace(config, max_entries=entries + 1, max_bytes=2**40)
-    tier = SemanticTier(config, Embedder(embedder_dir, config.embed_threads), Rule(), None)
+    embedder = Embedder(embedder_dir, config.embed_threads)
+    tier = SemanticTier(config, embedder, shipped_rule(embedder_dir), None)
     query = CacheQuery(b"", "ns", MODEL, "x", (), SAMPLING)
     found = tier.eligible(query, asking=False)
     assert found is not None

@@ -28,7 +28,15 @@ import numpy as np
 import numpy.typing as npt
 
 from appliance.cache.embedder import Vector
-from appliance.cache.paraphrase import Question, Rule, analyze, features, idf_table, veto
+from appliance.cache.paraphrase import (
+    Question,
+    Rule,
+    analyze,
+    features,
+    idf_table,
+    idf_weights,
+    veto,
+)
 from appliance.cache.semantic_eval import read_pairs
 from bench.semantic import vectors
 
@@ -180,7 +188,8 @@ def main() -> int:
     cos = (va * vb).sum(1).astype(np.float64)
     vetoed = np.array([bool(veto(a, b)) for a, b in questions])
     labels = np.array([p.label for p in pairs])
-    x = np.stack([features(va[i], vb[i], *questions[i], idf) for i in range(len(pairs))])
+    weight = idf_weights(idf)
+    x = np.stack([features(va[i], vb[i], *questions[i], weight) for i in range(len(pairs))])
     rows = np.flatnonzero((cos >= args.train_floor) & ~vetoed)
     fold = np.random.default_rng(0).integers(0, args.folds, len(pairs))
     print(f"training on {len(rows)} dev pairs (cos >= {args.train_floor}, no guard refusing)")
@@ -219,7 +228,10 @@ def main() -> int:
     got = Rule(args.out).trees.probabilities(z[check])
     want = trees.predict_proba(z[check])[:, 1]
     assert np.allclose(got, want, atol=1e-6), "exported trees disagree with scikit-learn"
-    print(f"wrote {args.out} ({len(trees._predictors)} trees)")
+    print(
+        f"wrote {args.out} ({len(trees._predictors)} trees); `appliance semantic-setup` "
+        "compiles its classifier for the gateway"
+    )
     return 0
 
 

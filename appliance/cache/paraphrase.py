@@ -18,12 +18,14 @@ table, floor and threshold ship in `appliance/data/semantic_rule.npz`; `applianc
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,7 @@ class Question:
     stems: frozenset[str]  # every word, plurals folded
     content_stems: frozenset[str]  # the content words, plurals folded
     grams: frozenset[str]  # character trigrams of the words, spaces between
+    bigrams: frozenset[tuple[str, str]]  # the words' consecutive pairs
 
 
 def analyze(text: str) -> Question:
@@ -140,12 +143,13 @@ def analyze(text: str) -> Question:
         stems=frozenset(_stem(w) for w in words),
         content_stems=frozenset(_stem(w) for w in content),
         grams=_trigrams(words),
+        bigrams=frozenset(pairwise(words)),
     )
 
 
 def _trigrams(words: tuple[str, ...]) -> frozenset[str]:
     joined = f" {' '.join(words)} "
-    return frozenset(joined[i : i + 3] for i in range(len(joined) - 2))
+    return frozenset(map("".join, zip(joined, joined[1:], joined[2:], strict=False)))
 
 
 IDF_BUCKETS = 1 << 16
@@ -155,6 +159,18 @@ def idf_bucket(word: str) -> int:
     """Where a word's inverse document frequency lives in the rule's table (a stable hash: the
     table is learned once and shipped, so Python's per-process string hash will not do)."""
     return zlib.crc32(word.encode()) & (IDF_BUCKETS - 1)
+
+
+def idf_weights(idf: npt.NDArray[np.float32]) -> Callable[[str], float]:
+    """A word's weight in the table, kept for the most recent words (a lookup weighs the same
+    question's words once per candidate; a list is indexed several times faster than an array)."""
+    table: list[float] = idf.tolist()
+
+    @lru_cache(maxsize=1 << 16)
+    def weight(word: str) -> float:
+        return table[idf_bucket(word)]
+
+    return weight
 
 
 def idf_table(questions: list[Question]) -> npt.NDArray[np.float32]:
@@ -229,41 +245,43 @@ def _unmatched(entities: frozenset[str], words: frozenset[str]) -> set[str]:
     }
 
 
-def lexical_features(a: Question, b: Question, idf: npt.NDArray[np.float32]) -> list[float]:
+def lexical_features(a: Question, b: Question, weight: Callable[[str], float]) -> list[float]:
     """Symmetric lexical facts of a pair, for the classifier: overlaps of words (plain and weighted
-    by rarity), of word pairs and of character trigrams, and how much rare material only one side
-    has."""
+    by rarity, `weight` from idf_weights), of word pairs and of character trigrams, and how much
+    rare material only one side has."""
     sa, sb = a.content_stems, b.content_stems
-    union = sa | sb
-    only_a, only_b = len(sa - sb), len(sb - sa)
+    shared = len(sa & sb)
+    union = len(sa) + len(sb) - shared
+    only_a, only_b = len(sa) - shared, len(sb) - shared
     all_a, all_b = a.word_set, b.word_set
     ent_a, ent_b = len(a.entities - all_b), len(b.entities - all_a)
     la, lb = len(a.words), len(b.words)
     return [
-        len(sa & sb) / len(union) if union else 1.0,
-        len(all_a & all_b) / max(1, len(all_a | all_b)),
+        shared / union if union else 1.0,
+        _jaccard(all_a, all_b),
         float(min(only_a, only_b)),
         float(max(only_a, only_b)),
         float(min(ent_a, ent_b)),
         float(max(ent_a, ent_b)),
         abs(la - lb) / max(1, la, lb),
         float(a.words[:1] == b.words[:1]),
-        *_weighted_overlap(a.stems, b.stems, idf),
-        len(a.grams & b.grams) / max(1, len(a.grams | b.grams)),
-        _jaccard(set(pairwise(a.words)), set(pairwise(b.words))),
+        *_weighted_overlap(a.stems, b.stems, weight),
+        _jaccard(a.grams, b.grams),
+        _jaccard(a.bigrams, b.bigrams),
         float(a.words[-1:] == b.words[-1:]),
         math.log((1 + la) / (1 + lb)) ** 2,
     ]
 
 
-def _jaccard(x: set[tuple[str, str]], y: set[tuple[str, str]]) -> float:
-    return len(x & y) / max(1, len(x | y))
+def _jaccard(x: frozenset[Any], y: frozenset[Any]) -> float:
+    shared = len(x & y)
+    return shared / max(1, len(x) + len(y) - shared)
 
 
 def _weighted_overlap(
-    sa: frozenset[str], sb: frozenset[str], idf: npt.NDArray[np.float32]
+    sa: frozenset[str], sb: frozenset[str], weight_of: Callable[[str], float]
 ) -> list[float]:
-    weight = {w: float(idf[idf_bucket(w)]) for w in sa | sb}
+    weight = {w: weight_of(w) for w in sa | sb}
     union = sum(weight.values())
     only_a = sum(weight[w] for w in sa - sb)
     only_b = sum(weight[w] for w in sb - sa)
@@ -276,10 +294,10 @@ def _weighted_overlap(
 
 
 def features(
-    u: Vector, v: Vector, a: Question, b: Question, idf: npt.NDArray[np.float32]
+    u: Vector, v: Vector, a: Question, b: Question, weight: Callable[[str], float]
 ) -> Vector:
     """The pair's scalar features: the cosine, then the lexical ones."""
-    return np.array([float(u @ v), *lexical_features(a, b, idf)], dtype=np.float32)
+    return np.array([float(u @ v), *lexical_features(a, b, weight)], dtype=np.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +357,11 @@ class Rule:
     """
 
     def __init__(self, path: Path = RULE_FILE) -> None:
-        with np.load(path) as data:
+        raw = path.read_bytes()
+        self.digest = hashlib.sha256(raw).hexdigest()
+        # The same classifier compiled to one onnxruntime call (classifier.load_rule sets it).
+        self.compiled: Callable[[Vector, Vector, Vector], Vector] | None = None
+        with np.load(io.BytesIO(raw)) as data:
             self.proj = data["proj"].astype(np.float32)
             self.mean = data["mean"].astype(np.float32)
             self.scale = data["scale"].astype(np.float32)
@@ -348,6 +370,7 @@ class Rule:
             self.w2 = data["w2"].astype(np.float32)
             self.b2 = float(data["b2"])
             self.idf = data["idf"].astype(np.float32)
+            self.weight = idf_weights(self.idf)
             self.trees = Trees(data)
             self.floor = float(data["floor"])
             self.threshold = float(data["threshold"])
@@ -363,12 +386,18 @@ class Rule:
 
     def scores(self, u: Vector, v: Vector, x: Vector) -> Vector:
         """The classifier's probabilities: the trees' over the features and the network's score."""
+        if self.compiled is not None:
+            return self.compiled(u, v, x)
+        return self.numpy_scores(u, v, x)
+
+    def numpy_scores(self, u: Vector, v: Vector, x: Vector) -> Vector:
+        """What `scores` computes, in numpy: the reference the compiled graph is tested against."""
         net = self.network(u, v, x)
         z = np.concatenate([x, net[:, None]], axis=1).astype(np.float64)
         return self.trees.probabilities(z).astype(np.float32)
 
     def features(self, u: Vector, v: Vector, a: Question, b: Question) -> Vector:
-        return features(u, v, a, b, self.idf)
+        return features(u, v, a, b, self.weight)
 
     def decide(self, u: Vector, v: Vector, a: Question, b: Question) -> Decision:
         return self._decide(u, lambda: a, [(v, lambda: b)])[0]

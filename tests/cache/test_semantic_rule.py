@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from appliance.cache.classifier import load_rule
 from appliance.cache.embedder import Embedder, Vector
 from appliance.cache.entry import CachedAnswer
-from appliance.cache.paraphrase import Rule, analyze, veto
+from appliance.cache.paraphrase import RULE_FILE, Rule, analyze, veto
 from appliance.cache.semantic_eval import decide_all, embed_pairs, read_pairs
 from appliance.cache.vectors import Entry, VectorIndex
 
@@ -31,9 +32,19 @@ def embedder(embedder_dir: Path) -> Embedder:
     return Embedder(embedder_dir)
 
 
-def test_hard_negatives_almost_never_hit_and_paraphrases_do(embedder: Embedder) -> None:
+@pytest.fixture(scope="module")
+def shipped(embedder_dir: Path) -> Rule:
+    """The rule as the gateway loads it: its classifier compiled by set-up."""
+    rule, numpy_because = load_rule(embedder_dir)
+    assert numpy_because == "" and rule.compiled is not None
+    return rule
+
+
+def test_hard_negatives_almost_never_hit_and_paraphrases_do(
+    embedder: Embedder, shipped: Rule
+) -> None:
     pairs = read_pairs(PAIRS)
-    rule = Rule()
+    rule = shipped
     va, vb, fits = embed_pairs(embedder, pairs)
     decisions = decide_all(rule, pairs, va, vb, fits)
     negatives = [d for p, d in zip(pairs, decisions, strict=True) if p.label == 0]
@@ -152,7 +163,12 @@ def test_semantic_setup_says_one_line(
     dest, run = semantic_setup
     assert run.stdout == f"embedder: {dest}\n"
     assert run.stderr == ""
-    assert {p.name for p in dest.iterdir()} == {"model.onnx", "tokenizer.json", "embedder.json"}
+    assert {p.name for p in dest.iterdir()} == {
+        "model.onnx",
+        "tokenizer.json",
+        "embedder.json",
+        "classifier.onnx",
+    }
 
 
 def test_exported_trees_score_as_scikit_learn_does() -> None:
@@ -169,6 +185,43 @@ def test_exported_trees_score_as_scikit_learn_does() -> None:
     assert want.std() > 0.2  # a fitted model, not a constant
     got = Trees(export_trees(model)).probabilities(x)
     np.testing.assert_allclose(got, want, atol=1e-9)
+
+
+def test_the_compiled_classifier_scores_as_the_numpy_rule(
+    embedder: Embedder, shipped: Rule
+) -> None:
+    pairs = read_pairs(PAIRS)
+    va, vb, _ = embed_pairs(embedder, pairs)
+    x = np.stack(
+        [
+            shipped.features(u, v, analyze(p.a), analyze(p.b))
+            for p, u, v in zip(pairs, va, vb, strict=True)
+        ]
+    )
+    compiled, reference = shipped.scores(va, vb, x), shipped.numpy_scores(va, vb, x)
+    assert reference.std() > 0.1  # scores that vary, not a constant
+    np.testing.assert_allclose(compiled, reference, atol=1e-6)
+    t = shipped.threshold
+    assert ((compiled >= t) == (reference >= t)).all()
+    # One question against several candidates, as a lookup asks.
+    np.testing.assert_allclose(
+        shipped.scores(va[0], vb[:4], x[:4]), shipped.numpy_scores(va[0], vb[:4], x[:4]), atol=1e-6
+    )
+
+
+def test_a_classifier_compiled_from_another_rule_is_not_used(
+    embedder_dir: Path, tmp_path: Path
+) -> None:
+    with np.load(RULE_FILE) as data:
+        arrays = dict(data)
+    arrays["threshold"] = np.float32(0.5)
+    other = tmp_path / "rule.npz"
+    np.savez(other, **arrays)
+    rule, why = load_rule(embedder_dir, other)
+    assert rule.compiled is None and rule.threshold == 0.5
+    assert "another rule file" in why and "appliance semantic-setup" in why
+    rule, why = load_rule(tmp_path)
+    assert rule.compiled is None and "no classifier.onnx" in why
 
 
 def test_pair_features_are_symmetric_and_see_rare_words() -> None:
