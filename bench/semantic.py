@@ -134,13 +134,16 @@ def lookups(
     tier: SemanticTier, scope: bytes, queries: list[str], baseline: Embedder | None
 ) -> None:
     """The whole lookup per query, split into tokenizing, the model run, and search + verify; with
-    a baseline embedder, its model run on the same query right after ours (same load, same text)."""
+    a baseline embedder, its model run on the same query right after ours (same load, same text),
+    then search + verify again with the rule's classifier in numpy (after a model run too, so
+    both find the caches as a lookup does)."""
     tokenize_s: list[float] = []
     run_s: list[float] = []
     base_s: list[float] = []
     cpu_s: list[float] = []  # the process's CPU time during our model run (both threads)
     base_cpu_s: list[float] = []
     match_s: list[float] = []
+    numpy_match_s: list[float] = []
     total_s: list[float] = []
     hits = 0
     for text in queries:
@@ -160,6 +163,11 @@ def lookups(
             baseline.embed_ids(ids)
             base_s.append(time.perf_counter() - t3)
             base_cpu_s.append(time.process_time() - c3)
+            compiled, tier.rule.compiled = tier.rule.compiled, None
+            t4 = time.perf_counter()
+            tier.match(scope, text, vector)
+            numpy_match_s.append(time.perf_counter() - t4)
+            tier.rule.compiled = compiled
         hits += hit is not None
         tokenize_s.append(t1 - t0)
         run_s.append(t2 - t1)
@@ -176,6 +184,8 @@ def lookups(
             f"(ours {ratio:.2f}x faster at P50)"
         )
     print(f"    search + verify      {ms(match_s)}")
+    if numpy_match_s:
+        print(f"    ... classifier numpy {ms(numpy_match_s)}  (baseline)")
     print(f"    whole lookup         {ms(total_s)}  (what a miss pays)")
     graph_recall(tier, scope, queries)
 

@@ -2,9 +2,14 @@
 
 A scope is everything that must be identical for two requests to share an answer (namespace, model
 identity, sampling, stop strings, earlier chat messages), so each scope has its own usearch HNSW
-index and a search never sees another scope's vectors. Vectors are kept once, in usearch (float32, so
-the similarities are those the decision rule was tuned on). Eviction is least recently used across
-all scopes; an expired entry is dropped when a search meets it or when it reaches the LRU end.
+index and a search never sees another scope's vectors. The graph holds int8 copies of the vectors: a
+search reads a quarter of the bytes, which is what it costs right after a model run has evicted the
+caches (0.86 against 1.20 ms P50 at 100k entries, measured). The float32 vectors sit in one array
+beside it; a search takes twice the candidates it returns from the graph and ranks them by the exact
+vectors, so the similarities are those the decision rule was tuned on (the nearest entry found as
+often as by a float32 graph, 564 against 567 of 600 questions). Eviction is least recently used
+across all scopes; an expired entry is dropped when a search meets it or when it reaches the LRU
+end.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import numpy as np
 from appliance.cache.embedder import Vector
 from appliance.cache.entry import CachedAnswer
 
-# Bytes an entry costs beyond its text and answer: the float32 vector, usearch's graph links at the
-# default connectivity (about 2 × 16 neighbours × 4 bytes at level 0), and the Python objects.
-ENTRY_OVERHEAD = 384 * 4 + 160 + 400
+# Bytes an entry costs beyond its text and answer: the float32 vector, its int8 copy, usearch's graph
+# links at the default connectivity (about 2 × 16 neighbours × 4 bytes at level 0), and the Python
+# objects.
+ENTRY_OVERHEAD = 384 * 4 + 384 + 160 + 400
+# Graph candidates per candidate returned: the int8 ranking is re-done with the float32 vectors.
+WIDEN = 2
 
 
 # Scopes up to this size are searched exhaustively (0.6 ms at 4096 entries here, against 0.4 ms for
@@ -42,6 +50,7 @@ class Entry:
     labels: tuple[str, str]  # (namespace, model name) for invalidation
     expires: float  # on the index's clock
     label: int = 0  # usearch key
+    slot: int = -1  # row of its float32 vector
     size: int = 0
 
 
@@ -61,6 +70,9 @@ class VectorIndex:
         self._scopes: dict[bytes, Any] = {}  # scope → usearch Index
         self._by_label: dict[int, Entry] = {}
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # entry_id → entry
+        self._vectors = np.zeros((0, dim), dtype=np.float32)  # slot → float32 vector
+        self._free: list[int] = []  # slots of dropped entries
+        self._slots = 0  # slots ever handed out
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -88,6 +100,8 @@ class VectorIndex:
                 pending = {}
                 self._drop(self._lru[entry.entry_id])
             entry.label = next(self._labels)
+            entry.slot = self._slot()
+            self._vectors[entry.slot] = vector
             pending.setdefault(entry.scope, []).append((entry.label, vector))
             self._by_label[entry.label] = entry
             self._lru[entry.entry_id] = entry
@@ -97,6 +111,17 @@ class VectorIndex:
         while len(self._lru) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._lru.values())))
         return added
+
+    def _slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._slots == len(self._vectors):
+            # Doubling: np.zeros maps untouched pages lazily, so only used rows are resident.
+            grown = np.zeros((max(1024, 2 * self._slots), self.dim), dtype=np.float32)
+            grown[: self._slots] = self._vectors
+            self._vectors = grown
+        self._slots += 1
+        return self._slots - 1
 
     def _insert(self, pending: dict[bytes, list[tuple[int, Vector]]]) -> None:
         for scope, rows in pending.items():
@@ -117,7 +142,7 @@ class VectorIndex:
             return []
         if exact is None:
             exact = len(index) <= EXACT_SEARCH_UP_TO
-        found = index.search(vector, min(k, len(index)), exact=exact)
+        found = index.search(vector, min(WIDEN * k, len(index)), exact=exact)
         now = self._clock()
         live: list[Entry] = []
         for label in found.keys.tolist():
@@ -130,16 +155,13 @@ class VectorIndex:
             live.append(entry)
         if not live:
             return []
-        # One call for every candidate's vector (each usearch call costs about 10 µs).
-        stored = index.get(np.array([e.label for e in live], dtype=np.uint64))
-        return [(e, np.asarray(v, dtype=np.float32)) for e, v in zip(live, stored, strict=True)]
+        stored = self._vectors[[e.slot for e in live]]
+        nearest = np.argsort(-(stored @ vector), kind="stable")[:k]
+        return [(live[i], stored[i]) for i in nearest.tolist()]
 
     def entries(self) -> list[tuple[Entry, Vector]]:
         """Every entry with its vector (least recently used first)."""
-        return [
-            (e, np.asarray(self._scopes[e.scope].get(e.label), dtype=np.float32))
-            for e in self._lru.values()
-        ]
+        return [(e, self._vectors[e.slot].copy()) for e in self._lru.values()]
 
     def touch(self, entry: Entry) -> None:
         """Marks an entry as just used (it answered a request)."""
@@ -168,6 +190,9 @@ class VectorIndex:
         self._scopes.clear()
         self._by_label.clear()
         self._lru.clear()
+        self._vectors = np.zeros((0, self.dim), dtype=np.float32)
+        self._free.clear()
+        self._slots = 0
         self.bytes = 0
 
     def _drop(self, entry: Entry) -> None:
@@ -175,14 +200,16 @@ class VectorIndex:
         if self._by_label.pop(entry.label, None) is None:
             return
         self.bytes -= entry.size
+        self._free.append(entry.slot)
         index = self._scopes[entry.scope]
         index.remove(entry.label)
         if len(index) == 0:
             del self._scopes[entry.scope]
 
     def memory_bytes(self) -> int:
-        """What usearch itself holds (vectors and graph), for the benchmark's memory figure."""
-        return sum(int(index.memory_usage) for index in self._scopes.values())
+        """What the vectors and graphs hold, for the benchmark's memory figure."""
+        graphs = sum(int(index.memory_usage) for index in self._scopes.values())
+        return graphs + self._slots * self.dim * 4
 
 
 def _new_index(dim: int) -> Any:
@@ -193,4 +220,4 @@ def _new_index(dim: int) -> Any:
 
     # expansion_add 32 (default 128): inserts 8x cheaper (a rebuild of 100k entries in seconds,
     # not minutes); the search keeps its default breadth, and the rule verifies every candidate.
-    return Index(ndim=dim, metric="ip", dtype="f32", expansion_add=32)
+    return Index(ndim=dim, metric="ip", dtype="i8", expansion_add=32)

@@ -64,6 +64,32 @@ def test_a_batch_of_entries_in_several_scopes_with_a_replacement() -> None:
     ]
 
 
+def test_candidates_come_ranked_by_their_exact_vectors_and_dropped_rows_are_reused() -> None:
+    """The graph compares int8 copies; what a search returns is the float32 vector as added, and
+    the order is the float32 similarity, also between near-identical vectors that int8 rounding
+    cannot tell apart."""
+    index = VectorIndex(384, 100, 10**8)
+    base = unit(1)
+    nudge = unit(2)
+    near = [
+        (base + eps * nudge) / np.linalg.norm(base + eps * nudge) for eps in (1.4e-3, 1e-3, 1.2e-3)
+    ]
+    for n, v in enumerate(near):
+        index.add(entry(n), v.astype(np.float32))
+    found = index.search(entry(0).scope, base, 3)
+    assert [e.entry_id for e, _ in found] == [entry(n).entry_id for n in (1, 2, 0)]
+    for e, v in found:
+        assert np.array_equal(v, near[int.from_bytes(e.entry_id, "big")].astype(np.float32))
+    # A full index that keeps replacing its entries keeps to its rows.
+    full = VectorIndex(384, 10, 10**8)
+    for n in range(200):
+        full.add(entry(n), unit(n))
+    assert len(full) == 10 and full._slots <= 11  # rows handed out, reused once dropped
+    assert [e.entry_id for e, _ in full.search(entry(0).scope, unit(195), 1)] == [
+        entry(195).entry_id
+    ]
+
+
 def test_bounds_entries_bytes_and_ttl() -> None:
     clock = Clock()
     index = VectorIndex(384, 3, 10**8, clock=clock)
