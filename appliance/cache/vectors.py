@@ -32,6 +32,9 @@ from appliance.cache.entry import CachedAnswer
 ENTRY_OVERHEAD = 384 * 4 + 384 + 160 + 400
 # Graph candidates per candidate returned: the int8 ranking is re-done with the float32 vectors.
 WIDEN = 2
+# The float32 vectors live in blocks of this many rows, allocated as needed and never moved: growing
+# one array by doubling left the freed smaller copies as 44 MiB of heap at 100k entries.
+BLOCK_ROWS = 1024
 
 
 # Scopes up to this size are searched exhaustively (0.6 ms at 4096 entries here, against 0.4 ms for
@@ -70,7 +73,7 @@ class VectorIndex:
         self._scopes: dict[bytes, Any] = {}  # scope → usearch Index
         self._by_label: dict[int, Entry] = {}
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # entry_id → entry
-        self._vectors = np.zeros((0, dim), dtype=np.float32)  # slot → float32 vector
+        self._blocks: list[Vector] = []  # slot s is row s % BLOCK_ROWS of block s // BLOCK_ROWS
         self._free: list[int] = []  # slots of dropped entries
         self._slots = 0  # slots ever handed out
         self.bytes = 0
@@ -101,7 +104,7 @@ class VectorIndex:
                 self._drop(self._lru[entry.entry_id])
             entry.label = next(self._labels)
             entry.slot = self._slot()
-            self._vectors[entry.slot] = vector
+            self._row(entry.slot)[:] = vector
             pending.setdefault(entry.scope, []).append((entry.label, vector))
             self._by_label[entry.label] = entry
             self._lru[entry.entry_id] = entry
@@ -115,13 +118,14 @@ class VectorIndex:
     def _slot(self) -> int:
         if self._free:
             return self._free.pop()
-        if self._slots == len(self._vectors):
-            # Doubling: np.zeros maps untouched pages lazily, so only used rows are resident.
-            grown = np.zeros((max(1024, 2 * self._slots), self.dim), dtype=np.float32)
-            grown[: self._slots] = self._vectors
-            self._vectors = grown
+        if self._slots == len(self._blocks) * BLOCK_ROWS:
+            self._blocks.append(np.zeros((BLOCK_ROWS, self.dim), dtype=np.float32))
         self._slots += 1
         return self._slots - 1
+
+    def _row(self, slot: int) -> Vector:
+        row: Vector = self._blocks[slot // BLOCK_ROWS][slot % BLOCK_ROWS]
+        return row
 
     def _insert(self, pending: dict[bytes, list[tuple[int, Vector]]]) -> None:
         for scope, rows in pending.items():
@@ -155,13 +159,13 @@ class VectorIndex:
             live.append(entry)
         if not live:
             return []
-        stored = self._vectors[[e.slot for e in live]]
+        stored = np.stack([self._row(e.slot) for e in live])
         nearest = np.argsort(-(stored @ vector), kind="stable")[:k]
         return [(live[i], stored[i]) for i in nearest.tolist()]
 
     def entries(self) -> list[tuple[Entry, Vector]]:
         """Every entry with its vector (least recently used first)."""
-        return [(e, self._vectors[e.slot].copy()) for e in self._lru.values()]
+        return [(e, self._row(e.slot).copy()) for e in self._lru.values()]
 
     def touch(self, entry: Entry) -> None:
         """Marks an entry as just used (it answered a request)."""
@@ -190,7 +194,7 @@ class VectorIndex:
         self._scopes.clear()
         self._by_label.clear()
         self._lru.clear()
-        self._vectors = np.zeros((0, self.dim), dtype=np.float32)
+        self._blocks.clear()
         self._free.clear()
         self._slots = 0
         self.bytes = 0
@@ -209,7 +213,7 @@ class VectorIndex:
     def memory_bytes(self) -> int:
         """What the vectors and graphs hold, for the benchmark's memory figure."""
         graphs = sum(int(index.memory_usage) for index in self._scopes.values())
-        return graphs + self._slots * self.dim * 4
+        return graphs + len(self._blocks) * BLOCK_ROWS * self.dim * 4
 
 
 def _new_index(dim: int) -> Any:
