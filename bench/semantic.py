@@ -125,7 +125,8 @@ def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
     print(
         f"(d) {entries} entries: RSS +{grown / 2**20:.0f} MiB ({grown / entries:.0f} B/entry, "
         f"answers of {answer.size()} B included); index accounting {tier.index.bytes / 2**20:.0f} "
-        f"MiB; vectors and graph (usearch's own count) {tier.index.memory_bytes() / 2**20:.0f} MiB; built in {took:.1f} s"
+        f"MiB; vectors and graphs (usearch's count for its part) "
+        f"{tier.index.memory_bytes() / 2**20:.0f} MiB; built in {took:.1f} s"
     )
     return tier, scope
 
