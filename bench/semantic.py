@@ -191,6 +191,40 @@ def lookups(
     graph_recall(tier, scope, queries)
 
 
+def index_baseline(tier: SemanticTier, scope: bytes, queries: list[str]) -> None:
+    """The index's search (int8 graph, float32 re-rank) against a float32 graph over the same
+    vectors with the previous release's settings, each timed right after a model run of the
+    question (as a lookup meets the caches), alternating; and the RSS each graph adds."""
+    from usearch.index import Index
+
+    k = tier.settings.candidates
+    vectors = np.stack([v for _, v in tier.index.entries()])
+    gc.collect()
+    rss = psutil.Process().memory_info().rss
+    graph = Index(ndim=vectors.shape[1], metric="ip", dtype="f32", expansion_add=32)
+    graph.add(np.arange(len(vectors), dtype=np.uint64), vectors)
+    gc.collect()
+    grown = psutil.Process().memory_info().rss - rss
+    ours_s: list[float] = []
+    base_s: list[float] = []
+    for text in queries:
+        vector = tier.embedder.embed(text)
+        if vector is None:
+            continue
+        started = time.perf_counter()
+        tier.index.search(scope, vector, k)
+        ours_s.append(time.perf_counter() - started)
+        tier.embedder.embed(text)
+        started = time.perf_counter()
+        found = graph.search(vector, k)
+        graph.get(found.keys)
+        base_s.append(time.perf_counter() - started)
+    print(f"    search, int8 graph + float32 re-rank  {ms(ours_s)}")
+    print(
+        f"    search, float32 graph (baseline)      {ms(base_s)}  (RSS of that graph +{grown / 2**20:.0f} MiB)"
+    )
+
+
 def graph_recall(tier: SemanticTier, scope: bytes, queries: list[str]) -> None:
     """The graph's candidates against an exhaustive search of the same scope: how often the
     nearest entry is missed, and how often the lookup's answer changes."""
@@ -266,6 +300,11 @@ def main() -> None:
         help="intra-op threads of the baseline embedder (default: the tier's embed_threads)",
     )
     ap.add_argument(
+        "--baseline-index",
+        action="store_true",
+        help="also time a float32 graph over the same vectors beside the index's search",
+    )
+    ap.add_argument(
         "--baseline-no-spin",
         action="store_true",
         help="the baseline's second thread sleeps between operators (ours spins within a run)",
@@ -283,6 +322,8 @@ def main() -> None:
         else None
     )
     lookups(tier, scope, [p.a for p in test], baseline)
+    if args.baseline_index:
+        index_baseline(tier, scope, [p.a for p in test])
     asyncio.run(rebuild(tier, args.entries))
 
 
