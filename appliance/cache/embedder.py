@@ -3,11 +3,12 @@
 The gateway never imports torch: `appliance semantic-setup` exports the model once (with mean pooling
 and L2 normalization inside the graph) into a directory with `model.onnx`, `tokenizer.json` and
 `embedder.json`; this module only loads those. A question's embedding is latency-bound: the gateway
-runs it on two intra-op threads by default (a third faster than one on QQP questions, 2-vCPU EPYC).
-The second thread spins between the operators of a run (about 150 small ones: waking a sleeping
-thread for each cost 0.4-0.6 ms a run) and stops spinning when the run returns, so between questions
-it holds no core the event loop, the tokenizer threads or an engine on the same host need (CPU time
-per run the same as never spinning, measured).
+runs it on two intra-op threads by default, and the second one sleeps between operators instead of
+spinning. Spinning within a run only (stopped when the run returns, so no core is held between
+questions) saves 0.4-0.6 ms when runs follow each other, but on the 2-vCPU VM this was measured on,
+a run that follows an idle gap, as a gateway's lookup does, got a worse tail with it (tier lookup
+P99 14.5-15.0 against 10.9-11.5 ms without, same process, alternating), so `spin` is off unless
+asked for.
 
 Texts longer than MAX_TOKENS word pieces are refused (None), never truncated: two long prompts that
 agree in their first 128 pieces would otherwise embed alike however they end.
@@ -42,7 +43,7 @@ class EmbedderUnavailable(Exception):
 
 
 class Embedder:
-    def __init__(self, model_dir: Path, threads: int = 1, spin: bool = True) -> None:
+    def __init__(self, model_dir: Path, threads: int = 1, spin: bool = False) -> None:
         try:
             from tokenizers import Tokenizer
 
