@@ -6,7 +6,9 @@ after a model run has pushed them out of the caches. `appliance semantic-setup` 
 computation (network, then trees) as one ONNX graph, `classifier.onnx`, beside the embedder, stamped
 with the SHA-256 of the rule file it was made from; the gateway loads it when the stamp matches the
 shipped rule, and otherwise scores in numpy and says why in one log line. The graph compares the
-trees' thresholds in float64, as the numpy trees do, so both give the same decisions.
+trees' thresholds in float64, as the numpy trees do, so both give the same decisions. Measured alone
+the call is 2.5x faster hot and 1.7x right after a model run; inside a whole lookup at 100k entries
+the difference was within the run-to-run noise of search + verify (about 0.05 ms).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and L2 normalization inside the graph) into a directory with `model.onnx`, `toke
 `embedder.json`; this module only loads those. A question's embedding is latency-bound: the gateway
 runs it on two intra-op threads by default, and the second one sleeps between operators instead of
 spinning. Spinning within a run only (stopped when the run returns, so no core is held between
-questions) saves 0.4-0.6 ms when runs follow each other, but on the 2-vCPU VM this was measured on,
+questions) saves 0.3-0.6 ms when runs follow each other, but on the 2-vCPU VM this was measured on,
 a run that follows an idle gap, as a gateway's lookup does, got a worse tail with it (tier lookup
 P99 14.5-15.0 against 10.9-11.5 ms without, same process, alternating), so `spin` is off unless
 asked for.

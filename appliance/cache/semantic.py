@@ -469,5 +469,5 @@ def make_semantic_tier(config: SemanticConfig, l2: RedisTier | None) -> Semantic
         log.warning("semantic cache tier off: decision rule unusable (%s)", exc)
         return None
     if numpy_because:
-        log.warning("semantic decision rule scores in numpy, 0.1-0.3 ms slower: %s", numpy_because)
+        log.warning("semantic decision rule scores in numpy, not compiled: %s", numpy_because)
     return SemanticTier(config, embedder, rule, l2)
