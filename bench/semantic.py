@@ -257,9 +257,8 @@ def index_baseline(tier: SemanticTier, scope: bytes, queries: list[str]) -> None
         graph.get(found.keys)
         base_s.append(time.perf_counter() - started)
     print(f"    search, int8 graph + float32 re-rank  {ms(ours_s)}")
-    print(
-        f"    search, float32 graph (baseline)      {ms(base_s)}  (RSS of that graph +{grown / 2**20:.0f} MiB)"
-    )
+    rss_note = f"(RSS of that graph +{grown / 2**20:.0f} MiB)"
+    print(f"    search, float32 graph (baseline)      {ms(base_s)}  {rss_note}")
 
 
 def graph_recall(tier: SemanticTier, scope: bytes, queries: list[str]) -> None:

@@ -17,12 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import onnxruntime as ort
-except ImportError:  # the rule then scores in numpy
-    ort = None
-
-from appliance.cache.embedder import Vector
+from appliance.cache.embedder import Vector, cpu_session
 from appliance.cache.paraphrase import RULE_FILE, Rule
 
 FILE = "classifier.onnx"
@@ -33,14 +28,7 @@ class Compiled:
     """Rule.scores through the compiled graph."""
 
     def __init__(self, path: Path, digest: str) -> None:
-        if ort is None:
-            raise OSError("onnxruntime is not installed")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self._session = cpu_session(path, threads=1)
         made_from = self._session.get_modelmeta().custom_metadata_map.get(STAMP, "")
         if made_from != digest:
             raise ValueError(f"{path} was made from another rule file")

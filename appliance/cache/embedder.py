@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,21 @@ class EmbedderUnavailable(Exception):
     """The exported model is missing or unusable (the gateway then runs without the tier)."""
 
 
+def cpu_session(path: Path, threads: int, spin: bool = False) -> Any:
+    """An onnxruntime session on the CPU, quiet, one graph node at a time; `spin`: the intra-op
+    threads spin between operators, and stop when the run returns."""
+    if ort is None:
+        raise ImportError("onnxruntime is not installed")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spin)))
+    if spin:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 class Embedder:
     def __init__(self, model_dir: Path, threads: int = 1, spin: bool = False) -> None:
         try:
@@ -53,15 +69,7 @@ class Embedder:
             manifest = json.loads((model_dir / MANIFEST).read_text())
             self.name = str(manifest["model"])
             self.dim = int(manifest["dim"])
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-            options.log_severity_level = 3
-            options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spin)))
-            options.add_session_config_entry("session.force_spinning_stop", "1")
-            self._session = ort.InferenceSession(
-                str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"]
-            )
+            self._session = cpu_session(model_dir / "model.onnx", threads, spin)
             self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
             raise EmbedderUnavailable(
