@@ -109,6 +109,9 @@ class Generation:
     model: ServedModel
     shared: CacheQuery | None
     flight: Flight[Event]
+    # Another request leads the flight: counted as a single-flight follower once this one follows
+    # it (a generation started beside a lookup that then hits never is).
+    follows: bool = False
     # The request holds the flight (it was started beside a lookup); deliver ends the hold.
     held: bool = False
     # When this request began to wait on it (time.monotonic_ns()): its queue time ends no earlier.
@@ -411,7 +414,8 @@ class Pipeline:
         target = self.failover(model, skip_primary=retry)
         prepared = await self.tokenize(target, checked)
         shared = self.cache_query(target, checked, request) if cache_plan.write else None
-        return Generation(target, shared, self.single_flight(target, prepared, shared, budget))
+        flight, led = self.single_flight(target, prepared, shared, budget)
+        return Generation(target, shared, flight, follows=not led)
 
     async def tokenize(self, model: ServedModel, checked: CheckedRequest) -> PreparedRequest:
         chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
@@ -428,8 +432,9 @@ class Pipeline:
         prepared: PreparedRequest,
         shared: CacheQuery | None,
         budget: Budget,
-    ) -> Flight[Event]:
-        """The generation this client follows: its own, or the flight for its cache key.
+    ) -> tuple[Flight[Event], bool]:
+        """The generation this client follows: its own, or the flight for its cache key; and
+        whether this client leads it.
 
         Deadlines differ on purpose. Alone, the client is the only one waiting, so the engine call
         carries the client's deadline and the engine stops at it. In a flight the generation is
@@ -438,13 +443,8 @@ class Pipeline:
         """
         if shared is None:
             timeout = max(0.0, budget.expires - time.monotonic())
-            return Flight(self.engine(model, prepared, timeout, budget), lambda _: None)
-        flight, led = self.flights.join(
-            shared.key, lambda: self.engine(model, prepared, None, budget)
-        )
-        if not led and self.cache is not None:
-            self.cache.metrics.single_flight_followers += 1
-        return flight
+            return Flight(self.engine(model, prepared, timeout, budget), lambda _: None), True
+        return self.flights.join(shared.key, lambda: self.engine(model, prepared, None, budget))
 
     async def engine(
         self,
@@ -513,6 +513,8 @@ class Pipeline:
         requested: ServedModel,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Events as this client's messages, within its deadline; the report gets its timings."""
+        if generation.follows and self.cache is not None:
+            self.cache.metrics.single_flight_followers += 1
         started = generation.since_ns
         first = last = 0
         gaps = report.inter_token_us

@@ -167,6 +167,26 @@ async def test_a_hit_while_the_engine_generates_answers_and_cancels_the_generati
     assert len(gw.running.pipeline.flights) == 0
 
 
+async def test_a_request_that_joined_a_flight_and_then_hit_is_no_follower(
+    gw: Gateway, engine: Engine
+) -> None:
+    """The same paraphrase twice while its lookup is held: the second joins the first's flight
+    beside its own lookup, then both hit; neither followed a generation."""
+    running = await paraphrase_while_generating(gw, engine)
+    flights = gw.running.pipeline.flights
+    second = gw.stub.Generate(ask(PARAPHRASE, max_tokens=LONG))
+    async with asyncio.timeout(30):
+        while flights.joined == 0:
+            await asyncio.sleep(0.005)
+    running.held.release.set()
+    for call in (running.call, second):
+        messages = [m async for m in call]
+        assert messages[-1].final.cache_tier == SEMANTIC
+    await engine_cancelled(engine.stats(), running.cancelled)
+    assert (await gw.counters())["single_flight_followers"] == 0
+    assert len(flights) == 0
+
+
 async def test_a_paraphrase_whose_vector_is_recent_starts_no_generation(
     gw: Gateway, engine: Engine, reports: Callable[[], list[RequestReport]]
 ) -> None:
