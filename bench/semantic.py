@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from appliance.cache.semantic_eval import Pair, decide_all, read_pairs, render, 
 from appliance.cache.tiers import CacheQuery
 from appliance.cache.vectors import Entry
 from appliance.config import SemanticConfig
+from appliance.gateway.server import freeze_heap
 from bench.common import pct
 
 QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp"
@@ -131,7 +133,22 @@ def filled_tier(embedder_dir: Path, entries: int) -> tuple[SemanticTier, bytes]:
         f"MiB; vectors and graphs (usearch's count for its part) "
         f"{tier.index.memory_bytes() / 2**20:.0f} MiB; built in {took:.1f} s"
     )
+    # What a full collection stalls a gateway for, before and after the heap is frozen as the
+    # gateway freezes it (the rest of the run keeps it frozen, as a gateway would).
+    tracked = len(gc.get_objects())
+    full = timed(gc.collect)
+    freeze_heap()
+    print(
+        f"    full garbage collection ({tracked} tracked objects, the gateway's modules loaded): "
+        f"{full * 1e3:.1f} ms; after freeze_heap: {timed(gc.collect) * 1e3:.1f} ms"
+    )
     return tier, scope
+
+
+def timed(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
 
 
 def lookups(

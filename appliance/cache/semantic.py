@@ -29,6 +29,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,9 @@ class SemanticTier:
         self._synced_at: float | None = None if l2 is not None else float("inf")
         self._stale_s = 4 * settings.follow_block_ms / 1000
         self.last_rebuild: tuple[int, float] | None = None  # (entries, seconds)
+        # Called after each rebuild: the process that owns the heap decides what to do with a
+        # hundred thousand new long-lived objects (the gateway freezes them, see server.py).
+        self.on_rebuilt: Callable[[], None] = lambda: None
         self._stream = ""
         self._client: redis.Redis | None = None
         if l2 is not None:
@@ -409,6 +413,7 @@ class SemanticTier:
         self.last_rebuild = (added, seconds)
         self.counts.rebuilds += 1
         log.info("semantic index rebuilt from redis: %d entries in %.2f s", added, seconds)
+        self.on_rebuilt()
         return position
 
     async def _load(self, names: list[bytes]) -> int:

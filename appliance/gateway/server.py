@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
-from appliance.cache.semantic import make_semantic_tier
+from appliance.cache.semantic import SemanticTier, make_semantic_tier
 from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
 from appliance.gateway import decoding
@@ -258,6 +259,26 @@ async def warm_up(models: dict[str, ServedModel]) -> None:
             await stream.aclose()
 
 
+def freeze_heap() -> None:
+    """A full collection, then every object alive moved out of the collector's sight
+    (`gc.freeze`). Python collects all generations once the objects that survived into the oldest
+    grow by a quarter, and that collection walks every tracked object: with the gateway's modules
+    and 100k semantic entries loaded it took 140 ms on the 2-vCPU test VM, a stall every request in
+    flight waits out. Frozen objects are still freed by reference counting (the index's entries hold
+    no cycles); only cycles among them are never collected."""
+    gc.collect()
+    gc.freeze()
+
+
+def keep_long_lived_from_gc(running: RunningGateway) -> None:
+    """Freezes the heap now (modules, models, an index already rebuilt) and after each rebuild
+    of the semantic index (its entries)."""
+    freeze_heap()
+    for tier in running.pipeline.cache.tiers if running.pipeline.cache else ():
+        if isinstance(tier, SemanticTier):
+            tier.on_rebuilt = freeze_heap
+
+
 async def serve(config: GatewayConfig) -> int:
     """Runs the gateway until SIGTERM or SIGINT. Returns the process exit status."""
     try:
@@ -267,6 +288,7 @@ async def serve(config: GatewayConfig) -> int:
     except StartupError as exc:
         print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
         return exc.exit_status
+    keep_long_lived_from_gc(running)
     log.info(
         "gateway listening on %s (%s, %s), models: %s",
         config.server.listen,

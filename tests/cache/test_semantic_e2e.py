@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from appliance.cache.keys import SamplingKey, cache_key
+from appliance.cache.semantic import SemanticTier
 from appliance.config import CacheConfig, SemanticConfig
+from appliance.gateway.server import freeze_heap, keep_long_lived_from_gc
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
 from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, started
@@ -80,6 +83,12 @@ async def until(
             if done(counters):
                 return counters
             await asyncio.sleep(0.02)
+
+
+def semantic_tier(g: Gateway) -> SemanticTier:
+    cache = g.running.pipeline.cache
+    assert cache is not None and isinstance(cache.tiers[-1], SemanticTier)
+    return cache.tiers[-1]
 
 
 async def stored(g: Gateway, n: int) -> None:
@@ -206,6 +215,31 @@ async def test_a_restarted_gateway_answers_once_rebuilt_not_after_the_first_stre
         assert (await restarted.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
     finally:
         await restarted.close()
+
+
+async def test_a_rebuild_calls_the_processs_hook_with_the_entries_loaded(
+    gw: Gateway, redis_server: RedisServer
+) -> None:
+    await gw.stub.Complete(ask(QUESTION))
+    await stored(gw, 1)
+    async with asyncio.timeout(10):  # the record's write follows the local store
+        while not redis_server.client().keys("*:*:*:sem-*"):
+            await asyncio.sleep(0.01)
+    semantic = semantic_tier(gw)
+    seen: list[int] = []
+    semantic.on_rebuilt = lambda: seen.append(len(semantic.index))
+    await semantic._rebuild()
+    assert seen == [1]
+
+
+async def test_the_gateway_freezes_its_heap_now_and_after_each_rebuild(gw: Gateway) -> None:
+    semantic = semantic_tier(gw)
+    try:
+        keep_long_lived_from_gc(gw.running)
+        assert gc.get_freeze_count() > 0
+        assert semantic.on_rebuilt is freeze_heap
+    finally:
+        gc.unfreeze()
 
 
 async def test_invalidation_reaches_the_other_gateways(

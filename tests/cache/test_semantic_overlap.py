@@ -37,6 +37,7 @@ from tests.cache.test_semantic_e2e import (
     ask,
     redis_server,
     semantic_config,
+    semantic_tier,
     stored,
     until,
 )
@@ -77,12 +78,6 @@ async def overlap_gateway(
     config = GatewayConfig(ServerConfig(listen="127.0.0.1:0"), models, cache)
     running = await start_server(config, await load_models(config))
     return Gateway(running, grpc.aio.insecure_channel(f"127.0.0.1:{running.port}"))
-
-
-def tier(g: Gateway) -> SemanticTier:
-    cache = g.running.pipeline.cache
-    assert cache is not None and isinstance(cache.tiers[-1], SemanticTier)
-    return cache.tiers[-1]
 
 
 class HeldEmbedding:
@@ -128,7 +123,7 @@ class Overlapping:
 async def paraphrase_while_generating(gw: Gateway, engine: Engine) -> Overlapping:
     answer = await gw.stub.Complete(ask(QUESTION, max_tokens=LONG))
     await stored(gw, 1)
-    held = HeldEmbedding(tier(gw), PARAPHRASE)
+    held = HeldEmbedding(semantic_tier(gw), PARAPHRASE)
     stats = engine.stats()
     before, cancelled = stats.started, stats.cancelled
     call = gw.stub.Generate(ask(PARAPHRASE, max_tokens=LONG))
