@@ -79,7 +79,15 @@ COMMON = frozenset(
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 EXTENSION_FIELDS = frozenset(
-    {"request_id", "namespace", "cache_policy", "top_k", "ttft_budget_ms", "deadline_ms"}
+    {
+        "request_id",
+        "namespace",
+        "cache_policy",
+        "semantic_cache",
+        "top_k",
+        "ttft_budget_ms",
+        "deadline_ms",
+    }
 )
 
 
@@ -271,6 +279,9 @@ def _extension(req: pb.GenerateRequest, data: dict[str, Any]) -> float | None:
                 "appliance.cache_policy",
             )
         req.cache_policy = CACHE_POLICIES[policy.lower()]
+    semantic = _field(ext, "semantic_cache", bool, prefix=p)
+    if semantic is not None:
+        req.semantic_cache = semantic
     top_k = _int(ext, "top_k", -INT32_MAX, INT32_MAX, prefix=p)
     if top_k is not None:
         req.top_k = top_k
@@ -379,15 +390,20 @@ def dumps(value: object) -> bytes:
 
 
 def extension(request_id: str, final: pb.Final) -> dict[str, Any]:
-    """The appliance's facts about an answer: which tier and model answered, and its timings."""
+    """The appliance's facts about an answer: which tier and model answered, and its timings; for
+    a semantic hit, the similarity and the answering request's key, to audit it."""
     t = final.timings
-    return {
+    facts: dict[str, Any] = {
         "request_id": request_id,
         "cache_tier": TIER_NAMES.get(final.cache_tier, "miss"),
         "model": final.model,
         "degraded": final.degraded,
         "timings": {"queue_us": t.queue_us, "ttft_us": t.ttft_us, "total_us": t.total_us},
     }
+    if final.cache_tier == pb.CACHE_TIER_SEMANTIC:
+        facts["similarity"] = round(final.similarity, 4)
+        facts["cache_entry"] = final.cache_entry
+    return facts
 
 
 def usage(final: pb.Final) -> dict[str, int]:

@@ -14,7 +14,7 @@ import pytest
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
-from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
+from appliance.config import CacheConfig, GatewayConfig, HttpConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
@@ -62,7 +62,11 @@ class Gateway:
 
 
 async def gateway(
-    tiny: Tiny, engine: Engine, cache: CacheConfig, fingerprint: Path | None = None
+    tiny: Tiny,
+    engine: Engine,
+    cache: CacheConfig,
+    fingerprint: Path | None = None,
+    http: HttpConfig | None = None,
 ) -> Gateway:
     model = ModelConfig(
         name="tiny",
@@ -72,7 +76,9 @@ async def gateway(
         ready_timeout_s=5.0,
         fingerprint_file=fingerprint,
     )
-    config = GatewayConfig(ServerConfig(listen="127.0.0.1:0"), {"tiny": model}, cache)
+    config = GatewayConfig(
+        ServerConfig(listen="127.0.0.1:0"), {"tiny": model}, cache, http=http or HttpConfig()
+    )
     running = await start_server(config, await load_models(config))
     return Gateway(running, grpc.aio.insecure_channel(f"127.0.0.1:{running.port}"))
 

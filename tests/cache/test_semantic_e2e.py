@@ -8,12 +8,14 @@ import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
 from appliance.cache.keys import SamplingKey, cache_key
 from appliance.cache.semantic import SemanticTier
-from appliance.config import CacheConfig, SemanticConfig
+from appliance.config import CacheConfig, HttpConfig, SemanticConfig
 from appliance.gateway.server import freeze_heap, keep_long_lived_from_gc
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
@@ -303,4 +305,47 @@ async def test_without_redis_the_tier_is_this_gateways_own(
         await stored(g, 1)
         assert (await g.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
     finally:
+        await g.close()
+
+
+async def test_the_http_api_takes_the_opt_out_and_names_the_answering_entry(
+    tiny: Tiny, engine: Engine, embedder_dir: Path
+) -> None:
+    g = await gateway(
+        tiny, engine, semantic_config(None, embedder_dir), http=HttpConfig("127.0.0.1:0")
+    )
+    assert g.running.http is not None
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{g.running.http.port}/v1", api_key="unused", max_retries=0
+    )
+
+    async def chat_over_http(text: str, **appliance: object) -> Any:
+        return await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"appliance": {"namespace": "sem", **appliance}},
+        )
+
+    try:
+        first = await chat_over_http(QUESTION)
+        await stored(g, 1)
+        hit = await chat_over_http(PARAPHRASE, semantic_cache=True)
+        facts = hit.model_extra["appliance"]
+        assert facts["cache_tier"] == "semantic"
+        assert hit.choices[0].message.content == first.choices[0].message.content
+        assert 0.8 < facts["similarity"] <= 1.0 and bytes.fromhex(facts["cache_entry"])
+        # A semantic hit is not copied into the exact tiers: the first request that does not
+        # ask the tier reaches the engine, the next finds its answer in L1 (request_default is
+        # off: unset is no).
+        for opted_out, tier in (({"semantic_cache": False}, "miss"), ({}, "l1")):
+            refused = await chat_over_http(PARAPHRASE, **opted_out)
+            assert refused.model_extra["appliance"]["cache_tier"] == tier
+            assert "similarity" not in refused.model_extra["appliance"]
+        with pytest.raises(openai.BadRequestError) as err:
+            await chat_over_http(PARAPHRASE, semantic_cache="yes")
+        assert "appliance.semantic_cache must be a boolean, got a string" in str(err.value)
+    finally:
+        await client.close()
         await g.close()
