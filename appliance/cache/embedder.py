@@ -43,6 +43,24 @@ class EmbedderUnavailable(Exception):
     """The exported model is missing or unusable (the gateway then runs without the tier)."""
 
 
+class EmbeddingCancelled(Exception):
+    """The run was cancelled before it finished (its vector is no longer wanted)."""
+
+
+class EmbedRun:
+    """One embedding another thread may cancel: a run not started yet never starts, one under way
+    stops at its next operator (onnxruntime's terminate flag), within about one operator's time."""
+
+    def __init__(self) -> None:
+        self.options = ort.RunOptions() if ort is not None else None
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.options is not None:
+            self.options.terminate = True
+
+
 def cpu_session(path: Path, threads: int, spin: bool = False) -> Any:
     """An onnxruntime session on the CPU, quiet, one graph node at a time; `spin`: the intra-op
     threads spin between operators, and stop when the run returns."""
@@ -88,16 +106,25 @@ class Embedder:
         ids: list[int] = self._tokenizer.encode(text).ids
         return ids if len(ids) <= MAX_TOKENS else None
 
-    def embed_ids(self, ids: Sequence[int]) -> Vector:
+    def embed_ids(self, ids: Sequence[int], run: EmbedRun | None = None) -> Vector:
         """The unit vector of one text's token ids, run alone (see embed_many: no batches)."""
         row = np.array([ids], dtype=np.int64)
-        out = self._session.run(None, {"input_ids": row, "attention_mask": np.ones_like(row)})[0]
+        feed = {"input_ids": row, "attention_mask": np.ones_like(row)}
+        try:
+            out = self._session.run(None, feed, None if run is None else run.options)[0]
+        except Exception:  # onnxruntime's errors have no common base class
+            if run is not None and run.cancelled:
+                raise EmbeddingCancelled from None
+            raise
         return np.ascontiguousarray(out[0], dtype=np.float32)
 
-    def embed(self, text: str) -> Vector | None:
-        """The unit vector of one text, or None when it is empty or too long to embed whole."""
+    def embed(self, text: str, run: EmbedRun | None = None) -> Vector | None:
+        """The unit vector of one text, or None when it is empty or too long to embed whole;
+        EmbeddingCancelled when `run` was cancelled first or meanwhile."""
+        if run is not None and run.cancelled:
+            raise EmbeddingCancelled
         ids = self.token_ids(text)
-        return None if ids is None else self.embed_ids(ids)
+        return None if ids is None else self.embed_ids(ids, run)
 
     def embed_many(self, texts: Sequence[str]) -> tuple[Vector, list[bool]]:
         """Vectors for many texts (zeros where a text does not fit) and which ones fit, each text

@@ -160,6 +160,9 @@ class RedisTier:
     def prepare(self, query: CacheQuery) -> None:
         return None
 
+    def forgo(self, query: CacheQuery) -> None:
+        return None
+
     def counters(self) -> dict[str, int]:
         return {"breaker_open": int(self.breaker.state != "closed")}
 

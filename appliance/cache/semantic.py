@@ -40,7 +40,13 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from appliance.cache.classifier import load_rule
-from appliance.cache.embedder import Embedder, EmbedderUnavailable, Vector
+from appliance.cache.embedder import (
+    Embedder,
+    EmbedderUnavailable,
+    EmbeddingCancelled,
+    EmbedRun,
+    Vector,
+)
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.keys import cache_key
 from appliance.cache.l2 import RedisTier
@@ -69,6 +75,17 @@ class _Counters:
     follower_errors: int = 0
     rebuilds: int = 0
     corrupt: int = 0
+    cancelled: int = 0  # embeddings prepared for lookups an earlier tier answered
+
+
+@dataclass
+class _Embedding:
+    """An embedding under way on the embedding thread, and who still wants its vector."""
+
+    task: asyncio.Task[Vector | None]
+    run: EmbedRun
+    prepared: int = 0  # prepare calls not yet followed by this tier's lookup or by forgo
+    waiting: int = 0  # lookups and stores awaiting it
 
 
 def encode_record(entry: Entry, vector: Vector, created: float) -> bytes:
@@ -121,7 +138,7 @@ class SemanticTier:
         # Vectors of recent lookups by text: the store after a miss does not embed again.
         self._recent: OrderedDict[str, Vector] = OrderedDict()
         # Embeddings under way, by text: started by prepare, awaited by the lookup.
-        self._embedding: dict[str, asyncio.Future[Vector | None]] = {}
+        self._embedding: dict[str, _Embedding] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._follower: asyncio.Task[None] | None = None
         self._synced_at: float | None = None if l2 is not None else float("inf")
@@ -183,7 +200,7 @@ class SemanticTier:
             return None
         scope, text = found
         self.counts.lookups += 1
-        vector = await self._embed(text)
+        vector = await self._embed(text, prepared=True)
         if vector is None:
             self.counts.skipped += 1
             return None
@@ -223,10 +240,28 @@ class SemanticTier:
 
     def prepare(self, query: CacheQuery) -> None:
         """Starts the embedding while the exact L2 tier asks Redis: a lookup that reaches this
-        tier finds it under way or done. After an L2 hit its vector only fills the recent ones."""
+        tier finds it under way or done; `forgo` cancels it when an earlier tier answers."""
         found = self.eligible(query, asking=True)
         if found is not None and self.in_sync():
-            self._start_embedding(found[1])
+            self._start_embedding(found[1]).prepared += 1
+
+    def forgo(self, query: CacheQuery) -> None:
+        """An earlier tier answered: the embedding `prepare` started is cancelled unless another
+        request still wants it. It would otherwise hold the embedding thread (a few ms of two
+        cores) for a vector nobody uses, while the next request's embedding waits behind it."""
+        found = self.eligible(query, asking=True)
+        if found is None:
+            return
+        text = found[1]
+        running = self._embedding.get(text)
+        if running is None or running.task.done():
+            return
+        running.prepared = max(0, running.prepared - 1)
+        if running.prepared == 0 and running.waiting == 0:
+            running.run.cancel()
+            # Whoever asks for this text from now on starts a new embedding.
+            del self._embedding[text]
+            self.counts.cancelled += 1
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         found = self.eligible(query, asking=False)
@@ -264,6 +299,7 @@ class SemanticTier:
             "semantic_follower_errors": c.follower_errors,
             "semantic_rebuilds": c.rebuilds,
             "semantic_corrupt_records": c.corrupt,
+            "semantic_embeddings_cancelled": c.cancelled,
         }
 
     async def check(self) -> str:
@@ -284,7 +320,10 @@ class SemanticTier:
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.wait({self._follower}, timeout=1.0)
-        waiting: set[asyncio.Future[Any]] = {*self._tasks, *self._embedding.values()}
+        waiting: set[asyncio.Future[Any]] = {
+            *self._tasks,
+            *(e.task for e in self._embedding.values()),
+        }
         if waiting:
             await asyncio.wait(waiting, timeout=1.0)
         if self._client is not None:
@@ -295,28 +334,43 @@ class SemanticTier:
 
     # -- work off the request path ------------------------------------------------------------
 
-    async def _embed(self, text: str) -> Vector | None:
+    async def _embed(self, text: str, prepared: bool = False) -> Vector | None:
+        """The text's vector; `prepared`: the lookup `prepare` started this embedding for."""
         vector = self._recent.get(text)
         if vector is not None:
             return vector
-        # Shielded: a cancelled lookup leaves the embedding to finish for whoever else waits on it.
-        return await asyncio.shield(self._start_embedding(text))
+        running = self._start_embedding(text)
+        if prepared:
+            running.prepared = max(0, running.prepared - 1)
+        running.waiting += 1
+        try:
+            # Shielded: a cancelled lookup leaves the embedding to finish for whoever else waits.
+            return await asyncio.shield(running.task)
+        finally:
+            running.waiting -= 1
 
-    def _start_embedding(self, text: str) -> asyncio.Future[Vector | None]:
+    def _start_embedding(self, text: str) -> _Embedding:
         """The embedding of the text on the embedding thread, one at a time per text."""
         running = self._embedding.get(text)
         if running is not None:
             return running
-        loop = asyncio.get_running_loop()
-        future = loop.create_task(self._run_embedding(text))
-        self._embedding[text] = future
-        future.add_done_callback(lambda _: self._embedding.pop(text, None))
-        return future
+        run = EmbedRun()
+        task = asyncio.get_running_loop().create_task(self._run_embedding(text, run))
+        started = self._embedding[text] = _Embedding(task, run)
 
-    async def _run_embedding(self, text: str) -> Vector | None:
+        def forget(_: object) -> None:
+            if self._embedding.get(text) is started:  # not a newer one after a cancel
+                del self._embedding[text]
+
+        task.add_done_callback(forget)
+        return started
+
+    async def _run_embedding(self, text: str, run: EmbedRun) -> Vector | None:
         loop = asyncio.get_running_loop()
         try:
-            vector = await loop.run_in_executor(self._embeds, self.embedder.embed, text)
+            vector = await loop.run_in_executor(self._embeds, self.embedder.embed, text, run)
+        except EmbeddingCancelled:
+            return None
         except Exception:  # an embedder fault is a miss, never a failed request
             log.exception("embedding failed")
             return None

@@ -78,6 +78,11 @@ class CacheTier(Protocol):
         once the first tier has missed, so the work runs while the tiers before this one answer."""
         ...
 
+    def forgo(self, query: CacheQuery) -> None:
+        """A tier before this one answered the query it was asked to prepare: the work started
+        for it may stop."""
+        ...
+
     async def invalidate(self, namespace: str, model: str) -> int:
         """Drops entries of a namespace and/or model ("" matches any); returns how many."""
         ...
@@ -111,6 +116,9 @@ class L1Tier:
         return False
 
     def prepare(self, query: CacheQuery) -> None:
+        return None
+
+    def forgo(self, query: CacheQuery) -> None:
         return None
 
     async def invalidate(self, namespace: str, model: str) -> int:
@@ -160,6 +168,9 @@ class TierCascade:
                         later.prepare(query)
                 continue
             hit = Hit(found, tier.name) if isinstance(found, CachedAnswer) else found
+            if prepared:
+                for later in self.tiers[index + 1 :]:
+                    later.forgo(query)
             self.metrics.count_hit(tier.name)
             if hit.exact:
                 for earlier in self.tiers[:index]:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,16 +14,18 @@ from typing import Any
 import openai
 import pytest
 
+from appliance.cache.embedder import EmbeddingCancelled, EmbedRun, Vector
 from appliance.cache.keys import SamplingKey, cache_key
 from appliance.cache.semantic import SemanticTier
 from appliance.config import CacheConfig, HttpConfig, SemanticConfig
 from appliance.gateway.server import freeze_heap, keep_long_lived_from_gc
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
-from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, started
+from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, settle, started
 from tests.conftest import Engine, Tiny
 
-MISS, L1, SEMANTIC = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_SEMANTIC
+MISS, L1, L2 = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
+SEMANTIC = pb.CACHE_TIER_SEMANTIC
 QUESTION = "How do I get rid of acne?"
 PARAPHRASE = "How can I get rid of acne?"
 
@@ -91,6 +94,30 @@ def semantic_tier(g: Gateway) -> SemanticTier:
     cache = g.running.pipeline.cache
     assert cache is not None and isinstance(cache.tiers[-1], SemanticTier)
     return cache.tiers[-1]
+
+
+class HeldEmbedding:
+    """Holds the tier's embedding of one text until `release` is set (on the embedding thread),
+    and notes how each of that text's runs ended."""
+
+    def __init__(self, semantic: SemanticTier, text: str) -> None:
+        self.release = threading.Event()
+        self.outcomes: list[str] = []
+        self._real = semantic.embedder.embed
+        self._text = text
+        semantic.embedder.embed = self._embed  # type: ignore[method-assign]
+
+    def _embed(self, text: str, run: EmbedRun | None = None) -> Vector | None:
+        if text != self._text:
+            return self._real(text, run)
+        self.release.wait(30)
+        try:
+            vector = self._real(text, run)
+        except EmbeddingCancelled:
+            self.outcomes.append("cancelled")
+            raise
+        self.outcomes.append("embedded")
+        return vector
 
 
 async def stored(g: Gateway, n: int) -> None:
@@ -202,6 +229,34 @@ async def test_another_gateway_finds_the_entry_and_a_restarted_one_rebuilds(
         assert hit.final.cache_tier == SEMANTIC
     finally:
         await restarted.close()
+
+
+async def test_an_l2_hit_cancels_the_embedding_its_lookup_prepared(
+    gw: Gateway,
+    tiny: Tiny,
+    engine: Engine,
+    redis_server: RedisServer,
+    embedder_dir: Path,
+) -> None:
+    """The embedding starts when L1 misses; when L2 then answers, it is cancelled (it would hold
+    the embedding thread for nothing), and the tier goes on answering paraphrases."""
+    other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    try:
+        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        first = await gw.stub.Complete(ask(QUESTION))
+        await settle()  # its L2 entry is written
+        # The embedding is held until L2 has answered, so L2 always answers first here.
+        held = HeldEmbedding(semantic_tier(other), QUESTION)
+        from_l2 = await other.stub.Complete(ask(QUESTION))
+        held.release.set()
+        assert (from_l2.final.cache_tier, from_l2.text) == (L2, first.text)
+        assert (await other.counters())["semantic_embeddings_cancelled"] == 1
+        await until(other, lambda c: c["semantic_entries"] >= 1)
+        hit = await other.stub.Complete(ask(PARAPHRASE))
+        assert (hit.final.cache_tier, hit.text) == (SEMANTIC, first.text)
+        assert held.outcomes == ["cancelled"]
+    finally:
+        await other.close()
 
 
 async def test_a_restarted_gateway_answers_once_rebuilt_not_after_the_first_stream_read(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,6 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from appliance.cache.embedder import Vector
-from appliance.cache.semantic import SemanticTier
 from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import load_models
@@ -34,6 +31,7 @@ from tests.cache.test_semantic_e2e import (
     MISS,
     QUESTION,
     SEMANTIC,
+    HeldEmbedding,
     ask,
     redis_server,
     semantic_config,
@@ -78,21 +76,6 @@ async def overlap_gateway(
     config = GatewayConfig(ServerConfig(listen="127.0.0.1:0"), models, cache)
     running = await start_server(config, await load_models(config))
     return Gateway(running, grpc.aio.insecure_channel(f"127.0.0.1:{running.port}"))
-
-
-class HeldEmbedding:
-    """Holds the tier's embedding of one text until `release` is set (on the embedding thread)."""
-
-    def __init__(self, semantic: SemanticTier, text: str) -> None:
-        self.release = threading.Event()
-        self._real = semantic.embedder.embed
-        self._text = text
-        semantic.embedder.embed = self._embed  # type: ignore[method-assign]
-
-    def _embed(self, text: str) -> Vector | None:
-        if text == self._text:
-            self.release.wait(30)
-        return self._real(text)
 
 
 @pytest.fixture

@@ -8,17 +8,19 @@ year (label 0), and paraphrases of the same questions (label 1).
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from appliance.cache.classifier import load_rule
-from appliance.cache.embedder import Embedder, Vector
+from appliance.cache.embedder import Embedder, EmbeddingCancelled, EmbedRun, Vector
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.paraphrase import RULE_FILE, Rule, analyze, veto
 from appliance.cache.semantic_eval import decide_all, embed_pairs, read_pairs
@@ -270,9 +272,9 @@ async def test_a_prepared_embedding_is_the_one_the_lookup_uses(
     calls: list[str] = []
     embed = embedder.embed
 
-    def counted(text: str) -> Vector | None:
+    def counted(text: str, run: EmbedRun | None = None) -> Vector | None:
         calls.append(text)
-        return embed(text)
+        return embed(text, run)
 
     config = SemanticConfig(enabled=True, namespaces=("*",), request_default=True)
     tier = SemanticTier(config, embedder, Rule(), None)
@@ -285,6 +287,86 @@ async def test_a_prepared_embedding_is_the_one_the_lookup_uses(
         tier.prepare(query)  # one embedding per text, however often prepared
         assert await tier.lookup(query) is None  # an empty index: a miss
         assert calls == ["What is the capital of France?"]
+    finally:
+        await tier.close()
+
+
+def test_a_cancelled_embedding_raises_and_leaves_the_model_usable(embedder: Embedder) -> None:
+    text = " ".join(["word"] * 120)  # a long run: the cancel lands before or while it runs
+    ids = embedder.token_ids(text)
+    assert ids is not None
+    whole = embedder.embed_ids(ids)
+    cancelled = EmbedRun()
+    cancelled.cancel()
+    with pytest.raises(EmbeddingCancelled):
+        embedder.embed(text, cancelled)
+    for _ in range(3):
+        run = EmbedRun()
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(embedder.embed_ids, ids, run)  # no check before the model
+            run.cancel()
+            with pytest.raises(EmbeddingCancelled):
+                running.result()
+    assert np.array_equal(embedder.embed_ids(ids), whole)
+    assert np.array_equal(embedder.embed_ids(ids, EmbedRun()), whole)
+
+
+async def test_an_embedding_prepared_for_an_answered_lookup_is_cancelled_unless_wanted(
+    embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """forgo (an earlier tier answered) cancels the embedding prepare started, unless another
+    request prepared it too or a lookup already waits on it; a later lookup embeds anew."""
+    from appliance.cache.keys import ModelIdentity, SamplingKey
+    from appliance.cache.semantic import SemanticTier
+    from appliance.cache.tiers import CacheQuery
+    from appliance.config import SemanticConfig
+
+    runs: list[tuple[str, str]] = []
+    embed = embedder.embed
+
+    def observed(text: str, run: EmbedRun | None = None) -> Vector | None:
+        try:
+            vector = embed(text, run)
+        except EmbeddingCancelled:
+            runs.append((text, "cancelled"))
+            raise
+        runs.append((text, "embedded"))
+        return vector
+
+    config = SemanticConfig(enabled=True, namespaces=("*",), request_default=True)
+    tier = SemanticTier(config, embedder, Rule(), None)
+    monkeypatch.setattr(embedder, "embed", observed)
+    model = ModelIdentity("m", "e", "t", "v")
+    sampling = SamplingKey(8, True, 0.0, 1.0, 1, None, ())
+
+    def query(text: str) -> CacheQuery:
+        return CacheQuery(b"k" * 16, "ns", model, text, (), sampling)
+
+    try:
+        # One request prepared it and was answered before this tier: cancelled.
+        alone = query("What is the capital of France?")
+        tier.prepare(alone)
+        tier.forgo(alone)
+        assert tier.counters()["semantic_embeddings_cancelled"] == 1
+        assert await tier.lookup(alone) is None  # an empty index: a miss, but a vector was made
+        assert runs == [(alone.prompt, "cancelled"), (alone.prompt, "embedded")]
+        # Two requests prepared it; the one answered early leaves it to the other.
+        shared = query("How do I learn Python?")
+        tier.prepare(shared)
+        tier.prepare(shared)
+        tier.forgo(shared)
+        assert await tier.lookup(shared) is None
+        # A lookup already waits on it when the other request is answered early.
+        waited = query("Why is the sky blue?")
+        tier.prepare(waited)
+        tier.prepare(waited)
+        lookup = asyncio.create_task(tier.lookup(waited))
+        await asyncio.sleep(0)  # the lookup now awaits the embedding
+        tier.forgo(waited)
+        assert await lookup is None
+        assert runs[2:] == [(shared.prompt, "embedded"), (waited.prompt, "embedded")]
+        assert tier.counters()["semantic_embeddings_cancelled"] == 1
+        assert tier.counts.skipped == 0  # every lookup had its vector
     finally:
         await tier.close()
 

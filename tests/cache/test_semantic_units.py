@@ -127,6 +127,9 @@ class StoreNothing:
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         return None
 
+    def forgo(self, query: CacheQuery) -> None:
+        return None
+
     async def invalidate(self, namespace: str, model: str) -> int:
         return 0
 
@@ -148,6 +151,7 @@ class ParaphraseTier(StoreNothing):
 
     def __init__(self) -> None:
         self.prepared: list[bytes] = []
+        self.forgone: list[bytes] = []
 
     async def lookup(self, query: CacheQuery) -> Hit:
         return Hit(CachedAnswer("other", (9,), "stop", 1, 1), self.name, False, 0.97, b"\x01" * 16)
@@ -157,6 +161,9 @@ class ParaphraseTier(StoreNothing):
 
     def prepare(self, query: CacheQuery) -> None:
         self.prepared.append(query.key)
+
+    def forgo(self, query: CacheQuery) -> None:
+        self.forgone.append(query.key)
 
 
 async def test_a_semantic_hit_is_never_copied_into_the_exact_tiers() -> None:
@@ -196,12 +203,14 @@ class RoundTrip(StoreNothing):
 
     name = "l2"
 
-    def __init__(self, later: ParaphraseTier) -> None:
+    def __init__(self, later: ParaphraseTier, answer: CachedAnswer | None = None) -> None:
         self.later = later
+        self.answer = answer
         self.seen: list[list[bytes]] = []
 
-    async def lookup(self, query: CacheQuery) -> None:
+    async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
         self.seen.append(list(self.later.prepared))
+        return self.answer
 
     def overlaps_engine(self, query: CacheQuery) -> bool:
         return False
@@ -221,3 +230,19 @@ async def test_later_tiers_prepare_once_the_first_tier_misses_and_not_on_its_hit
     assert l2.seen == [[query.key]]  # the semantic tier's work began before L2 answered
     lru.put(query.key, CachedAnswer("cached", (1,), "stop", 1, 1), ("ns", "m"))
     assert (await cascade.lookup(query)) is not None and semantic.prepared == [query.key]
+    assert semantic.forgone == []  # it answered, then nothing was prepared
+
+
+async def test_a_hit_before_a_prepared_tier_lets_it_forgo_its_work() -> None:
+    lru = LruCache(10, 10**6, 60)
+    semantic = ParaphraseTier()
+    answer = CachedAnswer("from redis", (2,), "stop", 1, 1)
+    cascade = TierCascade([L1Tier(lru), RoundTrip(semantic, answer), semantic], CacheMetrics())
+    model = ModelIdentity("m", "e", "t", "v")
+    query = CacheQuery(b"k" * 16, "ns", model, "q", (), SamplingKey(8, True, 0, 1, 1, None, ()))
+    hit = await cascade.lookup(query)
+    assert hit is not None and hit.tier == "l2"
+    assert semantic.prepared == semantic.forgone == [query.key]
+    hit = await cascade.lookup(query)  # now from L1 (copied there): nothing prepared or forgone
+    assert hit is not None and hit.tier == "l1"
+    assert semantic.prepared == semantic.forgone == [query.key]
