@@ -11,6 +11,8 @@
     verify, and the whole lookup, P50/P99; a miss pays the same embed + search + verify.
 (d) memory of those entries (RSS growth and the index's own accounting) and the rebuild of the index
     from a real redis-server holding them.
+(e) a lookup right behind a request that L2 answered (real redis-server): the embedding that
+    request's lookup started when L1 missed is cancelled when L2 answers, against left to run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +38,13 @@ from appliance.cache.classifier import load_rule
 from appliance.cache.embedder import MANIFEST, Embedder, Vector
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
+from appliance.cache.l1 import LruCache
+from appliance.cache.l2 import RedisSettings, RedisTier
+from appliance.cache.metrics import CacheMetrics
 from appliance.cache.paraphrase import Rule
 from appliance.cache.semantic import SemanticTier, encode_record
 from appliance.cache.semantic_eval import Pair, decide_all, read_pairs, render, report
-from appliance.cache.tiers import CacheQuery
+from appliance.cache.tiers import CacheQuery, L1Tier, TierCascade
 from appliance.cache.vectors import Entry
 from appliance.config import SemanticConfig
 from appliance.gateway.server import freeze_heap
@@ -235,10 +241,7 @@ def lookups(
         tier.embedder = ours
         return found
 
-    loop = uvloop.new_event_loop()
-    tier_hits = loop.run_until_complete(second_pass())
-    loop.run_until_complete(tier.close())
-    loop.close()
+    tier_hits = uvloop.run(second_pass())
     print(f"    tier.lookup          {ms(tier_s)}  ({tier_hits} hits; what a miss pays)")
     if second_base_s:
         print(f"    ... baseline embedder {ms(second_base_s)}  (the same pass, alternating)")
@@ -303,9 +306,9 @@ def graph_recall(tier: SemanticTier, scope: bytes, queries: list[str]) -> None:
     )
 
 
-async def rebuild(tier: SemanticTier, entries: int) -> None:
-    from appliance.cache.l2 import RedisSettings, RedisTier
-    from appliance.cache.metrics import CacheMetrics
+@asynccontextmanager
+async def redis_l2() -> AsyncIterator[RedisTier]:
+    """An L2 tier on a redis-server of its own (the tests' helper starts it)."""
     from tests.cache.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory() as work:
@@ -314,23 +317,62 @@ async def rebuild(tier: SemanticTier, entries: int) -> None:
         try:
             settings = RedisSettings(url=server.url, timeout_ms=1000.0, mac_key=b"bench-key" * 4)
             l2 = RedisTier(settings, CacheMetrics())
-            config = dataclasses.replace(tier.settings, max_entries=entries + 1)
-            shared = SemanticTier(config, tier.embedder, tier.rule, l2)
-            pipe = l2.client.pipeline(transaction=False)
-            for n, (entry, vector) in enumerate(tier.index.entries()):
-                name = l2.redis_key("ns", "bench", b"") + "sem-" + entry.entry_id.hex()
-                pipe.set(name, encode_record(entry, vector, time.time()))
-                if n % 2000 == 1999:
-                    await pipe.execute()
-            await pipe.execute()
-            started = time.perf_counter()
-            await shared._rebuild()
-            took = time.perf_counter() - started
-            print(f"(d) rebuild from redis: {len(shared.index)} entries in {took:.1f} s")
-            await shared.close()
+            yield l2
             await l2.close()
         finally:
             server.kill()
+
+
+async def rebuild(tier: SemanticTier, entries: int) -> None:
+    async with redis_l2() as l2:
+        config = dataclasses.replace(tier.settings, max_entries=entries + 1)
+        shared = SemanticTier(config, tier.embedder, tier.rule, l2)
+        pipe = l2.client.pipeline(transaction=False)
+        for n, (entry, vector) in enumerate(tier.index.entries()):
+            name = l2.redis_key("ns", "bench", b"") + "sem-" + entry.entry_id.hex()
+            pipe.set(name, encode_record(entry, vector, time.time()))
+            if n % 2000 == 1999:
+                await pipe.execute()
+        await pipe.execute()
+        started = time.perf_counter()
+        await shared._rebuild()
+        took = time.perf_counter() - started
+        print(f"(d) rebuild from redis: {len(shared.index)} entries in {took:.1f} s")
+        await shared.close()
+
+
+async def behind_an_l2_hit(tier: SemanticTier, queries: list[str]) -> None:
+    """Pairs of questions: the first answered by L2 (its embedding began when L1 missed), the
+    second asked as soon as that answer is out, its lookup timed through the whole cascade (L1,
+    L2's round trip, the semantic tier); the first's embedding cancelled when L2 answers, as
+    shipped, or left to run, alternating pair by pair, each pair after an idle gap."""
+    answer = CachedAnswer("an answer from redis", (1, 2, 3), "stop", 3, 3)
+    shipped = tier.forgo
+    times: dict[str, list[float]] = {"cancelled": [], "left to run": []}
+    cancelled = tier.counts.cancelled
+    async with redis_l2() as l2:
+        lru = LruCache(1000, 2**30, 3600)
+        cascade = TierCascade([L1Tier(lru), l2, tier], CacheMetrics())
+        pairs = list(zip(queries[::2], queries[1::2], strict=False))
+        for n, (first, second) in enumerate(pairs):
+            answered = CacheQuery(n.to_bytes(16, "big"), "ns", MODEL, first, (), SAMPLING, True)
+            asked = CacheQuery(b"\xff" * 16, "ns", MODEL, second, (), SAMPLING, True)
+            await l2.put("ns", MODEL.name, answered.key, answer)
+            for variant, forgo in (("cancelled", shipped), ("left to run", lambda _: None)):
+                tier.forgo = forgo  # type: ignore[method-assign]
+                lru.invalidate("", "")
+                tier._recent.clear()
+                await asyncio.sleep(IDLE_S)
+                hit = await cascade.lookup(answered)
+                assert hit is not None and hit.tier == "l2"
+                started = time.perf_counter()
+                await cascade.lookup(asked)
+                times[variant].append(time.perf_counter() - started)
+        tier.forgo = shipped  # type: ignore[method-assign]
+    print(f"(e) a lookup right behind an L2 hit, {len(pairs)} pairs, through L1, L2 and this tier")
+    for variant, took in times.items():
+        print(f"    prepared embedding {variant:11s} {ms(took)}")
+    print(f"    embeddings cancelled: {tier.counts.cancelled - cancelled}")
 
 
 def main() -> None:
@@ -377,7 +419,9 @@ def main() -> None:
     lookups(tier, scope, [p.a for p in test], baseline)
     if args.baseline_index:
         index_baseline(tier, scope, [p.a for p in test])
-    asyncio.run(rebuild(tier, args.entries))
+    uvloop.run(rebuild(tier, args.entries))
+    uvloop.run(behind_an_l2_hit(tier, [p.b for p in test]))
+    uvloop.run(tier.close())
 
 
 if __name__ == "__main__":
