@@ -374,25 +374,87 @@ def _admission_series(admission: Admission) -> Iterable[GaugeMetricFamily | Coun
     yield refused
 
 
-# Cache counter name → (metric, labels) in Prometheus' naming.
+# Cache counter name → (metric, help) in Prometheus' naming; counters get `_total` on the wire.
 _CACHE_COUNTERS = {
-    "misses": "appliance_cache_misses",
-    "not_cacheable": "appliance_cache_not_cacheable",
-    "single_flight_followers": "appliance_cache_single_flight_followers",
-    "writes": "appliance_cache_writes",
-    "write_failures": "appliance_cache_write_failures",
-    "l2_timeouts": "appliance_redis_timeouts",
-    "l2_errors": "appliance_redis_errors",
-    "l2_skipped_breaker_open": "appliance_redis_skipped_breaker_open",
-    "l2_corrupt_entries": "appliance_redis_corrupt_entries",
-    "l2_forged_entries": "appliance_redis_forged_entries",
-    "breaker_opened": "appliance_redis_breaker_opened",
-    "engine_cancelled_by_hit": "appliance_cache_engine_cancelled_by_semantic_hit",
+    "misses": ("appliance_cache_misses", "Cacheable requests no cache tier answered."),
+    "not_cacheable": (
+        "appliance_cache_not_cacheable",
+        "Requests whose answer is not cached: sampled, so not deterministic.",
+    ),
+    "single_flight_followers": (
+        "appliance_cache_single_flight_followers",
+        "Requests answered by following an identical request's generation under way.",
+    ),
+    "writes": ("appliance_cache_writes", "Answers written to the cache tiers."),
+    "write_failures": ("appliance_cache_write_failures", "Answers Redis did not take."),
+    "l2_timeouts": ("appliance_redis_timeouts", "Redis calls over their time budget."),
+    "l2_errors": ("appliance_redis_errors", "Redis calls that failed."),
+    "l2_skipped_breaker_open": (
+        "appliance_redis_skipped_breaker_open",
+        "Redis calls not made because the breaker was open.",
+    ),
+    "l2_corrupt_entries": (
+        "appliance_redis_corrupt_entries",
+        "Redis entries that could not be decoded (treated as misses).",
+    ),
+    "l2_forged_entries": (
+        "appliance_redis_forged_entries",
+        "Redis entries whose MAC did not match (refused, treated as misses).",
+    ),
+    "breaker_opened": ("appliance_redis_breaker_opened", "Times the Redis breaker opened."),
+    "engine_cancelled_by_hit": (
+        "appliance_cache_engine_cancelled_by_semantic_hit",
+        "Generations started beside a semantic lookup and cancelled by its hit.",
+    ),
+    "semantic_lookups": (
+        "appliance_semantic_lookups",
+        "Semantic lookups made (question embedded, index searched, candidates verified).",
+    ),
+    "semantic_skipped": (
+        "appliance_semantic_skipped",
+        "Requests the semantic tier did not look up: namespace or request not opted in, "
+        "question empty or over 128 word pieces.",
+    ),
+    "semantic_unsynced": (
+        "appliance_semantic_unsynced",
+        "Semantic lookups not made because the index was not in step with Redis.",
+    ),
+    "semantic_refused": (
+        "appliance_semantic_refused_candidates",
+        "Nearest entries the decision rule refused (a lookup may refuse several).",
+    ),
+    "semantic_stored": ("appliance_semantic_stored", "Answers this gateway embedded and indexed."),
+    "semantic_store_failures": (
+        "appliance_semantic_store_failures",
+        "Semantic entries Redis did not take (the other gateways will not see them).",
+    ),
+    "semantic_follower_errors": (
+        "appliance_semantic_follower_errors",
+        "Times the semantic tier lost its Redis stream (no semantic hits until it rebuilds).",
+    ),
+    "semantic_rebuilds": ("appliance_semantic_rebuilds", "Rebuilds of the index from Redis."),
+    "semantic_corrupt_records": (
+        "appliance_semantic_corrupt_records",
+        "Semantic records in Redis that could not be decoded (skipped).",
+    ),
+    "semantic_embeddings_cancelled": (
+        "appliance_semantic_embeddings_cancelled",
+        "Embeddings started when L1 missed and cancelled because L2 answered.",
+    ),
 }
 _CACHE_GAUGES = {
-    "l1_entries": "appliance_cache_l1_entries",
-    "l1_bytes": "appliance_cache_l1_bytes",
-    "breaker_open": "appliance_redis_breaker_open",
+    "l1_entries": ("appliance_cache_l1_entries", "Entries in the in-process L1 cache."),
+    "l1_bytes": ("appliance_cache_l1_bytes", "Bytes of the answers in L1."),
+    "breaker_open": ("appliance_redis_breaker_open", "1 while the Redis breaker is open."),
+    "semantic_entries": ("appliance_semantic_entries", "Entries in the semantic index."),
+    "semantic_bytes": (
+        "appliance_semantic_bytes",
+        "Bytes the semantic index accounts for (vectors, texts, answers).",
+    ),
+    "semantic_in_sync": (
+        "appliance_semantic_in_sync",
+        "1 while the semantic index is in step with Redis; 0: no semantic hits.",
+    ),
 }
 
 
@@ -402,7 +464,7 @@ def _cache_series(counters: dict[str, int]) -> Iterable[GaugeMetricFamily | Coun
         if key.endswith("_hits"):
             hits.add_metric((key.removesuffix("_hits"),), value)
         elif key in _CACHE_COUNTERS:
-            yield CounterMetricFamily(_CACHE_COUNTERS[key], f"Cache counter {key}.", value=value)
+            yield CounterMetricFamily(*_CACHE_COUNTERS[key], value=value)
         elif key in _CACHE_GAUGES:
-            yield GaugeMetricFamily(_CACHE_GAUGES[key], f"Cache gauge {key}.", value=value)
+            yield GaugeMetricFamily(*_CACHE_GAUGES[key], value=value)
     yield hits

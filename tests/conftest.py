@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model, an in-process engine server on loopback, and Triton stubs.
+"""Shared fixtures: the tiny model, an in-process engine server on loopback, Triton stubs, and the
+semantic tier's embedder (exported once per session).
 
 The engine server runs in the test's own event loop (real gRPC over 127.0.0.1) where a test asserts on
 its internal state (cancellation); end-to-end tests start real processes instead (tests/gateway).
@@ -10,6 +11,8 @@ uses none of them (engine_build, host_tuning, the gateway's unit tests) never lo
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,3 +144,25 @@ async def engine_to_stop(engine_repo: Path) -> tuple[str, Callable[[], Awaitable
 async def triton(engine: Engine) -> AsyncIterator[ts_grpc.GRPCInferenceServiceStub]:
     async with grpc.aio.insecure_channel(engine.address) as channel:
         yield ts_grpc.GRPCInferenceServiceStub(channel)
+
+
+# The semantic tier's embedder, exported once per session by `appliance semantic-setup` itself.
+@pytest.fixture(scope="session")
+def semantic_setup(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The exported directory and the command's run (its output is checked by a test)."""
+    dest = tmp_path_factory.mktemp("embedder")
+    run = subprocess.run(
+        [sys.executable, "-m", "appliance", "semantic-setup", "--dest", str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    return dest, run
+
+
+@pytest.fixture(scope="session")
+def embedder_dir(semantic_setup: tuple[Path, subprocess.CompletedProcess[str]]) -> Path:
+    return semantic_setup[0]

@@ -1,8 +1,9 @@
 """A real Prometheus scrapes the gateway while it answers; PromQL over its HTTP API sees the
-request counters and the TTFT histogram the clients saw."""
+request counters and the TTFT histogram the clients saw, and the semantic tier's state."""
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import dataclasses
 import json
@@ -17,7 +18,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.cache.l2 import RedisSettings
-from appliance.config import CacheConfig, GatewayConfig, MetricsConfig, ModelConfig, ServerConfig
+from appliance.config import (
+    CacheConfig,
+    GatewayConfig,
+    MetricsConfig,
+    ModelConfig,
+    SemanticConfig,
+    ServerConfig,
+)
 from appliance.engine.metrics import serve_metrics
 from appliance.gateway.models import load_models
 from appliance.gateway.report import RequestReport
@@ -26,6 +34,7 @@ from appliance.metrics import LATENCY_BUCKETS, GpuCollector
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer
+from tests.cache.test_semantic_e2e import PARAPHRASE, QUESTION
 from tests.conftest import Engine, Tiny
 from tests.observability.prometheus_server import Prometheus
 
@@ -42,15 +51,22 @@ class Reports:
 
 @pytest.fixture
 async def gateway(
-    tiny: Tiny, engine: Engine, tmp_path: Path
+    tiny: Tiny, engine: Engine, tmp_path: Path, embedder_dir: Path
 ) -> AsyncIterator[tuple[RunningGateway, Reports]]:
+    """Every tier on: L1, L2 on a real redis-server, the semantic tier for namespace "sem"."""
     redis = RedisServer(tmp_path)
     redis.start()
     model = ModelConfig(name="tiny", backend=engine.address, tokenizer_dir=tiny.tokenizer_dir)
+    semantic = SemanticConfig(
+        enabled=True, namespaces=("sem",), embedder_dir=embedder_dir, follow_block_ms=100
+    )
     config = GatewayConfig(
         server=ServerConfig(listen="127.0.0.1:0"),
         models={"tiny": model},
-        cache=CacheConfig(redis=RedisSettings(url=redis.url, timeout_ms=100, mac_key=b"k" * 32)),
+        cache=CacheConfig(
+            redis=RedisSettings(url=redis.url, timeout_ms=100, mac_key=b"k" * 32),
+            semantic=semantic,
+        ),
         metrics=MetricsConfig(listen="127.0.0.1:0"),
     )
     reports = Reports()
@@ -174,3 +190,49 @@ async def test_prometheus_sees_requests_and_ttft(
     finally:
         prom.stop()
         engine_metrics.shutdown()
+
+
+async def test_prometheus_sees_the_semantic_tier(
+    gateway: tuple[RunningGateway, Reports], tmp_path: Path
+) -> None:
+    running, _ = gateway
+    cache = running.pipeline.cache
+    assert cache is not None
+
+    async def counters_reach(name: str, value: int) -> None:
+        async with asyncio.timeout(20):
+            while cache.counters()[name] != value:
+                await asyncio.sleep(0.02)
+
+    await counters_reach("semantic_in_sync", 1)
+    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{running.metrics_port}"})
+    try:
+        await asyncio.to_thread(prom.wait_ready)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for text in (QUESTION, PARAPHRASE):
+                answer = await stub.Complete(
+                    pb.GenerateRequest(
+                        model="tiny",
+                        namespace="sem",
+                        prompt=text,
+                        max_tokens=6,
+                        temperature=0,
+                        semantic_cache=True,
+                    )
+                )
+                await counters_reach("semantic_stored", 1)
+            assert answer.final.cache_tier == pb.CACHE_TIER_SEMANTIC
+        for promql, value in (
+            ("appliance_semantic_in_sync", 1),
+            ("appliance_semantic_entries", 1),
+            ("appliance_semantic_stored_total", 1),
+            ("appliance_semantic_lookups_total", 2),
+            ('appliance_cache_hits_total{tier="semantic"}', 1),
+            ("appliance_semantic_embeddings_cancelled_total", 0),
+        ):
+            # From a thread: the gateway's loop keeps following Redis meanwhile (in step).
+            await asyncio.to_thread(prom.wait_value, promql, value)
+        assert float(prom.query("appliance_semantic_bytes")[0]["value"][1]) > 0
+    finally:
+        prom.stop()
