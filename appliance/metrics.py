@@ -412,8 +412,8 @@ _CACHE_COUNTERS = {
     ),
     "semantic_skipped": (
         "appliance_semantic_skipped",
-        "Requests the semantic tier did not look up: namespace or request not opted in, "
-        "question empty or over 128 word pieces.",
+        "Requests the semantic tier passed over: namespace or request not opted in, question "
+        "empty or over 128 word pieces, or its embedding failed.",
     ),
     "semantic_unsynced": (
         "appliance_semantic_unsynced",
