@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -312,6 +313,63 @@ async def test_invalidation_reaches_the_other_gateways(
         assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
     finally:
         await other.close()
+
+
+def gateway_acl_rules() -> str:
+    """The Redis ACL rules the redis role gives the gateways' user, with the role's key prefix."""
+    role = Path(__file__).resolve().parents[2] / "ansible" / "roles" / "redis"
+    tasks = (role / "tasks" / "main.yml").read_text()
+    found = re.search(r"^\s*__redis_gateway_rules: (.+)$", tasks, re.M)
+    prefix = re.search(
+        r"^redis_acl_key_prefix: (\S+)$", (role / "defaults" / "main.yml").read_text(), re.M
+    )
+    assert found is not None and prefix is not None
+    return found.group(1).replace("{{ redis_acl_key_prefix }}", prefix.group(1))
+
+
+async def test_the_redis_roles_gateway_user_may_send_what_every_tier_sends(
+    tiny: Tiny, engine: Engine, embedder_dir: Path, tmp_path: Path
+) -> None:
+    """Two gateways as the ACL user the redis role writes: L2 entries, semantic entries, the
+    stream both follow, a rebuild from Redis and an invalidation, with no Redis refusal."""
+    acl = tmp_path / "users.acl"
+    acl.write_text(
+        "user default on nopass ~* &* +@all\n"  # the test's own PINGs and checks
+        f"user appliance on >gateway-password {gateway_acl_rules()}\n"
+    )
+    server = RedisServer(tmp_path)
+    server.start(["--aclfile", str(acl)])
+    config = semantic_config(server, embedder_dir)
+    assert config.redis is not None and config.redis.key_prefix == "appliance"
+    redis_as_gateway = dataclasses.replace(
+        config.redis, username="appliance", password="gateway-password"
+    )
+    config = dataclasses.replace(config, redis=redis_as_gateway)
+    first = await gateway(tiny, engine, config)
+    try:
+        await until(first, lambda c: c["semantic_in_sync"] == 1)
+        asked = await first.stub.Complete(ask(QUESTION))
+        await stored(first, 1)
+        await settle()
+        assert (await first.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
+        other = await gateway(tiny, engine, config)  # rebuilds its index from Redis at start
+        try:
+            counters = await until(other, lambda c: c["semantic_in_sync"] == 1)
+            assert counters["semantic_entries"] == 1
+            from_l2 = await other.stub.Complete(ask(QUESTION))
+            assert (from_l2.final.cache_tier, from_l2.text) == (L2, asked.text)
+            await first.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
+            await until(other, lambda c: c["semantic_entries"] == 0)
+            for g in (first, other):
+                counters = await g.counters()
+                assert counters["semantic_follower_errors"] == 0, counters
+                assert counters["semantic_store_failures"] == 0, counters
+                assert counters["l2_errors"] == counters["write_failures"] == 0, counters
+        finally:
+            await other.close()
+    finally:
+        await first.close()
+        server.kill()
 
 
 async def test_redis_down_means_no_semantic_hits_and_no_failed_request(
