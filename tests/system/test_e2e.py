@@ -3,8 +3,11 @@ network namespace this test creates) with the CPU profile, and the appliance ans
 
 Steps, in order (each test is one step; they share one container):
   bad input   -> a missing and a contradictory variable fail in the play's first task, naming the variable
+  bad export  -> a semantic-setup directory lacking a file fails before any change, naming the file
   first run   -> ansible-playbook site.yml succeeds; appliance.target and its services are active
   generate    -> a streamed Generate through the gateway in the container returns tokens
+  semantic    -> a question, then its paraphrase answered by the semantic tier (Redis as the role's
+                 ACL user, the embedder exported on the controller and copied by the role)
   second run  -> changed=0
   bad units   -> a missing config file / program fails the unit with a journal line naming it
   watchdog    -> SIGSTOP to the gateway: killed by the watchdog, restarted by systemd, answers again
@@ -32,7 +35,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -81,6 +84,17 @@ def machine() -> Iterator[Machine]:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def inventory(machine: Machine, embedder_dir: Path) -> Callable[..., Path]:
+    """The CPU profile's inventory with the semantic tier on (the `appliance semantic-setup`
+    directory this test session exported, on the controller)."""
+
+    def write(**extra: object) -> Path:
+        return machine.inventory(appliance_semantic_embedder_src=str(embedder_dir), **extra)
+
+    return write
+
+
 # The inventory check (on the controller), then the provisioning play's check of every role's variables.
 FIRST_TASKS = [
     "Fail when no host is in group gpu or cpu",
@@ -105,9 +119,26 @@ def test_contradictory_variable_fails_first_task(machine: Machine) -> None:
     assert "mutually exclusive: dir|src found in appliance_wheelhouse" in out
 
 
-def test_first_run_provisions_the_appliance(machine: Machine) -> None:
+def test_a_semantic_export_without_a_file_fails_before_any_change(
+    machine: Machine, embedder_dir: Path
+) -> None:
+    partial = machine.workdir / "semantic-partial"
+    partial.mkdir()
+    for name in ("model.onnx", "tokenizer.json", "embedder.json"):
+        shutil.copy(embedder_dir / name, partial / name)
+    result = machine.playbook(machine.inventory(appliance_semantic_embedder_src=str(partial)))
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"appliance_semantic_embedder_src ({partial}) lacks classifier.onnx" in out, out[-3000:]
+    assert "appliance semantic-setup --dest DIR" in out
+    assert _recap(out)["changed"] == 0, containers.changed_tasks(out)
+
+
+def test_first_run_provisions_the_appliance(
+    machine: Machine, inventory: Callable[..., Path]
+) -> None:
     t0 = time.monotonic()
-    result = machine.playbook(machine.inventory())
+    result = machine.playbook(inventory())
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     recap = _recap(out)
@@ -151,9 +182,37 @@ def test_streamed_generate_returns_tokens(machine: Machine) -> None:
     assert answer["text"]
 
 
-def test_second_run_changes_nothing(machine: Machine) -> None:
+def test_a_paraphrase_is_answered_by_the_semantic_tier(machine: Machine) -> None:
+    result = _run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            machine.netns,
+            sys.executable,
+            "-m",
+            "tests.system.semantic_probe",
+            "127.0.0.1:50051",
+            "127.0.0.1:9464",
+        ],
+        timeout=240,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, (
+        result.stderr[-3000:] + machine.journal("appliance-gateway.service")[-3000:]
+    )
+    answer = json.loads(result.stdout)
+    assert answer["question"] == "CACHE_TIER_MISS", answer
+    assert answer["paraphrase"] == "CACHE_TIER_SEMANTIC", answer
+    assert answer["same_text"] and answer["similarity"] > 0.8, answer
+    seen = answer["metrics"]
+    assert seen["appliance_semantic_follower_errors_total"] == 0, seen
+    assert seen["appliance_semantic_store_failures_total"] == 0, seen
+
+
+def test_second_run_changes_nothing(machine: Machine, inventory: Callable[..., Path]) -> None:
     t0 = time.monotonic()
-    result = machine.playbook(machine.inventory())
+    result = machine.playbook(inventory())
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     recap = _recap(out)
@@ -161,8 +220,8 @@ def test_second_run_changes_nothing(machine: Machine) -> None:
     print(f"\nsecond playbook run: {time.monotonic() - t0:.0f} s, {recap}", file=sys.stderr)
 
 
-def test_check_mode_changes_nothing(machine: Machine) -> None:
-    result = machine.playbook(machine.inventory(), check=True)
+def test_check_mode_changes_nothing(machine: Machine, inventory: Callable[..., Path]) -> None:
+    result = machine.playbook(inventory(), check=True)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     recap = _recap(out)
