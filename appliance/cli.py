@@ -106,14 +106,19 @@ def _cache(args: argparse.Namespace) -> int:
                     print(f"{name} {reply.counters[name]}")
                 return 0
             removed = admin.Invalidate(
-                pb.InvalidateRequest(namespace=args.namespace, model=args.model, all=args.all),
+                pb.InvalidateRequest(
+                    namespace=args.namespace, model=args.model, all=args.all, entry=args.entry
+                ),
                 timeout=args.timeout,
                 metadata=metadata,
             )
         except grpc.RpcError as exc:
             print(f"appliance cache: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print(f"removed {removed.l1_removed} from L1 (this gateway), {removed.l2_removed} from Redis")
+    print(
+        f"removed {removed.l1_removed} from L1 (this gateway), {removed.l2_removed} from Redis, "
+        f"{removed.semantic_removed} from the semantic index (every gateway follows)"
+    )
     return 0
 
 
@@ -298,6 +303,12 @@ def parser() -> argparse.ArgumentParser:
     inv.add_argument("--namespace", default="", help="tenant namespace")
     inv.add_argument("--model", default="", help="model name")
     inv.add_argument("--all", action="store_true", help="drop every cached answer")
+    inv.add_argument(
+        "--entry",
+        default="",
+        help="drop only this answer: a cache key (32 hex digits), e.g. a semantic hit's "
+        "cache_entry; with --namespace",
+    )
     csub.add_parser("stats", help="print the cache's counters")
     w = csub.add_parser(
         "warm", help="cache the answers of a file of likely questions, yielding to client traffic"

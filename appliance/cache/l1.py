@@ -53,12 +53,14 @@ class LruCache:
             oldest = next(iter(self._items))
             self._drop(oldest)
 
-    def invalidate(self, namespace: str, model: str) -> int:
-        """Drops entries of a namespace and/or model ("" matches any)."""
+    def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
+        """Drops entries of a namespace and/or model ("" matches any); `entry`: only that key's."""
+        keys = list(self._items) if entry is None else [k for k in (entry,) if k in self._items]
         doomed = [
             k
-            for k, (_, _, (ns, m)) in self._items.items()
-            if (not namespace or ns == namespace) and (not model or m == model)
+            for k in keys
+            if (not namespace or self._items[k][2][0] == namespace)
+            and (not model or self._items[k][2][1] == model)
         ]
         for key in doomed:
             self._drop(key)

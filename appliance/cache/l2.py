@@ -201,12 +201,14 @@ class RedisTier:
         done = await self._call("SET", self.client.set(name, value, ex=self.settings.ttl_s))
         return done is True
 
-    async def invalidate(self, namespace: str, model: str) -> int:
-        """UNLINKs every key of a namespace and/or model ("" matches any). Not time-budgeted:
-        an operator's command, not the request path."""
+    async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
+        """UNLINKs every key of a namespace and/or model ("" matches any); `entry`: only that
+        key's answer and the semantic record of the same key (its name ends in the same hex).
+        Not time-budgeted: an operator's command, not the request path."""
         ns = _key_part(namespace) if namespace else "*"
         m = _key_part(model) if model else "*"
-        pattern = f"{self.settings.key_prefix}:{ns}:{m}:*"
+        last = "*" if entry is None else f"*{entry.hex()}"
+        pattern = f"{self.settings.key_prefix}:{ns}:{m}:{last}"
         removed = 0
         batch: list[bytes] = []
         async for name in self.client.scan_iter(match=pattern, count=1000):

@@ -271,14 +271,17 @@ class SemanticTier:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def invalidate(self, namespace: str, model: str) -> int:
+    async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         """Drops local entries, tells every gateway through the stream; the Redis records share
         the L2 key layout, so the L2 tier's invalidation unlinks them."""
-        removed = self.index.invalidate(namespace, model)
+        removed = self.index.invalidate(namespace, model, entry)
         if self._client is not None:
+            message = {"inv": namespace, "model": model}
+            if entry is not None:
+                message["entry"] = entry.hex()
             await self._client.xadd(
                 self._stream,
-                {"inv": namespace, "model": model},
+                message,  # type: ignore[arg-type]
                 maxlen=self.settings.stream_max_len,
                 approximate=True,
             )
@@ -430,7 +433,13 @@ class SemanticTier:
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         if b"inv" in fields:
-            self.index.invalidate(fields[b"inv"].decode(), fields.get(b"model", b"").decode())
+            try:
+                entry = bytes.fromhex(fields[b"entry"].decode()) if b"entry" in fields else None
+                namespace, model = fields[b"inv"].decode(), fields.get(b"model", b"").decode()
+            except (UnicodeDecodeError, ValueError):
+                self.counts.corrupt += 1
+                return
+            self.index.invalidate(namespace, model, entry)
             return
         parsed = self._parse_key(fields.get(b"k", b""))
         if parsed is not None:

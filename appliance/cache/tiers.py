@@ -83,8 +83,9 @@ class CacheTier(Protocol):
         for it may stop."""
         ...
 
-    async def invalidate(self, namespace: str, model: str) -> int:
-        """Drops entries of a namespace and/or model ("" matches any); returns how many."""
+    async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
+        """Drops entries of a namespace and/or model ("" matches any), or only the entry of that
+        key among them; returns how many."""
         ...
 
     def counters(self) -> dict[str, int]:
@@ -121,8 +122,8 @@ class L1Tier:
     def forgo(self, query: CacheQuery) -> None:
         return None
 
-    async def invalidate(self, namespace: str, model: str) -> int:
-        return self.lru.invalidate(namespace, model)
+    async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
+        return self.lru.invalidate(namespace, model, entry)
 
     def counters(self) -> dict[str, int]:
         return {"l1_entries": len(self.lru), "l1_bytes": self.lru.bytes}
@@ -185,13 +186,15 @@ class TierCascade:
         for tier in self.tiers:
             tier.store(query, answer)
 
-    async def invalidate(self, namespace: str, model: str) -> dict[str, int]:
+    async def invalidate(
+        self, namespace: str, model: str, entry: bytes | None = None
+    ) -> dict[str, int]:
         """Removed entries per tier. Every tier is tried; the first failure is raised after."""
         removed: dict[str, int] = {}
         failure: Exception | None = None
         for tier in self.tiers:
             try:
-                removed[tier.name] = await tier.invalidate(namespace, model)
+                removed[tier.name] = await tier.invalidate(namespace, model, entry)
             except Exception as exc:  # Redis down: the other tiers are still dropped
                 failure = failure or exc
         log.info("invalidated namespace=%r model=%r: %s", namespace, model, removed)

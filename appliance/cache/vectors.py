@@ -180,15 +180,20 @@ class VectorIndex:
         self._drop(entry)
         return True
 
-    def invalidate(self, namespace: str, model: str) -> int:
-        """Drops entries of a namespace and/or model ("" matches any)."""
+    def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
+        """Drops entries of a namespace and/or model ("" matches any); `entry`: only that id's."""
+        if entry is None:
+            candidates = list(self._lru.values())
+        else:
+            one = self._lru.get(entry)
+            candidates = [] if one is None else [one]
         doomed = [
             e
-            for e in self._lru.values()
+            for e in candidates
             if (not namespace or e.labels[0] == namespace) and (not model or e.labels[1] == model)
         ]
-        for entry in doomed:
-            self._drop(entry)
+        for gone in doomed:
+            self._drop(gone)
         return len(doomed)
 
     def clear(self) -> None:

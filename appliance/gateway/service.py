@@ -8,6 +8,7 @@ into the call's status; nothing about keys, caching, tokenizing or the engine is
 from __future__ import annotations
 
 import asyncio
+import string
 from collections.abc import AsyncIterator
 
 import grpc
@@ -40,6 +41,29 @@ def _set_pushback(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
     if exc.retry_after_ms is not None:
         # gRPC's retry policy reads this trailer (gRFC A6) and waits as long before retrying.
         context.set_trailing_metadata((("grpc-retry-pushback-ms", str(exc.retry_after_ms)),))
+
+
+def entry_key(request: pb.InvalidateRequest) -> bytes | None:
+    """The one cached answer an Invalidate names (None: every answer that matches); a request that
+    names it wrongly is refused with what to fix."""
+    if not request.entry:
+        return None
+    if request.all:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, "entry names one answer: give it without all=true"
+        )
+    if not request.namespace:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "entry needs the namespace of the request it answered",
+        )
+    if len(request.entry) != 32 or not all(c in string.hexdigits for c in request.entry):
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "entry must be a cache key of 32 hex digits (a semantic hit's cache_entry), "
+            f"got {request.entry[:40]!r}",
+        )
+    return bytes.fromhex(request.entry)
 
 
 class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
@@ -134,21 +158,22 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "name a namespace, a model or both; set all=true to drop every cached answer",
             )
+        try:
+            entry = entry_key(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
         audit = (key_id, request.namespace[:64], request.model[:64], request.all)
         try:
-            removed = await self._cache.invalidate(request.namespace, request.model)
+            removed = await self._cache.invalidate(request.namespace, request.model, entry)
         except Exception as exc:  # Redis down: say so; the in-process tier was still dropped
             report.admin_call("Invalidate", *audit, "UNAVAILABLE", f"error={exc!s:.200}")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis invalidation failed: {exc}")
+        counts = {f"{tier}_removed": removed.get(tier, 0) for tier in ("l1", "l2", "semantic")}
+        what = " ".join(f"{name}={n}" for name, n in counts.items())
         report.admin_call(
-            "Invalidate",
-            *audit,
-            "OK",
-            f"l1_removed={removed.get('l1', 0)} l2_removed={removed.get('l2', 0)}",
+            "Invalidate", *audit, "OK", what if entry is None else f"entry={entry.hex()} {what}"
         )
-        return pb.InvalidateResponse(
-            l1_removed=removed.get("l1", 0), l2_removed=removed.get("l2", 0)
-        )
+        return pb.InvalidateResponse(**counts)
 
     async def Stats(
         self, request: pb.CacheStatsRequest, context: grpc.aio.ServicerContext

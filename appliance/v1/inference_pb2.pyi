@@ -149,22 +149,26 @@ class CompleteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class InvalidateRequest(_message.Message):
-    __slots__ = ("namespace", "model", "all")
+    __slots__ = ("namespace", "model", "all", "entry")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ALL_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model: str
     all: bool
-    def __init__(self, namespace: _Optional[str] = ..., model: _Optional[str] = ..., all: _Optional[bool] = ...) -> None: ...
+    entry: str
+    def __init__(self, namespace: _Optional[str] = ..., model: _Optional[str] = ..., all: _Optional[bool] = ..., entry: _Optional[str] = ...) -> None: ...
 
 class InvalidateResponse(_message.Message):
-    __slots__ = ("l1_removed", "l2_removed")
+    __slots__ = ("l1_removed", "l2_removed", "semantic_removed")
     L1_REMOVED_FIELD_NUMBER: _ClassVar[int]
     L2_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SEMANTIC_REMOVED_FIELD_NUMBER: _ClassVar[int]
     l1_removed: int
     l2_removed: int
-    def __init__(self, l1_removed: _Optional[int] = ..., l2_removed: _Optional[int] = ...) -> None: ...
+    semantic_removed: int
+    def __init__(self, l1_removed: _Optional[int] = ..., l2_removed: _Optional[int] = ..., semantic_removed: _Optional[int] = ...) -> None: ...
 
 class CacheStatsRequest(_message.Message):
     __slots__ = ()

@@ -173,7 +173,8 @@ class CacheAdminServicer:
     """
 
     def Invalidate(self, request, context):
-        """Drops cached answers of a namespace, a model, or both; `all` drops everything.
+        """Drops cached answers of a namespace, a model, or both; `all` drops everything; `entry` (with
+        `namespace`) drops one answer, e.g. the one a wrong semantic hit named.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,6 +24,7 @@ from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
 from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, settle, started
 from tests.conftest import Engine, Tiny
+from tests.gateway.test_e2e import cache_cli
 
 MISS, L1, L2 = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
 SEMANTIC = pb.CACHE_TIER_SEMANTIC
@@ -370,6 +371,42 @@ async def test_the_redis_roles_gateway_user_may_send_what_every_tier_sends(
     finally:
         await first.close()
         server.kill()
+
+
+async def test_a_wrong_hit_is_dropped_by_its_entry_on_every_gateway(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    """The operator's answer to a wrong semantic hit: `appliance cache invalidate --entry` with
+    the hit's cache_entry drops that one answer from every tier and every gateway's index."""
+    other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    try:
+        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        await gw.stub.Complete(ask(QUESTION))
+        kept = await gw.stub.Complete(ask("Why is the sky blue?"))
+        await until(other, lambda c: c["semantic_entries"] == 2)
+        await settle()
+        hit = await other.stub.Complete(ask(PARAPHRASE))
+        assert hit.final.cache_tier == SEMANTIC
+        address = f"127.0.0.1:{gw.running.port}"
+        args = ("invalidate", "--namespace", "sem", "--entry", hit.final.cache_entry)
+        done = await asyncio.to_thread(cache_cli, address, *args)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == (
+            "removed 1 from L1 (this gateway), 2 from Redis, "
+            "1 from the semantic index (every gateway follows)"
+        )
+        await until(other, lambda c: c["semantic_entries"] == 1)
+        assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
+        again = await other.stub.Complete(ask("Why is the sky blue?"))
+        assert (again.final.cache_tier, again.text) == (L2, kept.text)
+        # A stream message naming no key: counted, ignored, nothing dropped.
+        before = len(semantic_tier(other).index)
+        semantic_tier(other)._apply({b"inv": b"sem", b"model": b"", b"entry": b"not hex"})
+        counters = await other.counters()
+        assert counters["semantic_corrupt_records"] == 1
+        assert counters["semantic_entries"] == before > 0
+    finally:
+        await other.close()
 
 
 async def test_redis_down_means_no_semantic_hits_and_no_failed_request(

@@ -110,7 +110,9 @@ def test_invalidate_by_namespace_and_model() -> None:
     index.add(entry(1, ns="a", model="x"), unit(1))
     index.add(entry(2, ns="b", model="x"), unit(2))
     index.add(entry(3, ns="a", model="y"), unit(3))
-    assert index.invalidate("a", "") == 2 and len(index) == 1
+    assert index.invalidate("b", "", entry(1).entry_id) == 0  # that id is in another namespace
+    assert index.invalidate("a", "", entry(1).entry_id) == 1 and entry(3).entry_id in index
+    assert index.invalidate("a", "") == 1 and len(index) == 1
     assert index.invalidate("", "x") == 1 and len(index) == 0
 
 
@@ -130,7 +132,7 @@ class StoreNothing:
     def forgo(self, query: CacheQuery) -> None:
         return None
 
-    async def invalidate(self, namespace: str, model: str) -> int:
+    async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         return 0
 
     def counters(self) -> dict[str, int]:

@@ -85,7 +85,10 @@ def test_lru_invalidates_by_namespace_and_model() -> None:
     lru = LruCache(10, 10**6, 60)
     for k, labels in [(b"1", ("a", "m")), (b"2", ("a", "n")), (b"3", ("b", "m"))]:
         lru.put(k, answer(), labels)
-    assert lru.invalidate("a", "") == 2 and len(lru) == 1
+    assert lru.invalidate("b", "", entry=b"1") == 0  # that key is in another namespace
+    assert lru.invalidate("a", "", entry=b"1") == 1 and lru.get(b"2") is not None
+    assert lru.invalidate("a", "", entry=b"1") == 0
+    assert lru.invalidate("a", "") == 1 and len(lru) == 1
     assert lru.invalidate("", "m") == 1 and len(lru) == 0
 
 

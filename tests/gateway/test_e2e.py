@@ -200,7 +200,7 @@ def test_malformed_config_names_line_and_key(tmp_path: Path) -> None:
     )
 
 
-def _cache_cli(gateway_address: str, *args: str) -> subprocess.CompletedProcess[str]:
+def cache_cli(gateway_address: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "appliance", "cache", "--gateway", gateway_address, *args],
         capture_output=True,
@@ -215,17 +215,42 @@ async def test_cache_cli_stats_and_invalidate(
     r = req(prompt="cached by the cli test", max_tokens=4, temperature=0, namespace="cli")
     await stub.Complete(r)
     assert (await stub.Complete(r)).final.cache_tier == pb.CACHE_TIER_EXACT_L1
-    stats = _cache_cli(gateway_address, "stats")
+    stats = cache_cli(gateway_address, "stats")
     counters = dict(line.split() for line in stats.stdout.splitlines())
     assert stats.returncode == 0 and int(counters["l1_hits"]) >= 1
-    done = _cache_cli(gateway_address, "invalidate", "--namespace", "cli")
+    done = cache_cli(gateway_address, "invalidate", "--namespace", "cli")
     assert done.returncode == 0
-    assert done.stdout.strip() == "removed 1 from L1 (this gateway), 0 from Redis"
+    assert done.stdout.strip() == (
+        "removed 1 from L1 (this gateway), 0 from Redis, "
+        "0 from the semantic index (every gateway follows)"
+    )
     assert (await stub.Complete(r)).final.cache_tier == pb.CACHE_TIER_MISS
 
 
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (
+            ["--namespace", "cli", "--entry", "abc"],
+            "entry must be a cache key of 32 hex digits (a semantic hit's cache_entry), got 'abc'",
+        ),
+        (
+            ["--model", "tiny", "--entry", "ab" * 16],
+            "entry needs the namespace of the request it answered",
+        ),
+        (["--all", "--entry", "ab" * 16], "entry names one answer: give it without all=true"),
+    ],
+)
+def test_cache_cli_refuses_an_entry_named_wrongly(
+    gateway_address: str, args: list[str], why: str
+) -> None:
+    done = cache_cli(gateway_address, "invalidate", *args)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"appliance cache: INVALID_ARGUMENT: {why}"
+
+
 def test_cache_cli_refuses_an_unscoped_invalidation(gateway_address: str) -> None:
-    done = _cache_cli(gateway_address, "invalidate")
+    done = cache_cli(gateway_address, "invalidate")
     assert done.returncode == 1
     assert done.stderr.strip() == (
         "appliance cache: INVALID_ARGUMENT: name a namespace, a model or both; "
