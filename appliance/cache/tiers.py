@@ -197,7 +197,8 @@ class TierCascade:
                 removed[tier.name] = await tier.invalidate(namespace, model, entry)
             except Exception as exc:  # Redis down: the other tiers are still dropped
                 failure = failure or exc
-        log.info("invalidated namespace=%r model=%r: %s", namespace, model, removed)
+        which = "" if entry is None else f" entry={entry.hex()}"
+        log.info("invalidated namespace=%r model=%r%s: %s", namespace, model, which, removed)
         if failure is not None:
             raise failure
         return removed
