@@ -157,3 +157,57 @@ def test_a_replicated_redis_without_shared_passwords_fails_first(
     assert result.returncode != 0, out
     assert "set redis_replication_password_src, redis_sentinel_password_src and" in out, out
     assert _tasks(out)[-1] == "redis : Check a replicated Redis is given its shared passwords", out
+
+
+@pytest.mark.parametrize(
+    ("files", "variables", "why"),
+    [
+        (
+            ["model.onnx", "tokenizer.json", "embedder.json"],
+            {},
+            ") lacks classifier.onnx: write it with `appliance semantic-setup --dest DIR`",
+        ),
+        (
+            ["model.onnx", "tokenizer.json", "embedder.json", "classifier.onnx"],
+            {"appliance_semantic_namespaces": []},
+            'appliance_semantic_namespaces is empty: name the namespaces that take part, or "*"',
+        ),
+        (
+            ["model.onnx", "tokenizer.json", "embedder.json", "classifier.onnx"],
+            {"appliance_cache_enabled": False},
+            "appliance_semantic_embedder_src needs appliance_cache_enabled",
+        ),
+    ],
+)
+def test_a_semantic_tier_the_gateway_could_not_load_fails_before_changes(
+    tmp_path: Path, files: list[str], variables: dict[str, object], why: str
+) -> None:
+    """The gateway would start without the tier (or not at all) and say so only in its journal:
+    the appliance role stops first, on the controller, naming what to fix."""
+    export = tmp_path / "semantic"
+    export.mkdir()
+    for name in files:
+        (export / name).write_bytes(b"")
+    play = [
+        {
+            "name": "The appliance role alone",
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "vars": {
+                "appliance_profile": "cpu",
+                "appliance_wheelhouse": {"dir": "/srv/wheelhouse"},
+                "appliance_semantic_embedder_src": str(export),
+                **variables,
+            },
+            "roles": ["appliance"],
+        }
+    ]
+    (tmp_path / "appliance.yml").write_text(json.dumps(play))
+    local = {"localhost": {"ansible_python_interpreter": str(ANSIBLE_BIN / "python")}}
+    result = _playbook(tmp_path, {"all": {"hosts": local}}, str(tmp_path / "appliance.yml"))
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert why in out, out
+    assert _tasks(out)[-1] == "appliance : Check the semantic tier's files are all there", out
+    assert "changed=0" in out, out

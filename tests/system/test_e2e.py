@@ -3,7 +3,6 @@ network namespace this test creates) with the CPU profile, and the appliance ans
 
 Steps, in order (each test is one step; they share one container):
   bad input   -> a missing and a contradictory variable fail in the play's first task, naming the variable
-  bad export  -> a semantic-setup directory lacking a file fails before any change, naming the file
   first run   -> ansible-playbook site.yml succeeds; appliance.target and its services are active
   generate    -> a streamed Generate through the gateway in the container returns tokens
   semantic    -> a question, then its paraphrase answered by the semantic tier (Redis as the role's
@@ -117,21 +116,6 @@ def test_contradictory_variable_fails_first_task(machine: Machine) -> None:
     assert result.returncode != 0
     assert _tasks(out) == FIRST_TASKS, out
     assert "mutually exclusive: dir|src found in appliance_wheelhouse" in out
-
-
-def test_a_semantic_export_without_a_file_fails_before_any_change(
-    machine: Machine, embedder_dir: Path
-) -> None:
-    partial = machine.workdir / "semantic-partial"
-    partial.mkdir()
-    for name in ("model.onnx", "tokenizer.json", "embedder.json"):
-        shutil.copy(embedder_dir / name, partial / name)
-    result = machine.playbook(machine.inventory(appliance_semantic_embedder_src=str(partial)))
-    out = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert f"appliance_semantic_embedder_src ({partial}) lacks classifier.onnx" in out, out[-3000:]
-    assert "appliance semantic-setup --dest DIR" in out
-    assert _recap(out)["changed"] == 0, containers.changed_tasks(out)
 
 
 def test_first_run_provisions_the_appliance(
