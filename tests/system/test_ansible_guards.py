@@ -66,6 +66,25 @@ def _tasks(output: str) -> list[str]:
     return re.findall(r"^TASK \[(.*?)\]", output, re.M)
 
 
+def _role_alone(
+    tmp_path: Path, role: str, variables: dict[str, object]
+) -> subprocess.CompletedProcess[str]:
+    """One role on the controller itself, in check mode, with these variables."""
+    play = [
+        {
+            "name": f"The {role} role alone",
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "vars": variables,
+            "roles": [role],
+        }
+    ]
+    (tmp_path / f"{role}.yml").write_text(json.dumps(play))
+    local = {"localhost": {"ansible_python_interpreter": str(ANSIBLE_BIN / "python")}}
+    return _playbook(tmp_path, {"all": {"hosts": local}}, str(tmp_path / f"{role}.yml"))
+
+
 @pytest.mark.parametrize("missing", sorted(GPU_REQUIRED))
 def test_missing_required_variable_fails_the_first_task(tmp_path: Path, missing: str) -> None:
     variables = {k: v for k, v in GPU_REQUIRED.items() if k != missing}
@@ -140,19 +159,7 @@ def test_a_replicated_redis_without_shared_passwords_fails_first(
 ) -> None:
     """A replica or Sentinel with passwords generated on its own host could never authenticate to
     the primary: the redis role stops at its first task, naming the variables to set."""
-    play = [
-        {
-            "name": "The redis role alone",
-            "hosts": "localhost",
-            "connection": "local",
-            "gather_facts": False,
-            "vars": replicated,
-            "roles": ["redis"],
-        }
-    ]
-    (tmp_path / "redis.yml").write_text(json.dumps(play))
-    local = {"localhost": {"ansible_python_interpreter": str(ANSIBLE_BIN / "python")}}
-    result = _playbook(tmp_path, {"all": {"hosts": local}}, str(tmp_path / "redis.yml"))
+    result = _role_alone(tmp_path, "redis", replicated)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "set redis_replication_password_src, redis_sentinel_password_src and" in out, out
@@ -188,24 +195,9 @@ def test_a_semantic_tier_the_gateway_could_not_load_fails_before_changes(
     export.mkdir()
     for name in files:
         (export / name).write_bytes(b"")
-    play = [
-        {
-            "name": "The appliance role alone",
-            "hosts": "localhost",
-            "connection": "local",
-            "gather_facts": False,
-            "vars": {
-                "appliance_profile": "cpu",
-                "appliance_wheelhouse": {"dir": "/srv/wheelhouse"},
-                "appliance_semantic_embedder_src": str(export),
-                **variables,
-            },
-            "roles": ["appliance"],
-        }
-    ]
-    (tmp_path / "appliance.yml").write_text(json.dumps(play))
-    local = {"localhost": {"ansible_python_interpreter": str(ANSIBLE_BIN / "python")}}
-    result = _playbook(tmp_path, {"all": {"hosts": local}}, str(tmp_path / "appliance.yml"))
+    required = {"appliance_profile": "cpu", "appliance_wheelhouse": {"dir": "/srv/wheelhouse"}}
+    semantic = {"appliance_semantic_embedder_src": str(export)}
+    result = _role_alone(tmp_path, "appliance", {**required, **semantic, **variables})
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert why in out, out

@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,24 +139,23 @@ def test_first_run_provisions_the_appliance(
     assert {"OPERATIONS.md", "HOST_TUNING.md"} <= set(docs), docs
 
 
-def _generate(machine: Machine) -> dict[str, object]:
+def _client(machine: Machine, module: str, *args: str, timeout: float) -> dict[str, Any]:
+    """Runs a client module of tests/system in the container's network namespace; its JSON line.
+    A failure shows the client's stderr and the gateway's journal."""
     result = _run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            machine.netns,
-            sys.executable,
-            "-m",
-            "tests.system.stream_generate",
-            "127.0.0.1:50051",
-        ],
-        timeout=90,
+        ["ip", "netns", "exec", machine.netns, sys.executable, "-m", module, *args],
+        timeout=timeout,
         cwd=REPO,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer: dict[str, object] = json.loads(result.stdout)
+    assert result.returncode == 0, (
+        result.stderr[-3000:] + machine.journal("appliance-gateway.service")[-3000:]
+    )
+    answer: dict[str, Any] = json.loads(result.stdout)
     return answer
+
+
+def _generate(machine: Machine) -> dict[str, Any]:
+    return _client(machine, "tests.system.stream_generate", "127.0.0.1:50051", timeout=90)
 
 
 def test_streamed_generate_returns_tokens(machine: Machine) -> None:
@@ -167,25 +167,8 @@ def test_streamed_generate_returns_tokens(machine: Machine) -> None:
 
 
 def test_a_paraphrase_is_answered_by_the_semantic_tier(machine: Machine) -> None:
-    result = _run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            machine.netns,
-            sys.executable,
-            "-m",
-            "tests.system.semantic_probe",
-            "127.0.0.1:50051",
-            "127.0.0.1:9464",
-        ],
-        timeout=240,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, (
-        result.stderr[-3000:] + machine.journal("appliance-gateway.service")[-3000:]
-    )
-    answer = json.loads(result.stdout)
+    probe = "tests.system.semantic_probe"
+    answer = _client(machine, probe, "127.0.0.1:50051", "127.0.0.1:9464", timeout=240)
     assert answer["question"] == "CACHE_TIER_MISS", answer
     assert answer["paraphrase"] == "CACHE_TIER_SEMANTIC", answer
     assert answer["same_text"] and answer["similarity"] > 0.8, answer
