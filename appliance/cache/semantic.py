@@ -164,8 +164,8 @@ class SemanticTier:
 
     # -- scope --------------------------------------------------------------------------------
 
-    def eligible(self, query: CacheQuery, asking: bool) -> tuple[bytes, str] | None:
-        """(scope, question) when this request takes part in the tier, else None."""
+    def question(self, query: CacheQuery, asking: bool) -> str | None:
+        """The text this tier compares when the request takes part in the tier, else None."""
         if not (self._all or query.namespace in self._namespaces):
             return None
         if asking and not (
@@ -174,15 +174,22 @@ class SemanticTier:
             return None
         if query.prompt is not None:
             text = query.prompt
+        elif query.messages and query.messages[-1][0] == "user":
+            text = query.messages[-1][1]
+        else:
+            return None
+        return text if any(c.isalnum() for c in text[:1024]) else None
+
+    def eligible(self, query: CacheQuery, asking: bool) -> tuple[bytes, str] | None:
+        """(scope, question) when this request takes part in the tier, else None."""
+        text = self.question(query, asking)
+        if text is None:
+            return None
+        if query.prompt is not None:
             scope = cache_key(query.namespace, query.model, "", (), query.sampling)
         else:
-            if not query.messages or query.messages[-1][0] != "user":
-                return None
-            text = query.messages[-1][1]
             earlier = (*query.messages[:-1], ("user", ""))
             scope = cache_key(query.namespace, query.model, None, earlier, query.sampling)
-        if not any(c.isalnum() for c in text[:1024]):
-            return None
         return scope, text
 
     def in_sync(self) -> bool:
@@ -235,24 +242,23 @@ class SemanticTier:
         return (
             self.settings.overlap_engine
             and self.in_sync()
-            and self.eligible(query, asking=True) is not None
+            and self.question(query, asking=True) is not None
         )
 
     def prepare(self, query: CacheQuery) -> None:
         """Starts the embedding while the exact L2 tier asks Redis: a lookup that reaches this
         tier finds it under way or done; `forgo` cancels it when an earlier tier answers."""
-        found = self.eligible(query, asking=True)
-        if found is not None and self.in_sync():
-            self._start_embedding(found[1]).prepared += 1
+        text = self.question(query, asking=True)
+        if text is not None and self.in_sync():
+            self._start_embedding(text).prepared += 1
 
     def forgo(self, query: CacheQuery) -> None:
         """An earlier tier answered: the embedding `prepare` started is cancelled unless another
         request still wants it. It would otherwise hold the embedding thread (a few ms of two
         cores) for a vector nobody uses, while the next request's embedding waits behind it."""
-        found = self.eligible(query, asking=True)
-        if found is None:
+        text = self.question(query, asking=True)
+        if text is None:
             return
-        text = found[1]
         running = self._embedding.get(text)
         if running is None or running.task.done():
             return
