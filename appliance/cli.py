@@ -116,8 +116,9 @@ def _cache(args: argparse.Namespace) -> int:
             print(f"appliance cache: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     print(
-        f"removed {removed.l1_removed} from L1 (this gateway), {removed.l2_removed} from Redis, "
-        f"{removed.semantic_removed} from the semantic index (every gateway follows)"
+        f"removed {removed.l1_removed} from L1, {removed.l2_removed} from Redis, "
+        f"{removed.semantic_removed} from the semantic index (this gateway's counts; every gateway "
+        "on the same Redis drops the same)"
     )
     return 0
 

@@ -406,6 +406,27 @@ _CACHE_COUNTERS = {
         "appliance_cache_engine_cancelled_by_semantic_hit",
         "Generations started beside a semantic lookup and cancelled by its hit.",
     ),
+    "l1_held_puts": (
+        "appliance_cache_l1_held_puts",
+        "Answers L1 refused because an invalidation had just named them (a Redis read begun "
+        "before it).",
+    ),
+    "l1_peer_invalidations": (
+        "appliance_cache_l1_peer_invalidations",
+        "Invalidations made through other gateways and applied to this gateway's L1.",
+    ),
+    "l1_feed_clears": (
+        "appliance_cache_l1_feed_clears",
+        "Times L1 was emptied on hearing Redis again (invalidations may have been missed).",
+    ),
+    "l1_feed_errors": (
+        "appliance_cache_l1_feed_errors",
+        "Times L1 lost the Redis stream of the other gateways' invalidations.",
+    ),
+    "l1_feed_corrupt_messages": (
+        "appliance_cache_l1_feed_corrupt_messages",
+        "Invalidation messages on the Redis stream that could not be read (skipped).",
+    ),
     "semantic_lookups": (
         "appliance_semantic_lookups",
         "Semantic lookups made (question embedded, index searched, candidates verified).",
@@ -446,6 +467,10 @@ _CACHE_GAUGES = {
     "l1_entries": ("appliance_cache_l1_entries", "Entries in the in-process L1 cache."),
     "l1_bytes": ("appliance_cache_l1_bytes", "Bytes of the answers in L1."),
     "breaker_open": ("appliance_redis_breaker_open", "1 while the Redis breaker is open."),
+    "l1_feed_in_step": (
+        "appliance_cache_l1_feed_in_step",
+        "1 while L1 follows the other gateways' invalidations on Redis.",
+    ),
     "semantic_entries": ("appliance_semantic_entries", "Entries in the semantic index."),
     "semantic_bytes": (
         "appliance_semantic_bytes",

@@ -1,6 +1,10 @@
 """L1: an in-process LRU bounded by entries and bytes, with a TTL.
 
 A hit here never leaves the event loop: a dict lookup and a move to the LRU end.
+
+An invalidation also holds back, for `hold_s`, puts of the entries it named: a read of the shared
+tier that began before the shared entry was unlinked can come back after L1 was emptied, and its
+answer would otherwise be copied back into L1 and served until the TTL.
 """
 
 from __future__ import annotations
@@ -19,11 +23,16 @@ class LruCache:
         max_bytes: int,
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
+        hold_s: float = 1.0,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.hold_s = hold_s
         self._clock = clock
+        # Invalidations still holding puts back: (namespace, model, entry, until); "" matches any.
+        self._holds: list[tuple[str, str, bytes | None, float]] = []
+        self.held = 0  # puts refused by a hold
         # key -> (expires_at, answer, labels); labels = (namespace, model) for invalidation.
         self._items: OrderedDict[bytes, tuple[float, CachedAnswer, tuple[str, str]]] = OrderedDict()
         self.bytes = 0
@@ -45,6 +54,9 @@ class LruCache:
         size = answer.size()
         if size > self.max_bytes or self.max_entries == 0:
             return
+        if self._holds and self._held(key, labels):
+            self.held += 1
+            return
         if key in self._items:
             self._drop(key)
         self._items[key] = (self._clock() + self.ttl_s, answer, labels)
@@ -64,7 +76,21 @@ class LruCache:
         ]
         for key in doomed:
             self._drop(key)
+        if self.hold_s > 0:
+            now = self._clock()
+            self._holds = [h for h in self._holds if h[3] > now]
+            self._holds.append((namespace, model, entry, now + self.hold_s))
         return len(doomed)
+
+    def _held(self, key: bytes, labels: tuple[str, str]) -> bool:
+        now = self._clock()
+        self._holds = [h for h in self._holds if h[3] > now]
+        return any(
+            (not namespace or namespace == labels[0])
+            and (not model or model == labels[1])
+            and (entry is None or entry == key)
+            for namespace, model, entry, _ in self._holds
+        )
 
     def _drop(self, key: bytes) -> None:
         _, answer, _ = self._items.pop(key)

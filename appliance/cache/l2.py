@@ -14,6 +14,7 @@ Redis Cluster is not supported: every key of the cache lives in one keyspace (SC
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Awaitable
@@ -92,7 +93,7 @@ class RedisTier:
         self._sentinel: Sentinel | None = None
         self.client: redis.Redis
         if settings.sentinels:
-            self._sentinel, self.client = _primary_of(settings, kwargs)
+            self._sentinel, self.client = _primary_of(settings, kwargs, _BlockingSentinelPool)
         else:
             pool = redis.BlockingConnectionPool.from_url(settings.url, **kwargs)
             self.client = redis.Redis.from_pool(pool)
@@ -229,12 +230,45 @@ class RedisTier:
                 await sentinel.aclose()
 
 
+class StreamClient:
+    """A Redis client apart from the tier's pool, for a follower's blocking XREAD (which would hold
+    one of the tier's time-budgeted connections for seconds) and the appends that go with it. With
+    Sentinels it talks to the primary they name, as the tier does; `url`'s host is not used then."""
+
+    def __init__(self, settings: RedisSettings, socket_timeout_s: float) -> None:
+        kwargs: dict[str, Any] = {
+            "username": settings.username,
+            "password": settings.password,
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": 1.0,
+        }
+        if settings.tls_ca_file:
+            kwargs["ssl_ca_certs"] = settings.tls_ca_file
+        self._sentinel: Sentinel | None = None
+        self.client: redis.Redis
+        if settings.sentinels:
+            self._sentinel, self.client = _primary_of(settings, kwargs, SentinelConnectionPool)
+        else:
+            self.client = redis.Redis.from_url(settings.url, **kwargs)
+
+    async def close(self) -> None:
+        """Bounded: a stop must not hang on a Redis that does not answer."""
+        with contextlib.suppress(TimeoutError, RedisError, OSError):
+            async with asyncio.timeout(1.0):
+                await self.client.aclose()
+                if self._sentinel is not None:
+                    for sentinel in self._sentinel.sentinels:
+                        await sentinel.aclose()
+
+
 class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
     """Sentinel's pool (connections go to the primary the Sentinels name) that waits for a free
     connection when all are in use, as the single-server pool does."""
 
 
-def _primary_of(settings: RedisSettings, kwargs: dict[str, Any]) -> tuple[Sentinel, redis.Redis]:
+def _primary_of(
+    settings: RedisSettings, kwargs: dict[str, Any], pool: type[SentinelConnectionPool]
+) -> tuple[Sentinel, redis.Redis]:
     """The Sentinels and a client of the primary they name for `sentinel_service`."""
     addresses = []
     for address in settings.sentinels:
@@ -248,7 +282,7 @@ def _primary_of(settings: RedisSettings, kwargs: dict[str, Any]) -> tuple[Sentin
     url = parse_url(settings.url)  # type: ignore[no-untyped-call]
     client = sentinel.master_for(
         settings.sentinel_service,
-        connection_pool_class=_BlockingSentinelPool,
+        connection_pool_class=pool,
         db=url.get("db", 0),
         ssl=settings.url.startswith("rediss://"),
         **kwargs,

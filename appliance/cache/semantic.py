@@ -24,7 +24,6 @@ down means no semantic hits, never a failed request. Without Redis the tier is t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
 import time
@@ -49,7 +48,7 @@ from appliance.cache.embedder import (
 )
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.keys import cache_key
-from appliance.cache.l2 import RedisTier
+from appliance.cache.l2 import RedisTier, StreamClient
 from appliance.cache.paraphrase import Rule
 from appliance.cache.tiers import CacheQuery, Hit
 from appliance.cache.vectors import Entry, VectorIndex
@@ -148,19 +147,12 @@ class SemanticTier:
         # hundred thousand new long-lived objects (the gateway freezes them, see server.py).
         self.on_rebuilt: Callable[[], None] = lambda: None
         self._stream = ""
+        self._own: StreamClient | None = None
         self._client: redis.Redis | None = None
         if l2 is not None:
             self._stream = f"{l2.settings.key_prefix}:{MARK}log"
-            # Its own connection: a blocking XREAD would hold one of L2's time-budgeted ones.
-            kwargs: dict[str, Any] = {
-                "username": l2.settings.username,
-                "password": l2.settings.password,
-                "socket_timeout": settings.follow_block_ms / 1000 + 2.0,
-                "socket_connect_timeout": 1.0,
-            }
-            if l2.settings.tls_ca_file:
-                kwargs["ssl_ca_certs"] = l2.settings.tls_ca_file
-            self._client = redis.Redis.from_url(l2.settings.url, **kwargs)
+            self._own = StreamClient(l2.settings, settings.follow_block_ms / 1000 + 2.0)
+            self._client = self._own.client
 
     # -- scope --------------------------------------------------------------------------------
 
@@ -335,10 +327,8 @@ class SemanticTier:
         }
         if waiting:
             await asyncio.wait(waiting, timeout=1.0)
-        if self._client is not None:
-            with contextlib.suppress(TimeoutError, RedisError, OSError):
-                async with asyncio.timeout(1.0):
-                    await self._client.aclose()
+        if self._own is not None:
+            await self._own.close()
         self._embeds.shutdown(wait=False, cancel_futures=True)
 
     # -- work off the request path ------------------------------------------------------------

@@ -17,12 +17,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l1 import LruCache
 from appliance.cache.metrics import CacheMetrics
+
+if TYPE_CHECKING:  # the feed is built on L2's client, which imports this module
+    from appliance.cache.invalidation_feed import InvalidationFeed
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +103,15 @@ class CacheTier(Protocol):
 
 
 class L1Tier:
-    """The in-process LRU as a tier: a hit never leaves the event loop."""
+    """The in-process LRU as a tier: a hit never leaves the event loop. With a feed, invalidations
+    made through the other gateways sharing its Redis drop entries here too, and this gateway's
+    reach them."""
 
     name = "l1"
 
-    def __init__(self, lru: LruCache) -> None:
+    def __init__(self, lru: LruCache, feed: InvalidationFeed | None = None) -> None:
         self.lru = lru
+        self.feed = feed
 
     async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
         return self.lru.get(query.key)
@@ -123,16 +129,26 @@ class L1Tier:
         return None
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
-        return self.lru.invalidate(namespace, model, entry)
+        removed = self.lru.invalidate(namespace, model, entry)
+        if self.feed is not None:
+            await self.feed.publish(namespace, model, entry)
+        return removed
 
     def counters(self) -> dict[str, int]:
-        return {"l1_entries": len(self.lru), "l1_bytes": self.lru.bytes}
+        counters = {"l1_entries": len(self.lru), "l1_bytes": self.lru.bytes}
+        counters["l1_held_puts"] = self.lru.held
+        if self.feed is not None:
+            counters.update(self.feed.counters())
+        return counters
 
     async def check(self) -> str:
+        if self.feed is not None:
+            self.feed.start()
         return ""
 
     async def close(self) -> None:
-        return None
+        if self.feed is not None:
+            await self.feed.close()
 
 
 class TierCascade:
@@ -189,10 +205,12 @@ class TierCascade:
     async def invalidate(
         self, namespace: str, model: str, entry: bytes | None = None
     ) -> dict[str, int]:
-        """Removed entries per tier. Every tier is tried; the first failure is raised after."""
+        """Removed entries per tier. Every tier is tried; the first failure is raised after.
+        The last tier goes first: an earlier tier emptied before a later one could be filled again
+        from it by a lookup under way."""
         removed: dict[str, int] = {}
         failure: Exception | None = None
-        for tier in self.tiers:
+        for tier in reversed(self.tiers):
             try:
                 removed[tier.name] = await tier.invalidate(namespace, model, entry)
             except Exception as exc:  # Redis down: the other tiers are still dropped

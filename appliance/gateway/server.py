@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from appliance import sdnotify
 from appliance.admission import GatedAdmission, ModelGate
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
+from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
@@ -48,9 +49,12 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
     if not config.enabled:
         return None
     metrics = CacheMetrics()
-    tiers: list[CacheTier] = [
-        L1Tier(LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s))
-    ]
+    # A Redis read under way when an invalidation lands ends within its time budget: past twice
+    # that, its answer can no longer be copied back into L1.
+    hold_s = 1.0 if config.redis is None else max(1.0, 2 * config.redis.timeout_ms / 1000)
+    lru = LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s, hold_s=hold_s)
+    feed = None if config.redis is None else InvalidationFeed(config.redis, lru.invalidate)
+    tiers: list[CacheTier] = [L1Tier(lru, feed)]
     l2 = RedisTier(config.redis, metrics) if config.redis is not None else None
     if l2 is not None:
         tiers.append(l2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -89,6 +89,19 @@ async def gw(tiny: Tiny, engine: Engine, redis_server: RedisServer) -> AsyncIter
     g = await gateway(tiny, engine, cache_config(redis_server))
     yield g
     await g.close()
+
+
+async def until(
+    g: Gateway, done: Callable[[dict[str, int]], bool], timeout: float = 20.0
+) -> dict[str, int]:
+    """Polls the gateway's counters until `done` holds (what it waits for happens in the
+    background: writes, stream followers)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            counters = await g.counters()
+            if done(counters):
+                return counters
+            await asyncio.sleep(0.02)
 
 
 counter = iter(range(10**9))
@@ -321,6 +334,59 @@ async def test_invalidate_a_namespace(gw: Gateway, redis_server: RedisServer) ->
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await gw.admin.Invalidate(pb.InvalidateRequest())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_an_invalidation_reaches_the_l1_of_every_gateway_on_the_redis(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer
+) -> None:
+    other = await gateway(tiny, engine, cache_config(redis_server))
+    try:
+        for g in (gw, other):
+            await until(g, lambda c: c["l1_feed_in_step"] == 1)
+        team, single, kept = req(namespace="team"), req(namespace="one"), req(namespace="one")
+        for r in (team, single, kept):
+            await gw.stub.Complete(r)
+        await settle()
+        for r in (team, single, kept):
+            assert (await other.stub.Complete(r)).final.cache_tier == L2
+            assert (await other.stub.Complete(r)).final.cache_tier == L1
+        removed = await gw.admin.Invalidate(pb.InvalidateRequest(namespace="team"))
+        assert (removed.l1_removed, removed.l2_removed) == (1, 1)
+        await until(other, lambda c: c["l1_peer_invalidations"] == 1)
+        assert (await other.stub.Complete(team)).final.cache_tier == MISS
+        # One answer by its key (the hex that ends its Redis key), the rest of the namespace kept.
+        name = redis_server.client().keys("appliance:one:*")[0].decode()
+        await gw.admin.Invalidate(pb.InvalidateRequest(namespace="one", entry=name[-32:]))
+        await until(other, lambda c: c["l1_peer_invalidations"] == 2)
+        tiers = [(await other.stub.Complete(r)).final.cache_tier for r in (single, kept)]
+        assert sorted(tiers) == [MISS, L1]
+        own = await gw.counters()
+        assert own["l1_peer_invalidations"] == 0  # its own messages: applied when it made them
+        assert own["l1_feed_errors"] == 0 and (await other.counters())["l1_feed_errors"] == 0
+    finally:
+        await other.close()
+
+
+async def test_a_gateway_that_lost_redis_empties_its_l1_when_it_hears_redis_again(
+    tiny: Tiny, engine: Engine, redis_server: RedisServer
+) -> None:
+    """It may have missed other gateways' invalidations meanwhile; its L1 answered all along."""
+    redis_server.client().flushall()
+    g = await gateway(tiny, engine, cache_config(redis_server))
+    try:
+        await until(g, lambda c: c["l1_feed_in_step"] == 1)
+        r = req()
+        await g.stub.Complete(r)
+        assert (await g.stub.Complete(r)).final.cache_tier == L1
+        redis_server.kill()
+        await until(g, lambda c: c["l1_feed_in_step"] == 0)
+        assert (await g.stub.Complete(r)).final.cache_tier == L1
+        redis_server.start()
+        counters = await until(g, lambda c: c["l1_feed_clears"] == 1)
+        assert counters["l1_feed_in_step"] == 1 and counters["l1_entries"] == 0
+        assert (await g.stub.Complete(r)).final.cache_tier != L1
+    finally:
+        await g.close()
 
 
 async def test_redis_killed_mid_load_and_restarted(

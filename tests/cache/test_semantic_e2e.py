@@ -8,7 +8,7 @@ import gc
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from appliance.config import CacheConfig, HttpConfig, SemanticConfig
 from appliance.gateway.server import freeze_heap, keep_long_lived_from_gc
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
-from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, settle, started
+from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, settle, started, until
 from tests.conftest import Engine, Tiny
 from tests.gateway.test_e2e import cache_cli
 
@@ -78,18 +78,6 @@ def ask(text: str, namespace: str = "sem", **kw: object) -> pb.GenerateRequest:
 def chat(*turns: tuple[str, str], **kw: object) -> pb.GenerateRequest:
     messages = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in turns])
     return ask("", messages=messages, **kw)
-
-
-async def until(
-    g: Gateway, done: Callable[[dict[str, int]], bool], timeout: float = 20.0
-) -> dict[str, int]:
-    """Polls the gateway's counters until `done` holds (the tier's writes are in the background)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            counters = await g.counters()
-            if done(counters):
-                return counters
-            await asyncio.sleep(0.02)
 
 
 def semantic_tier(g: Gateway) -> SemanticTier:
@@ -359,10 +347,13 @@ async def test_the_redis_roles_gateway_user_may_send_what_every_tier_sends(
             assert counters["semantic_entries"] == 1
             from_l2 = await other.stub.Complete(ask(QUESTION))
             assert (from_l2.final.cache_tier, from_l2.text) == (L2, asked.text)
+            await until(other, lambda c: c["l1_feed_in_step"] == 1)
             await first.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
             await until(other, lambda c: c["semantic_entries"] == 0)
+            await until(other, lambda c: c["l1_peer_invalidations"] == 1 and c["l1_entries"] == 0)
             for g in (first, other):
                 counters = await g.counters()
+                assert counters["l1_feed_errors"] == 0, counters
                 assert counters["semantic_follower_errors"] == 0, counters
                 assert counters["semantic_store_failures"] == 0, counters
                 assert counters["l2_errors"] == counters["write_failures"] == 0, counters
@@ -392,8 +383,8 @@ async def test_a_wrong_hit_is_dropped_by_its_entry_on_every_gateway(
         done = await asyncio.to_thread(cache_cli, address, *args)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == (
-            "removed 1 from L1 (this gateway), 2 from Redis, "
-            "1 from the semantic index (every gateway follows)"
+            "removed 1 from L1, 2 from Redis, 1 from the semantic index (this gateway's counts; "
+            "every gateway on the same Redis drops the same)"
         )
         await until(other, lambda c: c["semantic_entries"] == 1)
         assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS

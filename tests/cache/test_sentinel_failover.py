@@ -7,10 +7,12 @@ redis-sentinel processes on loopback; the gateway and engine server in this proc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,7 +21,8 @@ from appliance.cache.l2 import RedisSettings
 from appliance.config import CacheConfig
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import SentinelGroup
-from tests.cache.test_cache_e2e import MAC_KEY, Gateway, gateway
+from tests.cache.test_cache_e2e import MAC_KEY, Gateway, gateway, until
+from tests.cache.test_semantic_e2e import QUESTION, ask, semantic_config
 from tests.conftest import Engine, Tiny
 
 L2 = pb.CACHE_TIER_EXACT_L2
@@ -119,3 +122,36 @@ async def test_losing_the_primary_degrades_to_l1_then_l2_resumes(
         f" {counters.get('l2_errors', 0)}, timeouts {counters.get('l2_timeouts', 0)}",
         file=sys.stderr,
     )
+
+
+async def test_the_stream_followers_use_the_primary_the_sentinels_name(
+    tiny: Tiny, engine: Engine, group: SentinelGroup, embedder_dir: Path
+) -> None:
+    """Not the host in `url` (nothing listens there): the semantic tier's entries and every
+    invalidation reach the other gateway through the primary the Sentinels name."""
+    settings = RedisSettings(
+        url="redis://127.0.0.1:1/0",
+        sentinels=group.addresses,
+        sentinel_service=group.name,
+        timeout_ms=200.0,
+        breaker_reset_s=0.2,
+        mac_key=MAC_KEY,
+    )
+    config = dataclasses.replace(semantic_config(None, embedder_dir), redis=settings)
+    first = await gateway(tiny, engine, config)
+    other = await gateway(tiny, engine, config)
+    try:
+        for g in (first, other):
+            await until(g, lambda c: c["semantic_in_sync"] == 1 and c["l1_feed_in_step"] == 1)
+        await first.stub.Complete(ask(QUESTION))
+        await until(other, lambda c: c["semantic_entries"] == 1)
+        assert (await other.stub.Complete(ask(QUESTION))).final.cache_tier == L2
+        await first.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
+        counters = await until(
+            other, lambda c: c["semantic_entries"] == 0 and c["l1_peer_invalidations"] == 1
+        )
+        assert counters["l1_entries"] == 0
+        assert counters["semantic_follower_errors"] == counters["l1_feed_errors"] == 0
+    finally:
+        await other.close()
+        await first.close()

@@ -15,6 +15,7 @@ from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.singleflight import Flight, SingleFlight
+from appliance.cache.tiers import L1Tier, TierCascade
 
 
 class Clock:
@@ -90,6 +91,46 @@ def test_lru_invalidates_by_namespace_and_model() -> None:
     assert lru.invalidate("a", "", entry=b"1") == 0
     assert lru.invalidate("a", "") == 1 and len(lru) == 1
     assert lru.invalidate("", "m") == 1 and len(lru) == 0
+
+
+def test_an_invalidation_holds_back_puts_of_what_it_named_for_a_while() -> None:
+    """A Redis read begun before an invalidation may end after it: its answer is not copied back."""
+    clock = Clock()
+    lru = LruCache(10, 10**6, 60, clock=clock, hold_s=1.0)
+    lru.invalidate("a", "", entry=b"1")
+    lru.invalidate("", "m")
+    lru.put(b"1", answer(), ("a", "n"))  # the entry named
+    lru.put(b"2", answer(), ("b", "m"))  # the model named
+    lru.put(b"3", answer(), ("a", "n"))  # another key of that namespace
+    lru.put(b"4", answer(), ("b", "n"))
+    assert (lru.get(b"1"), lru.get(b"2")) == (None, None) and lru.held == 2
+    assert lru.get(b"3") is not None and lru.get(b"4") is not None
+    clock.now = 1.0
+    lru.put(b"1", answer(), ("a", "n"))
+    lru.put(b"2", answer(), ("b", "m"))
+    assert lru.get(b"1") is not None and lru.get(b"2") is not None and lru.held == 2
+    everything = LruCache(10, 10**6, 60, clock=clock, hold_s=1.0)
+    everything.invalidate("", "")
+    everything.put(b"5", answer(), ("c", "x"))
+    assert everything.get(b"5") is None
+
+
+class Recorded(L1Tier):
+    def __init__(self, name: str, calls: list[str]) -> None:
+        super().__init__(LruCache(10, 10**6, 60))
+        self.name, self.calls = name, calls
+
+    async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
+        self.calls.append(self.name)
+        return 0
+
+
+async def test_the_cascade_invalidates_the_last_tier_first() -> None:
+    """L1 emptied before L2 could be filled again from L2 by a lookup under way."""
+    calls: list[str] = []
+    tiers = [Recorded(name, calls) for name in ("l1", "l2", "semantic")]
+    await TierCascade(tiers, CacheMetrics()).invalidate("ns", "")
+    assert calls == ["semantic", "l2", "l1"]
 
 
 def test_breaker_opens_probes_and_closes() -> None:

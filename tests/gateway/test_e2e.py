@@ -221,8 +221,8 @@ async def test_cache_cli_stats_and_invalidate(
     done = cache_cli(gateway_address, "invalidate", "--namespace", "cli")
     assert done.returncode == 0
     assert done.stdout.strip() == (
-        "removed 1 from L1 (this gateway), 0 from Redis, "
-        "0 from the semantic index (every gateway follows)"
+        "removed 1 from L1, 0 from Redis, 0 from the semantic index (this gateway's counts; "
+        "every gateway on the same Redis drops the same)"
     )
     assert (await stub.Complete(r)).final.cache_tier == pb.CACHE_TIER_MISS
 

@@ -1,0 +1,151 @@
+"""Invalidations made through one gateway reach every gateway's L1.
+
+L1 lives in each gateway's process: an invalidation sent to one gateway (CacheAdmin.Invalidate, the
+CLI) drops that gateway's copies and the shared Redis entries, and the other gateways would go on
+answering the dropped question from their L1 until its TTL. So the gateway that invalidates appends
+one message to a Redis stream once the shared entries are unlinked, and every gateway follows the
+stream with a blocking XREAD and drops the same entries from its own L1.
+
+A gateway that loses Redis may miss messages. L1 keeps answering meanwhile (Redis is never a
+dependency), and when the follower hears Redis again it empties L1: what it may have missed is
+unknown, and the entries come back from L2 on the next requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from appliance.cache.l2 import RedisSettings, StreamClient
+
+log = logging.getLogger(__name__)
+
+# (namespace, model, entry or None) -> entries dropped; "" matches any namespace or model.
+Apply = Callable[[str, str, bytes | None], int]
+
+
+@dataclass
+class _Counters:
+    applied: int = 0  # invalidations made through other gateways and applied here
+    cleared: int = 0  # times L1 was emptied because the follower had lost Redis
+    errors: int = 0  # times the follower lost Redis
+    corrupt: int = 0  # messages that could not be read (skipped)
+
+
+class InvalidationFeed:
+    """Publishes this gateway's invalidations and applies everyone else's."""
+
+    def __init__(
+        self,
+        settings: RedisSettings,
+        apply: Apply,
+        block_ms: int = 1000,
+        max_len: int = 1000,
+        retry_s: float | None = None,
+    ) -> None:
+        self.stream = f"{settings.key_prefix}:inv-log"
+        self._apply = apply
+        self._block_ms = block_ms
+        self._max_len = max_len
+        self._retry_s = settings.breaker_reset_s if retry_s is None else retry_s
+        # Tells this gateway's own messages apart: it has applied them already.
+        self.origin = os.urandom(8).hex()
+        self._own = StreamClient(settings, block_ms / 1000 + 2.0)
+        self._follower: asyncio.Task[None] | None = None
+        self.following = False
+        self.counts = _Counters()
+
+    async def publish(self, namespace: str, model: str, entry: bytes | None) -> None:
+        """Raises when Redis does not take it (the caller says the invalidation did not reach
+        every gateway)."""
+        message = {
+            "ns": namespace,
+            "model": model,
+            "entry": "" if entry is None else entry.hex(),
+            "from": self.origin,
+        }
+        await self._own.client.xadd(
+            self.stream,
+            message,  # type: ignore[arg-type]
+            maxlen=self._max_len,
+            approximate=True,
+        )
+
+    def start(self) -> None:
+        if self._follower is None:
+            self._follower = asyncio.get_running_loop().create_task(self._follow())
+
+    def counters(self) -> dict[str, int]:
+        c = self.counts
+        return {
+            "l1_feed_in_step": int(self.following),
+            "l1_peer_invalidations": c.applied,
+            "l1_feed_clears": c.cleared,
+            "l1_feed_errors": c.errors,
+            "l1_feed_corrupt_messages": c.corrupt,
+        }
+
+    async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.wait({self._follower}, timeout=1.0)
+        await self._own.close()
+
+    def _message(self, fields: dict[bytes, bytes]) -> None:
+        if fields.get(b"from", b"").decode(errors="replace") == self.origin:
+            return
+        try:
+            namespace, model = fields[b"ns"].decode(), fields[b"model"].decode()
+            entry = bytes.fromhex(fields[b"entry"].decode()) if fields[b"entry"] else None
+        except (KeyError, UnicodeDecodeError, ValueError):
+            self.counts.corrupt += 1
+            return
+        self._apply(namespace, model, entry)
+        self.counts.applied += 1
+
+    async def _follow(self) -> None:
+        """From the stream's end at start (L1 is empty then); after a fault, from the end again
+        with L1 emptied."""
+        client = self._own.client
+        position: str | None = None
+        lost = False
+        while True:
+            try:
+                if position is None:
+                    last: Any = await client.xrevrange(self.stream, count=1)
+                    position = last[0][0].decode() if last else "0-0"
+                    if lost:
+                        dropped = self._apply("", "", None)
+                        self.counts.cleared += 1
+                        log.info(
+                            "L1 in step with other gateways' invalidations again; emptied it "
+                            "(%d entries) since some may have been missed",
+                            dropped,
+                        )
+                        lost = False
+                    self.following = True
+                reply: Any = await client.xread(
+                    {self.stream: position}, count=1000, block=self._block_ms
+                )
+                for _, messages in reply or ():
+                    for message_id, fields in messages:
+                        self._message(fields)
+                        position = message_id.decode()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self.following = False
+                position = None
+                self.counts.errors += 1
+                if not lost:
+                    log.warning(
+                        "L1 lost redis (%s): other gateways' invalidations do not reach it "
+                        "until back",
+                        exc,
+                    )
+                    lost = True
+                await asyncio.sleep(self._retry_s)
