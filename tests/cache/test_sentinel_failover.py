@@ -99,6 +99,9 @@ async def test_losing_the_primary_degrades_to_l1_then_l2_resumes(
         group.primary.kill()
         killed = load.since = time.monotonic()
         await asyncio.wait_for(load.l2_hit.wait(), 60)
+        # The invalidation feed lost its connection with the primary: it follows the new one, L1
+        # emptied once (invalidations may have been missed meanwhile).
+        await until(gw, lambda c: c["l1_feed_clears"] >= 1 and c["l1_feed_in_step"] == 1)
         # A little more load on the new primary, then stop.
         await asyncio.sleep(0.5)
     finally:
