@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
+from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
@@ -131,6 +132,29 @@ async def test_the_cascade_invalidates_the_last_tier_first() -> None:
     tiers = [Recorded(name, calls) for name in ("l1", "l2", "semantic")]
     await TierCascade(tiers, CacheMetrics()).invalidate("ns", "")
     assert calls == ["semantic", "l2", "l1"]
+
+
+def test_the_feed_applies_other_gateways_messages_and_skips_bad_ones() -> None:
+    applied: list[tuple[str, str, bytes | None]] = []
+
+    def apply(namespace: str, model: str, entry: bytes | None) -> int:
+        applied.append((namespace, model, entry))
+        return 0
+
+    feed = InvalidationFeed(RedisSettings(mac_key=b"k"), apply)  # connects only when used
+    key = bytes(range(16))
+    feed._message({b"ns": b"team", b"model": b"", b"entry": key.hex().encode(), b"from": b"x"})
+    feed._message({b"ns": b"", b"model": b"m", b"entry": b"", b"from": b"x"})
+    feed._message({b"ns": b"own", b"model": b"", b"entry": b"", b"from": feed.origin.encode()})
+    for bad in (
+        {b"ns": b"team", b"model": b"", b"entry": b"not hex"},
+        {b"ns": b"\xff", b"model": b"", b"entry": b""},
+        {b"model": b"m"},
+    ):
+        feed._message(bad)
+    assert applied == [("team", "", key), ("", "m", None)]
+    counters = feed.counters()
+    assert (counters["l1_peer_invalidations"], counters["l1_feed_corrupt_messages"]) == (2, 3)
 
 
 def test_breaker_opens_probes_and_closes() -> None:
