@@ -20,6 +20,8 @@ the store's background embedding does not land in the next sample. Goal: (b) <= 
   (f) cross-gateway delay: A answers a miss (a new question); from the moment A's final message
       arrives, B is polled with a paraphrase under cache_policy ONLY (NOT_FOUND until B's index has
       the entry; never reaches the engine) until it answers SEMANTIC. Goal: <= 1 s.
+  (h) invalidation delay: an answer B holds in L1 is invalidated through A; from the moment A's
+      Invalidate returns, B is polled under cache_policy ONLY until no tier answers.
   (g) B is stopped and started again: seconds from spawn until it serves, and until its first
       semantic hit (index rebuilt from Redis), with the entries Redis holds then.
 
@@ -298,6 +300,48 @@ async def cross_gateway(args: argparse.Namespace, a: str, b: str) -> tuple[str, 
     return answered[0]
 
 
+async def until_gone(stub: pb_grpc.InferenceStub, request: pb.GenerateRequest) -> int:
+    """Polls with cache_policy ONLY until no tier answers; returns how many answers came first."""
+    only = pb.GenerateRequest()
+    only.CopyFrom(request)
+    only.cache_policy = pb.CACHE_POLICY_ONLY
+    answered = 0
+    while True:
+        try:
+            await stub.Complete(only, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return answered
+        answered += 1
+        await asyncio.sleep(0.001)
+
+
+async def invalidation_delay(args: argparse.Namespace, a: str, b: str) -> None:
+    """(h): an answer B holds in its L1, invalidated through A; from the moment A's Invalidate
+    returns, B is polled (cache_policy ONLY) until no tier answers."""
+    delays: list[float] = []
+    answered_after = 0
+    async with grpc.aio.insecure_channel(a) as ca, grpc.aio.insecure_channel(b) as cb:
+        sa, sb = pb_grpc.InferenceStub(ca), pb_grpc.InferenceStub(cb)
+        admin = pb_grpc.CacheAdminStub(ca)
+        for t in range(args.trials):
+            request = ask(f"What is invalidation trial {t} about?", f"inv{t}", semantic=False)
+            await timed(sa, request)
+            async with asyncio.timeout(10):
+                while (await timed(sb, request))[1].cache_tier != L1:
+                    await asyncio.sleep(0.005)  # A's write to Redis is in the background
+            await admin.Invalidate(pb.InvalidateRequest(namespace=f"inv{t}"))
+            returned = time.perf_counter()
+            answered_after += await until_gone(sb, request)
+            delays.append(time.perf_counter() - returned)
+    print(
+        f"(h) invalidation through A reaching B's L1, {len(delays)} trials: P50"
+        f" {pct(delays, 0.5) * 1e3:.1f} ms, max {max(delays) * 1e3:.1f} ms; B answered"
+        f" {answered_after} times from L1 after A's Invalidate had returned"
+    )
+
+
 async def restart(b: Gateways, probe: tuple[str, str]) -> None:
     namespace, paraphrase = probe
     started = time.perf_counter()
@@ -333,6 +377,7 @@ async def measure(
     outside = (box_busy_s() - box0 - (ours_s(g.pids) - ours0)) / (time.perf_counter() - t0)
     print(f"    cores busy with processes this run did not start, during (a)-(e): {outside:.2f}")
     probe = await cross_gateway(args, g.a, g.b)
+    await invalidation_delay(args, g.a, g.b)
     if args.restart:
         await asyncio.to_thread(processes.stop, b)
         await restart(g, probe)
