@@ -260,17 +260,35 @@ def _warm_up_on_one_host_is_cached_for_the_other(fleet: Fleet) -> None:
 
     assert warm(HOSTS["fleet-a"]).startswith("2/2: 2 warmed, 0 already cached, 0 failed")
 
-    def in_l2_for_b() -> bool:
-        """Asked with cache_policy ONLY, so polling never generates an answer on fleet-b."""
+    def asked_of_b() -> list[str]:
         asked = fleet.in_client_ns("-c", _ASK_CACHE_ONLY, f"{HOSTS['fleet-b']}:50051", str(prompts))
-        return asked.returncode == 0 and asked.stdout.split() == ["CACHE_TIER_EXACT_L2"] * 2
+        assert asked.returncode == 0, asked.stderr
+        return asked.stdout.split()
 
     # fleet-a writes to L2 in the background, right after answering.
-    fleet.machines["fleet-b"].wait_for("fleet-b to find fleet-a's answers in L2", in_l2_for_b, 30)
+    fleet.machines["fleet-b"].wait_for(
+        "fleet-b to find fleet-a's answers in L2",
+        lambda: asked_of_b() == ["CACHE_TIER_EXACT_L2"] * 2,
+        30,
+    )
     assert warm(HOSTS["fleet-b"]).startswith("2/2: 0 warmed, 2 already cached, 0 failed")
+    assert asked_of_b() == ["CACHE_TIER_EXACT_L1"] * 2
+    # Invalidated through fleet-a: fleet-b's L1 drops them too (it follows fleet-a's message on
+    # the replicated Redis); then warmed again for the tests after this one.
+    gone = fleet.in_client_ns(
+        "-m", "appliance", "cache", "--gateway", f"{HOSTS['fleet-a']}:50051", "invalidate", "--all"
+    )
+    assert gone.returncode == 0 and "2 from Redis" in gone.stdout, (gone.stdout, gone.stderr)
+    fleet.machines["fleet-b"].wait_for(
+        "fleet-b's L1 to drop what fleet-a invalidated",
+        lambda: asked_of_b() == ["NOT_FOUND"] * 2,
+        10,
+    )
+    assert warm(HOSTS["fleet-a"]).startswith("2/2: 2 warmed, 0 already cached, 0 failed")
 
 
-# argv: GATEWAY PROMPTS_FILE; prints the tier that answered each prompt as the warm-up asked it.
+# argv: GATEWAY PROMPTS_FILE; prints the tier that answered each prompt as the warm-up asked it,
+# NOT_FOUND where no tier did. Asked with cache_policy ONLY: it never generates an answer.
 _ASK_CACHE_ONLY = """
 import sys, grpc
 from appliance.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
@@ -278,7 +296,12 @@ stub = pb_grpc.InferenceStub(grpc.insecure_channel(sys.argv[1]))
 for prompt in open(sys.argv[2]).read().splitlines():
     request = pb.GenerateRequest(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0.0,
                                  cache_policy=pb.CACHE_POLICY_ONLY)
-    print(pb.CacheTier.Name(stub.Complete(request, timeout=10).final.cache_tier))
+    try:
+        print(pb.CacheTier.Name(stub.Complete(request, timeout=10).final.cache_tier))
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        print("NOT_FOUND")
 """
 
 
