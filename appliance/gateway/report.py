@@ -64,10 +64,15 @@ class AccessLog:
         "prompt_tokens=%d completion_tokens=%d queue_ms=%.3f ttft_ms=%.3f total_ms=%.3f"
     )
 
+    # A semantic hit: what an audit of a wrong answer needs, and `appliance cache invalidate
+    # --entry` takes.
+    SEMANTIC = " similarity=%.3f cache_entry=%s"
+
     def report(self, r: RequestReport) -> None:
         if access.isEnabledFor(logging.INFO):
+            semantic = (r.similarity, r.cache_entry) if r.cache_entry else ()
             access.info(
-                self.FORMAT,
+                self.FORMAT + (self.SEMANTIC if semantic else ""),
                 r.front_end,
                 r.request_id,
                 r.key_id,
@@ -83,6 +88,7 @@ class AccessLog:
                 r.queue_us / 1000,
                 r.ttft_us / 1000,
                 r.total_us / 1000,
+                *semantic,
                 extra={"access": r},
             )
 

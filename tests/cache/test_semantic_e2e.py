@@ -115,13 +115,19 @@ async def stored(g: Gateway, n: int) -> None:
 
 
 async def test_a_paraphrase_is_answered_from_the_semantic_tier_with_its_audit_fields(
-    gw: Gateway, engine: Engine, tiny: Tiny
+    gw: Gateway, engine: Engine, tiny: Tiny, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = await gw.stub.Complete(ask(QUESTION))
     assert first.final.cache_tier == MISS
     await stored(gw, 1)
     before = started(engine)
-    hit = await gw.stub.Complete(ask(PARAPHRASE))
+    with caplog.at_level(logging.INFO, logger="appliance.access"):
+        hit = await gw.stub.Complete(ask(PARAPHRASE, request_id="audited"))
+    (line,) = [r.getMessage() for r in caplog.records if "request_id='audited'" in r.getMessage()]
+    assert " tier=semantic " in line
+    assert line.endswith(
+        f" similarity={hit.final.similarity:.3f} cache_entry={hit.final.cache_entry}"
+    )
     assert hit.final.cache_tier == SEMANTIC
     assert (hit.text, list(hit.token_ids)) == (first.text, list(first.token_ids))
     assert 0.8 < hit.final.similarity <= 1.0
