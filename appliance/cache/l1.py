@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from appliance.cache.entry import CachedAnswer
 
+MAX_HOLDS = 64
+
 
 class LruCache:
     def __init__(
@@ -80,6 +82,9 @@ class LruCache:
             now = self._clock()
             self._holds = [h for h in self._holds if h[3] > now]
             self._holds.append((namespace, model, entry, now + self.hold_s))
+            if len(self._holds) > MAX_HOLDS:
+                # A burst of invalidations: one hold of everything keeps each put's check short.
+                self._holds = [("", "", None, now + self.hold_s)]
         return len(doomed)
 
     def _held(self, key: bytes, labels: tuple[str, str]) -> bool:

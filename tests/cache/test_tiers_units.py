@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.invalidation_feed import InvalidationFeed
-from appliance.cache.l1 import LruCache
+from appliance.cache.l1 import MAX_HOLDS, LruCache
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.singleflight import Flight, SingleFlight
@@ -114,6 +114,16 @@ def test_an_invalidation_holds_back_puts_of_what_it_named_for_a_while() -> None:
     everything.invalidate("", "")
     everything.put(b"5", answer(), ("c", "x"))
     assert everything.get(b"5") is None
+    # A burst of invalidations (a looping script) becomes one hold of everything, briefly.
+    burst = LruCache(10, 10**6, 60, clock=clock, hold_s=1.0)
+    for n in range(MAX_HOLDS + 1):
+        burst.invalidate(f"ns{n}", "")
+    assert len(burst._holds) == 1
+    burst.put(b"6", answer(), ("elsewhere", "x"))
+    assert burst.get(b"6") is None
+    clock.now += 1.0
+    burst.put(b"6", answer(), ("elsewhere", "x"))
+    assert burst.get(b"6") is not None
 
 
 class Recorded(L1Tier):
