@@ -307,8 +307,8 @@ def parser() -> argparse.ArgumentParser:
     inv.add_argument(
         "--entry",
         default="",
-        help="drop only this answer: a cache key (32 hex digits), e.g. a semantic hit's "
-        "cache_entry; with --namespace",
+        help="drop only this answer: its cache key (32 hex digits), the cache_entry its final "
+        "message and the access log name; with --namespace",
     )
     csub.add_parser("stats", help="print the cache's counters")
     w = csub.add_parser(

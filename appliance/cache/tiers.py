@@ -52,7 +52,8 @@ class Hit:
     tier: str
     # False for an answer cached under another key (a paraphrase): never copied to exact tiers.
     exact: bool = True
-    # Semantic hits: the cosine similarity of the two questions and the answering entry's key.
+    # The answering entry's key: the request's own for an exact hit, another request's for a
+    # semantic one, which also says the cosine similarity of the two questions.
     similarity: float = 0.0
     entry: bytes = b""
 
@@ -184,7 +185,9 @@ class TierCascade:
                     for later in self.tiers[index + 1 :]:
                         later.prepare(query)
                 continue
-            hit = Hit(found, tier.name) if isinstance(found, CachedAnswer) else found
+            hit = (
+                Hit(found, tier.name, entry=query.key) if isinstance(found, CachedAnswer) else found
+            )
             if prepared:
                 for later in self.tiers[index + 1 :]:
                     later.forgo(query)

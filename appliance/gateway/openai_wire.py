@@ -402,6 +402,7 @@ def extension(request_id: str, final: pb.Final) -> dict[str, Any]:
     }
     if final.cache_tier == pb.CACHE_TIER_SEMANTIC:
         facts["similarity"] = round(final.similarity, 4)
+    if final.cache_entry:
         facts["cache_entry"] = final.cache_entry
     return facts
 

@@ -50,7 +50,7 @@ import grpc
 
 from appliance.admission import Admission
 from appliance.backends.base import BackendError, GenerationRequest
-from appliance.cache.keys import SamplingKey, cache_key, is_deterministic
+from appliance.cache.keys import ModelIdentity, SamplingKey, cache_key, is_deterministic
 from appliance.cache.policy import CachePlan, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, Hit, TierCascade
@@ -75,6 +75,18 @@ ENGINE_FAULTS = frozenset(
         grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
+
+# Finish reasons of a complete answer: the only ones cached.
+CACHED_FINISHES = frozenset({"stop", "length"})
+
+
+def keyed_by(query: CacheQuery, produced_by: ModelIdentity) -> CacheQuery:
+    """The query an answer is cached under: another model's answer (a fallback's) is keyed by that
+    model's identity, so the requested model's key never returns it."""
+    if produced_by == query.model:
+        return query
+    key = cache_key(query.namespace, produced_by, query.prompt, query.messages, query.sampling)
+    return dataclasses.replace(query, key=key, model=produced_by)
 
 
 def sampling_key(checked: CheckedRequest) -> SamplingKey:
@@ -353,9 +365,9 @@ class Pipeline:
 
     def replay(self, hit: Hit, report: RequestReport, received: int) -> list[pb.GenerateResponse]:
         """A cached answer in the shape of a generated one: one delta, then the final message."""
-        answer, report.tier = hit.answer, hit.tier
+        answer, report.tier, report.cache_entry = hit.answer, hit.tier, hit.entry.hex()
         if not hit.exact:
-            report.similarity, report.cache_entry = hit.similarity, hit.entry.hex()
+            report.similarity = hit.similarity
         started = time.monotonic_ns()
         report.answered_by = report.model
         report.finish_reason = answer.finish_reason
@@ -546,6 +558,8 @@ class Pipeline:
                         report.ttft_us = (now - received) // 1000
                     continue
                 self._outcome(report, event)
+                if generation.shared is not None and event.finish_reason in CACHED_FINISHES:
+                    report.cache_entry = keyed_by(generation.shared, event.produced_by).key.hex()
                 yield messages.final(report, received, started, first)
         except BackendError as exc:
             if not (self.draining and exc.code == grpc.StatusCode.CANCELLED):
@@ -563,17 +577,10 @@ class Pipeline:
         if self.cache is None or not flight.done or flight.written or not flight.events:
             return
         outcome = flight.events[-1]
-        if not isinstance(outcome, Outcome) or outcome.finish_reason not in ("stop", "length"):
+        if not isinstance(outcome, Outcome) or outcome.finish_reason not in CACHED_FINISHES:
             return
         flight.written = True
-        if outcome.produced_by != query.model:
-            # Another model answered: its answer is keyed by its own identity, so the requested
-            # model's key never returns it.
-            key = cache_key(
-                query.namespace, outcome.produced_by, query.prompt, query.messages, query.sampling
-            )
-            query = dataclasses.replace(query, key=key, model=outcome.produced_by)
-        self.cache.store(query, messages.answer_of(flight.events))
+        self.cache.store(keyed_by(query, outcome.produced_by), messages.answer_of(flight.events))
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ class RequestReport:
     answered_by: str = ""
     # "miss" (generated), or the cache tier that answered ("l1", "l2", ...).
     tier: str = "miss"
-    # A semantic hit: the similarity of the two questions and the answering entry's key (hex).
+    # The key (hex) the answer is cached under: of the answering entry for a hit (another request's
+    # for a semantic one, with the two questions' similarity), of this request's answer for a
+    # cacheable miss; "" when it is not cached.
     similarity: float = 0.0
     cache_entry: str = ""
     # A lookup that overlapped the engine's start: "missed" (the generation answers); on a hit,
@@ -64,15 +66,21 @@ class AccessLog:
         "prompt_tokens=%d completion_tokens=%d queue_ms=%.3f ttft_ms=%.3f total_ms=%.3f"
     )
 
-    # A semantic hit: what an audit of a wrong answer needs, and `appliance cache invalidate
-    # --entry` takes.
-    SEMANTIC = " similarity=%.3f cache_entry=%s"
+    # What an audit of a wrong answer needs: the key `appliance cache invalidate --entry` takes
+    # (of a cached or cacheable answer), and a semantic hit's similarity.
+    ENTRY = " cache_entry=%s"
+    SIMILARITY = " similarity=%.3f"
 
     def report(self, r: RequestReport) -> None:
         if access.isEnabledFor(logging.INFO):
-            semantic = (r.similarity, r.cache_entry) if r.cache_entry else ()
+            audit: tuple[float | str, ...] = ()
+            form = self.FORMAT
+            if r.tier == "semantic":
+                form, audit = form + self.SIMILARITY, (r.similarity,)
+            if r.cache_entry:
+                form, audit = form + self.ENTRY, (*audit, r.cache_entry)
             access.info(
-                self.FORMAT + (self.SEMANTIC if semantic else ""),
+                form,
                 r.front_end,
                 r.request_id,
                 r.key_id,
@@ -88,7 +96,7 @@ class AccessLog:
                 r.queue_us / 1000,
                 r.ttft_us / 1000,
                 r.total_us / 1000,
-                *semantic,
+                *audit,
                 extra={"access": r},
             )
 

@@ -60,7 +60,7 @@ def entry_key(request: pb.InvalidateRequest) -> bytes | None:
     if len(request.entry) != 32 or not all(c in string.hexdigits for c in request.entry):
         raise RequestError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            "entry must be a cache key of 32 hex digits (a semantic hit's cache_entry), "
+            "entry must be a cache key of 32 hex digits (an answer's cache_entry), "
             f"got {request.entry[:40]!r}",
         )
     return bytes.fromhex(request.entry)

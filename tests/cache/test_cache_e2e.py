@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -334,6 +335,31 @@ async def test_invalidate_a_namespace(gw: Gateway, redis_server: RedisServer) ->
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await gw.admin.Invalidate(pb.InvalidateRequest())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_every_cached_answer_names_its_entry_and_one_can_be_dropped_alone(
+    gw: Gateway, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The key a client or the access log reports is the one `invalidate --entry` takes."""
+    r, other = req(namespace="audit"), req(namespace="audit")
+    with caplog.at_level(logging.INFO, logger="appliance.access"):
+        miss = await gw.stub.Complete(r)
+    entry = miss.final.cache_entry
+    assert len(entry) == 32 and bytes.fromhex(entry)
+    (line,) = [m for m in caplog.messages if f"request_id='{miss.request_id}'" in m]
+    assert line.endswith(f" cache_entry={entry}") and "similarity=" not in line
+    await gw.stub.Complete(other)
+    hit = await gw.stub.Complete(r)
+    assert (hit.final.cache_tier, hit.final.cache_entry) == (L1, entry)
+    await settle()
+    keys = {k.decode()[-32:] for k in redis_server.client().keys("appliance:audit:*")}
+    assert entry in keys and len(keys) == 2
+    for uncached in (req(temperature=0.9), req(cache_policy=pb.CACHE_POLICY_BYPASS)):
+        assert (await gw.stub.Complete(uncached)).final.cache_entry == ""
+    removed = await gw.admin.Invalidate(pb.InvalidateRequest(namespace="audit", entry=entry))
+    assert (removed.l1_removed, removed.l2_removed) == (1, 1)
+    assert (await gw.stub.Complete(r)).final.cache_tier == MISS
+    assert (await gw.stub.Complete(other)).final.cache_tier == L1
 
 
 async def test_an_invalidation_reaches_the_l1_of_every_gateway_on_the_redis(

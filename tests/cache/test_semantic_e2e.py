@@ -138,9 +138,11 @@ async def test_a_paraphrase_is_answered_from_the_semantic_tier_with_its_audit_fi
     again = await gw.stub.Complete(ask(PARAPHRASE))
     assert again.final.cache_tier == SEMANTIC
     assert started(engine) == before
-    # An exact hit says nothing of similarity.
+    assert first.final.cache_entry == key.hex()  # the key its answer was cached under
+    # An exact hit names its own key and says nothing of similarity.
     exact = await gw.stub.Complete(ask(QUESTION))
-    assert (exact.final.cache_tier, exact.final.similarity, exact.final.cache_entry) == (L1, 0, "")
+    assert (exact.final.cache_tier, exact.final.similarity) == (L1, 0)
+    assert exact.final.cache_entry == key.hex()
 
 
 async def test_near_identical_questions_with_other_answers_miss(gw: Gateway) -> None:

@@ -232,7 +232,7 @@ async def test_cache_cli_stats_and_invalidate(
     [
         (
             ["--namespace", "cli", "--entry", "abc"],
-            "entry must be a cache key of 32 hex digits (a semantic hit's cache_entry), got 'abc'",
+            "entry must be a cache key of 32 hex digits (an answer's cache_entry), got 'abc'",
         ),
         (
             ["--model", "tiny", "--entry", "ab" * 16],

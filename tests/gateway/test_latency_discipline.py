@@ -247,8 +247,11 @@ async def test_engine_killed_falls_back_then_recovers(
     # Fallback answers are cached under the fallback's identity, which the primary's lookups never
     # use: both were generated.
     assert [a.final.cache_tier for a in answers] == [pb.CACHE_TIER_MISS] * 2
+    fallback_entry = answers[0].final.cache_entry  # the fallback's key, named to the client
+    assert answers[1].final.cache_entry == fallback_entry != ""
     cached = await stub.Complete(greedy)  # the primary's cached answer is still served
     assert cached.final.cache_tier == pb.CACHE_TIER_EXACT_L1 and cached.text == first.text
+    assert cached.final.cache_entry == first.final.cache_entry
 
     engines[0].start()  # same port
     await engines[0].wait_ready()
@@ -259,6 +262,7 @@ async def test_engine_killed_falls_back_then_recovers(
         await asyncio.sleep(0.1)
     assert (again.final.model, again.final.degraded) == ("primary", False)
     assert again.final.cache_tier == pb.CACHE_TIER_MISS  # never the fallback's cached answer
+    assert again.final.cache_entry not in ("", fallback_entry)
 
 
 async def test_health_flips_when_an_engine_without_fallback_dies_and_comes_back(
