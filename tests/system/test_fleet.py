@@ -4,7 +4,10 @@ own, bridged to a client namespace where a load of deterministic and sampled req
 
 Steps, in order (they share the two containers):
   provision -> site.yml on both hosts at once: gateways SERVING; host a's Redis the primary, host b's
-               its replica, a Sentinel on each naming a's; both gateways use L2 through the Sentinels
+               its replica, a Sentinel on each naming a's; both gateways use L2 through the Sentinels;
+               what fleet-a caches fleet-b answers (L2), an invalidation through fleet-a empties
+               fleet-b's L1, a question asked of fleet-a answers its paraphrase on fleet-b
+               (the semantic tier, on for one namespace)
   roll      -> a new build of the package; upgrade.yml --check reports it and restarts nothing; then
                upgrade.yml under load, one host at a time (drain, upgrade, restart, SERVING): every
                gateway restarted, no request failed; TTFT during the roll against the steady state
@@ -72,6 +75,7 @@ class Fleet:
     wheels: Path
     client_ns: str
     machines: dict[str, Machine]
+    embedder_dir: Path  # `appliance semantic-setup`'s export, on the controller
 
     def inventory(self) -> Path:
         sentinels = [f"{ip}:26379" for ip in HOSTS.values()]
@@ -96,6 +100,10 @@ class Fleet:
                 appliance_listen="0.0.0.0:50051",
                 appliance_allow_plaintext=True,
                 appliance_allow_anonymous=True,
+                # The semantic tier for one namespace only: the load of the tests below uses
+                # another, so their requests never wait on an embedding.
+                appliance_semantic_embedder_src=str(self.embedder_dir),
+                appliance_semantic_namespaces=["sem"],
             )
             for name, m in self.machines.items()
         }
@@ -193,7 +201,7 @@ def _network(tag: str) -> tuple[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(embedder_dir: Path) -> Iterator[Fleet]:
     started = time.monotonic()
     root_src = containers.root_source()
     workdir = Path(tempfile.mkdtemp(prefix="appliance-fleet-", dir="/var/tmp"))
@@ -211,7 +219,7 @@ def fleet() -> Iterator[Fleet]:
             binds = [f"{wheels}:/srv/wheelhouse"]
             machines[name] = containers.boot(name, workdir, root, ns, binds)
         containers.say(f"two containers booted in {time.monotonic() - started:.0f} s")
-        yield Fleet(workdir, wheels, client, machines)
+        yield Fleet(workdir, wheels, client, machines, embedder_dir)
     finally:
         for m in machines.values():
             containers.stop(m.nspawn)
@@ -242,6 +250,20 @@ def test_provision_two_hosts(fleet: Fleet) -> None:
     for m in fleet.machines.values():
         assert _primary_named(m) == [a_ip, "6379"]
     _warm_up_on_one_host_is_cached_for_the_other(fleet)
+    _a_question_on_one_host_answers_its_paraphrase_on_the_other(fleet)
+
+
+def _a_question_on_one_host_answers_its_paraphrase_on_the_other(fleet: Fleet) -> None:
+    """The semantic tier across hosts: fleet-a's entry reaches fleet-b's index through the Redis
+    primary the Sentinels name, as the role's ACL user."""
+    asked = fleet.in_client_ns(
+        "-c", _ASK_SEMANTIC, f"{HOSTS['fleet-a']}:50051", f"{HOSTS['fleet-b']}:50051"
+    )
+    assert asked.returncode == 0, asked.stderr
+    answer = json.loads(asked.stdout)
+    assert answer["question"] == "CACHE_TIER_MISS", answer
+    assert answer["paraphrase"] == "CACHE_TIER_SEMANTIC", answer
+    assert answer["same_text"] and answer["similarity"] > 0.8, answer
 
 
 def _warm_up_on_one_host_is_cached_for_the_other(fleet: Fleet) -> None:
@@ -302,6 +324,32 @@ for prompt in open(sys.argv[2]).read().splitlines():
         if exc.code() != grpc.StatusCode.NOT_FOUND:
             raise
         print("NOT_FOUND")
+"""
+
+
+# argv: GATEWAY_A GATEWAY_B; asks a question of A, then polls B with a paraphrase under cache_policy
+# ONLY (never generated) until its semantic tier answers or 60 s pass; prints what answered, as JSON.
+_ASK_SEMANTIC = """
+import json, sys, time, grpc
+from appliance.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+def ask(address, text, policy):
+    request = pb.GenerateRequest(model="tiny-llama", prompt=text, max_tokens=8, temperature=0.0,
+                                 namespace="sem", semantic_cache=True, cache_policy=policy)
+    return pb_grpc.InferenceStub(grpc.insecure_channel(address)).Complete(request, timeout=30)
+first = ask(sys.argv[1], "How do I get rid of acne?", pb.CACHE_POLICY_DEFAULT)
+deadline = time.monotonic() + 60
+while True:
+    try:
+        second = ask(sys.argv[2], "How can I get rid of acne?", pb.CACHE_POLICY_ONLY)
+        break
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
+print(json.dumps({"question": pb.CacheTier.Name(first.final.cache_tier),
+                  "paraphrase": pb.CacheTier.Name(second.final.cache_tier),
+                  "same_text": first.text == second.text,
+                  "similarity": second.final.similarity}))
 """
 
 
