@@ -104,15 +104,12 @@ class CacheTier(Protocol):
 
 
 class L1Tier:
-    """The in-process LRU as a tier: a hit never leaves the event loop. With a feed, invalidations
-    made through the other gateways sharing its Redis drop entries here too, and this gateway's
-    reach them."""
+    """The in-process LRU as a tier: a hit never leaves the event loop."""
 
     name = "l1"
 
-    def __init__(self, lru: LruCache, feed: InvalidationFeed | None = None) -> None:
+    def __init__(self, lru: LruCache) -> None:
         self.lru = lru
-        self.feed = feed
 
     async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
         return self.lru.get(query.key)
@@ -130,34 +127,37 @@ class L1Tier:
         return None
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
-        removed = self.lru.invalidate(namespace, model, entry)
-        if self.feed is not None:
-            await self.feed.publish(namespace, model, entry)
-        return removed
+        return self.lru.invalidate(namespace, model, entry)
 
     def counters(self) -> dict[str, int]:
-        counters = {"l1_entries": len(self.lru), "l1_bytes": self.lru.bytes}
-        counters["l1_held_puts"] = self.lru.held
-        if self.feed is not None:
-            counters.update(self.feed.counters())
-        return counters
+        return {
+            "l1_entries": len(self.lru),
+            "l1_bytes": self.lru.bytes,
+            "l1_held_puts": self.lru.held,
+        }
 
     async def check(self) -> str:
-        if self.feed is not None:
-            self.feed.start()
         return ""
 
     async def close(self) -> None:
-        if self.feed is not None:
-            await self.feed.close()
+        return None
 
 
 class TierCascade:
-    """Tiers in lookup order, with the counters every tier shares."""
+    """Tiers in lookup order, with the counters every tier shares. With a feed, an invalidation
+    made here is announced to the other gateways on the same Redis once every tier has dropped
+    its entries (so no gateway can copy them back from Redis into its L1), and theirs reach this
+    gateway's L1 (see invalidation_feed.py)."""
 
-    def __init__(self, tiers: Sequence[CacheTier], metrics: CacheMetrics) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[CacheTier],
+        metrics: CacheMetrics,
+        feed: InvalidationFeed | None = None,
+    ) -> None:
         self.tiers = tuple(tiers)
         self.metrics = metrics
+        self.feed = feed
 
     def split(self, query: CacheQuery) -> int:
         """The index of the first tier whose lookup of this query overlaps the engine (the ones
@@ -208,15 +208,18 @@ class TierCascade:
     async def invalidate(
         self, namespace: str, model: str, entry: bytes | None = None
     ) -> dict[str, int]:
-        """Removed entries per tier. Every tier is tried; the first failure is raised after.
-        The last tier goes first: an earlier tier emptied before a later one could be filled again
-        from it by a lookup under way."""
+        """Removed entries per tier. Every tier is tried; the first failure is raised after."""
         removed: dict[str, int] = {}
         failure: Exception | None = None
-        for tier in reversed(self.tiers):
+        for tier in self.tiers:
             try:
                 removed[tier.name] = await tier.invalidate(namespace, model, entry)
             except Exception as exc:  # Redis down: the other tiers are still dropped
+                failure = failure or exc
+        if self.feed is not None:
+            try:
+                await self.feed.publish(namespace, model, entry)
+            except Exception as exc:
                 failure = failure or exc
         which = "" if entry is None else f" entry={entry.hex()}"
         log.info("invalidated namespace=%r model=%r%s: %s", namespace, model, which, removed)
@@ -228,10 +231,15 @@ class TierCascade:
         counters = self.metrics.as_dict()
         for tier in self.tiers:
             counters.update(tier.counters())
+        if self.feed is not None:
+            counters.update(self.feed.counters())
         return counters
 
     async def check(self) -> None:
-        """Says at start-up which tiers do not work (requests still do, without them)."""
+        """Says at start-up which tiers do not work (requests still do, without them); starts
+        following the other gateways' invalidations."""
+        if self.feed is not None:
+            self.feed.start()
         for tier in self.tiers:
             why = await tier.check()
             if why:
@@ -240,5 +248,7 @@ class TierCascade:
                 )
 
     async def close(self) -> None:
+        if self.feed is not None:
+            await self.feed.close()
         for tier in self.tiers:
             await tier.close()

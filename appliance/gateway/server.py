@@ -54,7 +54,7 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
     hold_s = 1.0 if config.redis is None else max(1.0, 2 * config.redis.timeout_ms / 1000)
     lru = LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s, hold_s=hold_s)
     feed = None if config.redis is None else InvalidationFeed(config.redis, lru.invalidate)
-    tiers: list[CacheTier] = [L1Tier(lru, feed)]
+    tiers: list[CacheTier] = [L1Tier(lru)]
     l2 = RedisTier(config.redis, metrics) if config.redis is not None else None
     if l2 is not None:
         tiers.append(l2)
@@ -62,7 +62,7 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
         semantic = make_semantic_tier(config.semantic, l2)
         if semantic is not None:
             tiers.append(semantic)
-    return TierCascade(tiers, metrics)
+    return TierCascade(tiers, metrics, feed)
 
 
 def make_admission(config: GatewayConfig, models: dict[str, ServedModel]) -> GatedAdmission:

@@ -136,12 +136,20 @@ class Recorded(L1Tier):
         return 0
 
 
-async def test_the_cascade_invalidates_the_last_tier_first() -> None:
-    """L1 emptied before L2 could be filled again from L2 by a lookup under way."""
+async def test_the_other_gateways_hear_of_an_invalidation_after_every_tier_dropped_it() -> None:
+    """Announced before Redis was unlinked, another gateway could copy an entry back into its L1
+    from Redis (past the hold, when the unlink is slow); and the semantic tier's own stream
+    message must follow the unlink of its records, as a restarted gateway's rebuild relies on."""
     calls: list[str] = []
     tiers = [Recorded(name, calls) for name in ("l1", "l2", "semantic")]
-    await TierCascade(tiers, CacheMetrics()).invalidate("ns", "")
-    assert calls == ["semantic", "l2", "l1"]
+    feed = InvalidationFeed(RedisSettings(mac_key=b"k"), lambda *_: 0)
+
+    async def publish(namespace: str, model: str, entry: bytes | None) -> None:
+        calls.append(f"announced {namespace}")
+
+    feed.publish = publish  # type: ignore[method-assign]
+    await TierCascade(tiers, CacheMetrics(), feed).invalidate("ns", "")
+    assert calls == ["l1", "l2", "semantic", "announced ns"]
 
 
 def test_the_feed_applies_other_gateways_messages_and_skips_bad_ones() -> None:
