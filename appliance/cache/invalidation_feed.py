@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 # (namespace, model, entry or None) -> entries dropped; "" matches any namespace or model.
 Apply = Callable[[str, str, bytes | None], int]
 
+BLOCK_MS = 1000  # one XREAD waits this long for a message
+# The stream is trimmed to about this many messages; a follower reads up to as many at once.
+MAX_LEN = 1000
+# An append is one command: past this, the invalidation is reported as not reaching every gateway
+# (redis-py's own retries against a dead server would otherwise hold the admin call for seconds).
+PUBLISH_BUDGET_S = 2.0
+
 
 @dataclass
 class _Counters:
@@ -41,22 +48,13 @@ class _Counters:
 class InvalidationFeed:
     """Publishes this gateway's invalidations and applies everyone else's."""
 
-    def __init__(
-        self,
-        settings: RedisSettings,
-        apply: Apply,
-        block_ms: int = 1000,
-        max_len: int = 1000,
-        retry_s: float | None = None,
-    ) -> None:
+    def __init__(self, settings: RedisSettings, apply: Apply) -> None:
         self.stream = f"{settings.key_prefix}:inv-log"
         self._apply = apply
-        self._block_ms = block_ms
-        self._max_len = max_len
-        self._retry_s = settings.breaker_reset_s if retry_s is None else retry_s
+        self._retry_s = settings.breaker_reset_s
         # Tells this gateway's own messages apart: it has applied them already.
         self.origin = os.urandom(8).hex()
-        self._own = StreamClient(settings, block_ms / 1000 + 2.0)
+        self._own = StreamClient(settings, BLOCK_MS / 1000 + 2.0)
         self._follower: asyncio.Task[None] | None = None
         self.following = False
         self.counts = _Counters()
@@ -70,12 +68,13 @@ class InvalidationFeed:
             "entry": "" if entry is None else entry.hex(),
             "from": self.origin,
         }
-        await self._own.client.xadd(
-            self.stream,
-            message,  # type: ignore[arg-type]
-            maxlen=self._max_len,
-            approximate=True,
-        )
+        async with asyncio.timeout(PUBLISH_BUDGET_S):
+            await self._own.client.xadd(
+                self.stream,
+                message,  # type: ignore[arg-type]
+                maxlen=MAX_LEN,
+                approximate=True,
+            )
 
     def start(self) -> None:
         if self._follower is None:
@@ -131,16 +130,18 @@ class InvalidationFeed:
                         lost = False
                     self.following = True
                 reply: Any = await client.xread(
-                    {self.stream: position}, count=1000, block=self._block_ms
+                    {self.stream: position}, count=MAX_LEN, block=BLOCK_MS
                 )
                 for _, messages in reply or ():
                     for message_id, fields in messages:
                         self._message(fields)
                         position = message_id.decode()
-            except (RedisError, OSError, TimeoutError) as exc:
+            except Exception as exc:  # Redis's faults, and any other: the follower never dies
                 self.following = False
                 position = None
                 self.counts.errors += 1
+                if not isinstance(exc, RedisError | OSError | TimeoutError):
+                    log.exception("L1's invalidation follower failed; starting over")
                 if not lost:
                     log.warning(
                         "L1 lost redis (%s): other gateways' invalidations do not reach it "

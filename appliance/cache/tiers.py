@@ -208,12 +208,17 @@ class TierCascade:
     async def invalidate(
         self, namespace: str, model: str, entry: bytes | None = None
     ) -> dict[str, int]:
-        """Removed entries per tier. Every tier is tried; the first failure is raised after."""
+        """Removed entries per tier. Every tier is tried; the first failure is raised after.
+        The first tier (L1) is dropped first, so it stops answering at once, and again once the
+        others are: a lookup that read Redis before its (unbounded) unlink, and ended after L1's
+        hold, may have put a copy back."""
         removed: dict[str, int] = {}
         failure: Exception | None = None
-        for tier in self.tiers:
+        again = self.tiers[:1] if len(self.tiers) > 1 else ()
+        for tier in (*self.tiers, *again):
             try:
-                removed[tier.name] = await tier.invalidate(namespace, model, entry)
+                dropped = await tier.invalidate(namespace, model, entry)
+                removed[tier.name] = removed.get(tier.name, 0) + dropped
             except Exception as exc:  # Redis down: the other tiers are still dropped
                 failure = failure or exc
         if self.feed is not None:

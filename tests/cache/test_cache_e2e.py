@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from appliance.cache.entry import CachedAnswer
+from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.config import CacheConfig, GatewayConfig, HttpConfig, ModelConfig, ServerConfig
@@ -413,6 +414,41 @@ async def test_a_gateway_that_lost_redis_empties_its_l1_when_it_hears_redis_agai
         assert (await g.stub.Complete(r)).final.cache_tier != L1
     finally:
         await g.close()
+
+
+async def test_the_invalidation_follower_outlives_a_failure_of_its_own(
+    redis_server: RedisServer,
+) -> None:
+    """Any exception, not only Redis's, is a lost step: L1 is emptied once back and the next
+    messages apply (a follower that died would leave l1_feed_in_step at 1, missing them all)."""
+    redis_server.client().flushall()
+    settings = cache_config(redis_server).redis
+    assert settings is not None
+    applied: list[str] = []
+
+    def apply(namespace: str, model: str, entry: bytes | None) -> int:
+        applied.append(namespace or "everything")
+        if len(applied) == 1:
+            raise RuntimeError("a fault of the follower's own")
+        return 0
+
+    follower, publisher = InvalidationFeed(settings, apply), InvalidationFeed(settings, apply)
+    follower.start()
+    try:
+        async with asyncio.timeout(20):
+            while not follower.following:
+                await asyncio.sleep(0.01)
+            await publisher.publish("first", "", None)
+            while follower.counts.cleared == 0:
+                await asyncio.sleep(0.01)
+            await publisher.publish("second", "", None)
+            while applied[-1] != "second":
+                await asyncio.sleep(0.01)
+        assert applied == ["first", "everything", "second"]
+        assert follower.following and follower.counts.errors == 1
+    finally:
+        await follower.close()
+        await publisher.close()
 
 
 async def test_redis_killed_mid_load_and_restarted(
