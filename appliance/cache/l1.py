@@ -10,7 +10,7 @@ answer would otherwise be copied back into L1 and served until the TTL.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from appliance.cache.entry import CachedAnswer
@@ -33,7 +33,8 @@ class LruCache:
         self.hold_s = hold_s
         self._clock = clock
         # Invalidations still holding puts back: (namespace, model, entry, until); "" matches any.
-        self._holds: list[tuple[str, str, bytes | None, float]] = []
+        # (namespace, model, entry, until); `until` only grows, hold_s being fixed.
+        self._holds: deque[tuple[str, str, bytes | None, float]] = deque()
         self.held = 0  # puts refused by a hold
         # key -> (expires_at, answer, labels); labels = (namespace, model) for invalidation.
         self._items: OrderedDict[bytes, tuple[float, CachedAnswer, tuple[str, str]]] = OrderedDict()
@@ -80,22 +81,26 @@ class LruCache:
             self._drop(key)
         if self.hold_s > 0:
             now = self._clock()
-            self._holds = [h for h in self._holds if h[3] > now]
+            self._expire_holds(now)
             self._holds.append((namespace, model, entry, now + self.hold_s))
             if len(self._holds) > MAX_HOLDS:
                 # A burst of invalidations: one hold of everything keeps each put's check short.
-                self._holds = [("", "", None, now + self.hold_s)]
+                self._holds.clear()
+                self._holds.append(("", "", None, now + self.hold_s))
         return len(doomed)
 
     def _held(self, key: bytes, labels: tuple[str, str]) -> bool:
-        now = self._clock()
-        self._holds = [h for h in self._holds if h[3] > now]
+        self._expire_holds(self._clock())
         return any(
             (not namespace or namespace == labels[0])
             and (not model or model == labels[1])
             and (entry is None or entry == key)
             for namespace, model, entry, _ in self._holds
         )
+
+    def _expire_holds(self, now: float) -> None:
+        while self._holds and self._holds[0][3] <= now:
+            self._holds.popleft()
 
     def _drop(self, key: bytes) -> None:
         _, answer, _ = self._items.pop(key)

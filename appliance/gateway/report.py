@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 access = logging.getLogger("appliance.access")
 
@@ -67,18 +67,24 @@ class AccessLog:
     )
 
     # What an audit of a wrong answer needs: the key `appliance cache invalidate --entry` takes
-    # (of a cached or cacheable answer), and a semantic hit's similarity.
-    ENTRY = " cache_entry=%s"
-    SIMILARITY = " similarity=%.3f"
+    # (of a cached or cacheable answer), and a semantic hit's similarity. Keyed by (a semantic
+    # hit, an entry named).
+    FORMATS: ClassVar[dict[tuple[bool, bool], str]] = {
+        (False, False): FORMAT,
+        (False, True): FORMAT + " cache_entry=%s",
+        (True, False): FORMAT + " similarity=%.3f",
+        (True, True): FORMAT + " similarity=%.3f cache_entry=%s",
+    }
 
     def report(self, r: RequestReport) -> None:
         if access.isEnabledFor(logging.INFO):
+            semantic, named = r.tier == "semantic", bool(r.cache_entry)
+            form = self.FORMATS[semantic, named]
             audit: tuple[float | str, ...] = ()
-            form = self.FORMAT
-            if r.tier == "semantic":
-                form, audit = form + self.SIMILARITY, (r.similarity,)
-            if r.cache_entry:
-                form, audit = form + self.ENTRY, (*audit, r.cache_entry)
+            if semantic:
+                audit = (r.similarity,)
+            if named:
+                audit = (*audit, r.cache_entry)
             access.info(
                 form,
                 r.front_end,
