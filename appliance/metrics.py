@@ -408,8 +408,9 @@ _CACHE_COUNTERS = {
     ),
     "l1_held_puts": (
         "appliance_cache_l1_held_puts",
-        "Answers L1 refused because an invalidation had just named them (a Redis read begun "
-        "before it).",
+        "Answers L1 refused because an invalidation had just named them, or all of L1 was held "
+        "(a burst of invalidations, or L1 emptied after Redis came back): a Redis read begun "
+        "before it must not copy a dropped answer back.",
     ),
     "l1_peer_invalidations": (
         "appliance_cache_l1_peer_invalidations",

@@ -390,8 +390,9 @@ def dumps(value: object) -> bytes:
 
 
 def extension(request_id: str, final: pb.Final) -> dict[str, Any]:
-    """The appliance's facts about an answer: which tier and model answered, and its timings; for
-    a semantic hit, the similarity and the answering request's key, to audit it."""
+    """The appliance's facts about an answer: which tier and model answered, and its timings; the
+    key a cached or cacheable answer is stored under (to audit or drop it), and for a semantic hit
+    the similarity."""
     t = final.timings
     facts: dict[str, Any] = {
         "request_id": request_id,

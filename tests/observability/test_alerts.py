@@ -13,7 +13,7 @@ MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 @pytest.mark.parametrize(
     ("command", "expected"),
     [
-        (["check", "rules", "alerts.yml"], "6 rules found"),
+        (["check", "rules", "alerts.yml"], "7 rules found"),
         (["test", "rules", "alerts_test.yml"], "SUCCESS"),
     ],
 )
