@@ -78,8 +78,7 @@ class RedisTier:
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._budget = settings.timeout_ms / 1000.0
         kwargs: dict[str, Any] = {
-            "username": settings.username,
-            "password": settings.password,
+            **_credentials(settings),
             "max_connections": settings.max_connections,
             "socket_connect_timeout": max(self._budget, 0.05),
             "retry_on_timeout": False,
@@ -88,8 +87,6 @@ class RedisTier:
             # open the breaker.
             "timeout": None,
         }
-        if settings.tls_ca_file:
-            kwargs["ssl_ca_certs"] = settings.tls_ca_file
         self._sentinel: Sentinel | None = None
         self.client: redis.Redis
         if settings.sentinels:
@@ -224,10 +221,7 @@ class RedisTier:
     async def close(self) -> None:
         if self._writes:
             await asyncio.wait(self._writes, timeout=1.0)
-        await self.client.aclose()
-        if self._sentinel is not None:
-            for sentinel in self._sentinel.sentinels:
-                await sentinel.aclose()
+        await _close(self.client, self._sentinel)
 
 
 class StreamClient:
@@ -237,13 +231,10 @@ class StreamClient:
 
     def __init__(self, settings: RedisSettings, socket_timeout_s: float) -> None:
         kwargs: dict[str, Any] = {
-            "username": settings.username,
-            "password": settings.password,
+            **_credentials(settings),
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": 1.0,
         }
-        if settings.tls_ca_file:
-            kwargs["ssl_ca_certs"] = settings.tls_ca_file
         self._sentinel: Sentinel | None = None
         self.client: redis.Redis
         if settings.sentinels:
@@ -255,10 +246,22 @@ class StreamClient:
         """Bounded: a stop must not hang on a Redis that does not answer."""
         with contextlib.suppress(TimeoutError, RedisError, OSError):
             async with asyncio.timeout(1.0):
-                await self.client.aclose()
-                if self._sentinel is not None:
-                    for sentinel in self._sentinel.sentinels:
-                        await sentinel.aclose()
+                await _close(self.client, self._sentinel)
+
+
+def _credentials(settings: RedisSettings) -> dict[str, Any]:
+    """What every connection to Redis presents: the ACL user and, for TLS, the CA to verify."""
+    kwargs: dict[str, Any] = {"username": settings.username, "password": settings.password}
+    if settings.tls_ca_file:
+        kwargs["ssl_ca_certs"] = settings.tls_ca_file
+    return kwargs
+
+
+async def _close(client: redis.Redis, sentinel: Sentinel | None) -> None:
+    await client.aclose()
+    if sentinel is not None:
+        for each in sentinel.sentinels:
+            await each.aclose()
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
