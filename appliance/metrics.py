@@ -418,7 +418,8 @@ _CACHE_COUNTERS = {
     ),
     "l1_feed_clears": (
         "appliance_cache_l1_feed_clears",
-        "Times L1 was emptied on hearing Redis again (invalidations may have been missed).",
+        "Times L1 was emptied on hearing Redis again, or after falling behind the stream's "
+        "trimming (invalidations may have been missed).",
     ),
     "l1_feed_errors": (
         "appliance_cache_l1_feed_errors",

@@ -8,7 +8,8 @@ stream with a blocking XREAD and drops the same entries from its own L1.
 
 A gateway that loses Redis may miss messages. L1 keeps answering meanwhile (Redis is never a
 dependency), and when the follower hears Redis again it empties L1: what it may have missed is
-unknown, and the entries come back from L2 on the next requests.
+unknown, and the entries come back from L2 on the next requests. So does a follower that fell so
+far behind that the stream's trimming may have dropped messages it had not read.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ PUBLISH_BUDGET_S = 2.0
 @dataclass
 class _Counters:
     applied: int = 0  # invalidations made through other gateways and applied here
-    cleared: int = 0  # times L1 was emptied because the follower had lost Redis
+    cleared: int = 0  # times L1 was emptied: the follower had lost Redis, or fell behind
     errors: int = 0  # times the follower lost Redis
     corrupt: int = 0  # messages that could not be read (skipped)
 
@@ -108,6 +109,25 @@ class InvalidationFeed:
         self._apply(namespace, model, entry)
         self.counts.applied += 1
 
+    def _batch(self, messages: list[tuple[bytes, dict[bytes, bytes]]]) -> str:
+        """Applies one read's messages; returns the position after them. A full read may mean
+        the follower was MAX_LEN or more behind, and trimming (which keeps about MAX_LEN) may
+        then have dropped messages between its position and the first one returned."""
+        for _, fields in messages:
+            self._message(fields)
+        if len(messages) >= MAX_LEN:
+            self._clear("it fell behind the stream's trimming")
+        return messages[-1][0].decode()
+
+    def _clear(self, why: str) -> None:
+        dropped = self._apply("", "", None)
+        self.counts.cleared += 1
+        log.info(
+            "L1 emptied (%d entries): %s, so other gateways' invalidations may have been missed",
+            dropped,
+            why,
+        )
+
     async def _follow(self) -> None:
         """From the stream's end at start (L1 is empty then); after a fault, from the end again
         with L1 emptied."""
@@ -120,22 +140,15 @@ class InvalidationFeed:
                     last: Any = await client.xrevrange(self.stream, count=1)
                     position = last[0][0].decode() if last else "0-0"
                     if lost:
-                        dropped = self._apply("", "", None)
-                        self.counts.cleared += 1
-                        log.info(
-                            "L1 in step with other gateways' invalidations again; emptied it "
-                            "(%d entries) since some may have been missed",
-                            dropped,
-                        )
+                        self._clear("it hears redis again")
                         lost = False
                     self.following = True
                 reply: Any = await client.xread(
                     {self.stream: position}, count=MAX_LEN, block=BLOCK_MS
                 )
                 for _, messages in reply or ():
-                    for message_id, fields in messages:
-                        self._message(fields)
-                        position = message_id.decode()
+                    if messages:
+                        position = self._batch(messages)
             except Exception as exc:  # Redis's faults, and any other: the follower never dies
                 self.following = False
                 position = None

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
-from appliance.cache.invalidation_feed import InvalidationFeed
+from appliance.cache.invalidation_feed import MAX_LEN, InvalidationFeed
 from appliance.cache.l1 import MAX_HOLDS, LruCache
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
@@ -174,6 +174,25 @@ def test_the_feed_applies_other_gateways_messages_and_skips_bad_ones() -> None:
     assert applied == [("team", "", key), ("", "m", None)]
     counters = feed.counters()
     assert (counters["l1_peer_invalidations"], counters["l1_feed_corrupt_messages"]) == (2, 3)
+
+
+def test_a_follower_that_may_have_lost_messages_to_trimming_empties_l1() -> None:
+    """A read that returns MAX_LEN messages may have skipped trimmed ones: L1 is emptied; a
+    shorter read cannot have (trimming keeps about MAX_LEN after it)."""
+    applied: list[str] = []
+
+    def apply(namespace: str, model: str, entry: bytes | None) -> int:
+        applied.append(namespace or "everything")
+        return 0
+
+    feed = InvalidationFeed(RedisSettings(mac_key=b"k"), apply)
+    message = {b"ns": b"team", b"model": b"", b"entry": b"", b"from": b"x"}
+    short = [(f"1-{n}".encode(), message) for n in range(MAX_LEN - 1)]
+    assert feed._batch(short) == f"1-{MAX_LEN - 2}"
+    assert "everything" not in applied and feed.counts.cleared == 0
+    full = [(f"2-{n}".encode(), message) for n in range(MAX_LEN)]
+    assert feed._batch(full) == f"2-{MAX_LEN - 1}"
+    assert applied[-1] == "everything" and feed.counts.cleared == 1
 
 
 def test_breaker_opens_probes_and_closes() -> None:
