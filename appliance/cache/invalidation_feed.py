@@ -9,7 +9,9 @@ stream with a blocking XREAD and drops the same entries from its own L1.
 A gateway that loses Redis may miss messages. L1 keeps answering meanwhile (Redis is never a
 dependency), and when the follower hears Redis again it empties L1: what it may have missed is
 unknown, and the entries come back from L2 on the next requests. So does a follower that fell so
-far behind that the stream's trimming may have dropped messages it had not read.
+far behind that the stream's trimming may have dropped messages it had not read. A gateway starts
+listening once its follower has read where the stream ends: an invalidation published before that
+point found an L1 with nothing in it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class InvalidationFeed:
         self._own = StreamClient(settings, BLOCK_MS / 1000 + 2.0)
         self._follower: asyncio.Task[None] | None = None
         self.following = False
+        self._first_try = asyncio.Event()  # its first read of the stream's end answered or failed
         self.counts = _Counters()
 
     async def publish(self, namespace: str, model: str, entry: bytes | None) -> None:
@@ -77,9 +80,16 @@ class InvalidationFeed:
                 approximate=True,
             )
 
-    def start(self) -> None:
+    async def start(self, wait_s: float = 2.0) -> None:
+        """Starts following; returns once the follower has read where the stream ends, has
+        failed to (it empties L1 when it hears Redis), or after `wait_s`."""
         if self._follower is None:
             self._follower = asyncio.get_running_loop().create_task(self._follow())
+        try:
+            async with asyncio.timeout(wait_s):
+                await self._first_try.wait()
+        except TimeoutError:
+            pass
 
     def counters(self) -> dict[str, int]:
         c = self.counts
@@ -143,6 +153,7 @@ class InvalidationFeed:
                         self._clear("it hears redis again")
                         lost = False
                     self.following = True
+                    self._first_try.set()
                 reply: Any = await client.xread(
                     {self.stream: position}, count=MAX_LEN, block=BLOCK_MS
                 )
@@ -150,6 +161,7 @@ class InvalidationFeed:
                     if messages:
                         position = self._batch(messages)
             except Exception as exc:  # Redis's faults, and any other: the follower never dies
+                self._first_try.set()
                 self.following = False
                 position = None
                 self.counts.errors += 1

@@ -32,8 +32,8 @@ class LruCache:
         self.ttl_s = ttl_s
         self.hold_s = hold_s
         self._clock = clock
-        # Invalidations still holding puts back: (namespace, model, entry, until); "" matches any.
-        # (namespace, model, entry, until); `until` only grows, hold_s being fixed.
+        # Invalidations still holding puts back: (namespace, model, entry, until); "" matches any;
+        # `until` only grows, hold_s being fixed.
         self._holds: deque[tuple[str, str, bytes | None, float]] = deque()
         self.held = 0  # puts refused by a hold
         # key -> (expires_at, answer, labels); labels = (namespace, model) for invalidation.

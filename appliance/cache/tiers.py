@@ -244,7 +244,7 @@ class TierCascade:
         """Says at start-up which tiers do not work (requests still do, without them); starts
         following the other gateways' invalidations."""
         if self.feed is not None:
-            self.feed.start()
+            await self.feed.start()
         for tier in self.tiers:
             why = await tier.check()
             if why:

@@ -206,12 +206,14 @@ async def start_server(
         server,
     )
     port, tls = listen(server, config)
+    if cache is not None:
+        # Before serving: L1 must not take in answers before its invalidation follower knows
+        # where the stream of other gateways' invalidations ends (invalidation_feed.py).
+        await cache.check()
     await server.start()
     monitor = HealthMonitor(health_servicer, SERVICE_NAME, models)
     await monitor.publish()
     monitor.start()
-    if cache is not None:
-        await cache.check()
     running = RunningGateway(
         server, service, health_servicer, monitor, models, port, metrics, gate=gate, tls=tls
     )

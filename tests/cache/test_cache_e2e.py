@@ -401,7 +401,8 @@ async def test_a_gateway_that_lost_redis_empties_its_l1_when_it_hears_redis_agai
     redis_server.client().flushall()
     g = await gateway(tiny, engine, cache_config(redis_server))
     try:
-        await until(g, lambda c: c["l1_feed_in_step"] == 1)
+        # It listens only once its follower knows where the stream ends.
+        assert (await g.counters())["l1_feed_in_step"] == 1
         r = req()
         await g.stub.Complete(r)
         assert (await g.stub.Complete(r)).final.cache_tier == L1
@@ -433,7 +434,8 @@ async def test_the_invalidation_follower_outlives_a_failure_of_its_own(
         return 0
 
     follower, publisher = InvalidationFeed(settings, apply), InvalidationFeed(settings, apply)
-    follower.start()
+    await follower.start()
+    assert follower.following  # start returns once it has read where the stream ends
     try:
         async with asyncio.timeout(20):
             while not follower.following:
@@ -449,6 +451,30 @@ async def test_the_invalidation_follower_outlives_a_failure_of_its_own(
     finally:
         await follower.close()
         await publisher.close()
+
+
+async def test_the_feed_starts_once_it_knows_the_stream_end_or_that_redis_is_down(
+    redis_server: RedisServer,
+) -> None:
+    """The gateway starts listening after `start`: with Redis up the follower is in step by
+    then; with Redis down `start` does not wait out its bound (the follower empties L1 when
+    Redis is back)."""
+    redis_server.client().flushall()
+    settings = cache_config(redis_server).redis
+    assert settings is not None
+    up = InvalidationFeed(settings, lambda *_: 0)
+    down = InvalidationFeed(
+        dataclasses.replace(settings, url="redis://127.0.0.1:1/0"), lambda *_: 0
+    )
+    try:
+        await up.start()
+        assert up.following
+        async with asyncio.timeout(10):  # start's own bound is 60 s here
+            await down.start(wait_s=60.0)
+        assert not down.following and down.counts.errors == 1
+    finally:
+        await up.close()
+        await down.close()
 
 
 async def test_redis_killed_mid_load_and_restarted(
