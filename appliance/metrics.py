@@ -460,6 +460,10 @@ _CACHE_COUNTERS = {
         "appliance_semantic_corrupt_records",
         "Semantic records in Redis that could not be decoded (skipped).",
     ),
+    "semantic_forged_records": (
+        "appliance_semantic_forged_records",
+        "Semantic records no gateway sealed for their Redis key (skipped, never an answer).",
+    ),
     "semantic_embeddings_cancelled": (
         "appliance_semantic_embeddings_cancelled",
         "Embeddings started when L1 missed and cancelled because L2 answered.",

@@ -330,7 +330,7 @@ async def rebuild(tier: SemanticTier, entries: int) -> None:
         pipe = l2.client.pipeline(transaction=False)
         for n, (entry, vector) in enumerate(tier.index.entries()):
             name = l2.redis_key("ns", "bench", b"") + "sem-" + entry.entry_id.hex()
-            pipe.set(name, encode_record(entry, vector, time.time()))
+            pipe.set(name, l2.seal(name, encode_record(entry, vector, time.time())))
             if n % 2000 == 1999:
                 await pipe.execute()
         await pipe.execute()

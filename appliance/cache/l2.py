@@ -95,6 +95,14 @@ class RedisTier:
             pool = redis.BlockingConnectionPool.from_url(settings.url, **kwargs)
             self.client = redis.Redis.from_pool(pool)
 
+    def seal(self, name: str, body: bytes) -> bytes:
+        """The value to store under Redis key `name`: the body with the gateways' tag."""
+        return self._sealer.seal(name.encode(), body)
+
+    def open(self, name: str | bytes, value: bytes) -> bytes | None:
+        """The body of a value read from `name`, or None when no gateway sealed it for that key."""
+        return self._sealer.open(name if isinstance(name, bytes) else name.encode(), value)
+
     def redis_key(self, namespace: str, model: str, key: bytes) -> str:
         s = self.settings
         return f"{s.key_prefix}:{_key_part(namespace)}:{_key_part(model)}:{key.hex()}"
@@ -183,7 +191,7 @@ class RedisTier:
         data = await self._call("GET", self.client.get(name))
         if not isinstance(data, bytes):
             return None
-        body = self._sealer.open(name.encode(), data)
+        body = self.open(name, data)
         if body is None:
             self.metrics.l2_forged_entries += 1
             return None
@@ -195,7 +203,7 @@ class RedisTier:
 
     async def put(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> bool:
         name = self.redis_key(namespace, model, key)
-        value = self._sealer.seal(name.encode(), encode(answer))
+        value = self.seal(name, encode(answer))
         done = await self._call("SET", self.client.set(name, value, ex=self.settings.ttl_s))
         return done is True
 

@@ -14,8 +14,10 @@ tiers, and the final message names the answering entry and the similarity. With 
 the gateway makes the lookup while the generation starts, and leaves the generation on a hit.
 
 Sharing: entries persist in Redis next to the exact L2 entries (`PREFIX:NS:MODEL:sem-HEX`, so an
-L2 invalidation of a namespace or model drops them too) and every new entry and invalidation is
-appended to a stream that each gateway follows with a blocking XREAD; a gateway that starts, or that
+L2 invalidation of a namespace or model drops them too), sealed for their key with the gateways' MAC
+key as L2's entries are (a record that fails the check is skipped and counted: whatever else writes
+to Redis cannot plant an answer), and every new entry and invalidation is appended to a stream that
+each gateway follows with a blocking XREAD; a gateway that starts, or that
 lost Redis and sees it again, rebuilds its index by scanning the entries. Lookups answer only while
 the follower is in step with the stream (an index that cannot hear invalidations may be stale): Redis
 down means no semantic hits, never a failed request. Without Redis the tier is this gateway's alone.
@@ -74,6 +76,7 @@ class _Counters:
     follower_errors: int = 0
     rebuilds: int = 0
     corrupt: int = 0
+    forged: int = 0  # records no gateway sealed for their key (skipped)
     cancelled: int = 0  # embeddings prepared for lookups an earlier tier answered
 
 
@@ -300,6 +303,7 @@ class SemanticTier:
             "semantic_follower_errors": c.follower_errors,
             "semantic_rebuilds": c.rebuilds,
             "semantic_corrupt_records": c.corrupt,
+            "semantic_forged_records": c.forged,
             "semantic_embeddings_cancelled": c.cancelled,
         }
 
@@ -399,9 +403,11 @@ class SemanticTier:
         self.counts.stored += 1
         if self.l2 is None:
             return
-        record = encode_record(entry, vector, time.time())
-        # The L2 key layout with the entry's id marked, so L2's GETs never meet a record.
+        # The L2 key layout with the entry's id marked, so L2's GETs never meet a record. Sealed
+        # for that key as L2's entries are: the stream carries the same value, and whatever else
+        # writes to Redis cannot plant an answer.
         name = self.l2.redis_key(query.namespace, query.model.name, b"") + MARK + query.key.hex()
+        record = self.l2.seal(name, encode_record(entry, vector, time.time()))
         pipe = self.l2.client.pipeline(transaction=False)
         pipe.set(name, record, ex=max(1, int(self.settings.ttl_s)))
         pipe.xadd(
@@ -413,14 +419,20 @@ class SemanticTier:
         if await self.l2._call("semantic write", pipe.execute()) is None:
             self.counts.store_failures += 1
 
-    def _record(
-        self, entry_id: bytes, data: bytes, labels: tuple[str, str]
-    ) -> tuple[Entry, Vector] | None:
-        """The entry a Redis record holds, unless it is corrupt or already in the index."""
-        if entry_id in self.index:
+    def _record(self, name: bytes, data: bytes) -> tuple[Entry, Vector] | None:
+        """The entry a Redis record read under key `name` holds, unless it is already in the
+        index, was not sealed by a gateway for that key, or is corrupt."""
+        parsed = self._parse_key(name)
+        if parsed is None or parsed[0] in self.index:
+            return None
+        entry_id, labels = parsed
+        assert self.l2 is not None
+        body = self.l2.open(name, data)
+        if body is None:
+            self.counts.forged += 1
             return None
         try:
-            created, scope, vector, text, answer = decode_record(data, self.embedder.dim)
+            created, scope, vector, text, answer = decode_record(body, self.embedder.dim)
         except (CorruptEntryError, ValueError):
             self.counts.corrupt += 1
             return None
@@ -437,11 +449,9 @@ class SemanticTier:
                 return
             self.index.invalidate(namespace, model, entry)
             return
-        parsed = self._parse_key(fields.get(b"k", b""))
-        if parsed is not None:
-            record = self._record(parsed[0], fields.get(b"v", b""), parsed[1])
-            if record is not None:
-                self.index.add(*record)
+        record = self._record(fields.get(b"k", b""), fields.get(b"v", b""))
+        if record is not None:
+            self.index.add(*record)
 
     def _parse_key(self, name: bytes) -> tuple[bytes, tuple[str, str]] | None:
         """The entry id and (namespace, model) of a record's Redis key."""
@@ -479,11 +489,8 @@ class SemanticTier:
         assert self._client is not None
         records = []
         for name, data in zip(names, await self._client.mget(names), strict=True):
-            parsed = self._parse_key(name)
-            record = (
-                parsed and isinstance(data, bytes) and self._record(*parsed[:1], data, parsed[1])
-            )
-            if record:
+            record = self._record(name, data) if isinstance(data, bytes) else None
+            if record is not None:
                 records.append(record)
         return self.index.add_many(records)
 

@@ -8,6 +8,7 @@ import gc
 import logging
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 
 from appliance.cache.embedder import EmbeddingCancelled, EmbedRun, Vector
 from appliance.cache.keys import SamplingKey, cache_key
-from appliance.cache.semantic import SemanticTier
+from appliance.cache.semantic import SemanticTier, encode_record
 from appliance.config import CacheConfig, HttpConfig, SemanticConfig
 from appliance.gateway.server import freeze_heap, keep_long_lived_from_gc
 from appliance.v1 import inference_pb2 as pb
@@ -404,6 +405,53 @@ async def test_a_wrong_hit_is_dropped_by_its_entry_on_every_gateway(
         counters = await other.counters()
         assert counters["semantic_corrupt_records"] == 1
         assert counters["semantic_entries"] == before > 0
+    finally:
+        await other.close()
+
+
+async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    """Anything that can write to Redis could otherwise plant an answer for a question (and its
+    paraphrases): a record sealed by no gateway, or a sealed one copied under another key, is
+    counted and skipped, whether it comes through the stream or by a rebuild."""
+    await gw.stub.Complete(ask(QUESTION))
+    await stored(gw, 1)
+    tier = semantic_tier(gw)
+    ((genuine, vector),) = tier.index.entries()
+    client = redis_server.client()
+    async with asyncio.timeout(10):  # the index takes it before Redis does
+        while not (names := client.keys("*:*:*:sem-*")):
+            await asyncio.sleep(0.01)
+    (name,) = names
+    sealed = client.get(name)
+    assert isinstance(sealed, bytes)
+
+    def key_of(entry_id: bytes) -> bytes:
+        return name[: name.rindex(b"sem-") + 4] + entry_id.hex().encode()
+
+    planted = dataclasses.replace(
+        genuine, entry_id=b"p" * 16, answer=dataclasses.replace(genuine.answer, text="PLANTED")
+    )
+    forged = encode_record(planted, vector, time.time())
+    tier.index.remove(genuine.entry_id)  # only the planted record could answer now
+    client.xadd(tier._stream, {"k": key_of(planted.entry_id), "v": forged})
+    counters = await until(gw, lambda c: c["semantic_forged_records"] + c["semantic_entries"] >= 1)
+    assert (counters["semantic_forged_records"], counters["semantic_entries"]) == (1, 0)
+    hit = await gw.stub.Complete(ask(PARAPHRASE))
+    assert hit.final.cache_tier != SEMANTIC and "PLANTED" not in hit.text
+    # Under keys a restarted gateway's rebuild reads: the planted record, and the genuine one
+    # copied under another entry's key.
+    client.set(key_of(planted.entry_id), forged)
+    client.set(key_of(b"c" * 16), sealed)
+    other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    try:
+        counters = await until(other, lambda c: c["semantic_in_sync"] == 1)
+        assert counters["semantic_forged_records"] == 2
+        # The genuine record and the paraphrase's own answer (the engine's, after its miss).
+        kept = {entry.entry_id for entry, _ in semantic_tier(other).index.entries()}
+        assert len(kept) == 2 and genuine.entry_id in kept
+        assert not kept & {planted.entry_id, b"c" * 16}
     finally:
         await other.close()
 
