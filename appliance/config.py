@@ -111,8 +111,10 @@ class SemanticConfig:
     ttl_s: float = 86400.0
     # Nearest entries the rule looks at per lookup.
     candidates: int = 4
-    # Threads of one embedding (onnxruntime intra-op): two halve the model run of a question.
-    embed_threads: int = 2
+    # Threads of one embedding (onnxruntime intra-op). One: a lookup comes after an idle gap, and
+    # there a second thread made the lookup slower, not faster, on both CPUs measured (it pays
+    # only when questions come back to back); the core stays free for the event loop.
+    embed_threads: int = 1
     # Overrides of the shipped rule's cosine floor and classifier threshold (None: shipped).
     min_similarity: float | None = None
     min_score: float | None = None

@@ -2,13 +2,14 @@
 
 The gateway never imports torch: `appliance semantic-setup` exports the model once (with mean pooling
 and L2 normalization inside the graph) into a directory with `model.onnx`, `tokenizer.json` and
-`embedder.json`; this module only loads those. A question's embedding is latency-bound: the gateway
-runs it on two intra-op threads by default, and the second one sleeps between operators instead of
-spinning. Spinning within a run only (stopped when the run returns, so no core is held between
-questions) saves 0.3-0.6 ms when runs follow each other, but on the 2-vCPU VM this was measured on,
-a run that follows an idle gap, as a gateway's lookup does, got a worse tail with it (tier lookup
-P99 14.5-15.0 against 10.9-11.5 ms without, same process, alternating), so `spin` is off unless
-asked for.
+`embedder.json`; this module only loads those. A question's embedding is latency-bound, and a
+gateway's lookups come after idle gaps: there one intra-op thread (the gateway's default) made the
+tier's lookup 0.1-0.3 ms faster at P50 than two on both 2-vCPU VMs measured (AVX2, and AVX-512 with
+VNNI), though two can be faster for questions run back to back. With more threads, the others sleep
+between operators instead of spinning. Spinning within a run only (stopped when the run returns, so
+no core is held between questions) saves 0.3-0.6 ms when runs follow each other, but a run that
+follows an idle gap got a worse tail with it (tier lookup P99 14.5-15.0 against 10.9-11.5 ms
+without, same process, alternating), so `spin` is off unless asked for.
 
 Texts longer than MAX_TOKENS word pieces are refused (None), never truncated: two long prompts that
 agree in their first 128 pieces would otherwise embed alike however they end.
