@@ -120,7 +120,9 @@ async def test_prometheus_sees_requests_and_ttft(
         },
     )
     try:
-        prom.wait_ready()
+        # Prometheus is waited on from threads: the gateway and the engine server share this
+        # event loop, and a loop blocked for seconds would fail the engine's health probe.
+        await asyncio.to_thread(prom.wait_ready)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
             for i in range(12):  # 12 misses, then each asked again: 12 L1 hits
@@ -131,65 +133,70 @@ async def test_prometheus_sees_requests_and_ttft(
                 await stub.Complete(r)
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Complete(pb.GenerateRequest(model="tiny", prompt="x", top_p=5))
-        prom.wait_value("sum(appliance_requests_total)", 25)
-        by_tier = {
-            (s["metric"]["tier"], s["metric"]["status"]): float(s["value"][1])
-            for s in prom.query("sum by (tier, status) (appliance_requests_total)")
-        }
-        assert by_tier == {("miss", "OK"): 12, ("l1", "OK"): 12, ("miss", "INVALID_ARGUMENT"): 1}
-        hits = prom.query('appliance_cache_hits_total{tier="l1"}')
-        assert float(hits[0]["value"][1]) == 12
-        tokens = sum(r.completion_tokens for r in reports.items if r.tier == "miss")
-        prom.wait_value('sum(appliance_completion_tokens_total{tier="miss"})', tokens)
-
-        # histogram_quantile interpolates inside the bucket that holds the quantile: it must land
-        # in the same bucket as the P99 of the TTFTs the requests themselves reported.
-        ttfts = [r.ttft_us / 1e6 for r in reports.items if r.tier == "miss" and r.status == "OK"]
-        true_p99 = float(np.percentile(ttfts, 99, method="inverted_cdf"))
-        i = bisect.bisect_left(LATENCY_BUCKETS, true_p99)
-        low = LATENCY_BUCKETS[i - 1] if i else 0.0
-        high = LATENCY_BUCKETS[i]
-        result = prom.query(
-            "histogram_quantile(0.99, sum by (le) "
-            '(appliance_time_to_first_token_seconds_bucket{tier="miss"}))'
-        )
-        estimate = float(result[0]["value"][1])
-        assert low <= estimate <= high, (estimate, true_p99, low, high)
-        scraped_state = {
-            name: prom.query(f'{name}{{model="tiny"}}')[0]["value"][1]
-            for name in (
-                "appliance_engine_ready",
-                "appliance_engine_breaker_open",
-                "appliance_requests_in_flight",
-                "appliance_engine_slots",
-                "appliance_engine_generating",
-                "appliance_requests_waiting",
-            )
-        }
-        assert scraped_state == {
-            "appliance_engine_ready": "1",
-            "appliance_engine_breaker_open": "0",
-            "appliance_requests_in_flight": "0",
-            "appliance_engine_slots": "1",
-            "appliance_engine_generating": "0",
-            "appliance_requests_waiting": "0",
-        }
-
-        # The engine server, in Triton's names: every generation the gateway sent it succeeded.
-        served = engine.service.statistics["tensorrt_llm"].success.count
-        assert served >= 12
-        prom.wait_value('nv_inference_request_success{job="engine",model="tensorrt_llm"}', served)
-        prom.wait_value('nv_inference_pending_request_count{model="tensorrt_llm"}', 0)
-        queue = prom.query('nv_inference_queue_duration_us{model="tensorrt_llm"}')
-        assert float(queue[0]["value"][1]) > 0
-        kinds = {
-            s["metric"]["kv_cache_block_type"]
-            for s in prom.query('nv_trt_llm_kv_cache_block_metrics{model="tensorrt_llm"}')
-        }
-        assert {"max", "used", "free", "reused", "tokens_per", "fraction"} <= kinds
+        await asyncio.to_thread(_check_scraped, prom, reports, engine)
     finally:
         prom.stop()
         engine_metrics.shutdown()
+
+
+def _check_scraped(prom: Prometheus, reports: Reports, engine: Engine) -> None:
+    """What Prometheus scraped matches what the requests reported and the engine counted."""
+    prom.wait_value("sum(appliance_requests_total)", 25)
+    by_tier = {
+        (s["metric"]["tier"], s["metric"]["status"]): float(s["value"][1])
+        for s in prom.query("sum by (tier, status) (appliance_requests_total)")
+    }
+    assert by_tier == {("miss", "OK"): 12, ("l1", "OK"): 12, ("miss", "INVALID_ARGUMENT"): 1}
+    hits = prom.query('appliance_cache_hits_total{tier="l1"}')
+    assert float(hits[0]["value"][1]) == 12
+    tokens = sum(r.completion_tokens for r in reports.items if r.tier == "miss")
+    prom.wait_value('sum(appliance_completion_tokens_total{tier="miss"})', tokens)
+
+    # histogram_quantile interpolates inside the bucket that holds the quantile: it must land
+    # in the same bucket as the P99 of the TTFTs the requests themselves reported.
+    ttfts = [r.ttft_us / 1e6 for r in reports.items if r.tier == "miss" and r.status == "OK"]
+    true_p99 = float(np.percentile(ttfts, 99, method="inverted_cdf"))
+    i = bisect.bisect_left(LATENCY_BUCKETS, true_p99)
+    low = LATENCY_BUCKETS[i - 1] if i else 0.0
+    high = LATENCY_BUCKETS[i]
+    result = prom.query(
+        "histogram_quantile(0.99, sum by (le) "
+        '(appliance_time_to_first_token_seconds_bucket{tier="miss"}))'
+    )
+    estimate = float(result[0]["value"][1])
+    assert low <= estimate <= high, (estimate, true_p99, low, high)
+    scraped_state = {
+        name: prom.query(f'{name}{{model="tiny"}}')[0]["value"][1]
+        for name in (
+            "appliance_engine_ready",
+            "appliance_engine_breaker_open",
+            "appliance_requests_in_flight",
+            "appliance_engine_slots",
+            "appliance_engine_generating",
+            "appliance_requests_waiting",
+        )
+    }
+    assert scraped_state == {
+        "appliance_engine_ready": "1",
+        "appliance_engine_breaker_open": "0",
+        "appliance_requests_in_flight": "0",
+        "appliance_engine_slots": "1",
+        "appliance_engine_generating": "0",
+        "appliance_requests_waiting": "0",
+    }
+
+    # The engine server, in Triton's names: every generation the gateway sent it succeeded.
+    served = engine.service.statistics["tensorrt_llm"].success.count
+    assert served >= 12
+    prom.wait_value('nv_inference_request_success{job="engine",model="tensorrt_llm"}', served)
+    prom.wait_value('nv_inference_pending_request_count{model="tensorrt_llm"}', 0)
+    queue = prom.query('nv_inference_queue_duration_us{model="tensorrt_llm"}')
+    assert float(queue[0]["value"][1]) > 0
+    kinds = {
+        s["metric"]["kv_cache_block_type"]
+        for s in prom.query('nv_trt_llm_kv_cache_block_metrics{model="tensorrt_llm"}')
+    }
+    assert {"max", "used", "free", "reused", "tokens_per", "fraction"} <= kinds
 
 
 async def test_prometheus_sees_the_semantic_tier(
