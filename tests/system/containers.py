@@ -195,8 +195,7 @@ def boot(
         deadline = time.monotonic() + 60
         while not leader and time.monotonic() < deadline:
             assert nspawn.poll() is None, (workdir / f"nspawn-{name}.log").read_text()
-            children = run(["pgrep", "-P", str(nspawn.pid)]).stdout.split()
-            leader = int(children[0]) if children else 0
+            leader = _container_init(nspawn.pid)
             if not leader:
                 time.sleep(0.2)
         assert leader, "systemd-nspawn started no container"
@@ -212,11 +211,28 @@ def boot(
                 break
             assert nspawn.poll() is None, (workdir / f"nspawn-{name}.log").read_text()
             time.sleep(0.2)
-        assert state in ("running", "degraded"), f"container {name} state {state!r}"
+        assert state in ("running", "degraded"), (
+            f"container {name} state {state!r}: {booted.stderr.strip()}"
+        )
     except BaseException:
         stop(nspawn)
         raise
     return m
+
+
+def _container_init(nspawn_pid: int) -> int:
+    """The container's PID 1 among nspawn's children, 0 while there is none yet. nspawn first
+    forks a helper that starts the container's init and exits; entering that helper's namespaces
+    would fail once it is gone, so only a child that is PID 1 of its own PID namespace counts."""
+    for child in run(["pgrep", "-P", str(nspawn_pid)]).stdout.split():
+        try:
+            status = Path(f"/proc/{child}/status").read_text()
+        except OSError:
+            continue
+        nspid = re.search(r"^NSpid:\s*(.*)$", status, re.M)
+        if nspid and len(nspid.group(1).split()) > 1 and nspid.group(1).split()[-1] == "1":
+            return int(child)
+    return 0
 
 
 def copy_root(source: Path, dest: Path) -> Path:
