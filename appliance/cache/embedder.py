@@ -4,7 +4,7 @@ The gateway never imports torch: `appliance semantic-setup` exports the model on
 and L2 normalization inside the graph) into a directory with `model.onnx`, `tokenizer.json` and
 `embedder.json`; this module only loads those. A question's embedding is latency-bound, and a
 gateway's lookups come after idle gaps: there one intra-op thread (the gateway's default) made the
-tier's lookup 0.1-0.3 ms faster at P50 than two on both 2-vCPU VMs measured (AVX2, and AVX-512 with
+tier's lookup 0.1-0.4 ms faster at P50 than two on both 2-vCPU VMs measured (AVX2, and AVX-512 with
 VNNI), though two can be faster for questions run back to back. With more threads, the others sleep
 between operators instead of spinning. Spinning within a run only (stopped when the run returns, so
 no core is held between questions) saves 0.3-0.6 ms when runs follow each other, but a run that
