@@ -11,7 +11,8 @@ dependency), and when the follower hears Redis again it empties L1: what it may 
 unknown, and the entries come back from L2 on the next requests. So does a follower that fell so
 far behind that the stream's trimming may have dropped messages it had not read. A gateway starts
 listening once its follower has read where the stream ends: an invalidation published before that
-point found an L1 with nothing in it.
+point found an L1 with nothing in it. One that stops waiting for that read (2 s) empties L1 when the
+read comes: the answers L1 took meanwhile may have been invalidated before the position it found.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class InvalidationFeed:
         self._follower: asyncio.Task[None] | None = None
         self.following = False
         self._first_try = asyncio.Event()  # its first read of the stream's end answered or failed
+        # start() returned first: the gateway listens, and L1 may take answers whose invalidations
+        # come before the position the follower's first read will find.
+        self._listening = False
         self.counts = _Counters()
 
     async def publish(self, namespace: str, model: str, entry: bytes | None) -> None:
@@ -90,6 +94,7 @@ class InvalidationFeed:
                 await self._first_try.wait()
         except TimeoutError:
             pass
+        self._listening = True
 
     def counters(self) -> dict[str, int]:
         c = self.counts
@@ -139,11 +144,12 @@ class InvalidationFeed:
         )
 
     async def _follow(self) -> None:
-        """From the stream's end at start (L1 is empty then); after a fault, from the end again
-        with L1 emptied."""
+        """From the stream's end at start (L1 is empty then, unless start() stopped waiting for
+        this read); after a fault, from the end again with L1 emptied."""
         client = self._own.client
         position: str | None = None
         lost = False
+        first = True
         while True:
             try:
                 if position is None:
@@ -152,6 +158,9 @@ class InvalidationFeed:
                     if lost:
                         self._clear("it hears redis again")
                         lost = False
+                    elif first and self._listening:
+                        self._clear("the gateway was listening before the follower read the stream")
+                    first = False
                     self.following = True
                     self._first_try.set()
                 reply: Any = await client.xread(

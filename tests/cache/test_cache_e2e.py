@@ -477,6 +477,36 @@ async def test_the_feed_starts_once_it_knows_the_stream_end_or_that_redis_is_dow
         await down.close()
 
 
+async def test_a_gateway_listening_before_its_follower_read_the_stream_empties_l1_then(
+    redis_server: RedisServer,
+) -> None:
+    """`start` gave up waiting on the follower's first read: the gateway listens and L1 takes
+    answers, so that read, when it comes, empties L1 (invalidations before the position it finds
+    were never heard). A start that saw the read clears nothing."""
+    redis_server.client().flushall()
+    settings = cache_config(redis_server).redis
+    assert settings is not None
+    applied: list[str] = []
+
+    def apply(namespace: str, model: str, entry: bytes | None) -> int:
+        applied.append(namespace or "everything")
+        return 0
+
+    late, timely = InvalidationFeed(settings, apply), InvalidationFeed(settings, apply)
+    try:
+        await late.start(wait_s=0)  # returns before the follower has run at all
+        assert not late.following
+        async with asyncio.timeout(10):
+            while not late.following:
+                await asyncio.sleep(0.01)
+        assert applied == ["everything"] and late.counts.cleared == 1
+        await timely.start()
+        assert timely.following and timely.counts.cleared == 0 and applied == ["everything"]
+    finally:
+        await late.close()
+        await timely.close()
+
+
 async def test_redis_killed_mid_load_and_restarted(
     tiny: Tiny, engine: Engine, redis_server: RedisServer
 ) -> None:
