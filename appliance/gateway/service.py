@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import string
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -112,6 +112,20 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         await self._idle.wait()
 
 
+def _forget(
+    tasks: set[asyncio.Task[dict[str, int]]],
+) -> Callable[[asyncio.Task[dict[str, int]]], None]:
+    """Drops a finished task from `tasks`, its failure retrieved (its caller may be gone; the
+    cascade has logged what it did)."""
+
+    def done(task: asyncio.Task[dict[str, int]]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done
+
+
 class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
     """Needs the `admin` scope; every call, refused or not, is an access-log line."""
 
@@ -121,6 +135,8 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
         self._cache = cache
         self._gate = gate or Gate()
         self._mutual_tls = mutual_tls
+        # Invalidations whose caller went away (deadline, cancel) and that still run to the end.
+        self._invalidating: set[asyncio.Task[dict[str, int]]] = set()
 
     async def _admit(
         self, method: str, request: pb.InvalidateRequest | None, context: grpc.aio.ServicerContext
@@ -163,11 +179,19 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         audit = (key_id, request.namespace[:64], request.model[:64], request.all)
+        # Shielded: a caller that gives up (its deadline passes during a long unlink) must not
+        # leave Redis half unlinked and the other gateways unannounced.
+        work = asyncio.ensure_future(
+            self._cache.invalidate(request.namespace, request.model, entry)
+        )
+        self._invalidating.add(work)
+        work.add_done_callback(_forget(self._invalidating))
         try:
-            removed = await self._cache.invalidate(request.namespace, request.model, entry)
+            removed = await asyncio.shield(work)
         except Exception as exc:  # Redis down: say so; the in-process tier was still dropped
-            report.admin_call("Invalidate", *audit, "UNAVAILABLE", f"error={exc!s:.200}")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis invalidation failed: {exc}")
+            why = str(exc) or type(exc).__name__
+            report.admin_call("Invalidate", *audit, "UNAVAILABLE", f"error={why:.200}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis invalidation failed: {why}")
         counts = {f"{tier}_removed": removed.get(tier, 0) for tier in ("l1", "l2", "semantic")}
         what = " ".join(f"{name}={n}" for name, n in counts.items())
         report.admin_call(

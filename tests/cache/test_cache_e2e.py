@@ -394,6 +394,30 @@ async def test_an_invalidation_reaches_the_l1_of_every_gateway_on_the_redis(
         await other.close()
 
 
+async def test_an_invalidation_whose_caller_gave_up_still_reaches_redis_and_the_gateways(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer
+) -> None:
+    """Redis paused past the caller's deadline: the caller gets DEADLINE_EXCEEDED, and the
+    invalidation still unlinks the shared entry and tells the other gateway once Redis answers."""
+    other = await gateway(tiny, engine, cache_config(redis_server))
+    try:
+        for g in (gw, other):
+            await until(g, lambda c: c["l1_feed_in_step"] == 1)
+        r = req(namespace="slow")
+        await gw.stub.Complete(r)
+        await settle()
+        assert (await other.stub.Complete(r)).final.cache_tier == L2
+        redis_server.client().execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        with pytest.raises(grpc.aio.AioRpcError) as gave_up:
+            await gw.admin.Invalidate(pb.InvalidateRequest(namespace="slow"), timeout=0.2)
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await until(other, lambda c: c["l1_peer_invalidations"] == 1)
+        assert redis_server.client().keys("appliance:slow:*") == []
+        assert (await other.stub.Complete(r)).final.cache_tier == MISS
+    finally:
+        await other.close()
+
+
 async def test_a_gateway_that_lost_redis_empties_its_l1_when_it_hears_redis_again(
     tiny: Tiny, engine: Engine, redis_server: RedisServer
 ) -> None:
