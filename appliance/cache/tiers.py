@@ -145,9 +145,10 @@ class L1Tier:
 
 class TierCascade:
     """Tiers in lookup order, with the counters every tier shares. With a feed, an invalidation
-    made here is announced to the other gateways on the same Redis once every tier has dropped
-    its entries (so no gateway can copy them back from Redis into its L1), and theirs reach this
-    gateway's L1 (see invalidation_feed.py)."""
+    made here is announced to the other gateways on the same Redis after every tier has tried to
+    drop its entries (so no gateway can copy them back from Redis into its L1), even when one of
+    them failed (the caller is told; the announcement still drops what the others hold), and
+    theirs reach this gateway's L1 (see invalidation_feed.py)."""
 
     def __init__(
         self,
