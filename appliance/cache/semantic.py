@@ -454,9 +454,13 @@ class SemanticTier:
             self.index.add(*record)
 
     def _parse_key(self, name: bytes) -> tuple[bytes, tuple[str, str]] | None:
-        """The entry id and (namespace, model) of a record's Redis key."""
+        """The entry id and (namespace, model) of a record's Redis key; None for any other key
+        (an exact answer's value is sealed with the same key, so its key must not pass)."""
+        assert self.l2 is not None
         try:
-            _, ns, model, tail = name.decode().split(":")
+            prefix, ns, model, tail = name.decode().split(":")
+            if prefix != self.l2.settings.key_prefix or not tail.startswith(MARK):
+                return None
             return bytes.fromhex(tail.removeprefix(MARK)), (unquote(ns), unquote(model))
         except ValueError:
             return None

@@ -430,6 +430,10 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
     def key_of(entry_id: bytes) -> bytes:
         return name[: name.rindex(b"sem-") + 4] + entry_id.hex().encode()
 
+    # An exact answer's key (its value is sealed with the same key) is never read as a record.
+    exact = name.replace(b"sem-", b"")
+    assert tier._parse_key(exact) is None and tier._parse_key(name) is not None
+
     planted = dataclasses.replace(
         genuine, entry_id=b"p" * 16, answer=dataclasses.replace(genuine.answer, text="PLANTED")
     )
