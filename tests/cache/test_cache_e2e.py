@@ -441,18 +441,35 @@ async def test_a_gateway_that_lost_redis_empties_its_l1_when_it_hears_redis_agai
         await g.close()
 
 
+def feed_settings(redis_server: RedisServer) -> RedisSettings:
+    """The cache's Redis settings, on an emptied Redis (a feed test starts from no stream)."""
+    redis_server.client().flushall()
+    settings = cache_config(redis_server).redis
+    assert settings is not None
+    return settings
+
+
+def recorder(applied: list[str]) -> Callable[[str, str, bytes | None], int]:
+    """A feed's `apply` that records each namespace ("everything" for L1 emptied)."""
+
+    def apply(namespace: str, model: str, entry: bytes | None) -> int:
+        applied.append(namespace or "everything")
+        return 0
+
+    return apply
+
+
 async def test_the_invalidation_follower_outlives_a_failure_of_its_own(
     redis_server: RedisServer,
 ) -> None:
     """Any exception, not only Redis's, is a lost step: L1 is emptied once back and the next
     messages apply (a follower that died would leave l1_feed_in_step at 1, missing them all)."""
-    redis_server.client().flushall()
-    settings = cache_config(redis_server).redis
-    assert settings is not None
+    settings = feed_settings(redis_server)
     applied: list[str] = []
+    record = recorder(applied)
 
     def apply(namespace: str, model: str, entry: bytes | None) -> int:
-        applied.append(namespace or "everything")
+        record(namespace, model, entry)
         if len(applied) == 1:
             raise RuntimeError("a fault of the follower's own")
         return 0
@@ -483,9 +500,7 @@ async def test_the_feed_starts_once_it_knows_the_stream_end_or_that_redis_is_dow
     """The gateway starts listening after `start`: with Redis up the follower is in step by
     then; with Redis down `start` does not wait out its bound (the follower empties L1 when
     Redis is back)."""
-    redis_server.client().flushall()
-    settings = cache_config(redis_server).redis
-    assert settings is not None
+    settings = feed_settings(redis_server)
     up = InvalidationFeed(settings, lambda *_: 0)
     down = InvalidationFeed(
         dataclasses.replace(settings, url="redis://127.0.0.1:1/0"), lambda *_: 0
@@ -507,15 +522,9 @@ async def test_a_gateway_listening_before_its_follower_read_the_stream_empties_l
     """`start` gave up waiting on the follower's first read: the gateway listens and L1 takes
     answers, so that read, when it comes, empties L1 (invalidations before the position it finds
     were never heard). A start that saw the read clears nothing."""
-    redis_server.client().flushall()
-    settings = cache_config(redis_server).redis
-    assert settings is not None
+    settings = feed_settings(redis_server)
     applied: list[str] = []
-
-    def apply(namespace: str, model: str, entry: bytes | None) -> int:
-        applied.append(namespace or "everything")
-        return 0
-
+    apply = recorder(applied)
     late, timely = InvalidationFeed(settings, apply), InvalidationFeed(settings, apply)
     try:
         await late.start(wait_s=0)  # returns before the follower has run at all
