@@ -149,7 +149,6 @@ class InvalidationFeed:
         client = self._own.client
         position: str | None = None
         lost = False
-        first = True
         while True:
             try:
                 if position is None:
@@ -158,9 +157,8 @@ class InvalidationFeed:
                     if lost:
                         self._clear("it hears redis again")
                         lost = False
-                    elif first and self._listening:
+                    elif self._listening and not self._first_try.is_set():
                         self._clear("the gateway was listening before the follower read the stream")
-                    first = False
                     self.following = True
                     self._first_try.set()
                 reply: Any = await client.xread(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import string
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -112,20 +112,6 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         await self._idle.wait()
 
 
-def _forget(
-    tasks: set[asyncio.Task[dict[str, int]]],
-) -> Callable[[asyncio.Task[dict[str, int]]], None]:
-    """Drops a finished task from `tasks`, its failure retrieved (its caller may be gone; the
-    cascade has logged what it did)."""
-
-    def done(task: asyncio.Task[dict[str, int]]) -> None:
-        tasks.discard(task)
-        if not task.cancelled():
-            task.exception()
-
-    return done
-
-
 class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
     """Needs the `admin` scope; every call, refused or not, is an access-log line."""
 
@@ -137,6 +123,12 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
         self._mutual_tls = mutual_tls
         # Invalidations whose caller went away (deadline, cancel) and that still run to the end.
         self._invalidating: set[asyncio.Task[dict[str, int]]] = set()
+
+    def _invalidated(self, work: asyncio.Task[dict[str, int]]) -> None:
+        """Its failure retrieved: the caller may be gone (the cascade has logged what it did)."""
+        self._invalidating.discard(work)
+        if not work.cancelled():
+            work.exception()
 
     async def _admit(
         self, method: str, request: pb.InvalidateRequest | None, context: grpc.aio.ServicerContext
@@ -185,7 +177,7 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
             self._cache.invalidate(request.namespace, request.model, entry)
         )
         self._invalidating.add(work)
-        work.add_done_callback(_forget(self._invalidating))
+        work.add_done_callback(self._invalidated)
         try:
             removed = await asyncio.shield(work)
         except Exception as exc:  # Redis down: say so; the in-process tier was still dropped
