@@ -59,7 +59,8 @@ class HttpConfig:
     listen: str | None = None
     # Largest request body; a larger one is refused with 413 before it is read.
     max_body_bytes: int = 4 * 1024 * 1024
-    # A client that sends its body, or reads its stream, with no progress for this long is cut off.
+    # A client that sends its body, or reads its stream, with no progress for this long is cut off;
+    # a TLS handshake (HTTP and gRPC ports) that takes longer is dropped.
     client_timeout_s: float = 30.0
 
 

@@ -1,8 +1,10 @@
 """Validation and normalization of a GenerateRequest, before anything is sent to the engine.
 
 Pure logic over the request and the model's text side, so every bad input is tested without servers.
-Every size is bounded here, before any expensive work: text that cannot fit the model's input (more
-characters than its longest token spans times the input limit) is refused before it is tokenized.
+Every size is bounded here, before any expensive work: the number of messages before one is read,
+text that cannot fit the model's input (more characters than its longest token spans times the input
+limit) before it is normalized or tokenized. Tokenizing releases the GIL (the tokenizer's batch
+entry point), so a long input on a worker thread never holds the event loop.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from appliance.v1 import inference_pb2 as pb
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 128
+# Messages of one chat request (OpenAI's own limit); each costs work before the count of its tokens
+# is known, so the count is checked before any message is read.
+MAX_MESSAGES = 2048
 MAX_NAMESPACE_LENGTH = 64
 # Below this, logits / temperature overflows float32 for ordinary logits: 0 means greedy instead.
 MIN_TEMPERATURE = 1e-2
-MAX_TEMPERATURE = 100.0
+# OpenAI's range.
+MAX_TEMPERATURE = 2.0
 # How much of a client's value an error message echoes.
 ECHO_CHARS = 64
 _invalid = invalid
@@ -71,6 +77,9 @@ def _sampling(req: pb.GenerateRequest) -> Sampling:
 
 
 def _messages(req: pb.GenerateRequest) -> list[dict[str, str]]:
+    count = len(req.messages.messages)
+    if count > MAX_MESSAGES:
+        raise _invalid(f"messages holds {count} messages; at most {MAX_MESSAGES} are accepted")
     messages = list(req.messages.messages)
     if not messages:
         raise _invalid("messages is empty: send at least one message")
@@ -123,11 +132,25 @@ def _new_request_id() -> str:
     return b.hex()
 
 
+def valid_request_id(request_id: str) -> bool:
+    """1 to MAX_REQUEST_ID_LENGTH visible ASCII characters: it travels in headers (X-Request-Id,
+    gRPC metadata) and log lines, where a control character, a space or non-ASCII text cannot."""
+    return (
+        0 < len(request_id) <= MAX_REQUEST_ID_LENGTH
+        and request_id.isascii()
+        and request_id.isprintable()
+        and " " not in request_id
+    )
+
+
 def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     """Checks every field and normalizes the text (NFC); raises RequestError. No tokenization."""
     request_id = req.request_id or _new_request_id()
-    if len(request_id) > MAX_REQUEST_ID_LENGTH:
-        raise _invalid(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+    if not valid_request_id(request_id):
+        raise _invalid(
+            f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} visible ASCII characters (letters, "
+            "digits, punctuation; no spaces or control characters)"
+        )
     namespace = req.namespace or "default"
     if len(namespace) > MAX_NAMESPACE_LENGTH:
         raise _invalid(f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters")
@@ -160,17 +183,14 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
     if which == "prompt" and req.prompt:
+        _fits(len(req.prompt), limits)
         prompt = nfc(req.prompt)
     elif which == "messages":
-        messages = tuple((m["role"], nfc(m["content"])) for m in _messages(req))
+        raw = _messages(req)
+        _fits(sum(len(m["content"]) for m in raw), limits)
+        messages = tuple((m["role"], nfc(m["content"])) for m in raw)
     else:
         raise _invalid("prompt is empty: send some text or chat messages")
-    chars = len(prompt) if prompt is not None else sum(len(c) for _, c in messages)
-    if chars > limits.max_input_chars:
-        raise _invalid(
-            f"prompt is {chars} characters, more than fit this model's limit of "
-            f"{limits.max_input_tokens} input tokens"
-        )
     return CheckedRequest(
         request_id=request_id,
         namespace=namespace,
@@ -181,6 +201,16 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         stops=stops,
         cache_policy=cache_policy,
     )
+
+
+def _fits(chars: int, limits: Limits) -> None:
+    """Text of `chars` characters can fit the model's input (checked before it is normalized;
+    NFC composes, so it never makes text longer)."""
+    if chars > limits.max_input_chars:
+        raise _invalid(
+            f"prompt is {chars} characters, more than fit this model's limit of "
+            f"{limits.max_input_tokens} input tokens"
+        )
 
 
 def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> PreparedRequest:

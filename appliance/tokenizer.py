@@ -118,7 +118,14 @@ class ModelText:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Raw prompts get the model's special tokens (BOS) like the tokenizer adds them."""
-        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=True).ids
+        return self._encode(prompt, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The text's token ids. `encode_batch` releases the GIL while it tokenizes (`encode`
+        holds it), so a long text on a worker thread leaves the event loop running."""
+        ids: list[int] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[
+            0
+        ].ids
         return ids
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -134,5 +141,4 @@ class ModelText:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+        return self._encode(text, add_special_tokens=False)

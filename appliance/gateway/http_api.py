@@ -8,8 +8,14 @@ shape. Nothing about validation, caching or the engine is decided here.
 
 A client that disconnects cancels its handler (aiohttp's handler cancellation), which closes the
 pipeline's stream exactly as a cancelled gRPC call does. A body larger than `max_body_bytes` is
-refused with 413; a client that sends its body, or reads its stream, with no progress for
-`client_timeout_s` is cut off.
+refused with 413 (a gzip or deflate body as inflated: it is inflated as it is read, and refused
+once it grows past the limit; another Content-Encoding is refused with 415, one that does not
+inflate with 400); a client that sends its body, or reads its stream, with no progress for
+`client_timeout_s` is cut off, and so is a TLS handshake that takes longer.
+
+Nothing a client sends reaches the log: aiohttp's own records of requests it could not parse carry
+the raw bytes (an HTTP/2 preface with its HPACK block holds the `authorization` header) and are
+rewritten as one line naming the refusal and the peer, at most one per interval.
 """
 
 from __future__ import annotations
@@ -17,19 +23,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import ssl as ssl_module
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from grpc_health.v1 import health, health_pb2
 
 from appliance.config import HttpConfig
 from appliance.errors import RequestError
+from appliance.gateway import json_body
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.health import health_name
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import RequestReport
+from appliance.logline import Throttled
+from appliance.request import echo
 from appliance.security.auth import Credentials, bearer_token
 from appliance.security.tls import ServerTls, peercert_names
 from appliance.v1 import inference_pb2 as pb
@@ -46,8 +58,71 @@ WIRE_STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
 }
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Content-Encodings of a request body the server inflates (within max_body_bytes) or takes as is.
+BODY_ENCODINGS = ("identity", "gzip", "deflate")
+# aiohttp's logger of requests it refuses or handlers that raise.
+SERVER_LOGGER = "aiohttp.server"
+
+
+class WithoutRequestBytes(logging.Filter):
+    """Replaces an aiohttp record by one throttled line without its arguments or exception text,
+    both of which may hold request bytes (headers, a body, an HTTP/2 connection's frames)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._throttled = Throttled(logging.getLogger(__name__))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        what = type(exc).__name__ if exc is not None else "no exception"
+        if record.levelno >= logging.WARNING:
+            self._throttled.warning(
+                "HTTP request refused by the HTTP server (%s: %s); its bytes are not logged",
+                record.msg if isinstance(record.msg, str) else "error",
+                what,
+            )
+        return False
+
+
+def quiet_http_server_log() -> None:
+    """Installs WithoutRequestBytes on aiohttp's server logger once per process."""
+    logger = logging.getLogger(SERVER_LOGGER)
+    if not any(isinstance(f, WithoutRequestBytes) for f in logger.filters):
+        logger.addFilter(WithoutRequestBytes())
+
+
+class HandshakeBoundedSite(web.TCPSite):
+    """A TCPSite whose TLS handshakes are bounded by the client timeout (asyncio's default is
+    60 s, aiohttp offers no setting)."""
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        ssl: ssl_module.SSLContext,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(runner, host, port, ssl_context=ssl)
+        self._handshake_timeout_s = timeout_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server,
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout_s,
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
 async def _finish(messages: AsyncIterator[pb.GenerateResponse]) -> None:
@@ -107,6 +182,7 @@ class HttpApi:
         # a client's disconnect cancels its handler and so its pipeline stream. keepalive_timeout
         # also closes a connection that sends no complete request head in time. shutdown_timeout:
         # what close() leaves running after its grace is cancelled this much later.
+        self._decoder = json_body.BodyDecoder()
         self._runner = web.AppRunner(
             app,
             handle_signals=False,
@@ -115,6 +191,7 @@ class HttpApi:
             keepalive_timeout=config.client_timeout_s,
             shutdown_timeout=1.0,
         )
+        quiet_http_server_log()
         self._site: web.TCPSite | None = None
         self.port = 0
 
@@ -123,8 +200,17 @@ class HttpApi:
         assert self.config.listen is not None
         host, _, port = self.config.listen.rpartition(":")
         await self._runner.setup()
-        ssl_context = self.tls.ssl_context() if self.tls is not None else None
-        site = web.TCPSite(self._runner, host.strip("[]"), int(port), ssl_context=ssl_context)
+        site: web.TCPSite
+        if self.tls is not None:
+            site = HandshakeBoundedSite(
+                self._runner,
+                host.strip("[]"),
+                int(port),
+                self.tls.ssl_context(),
+                self.config.client_timeout_s,
+            )
+        else:
+            site = web.TCPSite(self._runner, host.strip("[]"), int(port))
         try:
             await site.start()
         except OSError:
@@ -148,6 +234,7 @@ class HttpApi:
         except TimeoutError:
             log.warning("HTTP requests still running after %.1f s; ending them", grace_s)
         await self._runner.cleanup()
+        self._decoder.close()
 
     # -- routes -----------------------------------------------------------------------------
 
@@ -158,9 +245,15 @@ class HttpApi:
         return await self._generate(request, chat=False)
 
     async def models(self, request: web.Request) -> web.Response:
+        refused = self._unauthenticated(request)
+        if refused is not None:
+            return refused
         return web.json_response(wire.model_list(sorted(self.pipeline.models), self._created))
 
     async def model(self, request: web.Request) -> web.Response:
+        refused = self._unauthenticated(request)
+        if refused is not None:
+            return refused
         name = request.match_info["model"]
         if name not in self.pipeline.models:
             known = ", ".join(sorted(self.pipeline.models))
@@ -170,6 +263,15 @@ class HttpApi:
                 )
             )
         return web.json_response(wire.model_entry(name, self._created))
+
+    def _unauthenticated(self, request: web.Request) -> web.Response | None:
+        """The 401 of a request whose credentials the gateway's keys do not know (None: known, or
+        no keys configured). Listing models needs a valid key, no particular scope."""
+        try:
+            self.pipeline.gate.authenticate(self._credentials(request))
+        except RequestError as exc:
+            return error_response(wire.error_of(exc, model_known=True))
+        return None
 
     async def health(self, request: web.Request) -> web.Response:
         """What grpc.health.v1 answers for the gateway, or for one model with ?model=NAME."""
@@ -213,7 +315,7 @@ class HttpApi:
         received = time.monotonic_ns()
         try:
             try:
-                http = wire.parse_request(wire.decode_body(await self._body(request)), chat)
+                http = wire.parse_request(await self._decode(await self._body(request)), chat)
             except wire.WireError as err:
                 self._report_refusal(err, received)
                 return error_response(err)
@@ -242,6 +344,14 @@ class HttpApi:
         return Credentials(None)
 
     async def _body(self, request: web.Request) -> bytes:
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in BODY_ENCODINGS:
+            raise wire.WireError(
+                415,
+                "invalid_request_error",
+                f"Content-Encoding {echo(encoding)} is not accepted; send the body as one of "
+                f"{', '.join(BODY_ENCODINGS)}",
+            )
         try:
             async with asyncio.timeout(self.config.client_timeout_s):
                 return await request.read()
@@ -252,12 +362,25 @@ class HttpApi:
                 f"the request body is larger than {self.config.max_body_bytes} bytes "
                 "(the gateway's [http] max_body_bytes)",
             ) from None
+        except RequestPayloadError:
+            raise wire.invalid(
+                f"the request body is not valid for its Content-Encoding {echo(encoding)}; send "
+                "it uncompressed, or compressed as Content-Encoding says"
+            ) from None
         except TimeoutError:
             raise wire.WireError(
                 408,
                 "invalid_request_error",
                 f"the request body did not arrive within {self.config.client_timeout_s:g} s",
             ) from None
+
+    async def _decode(self, body: bytes) -> dict[str, Any]:
+        try:
+            return await self._decoder.decode(body)
+        except json_body.BodyError as exc:
+            raise wire.invalid(str(exc)) from None
+        except json_body.BodyBusy as exc:
+            raise wire.WireError(503, "service_unavailable_error", str(exc)) from None
 
     def _report_refusal(self, err: wire.WireError, received: int) -> None:
         """A body refused before the pipeline saw it still counts in metrics and the access log."""

@@ -25,6 +25,7 @@ import grpc
 
 from appliance.errors import RequestError
 from appliance.gateway.messages import FINISH, TIERS
+from appliance.request import MAX_MESSAGES
 from appliance.v1 import inference_pb2 as pb
 
 INT32_MAX = 2**31 - 1
@@ -118,18 +119,6 @@ class HttpRequest:
 # -- request -----------------------------------------------------------------------------------
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 4300+ digits
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise invalid("the request body is not valid JSON: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise invalid(f"the request body must be a JSON object, got {_kind(data)}")
-    return data
-
-
 def parse_request(data: dict[str, Any], chat: bool) -> HttpRequest:
     """A chat (`/v1/chat/completions`) or completion (`/v1/completions`) body as a request."""
     try:
@@ -183,6 +172,11 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
 
 def _messages(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
     messages = _field(data, "messages", list, required=True)
+    if len(messages) > MAX_MESSAGES:
+        raise invalid(
+            f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are accepted",
+            "messages",
+        )
     req.messages.SetInParent()  # an empty list reaches the check stage, which names it
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -346,7 +340,10 @@ def _number(data: dict[str, Any], name: str) -> float | None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise invalid(f"{name} must be a number, got {_kind(value)}", name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise invalid(f"{name} is out of range: {len(str(value))} digits", name) from None
 
 
 # -- errors ------------------------------------------------------------------------------------

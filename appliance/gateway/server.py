@@ -176,7 +176,12 @@ async def start_server(
     mutual = config.tls is not None and config.tls.client_ca_file is not None
     # Without this gRPC sets SO_REUSEPORT: a second gateway on the same port would start and
     # silently take half of the connections.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # A TLS handshake that does not finish within the client timeout is dropped (gRPC's own
+    # default is 120 s).
+    handshake_ms = int(config.http.client_timeout_s * 1000)
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", handshake_ms)]
+    )
     cache = make_cache(config.cache)
     admission = make_admission(config, models)
     metrics = GatewayMetrics()
@@ -236,7 +241,8 @@ async def start_server(
                 f"cannot serve the HTTP API on {config.http.listen}: {exc.strerror or exc}"
             ) from exc
         running.http = http
-        log.info("OpenAI-compatible HTTP API on http://%s/v1", config.http.listen)
+        scheme = "https" if tls is not None else "http"
+        log.info("OpenAI-compatible HTTP API on %s://%s/v1", scheme, config.http.listen)
     return running
 
 

@@ -8,6 +8,16 @@ sizes and modification times are compared with the loaded ones (a few stat calls
 files are loaded and checked first; a half-written or mismatched pair is logged and the previous
 certificate stays in use. Replace files atomically (write a new file, then rename it over the old).
 
+A reload replaces everything the files hold, the client CAs included: an SSLContext can add trusted
+CAs but never drop one, so the HTTP listener's context is rebuilt from the files on every change, and
+each new handshake is switched onto the newest context as it starts (the SNI callback, which OpenSSL
+calls for every ClientHello, with or without a server name). gRPC is handed the whole new
+configuration. A CA removed from `client_ca_file` is refused by both listeners from the next
+handshake on.
+
+The HTTP listener offers only `http/1.1` in ALPN: its server speaks HTTP/1.1, and a client that
+negotiated `h2` would send frames it cannot read.
+
 Mutual TLS (`client_ca_file` set) requires every client to present a certificate the CA signed;
 gRPC's Python API has no "optional client certificate" mode, so neither does this.
 """
@@ -96,6 +106,12 @@ def _check(settings: TlsSettings) -> ssl.SSLContext:
     return context
 
 
+def _http_context(settings: TlsSettings) -> ssl.SSLContext:
+    context = _check(settings)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
 class ServerTls:
     """The certificate files of one listener, reloaded when they change."""
 
@@ -104,7 +120,8 @@ class ServerTls:
         self._lock = threading.Lock()  # gRPC asks for certificates from its own threads
         self._material = _load(settings)
         self.generation = 0
-        self._contexts: list[ssl.SSLContext] = []
+        # The context new HTTP handshakes are switched onto; rebuilt from the files on each change.
+        self._current = _http_context(settings)
 
     @property
     def mutual(self) -> bool:
@@ -121,10 +138,14 @@ class ServerTls:
             except (OSError, TlsError) as exc:
                 _throttled.warning("TLS files not reloaded, the previous ones stay: %s", exc)
                 return False
+            try:
+                current = _http_context(self.settings)
+            except TlsError as exc:
+                _throttled.warning("TLS files not reloaded, the previous ones stay: %s", exc)
+                return False
             self._material = material
+            self._current = current
             self.generation += 1
-            for context in self._contexts:
-                self._load_into(context)
         log.info("TLS certificate reloaded from %s", self.settings.cert_file)
         return True
 
@@ -148,21 +169,15 @@ class ServerTls:
         )
 
     def ssl_context(self) -> ssl.SSLContext:
-        """A server SSLContext of the same files for an asyncio/aiohttp listener; `refresh()`
-        (call it on SIGHUP or before accepting) loads renewed files into it for new handshakes."""
-        context = _check(self.settings)
-        context.set_alpn_protocols(["h2", "http/1.1"])
-        with self._lock:
-            self._contexts.append(context)
+        """A server SSLContext for an asyncio/aiohttp listener. Each handshake it starts continues
+        on the context of the files as last loaded: `refresh()` (on SIGHUP) rebuilds that one."""
+        context = _http_context(self.settings)
+        context.sni_callback = self._switch
         return context
 
-    def _load_into(self, context: ssl.SSLContext) -> None:
-        try:
-            context.load_cert_chain(self.settings.cert_file, self.settings.key_file)
-            if self.settings.client_ca_file is not None:
-                context.load_verify_locations(cafile=self.settings.client_ca_file)
-        except (ssl.SSLError, OSError) as exc:
-            _throttled.warning("TLS files not reloaded into an SSL context: %s", exc)
+    def _switch(self, connection: ssl.SSLObject, server_name: str | None, _: object) -> None:
+        self.refresh()
+        connection.context = self._current
 
 
 def certificate_names(common_names: list[str], dns: list[str], uris: list[str]) -> tuple[str, ...]:

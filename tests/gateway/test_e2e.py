@@ -119,6 +119,19 @@ BAD = [
     # The engine computes logits / temperature: a tiny positive temperature overflows it.
     (dict(temperature=1e-45), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be 0 (greedy)"),
     (dict(temperature=1e9), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be 0 (greedy)"),
+    (dict(temperature=2.5), grpc.StatusCode.INVALID_ARGUMENT, "between 0.01 and 2, got 2.5"),
+    # The request id travels in headers and log lines: no control characters, spaces or non-ASCII.
+    (dict(request_id="a\r\nb"), grpc.StatusCode.INVALID_ARGUMENT, "request_id must be 1 to 128"),
+    (dict(request_id="a\x1b[31m"), grpc.StatusCode.INVALID_ARGUMENT, "request_id must be"),
+    (dict(request_id="café"), grpc.StatusCode.INVALID_ARGUMENT, "request_id must be"),
+    (dict(request_id="a b"), grpc.StatusCode.INVALID_ARGUMENT, "request_id must be"),
+    (dict(request_id="r" * 129), grpc.StatusCode.INVALID_ARGUMENT, "request_id must be"),
+    # The number of messages is bounded before any is read.
+    (
+        dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user")] * 2049)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages holds 2049 messages; at most 2048 are accepted",
+    ),
     (dict(cache_policy=99), grpc.StatusCode.INVALID_ARGUMENT, "cache_policy 99 is not one of"),
     (dict(cache_policy=-5), grpc.StatusCode.INVALID_ARGUMENT, "cache_policy -5 is not one of"),
     # An 8 KB model name is echoed shortened: the status stays NOT_FOUND, never a too-large error.

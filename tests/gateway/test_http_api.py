@@ -272,7 +272,27 @@ async def test_unknown_model_and_chat_role(client: AsyncOpenAI) -> None:
         )
 
 
+TOO_MANY_MESSAGES = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 2049}).encode()
 REFUSED: list[tuple[bytes, str]] = [
+    (b'{"model": "tiny", "messages": [], "temperature": 1' + b"0" * 400 + b"}", "out of range"),
+    (b'{"model": "tiny", "messages": [], "top_p": 1' + b"0" * 400 + b"}", "top_p is out of range"),
+    (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5}',
+        "temperature must be 0 (greedy) or between 0.01 and 2",
+    ),
+    (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "appliance": {"request_id": "a\\r\\nSet-Cookie: x"}}',
+        "request_id must be 1 to 128 visible ASCII characters",
+    ),
+    (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "appliance": {"request_id": "a\\u001b[31m"}}',
+        "request_id must be",
+    ),
+    (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "appliance": {"request_id": "caf\\u00e9"}}',
+        "request_id must be",
+    ),
+    (TOO_MANY_MESSAGES, "messages holds 2049 messages; at most 2048 are accepted"),
     (b"{not json", "the request body is not valid JSON"),
     (b"[1, 2]", "must be a JSON object, got an array"),
     (b"\xff\xfe", "not valid JSON"),
@@ -523,3 +543,21 @@ async def test_http_requests_are_reported_like_grpc_ones(tiny: Tiny, engine: Eng
     assert (bad.model, bad.status) == ("", "INVALID_ARGUMENT")
     assert (good.front_end, bad.front_end) == ("http", "http")
     assert (via_grpc.request_id, via_grpc.front_end) == ("g1", "grpc")
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "x-unknown"])
+async def test_a_body_that_is_not_in_its_content_encoding_is_400(
+    gateway: RunningGateway, encoding: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = b'{"model": "tiny", "prompt": "plain text, not compressed"}'
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            _url(gateway) + "/v1/completions", data=body, headers={"Content-Encoding": encoding}
+        ) as r,
+    ):
+        # aiohttp refuses an encoding it cannot inflate (br without brotli) before the handler.
+        assert r.status in (400, 415), await r.text()
+        if r.content_type == "application/json":
+            assert "Content-Encoding" in (await r.json())["error"]["message"]
+    assert "plain text" not in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import aiohttp
 import openai
 import pytest
 
@@ -41,3 +42,29 @@ async def test_http_requests_need_a_key_with_the_namespace_and_scope(
             )
         answer = await client(token).completions.create(**ask)  # type: ignore[call-overload]
         assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_listing_models_needs_a_valid_key_and_health_does_not(
+    tiny: Tiny, engine: Engine, keys: Keys
+) -> None:
+    token = keys.add(["team-a"], ["generate"])
+    config = dataclasses.replace(
+        gateway_config(tiny, engine, auth=keys.auth()),
+        http=HttpConfig(listen="127.0.0.1:0"),
+    )
+    async with running(config) as gw, aiohttp.ClientSession() as session:
+        assert gw.http is not None
+        base = f"http://127.0.0.1:{gw.http.port}"
+        for path in ("/v1/models", "/v1/models/tiny", "/v1/models/other"):
+            for headers in ({}, {"Authorization": "Bearer not-a-key"}):
+                async with session.get(base + path, headers=headers) as r:
+                    assert r.status == 401, path
+                    assert "tiny" not in await r.text()
+        async with session.get(base + "/v1/models", headers=bearer_header(token)) as r:
+            assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+        async with session.get(base + "/health") as r:
+            assert r.status == 200
+
+
+def bearer_header(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}

@@ -1,0 +1,112 @@
+"""An HTTP request's JSON body decoded without holding the event loop.
+
+`json.loads` holds the GIL from its start to its end, and its cost grows with the number of values a
+body holds, not only with its bytes: a body of the size limit made of small values would stop every
+other client for the whole decode, and a worker thread would not help. So a body up to
+`INLINE_BYTES` is decoded on the event loop (its size bounds its cost to a few milliseconds), and a
+larger one in a worker process, which also counts the values the body holds and refuses more than
+`MAX_VALUES` before anything is sent back: what the event loop then unpickles is bounded too.
+
+The worker process starts with the first large body (a spawned interpreter that imports only this
+module and the standard library) and is replaced if it dies; the body waiting on it is refused with
+503 and a retry hint, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+# Bodies up to this size are decoded on the event loop.
+INLINE_BYTES = 64 * 1024
+# JSON values (objects, arrays, strings, numbers, literals, object keys not counted) a body may
+# hold: a chat of the longest accepted history in text parts stays well below it.
+MAX_VALUES = 32_768
+
+
+class BodyError(ValueError):
+    """A body that is not a request: the message says what is wrong with it."""
+
+
+class BodyBusy(RuntimeError):
+    """The decoding worker failed; the client may retry."""
+
+
+def _kind(value: object) -> str:
+    kinds: dict[type, str] = {dict: "an object", list: "an array", str: "a string"}
+    return kinds.get(type(value), "a value")
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; BodyError says why it is not one."""
+    try:
+        data = json.loads(body)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 4300+ digits
+        raise BodyError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BodyError("the request body is not valid JSON: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise BodyError(f"the request body must be a JSON object, got {_kind(data)}")
+    return data
+
+
+def count_values(data: object, limit: int) -> int:
+    """Values in `data`, counting stops past `limit` (returns limit + 1)."""
+    count = 0
+    pending = [data]
+    while pending:
+        value = pending.pop()
+        count += 1
+        if count > limit:
+            return count
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return count
+
+
+def decode_bounded(body: bytes) -> dict[str, Any] | str:
+    """The worker's job: the decoded object, or the refusal's message (BodyError's text)."""
+    try:
+        data = decode(body)
+    except BodyError as exc:
+        return str(exc)
+    if count_values(data, MAX_VALUES) > MAX_VALUES:
+        return f"the request body holds more than {MAX_VALUES} JSON values"
+    return data
+
+
+class BodyDecoder:
+    """Decodes request bodies: small ones inline, large ones in one worker process."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def decode(self, body: bytes) -> dict[str, Any]:
+        if len(body) <= INLINE_BYTES:
+            return decode(body)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn")
+            )
+        pool = self._pool
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(pool, decode_bounded, body)
+        except BrokenProcessPool:
+            if self._pool is pool:
+                self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise BodyBusy("the request body's decoder stopped; retry the request") from None
+        if isinstance(result, str):
+            raise BodyError(result)
+        return result
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

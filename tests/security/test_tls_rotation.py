@@ -1,0 +1,110 @@
+"""The HTTP listener's TLS context across a reload: a client CA taken out of `client_ca_file` is
+refused from the next handshake on, and ALPN offers only what the HTTP server speaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+
+import pytest
+
+from appliance.security.tls import ServerTls, TlsSettings
+from tests.security.certs import CA, Issued
+
+
+@asynccontextmanager
+async def tls_server(tls: ServerTls) -> AsyncIterator[int]:
+    """An asyncio TLS server on the listener's context that answers each connection b"ok"."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=tls.ssl_context())
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def client_context(ca: CA, client: Issued | None, alpn: list[str] | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cadata=ca.pem.decode())
+    if client is not None:
+        context.load_cert_chain(client.cert, client.key)
+    if alpn:
+        context.set_alpn_protocols(alpn)
+    return context
+
+
+async def handshake(port: int, context: ssl.SSLContext) -> tuple[bytes, str | None]:
+    """What the server sends after the handshake (b"" when it refused the client's certificate,
+    which TLS 1.3 reports only at the first read) and the negotiated ALPN protocol."""
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=context, server_hostname="localhost"
+    )
+    try:
+        data = await reader.read(2)
+    except (ssl.SSLError, ConnectionResetError):
+        data = b""
+    obj = writer.get_extra_info("ssl_object")
+    protocol = obj.selected_alpn_protocol() if obj is not None else None
+    writer.close()
+    with suppress(ssl.SSLError, ConnectionResetError):
+        await writer.wait_closed()
+    return data, protocol
+
+
+def replace(path: Path, data: bytes) -> None:
+    """As an operator renews a file: write beside it, rename over it."""
+    new = path.with_suffix(".new")
+    new.write_bytes(data)
+    os.replace(new, path)
+
+
+async def test_a_client_ca_removed_on_reload_is_refused_over_https(tmp_path: Path) -> None:
+    old_ca, new_ca = CA(tmp_path, "old-ca"), CA(tmp_path, "new-ca")
+    server_cert = old_ca.issue("server", "gateway")
+    old_client = old_ca.issue("old-client", "client-old", client=True)
+    new_client = new_ca.issue("new-client", "client-new", client=True)
+    client_ca_file = tmp_path / "client-ca.pem"
+    client_ca_file.write_bytes(old_ca.pem)
+    tls = ServerTls(TlsSettings(server_cert.cert, server_cert.key, client_ca_file=client_ca_file))
+
+    async with tls_server(tls) as port:
+        assert (await handshake(port, client_context(old_ca, old_client)))[0] == b"ok"
+        assert (await handshake(port, client_context(old_ca, new_client)))[0] == b""
+
+        replace(client_ca_file, new_ca.pem)
+        assert tls.refresh()
+        assert (await handshake(port, client_context(old_ca, old_client)))[0] == b""
+        assert (await handshake(port, client_context(old_ca, new_client)))[0] == b"ok"
+        assert (await handshake(port, client_context(old_ca, None)))[0] == b""
+
+
+async def test_a_renewed_file_is_used_at_the_next_handshake_without_sighup(tmp_path: Path) -> None:
+    old_ca, new_ca = CA(tmp_path, "old-ca"), CA(tmp_path, "new-ca")
+    cert = old_ca.issue("server", "gateway")
+    tls = ServerTls(TlsSettings(cert.cert, cert.key))
+    async with tls_server(tls) as port:
+        assert (await handshake(port, client_context(old_ca, None)))[0] == b"ok"
+        renewed = new_ca.issue("server-renewed", "gateway")
+        replace(cert.key, renewed.key_pem)
+        replace(cert.cert, renewed.cert_pem)
+        assert (await handshake(port, client_context(new_ca, None)))[0] == b"ok"
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await handshake(port, client_context(old_ca, None))
+
+
+async def test_https_offers_only_http_1_1_in_alpn(tmp_path: Path) -> None:
+    ca = CA(tmp_path, "ca")
+    cert = ca.issue("server", "gateway")
+    tls = ServerTls(TlsSettings(cert.cert, cert.key))
+    async with tls_server(tls) as port:
+        data, protocol = await handshake(port, client_context(ca, None, ["h2", "http/1.1"]))
+        assert (data, protocol) == (b"ok", "http/1.1")
