@@ -242,7 +242,8 @@ async def start_server(
             ) from exc
         running.http = http
         scheme = "https" if tls is not None else "http"
-        log.info("OpenAI-compatible HTTP API on %s://%s/v1", scheme, config.http.listen)
+        host = config.http.listen.rpartition(":")[0]
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, host, http.port)
     return running
 
 
