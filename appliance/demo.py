@@ -121,6 +121,7 @@ def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
         ["engine", "--repository", str(repo), "--listen", engine_addr], workdir / "engine.log"
     )
     gateway = None
+    failure = None
     try:
         took = processes.wait_engine(engine_addr, engine, workdir / "engine.log")
         _say(f"engine server ready after {took:.1f} s")
@@ -130,8 +131,13 @@ def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
         _say("gateway serving; asking:")
         results = asyncio.run(_run_requests(gateway_addr, _requests(n, max_tokens)))
         _report(results)
+    except RuntimeError as exc:  # a process that exited or never became ready: its own words
+        failure = str(exc)
     finally:
         gateway_code = processes.stop(gateway) if gateway is not None else 0
         codes = gateway_code, processes.stop(engine)
+    if failure is not None:
+        print(f"appliance demo: {failure}", flush=True)
+        return 1
     print(f"gateway exited {codes[0]}, engine exited {codes[1]}")
     return 0 if codes == (0, 0) else 1

@@ -101,8 +101,9 @@ def wait_engine(
         stub = ts_grpc.GRPCInferenceServiceStub(channel)
         while time.monotonic() - started < timeout_s:
             if proc.poll() is not None:
-                tail = log.read_text(errors="replace").strip().splitlines()[-1:]
-                raise RuntimeError(f"engine server exited with {proc.returncode}: {tail}")
+                lines = log.read_text(errors="replace").strip().splitlines()
+                last = lines[-1] if lines else "no output"
+                raise RuntimeError(f"engine server exited with {proc.returncode}: {last}")
             try:
                 if stub.ModelReady(ts.ModelReadyRequest(name="tensorrt_llm"), timeout=1.0).ready:
                     return time.monotonic() - started

@@ -1,0 +1,30 @@
+"""`appliance demo` ends in one line, not a traceback, when its engine server cannot start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from appliance import demo, instruct_model
+from appliance.engine.repository import lock_repository
+from tests.conftest import Tiny
+
+
+def test_a_repository_already_served_ends_the_demo_in_one_line(
+    tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(
+        instruct_model, "ensure_instruct_model", lambda *_, **__: (tiny.model_dir, tiny.repo)
+    )
+    held = lock_repository(tiny.repo)  # as another engine server serving it would
+    try:
+        assert demo.run_demo(tmp_path, 1, 4) == 1
+    finally:
+        os.close(held)
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    last = out.out.strip().splitlines()[-1]
+    assert last.startswith("appliance demo: engine server exited with ")
+    assert "another engine server is already serving this repository" in last
