@@ -14,14 +14,30 @@ class RequestError(Exception):
     """A request the gateway refuses or cannot finish; carries the status the client gets."""
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        retry_after_ms: int | None = None,
+        *,
+        reason: str | None = None,
+        field: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         # When trying again later can succeed (overload): how long to wait, in milliseconds.
         self.retry_after_ms = retry_after_ms
+        # What a program can branch on, in OpenAI's words (its error `code`): e.g.
+        # "context_length_exceeded", "model_not_found"; None: the status says it all.
+        self.reason = reason
+        # The request field at fault (OpenAI's `param`), where one is.
+        self.field = field
 
 
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+# Reasons a refusal names (OpenAI's error codes).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MODEL_NOT_FOUND = "model_not_found"
+
+
+def invalid(message: str, *, reason: str | None = None, field: str | None = None) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, reason=reason, field=field)

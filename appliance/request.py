@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from appliance.backends.base import GREEDY, Sampling
 from appliance.cache.policy import CachePolicy
-from appliance.errors import invalid
+from appliance.errors import CONTEXT_LENGTH_EXCEEDED, invalid
 from appliance.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
 from appliance.v1 import inference_pb2 as pb
 
@@ -183,11 +183,11 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
     if which == "prompt" and req.prompt:
-        _fits(len(req.prompt), limits)
+        _fits(len(req.prompt), limits, "prompt")
         prompt = nfc(req.prompt)
     elif which == "messages":
         raw = _messages(req)
-        _fits(sum(len(m["content"]) for m in raw), limits)
+        _fits(sum(len(m["content"]) for m in raw), limits, "messages")
         messages = tuple((m["role"], nfc(m["content"])) for m in raw)
     else:
         raise _invalid("prompt is empty: send some text or chat messages")
@@ -203,13 +203,15 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     )
 
 
-def _fits(chars: int, limits: Limits) -> None:
+def _fits(chars: int, limits: Limits, field: str) -> None:
     """Text of `chars` characters can fit the model's input (checked before it is normalized;
     NFC composes, so it never makes text longer)."""
     if chars > limits.max_input_chars:
         raise _invalid(
             f"prompt is {chars} characters, more than fit this model's limit of "
-            f"{limits.max_input_tokens} input tokens"
+            f"{limits.max_input_tokens} input tokens",
+            reason=CONTEXT_LENGTH_EXCEEDED,
+            field=field,
         )
 
 
@@ -222,16 +224,21 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
             prompt_ids = text.encode_chat([{"role": r, "content": c} for r, c in checked.messages])
         except ChatTemplateError as exc:
             raise _invalid(str(exc)) from exc
+    field = "prompt" if checked.prompt is not None else "messages"
     if len(prompt_ids) > limits.max_input_tokens:
         raise _invalid(
             f"prompt is {len(prompt_ids)} tokens; this model accepts at most "
-            f"{limits.max_input_tokens} input tokens"
+            f"{limits.max_input_tokens} input tokens",
+            reason=CONTEXT_LENGTH_EXCEEDED,
+            field=field,
         )
     if len(prompt_ids) + checked.max_tokens > limits.context_length:
         raise _invalid(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({checked.max_tokens}) exceeds the "
             f"model's context of {limits.context_length} tokens; lower max_tokens or shorten the "
-            "prompt"
+            "prompt",
+            reason=CONTEXT_LENGTH_EXCEEDED,
+            field=field,
         )
     return PreparedRequest(
         request_id=checked.request_id,

@@ -140,15 +140,20 @@ class _Collector:
 
 
 def add_service(
-    add_to_server: Callable[[Any, Any], None], servicer: object, server: grpc.aio.Server
+    add_to_server: Callable[[Any, Any], None],
+    servicer: object,
+    server: grpc.aio.Server,
+    also_as: tuple[str, ...] = (),
 ) -> None:
     """Registers `servicer` as its generated `add_*_to_server` would, but tolerant of bodies
-    that do not decode."""
+    that do not decode; `also_as` names further services whose messages are the same on the
+    wire (a protocol's newer package name) that the same methods answer."""
     collected = _Collector()
     add_to_server(servicer, collected)
     service = collected.service
     handlers = {
         name: _tolerant(service, name, handler) for name, handler in collected.handlers.items()
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
+    for name in (service, *also_as):
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)

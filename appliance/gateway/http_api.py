@@ -41,7 +41,7 @@ from appliance.gateway.health import health_name
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import RequestReport
 from appliance.logline import Throttled
-from appliance.request import echo
+from appliance.request import echo, valid_request_id
 from appliance.security.auth import Credentials, bearer_token
 from appliance.security.tls import ServerTls, peercert_names
 from appliance.v1 import inference_pb2 as pb
@@ -256,12 +256,7 @@ class HttpApi:
             return refused
         name = request.match_info["model"]
         if name not in self.pipeline.models:
-            known = ", ".join(sorted(self.pipeline.models))
-            return error_response(
-                wire.WireError(
-                    404, "invalid_request_error", f"unknown model; known models: {known}", "model"
-                )
-            )
+            return error_response(wire.unknown_model(sorted(self.pipeline.models)))
         return web.json_response(wire.model_entry(name, self._created))
 
     def _unauthenticated(self, request: web.Request) -> web.Response | None:
@@ -270,7 +265,7 @@ class HttpApi:
         try:
             self.pipeline.gate.authenticate(self._credentials(request))
         except RequestError as exc:
-            return error_response(wire.error_of(exc, model_known=True))
+            return error_response(wire.error_of(exc))
         return None
 
     async def health(self, request: web.Request) -> web.Response:
@@ -316,6 +311,11 @@ class HttpApi:
         try:
             try:
                 http = wire.parse_request(await self._decode(await self._body(request)), chat)
+                header_id = request.headers.get("X-Request-Id")
+                # The client's (or its proxy's) id when the body sets none and it is one the
+                # gateway can carry; an unusable one is ignored, never a reason to refuse.
+                if not http.request.request_id and header_id and valid_request_id(header_id):
+                    http.request.request_id = header_id
             except wire.WireError as err:
                 self._report_refusal(err, received)
                 return error_response(err)
@@ -421,7 +421,7 @@ class HttpApi:
         )
 
     def _refused(self, http: wire.HttpRequest, exc: RequestError) -> web.Response:
-        err = wire.error_of(exc, model_known=http.request.model in self.pipeline.models)
+        err = wire.error_of(exc)
         return error_response(err, exc.retry_after_ms)
 
     async def _stream(
@@ -448,7 +448,7 @@ class HttpApi:
                 message = await anext(messages)
         except RequestError as exc:
             # The status line is gone: the error travels as an event (the SDKs raise it).
-            err = wire.error_of(exc, model_known=True)
+            err = wire.error_of(exc)
             await self._write(request, response, out + wire.stream_error(err))
         await response.write_eof()
         return response

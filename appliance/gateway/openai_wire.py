@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from appliance.errors import RequestError
+from appliance.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.messages import FINISH, TIERS
 from appliance.request import MAX_MESSAGES
 from appliance.v1 import inference_pb2 as pb
@@ -57,7 +57,7 @@ NO_OP: dict[str, tuple[object, ...]] = {
     "functions": (None,),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None,),
+    "response_format": (None, {"type": "text"}),
     "echo": (False, None),
     "best_of": (1, None),
     "suffix": (None,),
@@ -97,11 +97,20 @@ def invalid(message: str, param: str | None = None) -> WireError:
 
 
 class WireError(Exception):
-    """An HTTP request refused before it reaches the pipeline (its body cannot be a request)."""
+    """An HTTP request refused before it reaches the pipeline (its body cannot be a request), or a
+    pipeline refusal in OpenAI's terms (`error_of`)."""
 
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.kind, self.message, self.param = status, kind, message, param
+        self.status, self.kind, self.message = status, kind, message
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -348,32 +357,52 @@ def _number(data: dict[str, Any], name: str) -> float | None:
 
 # -- errors ------------------------------------------------------------------------------------
 
+# Every gRPC status a refusal can carry (all but OK), as OpenAI's HTTP status and error type; none
+# is a 500.
 STATUS = {
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+    grpc.StatusCode.UNKNOWN: (502, "server_error"),
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_denied_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),
+    grpc.StatusCode.INTERNAL: (502, "server_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+    grpc.StatusCode.DATA_LOSS: (502, "server_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
 }
+# An unknown model is the request's fault, whichever endpoint names it (as OpenAI answers).
+MODEL_NOT_FOUND_KIND = "invalid_request_error"
 
 
-def error_of(exc: RequestError, model_known: bool) -> WireError:
-    """A pipeline refusal as its HTTP status and OpenAI error type."""
-    status, kind = STATUS.get(exc.code, (500, "server_error"))
-    param = None
-    if exc.code == grpc.StatusCode.NOT_FOUND and not model_known:
-        param = "model"
-    return WireError(status, kind, exc.message, param)
+def error_of(exc: RequestError) -> WireError:
+    """A pipeline refusal as its HTTP status, OpenAI error type, `param` and `code`."""
+    status, kind = STATUS.get(exc.code, (502, "server_error"))
+    if exc.reason == MODEL_NOT_FOUND:
+        kind = MODEL_NOT_FOUND_KIND
+    return WireError(status, kind, exc.message, exc.field, exc.reason)
 
 
-def error_body(err: WireError, code: str | None = None) -> dict[str, Any]:
-    if code is None and err.param == "model" and err.status == 404:
-        code = "model_not_found"
-    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": code}}
+def unknown_model(known: list[str]) -> WireError:
+    return WireError(
+        404,
+        MODEL_NOT_FOUND_KIND,
+        f"unknown model; known models: {', '.join(known)}",
+        "model",
+        MODEL_NOT_FOUND,
+    )
+
+
+def error_body(err: WireError) -> dict[str, Any]:
+    return {
+        "error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
+    }
 
 
 def dumps(value: object) -> bytes:

@@ -54,7 +54,7 @@ from appliance.cache.keys import ModelIdentity, SamplingKey, cache_key, is_deter
 from appliance.cache.policy import CachePlan, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, Hit, TierCascade
-from appliance.errors import RequestError
+from appliance.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway import messages
 from appliance.gateway.generation import Delta, Event, Outcome, Started, generate
 from appliance.gateway.models import ServedModel
@@ -236,6 +236,8 @@ class Pipeline:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
                 f"unknown model {echo(request.model)}; known models: {known}",
+                reason=MODEL_NOT_FOUND,
+                field="model",
             )
         return model
 

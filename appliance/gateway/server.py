@@ -41,6 +41,7 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheAdmin"].full_name
 
@@ -209,6 +210,9 @@ async def start_server(
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
         reflection.aio.ReflectionServicer(reflected),
         server,
+        # grpc.reflection.v1 is v1alpha under its stable name, message for message: clients that
+        # ask only v1 (newer grpcurl, Postman) get the same answers.
+        also_as=(REFLECTION_V1,),
     )
     port, tls = listen(server, config)
     if cache is not None:

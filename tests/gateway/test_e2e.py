@@ -11,6 +11,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -159,6 +160,20 @@ async def test_client_deadline_is_honoured(stub: pb_grpc.InferenceStub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(stub, req(max_tokens=500), timeout=0.05)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_reflection_answers_under_its_v1_name_too(gateway_address: str) -> None:
+    """grpc.reflection.v1 carries v1alpha's messages under a new package name."""
+    with grpc.insecure_channel(gateway_address) as channel:
+        for package in ("v1", "v1alpha"):
+            info = channel.stream_stream(
+                f"/grpc.reflection.{package}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            replies = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            names = {s.name for s in replies[0].list_services_response.service}
+            assert "appliance.v1.Inference" in names, package
 
 
 def test_health_and_reflection(gateway_address: str) -> None:

@@ -249,11 +249,12 @@ async def test_invalid_fields_get_the_grpc_message(
                 extra_body=body,  # sent as is, whatever the SDK's types allow
             )
     assert bad.value.status_code == 400
+    too_long = "word " * 3000 in fields.values()
     assert bad.value.body == {
         "message": err.value.details(),
         "type": "invalid_request_error",
-        "param": None,
-        "code": None,
+        "param": "prompt" if too_long else None,
+        "code": "context_length_exceeded" if too_long else None,
     }
 
 
@@ -561,3 +562,62 @@ async def test_a_body_that_is_not_in_its_content_encoding_is_400(
         if r.content_type == "application/json":
             assert "Content-Encoding" in (await r.json())["error"]["message"]
     assert "plain text" not in caplog.text
+
+
+async def test_openai_error_codes_name_the_field_and_the_reason(gateway: RunningGateway) -> None:
+    too_long = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 3000}]}
+    status, _, reply = await _post(gateway, "/v1/chat/completions", json.dumps(too_long).encode())
+    assert status == 400
+    assert (reply["error"]["code"], reply["error"]["param"]) == (
+        "context_length_exceeded",
+        "messages",
+    )
+    prompt = {"model": "tiny", "prompt": "x" * 60_000}
+    status, _, reply = await _post(gateway, "/v1/completions", json.dumps(prompt).encode())
+    assert (status, reply["error"]["code"], reply["error"]["param"]) == (
+        400,
+        "context_length_exceeded",
+        "prompt",
+    )
+    # An unknown model is the same error on every endpoint.
+    unknown = {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}
+    _, _, generating = await _post(gateway, "/v1/chat/completions", json.dumps(unknown).encode())
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(_url(gateway) + "/v1/models/gpt-9") as r,
+    ):
+        listing = await r.json()
+        assert r.status == 404
+    for reply in (generating, listing):
+        error = reply["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
+
+
+async def test_the_clients_x_request_id_is_the_request_id_when_usable(
+    gateway: RunningGateway,
+) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    for sent, used in (("trace-42.a:b", True), ("has space", False), ("é", False)):
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                _url(gateway) + "/v1/completions", data=body, headers={"X-Request-Id": sent}
+            ) as r,
+        ):
+            reply = await r.json()
+            assert r.status == 200
+            assert (r.headers["X-Request-Id"] == sent) is used
+            assert (reply["appliance"]["request_id"] == sent) is used
+
+
+async def test_response_format_text_is_accepted(gateway: RunningGateway) -> None:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "response_format": {"type": "text"}}
+    status, _, _ = await _post(gateway, "/v1/completions", json.dumps(body).encode())
+    assert status == 200
+    body["response_format"] = {"type": "json_object"}
+    status, _, reply = await _post(gateway, "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and "response_format is not supported" in reply["error"]["message"]

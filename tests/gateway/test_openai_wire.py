@@ -159,6 +159,12 @@ def test_stream_chunks_are_the_openai_shapes(chat: bool) -> None:
     ],
 )
 def test_statuses(code: grpc.StatusCode, status: int) -> None:
-    err = wire.error_of(RequestError(code, "why"), model_known=True)
+    err = wire.error_of(RequestError(code, "why"))
     assert err.status == status
     assert wire.error_body(err)["error"]["message"] == "why"
+
+
+@pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c != grpc.StatusCode.OK])
+def test_no_status_becomes_a_500(code: grpc.StatusCode) -> None:
+    err = wire.error_of(RequestError(code, "why"))
+    assert err.status != 500 and err.kind
