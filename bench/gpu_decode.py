@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from appliance.engine.decode import cuda_graph_capture
+from appliance.engine.device import enter_device
 from appliance.engine.linear import Scaling
 from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import KvCacheParams
@@ -270,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT") or "var/bench")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = enter_device(args.device)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from appliance.engine.device import resolve_device
 from appliance.engine.linear import Linear, PlainLinear, Scaling, quantize_linear
 from engine_build.hf_config import CheckpointError, Llama3RopeScaling, LlamaConfig, read_config
 
@@ -242,7 +243,7 @@ class LlamaModel:
         weights) never holds more than one block's weights beside the model.
         """
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.dtype = dtype
         self.fp8 = fp8
         c = config

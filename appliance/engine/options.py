@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from appliance.engine.device import resolve_device
 from appliance.engine.linear import Scaling
 from appliance.engine.llama import LlamaConfig
 from appliance.engine.prefix_cache import free_device_bytes
@@ -61,13 +62,19 @@ class EngineOptions:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+        """The device, indexed (`cuda` is the current CUDA device); valid once `problem()` is None."""
+        return resolve_device(self.device)
+
+    @property
+    def device_type(self) -> str:
+        """cpu or cuda, read without touching CUDA."""
+        return torch.device(self.device).type
 
     @property
     def dtype_name(self) -> str:
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.torch_device.type == "cuda" else "float32"
+        return "bfloat16" if self.device_type == "cuda" else "float32"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -81,7 +88,7 @@ class EngineOptions:
     @property
     def use_cuda_graph(self) -> bool:
         if self.cuda_graph == "auto":
-            return self.torch_device.type == "cuda"
+            return self.device_type == "cuda"
         return self.cuda_graph == "on"
 
     def problem(self) -> tuple[str, str] | None:
@@ -96,7 +103,7 @@ class EngineOptions:
                 "--weights fp8",
                 f"FP8 linear layers compute in bfloat16; use --dtype bfloat16, not {self.dtype_name}",
             )
-        if self.weights == "fp8" and self.torch_device.type == "cuda":
+        if self.weights == "fp8" and self.device_type == "cuda":
             major, minor = torch.cuda.get_device_capability(self.torch_device)
             if (major, minor) < FP8_MIN_CAPABILITY:
                 return (
@@ -104,7 +111,7 @@ class EngineOptions:
                     f"FP8 matrix products need compute capability 8.9 or later (Ada, Hopper); "
                     f"this GPU is {major}.{minor}: use --weights dtype",
                 )
-        if self.cuda_graph == "on" and self.torch_device.type != "cuda":
+        if self.cuda_graph == "on" and self.device_type != "cuda":
             return "--cuda-graph on", "CUDA graphs need a CUDA device; use --cuda-graph off or auto"
         if self.random_weights is not None and self.random_weights not in SHAPES:
             return f"--random-weights {self.random_weights}", f"known shapes: {', '.join(SHAPES)}"
