@@ -122,9 +122,7 @@ class Runner:
         """`max_seq_len` sizes the one working KV cache (default: the model's context); `capture`
         (None: eager decode) captures the decode step on it before the compute thread starts."""
         self.model = model
-        self.cache = model.new_cache(
-            max_seq_len or model.config.max_position_embeddings, zeroed=capture is not None
-        )
+        self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
         self.decode: DecodeStep = (
             EagerDecode(model, self.cache)
             if capture is None

@@ -66,8 +66,8 @@ def test_the_runner_thread_enters_an_index_less_cuda_device(
     on_gpu = copy.copy(micro_model)  # computes on the CPU, but says it lives on `cuda`
     on_gpu.device = torch.device("cuda")
 
-    def cpu_cache(max_seq_len: int, zeroed: bool = False) -> KVCache:
-        return micro_model.new_cache(max_seq_len, zeroed)
+    def cpu_cache(max_seq_len: int) -> KVCache:
+        return micro_model.new_cache(max_seq_len)
 
     monkeypatch.setattr(on_gpu, "new_cache", cpu_cache)
     failures: list[BaseException] = []
