@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -239,6 +240,9 @@ class LlamaModel:
         """
         self.config = config
         self.device = resolve_device(device)
+        # The fixed-shape decode step's kernels: eager torch (the reference) or the fused Triton
+        # kernels (`appliance.engine.fused`), chosen by the engine's --kernels option.
+        self.kernels: Literal["torch", "triton"] = "torch"
         self.dtype = dtype
         self.fp8 = fp8
         c = config
@@ -445,6 +449,11 @@ class LlamaModel:
         NaN included, so they are removed by selection (`torch.where`), never by arithmetic: an
         additive -inf mask or a zero weight leaves NaN (NaN - inf and 0 * NaN are NaN).
         """
+        if self.kernels == "triton":
+            from appliance.engine.fused import decode_step
+
+            decode_step(self, step_in, cache, span, logits_out)
+            return
         c = self.config
         token, pos = step_in[0:1], step_in[1:2]
         group = c.num_attention_heads // c.num_key_value_heads

@@ -355,6 +355,20 @@ def test_engine_refuses_options_it_cannot_honour(
     assert lines[0].startswith(f"appliance engine: {message}"), lines
 
 
+def test_triton_kernels_without_a_gpu_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = appliance_cli.main(["engine", "--repository", str(tmp_path), "--kernels", "triton"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1
+    assert lines[0] in (
+        "appliance engine: --kernels triton: Triton kernels need a CUDA device; use --kernels torch",
+        "appliance engine: --kernels triton: the triton package is not installed; use --kernels torch",
+    )
+    assert EngineOptions(device="cpu").kernel_path == "torch"  # auto: torch on a CPU
+
+
 def test_random_weights_serve_a_repository_without_reading_its_checkpoint(
     tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
