@@ -116,8 +116,12 @@ class GraphDecode:
             raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
         with torch.inference_mode():
             self.step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
-            self._replays[bisect.bisect_right(self.spans, pos)]()
+            self.replay_for(pos)()
         return self.logits
+
+    def replay_for(self, pos: int) -> Callable[[], None]:
+        """The captured step of the smallest span above `pos` (it reads `step_in` when replayed)."""
+        return self._replays[bisect.bisect_right(self.spans, pos)]
 
 
 def cuda_graph_capture(device: torch.device) -> Capture:
