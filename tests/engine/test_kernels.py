@@ -1,11 +1,8 @@
 """The fused decode step's Triton kernels against the eager torch reference, on the CPU through
-Triton's interpreter (on a CUDA host they run compiled). Shapes are tiny: the interpreter runs each
+Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py; on a CUDA host they run compiled). Shapes are tiny: the interpreter runs each
 program in numpy."""
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,24 +22,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # toward zero, where torch and compiled kernels round to nearest).
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_without_a_gpu() -> Iterator[None]:
-    """TRITON_INTERPRET=1 while these tests run, where there is no GPU.
-
-    Triton reads it when the kernels' module is imported, at the first launch: here.
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if before is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = before
 
 
 def _gen(seed: int) -> torch.Generator:
