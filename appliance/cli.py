@@ -40,6 +40,7 @@ def _engine(args: argparse.Namespace) -> int:
         weights=args.weights,
         fp8_scaling=args.fp8_scaling,
         cuda_graph=args.cuda_graph,
+        kernels=args.kernels,
         random_weights=args.random_weights,
         seed=args.seed,
     )
@@ -269,6 +270,13 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "on", "off"],
         help="capture the decode step in CUDA graphs (default auto: on for cuda)",
+    )
+    e.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="the captured decode step's kernels: fused Triton kernels or eager torch "
+        "(default auto: triton on cuda where triton imports, else torch)",
     )
     e.add_argument(
         "--random-weights",

@@ -7,12 +7,16 @@ device (`--shape llama-3.1-8b`: 32 layers, 4096 hidden, 14336 intermediate, 32/8
 - the floor: a device-to-device copy's bandwidth (bytes read + bytes written over time, best of
   several) measured in this run, and per variant the weight bytes a batch-1 decode step must read
   divided by it: no decoder can step faster than that;
-- per variant (bf16 or FP8 weights, eager or CUDA-graph decode): decode latency per token at batch
-  1, P50/P99 over `--tokens` tokens (256 by default) after a warm-up; TTFT of 128- and
-  2,048-token prompts, and of a 2,048-token prompt whose first 2,000 tokens an earlier request
-  left in the reuse pool; peak device memory; graph capture time; start-up (weights drawn + runner
-  ready). The variants run through the engine's own Runner (prefix reuse, chunked prefill, the
-  decode step), timed at the runner's emissions, so gRPC is not in these numbers;
+- per variant (bf16 or FP8 weights; eager or CUDA-graph decode; the captured step on eager torch
+  kernels, on the fused Triton kernels (`--kernels triton`), or torch.compile'd as an anchor):
+  decode latency per token at batch 1, P50/P99 over `--tokens` tokens (256 by default) after a
+  warm-up; the captured step's device time from replays enqueued back to back between two CUDA
+  events (no host loop in the timing); kernels per decode step (torch.profiler; on a CPU, aten
+  operators per step); TTFT of 128- and 2,048-token prompts, and of a 2,048-token prompt whose
+  first 2,000 tokens an earlier request left in the reuse pool; peak device memory; graph capture
+  time; start-up (weights drawn + runner ready). The variants run through the engine's own Runner
+  (prefix reuse, chunked prefill, the decode step), timed at the runner's emissions, so gRPC is
+  not in these numbers;
 - the whole path, on the host's cores: client -> gateway -> engine server vs client -> engine
   server vs a bare gRPC echo (bench/streaming.py), with the engine on this device.
 
@@ -34,13 +38,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from appliance.engine.decode import cuda_graph_capture
+from appliance.engine.decode import GraphDecode, cuda_graph_capture
+from appliance.engine.device import enter_device
+from appliance.engine.kernels import triton_problem
 from appliance.engine.linear import Scaling
+from appliance.engine.llama import LlamaModel
 from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import KvCacheParams
 from appliance.engine.runner import Emission, Job, Runner, build_runner
@@ -52,18 +59,30 @@ REUSED_PREFIX = 2000
 
 @dataclass(frozen=True)
 class Variant:
+    """One way of running the decode step: weights, graph capture, and the captured step's body
+    (`kernels` "torch" or "triton"; `compiled`: torch.compile of the eager torch step, an anchor)."""
+
     name: str
     fp8: Scaling | None
     graph: bool
+    kernels: Literal["torch", "triton"] = "torch"
+    compiled: bool = False
 
 
 VARIANTS = (
     Variant("bf16 eager", None, False),
     Variant("bf16 graph", None, True),
+    Variant("bf16 graph triton", None, True, "triton"),
+    Variant("bf16 graph compile", None, True, compiled=True),
     Variant("fp8 eager", "channel", False),
     Variant("fp8 graph", "channel", True),
+    Variant("fp8 graph triton", "channel", True, "triton"),
     Variant("fp8-tensor graph", "tensor", True),
+    Variant("fp8-tensor graph compile", "tensor", True, compiled=True),
 )
+# Decode steps profiled for the kernel count, and graph replays timed back to back.
+PROFILED_STEPS = 4
+BACK_TO_BACK_STEPS = 200
 
 
 def _sync(device: torch.device) -> None:
@@ -140,6 +159,11 @@ def measure_variant(
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     model = random_model(config, device, torch.bfloat16, variant.fp8, seed=args.seed)
+    model.kernels = variant.kernels
+    if variant.compiled:
+        # Compiled once per span (each is its own static shape), inside the warm-up runs that
+        # precede each graph capture, so the capture records the compiled kernels.
+        model.decode_static = torch.compile(model.decode_static, dynamic=False)  # type: ignore[method-assign]
     _sync(device)
     weights_ready = time.perf_counter()
     params = KvCacheParams(
@@ -182,6 +206,11 @@ def measure_variant(
             (t.times[0] - t.submitted) * 1e3 for t in reused
         )
         result["reused_tokens"] = [t.perf.kv.reused_tokens for t in reused]
+        result.update(step_profile(model, runner.cache, device))
+        if variant.kernels == "triton":
+            result["triton_vs_torch_logits_rel_err"] = kernel_agreement(model, runner.cache)
+        if isinstance(runner.decode, GraphDecode):
+            result["graph_step_ms_back_to_back"] = graph_step_ms(runner.decode, 128)
         if device.type == "cuda":
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     finally:
@@ -189,6 +218,68 @@ def measure_variant(
         del runner, model
         gc.collect()
     return result
+
+
+def step_profile(model: LlamaModel, cache: Any, device: torch.device) -> dict[str, Any]:
+    """Kernels (on CUDA) or operators (on a CPU) per decode step, from torch.profiler over
+    PROFILED_STEPS runs of the step body the graph captures (kernels in a replayed graph are the
+    same launches), at position 128 over the smallest span."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_in = torch.tensor((5, 128), dtype=torch.long, device=device)
+    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=device)
+    span = min(256, cache.max_seq_len)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        model.decode_static(step_in, cache, span, logits)  # warm: nothing compiles in the window
+        _sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(PROFILED_STEPS):
+                model.decode_static(step_in, cache, span, logits)
+            _sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel_us = sum(e.device_time_total for e in kernels) / PROFILED_STEPS
+        return {
+            "kernels_per_step": len(kernels) / PROFILED_STEPS,
+            "kernel_ms_per_step": kernel_us / 1e3,
+        }
+    ops = [e for e in events if e.name.startswith("aten::")]
+    return {"cpu_ops_per_step": len(ops) / PROFILED_STEPS}
+
+
+def kernel_agreement(model: LlamaModel, cache: Any) -> float:
+    """Relative L2 distance of the fused step's logits from the eager torch step's, same input."""
+    step_in = torch.tensor((5, 128), dtype=torch.long, device=model.device)
+    span = min(256, cache.max_seq_len)
+    got = torch.empty(model.config.vocab_size, dtype=torch.float32, device=model.device)
+    ref = torch.empty_like(got)
+    kernels = model.kernels
+    with torch.inference_mode():
+        model.decode_static(step_in, cache, span, got)
+        model.kernels = "torch"
+        try:
+            model.decode_static(step_in, cache, span, ref)
+        finally:
+            model.kernels = kernels
+    return float((got - ref).norm() / ref.norm())
+
+
+def graph_step_ms(step: GraphDecode, pos: int) -> float:
+    """Device time of one captured step, from BACK_TO_BACK_STEPS replays enqueued back to back
+    between two CUDA events: the host enqueues without waiting, so no host gap is timed."""
+    replay = step.replay_for(pos)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.inference_mode():
+        step.step_in.copy_(torch.tensor((5, pos), dtype=torch.long))
+        replay()
+        start.record()
+        for _ in range(BACK_TO_BACK_STEPS):
+            replay()
+        end.record()
+        end.synchronize()
+    return float(start.elapsed_time(end)) / BACK_TO_BACK_STEPS
 
 
 def measure_path(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -217,8 +308,9 @@ def table(report: dict[str, Any]) -> str:
         f"GPU decode: {report['device_name']}, shape {report['shape']}, torch {report['torch']}; "
         f"copy bandwidth (read+write) {floor_bw:.0f} GB/s",
         "| variant | weights GB/step | floor ms | decode P50 ms | P99 ms | P50/floor | "
-        "TTFT 128 ms | TTFT 2048 ms | TTFT 2048 reuse ms | peak GiB | capture s | start-up s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "graph step ms | kernels/step | TTFT 128 ms | TTFT 2048 ms | TTFT 2048 reuse ms | "
+        "peak GiB | capture s | start-up s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(value: Any, spec: str = ".2f") -> str:
@@ -232,7 +324,9 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {v['variant']} | {v['weight_bytes_per_step'] / 1e9:.3g} | {floor_ms:.3f} "
             f"| {v['decode_ms_p50']:.3f} | {v['decode_ms_p99']:.3f} "
-            f"| {v['decode_ms_p50'] / floor_ms:.2f} | {v['ttft_128_ms_p50']:.1f} "
+            f"| {v['decode_ms_p50'] / floor_ms:.2f} | {f(v.get('graph_step_ms_back_to_back'), '.3f')} "
+            f"| {f(v.get('kernels_per_step', v.get('cpu_ops_per_step')), '.0f')} "
+            f"| {v['ttft_128_ms_p50']:.1f} "
             f"| {v['ttft_2048_ms_p50']:.1f} | {v['ttft_reuse_ms_p50']:.1f} "
             f"| {f(v.get('peak_memory_gib'))} | {f(v['graph_capture_s'])} | {v['startup_s']:.1f} |"
         )
@@ -270,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT") or "var/bench")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = enter_device(args.device)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
@@ -288,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     for variant in VARIANTS:
         if variant.graph and device.type != "cuda":
             report["variants"].append({"variant": variant.name, "skipped": "CUDA graphs need cuda"})
+            continue
+        why = triton_problem(device) if variant.kernels == "triton" else None
+        if why:
+            report["variants"].append({"variant": variant.name, "skipped": why})
             continue
         report["variants"].append(measure_variant(args, variant, device, rng))
         print(json.dumps(report["variants"][-1]), flush=True)

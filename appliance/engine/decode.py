@@ -5,7 +5,7 @@ one by one from Python, their launch gaps are a large share of a step on a GPU t
 parameters in a few milliseconds. A CUDA graph records the launches once and replays them with one
 call. That needs every shape and every device address fixed: the step reads its token and position
 from one static input buffer, writes its logits into one static output buffer, and attends over a
-fixed number of cache positions with a mask (`LlamaModel.decode_static`).
+fixed number of cache positions, selecting out those after its own (`LlamaModel.decode_static`).
 
 The attention span is not one fixed length: a step attends over the smallest of a few "spans"
 (powers of two from 256 up to the cache size) that covers its position, each captured as its own
@@ -116,8 +116,12 @@ class GraphDecode:
             raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
         with torch.inference_mode():
             self.step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
-            self._replays[bisect.bisect_right(self.spans, pos)]()
+            self.replay_for(pos)()
         return self.logits
+
+    def replay_for(self, pos: int) -> Callable[[], None]:
+        """The captured step of the smallest span above `pos` (it reads `step_in` when replayed)."""
+        return self._replays[bisect.bisect_right(self.spans, pos)]
 
 
 def cuda_graph_capture(device: torch.device) -> Capture:

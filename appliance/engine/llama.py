@@ -15,11 +15,13 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from appliance.engine.device import resolve_device
 from appliance.engine.linear import Linear, PlainLinear, Scaling, quantize_linear
 from engine_build.hf_config import CheckpointError, Llama3RopeScaling, LlamaConfig, read_config
 
@@ -88,9 +90,9 @@ class KVCache:
     """Keys and values for one request, preallocated for `max_seq_len` so decode never allocates.
 
     Layout (layers, kv_heads, max_seq_len, head_dim): a step writes one column per layer in place
-    and attention reads the contiguous prefix `[:, :, :end]`. `zeroed` fills it with zeros: a
-    fixed-shape decode step (`LlamaModel.decode_static`) also reads masked positions nobody wrote,
-    and uninitialised memory there could hold NaN, which a mask does not cancel (NaN * 0 is NaN).
+    and attention reads the contiguous prefix `[:, :, :end]`. Left uninitialised: no step's result
+    depends on a position the request has not written (`LlamaModel.decode_static` reads such
+    positions but selects them out).
     """
 
     def __init__(
@@ -99,7 +101,6 @@ class KVCache:
         max_seq_len: int,
         device: torch.device,
         dtype: torch.dtype,
-        zeroed: bool = False,
     ) -> None:
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
@@ -110,10 +111,6 @@ class KVCache:
             )
         self.max_seq_len = max_seq_len
         self.k, self.v = empty_kv(config, max_seq_len, device, dtype)
-        if zeroed:
-            with torch.inference_mode():
-                self.k.zero_()
-                self.v.zero_()
 
 
 def empty_kv(
@@ -242,7 +239,10 @@ class LlamaModel:
         weights) never holds more than one block's weights beside the model.
         """
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        # The fixed-shape decode step's kernels: eager torch (the reference) or the fused Triton
+        # kernels (`appliance.engine.fused`), chosen by the engine's --kernels option.
+        self.kernels: Literal["torch", "triton"] = "torch"
         self.dtype = dtype
         self.fp8 = fp8
         c = config
@@ -352,13 +352,13 @@ class LlamaModel:
             }
             return cls(config, tensors, device=device, dtype=dtype, fp8=fp8)
 
-    def new_cache(self, max_seq_len: int, zeroed: bool = False) -> KVCache:
+    def new_cache(self, max_seq_len: int) -> KVCache:
         """A cache for one request of at most `max_seq_len` tokens (prompt + generated).
 
         A single-stream server may allocate one at max_position_embeddings and pass it to every
         `generate` call instead, so no request pays for the allocation.
         """
-        return KVCache(self.config, max_seq_len, self.device, self.dtype, zeroed)
+        return KVCache(self.config, max_seq_len, self.device, self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Variance in float32 as HF does, so bf16/fp16 runs do not drift from the reference.
@@ -441,26 +441,36 @@ class LlamaModel:
         """One decode step whose every shape is fixed by `span`, so a CUDA graph can replay it.
 
         `step_in` is a (2,) long tensor on the device: the token id and its position. Attention
-        reads the first `span` cache positions (span > position) and masks those after the
-        position; the result is written into `logits_out` (vocab,) float32. Nothing here reads a
-        tensor's value on the host, so the same kernels run whatever the token and position.
+        reads the first `span` cache positions (span > position); the result is written into
+        `logits_out` (vocab,) float32. Nothing here reads a tensor's value on the host, so the same
+        kernels run whatever the token and position.
+
+        Positions after the step's own were never written by this request and may hold anything,
+        NaN included, so they are removed by selection (`torch.where`), never by arithmetic: an
+        additive -inf mask or a zero weight leaves NaN (NaN - inf and 0 * NaN are NaN).
         """
+        if self.kernels == "triton":
+            from appliance.engine.fused import decode_step
+
+            decode_step(self, step_in, cache, span, logits_out)
+            return
         c = self.config
         token, pos = step_in[0:1], step_in[1:2]
         group = c.num_attention_heads // c.num_key_value_heads
-        # (1, 1, 1, span): a key position is visible when it is at or before the query's.
-        visible = (self.positions[:span] <= pos).view(1, 1, 1, span)
+        # A key position is visible when it is at or before the query's.
+        visible = self.positions[:span] <= pos  # (span,)
+        scale = c.head_dim**-0.5
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.k[li].index_copy_(1, pos, k)
             cache.v[li].index_copy_(1, pos, v)
-            attn = F.scaled_dot_product_attention(
-                q.reshape(1, c.num_key_value_heads, group, c.head_dim),
-                cache.k[li, :, :span].unsqueeze(0),
-                cache.v[li, :, :span].unsqueeze(0),
-                attn_mask=visible,
-            )
-            return attn.view(c.num_attention_heads, 1, c.head_dim)
+            keys, values = cache.k[li, :, :span], cache.v[li, :, :span]  # (kv_heads, span, d)
+            q3 = q.reshape(c.num_key_value_heads, group, c.head_dim)
+            scores = torch.matmul(q3, keys.transpose(1, 2)).float() * scale
+            scores = torch.where(visible, scores, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            live = torch.where(visible.view(span, 1), values, 0.0)
+            return torch.matmul(probs, live).view(c.num_attention_heads, 1, c.head_dim)
 
         x = self._blocks(F.embedding(token, self.embed), pos, None, attend)
         logits_out.copy_(self._logits(x[-1]))

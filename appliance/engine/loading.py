@@ -42,12 +42,13 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     else:
         model = LlamaModel.load(entry.hf_model_dir, device, options.torch_dtype, options.fp8)
         fingerprint = entry.fingerprint
+    model.kernels = options.kernel_path
     loaded = time.monotonic()
     capture = cuda_graph_capture(device) if options.use_cuda_graph else None
     runner = build_runner(model, kv, fingerprint, capture)
     log.info(
         "model %s: %s %s, weights %s (%.2f GiB read per decode step), working cache %d tokens, "
-        "decode %s; fit: %.2f of %.2f GiB free; loaded in %.1f s, runner ready in %.1f s",
+        "decode %s on %s kernels; fit: %.2f of %.2f GiB free; loaded in %.1f s, runner ready in %.1f s",
         entry.name,
         device,
         options.dtype_name,
@@ -55,6 +56,7 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         model.weight_bytes / 2**30,
         max_seq_len,
         f"CUDA graphs for {graphs} attention spans" if graphs else "eager",
+        model.kernels if graphs else "torch",
         plan.required_bytes / 2**30,
         plan.gpu_memory_bytes / 2**30,
         loaded - started,

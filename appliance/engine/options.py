@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from appliance.engine.device import resolve_device
+from appliance.engine.kernels import KernelChoice, resolve_kernels, triton_problem
 from appliance.engine.linear import Scaling
 from appliance.engine.llama import LlamaConfig
 from appliance.engine.prefix_cache import free_device_bytes
@@ -46,7 +48,8 @@ class EngineOptions:
 
     `dtype` "auto" is float32 on a CPU and bfloat16 on a GPU; `weights` "fp8" quantizes the
     linear layers of every block to E4M3 at load (`fp8_scaling` per output channel or per tensor);
-    `cuda_graph` "auto" captures the decode step on a GPU only. `random_weights` names a shape
+    `cuda_graph` "auto" captures the decode step on a GPU only; `kernels` "auto" runs the captured
+    step on the fused Triton kernels on a GPU where triton imports, eager torch elsewhere. `random_weights` names a shape
     from `appliance.engine.random_weights.SHAPES` to serve seeded random weights of instead of each
     model's checkpoint (latency work without a download).
     """
@@ -56,18 +59,25 @@ class EngineOptions:
     weights: Literal["dtype", "fp8"] = "dtype"
     fp8_scaling: Scaling = "channel"
     cuda_graph: Literal["auto", "on", "off"] = "auto"
+    kernels: KernelChoice = "auto"
     random_weights: str | None = None
     seed: int = 0
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+        """The device, indexed (`cuda` is the current CUDA device); valid once `problem()` is None."""
+        return resolve_device(self.device)
+
+    @property
+    def device_type(self) -> str:
+        """cpu or cuda, read without touching CUDA."""
+        return torch.device(self.device).type
 
     @property
     def dtype_name(self) -> str:
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.torch_device.type == "cuda" else "float32"
+        return "bfloat16" if self.device_type == "cuda" else "float32"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,9 +89,14 @@ class EngineOptions:
         return self.fp8_scaling if self.weights == "fp8" else None
 
     @property
+    def kernel_path(self) -> Literal["triton", "torch"]:
+        """The decode step's kernels (`auto` resolved for this device)."""
+        return resolve_kernels(self.kernels, torch.device(self.device))
+
+    @property
     def use_cuda_graph(self) -> bool:
         if self.cuda_graph == "auto":
-            return self.torch_device.type == "cuda"
+            return self.device_type == "cuda"
         return self.cuda_graph == "on"
 
     def problem(self) -> tuple[str, str] | None:
@@ -96,7 +111,7 @@ class EngineOptions:
                 "--weights fp8",
                 f"FP8 linear layers compute in bfloat16; use --dtype bfloat16, not {self.dtype_name}",
             )
-        if self.weights == "fp8" and self.torch_device.type == "cuda":
+        if self.weights == "fp8" and self.device_type == "cuda":
             major, minor = torch.cuda.get_device_capability(self.torch_device)
             if (major, minor) < FP8_MIN_CAPABILITY:
                 return (
@@ -104,8 +119,12 @@ class EngineOptions:
                     f"FP8 matrix products need compute capability 8.9 or later (Ada, Hopper); "
                     f"this GPU is {major}.{minor}: use --weights dtype",
                 )
-        if self.cuda_graph == "on" and self.torch_device.type != "cuda":
+        if self.cuda_graph == "on" and self.device_type != "cuda":
             return "--cuda-graph on", "CUDA graphs need a CUDA device; use --cuda-graph off or auto"
+        if self.kernels == "triton":
+            why = triton_problem(torch.device(self.device))
+            if why:
+                return "--kernels triton", why
         if self.random_weights is not None and self.random_weights not in SHAPES:
             return f"--random-weights {self.random_weights}", f"known shapes: {', '.join(SHAPES)}"
         if not 0 <= self.seed < 2**31:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from appliance.engine.decode import Capture, DecodeStep, EagerDecode, GraphDecode
+from appliance.engine.device import enter_device
 from appliance.engine.llama import LlamaConfig, LlamaModel
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
@@ -121,9 +122,7 @@ class Runner:
         """`max_seq_len` sizes the one working KV cache (default: the model's context); `capture`
         (None: eager decode) captures the decode step on it before the compute thread starts."""
         self.model = model
-        self.cache = model.new_cache(
-            max_seq_len or model.config.max_position_embeddings, zeroed=capture is not None
-        )
+        self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
         self.decode: DecodeStep = (
             EagerDecode(model, self.cache)
             if capture is None
@@ -166,8 +165,7 @@ class Runner:
         return True
 
     def _loop(self) -> None:
-        if self.model.device.type == "cuda":
-            torch.cuda.set_device(self.model.device)  # the current device is per thread
+        enter_device(self.model.device)  # the current CUDA device is per thread
         while (job := self._jobs.get()) is not None:
             if self._closed:
                 job.cancel.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,12 @@ from safetensors.torch import save_file
 from appliance.engine.llama import LlamaModel, load_config
 
 torch.set_num_threads(1)
+
+# Without a GPU, Triton's interpreter runs the fused decode kernels on the CPU
+# (tests/engine/test_kernels.py). Triton reads TRITON_INTERPRET when triton.language is first
+# imported, which torch.profiler and torch.compile also do, so it is set here, at collection.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 MICRO_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

@@ -35,5 +35,8 @@ def test_gpu_decode_bench_runs_on_cpu_and_writes_json(
         assert v["ttft_128_ms_p50"] > 0 and v["ttft_2048_ms_p50"] > 0
         # 62 full blocks of the 2,000-token prefix came from the pool.
         assert v["reused_tokens"] == [1984]
+        assert v["cpu_ops_per_step"] > 0  # the profiler's count of the captured step's body
+    skipped = {v["variant"] for v in report["variants"] if "skipped" in v}
+    assert {"bf16 graph triton", "fp8 graph triton", "bf16 graph compile"} <= skipped
     table = capsys.readouterr().out
     assert "| bf16 eager |" in table and "skipped: CUDA graphs need cuda" in table

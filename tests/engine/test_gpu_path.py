@@ -150,7 +150,7 @@ def test_decode_spans_double_up_to_the_cache() -> None:
 
 def test_graph_decode_keeps_its_static_buffers_and_matches_eager(micro_model: LlamaModel) -> None:
     capture = RecordingCapture()
-    cache = micro_model.new_cache(64, zeroed=True)
+    cache = micro_model.new_cache(64)
     step = GraphDecode(micro_model, cache, capture, smallest_span=4)
     assert len(capture.captured) == len(step.spans) == 5  # one capture per span, at start-up
     inputs, outputs = step.step_in.data_ptr(), step.logits.data_ptr()
@@ -171,8 +171,31 @@ def test_graph_decode_keeps_its_static_buffers_and_matches_eager(micro_model: Ll
         step(1, 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fixed_shape_step_ignores_what_unwritten_cache_positions_hold(
+    micro_dir: Path, dtype: torch.dtype
+) -> None:
+    model = LlamaModel.load(micro_dir, dtype=dtype)
+    cache, eager_cache = model.new_cache(64), model.new_cache(64)
+    with torch.inference_mode():
+        for t in (cache.k, cache.v):
+            t.fill_(float("nan"))  # what uninitialised memory may hold
+    step = GraphDecode(model, cache, RecordingCapture(), smallest_span=8)
+    model.forward(TOKENS[:3], cache, 0)
+    model.forward(TOKENS[:3], eager_cache, 0)
+    # Positions 3..20 attend over spans 8, 16 and 32: each step masks unwritten NaN positions.
+    for pos in range(3, 21):
+        token = TOKENS[pos % len(TOKENS)]
+        got = step(token, pos)
+        assert torch.isfinite(got).all(), pos
+        expected = model.forward([token], eager_cache, pos)
+        # bf16: logits near 4 here, whose unit in the last place is 2^-5; 4 of them.
+        atol = 1e-4 if dtype == torch.float32 else 0.125
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=atol)
+
+
 def test_generate_with_the_graph_step_gives_the_eager_tokens(micro_model: LlamaModel) -> None:
-    cache = micro_model.new_cache(64, zeroed=True)
+    cache = micro_model.new_cache(64)
     step = GraphDecode(micro_model, cache, RecordingCapture(), smallest_span=8)
     graph = list(generate(micro_model, TOKENS, 20, None, GREEDY_PARAMS, cache=cache, decode=step))
     eager = list(generate(micro_model, TOKENS, 20, None, GREEDY_PARAMS))
@@ -210,7 +233,6 @@ def test_chunked_prefill_gives_the_same_tokens_and_stops_between_chunks(
 
 def test_runner_close_cancels_the_running_job_and_joins(micro_model: LlamaModel) -> None:
     runner = Runner(micro_model, 64, capture=RecordingCapture())
-    assert runner.cache.k.abs().max() == 0  # a captured step reads masked positions: zeroed
     first_token = threading.Event()
     release = threading.Event()
     finals: list[Emission] = []
@@ -331,6 +353,20 @@ def test_engine_refuses_options_it_cannot_honour(
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1
     assert lines[0].startswith(f"appliance engine: {message}"), lines
+
+
+def test_triton_kernels_without_a_gpu_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = appliance_cli.main(["engine", "--repository", str(tmp_path), "--kernels", "triton"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1
+    assert lines[0] in (
+        "appliance engine: --kernels triton: Triton kernels need a CUDA device; use --kernels torch",
+        "appliance engine: --kernels triton: the triton package is not installed; use --kernels torch",
+    )
+    assert EngineOptions(device="cpu").kernel_path == "torch"  # auto: torch on a CPU
 
 
 def test_random_weights_serve_a_repository_without_reading_its_checkpoint(

@@ -182,6 +182,28 @@ def test_engine_hardening(root: Path) -> None:
     assert exposure <= 4.5, report
 
 
+def test_engine_gpu_drop_in_verifies_and_keeps_an_allow_list(root: Path) -> None:
+    """The engine server on a GPU: the role's drop-in opens the NVIDIA devices, and only them."""
+    drop_in = UNITS / "appliance-engine.service.d/gpu.conf"
+    text = drop_in.read_text()
+    assert "DevicePolicy=closed" in text and "DeviceAllow=/dev/nvidiactl rw" in text
+    assert re.search(r"^PrivateDevices=no$", text, re.M)
+    unit = (UNITS / "appliance-engine.service").read_text()
+    for var in ("DEVICE", "DTYPE", "WEIGHTS", "FP8_SCALING", "CUDA_GRAPH", "KERNELS"):
+        assert f"${{ENGINE_{var}}}" in unit and f"ENGINE_{var}=" in unit  # used, with a default
+    assert "ENGINE_DEVICE=cpu" in unit
+    target = root / "etc/systemd/system/appliance-engine.service.d"
+    target.mkdir()
+    shutil.copy(drop_in, target / "gpu.conf")
+    try:
+        result = _verify(root, "appliance-engine.service")
+        _, exposure, report = _exposure(root, "appliance-engine.service", None)
+    finally:
+        shutil.rmtree(target)
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+    assert exposure <= EXPOSURE_LIMITS["appliance-triton.service"], report
+
+
 def test_documentation_points_at_docs_the_role_installs() -> None:
     """`systemctl help UNIT` opens Documentation=: each must be a doc the appliance role installs."""
     tasks = (REPO / "ansible/roles/appliance/tasks/main.yml").read_text()

@@ -1,0 +1,192 @@
+"""Typed launches of the fused decode step's Triton kernels (`triton_kernels`), and when they apply.
+
+Each function takes and returns torch tensors and does what a few eager torch calls of
+`LlamaModel` do, in one launch (two for attention): RMSNorm with the residual add before it, RoPE
+on q and k with the KV-cache write, SiLU(gate) * up, a weight-only FP8 matrix-vector product, and
+attention over the live cache positions split across programs. The eager torch step stays the
+reference they are tested against.
+
+Triton is imported only when a kernel is first launched, so hosts without it (CPU hosts) never
+import it. The kernels run on CUDA devices; under TRITON_INTERPRET=1 they also run on the CPU (the
+tests), much slower.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "KernelChoice",
+    "decode_attention",
+    "fp8_matvec",
+    "interpreting",
+    "resolve_kernels",
+    "rms_norm",
+    "rope_kv_write",
+    "silu_mul",
+    "triton_problem",
+]
+
+KernelChoice = Literal["auto", "triton", "torch"]
+# Programs per KV head that attention splits the span across (flash-decoding), at most.
+ATTENTION_SPLITS = 16
+# Cache positions one attention program loads at a time.
+ATTENTION_BLOCK = 64
+# Output rows and input columns of one FP8 matrix-vector tile.
+MATVEC_ROWS = 16
+MATVEC_COLS = 256
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_problem(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on `device` (None: they can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed; use --kernels torch"
+    if device.type != "cuda" and not interpreting():
+        return "Triton kernels need a CUDA device; use --kernels torch"
+    return None
+
+
+def resolve_kernels(choice: KernelChoice, device: torch.device) -> Literal["triton", "torch"]:
+    """`auto` is triton on a CUDA device where triton imports, torch elsewhere."""
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_problem(device) is None else "torch"
+    return choice
+
+
+def _tk() -> ModuleType:
+    from appliance.engine import triton_kernels
+
+    return triton_kernels
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(s) * weight, s) for rows x (n, hidden), where s = x + residual (or x)."""
+    x = x.contiguous()
+    n, hidden = x.shape
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    res = residual.contiguous() if residual is not None else x
+    _tk().rms_norm_kernel[(n,)](
+        x, res, weight, out, total, hidden, eps, HAS_RES=residual is not None, BLOCK=_pow2(hidden)
+    )
+    return out, total
+
+
+def rope_kv_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Rotated q (heads, head_dim) of one token's fused qkv row (1, (heads + 2 kv) * head_dim);
+    its rotated k and its v are written into the layer's cache (kv_heads, max_seq_len, head_dim)
+    at the position `pos` (a (1,) long tensor on the device)."""
+    kv_heads, _, head_dim = k_cache.shape
+    q = torch.empty(heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _tk().rope_kv_write_kernel[(heads + 2 * kv_heads,)](
+        qkv.contiguous(),
+        cos,
+        sin,
+        pos,
+        q,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        D=head_dim,
+    )
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """SiLU(gate) * up for rows (n, 2 * inner) holding gate then up; returns (n, inner)."""
+    gate_up = gate_up.contiguous()
+    n, two_inner = gate_up.shape
+    inner = two_inner // 2
+    out = torch.empty(n, inner, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(block, _pow2(inner))
+    _tk().silu_mul_kernel[(n, -(-inner // block))](gate_up, out, inner, BLOCK=block)
+    return out
+
+
+def fp8_matvec(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """(x @ W.T) * scale for one token x (1, in) and an E4M3 weight (out, in) with float32 scales
+    (out, 1) per output row or () per tensor; the weight is dequantised in registers (W8A16)."""
+    n_out, n_in = weight.shape
+    out = torch.empty(1, n_out, dtype=out_dtype, device=x.device)
+    _tk().fp8_matvec_kernel[(-(-n_out // MATVEC_ROWS),)](
+        x.contiguous(),
+        weight,
+        scale,
+        out,
+        n_out,
+        n_in,
+        PER_CHANNEL=scale.dim() > 0,
+        BLOCK_N=MATVEC_ROWS,
+        BLOCK_K=min(MATVEC_COLS, _pow2(n_in)),
+    )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, span: int
+) -> torch.Tensor:
+    """Attention output (heads, head_dim) of one query (heads, head_dim) at position `pos` over
+    the layer's cache positions 0..pos (of (kv_heads, max_seq_len, head_dim)).
+
+    `span` (> pos) fixes the launch grid, so the same launch serves every position below it (a
+    CUDA graph replays it); positions after `pos` are never loaded.
+    """
+    heads, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
+    split = max(ATTENTION_BLOCK, -(-span // ATTENTION_SPLITS))
+    n_splits = -(-span // split)
+    acc = torch.empty(heads, n_splits, head_dim, dtype=torch.float32, device=q.device)
+    best = torch.empty(heads, n_splits, dtype=torch.float32, device=q.device)
+    total = torch.empty(heads, n_splits, dtype=torch.float32, device=q.device)
+    tk = _tk()
+    tk.decode_attention_split_kernel[(kv_heads, n_splits)](
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        pos,
+        acc,
+        best,
+        total,
+        k_cache.stride(0),
+        head_dim**-0.5,
+        N_SPLITS=n_splits,
+        SPLIT=split,
+        GROUP=group,
+        GROUP_P2=_pow2(group),
+        D=head_dim,
+        BLOCK=ATTENTION_BLOCK,
+    )
+    out = torch.empty_like(q)
+    tk.decode_attention_combine_kernel[(heads,)](
+        acc, best, total, out, N_SPLITS=n_splits, SPLITS_P2=_pow2(n_splits), D=head_dim
+    )
+    return out

@@ -1,0 +1,236 @@
+"""The Triton kernels of the fused decode step; typed wrappers that launch them are in `kernels`.
+
+Each kernel rounds where the eager torch step rounds (a sum stored in the model dtype is rounded to
+it before it is read again), and accumulates in float32, so its output stays within a few units
+in the last place of the torch reference's.
+
+Importing this module compiles nothing: `triton.jit` only records each function. Under
+TRITON_INTERPRET=1 (read when this module is imported) the kernels run on the CPU through Triton's
+interpreter, which is how the CPU test suite checks them against the torch reference.
+"""
+
+# The kernels' parameters are Triton types (pointers, constexprs): mypy does not check this module.
+# mypy: ignore-errors
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    n_cols,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row: s = x (+ res), rounded to the dtype and stored in sum_ptr when HAS_RES;
+    out = w * (s * rsqrt(mean(s^2) + eps)) with the normalised value rounded before the product."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=live, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * n_cols + cols, mask=live, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=live)
+    s = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / n_cols + eps)
+    y = (s * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (w * y).to(x.dtype), mask=live)
+
+
+@triton.jit
+def rope_kv_write_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cache_head_stride,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+):
+    """One head of one token's fused qkv row (q heads, then k heads, then v heads).
+
+    A q head is rotated into q_out (HEADS, D); a k head is rotated and a v head copied into the
+    layer's cache (KV_HEADS, max_seq_len, D) at the position read from pos_ptr. RoPE follows the
+    rotate-half convention: the two halves of a head are the real and imaginary parts.
+    """
+    head = tl.program_id(0)
+    half = tl.arange(0, D // 2)
+    pos = tl.load(pos_ptr)
+    base = qkv_ptr + head * D
+    x1 = tl.load(base + half)
+    x2 = tl.load(base + D // 2 + half)
+    if head < HEADS + KV_HEADS:
+        cos = tl.load(cos_ptr + pos * D + half).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + half).to(tl.float32)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        y1 = (a * cos - b * sin).to(x1.dtype)
+        y2 = (b * cos + a * sin).to(x1.dtype)
+        if head < HEADS:
+            tl.store(q_out_ptr + head * D + half, y1)
+            tl.store(q_out_ptr + head * D + D // 2 + half, y2)
+        else:
+            dst = k_cache_ptr + (head - HEADS) * cache_head_stride + pos * D
+            tl.store(dst + half, y1)
+            tl.store(dst + D // 2 + half, y2)
+    else:
+        dst = v_cache_ptr + (head - HEADS - KV_HEADS) * cache_head_stride + pos * D
+        tl.store(dst + half, x1)
+        tl.store(dst + D // 2 + half, x2)
+
+
+@triton.jit
+def silu_mul_kernel(gate_up_ptr, out_ptr, n_inner, BLOCK: tl.constexpr):
+    """out[row] = silu(gate) * up, where a row of gate_up is gate then up (n_inner each)."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < n_inner
+    g = tl.load(gate_up_ptr + row * 2 * n_inner + cols, mask=live, other=0.0)
+    u = tl.load(gate_up_ptr + row * 2 * n_inner + n_inner + cols, mask=live, other=0.0)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
+    out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    tl.store(out_ptr + row * n_inner + cols, out, mask=live)
+
+
+@triton.jit
+def fp8_matvec_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    n_out,
+    n_in,
+    PER_CHANNEL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out = (x @ W.T) * scale for one token x (n_in,) and an E4M3 weight W (n_out, n_in).
+
+    The weight is widened to float32 in registers, so its bytes are read once and nothing is
+    quantised per call; scale is one per output row (PER_CHANNEL) or one for the tensor.
+    """
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_live = rows < n_out
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_live = cols < n_in
+        x = tl.load(x_ptr + cols, mask=col_live, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + rows[:, None] * n_in + cols[None, :],
+            mask=row_live[:, None] & col_live[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    if PER_CHANNEL:
+        scale = tl.load(scale_ptr + rows, mask=row_live, other=0.0)
+    else:
+        scale = tl.load(scale_ptr)
+    tl.store(out_ptr + rows, (acc * scale).to(out_ptr.dtype.element_ty), mask=row_live)
+
+
+@triton.jit
+def decode_attention_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    cache_head_stride,
+    scale,
+    N_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One KV head's query group over one split of SPLIT cache positions (flash-decoding).
+
+    Only positions at or before the step's own are loaded (others are masked loads that read
+    nothing), so what an unwritten position holds never enters the result. Writes the split's
+    unnormalised output (GROUP, D), running max and exp-sum (GROUP,) in float32; a split wholly
+    after the position writes max -inf, sum 0 and output 0.
+    """
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    rows = tl.arange(0, GROUP_P2)  # GROUP rounded up to a power of two; the rest masked
+    row_live = rows < GROUP
+    dims = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + (kv_head * GROUP + rows)[:, None] * D + dims[None, :],
+        mask=row_live[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    m = tl.full((GROUP_P2,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((GROUP_P2,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_P2, D), dtype=tl.float32)
+    start = split * SPLIT
+    stop = tl.minimum(start + SPLIT, pos + 1)
+    head_k = k_ptr + kv_head * cache_head_stride
+    head_v = v_ptr + kv_head * cache_head_stride
+    for block in range(start, stop, BLOCK):
+        offs = block + tl.arange(0, BLOCK)
+        live = offs < stop
+        k = tl.load(head_k + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(head_v + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+    out = (kv_head * GROUP + rows) * N_SPLITS + split
+    tl.store(acc_ptr + out[:, None] * D + dims[None, :], acc, mask=row_live[:, None])
+    tl.store(max_ptr + out, m, mask=row_live)
+    tl.store(sum_ptr + out, total, mask=row_live)
+
+
+@triton.jit
+def decode_attention_combine_kernel(
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    out_ptr,
+    N_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    D: tl.constexpr,
+):
+    """One query head's output from its splits: sum(w * acc) / sum(w * total), w = exp(m - max m).
+
+    Split 0 always holds position 0, so the largest max is finite and an empty split weighs 0.
+    """
+    head = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_P2)  # N_SPLITS rounded up to a power of two; the rest masked
+    live = splits < N_SPLITS
+    dims = tl.arange(0, D)
+    m = tl.load(max_ptr + head * N_SPLITS + splits, mask=live, other=float("-inf"))
+    w = tl.exp(m - tl.max(m, axis=0))
+    total = tl.sum(w * tl.load(sum_ptr + head * N_SPLITS + splits, mask=live, other=0.0), axis=0)
+    acc = tl.load(
+        acc_ptr + (head * N_SPLITS + splits)[:, None] * D + dims[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * acc, axis=0) / total
+    tl.store(out_ptr + head * D + dims, out.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,163 @@
+"""The fused decode step's Triton kernels against the eager torch reference, on the CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py; on a CUDA host they run compiled). Shapes are tiny: the interpreter runs each
+program in numpy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appliance.engine import kernels
+from appliance.engine.decode import GraphDecode
+from appliance.engine.linear import dequantize, quantize
+from appliance.engine.llama import LlamaModel
+from appliance.engine.random_weights import random_model
+from appliance.engine.sampling import SamplingParams, generate
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# (rtol, atol) per dtype: float32 differs from torch only in summation order; bf16 by a rounding
+# or two of the dtype (its unit in the last place is 2^-8 relative; the interpreter rounds bf16
+# toward zero, where torch and compiled kernels round to nearest).
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def tiny32() -> LlamaModel:
+    return random_model("tiny", DEVICE, torch.float32, seed=5)
+
+
+@DTYPES
+def test_rms_norm_with_and_without_the_residual_add(tiny32: LlamaModel, dtype: torch.dtype) -> None:
+    x = torch.randn(3, 96, generator=_gen(1)).to(DEVICE, dtype)  # 96: not a power of two
+    r = torch.randn(3, 96, generator=_gen(2)).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=_gen(3))).to(DEVICE, dtype)
+    ref = tiny32._rms_norm
+    out, same = kernels.rms_norm(x, w, tiny32.config.rms_norm_eps)
+    assert same is x
+    _close(out, ref(x, w), dtype)
+    out, total = kernels.rms_norm(x, w, tiny32.config.rms_norm_eps, residual=r)
+    # Rounded to the dtype as the eager add is; Triton's interpreter rounds bf16 toward zero
+    # (compiled kernels to nearest), so there it may be one unit in the last place off.
+    torch.testing.assert_close(total, r + x, rtol=2**-7 if dtype == torch.bfloat16 else 0, atol=0)
+    _close(out, ref(r + x, w), dtype)
+
+
+@DTYPES
+def test_rope_rotates_q_and_k_and_writes_k_and_v_at_the_position(
+    tiny32: LlamaModel, dtype: torch.dtype
+) -> None:
+    c = tiny32.config
+    heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    qkv = torch.randn(1, (heads + 2 * kv) * d, generator=_gen(4)).to(DEVICE, dtype)
+    k_cache = torch.full((kv, 16, d), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full((kv, 16, d), float("nan"), dtype=dtype, device=DEVICE)
+    pos = 11
+    cos, sin = tiny32.cos.to(dtype), tiny32.sin.to(dtype)
+    q = kernels.rope_kv_write(
+        qkv, cos, sin, torch.tensor([pos], device=DEVICE), k_cache, v_cache, heads
+    )
+    q_ref, k_ref, v_ref = qkv.split([heads * d, kv * d, kv * d], dim=1)
+    rope = LlamaModel._rope
+    _close(q, rope(q_ref.view(heads, d), cos[pos], sin[pos]), dtype)
+    _close(k_cache[:, pos], rope(k_ref.view(kv, d), cos[pos], sin[pos]), dtype)
+    assert torch.equal(v_cache[:, pos], v_ref.view(kv, d))
+    others = torch.arange(16) != pos
+    assert torch.isnan(k_cache[:, others]).all() and torch.isnan(v_cache[:, others]).all()
+
+
+@DTYPES
+def test_silu_mul(dtype: torch.dtype) -> None:
+    gate_up = (3 * torch.randn(2, 2 * 80, generator=_gen(5))).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(kernels.silu_mul(gate_up, block=32), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("scaling", ["channel", "tensor"])
+def test_fp8_matvec_equals_the_dequantized_product(scaling: str) -> None:
+    w = torch.randn(40, 96, generator=_gen(6)) * torch.logspace(-2, 1, 40).unsqueeze(1)
+    q, scale = quantize(w, scaling)  # type: ignore[arg-type]
+    x = torch.randn(1, 96, generator=_gen(7)).to(torch.bfloat16)
+    got = kernels.fp8_matvec(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), torch.bfloat16)
+    assert got.shape == (1, 40) and got.dtype == torch.bfloat16
+    ref = x.float() @ dequantize(q, scale).t()  # weight-only: x is not quantised
+    # float32 accumulation of exact products; the only rounding is the bf16 output's: half a unit
+    # in the last place (2^-8) compiled, one (2^-7) in the interpreter, which rounds toward zero.
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2**-7, atol=1e-3)
+
+
+@DTYPES
+@pytest.mark.parametrize(("pos", "span"), [(0, 8), (5, 8), (70, 128), (200, 256)])
+def test_decode_attention_reads_only_the_live_positions(
+    dtype: torch.dtype, pos: int, span: int
+) -> None:
+    heads, kv, d, seq = 6, 2, 16, 256  # a group of 3: not a power of two
+    q = torch.randn(heads, d, generator=_gen(8)).to(DEVICE, dtype)
+    k = torch.randn(kv, seq, d, generator=_gen(9)).to(DEVICE, dtype)
+    v = torch.randn(kv, seq, d, generator=_gen(10)).to(DEVICE, dtype)
+    k[:, pos + 1 :] = float("nan")  # unwritten positions may hold anything
+    v[:, pos + 1 :] = float("nan")
+    got = kernels.decode_attention(q, k, v, torch.tensor([pos], device=DEVICE), span)
+    ref = F.scaled_dot_product_attention(
+        q.view(kv, heads // kv, d).float(), k[:, : pos + 1].float(), v[:, : pos + 1].float()
+    ).view(heads, d)
+    assert torch.isfinite(got).all()
+    _close(got, ref, dtype)
+
+
+def _fused(model: LlamaModel) -> LlamaModel:
+    model.kernels = "triton"
+    return model
+
+
+class Replay:
+    """A capture that replays the body eagerly (the graph contract is tested in test_gpu_path)."""
+
+    def __call__(self, body: object) -> object:
+        return body
+
+
+def test_the_fused_step_gives_the_eager_tokens_over_64_steps_in_float32() -> None:
+    eager = random_model("tiny", DEVICE, torch.float32, seed=5)
+    fused = _fused(random_model("tiny", DEVICE, torch.float32, seed=5))
+    prompt = [7, 300, 42, 11, 5]
+    cache = fused.new_cache(128)
+    step = GraphDecode(fused, cache, Replay(), smallest_span=32)  # type: ignore[arg-type]
+    greedy = SamplingParams(top_k=1)
+    got = list(generate(fused, prompt, 64, None, greedy, cache=cache, decode=step))
+    assert got == list(generate(eager, prompt, 64, None, greedy))
+    # Logits along the same tokens, step by step.
+    ref_cache = eager.new_cache(128)
+    eager.forward(prompt, ref_cache, 0)
+    seq = prompt + got
+    for pos in range(len(prompt), len(prompt) + 8):
+        expected = eager.forward([seq[pos]], ref_cache, pos)
+        torch.testing.assert_close(step(seq[pos], pos), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", [None, "channel"], ids=["bf16", "fp8-w8a16"])
+def test_the_fused_step_stays_close_to_eager_in_bf16(fp8: str | None) -> None:
+    reference = random_model("tiny", DEVICE, torch.float32, seed=5)
+    fused = _fused(random_model("tiny", DEVICE, torch.bfloat16, fp8=fp8, seed=5))  # type: ignore[arg-type]
+    prompt = [7, 300, 42, 11, 5, 9, 100]
+    cache, ref_cache = fused.new_cache(64), reference.new_cache(64)
+    step = GraphDecode(fused, cache, Replay(), smallest_span=16)  # type: ignore[arg-type]
+    fused.forward(prompt[:3], cache, 0)
+    reference.forward(prompt[:3], ref_cache, 0)
+    for pos in range(3, len(prompt)):
+        got = step(prompt[pos], pos)
+        ref = reference.forward([prompt[pos]], ref_cache, pos)
+        err = float((got - ref).norm() / ref.norm())
+        # bf16 alone is ~0.004 from float32 here; FP8 weights add ~0.01 (test_gpu_path's bound).
+        assert err < (0.01 if fp8 is None else 0.03), (pos, err)
