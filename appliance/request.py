@@ -9,12 +9,16 @@ entry point), so a long input on a worker thread never holds the event loop.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import unicodedata
 from dataclasses import dataclass
 
-from appliance.backends.base import GREEDY, Sampling
+import jsonschema
+
+from appliance.backends.base import GREEDY, Guide, Sampling
 from appliance.cache.policy import CachePolicy
 from appliance.errors import CONTEXT_LENGTH_EXCEEDED, invalid
 from appliance.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
@@ -27,6 +31,14 @@ MAX_REQUEST_ID_LENGTH = 128
 # is known, so the count is checked before any message is read.
 MAX_MESSAGES = 2048
 MAX_NAMESPACE_LENGTH = 64
+# Bytes of a guide's schema, expression or grammar.
+MAX_GUIDE_BYTES = 64 * 1024
+GUIDE_KINDS = {
+    pb.GUIDE_TYPE_JSON: "json",
+    pb.GUIDE_TYPE_JSON_SCHEMA: "json_schema",
+    pb.GUIDE_TYPE_REGEX: "regex",
+    pb.GUIDE_TYPE_EBNF_GRAMMAR: "ebnf_grammar",
+}
 # Below this, logits / temperature overflows float32 for ordinary logits: 0 means greedy instead.
 MIN_TEMPERATURE = 1e-2
 # OpenAI's range.
@@ -112,6 +124,7 @@ class CheckedRequest:
     sampling: Sampling
     stops: tuple[str, ...]
     cache_policy: CachePolicy
+    guide: Guide | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,7 @@ class PreparedRequest:
     max_tokens: int
     sampling: Sampling
     stops: tuple[str, ...]
+    guide: Guide | None = None
 
 
 def _new_request_id() -> str:
@@ -179,6 +193,8 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         if not s or len(s) > MAX_STOP_LENGTH:
             raise _invalid(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long")
 
+    guide = _guide(req) if req.HasField("guide") else None
+
     which = req.WhichOneof("input")
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
@@ -200,7 +216,54 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         sampling=sampling,
         stops=stops,
         cache_policy=cache_policy,
+        guide=guide,
     )
+
+
+def _guide(req: pb.GenerateRequest) -> Guide | None:
+    """The request's grammar, checked as far as the gateway can without the engine's tokenizer: a
+    JSON Schema must be a valid schema, a regular expression must compile. An EBNF grammar is
+    compiled by the engine, which refuses one that does not parse before generating anything."""
+    kind = GUIDE_KINDS.get(req.guide.type)
+    if kind is None:
+        names = ", ".join(GUIDE_KINDS.values())
+        raise _invalid(f"guide.type {req.guide.type} is not one of {names}", field="guide")
+    text = req.guide.guide
+    if len(text) > MAX_GUIDE_BYTES or len(text.encode()) > MAX_GUIDE_BYTES:
+        raise _invalid(f"guide.guide is longer than {MAX_GUIDE_BYTES} bytes", field="guide")
+    if kind == "json":
+        if text:
+            raise _invalid("guide.guide must be empty for the json type (any JSON object)")
+        return Guide(kind, "")
+    if not text:
+        raise _invalid(f"guide.guide is empty: the {kind} guide needs its text", field="guide")
+    if kind == "json_schema":
+        check_json_schema(text)
+    elif kind == "regex":
+        try:
+            re.compile(text)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise _invalid(f"guide.guide is not a valid regular expression: {exc}") from None
+    return Guide(kind, text)
+
+
+def check_json_schema(text: str) -> None:
+    """RequestError unless `text` is a JSON Schema object its draft's metaschema accepts."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _invalid(f"the JSON Schema is not valid JSON: {exc}", field="guide") from None
+    if not isinstance(schema, dict):
+        raise _invalid("the JSON Schema must be a JSON object", field="guide")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        raise _invalid(
+            f"the JSON Schema is not valid at {where}: {exc.message}", field="guide"
+        ) from None
+    except RecursionError:
+        raise _invalid("the JSON Schema is nested too deeply", field="guide") from None
 
 
 def _fits(chars: int, limits: Limits, field: str) -> None:
@@ -246,4 +309,5 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         max_tokens=checked.max_tokens,
         sampling=checked.sampling,
         stops=checked.stops,
+        guide=checked.guide,
     )

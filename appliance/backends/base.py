@@ -35,6 +35,19 @@ class Sampling:
 
 GREEDY = Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=None)
 
+# Guide types of grammar-constrained decoding, as TensorRT-LLM's `guided_decoding_guide_type` names
+# them.
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+
+
+@dataclass(frozen=True)
+class Guide:
+    """Grammar-constrained decoding: the engine masks tokens the grammar cannot take next.
+    `kind` is one of GUIDE_TYPES; `text` the schema, expression or grammar ("" for "json")."""
+
+    kind: str
+    text: str
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -52,6 +65,7 @@ class GenerationRequest:
     pad_id: int | None
     sampling: Sampling
     timeout_s: float | None
+    guide: Guide | None = None
 
 
 class Backend(Protocol):

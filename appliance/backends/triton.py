@@ -75,6 +75,8 @@ class InputNames:
 
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
+# The tensorrt_llm model's per-request inputs of grammar-constrained decoding.
+GUIDE_INPUTS = frozenset({"guided_decoding_guide_type", "guided_decoding_guide"})
 
 
 def check_model_config(config: mc.ModelConfig, address: str) -> InputNames:
@@ -110,7 +112,7 @@ class _Inputs:
         self.request = request
         self.batch_dim = batch_dim
 
-    def add(self, name: str, datatype: str, values: Sequence[int | float]) -> None:
+    def add(self, name: str, datatype: str, values: Sequence[wire.Value]) -> None:
         wire.add_input(self.request, name, datatype, values, self.batch_dim)
 
     def flag(self, name: str, value: bool) -> None:
@@ -244,6 +246,16 @@ class TritonBackend:
                     f"model '{self.model}' takes no seed input (random_seed/seed); omit seed",
                 )
             t.add(names.seed, "UINT64", [sampling.seed])
+        if g.guide is not None:
+            if not present >= GUIDE_INPUTS:
+                raise BackendError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model '{self.model}' takes no guided-decoding inputs "
+                    f"({', '.join(sorted(GUIDE_INPUTS))}): send the request without a guide "
+                    "(response_format), or serve a model built with guided decoding",
+                )
+            t.add("guided_decoding_guide_type", "BYTES", [g.guide.kind.encode()])
+            t.add("guided_decoding_guide", "BYTES", [g.guide.text.encode()])
         return req
 
     async def stream(self, g: GenerationRequest) -> AsyncGenerator[list[int], None]:

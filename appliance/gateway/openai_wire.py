@@ -57,7 +57,6 @@ NO_OP: dict[str, tuple[object, ...]] = {
     "functions": (None,),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
     "echo": (False, None),
     "best_of": (1, None),
     "suffix": (None,),
@@ -73,6 +72,7 @@ COMMON = frozenset(
         "seed",
         "stop",
         "appliance",
+        "response_format",
         *IGNORED,
         *NO_OP,
     }
@@ -88,8 +88,16 @@ EXTENSION_FIELDS = frozenset(
         "top_k",
         "ttft_budget_ms",
         "deadline_ms",
+        "guide",
     }
 )
+# appliance.guide's types (the gRPC API's GuideType by its engine name).
+GUIDE_TYPES = {
+    "json": pb.GUIDE_TYPE_JSON,
+    "json_schema": pb.GUIDE_TYPE_JSON_SCHEMA,
+    "regex": pb.GUIDE_TYPE_REGEX,
+    "ebnf_grammar": pb.GUIDE_TYPE_EBNF_GRAMMAR,
+}
 
 
 def invalid(message: str, param: str | None = None) -> WireError:
@@ -173,6 +181,7 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     if seed is not None:
         req.seed = seed
     req.stop.extend(_stops(data))
+    _response_format(req, data)
     stream = bool(_field(data, "stream", bool) or False)
     include_usage = _include_usage(data, stream)
     deadline_s = _extension(req, data)
@@ -237,6 +246,42 @@ def _prompt(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
     req.prompt = prompt
 
 
+def _response_format(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+    """OpenAI's `response_format`: `text` (free text), `json_object` (any JSON object) or
+    `json_schema` (`json_schema.schema`, enforced whether `strict` is set or not) as a guide."""
+    form = _field(data, "response_format", dict)
+    if form is None:
+        return
+    kind = _field(form, "type", str, required=True, prefix="response_format.")
+    if kind == "text":
+        known = {"type"}
+    elif kind == "json_object":
+        known = {"type"}
+        req.guide.type = pb.GUIDE_TYPE_JSON
+    elif kind == "json_schema":
+        known = {"type", "json_schema"}
+        spec = _field(form, "json_schema", dict, required=True, prefix="response_format.")
+        p = "response_format.json_schema."
+        for name in spec:
+            if name not in ("name", "schema", "strict", "description"):
+                raise invalid(f"unknown field {p}{name}", "response_format")
+        _field(spec, "name", str, prefix=p)
+        _field(spec, "strict", bool, prefix=p)
+        _field(spec, "description", str, prefix=p)
+        schema = _field(spec, "schema", dict, prefix=p)
+        req.guide.type = pb.GUIDE_TYPE_JSON_SCHEMA
+        # No schema: OpenAI's default, an object with any properties.
+        req.guide.guide = json.dumps(schema if schema is not None else {"type": "object"})
+    else:
+        raise invalid(
+            f"response_format.type {kind!r} is not one of text, json_object, json_schema",
+            "response_format",
+        )
+    for name in form:
+        if name not in known:
+            raise invalid(f"unknown field response_format.{name}", "response_format")
+
+
 def _stops(data: dict[str, Any]) -> list[str]:
     stop = data.get("stop")
     if stop is None:
@@ -291,6 +336,20 @@ def _extension(req: pb.GenerateRequest, data: dict[str, Any]) -> float | None:
     ttft = _int(ext, "ttft_budget_ms", 0, UINT32_MAX, prefix=p)
     if ttft is not None:
         req.ttft_budget_ms = ttft
+    guide = _field(ext, "guide", dict, prefix=p)
+    if guide is not None:
+        if req.HasField("guide"):
+            raise invalid("send response_format or appliance.guide, not both", "response_format")
+        kind = _field(guide, "type", str, required=True, prefix=p + "guide.")
+        if kind not in GUIDE_TYPES:
+            raise invalid(
+                f"{p}guide.type {kind!r} is not one of {', '.join(GUIDE_TYPES)}", p + "guide"
+            )
+        for name in guide:
+            if name not in ("type", "guide"):
+                raise invalid(f"unknown field {p}guide.{name}", p + "guide")
+        req.guide.type = GUIDE_TYPES[kind]
+        req.guide.guide = _field(guide, "guide", str, prefix=p + "guide.") or ""
     deadline_ms = _int(ext, "deadline_ms", 1, UINT32_MAX, prefix=p)
     return None if deadline_ms is None else deadline_ms / 1000
 

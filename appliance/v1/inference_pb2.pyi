@@ -27,6 +27,14 @@ class CacheTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_TIER_EXACT_L1: _ClassVar[CacheTier]
     CACHE_TIER_EXACT_L2: _ClassVar[CacheTier]
     CACHE_TIER_SEMANTIC: _ClassVar[CacheTier]
+
+class GuideType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GUIDE_TYPE_UNSPECIFIED: _ClassVar[GuideType]
+    GUIDE_TYPE_JSON: _ClassVar[GuideType]
+    GUIDE_TYPE_JSON_SCHEMA: _ClassVar[GuideType]
+    GUIDE_TYPE_REGEX: _ClassVar[GuideType]
+    GUIDE_TYPE_EBNF_GRAMMAR: _ClassVar[GuideType]
 CACHE_POLICY_DEFAULT: CachePolicy
 CACHE_POLICY_BYPASS: CachePolicy
 CACHE_POLICY_REFRESH: CachePolicy
@@ -39,6 +47,11 @@ CACHE_TIER_MISS: CacheTier
 CACHE_TIER_EXACT_L1: CacheTier
 CACHE_TIER_EXACT_L2: CacheTier
 CACHE_TIER_SEMANTIC: CacheTier
+GUIDE_TYPE_UNSPECIFIED: GuideType
+GUIDE_TYPE_JSON: GuideType
+GUIDE_TYPE_JSON_SCHEMA: GuideType
+GUIDE_TYPE_REGEX: GuideType
+GUIDE_TYPE_EBNF_GRAMMAR: GuideType
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -54,8 +67,16 @@ class ChatMessages(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
+class Guide(_message.Message):
+    __slots__ = ("type", "guide")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    GUIDE_FIELD_NUMBER: _ClassVar[int]
+    type: GuideType
+    guide: str
+    def __init__(self, type: _Optional[_Union[GuideType, str]] = ..., guide: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "cache_policy", "namespace", "ttft_budget_ms", "semantic_cache")
+    __slots__ = ("request_id", "model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "cache_policy", "namespace", "ttft_budget_ms", "semantic_cache", "guide")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +91,7 @@ class GenerateRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     SEMANTIC_CACHE_FIELD_NUMBER: _ClassVar[int]
+    GUIDE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -84,7 +106,8 @@ class GenerateRequest(_message.Message):
     namespace: str
     ttft_budget_ms: int
     semantic_cache: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[_Union[CachePolicy, str]] = ..., namespace: _Optional[str] = ..., ttft_budget_ms: _Optional[int] = ..., semantic_cache: _Optional[bool] = ...) -> None: ...
+    guide: Guide
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[_Union[CachePolicy, str]] = ..., namespace: _Optional[str] = ..., ttft_budget_ms: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -614,10 +614,49 @@ async def test_the_clients_x_request_id_is_the_request_id_when_usable(
             assert (reply["appliance"]["request_id"] == sent) is used
 
 
-async def test_response_format_text_is_accepted(gateway: RunningGateway) -> None:
+async def test_response_format_text_is_free_text(gateway: RunningGateway) -> None:
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "response_format": {"type": "text"}}
     status, _, _ = await _post(gateway, "/v1/completions", json.dumps(body).encode())
     assert status == 200
-    body["response_format"] = {"type": "json_object"}
-    status, _, reply = await _post(gateway, "/v1/completions", json.dumps(body).encode())
-    assert status == 400 and "response_format is not supported" in reply["error"]["message"]
+
+
+BAD_GUIDES: list[tuple[dict[str, Any], str]] = [
+    ({"response_format": {"type": "xml"}}, "response_format.type 'xml' is not one of"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema is required"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+        "the JSON Schema is not valid at type: 5 is not valid",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": [], "x": 1}}},
+        "unknown field response_format.json_schema.x",
+    ),
+    ({"appliance": {"guide": {"type": "regex", "guide": "a(b"}}}, "not a valid regular expression"),
+    ({"appliance": {"guide": {"type": "lark"}}}, "appliance.guide.type 'lark' is not one of"),
+    ({"appliance": {"guide": {"type": "ebnf_grammar"}}}, "the ebnf_grammar guide needs its text"),
+    ({"appliance": {"guide": {"type": "regex", "guide": "x" * 70_000}}}, "longer than 65536"),
+    (
+        {"response_format": {"type": "json_object"}, "appliance": {"guide": {"type": "json"}}},
+        "send response_format or appliance.guide, not both",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD_GUIDES)
+async def test_a_bad_guide_is_400_before_the_engine(
+    tiny: Tiny, engine: Engine, fields: dict[str, Any], message: str
+) -> None:
+    config = _config(tiny, engine.address)
+    config = dataclasses.replace(
+        config, http=dataclasses.replace(config.http, max_body_bytes=1 << 20)
+    )
+    running = await _gateway(config)
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **fields}
+        before = engine.stats().started
+        status, _, reply = await _post(running, "/v1/completions", json.dumps(body).encode())
+        assert status == 400, reply
+        assert message in reply["error"]["message"]
+        assert engine.stats().started == before
+    finally:
+        await running.drain(0.5)
