@@ -40,6 +40,7 @@ from appliance.gateway import openai_wire as wire
 from appliance.gateway.health import health_name
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import RequestReport
+from appliance.gateway.tool_calls import HeldText
 from appliance.logline import Throttled
 from appliance.request import echo, valid_request_id
 from appliance.security.auth import Credentials, bearer_token
@@ -434,12 +435,20 @@ class HttpApi:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": answer.request_id})
         await response.prepare(request)
         out = answer.first_chunk()
+        held = HeldText(answer.tools) if answer.tools is not None else None
         try:
             while True:
-                if message.text:
-                    out += answer.chunk(message.text)
+                text = held.feed(message.text) if held is not None else message.text
+                if text:
+                    out += answer.chunk(text)
                 if message.HasField("final"):
-                    await self._write(request, response, out + answer.last_chunks(message.final))
+                    call = None
+                    if held is not None:
+                        rest, call = held.finish()
+                        out += answer.chunk(rest) if rest else b""
+                        out += answer.call_chunk(call) if call is not None else b""
+                    last = answer.last_chunks(message.final, called=call is not None)
+                    await self._write(request, response, out + last)
                     await _finish(messages)
                     break
                 if out:

@@ -24,7 +24,9 @@ from typing import Any
 import grpc
 
 from appliance.errors import MODEL_NOT_FOUND, RequestError
+from appliance.gateway import tool_calls
 from appliance.gateway.messages import FINISH, TIERS
+from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry, parse_call
 from appliance.request import MAX_MESSAGES
 from appliance.v1 import inference_pb2 as pb
 
@@ -52,11 +54,8 @@ NO_OP: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
     "logit_bias": (None,),
-    "tools": (None,),
-    "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "echo": (False, None),
     "best_of": (1, None),
     "suffix": (None,),
@@ -77,7 +76,13 @@ COMMON = frozenset(
         *NO_OP,
     }
 )
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 EXTENSION_FIELDS = frozenset(
     {
@@ -131,6 +136,8 @@ class HttpRequest:
     include_usage: bool
     # Seconds the client gives the request (appliance.deadline_ms); None: the model's default.
     deadline_s: float | None
+    # What the request's tools ask of the answer; None: a text answer.
+    tools: ToolPlan | None = None
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -158,8 +165,10 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
             shown = ", ".join(json.dumps(a) for a in allowed)
             raise invalid(f"{name} is not supported by this server (accepted: {shown})", name)
     req = pb.GenerateRequest(model=_field(data, "model", str, required=True))
+    tools = None
     if chat:
-        _messages(req, data)
+        tools = _tools(data)
+        _messages(req, data, tools)
     else:
         _prompt(req, data)
     max_tokens = _int(data, "max_tokens", -INT32_MAX, INT32_MAX)
@@ -182,13 +191,30 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
         req.seed = seed
     req.stop.extend(_stops(data))
     _response_format(req, data)
+    if tools is not None and tools.forced:
+        if req.HasField("guide"):
+            raise invalid(
+                "a tool_choice that forces a call constrains the answer itself; drop "
+                "response_format or use tool_choice auto",
+                "response_format",
+            )
+        req.guide.type = pb.GUIDE_TYPE_JSON_SCHEMA
+        req.guide.guide = tools.guide_schema() or ""
     stream = bool(_field(data, "stream", bool) or False)
     include_usage = _include_usage(data, stream)
     deadline_s = _extension(req, data)
-    return HttpRequest(req, chat, stream, include_usage, deadline_s)
+    return HttpRequest(req, chat, stream, include_usage, deadline_s, tools)
 
 
-def _messages(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+def _tools(data: dict[str, Any]) -> ToolPlan | None:
+    _field(data, "parallel_tool_calls", bool)  # one call at most is made either way
+    try:
+        return tool_calls.plan(data.get("tools"), data.get("tool_choice"))
+    except RequestError as exc:
+        raise invalid(exc.message, exc.field) from None
+
+
+def _messages(req: pb.GenerateRequest, data: dict[str, Any], tools: ToolPlan | None) -> None:
     messages = _field(data, "messages", list, required=True)
     if len(messages) > MAX_MESSAGES:
         raise invalid(
@@ -202,9 +228,21 @@ def _messages(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
         role = m.get("role")
         if not isinstance(role, str):
             raise invalid(f"messages[{i}].role must be a string", f"messages[{i}].role")
-        req.messages.messages.add(
-            role=ROLE_ALIASES.get(role, role), content=_content(m.get("content"), i)
-        )
+        content = _content(m.get("content"), i)
+        try:
+            if role == "tool":
+                role, content = "user", tool_calls.tool_result(m, content, i)
+            elif role == "assistant":
+                content = tool_calls.assistant_content(m, content, i)
+        except RequestError as exc:
+            raise invalid(exc.message, exc.field) from None
+        req.messages.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
+    if tools is not None and messages:
+        listed = req.messages.messages
+        if listed[0].role == "system":
+            listed[0].content = tools.system_message() + "\n\n" + listed[0].content
+        else:
+            listed.insert(0, pb.ChatMessage(role="system", content=tools.system_message()))
 
 
 def _content(content: object, i: int) -> str:
@@ -508,6 +546,7 @@ class Answer:
 
     def __init__(self, http: HttpRequest, request_id: str, created: int) -> None:
         self.chat = http.chat
+        self.tools = http.tools
         self.include_usage = http.include_usage
         self.model = http.request.model
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
@@ -537,12 +576,26 @@ class Answer:
     def chunk(self, text: str) -> bytes:
         return self._text(text)
 
-    def last_chunks(self, final: pb.Final) -> bytes:
+    def call_id(self) -> str:
+        return f"call_{self.request_id}_0"
+
+    def call_chunk(self, call: ToolCall) -> bytes:
+        """The streamed tool call: one delta with its name and whole arguments."""
+        delta = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call_entry(call, self.call_id(), 0)],
+        }
+        return self._chunk_of(
+            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
+
+    def last_chunks(self, final: pb.Final, called: bool = False) -> bytes:
         """The chunk with the finish reason and the extension, the usage chunk, then [DONE]."""
         choice: dict[str, Any] = {"index": 0}
         choice["delta" if self.chat else "text"] = {} if self.chat else ""
         choice["logprobs"] = None
-        choice["finish_reason"] = finish_reason(final)
+        choice["finish_reason"] = "tool_calls" if called else finish_reason(final)
         out = self._chunk_of([choice], appliance=extension(self.request_id, final))
         if self.include_usage:
             out += self._chunk_of([], usage=usage(final))
@@ -563,12 +616,19 @@ class Answer:
     def whole(self, text: str, final: pb.Final) -> dict[str, Any]:
         """The non-streaming answer."""
         choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        call = parse_call(text, self.tools) if self.tools is not None else None
+        if call is not None:
+            choice["message"] = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [call_entry(call, self.call_id())],
+            }
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = None
-        choice["finish_reason"] = finish_reason(final)
+        choice["finish_reason"] = "tool_calls" if call is not None else finish_reason(final)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
