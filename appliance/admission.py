@@ -128,13 +128,15 @@ class ServiceEstimate:
         generation that outlived the average is not about to end): the decode still ahead is the
         average one, but never more than its token limit leaves. Past its first token, the decode
         goes at the pace this generation has kept so far, not the learned one: on an engine
-        slowed down (a busy host) the learned pace would call it finished while it still runs."""
+        slowed down (a busy host) the learned pace would call it finished while it still runs.
+        Before any generation finished, nothing is known of how many tokens answers take: the
+        estimate stays zero (everyone queues) until the first one is learned."""
         average_tokens = self.token_fraction * max_tokens
         if first_token_s is None:
             prefill_left = max(0.0, self.prefill_s_per_token * prompt_tokens - elapsed_s)
             return prefill_left + self.decode_s_per_token * average_tokens
         pace = self.decode_s_per_token
-        if tokens > 1:
+        if tokens > 1 and self.samples:
             pace = max(0.0, elapsed_s - first_token_s) / (tokens - 1)
         return pace * max(0.0, min(average_tokens, max_tokens - tokens))
 
