@@ -4,9 +4,12 @@ A batch-1 engine serves one stream at a time; more requests than it can serve at
 queue behind each other and all miss their budgets. So each model has a number of slots (the engine's
 max_batch_size unless configured) and a bounded FIFO of waiting requests. At arrival the wait is
 estimated (what the running and queued generations still need, from moving estimates of prefill
-time per prompt token and decode time per token); a request whose time to first token would pass
-its budget is refused at once with RESOURCE_EXHAUSTED and a retry hint, rather than failing slowly.
-A request still waiting when its budget passes leaves the queue without reaching the engine.
+time per prompt token and decode time per token, and from each running generation's own pace); a
+request whose time to first token would pass its budget is refused at once with RESOURCE_EXHAUSTED
+and a retry hint, rather than failing slowly. A waiting request leaves the queue, with a retry hint
+and without reaching the engine, as soon as its expected prefill no longer fits in what is left of
+its budget, and a slot is never handed to one whose prefill would no longer fit. A closed gate (the
+gateway is stopping) refuses everyone waiting and everyone who asks.
 
 The pipeline asks for a Ticket after the cache lookup (a hit never needs the engine) and only for a
 request that starts a generation (a single-flight follower rides on its leader's ticket). Comparable
@@ -34,6 +37,10 @@ class Ticket(Protocol):
         """The generation's first token arrived (feeds the prefill estimate)."""
         ...
 
+    def generated(self, tokens: int) -> None:
+        """The generation produced this many more tokens (its pace, for the wait estimate)."""
+        ...
+
     def release(self, completion_tokens: int) -> None:
         """The generation ended, however it ended; called exactly once."""
         ...
@@ -47,9 +54,17 @@ class Admission(Protocol):
         time.monotonic() by which the first token must arrive, or None."""
         ...
 
+    def close(self, message: str, retry_after_ms: int) -> None:
+        """From now on every request waiting and every request asking is refused with UNAVAILABLE,
+        `message` and the retry hint (the gateway is stopping)."""
+        ...
+
 
 class _NoTicket:
     def first_token(self) -> None:
+        return None
+
+    def generated(self, tokens: int) -> None:
         return None
 
     def release(self, completion_tokens: int) -> None:
@@ -61,10 +76,23 @@ class AdmitAll:
 
     _ticket = _NoTicket()
 
+    def __init__(self) -> None:
+        self._closed: RequestError | None = None
+
     async def admit(
         self, model: str, prompt_tokens: int, max_tokens: int, first_token_by: float | None
     ) -> Ticket:
+        if self._closed is not None:
+            raise _closed_error(self._closed)
         return self._ticket
+
+    def close(self, message: str, retry_after_ms: int) -> None:
+        self._closed = RequestError(grpc.StatusCode.UNAVAILABLE, message, retry_after_ms)
+
+
+def _closed_error(closed: RequestError) -> RequestError:
+    """A fresh copy of a closed gate's refusal (one exception object per request)."""
+    return RequestError(closed.code, closed.message, closed.retry_after_ms)
 
 
 @dataclass
@@ -85,17 +113,32 @@ class ServiceEstimate:
         decode = self.decode_s_per_token * self.token_fraction * max_tokens
         return self.prefill_s_per_token * prompt_tokens + decode
 
-    def remaining_s(self, prompt_tokens: int, max_tokens: int, elapsed_s: float) -> float:
-        """What a generation running for `elapsed_s` still needs. Whether it stops at the next
-        token is taken as independent of how long it has run (a generation that outlived the
-        average is not about to end): the decode still ahead is the average one, but never more
-        than its token limit leaves."""
-        prefill = self.prefill_s_per_token * prompt_tokens
-        average = prefill + self.decode_s_per_token * self.token_fraction * max_tokens
-        most = prefill + self.decode_s_per_token * max_tokens
-        if elapsed_s < prefill:
-            return average - elapsed_s
-        return max(0.0, min(average - prefill, most - elapsed_s))
+    def remaining_s(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        elapsed_s: float,
+        first_token_s: float | None = None,
+        tokens: int = 0,
+    ) -> float:
+        """What a generation running for `elapsed_s` still needs; `first_token_s`: when its first
+        token came (seconds after it started; None: not yet), `tokens`: how many it produced.
+
+        Whether it stops at the next token is taken as independent of how long it has run (a
+        generation that outlived the average is not about to end): the decode still ahead is the
+        average one, but never more than its token limit leaves. Past its first token, the decode
+        goes at the pace this generation has kept so far, not the learned one: on an engine
+        slowed down (a busy host) the learned pace would call it finished while it still runs.
+        Before any generation finished, nothing is known of how many tokens answers take: the
+        estimate stays zero (everyone queues) until the first one is learned."""
+        average_tokens = self.token_fraction * max_tokens
+        if first_token_s is None:
+            prefill_left = max(0.0, self.prefill_s_per_token * prompt_tokens - elapsed_s)
+            return prefill_left + self.decode_s_per_token * average_tokens
+        pace = self.decode_s_per_token
+        if tokens > 1 and self.samples:
+            pace = max(0.0, elapsed_s - first_token_s) / (tokens - 1)
+        return pace * max(0.0, min(average_tokens, max_tokens - tokens))
 
     def observe(
         self, prompt_tokens: int, max_tokens: int, ttft_s: float, tokens: int, total_s: float
@@ -116,20 +159,34 @@ class ServiceEstimate:
 class _Work:
     prompt_tokens: int
     max_tokens: int
+    first_token_by: float | None = None
+    # When it joined the line and when it got its slot (gate clock).
+    joined: float = 0.0
     started: float = 0.0
+    # When its first token came (gate clock) and how many tokens it has produced.
+    first: float | None = None
+    tokens: int = 0
     ticket: asyncio.Future[_GateTicket] | None = None
+
+    def remaining_s(self, estimate: ServiceEstimate, now: float) -> float:
+        first = None if self.first is None else self.first - self.started
+        return estimate.remaining_s(
+            self.prompt_tokens, self.max_tokens, now - self.started, first, self.tokens
+        )
 
 
 class _GateTicket:
     def __init__(self, gate: ModelGate, work: _Work) -> None:
         self._gate = gate
         self._work = work
-        self._first: float | None = None
         self._released = False
 
     def first_token(self) -> None:
-        if self._first is None:
-            self._first = self._gate.clock()
+        if self._work.first is None:
+            self._work.first = self._gate.clock()
+
+    def generated(self, tokens: int) -> None:
+        self._work.tokens += tokens
 
     def release(self, completion_tokens: int) -> None:
         if self._released:
@@ -137,11 +194,11 @@ class _GateTicket:
         self._released = True
         gate, work = self._gate, self._work
         now = gate.clock()
-        if self._first is not None:
+        if work.first is not None:
             gate.estimate.observe(
                 work.prompt_tokens,
                 work.max_tokens,
-                self._first - work.started,
+                work.first - work.started,
                 completion_tokens,
                 now - work.started,
             )
@@ -161,21 +218,23 @@ class ModelGate:
     waiting: collections.deque[_Work] = field(default_factory=collections.deque)
     refused: int = 0
     expired: int = 0
+    # The refusal every request gets once the gate is closed (None: open).
+    closed: RequestError | None = None
 
     def estimated_wait(self, now: float) -> float:
         """Seconds until a request joining the back of the line would start."""
         est = self.estimate
-        left = sum(
-            est.remaining_s(w.prompt_tokens, w.max_tokens, now - w.started) for w in self.running
-        )
+        left = sum(w.remaining_s(est, now) for w in self.running)
         left += sum(est.service_s(w.prompt_tokens, w.max_tokens) for w in self.waiting)
         return left / self.slots
 
     async def admit(
         self, prompt_tokens: int, max_tokens: int, first_token_by: float | None
     ) -> _GateTicket:
+        if self.closed is not None:
+            raise _closed_error(self.closed)
         now = self.clock()
-        work = _Work(prompt_tokens, max_tokens)
+        work = _Work(prompt_tokens, max_tokens, first_token_by, joined=now)
         if len(self.running) < self.slots and not self.waiting:
             return self._start(work, now)
         wait = self.estimated_wait(now)
@@ -186,7 +245,8 @@ class ModelGate:
                 f"{len(self.waiting)} waiting, the most this gateway queues",
                 wait,
             )
-        ttft = wait + self.estimate.first_token_s(prompt_tokens)
+        prefill = self.estimate.first_token_s(prompt_tokens)
+        ttft = wait + prefill
         if first_token_by is not None and now + ttft > first_token_by:
             self.refused += 1
             budget_ms = max(0.0, first_token_by - now) * 1000
@@ -198,7 +258,8 @@ class ModelGate:
             )
         work.ticket = asyncio.get_running_loop().create_future()
         self.waiting.append(work)
-        limit = None if first_token_by is None else max(0.0, first_token_by - now)
+        # It leaves the line once its expected prefill no longer fits in its budget.
+        limit = None if first_token_by is None else max(0.0, first_token_by - prefill - now)
         try:
             async with asyncio.timeout(limit):
                 return await work.ticket
@@ -206,21 +267,35 @@ class ModelGate:
             self._abandon(work)
             if not isinstance(exc, TimeoutError):
                 raise
-            self.expired += 1
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"model '{self.name}' is busy: waited {(self.clock() - now) * 1000:.0f} ms for "
-                "the engine and the time-to-first-token budget passed",
-            ) from None
+            raise self._expired(work) from None
+
+    def _expired(self, work: _Work) -> RequestError:
+        """The refusal of a waiter whose first token can no longer come within its budget. The
+        line held it this long without reaching it: the retry hint is no shorter than that."""
+        self.expired += 1
+        now = self.clock()
+        waited = now - work.joined
+        prefill = self.estimate.first_token_s(work.prompt_tokens)
+        why = (
+            "the time-to-first-token budget passed"
+            if prefill < 0.001
+            else "the time-to-first-token budget passed or would pass during the expected "
+            f"prefill of {prefill * 1000:.0f} ms"
+        )
+        return self._busy(
+            f"model '{self.name}' is busy: waited {waited * 1000:.0f} ms for the engine and {why}",
+            max(self.estimated_wait(now), waited),
+        )
 
     def _abandon(self, work: _Work) -> None:
         """A waiter left (deadline, budget, client gone): out of the line, or its slot back if
         it was granted one it never took."""
-        assert work.ticket is not None
+        ticket = work.ticket
+        assert ticket is not None
         if work in self.waiting:
             self.waiting.remove(work)
-        elif work.ticket.done() and not work.ticket.cancelled():
-            work.ticket.result().release(0)
+        elif ticket.done() and not ticket.cancelled() and ticket.exception() is None:
+            ticket.result().release(0)
 
     def _start(self, work: _Work, now: float) -> _GateTicket:
         work.started = now
@@ -228,12 +303,28 @@ class ModelGate:
         return _GateTicket(self, work)
 
     def finished(self, work: _Work) -> None:
+        """A slot came free: the next waiters whose prefill still fits in their budget start;
+        those whose no longer does are refused (their wait began when they joined)."""
         self.running.remove(work)
         while self.waiting and len(self.running) < self.slots:
             nxt = self.waiting.popleft()
             assert nxt.ticket is not None
-            if not nxt.ticket.done():
-                nxt.ticket.set_result(self._start(nxt, self.clock()))
+            if nxt.ticket.done():
+                continue
+            now = self.clock()
+            by = nxt.first_token_by
+            if by is not None and now + self.estimate.first_token_s(nxt.prompt_tokens) > by:
+                nxt.ticket.set_exception(self._expired(nxt))
+                continue
+            nxt.ticket.set_result(self._start(nxt, now))
+
+    def close(self, message: str, retry_after_ms: int) -> None:
+        """Refuses every waiter now, and every request from now on (UNAVAILABLE)."""
+        self.closed = RequestError(grpc.StatusCode.UNAVAILABLE, message, retry_after_ms)
+        while self.waiting:
+            work = self.waiting.popleft()
+            if work.ticket is not None and not work.ticket.done():
+                work.ticket.set_exception(_closed_error(self.closed))
 
     @staticmethod
     def _busy(message: str, retry_after_s: float) -> RequestError:
@@ -254,3 +345,7 @@ class GatedAdmission:
         self, model: str, prompt_tokens: int, max_tokens: int, first_token_by: float | None
     ) -> Ticket:
         return await self.gates[model].admit(prompt_tokens, max_tokens, first_token_by)
+
+    def close(self, message: str, retry_after_ms: int) -> None:
+        for gate in self.gates.values():
+            gate.close(message, retry_after_ms)

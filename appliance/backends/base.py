@@ -98,7 +98,8 @@ class Backend(Protocol):
         ...
 
     def cancel_all(self) -> None:
-        """Ends every generation in flight (the drain period is over): they raise CANCELLED."""
+        """Ends every generation in flight, and every one started from now on (the drain period
+        is over): they raise CANCELLED."""
         ...
 
     async def close(self) -> None:

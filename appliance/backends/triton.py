@@ -147,7 +147,9 @@ class TritonBackend:
         self._calls: set[
             grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse]
         ] = set()
+        # cancel_all was called: every generation, running or starting, ends CANCELLED.
         self._shutting_down = False
+        self._closed = False
         # Generations the server runs at once (its model's max_batch_size; 1 until read).
         self.max_batch_size = 1
 
@@ -265,6 +267,8 @@ class TritonBackend:
         the HTTP/2 stream and also sends `stop=true` with the same request id, so the engine stops
         generating even where stream cancellation is not propagated.
         """
+        if self._shutting_down or self._closed:
+            raise BackendError(grpc.StatusCode.CANCELLED, "gateway shutting down")
         request = self._request(g)
         call = self._stub.ModelStreamInfer(timeout=g.timeout_s)
         self._calls.add(call)
@@ -317,6 +321,10 @@ class TritonBackend:
         return BackendError(code, f"inference server: {exc.details()}")
 
     def _spawn(self, coro: Coroutine[None, None, None]) -> None:
+        """Runs coro beside the caller; not once closed (closing the channel cancels its calls)."""
+        if self._closed:
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -349,12 +357,18 @@ class TritonBackend:
             raise
 
     def cancel_all(self) -> None:
-        """Ends every request in flight (the drain period is over)."""
+        """Ends every request in flight (the drain period is over), and every one that starts
+        from now on, before it reaches the server."""
         self._shutting_down = True
         for call in list(self._calls):
             call.cancel()
 
     async def close(self) -> None:
-        for task in list(self._background):
+        """Ends the stop requests under way, then closes the channel: a generation that ends
+        later (its task was cancelled and has yet to run) sends none on the closed channel."""
+        self._closed = True
+        tasks = list(self._background)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._channel.close()

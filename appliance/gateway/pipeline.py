@@ -78,6 +78,12 @@ ENGINE_FAULTS = frozenset(
 
 # Finish reasons of a complete answer: the only ones cached.
 CACHED_FINISHES = frozenset({"stop", "length"})
+# The shortest retry hint of an UNAVAILABLE refusal (engine unreachable, breaker about to close,
+# gateway stopping): the health monitor sees an engine come back at its next readiness poll, once a
+# second, so a retry sooner finds it unavailable again, and a hint of a few milliseconds would have
+# every client retry in a tight loop.
+UNAVAILABLE_RETRY_MS = 1000
+STOPPING = "the gateway is shutting down; retry on another gateway"
 
 
 def keyed_by(query: CacheQuery, produced_by: ModelIdentity) -> CacheQuery:
@@ -121,6 +127,8 @@ class Generation:
     model: ServedModel
     shared: CacheQuery | None
     flight: Flight[Event]
+    # Tokens of the prompt as the generating model counts them.
+    prompt_tokens: int
     # Another request leads the flight: counted as a single-flight follower once this one follows
     # it (a generation started beside a lookup that then hits never is).
     follows: bool = False
@@ -398,7 +406,7 @@ class Pipeline:
             grpc.StatusCode.UNAVAILABLE,
             f"model '{model.name}' (inference server at {model.backend.address}) is "
             f"unavailable: {why}{also}",
-            retry_after_ms=max(1, round(retry_s * 1000)),
+            retry_after_ms=max(UNAVAILABLE_RETRY_MS, round(retry_s * 1000)),
         )
 
     def may_retry(
@@ -429,7 +437,7 @@ class Pipeline:
         prepared = await self.tokenize(target, checked)
         shared = self.cache_query(target, checked, request) if cache_plan.write else None
         flight, led = self.single_flight(target, prepared, shared, budget)
-        return Generation(target, shared, flight, follows=not led)
+        return Generation(target, shared, flight, len(prepared.prompt_ids), follows=not led)
 
     async def tokenize(self, model: ServedModel, checked: CheckedRequest) -> PreparedRequest:
         chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
@@ -493,6 +501,8 @@ class Pipeline:
                     self._first_token(model, time.monotonic() - started, budget)
                 if isinstance(event, Outcome):
                     completion = event.completion_tokens
+                else:
+                    ticket.generated(len(event.token_ids))
                 yield event
         except BackendError as exc:
             if exc.code in ENGINE_FAULTS and not (
@@ -526,11 +536,14 @@ class Pipeline:
         budget: Budget,
         requested: ServedModel,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Events as this client's messages, within its deadline; the report gets its timings."""
+        """Events as this client's messages, within its deadline; the report gets its timings.
+        A generation the drain cancels ends with a final message that counts what this client was
+        sent, or, when it was sent nothing yet, with a refusal it may retry elsewhere."""
         if generation.follows and self.cache is not None:
             self.cache.metrics.single_flight_followers += 1
         started = generation.since_ns
         first = last = 0
+        sent = 0
         gaps = report.inter_token_us
         events = generation.flight.follow()
         try:
@@ -550,6 +563,7 @@ class Pipeline:
                     continue
                 if isinstance(event, Delta):
                     yield messages.delta(report.request_id, event)
+                    sent += len(event.token_ids)
                     now = time.monotonic_ns()
                     if event.token_ids:
                         if last:
@@ -566,7 +580,14 @@ class Pipeline:
         except BackendError as exc:
             if not (self.draining and exc.code == grpc.StatusCode.CANCELLED):
                 raise RequestError(exc.code, exc.message) from None
+            if not first:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, STOPPING, UNAVAILABLE_RETRY_MS
+                ) from None
             report.finish_reason = "cancelled"
+            report.prompt_tokens = generation.prompt_tokens
+            report.completion_tokens = sent
+            report.answered_by = generation.model.name
             yield messages.final(report, received, started, first)
         finally:
             await events.aclose()
@@ -598,6 +619,15 @@ class Pipeline:
         report.prompt_tokens = outcome.prompt_tokens
         report.completion_tokens = outcome.completion_tokens
         report.answered_by = outcome.produced_by.name
+
+    def end_generations(self) -> None:
+        """The drain's grace is over: requests waiting for the engine are refused (before any
+        text, with a retry hint), none starts from now on, and every generation under way is
+        cancelled: its clients get a final message counting what they were sent."""
+        self.draining = True
+        self.admission.close(STOPPING, UNAVAILABLE_RETRY_MS)
+        for model in self.models.values():
+            model.backend.cancel_all()
 
     def close(self) -> None:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)

@@ -42,6 +42,9 @@ from appliance.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+# After the drain's grace, the time the cancelled streams' final messages get before the front ends
+# cut what is left.
+FINAL_MESSAGE_S = 2.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheAdmin"].full_name
 
@@ -113,19 +116,24 @@ class RunningGateway:
         return self.service.pipeline
 
     async def drain(self, drain_seconds: float) -> None:
-        """Stops taking requests, lets in-flight ones finish, then ends the rest as CANCELLED."""
+        """Stops taking requests and lets those accepted finish for up to `drain_seconds`; then
+        refuses those still waiting for the engine (they were sent nothing: a retry hint) and
+        cancels the generations under way, whose streams end with a final message counting what
+        they were sent. The front ends' own grace is longer by `FINAL_MESSAGE_S`, the time those
+        last messages get to go out."""
         await self.monitor.stop()
         await self.health.enter_graceful_shutdown()
-        stopping = asyncio.ensure_future(self.server.stop(grace=drain_seconds + 2.0))
+        stopping = asyncio.ensure_future(self.server.stop(grace=drain_seconds + FINAL_MESSAGE_S))
         http = self.http
-        http_stopping = asyncio.ensure_future(http.close(drain_seconds + 2.0)) if http else None
+        http_stopping = (
+            asyncio.ensure_future(http.close(drain_seconds + FINAL_MESSAGE_S)) if http else None
+        )
         idle = [self.service.wait_idle(), *([http.wait_idle()] if http else [])]
         try:
             await asyncio.wait_for(asyncio.gather(*idle), timeout=drain_seconds)
         except TimeoutError:
-            self.pipeline.draining = True
-            for m in self.models.values():
-                m.backend.cancel_all()
+            log.info("drain grace over: ending the requests still running")
+            self.pipeline.end_generations()
         await stopping
         if http_stopping is not None:
             await http_stopping

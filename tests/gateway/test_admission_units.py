@@ -27,24 +27,32 @@ def _gate(clock: Clock, **estimate: float) -> ModelGate:
 async def test_a_generation_that_outlived_the_average_still_holds_its_slot() -> None:
     clock = Clock()
     gate = _gate(clock)
-    await gate.admit(100, 1000, None)  # average: 0.1 s prefill + 1 s decode; at most 10.1 s
+    ticket = await gate.admit(100, 1000, None)  # average: 0.1 s prefill + 1 s decode
     assert gate.estimated_wait(clock.now) == pytest.approx(1.1)
-    clock.now += 0.6
+    clock.now += 0.1
+    ticket.first_token()
+    ticket.generated(1)
     assert gate.estimated_wait(clock.now) == pytest.approx(1.0)  # prefill done, decode ahead
-    clock.now += 4.0  # four times the average answer, and still running
+    clock.now += 4.49  # four times the average answer, at the learned pace, and still running
+    ticket.generated(449)
     assert gate.estimated_wait(clock.now) == pytest.approx(1.0)
-    clock.now += 5.0  # 0.5 s before its token limit ends it whatever it says
+    clock.now += 5.0  # 50 tokens before its token limit ends it whatever it says
+    ticket.generated(500)
     assert gate.estimated_wait(clock.now) == pytest.approx(0.5)
-    clock.now += 1.0
+    clock.now += 0.5
+    ticket.generated(50)
     assert gate.estimated_wait(clock.now) == 0.0
 
 
 async def test_answers_that_run_to_their_limit_are_estimated_to_the_end() -> None:
     clock = Clock()
     gate = _gate(clock, token_fraction=1.0)
-    await gate.admit(100, 100, None)  # 0.1 s + 1 s
-    clock.now += 0.3
-    assert gate.estimated_wait(clock.now) == pytest.approx(0.8)
+    ticket = await gate.admit(100, 100, None)  # 0.1 s + 1 s
+    clock.now += 0.1
+    ticket.first_token()
+    clock.now += 0.2
+    ticket.generated(21)  # the first token and 20 more
+    assert gate.estimated_wait(clock.now) == pytest.approx(0.79)
 
 
 async def test_a_request_whose_budget_the_wait_would_pass_is_refused_with_a_hint() -> None:
