@@ -266,10 +266,10 @@ async def test_unknown_model_and_chat_role(client: AsyncOpenAI) -> None:
     assert isinstance(err.value.body, dict)
     assert err.value.body["message"] == "unknown model 'gpt-9'; known models: tiny"
     assert (err.value.body["param"], err.value.body["code"]) == ("model", "model_not_found")
-    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role is 'tool'"):
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role is 'robot'"):
         await client.chat.completions.create(
             model="tiny",
-            messages=[{"role": "tool", "content": "hi", "tool_call_id": "1"}],
+            messages=[{"role": "robot", "content": "hi"}],  # type: ignore[list-item,misc]
         )
 
 
