@@ -493,6 +493,7 @@ class Pipeline:
                 pad_id=model.text.pad_id,
                 sampling=prepared.sampling,
                 timeout_s=timeout_s,
+                guide=prepared.guide,
             )
             async for event in generate(model, request, prepared.stops):
                 if not first and (isinstance(event, Outcome) or event.token_ids):
