@@ -436,3 +436,24 @@ def test_tokenizer_info_file_has_the_fields_tensorrt_llm_reads(tiny: Tiny, tmp_p
     assert set(info) == {"encoded_vocab", "tokenizer_str", "stop_token_ids"}
     assert info["stop_token_ids"] == [EOS] and info["encoded_vocab"][EOS] == "</s>"
     assert json.loads(info["tokenizer_str"])["model"]["type"] == "BPE"
+
+
+@pytest.mark.parametrize(
+    ("backend", "info", "says"),
+    [
+        ("llguidance", "tokenizer_info.json", "supported with the 'xgrammar' backend"),
+        ("xgrammar", "missing.json", "Xgrammar's tokenizer info path at"),
+    ],
+)
+def test_a_guided_decoding_config_the_backend_would_not_load_is_refused(
+    guided_repo: Path, tmp_path: Path, backend: str, info: str, says: str
+) -> None:
+    from appliance.engine.repository import RepositoryError, read_repository
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _guided_config(guided_repo / PLAIN, repo / "m", "m", guided_repo / info)
+    config = (repo / "m" / "config.pbtxt").read_text()
+    (repo / "m" / "config.pbtxt").write_text(config.replace('"xgrammar"', f'"{backend}"'))
+    with pytest.raises(RepositoryError, match=says):
+        assert read_repository(repo)["m"].guided_decoding is None
