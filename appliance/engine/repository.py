@@ -40,6 +40,19 @@ class KvCacheParams:
 
 
 @dataclass(frozen=True)
+class GuidedDecodingParams:
+    """The guided-decoding parameters of a `tensorrt_llm` model, read as the tensorrtllm backend
+    reads them: guided decoding is on only when both `guided_decoding_backend` and
+    `xgrammar_tokenizer_info_path` are set (not empty, not a `${...}` placeholder); the backend
+    must then be `xgrammar` and the tokenizer info file must exist (a relative path is taken from
+    the model's directory). `tokenizer_dir`, which the backend reads too, is not used for it.
+    """
+
+    backend: str
+    tokenizer_info_path: Path
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     name: str
     directory: Path
@@ -111,6 +124,30 @@ class ModelEntry:
             max_tokens=self._positive_int("max_tokens_in_paged_kv_cache"),
             free_mem_fraction=fraction,
         )
+
+    @property
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The guided-decoding parameters, None when guided decoding is off; a RepositoryError
+        where the backend fails to load the model."""
+        backend = self.parameter("guided_decoding_backend", "")
+        raw_path = self.parameter("xgrammar_tokenizer_info_path", "")
+        if not backend or not raw_path:
+            return None
+        config = self.directory / "config.pbtxt"
+        if backend != "xgrammar":
+            raise RepositoryError(
+                f"{config}: parameter 'guided_decoding_backend' is {backend!r}; guided decoding "
+                "is supported with the 'xgrammar' backend (or leave it empty to turn it off)"
+            )
+        path = Path(raw_path)
+        if not path.is_absolute():
+            path = self.directory / path
+        if not path.is_file():
+            raise RepositoryError(
+                f"{config}: parameter 'xgrammar_tokenizer_info_path': Xgrammar's tokenizer info "
+                f"path at {path} does not exist"
+            )
+        return GuidedDecodingParams(backend, path)
 
     @property
     def fingerprint(self) -> str:

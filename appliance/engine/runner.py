@@ -27,6 +27,7 @@ import torch
 
 from appliance.engine.decode import Capture, DecodeStep, EagerDecode, GraphDecode
 from appliance.engine.device import enter_device
+from appliance.engine.guided import CompiledGuide
 from appliance.engine.llama import LlamaConfig, LlamaModel
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
@@ -86,6 +87,7 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     return_perf: bool = False
     arrival_ns: int = field(default_factory=time.monotonic_ns)
+    guide: CompiledGuide | None = None
 
 
 @dataclass
@@ -223,6 +225,7 @@ class Runner:
             history=history,
             decode=self.decode,
             prefill_chunk=self.prefill_chunk,
+            guide=job.guide,
         )
         produced: list[int] = []
         first_token_ns = 0

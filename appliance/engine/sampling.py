@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from appliance.engine.decode import DecodeStep, EagerDecode
+from appliance.engine.guided import CompiledGuide, GuidedMatcher
 from appliance.engine.llama import KVCache, LlamaModel
 
 __all__ = ["Sampler", "SamplingParams", "generate"]
@@ -105,6 +106,7 @@ def generate(
     history: list[int] | None = None,
     decode: DecodeStep | None = None,
     prefill_chunk: int | None = None,
+    guide: CompiledGuide | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
 
@@ -119,6 +121,12 @@ def generate(
     `decode` runs the decode steps (a CUDA-graph step, say) on `cache`; by default they are eager
     forward passes. `prefill_chunk` splits the prefill into forward passes of at most that many
     tokens, which bounds the activations and lets a cancellation stop a long prompt between chunks.
+    `guide` constrains every step to its grammar: disallowed tokens are masked out of the logits
+    before sampling, and a step with no allowed token, or a sampled stop token of the grammar, ends
+    the generation as the end id does. The next mask is computed after the decode step is launched,
+    so on a GPU it overlaps the step. The grammar's state (its matcher) exists only while the
+    generation runs: it is made at the first token requested and released when the generation ends,
+    however it ends.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must contain at least one token")
@@ -145,6 +153,11 @@ def generate(
         raise ValueError("a decode step runs on its own cache; pass that cache")
     if prefill_chunk is not None and prefill_chunk <= 0:
         raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+    if guide is not None and guide.grammars.vocab_size != vocab:
+        raise ValueError(
+            f"the guide was compiled for a vocabulary of {guide.grammars.vocab_size}, "
+            f"the model has {vocab}"
+        )
     sampler = Sampler(params)
     return _generate(
         model,
@@ -158,6 +171,7 @@ def generate(
         history if history is not None else [],
         decode,
         prefill_chunk or len(prompt_ids),
+        guide,
     )
 
 
@@ -173,6 +187,42 @@ def _generate(
     history: list[int],
     decode: DecodeStep | None,
     prefill_chunk: int,
+    guide: CompiledGuide | None,
+) -> Iterator[int]:
+    matcher = guide.matcher(end_id) if guide is not None else None
+    try:
+        yield from _steps(
+            model,
+            prompt_ids,
+            max_new_tokens,
+            end_id,
+            sampler,
+            should_stop,
+            cache,
+            start_pos,
+            history,
+            decode,
+            prefill_chunk,
+            matcher,
+        )
+    finally:
+        if matcher is not None:
+            matcher.close()
+
+
+def _steps(
+    model: LlamaModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    end_id: int | None,
+    sampler: Sampler,
+    should_stop: Callable[[], bool],
+    cache: KVCache | None,
+    start_pos: int,
+    history: list[int],
+    decode: DecodeStep | None,
+    prefill_chunk: int,
+    guide: GuidedMatcher | None,
 ) -> Iterator[int]:
     if max_new_tokens == 0 or should_stop():
         return
@@ -183,15 +233,21 @@ def _generate(
         if start > start_pos and should_stop():
             return
         logits = model.forward(prompt_ids[start : start + prefill_chunk], cache, start)
+    if guide is not None:
+        guide.fill()  # while the prefill's last chunk runs
     history.extend(prompt_ids)
     pos = len(prompt_ids)
     for step in range(max_new_tokens):
+        if guide is not None and not guide.apply(logits):
+            return  # the grammar allows no token here
         token = sampler(logits)
-        if token == end_id:
+        if token == end_id or (guide is not None and token in guide.stop):
             return
         yield token
         if step == max_new_tokens - 1 or should_stop():
             return
         logits = step_once(token, pos)
+        if guide is not None:
+            guide.advance(token)  # while the decode step runs
         history.append(token)
         pos += 1

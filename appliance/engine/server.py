@@ -37,6 +37,14 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance import sdnotify
 from appliance.backends import wire
+from appliance.engine.guided import (
+    NOT_SETUP_MESSAGE,
+    CompiledGuide,
+    Grammars,
+    Guide,
+    GuideError,
+    parse_guide,
+)
 from appliance.engine.llama import CheckpointError, LlamaModel
 from appliance.engine.loading import load_model
 from appliance.engine.metrics import serve_metrics
@@ -96,6 +104,7 @@ class EngineModel:
     inputs: dict[str, mc.ModelInput]
     max_len: int
     output_names: frozenset[str] = frozenset()
+    grammars: Grammars | None = None  # None: the model has no guided decoder
 
 
 @dataclass
@@ -110,6 +119,8 @@ class Decoded:
     stop: bool
     exclude_input: bool
     return_perf: bool = False
+    guide: Guide | None = None
+    compiled: CompiledGuide | None = None  # the guide, compiled by `compile_guide`
 
 
 def _read_tensor(
@@ -196,6 +207,7 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
             f"runtime_top_p must be in [0, 1] and temperature >= 0 for '{model.entry.name}'"
         )
     exclude = model.entry.parameter("exclude_input_in_output", "false") == "true"
+    guide = None if stop else _guide(tensors, model)
     return Decoded(
         prompt_ids=ids,
         max_new_tokens=max_new,
@@ -210,7 +222,46 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         stop=stop,
         exclude_input=bool(scalar("exclude_input_in_output", exclude)),
         return_perf=bool(scalar("return_perf_metrics", False)),
+        guide=guide,
     )
+
+
+def _text(tensors: dict[str, list[Any]], name: str) -> str | None:
+    values = tensors.get(name)
+    if not values:
+        return None
+    try:
+        return bytes(values[0]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InferError(f"input '{name}' must be UTF-8 text") from None
+
+
+def _guide(tensors: dict[str, list[Any]], model: EngineModel) -> Guide | None:
+    """The request's guided-decoding inputs. A guide on a model without a guided decoder is the
+    executor's error, with the backend's status and wording (it arrives as an error response)."""
+    try:
+        guide = parse_guide(
+            _text(tensors, "guided_decoding_guide_type"), _text(tensors, "guided_decoding_guide")
+        )
+    except GuideError as exc:
+        raise InferError(str(exc)) from None
+    if guide is not None and model.grammars is None:
+        raise InferError(
+            f"Executor failed process requestId 0 due to the following error: {NOT_SETUP_MESSAGE}",
+            grpc.StatusCode.INTERNAL,
+        )
+    return guide
+
+
+async def compile_guide(decoded: Decoded, model: EngineModel) -> None:
+    """Compile the request's guide (from the model's cache, or off the event loop) before the
+    request is queued, so a guide that does not compile is refused before anything runs."""
+    if decoded.guide is None or model.grammars is None:
+        return
+    try:
+        decoded.compiled = await asyncio.to_thread(model.grammars.compile, decoded.guide)
+    except GuideError as exc:
+        raise InferError(str(exc)) from None
 
 
 def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, int | float]]:
@@ -454,6 +505,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             )
         try:
             decoded = decode_request(request, model)
+            await compile_guide(decoded, model)
         except InferError as exc:
             await context.abort(exc.code, exc.message)
         decoded.streaming = False
@@ -506,6 +558,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             streaming=decoded.streaming,
             emit=lambda e: None,
             return_perf=decoded.return_perf,
+            guide=decoded.compiled,
         )
         job.emit = functools.partial(emit, job)
         if request.id:
@@ -552,7 +605,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         jobs: set[Job] = set()
         reading = True
 
-        def start(request: ts.ModelInferRequest) -> None:
+        async def start(request: ts.ModelInferRequest) -> None:
             clock = RequestClock()
             model = self.models.get(request.model_name)
             if model is None or request.model_version not in ("", "1"):
@@ -564,6 +617,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             if decoded.stop:
                 stop(request, model)
                 return
+            await compile_guide(decoded, model)
             if not model.entry.decoupled:
                 decoded.streaming = False  # one response per request, like a non-decoupled model
             clock.taken()
@@ -618,7 +672,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             try:
                 async for request in request_iterator:
                     try:
-                        start(request)
+                        await start(request)
                     except InferError as exc:
                         outbox.put_nowait(exc)
             finally:
@@ -656,6 +710,14 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
         model, runner = load_model(entry, options)
     except (CheckpointError, RepositoryError, FitError) as exc:
         raise RepositoryError(f"model '{entry.name}': {exc}") from exc
+    grammars = None
+    try:
+        guided = entry.guided_decoding
+        if guided is not None:
+            grammars = Grammars.load(guided.tokenizer_info_path, model.config.vocab_size)
+    except (RepositoryError, ValueError) as exc:
+        runner.close()
+        raise RepositoryError(f"model '{entry.name}': {exc}") from exc
     return EngineModel(
         entry=entry,
         model=model,
@@ -663,6 +725,7 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
         inputs={i.name: i for i in entry.config.input},
         max_len=runner.cache.max_seq_len,
         output_names=frozenset(o.name for o in entry.config.output),
+        grammars=grammars,
     )
 
 

@@ -1,0 +1,314 @@
+"""Grammar-constrained decoding: TensorRT-LLM's guided decoding, computed with xgrammar.
+
+A request names a guide with the `tensorrt_llm` model's inputs `guided_decoding_guide_type` (one of
+GUIDE_TYPES) and `guided_decoding_guide` (the schema, regex or grammar text; ignored for `json`,
+which is any JSON value). A model serves guides only when its config sets both
+`guided_decoding_backend` (`xgrammar`, the one backend the tensorrtllm backend's C++ runtime takes)
+and `xgrammar_tokenizer_info_path` (the JSON file TensorRT-LLM reads: `encoded_vocab`,
+`tokenizer_str`, `stop_token_ids`; `write_tokenizer_info` writes it).
+
+Guides are compiled the way TensorRT-LLM compiles them (xgrammar's defaults: any whitespace between
+JSON tokens, strict schemas), once per (type, text) into a bounded LRU cache shared by the model's
+requests. Each generation gets its own matcher: at every step the allowed-token bitmask is filled on
+the CPU, applied to the logits before sampling (greedy or sampled), and the matcher advances with
+the chosen token. The end token is allowed only where the grammar may end; a step where no token
+is allowed ends the generation like the end token does.
+
+Bad guides are refused before a request reaches the compute thread, with what is wrong: an unknown
+guide type (the tensorrtllm backend ignores one silently; here it is an error, so a typo never
+yields unconstrained text), a missing guide text, a guide over MAX_GUIDE_BYTES, and a schema, regex
+or grammar that does not compile.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import xgrammar
+
+__all__ = [
+    "GUIDE_TYPES",
+    "MAX_GUIDE_BYTES",
+    "NOT_SETUP_MESSAGE",
+    "Grammars",
+    "Guide",
+    "GuideError",
+    "GuidedMatcher",
+    "parse_guide",
+    "write_tokenizer_info",
+]
+
+# The values of `guided_decoding_guide_type` the tensorrtllm backend maps to a guide.
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+# The one `guided_decoding_backend` the backend's C++ runtime accepts.
+XGRAMMAR = "xgrammar"
+# Longest guide text accepted: tool and response schemas of real clients are a few KiB.
+MAX_GUIDE_BYTES = 64 * 1024
+# Compiled guides kept per model (least recently used first out).
+CACHE_ENTRIES = 256
+# What the executor answers (through the backend, as an error response) when a request carries a
+# guide and the model was loaded without a guided decoder.
+NOT_SETUP_MESSAGE = (
+    "Encountered an error when fetching new request: [TensorRT-LLM][ERROR] Assertion failed: "
+    "Request is specified with GuidedDecodingParams, but GuidedDecoder is not setup. Please "
+    "provide a valid GuidedDecodingConfig to setup GuidedDecoder."
+)
+# Longest compiler message passed back to a client.
+_MAX_REASON = 300
+# xgrammar's messages start with a log prefix ("[12:00:00] /path/file.cc:123: ") and may say
+# "Check failed: (...) is false: " before the reason.
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GuideError(ValueError):
+    """A guide that cannot be served; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A request's guide: its type (one of GUIDE_TYPES) and text ("" for `json`)."""
+
+    kind: str
+    text: str
+
+
+def parse_guide(kind: str | None, text: str | None) -> Guide | None:
+    """The request's guide, checked for what can be checked without compiling it.
+
+    No type means no guide (a guide text alone is ignored, as in the backend).
+    """
+    if kind is None:
+        return None
+    if kind not in GUIDE_TYPES:
+        raise GuideError(
+            f"guided_decoding_guide_type {kind[:40]!r} is not one of {', '.join(GUIDE_TYPES)}"
+        )
+    if kind == "json":
+        return Guide(kind, "")
+    if not text:
+        raise GuideError(f"guided_decoding_guide is required for guide type '{kind}'")
+    size = len(text.encode("utf-8"))
+    if size > MAX_GUIDE_BYTES:
+        raise GuideError(
+            f"guided_decoding_guide is {size} bytes; the limit is {MAX_GUIDE_BYTES} bytes"
+        )
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GuideError(f"the JSON Schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GuideError(
+                f"the JSON Schema must be a JSON object or boolean, not {type(schema).__name__}"
+            )
+    return Guide(kind, text)
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its log prefix or an echo of the input, bounded."""
+    message = _LOG_PREFIX.sub("", str(exc).strip())
+    message = message.split(" The JSON string is:", 1)[0]
+    return message[:_MAX_REASON]
+
+
+def write_tokenizer_info(tokenizer_json: Path, stop_token_ids: Sequence[int], dest: Path) -> None:
+    """Write the tokenizer info file TensorRT-LLM's guided decoder reads, for a tokenizer.json.
+
+    `encoded_vocab` is every token string in id order (added tokens included), `tokenizer_str`
+    the tokenizer.json itself (xgrammar reads the vocabulary type from it), `stop_token_ids` the
+    tokens that end a generation.
+    """
+    from tokenizers import Tokenizer
+
+    text = tokenizer_json.read_text(encoding="utf-8")
+    vocab = Tokenizer.from_str(text).get_vocab(with_added_tokens=True)
+    encoded = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    info = {"encoded_vocab": encoded, "tokenizer_str": text, "stop_token_ids": list(stop_token_ids)}
+    dest.write_text(json.dumps(info, ensure_ascii=False), encoding="utf-8")
+
+
+@dataclass
+class GrammarStats:
+    """Compiles (cache misses), cache hits, and the time spent compiling."""
+
+    compiles: int = 0
+    hits: int = 0
+    compile_ns: int = 0
+
+
+@dataclass
+class Grammars:
+    """One model's guided decoder: the xgrammar compiler and its cache of compiled guides.
+
+    `compile` may run on several threads at once (the server compiles off its event loop);
+    the matchers it hands out belong to one generation each.
+    """
+
+    compiler: xgrammar.GrammarCompiler
+    tokenizer: xgrammar.TokenizerInfo
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    cache_entries: int = CACHE_ENTRIES
+    stats: GrammarStats = field(default_factory=GrammarStats)
+    active: int = 0  # matchers of generations still running
+    _cache: OrderedDict[Guide, xgrammar.CompiledGrammar] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def load(cls, tokenizer_info_path: Path, vocab_size: int) -> Grammars:
+        """The decoder of a model whose logits have `vocab_size` entries; ValueError says why a
+        tokenizer info file cannot be used."""
+        import xgrammar as xgr
+
+        try:
+            info = json.loads(tokenizer_info_path.read_text(encoding="utf-8"))
+            vocab = info["encoded_vocab"]
+            tokenizer_str = info["tokenizer_str"]
+            stop = [int(t) for t in info["stop_token_ids"]]
+        except OSError as exc:
+            raise ValueError(f"{tokenizer_info_path}: cannot read: {exc.strerror}") from exc
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{tokenizer_info_path}: not a tokenizer info file (a JSON object with "
+                f"encoded_vocab, tokenizer_str and stop_token_ids): {exc!r}"
+            ) from exc
+        if not isinstance(vocab, list) or not all(isinstance(t, str) for t in vocab):
+            raise ValueError(f"{tokenizer_info_path}: encoded_vocab must be a list of strings")
+        if len(vocab) > vocab_size or any(not 0 <= t < vocab_size for t in stop):
+            raise ValueError(
+                f"{tokenizer_info_path}: {len(vocab)} tokens and stop tokens {stop} do not fit "
+                f"the model's vocabulary of {vocab_size}"
+            )
+        metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_str)
+        tokenizer = xgr.TokenizerInfo(vocab, vocab_size=vocab_size, stop_token_ids=stop, **metadata)
+        compiler = xgr.GrammarCompiler(tokenizer, max_threads=1, cache_enabled=False)
+        return cls(compiler, tokenizer, vocab_size, tuple(stop))
+
+    def compile(self, guide: Guide) -> CompiledGuide:
+        """The compiled guide, from the cache or compiled now; GuideError if it does not compile."""
+        with self._lock:
+            grammar = self._cache.get(guide)
+            if grammar is not None:
+                self._cache.move_to_end(guide)
+                self.stats.hits += 1
+                return CompiledGuide(self, grammar)
+        started = time.monotonic_ns()
+        grammar = self._compile(guide)
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_ns += time.monotonic_ns() - started
+            self._cache[guide] = grammar
+            self._cache.move_to_end(guide)
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        return CompiledGuide(self, grammar)
+
+    def _compile(self, guide: Guide) -> xgrammar.CompiledGrammar:
+        c = self.compiler
+        try:
+            if guide.kind == "json":
+                return c.compile_builtin_json_grammar()
+            if guide.kind == "json_schema":
+                return c.compile_json_schema(guide.text)
+            if guide.kind == "regex":
+                return c.compile_regex(guide.text)
+            return c.compile_grammar(guide.text)
+        except (RuntimeError, ValueError) as exc:
+            what = {
+                "json_schema": "the JSON Schema",
+                "regex": "the regular expression",
+                "ebnf_grammar": "the EBNF grammar",
+            }.get(guide.kind, "the guide")
+            raise GuideError(f"{what} cannot be compiled: {_reason(exc)}") from None
+
+    def _opened(self, delta: int) -> None:
+        with self._lock:
+            self.active += delta
+
+
+@dataclass(frozen=True)
+class CompiledGuide:
+    """A compiled guide of one model, ready to start a generation's matcher."""
+
+    grammars: Grammars
+    grammar: xgrammar.CompiledGrammar
+
+    def matcher(self, end_id: int | None) -> GuidedMatcher:
+        """A matcher for one generation. With an `end_id` the grammar ends on that token, as the
+        generation does; without one, on the tokenizer's stop tokens, and sampling one of them
+        ends the generation."""
+        stop = (end_id,) if end_id is not None else self.grammars.stop_token_ids
+        return GuidedMatcher(self.grammars, self.grammar, stop)
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts
+
+
+class GuidedMatcher:
+    """One generation's grammar state: the allowed-token mask of the next step and the tokens
+    that end the grammar. `close` (or the generation ending) releases it."""
+
+    def __init__(
+        self, grammars: Grammars, grammar: xgrammar.CompiledGrammar, stop: tuple[int, ...]
+    ) -> None:
+        import xgrammar as xgr
+
+        self._grammars = grammars
+        self._matcher: Any = xgr.GrammarMatcher(grammar, override_stop_tokens=list(stop) or None)
+        self._bitmask = xgr.allocate_token_bitmask(1, grammars.vocab_size)[0]
+        self.stop = frozenset(stop)
+        self._filled = False
+        self._any_allowed = False
+        self._open = True
+        grammars._opened(1)
+
+    def fill(self) -> None:
+        """Compute the next step's mask (on the CPU; run it while the device computes logits)."""
+        if self._matcher.is_terminated():
+            self._bitmask.zero_()
+        else:
+            self._matcher.fill_next_token_bitmask(self._bitmask)
+        self._any_allowed = bool(self._bitmask.any())
+        self._filled = True
+
+    def apply(self, logits: torch.Tensor) -> bool:
+        """Mask the disallowed tokens of a (vocab,) logits vector in place; False when no token
+        is allowed (the generation must end)."""
+        if not self._filled:
+            self.fill()
+        if not self._any_allowed:
+            return False
+        with torch.inference_mode():  # the logits are inference tensors
+            words = self._bitmask.to(logits.device)
+            allowed = ((words.unsqueeze(-1) >> _shifts(logits.device)) & 1).flatten()
+            logits.masked_fill_(allowed[: logits.shape[-1]] == 0, float("-inf"))
+        return True
+
+    def advance(self, token: int) -> None:
+        """Accept the chosen token and compute the next mask."""
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"token {token} was sampled outside the grammar's mask")
+        self.fill()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._grammars._opened(-1)
