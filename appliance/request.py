@@ -233,7 +233,7 @@ def _guide(req: pb.GenerateRequest) -> Guide | None:
         raise _invalid(f"guide.guide is longer than {MAX_GUIDE_BYTES} bytes", field="guide")
     if kind == "json":
         if text:
-            raise _invalid("guide.guide must be empty for the json type (any JSON object)")
+            raise _invalid("guide.guide must be empty for the json type (any JSON value)")
         return Guide(kind, "")
     if not text:
         raise _invalid(f"guide.guide is empty: the {kind} guide needs its text", field="guide")

@@ -39,6 +39,9 @@ WAIT_NOTE_S = 5.0
 
 # In-band error texts of Triton and the TensorRT-LLM backend, first match wins.
 _INBAND_CODES = (
+    # A guide for a model whose config sets up no guided decoder: the request's fault, not the
+    # engine's (the executor reports it as an assertion).
+    ("guideddecoder is not setup", grpc.StatusCode.INVALID_ARGUMENT),
     ("cancel", grpc.StatusCode.CANCELLED),
     ("unknown model", grpc.StatusCode.UNAVAILABLE),
     ("not found", grpc.StatusCode.UNAVAILABLE),
@@ -54,6 +57,11 @@ def status_for_inband_error(message: str) -> grpc.StatusCode:
     return next((code for key, code in _INBAND_CODES if key in lowered), grpc.StatusCode.INTERNAL)
 
 
+REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
+# The tensorrt_llm model's per-request inputs of grammar-constrained decoding.
+GUIDE_INPUTS = frozenset({"guided_decoding_guide_type", "guided_decoding_guide"})
+
+
 @dataclass(frozen=True)
 class InputNames:
     """Input names of this model revision (several were renamed across TensorRT-LLM versions)."""
@@ -62,21 +70,25 @@ class InputNames:
     seed: str | None
     min_tokens: str | None
     batch_dim: bool
+    # The model takes guides: both inputs declared and a guided decoder configured (the backend
+    # sets one up only when `guided_decoding_backend` and `xgrammar_tokenizer_info_path` are set).
+    guided: bool = False
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> InputNames:
         present = frozenset(i.name for i in config.input)
+        params = config.parameters
+        configured = all(
+            params[name].string_value if name in params else ""
+            for name in ("guided_decoding_backend", "xgrammar_tokenizer_info_path")
+        )
         return cls(
             present=present,
             seed=next((n for n in ("random_seed", "seed") if n in present), None),
             min_tokens=next((n for n in ("min_length", "min_tokens") if n in present), None),
             batch_dim=config.max_batch_size > 0,
+            guided=configured and present >= GUIDE_INPUTS,
         )
-
-
-REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
-# The tensorrt_llm model's per-request inputs of grammar-constrained decoding.
-GUIDE_INPUTS = frozenset({"guided_decoding_guide_type", "guided_decoding_guide"})
 
 
 def check_model_config(config: mc.ModelConfig, address: str) -> InputNames:
@@ -249,12 +261,13 @@ class TritonBackend:
                 )
             t.add(names.seed, "UINT64", [sampling.seed])
         if g.guide is not None:
-            if not present >= GUIDE_INPUTS:
+            if not names.guided:
                 raise BackendError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"model '{self.model}' takes no guided-decoding inputs "
-                    f"({', '.join(sorted(GUIDE_INPUTS))}): send the request without a guide "
-                    "(response_format), or serve a model built with guided decoding",
+                    f"model '{self.model}' has no guided decoding (its config.pbtxt needs the "
+                    f"inputs {', '.join(sorted(GUIDE_INPUTS))} and the parameters "
+                    "guided_decoding_backend and xgrammar_tokenizer_info_path): send the request "
+                    "without response_format, a forcing tool_choice or a guide",
                 )
             t.add("guided_decoding_guide_type", "BYTES", [g.guide.kind.encode()])
             t.add("guided_decoding_guide", "BYTES", [g.guide.text.encode()])

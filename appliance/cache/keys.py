@@ -4,7 +4,8 @@ Key = BLAKE2b-128 over a canonical encoding of, in order:
   key-schema version, namespace (tenant), model name, engine fingerprint, tokenizer fingerprint,
   prompt-template version, the input (raw prompt, or each message's role and content in order), and
   the normalized sampling parameters (max_tokens; greedy, or temperature/top_p/top_k/seed; the stop
-  strings deduplicated and sorted).
+  strings deduplicated and sorted), and the guide (its type and text) when the request has one; an
+  unguided request's key has no guide field, so it is the key it was before guides existed.
 Each field is written as its UTF-8 length (4 bytes, big-endian) then its bytes, so no two different
 field lists encode alike. Text is NFC-normalized by the request validation before it gets here (the
 model sees the same NFC text, so equal keys always mean equal model inputs); content is otherwise used
@@ -43,6 +44,8 @@ class SamplingKey:
     top_k: int
     seed: int | None
     stops: tuple[str, ...]
+    # The grammar the answer was decoded under: (type, text), or None for free text.
+    guide: tuple[str, str] | None = None
 
 
 def _field(value: str) -> bytes:
@@ -105,6 +108,9 @@ def cache_key(
     digest.update(_field(f"stops:{len(stops)}"))
     for stop in stops:
         digest.update(_field(stop))
+    if sampling.guide is not None:
+        digest.update(_field(f"guide:{sampling.guide[0]}"))
+        digest.update(_field(sampling.guide[1]))
     return digest.digest()
 
 

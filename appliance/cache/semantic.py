@@ -163,6 +163,8 @@ class SemanticTier:
         """The text this tier compares when the request takes part in the tier, else None."""
         if not (self._all or query.namespace in self._namespaces):
             return None
+        if query.sampling.guide is not None:
+            return None  # a paraphrase's answer was not decoded under this request's grammar
         if asking and not (
             query.semantic if query.semantic is not None else self.settings.request_default
         ):

@@ -96,6 +96,7 @@ EXTENSION_FIELDS = frozenset(
         "guide",
     }
 )
+JSON_OBJECT = json.dumps({"type": "object"})
 # appliance.guide's types (the gRPC API's GuideType by its engine name).
 GUIDE_TYPES = {
     "json": pb.GUIDE_TYPE_JSON,
@@ -285,7 +286,8 @@ def _prompt(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
 
 
 def _response_format(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
-    """OpenAI's `response_format`: `text` (free text), `json_object` (any JSON object) or
+    """OpenAI's `response_format`: `text` (free text), `json_object` (any JSON object: a schema
+    that says so) or
     `json_schema` (`json_schema.schema`, enforced whether `strict` is set or not) as a guide."""
     form = _field(data, "response_format", dict)
     if form is None:
@@ -295,7 +297,9 @@ def _response_format(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
         known = {"type"}
     elif kind == "json_object":
         known = {"type"}
-        req.guide.type = pb.GUIDE_TYPE_JSON
+        # The engine's `json` guide is any JSON value; OpenAI's json_object is an object.
+        req.guide.type = pb.GUIDE_TYPE_JSON_SCHEMA
+        req.guide.guide = JSON_OBJECT
     elif kind == "json_schema":
         known = {"type", "json_schema"}
         spec = _field(form, "json_schema", dict, required=True, prefix="response_format.")

@@ -106,6 +106,7 @@ def sampling_key(checked: CheckedRequest) -> SamplingKey:
         top_k=s.top_k,
         seed=s.seed,
         stops=checked.stops,
+        guide=None if checked.guide is None else (checked.guide.kind, checked.guide.text),
     )
 
 

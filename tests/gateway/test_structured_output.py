@@ -1,0 +1,265 @@
+"""Structured output and tools end to end: clients nobody here wrote (the openai SDK, LangChain) ask
+the gateway for JSON under a schema or a tool call, the engine server decodes under the guide, and
+the answer parses. The tiny model's weights are random: only the grammar makes its answers valid."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from appliance.config import CacheConfig, GatewayConfig, HttpConfig, ModelConfig, ServerConfig
+from appliance.gateway.models import load_models
+from appliance.gateway.server import RunningGateway, start_server
+from tests.conftest import Tiny, copy_repository
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CHAT = [{"role": "user", "content": "Answer in JSON."}]
+
+
+def guided_repository(tiny: Tiny, target: Path) -> Path:
+    """The tiny repository with guided decoding on (xgrammar and its tokenizer info)."""
+    try:
+        from engine_build.tokenizer_info import write_tokenizer_info
+    except ImportError:
+        from appliance.engine.guided import write_tokenizer_info
+
+    repo = copy_repository(tiny.repo, target)
+    model = repo / "tensorrt_llm"
+    info = model / "tokenizer" / "xgrammar_tokenizer_info.json"
+    end = json.loads((model / "tokenizer" / "config.json").read_text())["eos_token_id"]
+    write_tokenizer_info(model / "tokenizer" / "tokenizer.json", [end], info)
+    config = text_format.Parse((model / "config.pbtxt").read_text(), mc.ModelConfig())
+    names = {i.name for i in config.input}
+    for name in ("guided_decoding_guide_type", "guided_decoding_guide"):
+        if name not in names:
+            config.input.add(name=name, data_type=mc.TYPE_STRING, dims=[1], optional=True)
+    config.parameters["guided_decoding_backend"].string_value = "xgrammar"
+    config.parameters["xgrammar_tokenizer_info_path"].string_value = str(info)
+    (model / "config.pbtxt").write_text(text_format.MessageToString(config))
+    return repo
+
+
+@pytest.fixture(scope="module")
+async def served(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    from appliance.engine.server import load_repository, start_engine
+
+    models = load_repository(guided_repository(tiny, tmp_path_factory.mktemp("guided")))
+    server, _, port = await start_engine(models, "127.0.0.1:0")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+        for m in models.values():
+            m.runner.close()
+
+
+def config_for(tiny: Tiny, *backends: tuple[str, str]) -> GatewayConfig:
+    models = {
+        name: ModelConfig(
+            name=name,
+            backend=address,
+            tokenizer_dir=tiny.tokenizer_dir,
+            max_output_tokens=512,
+            ready_timeout_s=30.0,
+        )
+        for name, address in backends
+    }
+    return GatewayConfig(
+        server=ServerConfig(listen="127.0.0.1:0", access_log=False),
+        models=models,
+        cache=CacheConfig(),
+        http=HttpConfig(listen="127.0.0.1:0"),
+    )
+
+
+@pytest.fixture(scope="module")
+async def gateway(tiny: Tiny, served: str, engine: Any) -> AsyncIterator[RunningGateway]:
+    """`tiny` decodes under guides; `plain` is the shared engine's model, without them."""
+    config = config_for(tiny, ("tiny", served), ("plain", engine.address))
+    running = await start_server(config, await load_models(config))
+    try:
+        yield running
+    finally:
+        await running.drain(0.5)
+
+
+@pytest.fixture
+def client(gateway: RunningGateway) -> openai.AsyncOpenAI:
+    assert gateway.http is not None
+    base = f"http://127.0.0.1:{gateway.http.port}/v1"
+    return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+async def test_every_sampled_answer_under_a_schema_validates(client: openai.AsyncOpenAI) -> None:
+    for seed in range(8):
+        reply = await client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=256,
+            temperature=1.0,
+            seed=seed,
+            response_format=_schema_format(SCHEMA),  # type: ignore[arg-type]
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+
+
+async def test_json_object_and_a_streamed_schema(client: openai.AsyncOpenAI) -> None:
+    # Any object: random weights may write one string until max_tokens ends it (length); every
+    # answer that ends by itself is an object.
+    finishes = []
+    for seed in range(8):
+        reply = await client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=256,
+            temperature=1.0,
+            seed=seed,
+            response_format={"type": "json_object"},
+        )
+        choice = reply.choices[0]
+        finishes.append(choice.finish_reason)
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content or ""), dict)
+    assert finishes.count("stop") >= 4, finishes
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=256,
+        temperature=0.7,
+        seed=3,
+        stream=True,
+        response_format=_schema_format(SCHEMA),  # type: ignore[arg-type]
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(pattern="^[A-Za-z]{1,10}$")
+    population: int = pydantic.Field(ge=0, le=1000)
+
+
+async def test_the_sdks_parse_helper_gets_its_model(client: openai.AsyncOpenAI) -> None:
+    reply = await client.beta.chat.completions.parse(
+        model="tiny",
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=256,
+        temperature=0,
+        response_format=City,
+    )
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, City)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_required_tool_choice_is_always_a_call(
+    client: openai.AsyncOpenAI, stream: bool
+) -> None:
+    ask: dict[str, Any] = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather?"}],
+        max_tokens=128,
+        temperature=1.0,
+        seed=11,
+        tools=[WEATHER],
+        tool_choice="required",
+    )
+    if stream:
+        chunks = await client.chat.completions.create(**ask, stream=True)
+        calls: dict[int, dict[str, str]] = {}
+        finish = None
+        async for chunk in chunks:
+            for delta_call in chunk.choices[0].delta.tool_calls or []:
+                entry = calls.setdefault(delta_call.index, {"name": "", "arguments": ""})
+                assert delta_call.function is not None
+                entry["name"] += delta_call.function.name or ""
+                entry["arguments"] += delta_call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and len(calls) == 1
+        name, arguments = calls[0]["name"], calls[0]["arguments"]
+    else:
+        reply = await client.chat.completions.create(**ask)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        name, arguments = call.function.name, call.function.arguments  # type: ignore[union-attr]
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])  # type: ignore[index]
+
+
+async def test_a_guide_for_a_model_without_guided_decoding_is_400(
+    client: openai.AsyncOpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="has no guided decoding"):
+        await client.chat.completions.create(
+            model="plain",
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=8,
+            response_format={"type": "json_object"},
+        )
+
+
+async def test_a_guided_answer_is_cached_under_its_guide(client: openai.AsyncOpenAI) -> None:
+    ask: dict[str, Any] = dict(model="tiny", messages=CHAT, max_tokens=64, temperature=0)
+    free = await client.chat.completions.create(**ask)
+    guided = await client.chat.completions.create(**ask, response_format=_schema_format(SCHEMA))
+    again = await client.chat.completions.create(**ask, response_format=_schema_format(SCHEMA))
+    tiers = [r.model_extra["appliance"]["cache_tier"] for r in (free, guided, again)]  # type: ignore[index]
+    assert tiers == ["miss", "miss", "l1"]
+    jsonschema.validate(json.loads(again.choices[0].message.content or ""), SCHEMA)
+
+
+async def test_langchain_structured_output_and_tools(gateway: RunningGateway) -> None:
+    from langchain_openai import ChatOpenAI
+
+    assert gateway.http is not None
+    llm = ChatOpenAI(
+        model="tiny",
+        base_url=f"http://127.0.0.1:{gateway.http.port}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        max_retries=0,
+        temperature=0,
+        max_completion_tokens=256,
+    )
+    city = await llm.with_structured_output(City).ainvoke("A city?")
+    assert isinstance(city, City)
+    message = await llm.bind_tools([WEATHER], tool_choice="required").ainvoke("Weather?")
+    assert [c["name"] for c in message.tool_calls] == ["get_weather"]  # type: ignore[attr-defined]
