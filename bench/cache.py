@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -477,9 +478,9 @@ async def profile(
     args: argparse.Namespace, gw1: pb_grpc.InferenceStub, request: pb.GenerateRequest, s: Setup
 ) -> None:
     seconds = 10
-    spy = Path(sys.executable).parent / "py-spy"
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     proc = await asyncio.create_subprocess_exec(
-        str(spy), "record", "-p", str(s.gw1_pid), "-d", str(seconds), "-f", "raw",
+        spy, "record", "-p", str(s.gw1_pid), "-d", str(seconds), "-f", "raw",
         "-o", str(args.profile), stdout=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -557,17 +558,17 @@ def report(
         return "met" if ok else "MISSED"
 
     ratio_a = np.percentile(a, 99) / np.percentile(b, 99)
-    print(f"\n(a) P99 / (b) P99 = {ratio_a:.3f} (target <= 1.25): {verdict(ratio_a <= 1.25)}")
+    print(f"\n(a) P99 / (b) P99 = {ratio_a:.3f} (target <= 1.25): {verdict(bool(ratio_a <= 1.25))}")
     for q, label in ((50, "P50"), (99, "P99")):
         extra = (np.percentile(c, q) - np.percentile(a, q)) * us
         floor = np.percentile(d, q) * us
         ratio = extra / floor
         print(
             f"(c) - (a) {label} = {extra:.1f} µs vs (d) {label} {floor:.1f} µs -> "
-            f"{ratio:.3f} x (target <= 1.2): {verdict(ratio <= 1.2)}"
+            f"{ratio:.3f} x (target <= 1.2): {verdict(bool(ratio <= 1.2))}"
         )
     e1 = np.percentile(e["(e) check + key + L1 get, 1 KB prompt"], 50) * us
-    print(f"(e) P50 at 1 KB = {e1:.2f} µs (target <= 5 µs): {verdict(e1 <= 5.0)}")
+    print(f"(e) P50 at 1 KB = {e1:.2f} µs (target <= 5 µs): {verdict(bool(e1 <= 5.0))}")
     ratio_f = gw.per_s / echo.per_s
     per_core = (gw.requests / gw.server_cpu_s) / (echo.requests / echo.server_cpu_s)
     print(
