@@ -93,8 +93,7 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.CompleteResponse:
         """Generate's messages gathered into one reply. The pipeline's messages are read here
-        directly, not through Generate: one generator less per request (a cache hit is mostly
-        such overhead)."""
+        directly, not through Generate: one async generator less per request."""
         text: list[str] = []
         reply = pb.CompleteResponse()
         self._begin()
