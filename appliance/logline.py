@@ -13,6 +13,7 @@ not one line each.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -36,7 +37,25 @@ def escape(text: str) -> str:
     return text.translate(_ESCAPES)
 
 
-class OneLineFormatter(logging.Formatter):
+class _SecondFormatter(logging.Formatter):
+    """formatTime with the seconds' text kept while the second lasts: a busy gateway writes many
+    lines a second, and strftime is most of a line's time stamp. Milliseconds are added as the
+    base class adds them."""
+
+    _second: tuple[int, str | None, str] = (-1, None, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        second = int(record.created)
+        kept, kept_fmt, text = self._second  # one read: another thread may replace it
+        if kept != second or kept_fmt != datefmt:
+            text = time.strftime(datefmt or self.default_time_format, self.converter(second))
+            self._second = (second, datefmt, text)
+        if datefmt or not self.default_msec_format:
+            return text
+        return self.default_msec_format % (text, record.msecs)
+
+
+class OneLineFormatter(_SecondFormatter):
     """A record is one line; a traceback follows it indented."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
@@ -50,7 +69,12 @@ class OneLineFormatter(logging.Formatter):
         return "\n".join("    " + escape(line) for line in stack_info.splitlines())
 
 
-class JsonFormatter(logging.Formatter):
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind) if f.name != "inter_token_us")
+
+
+class JsonFormatter(_SecondFormatter):
     """One JSON object a line: time, level, logger, message, and an access record's fields.
 
     json.dumps escapes every control character, so a client's value cannot break the line."""
@@ -66,10 +90,13 @@ class JsonFormatter(logging.Formatter):
         }
         fields = getattr(record, "access", None)
         if fields is not None:
+            # An access record's fields are flat values, copied one by one; the gaps between
+            # tokens (one number per token) are left to the histograms.
             if dataclasses.is_dataclass(fields) and not isinstance(fields, type):
-                fields = dataclasses.asdict(fields)
-            out.update(fields)
-            out.pop("inter_token_us", None)  # one number per token: the histograms hold them
+                out.update((name, getattr(fields, name)) for name in _field_names(type(fields)))
+            else:
+                out.update(fields)
+                out.pop("inter_token_us", None)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False, default=str)

@@ -84,19 +84,26 @@ class Histograms:
 
 
 class Counters:
-    """One counter family, by label values (the same one-writer rule as Histograms)."""
+    """One counter family, by label values (the same one-writer rule as Histograms). A series is
+    a one-element list, so a writer may hold on to it (MetricsSink binds them once)."""
 
     def __init__(self, name: str, doc: str, labels: tuple[str, ...]) -> None:
         self.name, self.doc, self.labels = name, doc, labels
-        self.series: dict[tuple[str, ...], float] = {}
+        self.series: dict[tuple[str, ...], list[float]] = {}
+
+    def child(self, *values: str) -> list[float]:
+        found = self.series.get(values)
+        if found is None:
+            found = self.series[values] = [0.0]
+        return found
 
     def inc(self, values: tuple[str, ...], amount: float = 1.0) -> None:
-        self.series[values] = self.series.get(values, 0.0) + amount
+        self.child(*values)[0] += amount
 
     def family(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
         for values, total in list(self.series.items()):
-            fam.add_metric(list(values), total)
+            fam.add_metric(list(values), total[0])
         return fam
 
 
@@ -237,32 +244,66 @@ class GpuCollector(Collector):
         yield from (util, used, total, power)
 
 
+class _Bound:
+    """The series one kind of finished request writes to (model, tier, status, finish reason,
+    front end), looked up once: each is made when first written, as an unbound write would."""
+
+    __slots__ = ("completion", "e2e", "inter_token", "prompt", "queue", "requests", "ttft")
+
+    def __init__(
+        self, m: GatewayMetrics, model: str, tier: str, status: str, finish: str, front: str
+    ):
+        self.requests = m.requests.child(model, tier, status, finish, front)
+        self.e2e = m.e2e.child(model, tier)
+        self.ttft: list[float] | None = None
+        self.queue: list[float] | None = None
+        self.inter_token: list[float] | None = None
+        self.prompt: list[float] | None = None
+        self.completion: list[float] | None = None
+
+
 class MetricsSink:
     """A report sink: one request's facts into the histograms and counters."""
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.m = metrics
+        # Bounded: models x tiers x status names x finish reasons x front ends.
+        self._bound: dict[tuple[str, str, str, str, str], _Bound] = {}
 
     def report(self, r: RequestReport) -> None:
         m = self.m
         model = r.model or "unknown"
-        m.requests.inc((model, r.tier, r.status, r.finish_reason or "none", r.front_end))
-        m.e2e.observe(m.e2e.child(model, r.tier), r.total_us / 1e6)
+        key = (model, r.tier, r.status, r.finish_reason or "none", r.front_end)
+        s = self._bound.get(key)
+        if s is None:
+            s = self._bound[key] = _Bound(m, *key)
+        s.requests[0] += 1
+        m.e2e.observe(s.e2e, r.total_us / 1e6)
         if r.status != "OK":
             return
         if r.ttft_us:
-            m.ttft.observe(m.ttft.child(model, r.tier), r.ttft_us / 1e6)
+            if s.ttft is None:
+                s.ttft = m.ttft.child(model, r.tier)
+            m.ttft.observe(s.ttft, r.ttft_us / 1e6)
         if r.tier == "miss":
-            m.queue.observe(m.queue.child(model), r.queue_us / 1e6)
+            if s.queue is None:
+                s.queue = m.queue.child(model)
+            m.queue.observe(s.queue, r.queue_us / 1e6)
         if r.inter_token_us:
-            gaps = m.inter_token.child(model)
+            if s.inter_token is None:
+                s.inter_token = m.inter_token.child(model)
+            gaps = s.inter_token
             bounds = m.inter_token.bounds
             for gap in r.inter_token_us:
                 seconds = gap / 1e6
                 gaps[bisect.bisect_left(bounds, seconds)] += 1
                 gaps[-1] += seconds
-        m.prompt_tokens.inc((model,), r.prompt_tokens)
-        m.completion_tokens.inc((model, r.tier), r.completion_tokens)
+        if s.prompt is None:
+            s.prompt = m.prompt_tokens.child(model)
+            s.completion = m.completion_tokens.child(model, r.tier)
+        s.prompt[0] += r.prompt_tokens
+        assert s.completion is not None
+        s.completion[0] += r.completion_tokens
         if r.answered_by and r.answered_by != model:
             m.degraded.inc((model, r.answered_by))
 

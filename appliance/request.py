@@ -67,6 +67,9 @@ class Limits:
     max_input_chars: int = 1 << 62
 
 
+_POLICIES = {p.value: p for p in CachePolicy}
+
+
 def _sampling(req: pb.GenerateRequest) -> Sampling:
     temperature = req.temperature if req.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
@@ -84,6 +87,8 @@ def _sampling(req: pb.GenerateRequest) -> Sampling:
         raise _invalid(f"top_k must be >= 0 (0 turns it off), got {top_k}")
     seed = req.seed if req.HasField("seed") else None
     if temperature == 0:
+        if seed is None:
+            return GREEDY
         return Sampling(GREEDY.temperature, GREEDY.top_k, GREEDY.top_p, seed=seed)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
@@ -112,7 +117,9 @@ def nfc(text: str) -> str:
     return text if unicodedata.is_normalized("NFC", text) else unicodedata.normalize("NFC", text)
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ costs microseconds per request, and nothing changes or
+# hashes a checked request.
+@dataclass(slots=True)
 class CheckedRequest:
     """A request whose fields are all valid, before tokenization (what a cache lookup needs)."""
 
@@ -168,11 +175,10 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     namespace = req.namespace or "default"
     if len(namespace) > MAX_NAMESPACE_LENGTH:
         raise _invalid(f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters")
-    try:
-        cache_policy = CachePolicy(req.cache_policy)
-    except ValueError:
+    cache_policy = _POLICIES.get(req.cache_policy)
+    if cache_policy is None:
         names = ", ".join(f"{p.value} ({p.name})" for p in CachePolicy)
-        raise _invalid(f"cache_policy {req.cache_policy} is not one of {names}") from None
+        raise _invalid(f"cache_policy {req.cache_policy} is not one of {names}")
 
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
@@ -186,9 +192,10 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         max_tokens = limits.default_max_tokens
     sampling = _sampling(req)
 
-    stops = tuple([nfc(s) for s in req.stop])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    raw_stops = req.stop
+    if len(raw_stops) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(raw_stops)}")
+    stops = tuple([nfc(s) for s in raw_stops]) if raw_stops else ()
     for s in stops:
         if not s or len(s) > MAX_STOP_LENGTH:
             raise _invalid(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long")

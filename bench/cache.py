@@ -9,7 +9,9 @@ real processes on 127.0.0.1, then measures from this process:
   (d) a bare redis-py asyncio GET (hiredis) of the very value (c) reads, from this process,
   (e) check() + cache_key() + LruCache.get() in-process on a populated LRU, 1 KB and 8 KB prompts,
   (f) L1-hit throughput with K concurrent client coroutines against the echo's with the same K,
-  (g) what recording a finished request costs in-process: the metrics sink and the access log line.
+  (g) what recording a finished request costs in-process: the metrics sink and the access log line,
+  (h) a whole L1 hit in-process: InferenceService.Complete with a stub context, no gRPC (the
+      gateway's own Python per hit: (a)'s server side less grpc.aio and protobuf's wire work).
 (a), (b), (c), (d) alternate request by request so drift on the machine hits all of them alike; (f)
 alternates gateway and echo rounds. Targets: (a) P99 <= 1.25 x (b) P99;
 (c) - (a) <= 1.2 x (d) (P50s and P99s); (e) P50 <= 5 µs at 1 KB; (f) >= 0.8 x echo.
@@ -26,9 +28,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -46,11 +50,21 @@ import uvloop
 from redis.utils import HIREDIS_AVAILABLE
 
 from appliance import processes
+from appliance.admission import Admission
+from appliance.backends.base import Backend
+from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, cache_key
 from appliance.cache.l1 import LruCache
-from appliance.gateway.pipeline import sampling_key
-from appliance.gateway.report import AccessLog, RequestReport
+from appliance.cache.tiers import CacheQuery
+from appliance.config import CacheConfig
+from appliance.gateway.health import ModelHealth
+from appliance.gateway.models import ModelPolicy, ServedModel
+from appliance.gateway.pipeline import Pipeline, sampling_key
+from appliance.gateway.report import AccessLog, RequestReport, Sinks
+from appliance.gateway.server import make_cache
+from appliance.gateway.service import InferenceService
+from appliance.logline import FORMAT, OneLineFormatter
 from appliance.metrics import GatewayMetrics, MetricsSink
 from appliance.request import Limits, check
 from appliance.tiny_model import ensure_tiny_model
@@ -238,6 +252,9 @@ async def measure(args: argparse.Namespace, s: Setup) -> None:
         outside_e = outside_from(s)
         e = in_process(args, text, s.tokenizer_dir, s.fingerprint, hit)
         outside["(e)"] = outside_e()
+        outside_h = outside_from(s)
+        e |= await hit_path(args, text, s.tokenizer_dir, s.fingerprint, request, hit)
+        outside["(h)"] = outside_h()
         f = await throughput(args, gw1, echo_call, request, payload, s)
         if args.profile:
             await profile(args, gw1, request, s)
@@ -304,6 +321,98 @@ def text_of(size: int) -> str:
     return (sentence * (size // len(sentence) + 1))[:size]
 
 
+# The limits write_gateway_config gives the gateways.
+LIMITS = Limits(
+    max_input_tokens=2047, max_output_tokens=512, default_max_tokens=64, context_length=2048
+)
+
+
+def identity_of(text: ModelText, tokenizer_dir: Path, fingerprint: str) -> ModelIdentity:
+    """What the gateway's _identity hashes: the tokenizer files."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_dir / name).is_file():
+            digest.update((tokenizer_dir / name).read_bytes())
+    return ModelIdentity(MODEL, fingerprint, digest.hexdigest(), text.template_version)
+
+
+class StubContext:
+    """What Generate and Complete ask of a grpc.aio context: no credentials, no deadline."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+async def hit_path(
+    args: argparse.Namespace,
+    text: ModelText,
+    tokenizer_dir: Path,
+    fingerprint: str,
+    request: pb.GenerateRequest,
+    hit: pb.CompleteResponse,
+) -> dict[str, list[float]]:
+    """(h): InferenceService.Complete of an L1 hit in this process, with a stub context and no
+    gRPC: all of the gateway's own Python for a hit (gate, route, check, key, lookup, replay, the
+    reply, the metrics and the access line, formatted as text to /dev/null); seconds. Run after
+    a full collection and gc.freeze, as the gateway runs."""
+    model = ServedModel(
+        name=MODEL,
+        text=text,
+        limits=LIMITS,
+        backend=cast(Backend, None),  # a hit never reaches it
+        identity=identity_of(text, tokenizer_dir, fingerprint),
+        policy=ModelPolicy(default_deadline_s=30.0, ttft_budget_s=None, fallback=None),
+        health=ModelHealth(CircuitBreaker(5, 5.0)),
+    )
+    cache = make_cache(CacheConfig())
+    assert cache is not None
+    pipeline = Pipeline(
+        {MODEL: model},
+        cache,
+        cast(Admission, None),  # nor admission
+        Sinks(MetricsSink(GatewayMetrics()), AccessLog()),
+    )
+    service = InferenceService(pipeline)
+    context = StubContext()
+    access = logging.getLogger("appliance.access")
+    devnull = open(os.devnull, "w")  # noqa: SIM115 (closed below)
+    line = logging.StreamHandler(devnull)
+    line.setFormatter(OneLineFormatter(FORMAT))
+    saved = access.handlers
+    access.handlers = [line]
+    try:
+        checked = check(request, LIMITS)
+        key = cache_key(
+            checked.namespace, model.identity, checked.prompt, checked.messages,
+            sampling_key(checked),
+        )  # fmt: skip
+        answer = CachedAnswer(hit.text, tuple(hit.token_ids), "stop", 128, len(hit.token_ids))
+        cache.tiers[0].store(
+            CacheQuery(key, checked.namespace, model.identity, checked.prompt, (), sampling_key(checked)),
+            answer,
+        )  # fmt: skip
+        reply = await service.Complete(request, context)
+        assert reply.final.cache_tier == L1_TIER, reply.final
+        assert (reply.text, list(reply.token_ids)) == (hit.text, list(hit.token_ids))
+        gc.collect()
+        gc.freeze()
+        clock = time.perf_counter_ns
+        out = []
+        for _ in range(args.iterations):
+            t0 = clock()
+            await service.Complete(request, context)
+            out.append((clock() - t0) / 1e9)
+        return {"(h) InferenceService.Complete of an L1 hit in-process (no gRPC)": out}
+    finally:
+        gc.unfreeze()
+        access.handlers = saved
+        devnull.close()
+        pipeline.close()
+
+
 def in_process(
     args: argparse.Namespace,
     text: ModelText,
@@ -312,16 +421,8 @@ def in_process(
     hit: pb.CompleteResponse,
 ) -> dict[str, list[float]]:
     """(e): the gateway's own functions, as _answer calls them before any await; seconds."""
-    # What the gateway's _identity hashes: the tokenizer files.
-    digest = hashlib.blake2b(digest_size=16)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (tokenizer_dir / name).is_file():
-            digest.update((tokenizer_dir / name).read_bytes())
-    identity = ModelIdentity(MODEL, fingerprint, digest.hexdigest(), text.template_version)
-    # The limits write_gateway_config gives the gateways.
-    limits = Limits(
-        max_input_tokens=2047, max_output_tokens=512, default_max_tokens=64, context_length=2048
-    )
+    identity = identity_of(text, tokenizer_dir, fingerprint)
+    limits = LIMITS
     answer = CachedAnswer(hit.text, tuple(hit.token_ids), "stop", 128, len(hit.token_ids))
     lru = LruCache(max_entries=10000, max_bytes=256 * 1024 * 1024, ttl_s=300.0)
     for i in range(lru.max_entries - 2):
@@ -477,9 +578,9 @@ async def profile(
     args: argparse.Namespace, gw1: pb_grpc.InferenceStub, request: pb.GenerateRequest, s: Setup
 ) -> None:
     seconds = 10
-    spy = Path(sys.executable).parent / "py-spy"
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     proc = await asyncio.create_subprocess_exec(
-        str(spy), "record", "-p", str(s.gw1_pid), "-d", str(seconds), "-f", "raw",
+        spy, "record", "-p", str(s.gw1_pid), "-d", str(seconds), "-f", "raw",
         "-o", str(args.profile), stdout=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -557,17 +658,17 @@ def report(
         return "met" if ok else "MISSED"
 
     ratio_a = np.percentile(a, 99) / np.percentile(b, 99)
-    print(f"\n(a) P99 / (b) P99 = {ratio_a:.3f} (target <= 1.25): {verdict(ratio_a <= 1.25)}")
+    print(f"\n(a) P99 / (b) P99 = {ratio_a:.3f} (target <= 1.25): {verdict(bool(ratio_a <= 1.25))}")
     for q, label in ((50, "P50"), (99, "P99")):
         extra = (np.percentile(c, q) - np.percentile(a, q)) * us
         floor = np.percentile(d, q) * us
         ratio = extra / floor
         print(
             f"(c) - (a) {label} = {extra:.1f} µs vs (d) {label} {floor:.1f} µs -> "
-            f"{ratio:.3f} x (target <= 1.2): {verdict(ratio <= 1.2)}"
+            f"{ratio:.3f} x (target <= 1.2): {verdict(bool(ratio <= 1.2))}"
         )
     e1 = np.percentile(e["(e) check + key + L1 get, 1 KB prompt"], 50) * us
-    print(f"(e) P50 at 1 KB = {e1:.2f} µs (target <= 5 µs): {verdict(e1 <= 5.0)}")
+    print(f"(e) P50 at 1 KB = {e1:.2f} µs (target <= 5 µs): {verdict(bool(e1 <= 5.0))}")
     ratio_f = gw.per_s / echo.per_s
     per_core = (gw.requests / gw.server_cpu_s) / (echo.requests / echo.server_cpu_s)
     print(

@@ -57,9 +57,8 @@ _SCHEMA_FIELD = _field(str(KEY_SCHEMA))
 _PROMPT_FIELD = _field("prompt")
 
 
-@functools.lru_cache(maxsize=64)
 def _model_fields(model: ModelIdentity) -> bytes:
-    """The model's four fields, encoded once per identity (they are in every key)."""
+    """The model's four fields."""
     return b"".join(
         _field(value)
         for value in (
@@ -71,9 +70,41 @@ def _model_fields(model: ModelIdentity) -> bytes:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _head(namespace: str, model: ModelIdentity) -> hashlib.blake2b:
+    """The hash state after the fields that every key of this namespace and model starts with
+    (schema, namespace, model): a key starts from a copy, so they are hashed once, not per key.
+    Never updated itself."""
+    return hashlib.blake2b(_SCHEMA_FIELD + _field(namespace) + _model_fields(model), digest_size=16)
+
+
 def _float(value: float) -> str:
     # float32 values from the wire: 9 significant digits round-trip them exactly.
     return format(value, ".9g")
+
+
+def _sampling_fields(sampling: SamplingKey) -> bytes:
+    """The encoded sampling parameters and stop strings (the last fields of a key)."""
+    if sampling.greedy:
+        return _greedy_fields(sampling.max_tokens, sampling.stops)
+    seed = "" if sampling.seed is None else str(sampling.seed)
+    params = (
+        f"max={sampling.max_tokens};t={_float(sampling.temperature)};"
+        f"p={_float(sampling.top_p)};k={sampling.top_k};seed={seed}"
+    )
+    return _field(params) + _stop_fields(sampling.stops)
+
+
+@functools.lru_cache(maxsize=256)
+def _greedy_fields(max_tokens: int, stops: tuple[str, ...]) -> bytes:
+    """A greedy request's sampling fields: the same few for most requests, so encoded once
+    (equal arguments, ints and strings, always encode alike)."""
+    return _field(f"max={max_tokens};greedy") + _stop_fields(stops)
+
+
+def _stop_fields(stops: tuple[str, ...]) -> bytes:
+    unique = sorted(set(stops))
+    return b"".join([_field(f"stops:{len(unique)}"), *map(_field, unique)])
 
 
 def cache_key(
@@ -83,34 +114,19 @@ def cache_key(
     messages: Sequence[tuple[str, str]],
     sampling: SamplingKey,
 ) -> bytes:
-    # Fed to the hash field by field: the same bytes as hashing the whole encoding at once.
-    digest = hashlib.blake2b(_SCHEMA_FIELD, digest_size=16)
-    digest.update(_field(namespace))
-    digest.update(_model_fields(model))
+    digest = _head(namespace, model).copy()
     if prompt is not None:
-        digest.update(_PROMPT_FIELD)
-        digest.update(_field(prompt))
+        data = prompt.encode()
+        digest.update(_PROMPT_FIELD + _LEN.pack(len(data)) + data)
     else:
-        digest.update(_field(f"messages:{len(messages)}"))
+        parts = [_field(f"messages:{len(messages)}")]
         for role, content in messages:
-            digest.update(_field(role))
-            digest.update(_field(content))
-    if sampling.greedy:
-        params = f"max={sampling.max_tokens};greedy"
-    else:
-        seed = "" if sampling.seed is None else str(sampling.seed)
-        params = (
-            f"max={sampling.max_tokens};t={_float(sampling.temperature)};"
-            f"p={_float(sampling.top_p)};k={sampling.top_k};seed={seed}"
-        )
-    digest.update(_field(params))
-    stops = sorted(set(sampling.stops))
-    digest.update(_field(f"stops:{len(stops)}"))
-    for stop in stops:
-        digest.update(_field(stop))
+            parts.append(_field(role))
+            parts.append(_field(content))
+        digest.update(b"".join(parts))
+    digest.update(_sampling_fields(sampling))
     if sampling.guide is not None:
-        digest.update(_field(f"guide:{sampling.guide[0]}"))
-        digest.update(_field(sampling.guide[1]))
+        digest.update(_field(f"guide:{sampling.guide[0]}") + _field(sampling.guide[1]))
     return digest.digest()
 
 

@@ -77,34 +77,46 @@ class AccessLog:
     }
 
     def report(self, r: RequestReport) -> None:
-        if access.isEnabledFor(logging.INFO):
-            semantic, named = r.tier == "semantic", bool(r.cache_entry)
-            form = self.FORMATS[semantic, named]
-            audit: tuple[float | str, ...] = ()
-            if semantic:
-                audit = (r.similarity,)
-            if named:
-                audit = (*audit, r.cache_entry)
-            access.info(
-                form,
-                r.front_end,
-                r.request_id,
-                r.key_id,
-                r.namespace,
-                r.model,
-                r.answered_by,
-                r.tier,
-                r.overlap or "-",
-                r.status,
-                r.finish_reason,
-                r.prompt_tokens,
-                r.completion_tokens,
-                r.queue_us / 1000,
-                r.ttft_us / 1000,
-                r.total_us / 1000,
-                *audit,
-                extra={"access": r},
+        if not access.isEnabledFor(logging.INFO):
+            return
+        semantic, named = r.tier == "semantic", bool(r.cache_entry)
+        args: tuple[object, ...] = (
+            r.front_end,
+            r.request_id,
+            r.key_id,
+            r.namespace,
+            r.model,
+            r.answered_by,
+            r.tier,
+            r.overlap or "-",
+            r.status,
+            r.finish_reason,
+            r.prompt_tokens,
+            r.completion_tokens,
+            r.queue_us / 1000,
+            r.ttft_us / 1000,
+            r.total_us / 1000,
+        )
+        if semantic:
+            args = (*args, r.similarity)
+        if named:
+            args = (*args, r.cache_entry)
+        # The record goes to the handlers as Logger.info would send it, less the caller lookup
+        # (a walk up the stack for a file and line that no access-line format shows). The line
+        # itself is formatted by a handler, so nothing is built when none takes it.
+        access.handle(
+            access.makeRecord(
+                access.name,
+                logging.INFO,
+                __file__,
+                0,
+                self.FORMATS[semantic, named],
+                args,
+                None,
+                "report",
+                {"access": r},
             )
+        )
 
 
 def admin_call(
