@@ -25,8 +25,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.engine.guided import MAX_GUIDE_BYTES, write_tokenizer_info
+from appliance.engine.guided import MAX_GUIDE_BYTES
 from appliance.engine.server import EngineModel, load_repository, start_engine
+from engine_build.tokenizer_info import write_tokenizer_info
 from tests.conftest import Tiny, copy_repository
 from tests.engine.test_conformance import (
     collect,
