@@ -59,9 +59,8 @@ def ensure_model(
     if have_model and recorded is not None and recorded == hf_fingerprint(model_dir):
         if _has_guided_decoding(repo) == guided_decoding:
             return model_dir, repo
-        log(
-            f"writing the model repository {repo} (guided decoding {'on' if guided_decoding else 'off'})"
-        )
+        state = "on" if guided_decoding else "off"
+        log(f"writing the model repository {repo} (guided decoding {state})")
         write_hf_repository(model_dir, repo, guided_decoding=guided_decoding)
         return model_dir, repo
     if not have_model or recorded is not None:
