@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine_build.pbtxt import MODEL_NAME
 from engine_build.repo import hf_fingerprint, write_hf_repository
+from engine_build.tokenizer_info import TOKENIZER_INFO_FILE
 
 __all__ = ["ensure_model", "fingerprint_file"]
 
@@ -31,24 +32,36 @@ def _recorded(repo: Path) -> str | None:
         return None
 
 
+def _has_guided_decoding(repo: Path) -> bool:
+    return (repo / MODEL_NAME / "tokenizer" / TOKENIZER_INFO_FILE).is_file()
+
+
 def ensure_model(
     root: Path,
     make_checkpoint: Callable[[Path], object],
     files: Sequence[str],
     log: Callable[[str], None] = lambda _: None,
+    guided_decoding: bool = True,
 ) -> tuple[Path, Path]:
     """Return (root/model, root/repo), making whatever is missing or stale.
 
     The checkpoint is remade when one of ``files`` is missing from it, or when the repository
     recorded a different checkpoint identity (the checkpoint changed after it was published);
-    a checkpoint without a repository (a crash between the two steps) only gets its repository.
-    ``make_checkpoint(dir)`` writes a complete checkpoint into the empty directory it is given.
+    a checkpoint without a repository (a crash between the two steps) only gets its repository,
+    and so does one whose repository has guided decoding on where ``guided_decoding`` says off,
+    or the other way round. ``make_checkpoint(dir)`` writes a complete checkpoint into the empty
+    directory it is given.
     """
     root = Path(root)
     model_dir, repo = root / "model", root / "repo"
     recorded = _recorded(repo)
     have_model = all((model_dir / name).is_file() for name in files)
     if have_model and recorded is not None and recorded == hf_fingerprint(model_dir):
+        if _has_guided_decoding(repo) == guided_decoding:
+            return model_dir, repo
+        state = "on" if guided_decoding else "off"
+        log(f"writing the model repository {repo} (guided decoding {state})")
+        write_hf_repository(model_dir, repo, guided_decoding=guided_decoding)
         return model_dir, repo
     if not have_model or recorded is not None:
         root.mkdir(parents=True, exist_ok=True)
@@ -62,5 +75,5 @@ def ensure_model(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     log(f"writing the model repository {repo}")
-    write_hf_repository(model_dir, repo)
+    write_hf_repository(model_dir, repo, guided_decoding=guided_decoding)
     return model_dir, repo

@@ -219,5 +219,15 @@ def write_tiny_model(dest: Path, name: str = "model", seed: int = 0) -> Path:
 
 
 def ensure_tiny_model(root: Path) -> tuple[Path, Path]:
-    """Return (root/model, root/repo), creating them unless a complete pair is already there."""
-    return ensure_model(root, lambda d: write_tiny_model(d.parent, d.name), CHECKPOINT_FILES)
+    """Return (root/model, root/repo), creating them unless a complete pair is already there.
+
+    The repository has guided decoding off: tests start engine servers on it many times, and a
+    model with guided decoding imports xgrammar at load (seconds). Tests of guided decoding write
+    their own repository of the same checkpoint with it on.
+    """
+    return ensure_model(
+        root,
+        lambda d: write_tiny_model(d.parent, d.name),
+        CHECKPOINT_FILES,
+        guided_decoding=False,
+    )

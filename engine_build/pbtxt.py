@@ -11,6 +11,13 @@ The tensor names and types follow the TensorRT-LLM triton_backend template
 the inputs the gateway can send are declared. Parameter keys are those the backend reads
 (``gpt_model_path`` is the engine directory key in the backend's C++; ``engine_dir`` is written
 too because docs/MODEL_REPOSITORY.md names it).
+
+Guided decoding (grammar-constrained output) is part of the same contract: the per-request inputs
+GUIDED_DECODING_INPUTS, whose guide types are GUIDE_TYPES, and the model parameters
+``guided_decoding_backend`` (XGRAMMAR) and ``xgrammar_tokenizer_info_path``. The template declares
+the two inputs on every model; here they are declared only on a model with guided decoding on, so
+a gateway sees from the model's config whether it may send a guide, instead of learning it from
+the backend's "GuidedDecoder is not setup" error.
 """
 
 from __future__ import annotations
@@ -46,6 +53,16 @@ _INPUTS: tuple[tuple[str, int, tuple[int, ...], bool, bool], ...] = (
 )
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
 
+# The per-request inputs of guided decoding: the guide's type (one of GUIDE_TYPES) and its text
+# (the JSON Schema, regular expression or EBNF grammar; ignored for "json", any JSON value).
+GUIDE_TYPE_INPUT = "guided_decoding_guide_type"
+GUIDE_INPUT = "guided_decoding_guide"
+GUIDED_DECODING_INPUTS = (GUIDE_TYPE_INPUT, GUIDE_INPUT)
+# The guide types the tensorrtllm backend maps to a guide.
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+# The one `guided_decoding_backend` the backend's C++ runtime accepts.
+XGRAMMAR = "xgrammar"
+
 _OUTPUTS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("output_ids", mc.TYPE_INT32, (-1, -1)),
     ("sequence_length", mc.TYPE_INT32, (-1,)),
@@ -74,6 +91,16 @@ GPT_MODEL_TYPES = ("inflight_fused_batching", "inflight_batching", "V1", "v1")
 
 
 @dataclass(frozen=True)
+class GuidedDecoding:
+    """Where a model with guided decoding on has its tokenizer: the directory (``tokenizer_dir``)
+    and the tokenizer info file xgrammar reads (``xgrammar_tokenizer_info_path``). Absolute: the
+    tensorrtllm backend opens the file from tritonserver's working directory."""
+
+    tokenizer_dir: str
+    tokenizer_info_path: str
+
+
+@dataclass(frozen=True)
 class RepoParams:
     """Everything that varies between repositories; the rest is fixed by the latency goal."""
 
@@ -90,6 +117,7 @@ class RepoParams:
     gpu_device_ids: tuple[int, ...]
     hf_model_dir: str
     engine_dir: str | None
+    guided_decoding: GuidedDecoding | None = None  # None: guided decoding off
 
 
 def _bool(v: bool) -> str:
@@ -103,9 +131,11 @@ def parameters(p: RepoParams) -> dict[str, str]:
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         "gpt_model_type": "inflight_fused_batching",
         # Read unconditionally by the backend; empty: no guided decoding.
-        "tokenizer_dir": "",
-        "xgrammar_tokenizer_info_path": "",
-        "guided_decoding_backend": "",
+        "tokenizer_dir": p.guided_decoding.tokenizer_dir if p.guided_decoding else "",
+        "xgrammar_tokenizer_info_path": (
+            p.guided_decoding.tokenizer_info_path if p.guided_decoding else ""
+        ),
+        "guided_decoding_backend": XGRAMMAR if p.guided_decoding else "",
         "batch_scheduler_policy": "guaranteed_no_evict",
         "kv_cache_free_gpu_mem_fraction": f"{p.kv_cache_free_gpu_mem_fraction:g}",
         "enable_kv_cache_reuse": _bool(p.enable_kv_cache_reuse),
@@ -140,6 +170,16 @@ def model_config(p: RepoParams) -> mc.ModelConfig:
             t.allow_ragged_batch = True
         if dims == (1,):
             t.reshape.SetInParent()  # shape [] per request, as the template declares
+    if p.guided_decoding is not None:
+        for name in GUIDED_DECODING_INPUTS:
+            # As the template declares them: [1] per request, no reshape.
+            cfg.input.add(
+                name=name,
+                data_type=mc.TYPE_STRING,
+                dims=[1],
+                optional=True,
+                allow_ragged_batch=True,
+            )
     for name, dtype, dims in _OUTPUTS:
         cfg.output.add(name=name, data_type=dtype, dims=list(dims))
     cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)

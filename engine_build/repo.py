@@ -18,6 +18,7 @@ from engine_build.checkpoint import content_fingerprint, fingerprint_tree, read_
 from engine_build.errors import BuildError
 from engine_build.hf_config import read_config
 from engine_build.spec import BuildSpec, validate
+from engine_build.tokenizer_info import TOKENIZER_INFO_FILE, stop_token_ids, write_tokenizer_info
 from engine_build.verify import cross_check_engine, engine_limits, verify_repository
 
 # What the gateway loads; tokenizer.json is mandatory, the rest is copied when present.
@@ -31,7 +32,18 @@ TOKENIZER_FILES = (
 )
 
 
-def repo_params(spec: BuildSpec, engine_dir: Path | None) -> pbtxt.RepoParams:
+def guided_decoding(spec: BuildSpec, model_dir: Path) -> pbtxt.GuidedDecoding | None:
+    """Where the model published at ``model_dir`` has its tokenizer for guided decoding; None
+    when the spec turns guided decoding off."""
+    if not spec.guided_decoding:
+        return None
+    tokenizer = model_dir / "tokenizer"
+    return pbtxt.GuidedDecoding(str(tokenizer), str(tokenizer / TOKENIZER_INFO_FILE))
+
+
+def repo_params(spec: BuildSpec, engine_dir: Path | None, model_dir: Path) -> pbtxt.RepoParams:
+    """The repository's parameters; ``model_dir`` is where its model will be published (absolute;
+    guided decoding's paths point into it)."""
     return pbtxt.RepoParams(
         max_batch_size=spec.max_batch_size,
         max_input_len=spec.max_input_len,
@@ -46,6 +58,7 @@ def repo_params(spec: BuildSpec, engine_dir: Path | None) -> pbtxt.RepoParams:
         gpu_device_ids=spec.gpu_ids,
         hf_model_dir=str(spec.hf_model_dir),
         engine_dir=str(engine_dir) if engine_dir is not None else None,
+        guided_decoding=guided_decoding(spec, model_dir),
     )
 
 
@@ -87,6 +100,7 @@ def write_repository(
     spec: BuildSpec, output: Path, hf_only: bool = False, force: bool = False
 ) -> Path:
     """Write ``output`` for the spec's engine (or, with ``hf_only``, for its HF checkpoint)."""
+    output = Path(output).absolute()
     read_shape_for(spec)
     engine_dir: Path | None = None
     limits: dict[str, Any] = {}
@@ -119,7 +133,7 @@ def write_repository(
     try:
         model_dir = tmp / pbtxt.MODEL_NAME
         (model_dir / "1").mkdir(parents=True)
-        cfg = pbtxt.model_config(repo_params(spec, engine_dir))
+        cfg = pbtxt.model_config(repo_params(spec, engine_dir, output / pbtxt.MODEL_NAME))
         if engine_dir is not None:
             params = {k: v.string_value for k, v in cfg.parameters.items()}
             mismatch = cross_check_engine(cfg, params, limits)
@@ -127,10 +141,17 @@ def write_repository(
                 raise BuildError(f"engine {engine_dir} does not match the spec: {mismatch[0]}")
         (model_dir / "config.pbtxt").write_text(pbtxt.render(cfg), encoding="utf-8")
         _copy_tokenizer(spec, model_dir / "tokenizer")
+        if spec.guided_decoding:
+            tokenizer = model_dir / "tokenizer"
+            write_tokenizer_info(
+                tokenizer / "tokenizer.json",
+                stop_token_ids(spec.hf_model_dir),
+                tokenizer / TOKENIZER_INFO_FILE,
+            )
         (model_dir / "engine_fingerprint").write_text(
             engine_fingerprint(spec, engine_dir) + "\n", encoding="utf-8"
         )
-        problems = verify_repository(tmp)
+        problems = verify_repository(tmp, published_as=output)
         if problems:
             raise BuildError(f"refusing to publish {output}: {problems[0]}")
         if output.exists():
@@ -146,7 +167,12 @@ def write_repository(
     return output
 
 
-def write_hf_repository(hf_model_dir: Path, output: Path, max_seq_len: int | None = None) -> Path:
+def write_hf_repository(
+    hf_model_dir: Path,
+    output: Path,
+    max_seq_len: int | None = None,
+    guided_decoding: bool = True,
+) -> Path:
     """``engine-build repo --hf-only`` without a spec file: what the model makers call.
 
     The limits default to the checkpoint's whole context (max_seq_len = max_position_embeddings,
@@ -154,6 +180,8 @@ def write_hf_repository(hf_model_dir: Path, output: Path, max_seq_len: int | Non
     is the one an operator's minimal spec would produce, except that prefix reuse is on: the
     engine server reuses KV blocks without the paged-context kernel a TensorRT engine needs for it
     (the backend's own default when the parameter is unset). An existing ``output`` is replaced.
+    ``guided_decoding`` False writes a repository without guided decoding (the engine server then
+    never imports xgrammar).
     """
     hf_model_dir = Path(hf_model_dir).resolve()
     seq = max_seq_len or read_config(hf_model_dir).max_position_embeddings
@@ -165,6 +193,7 @@ def write_hf_repository(hf_model_dir: Path, output: Path, max_seq_len: int | Non
         max_seq_len=seq,
         max_num_tokens=seq - 1,
         enable_kv_cache_reuse=True,
+        guided_decoding=guided_decoding,
     )
     validate(spec)
     return write_repository(spec, Path(output), hf_only=True, force=True)

@@ -76,6 +76,8 @@ class BuildSpec:
     cuda_graph_cache_size: int = 1
     cancellation_check_period_ms: int = 10
     exclude_input_in_output: bool = True
+    # The repository serves structured output (guide inputs, xgrammar tokenizer info) unless off.
+    guided_decoding: bool = True
     runtime_overhead_bytes: int = 1 << 30
     trtllm: TrtllmInstall = field(
         default_factory=lambda: TrtllmInstall(None, (), "/opt/TensorRT-LLM/quantize.py")
@@ -149,6 +151,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type | str]]] = {
         "cuda_graph_cache_size": ("cuda_graph_cache_size", int),
         "cancellation_check_period_ms": ("cancellation_check_period_ms", int),
         "exclude_input_in_output": ("exclude_input_in_output", bool),
+        "guided_decoding": ("guided_decoding", bool),
     },
     "plan": {
         "runtime_overhead": ("runtime_overhead_bytes", "size"),

@@ -17,6 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from engine_build import commands, pbtxt, runtime
 from engine_build.checkpoint import read_json
 from engine_build.errors import BuildError
+from engine_build.tokenizer_info import check_tokenizer_info
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
 _BOOL = ("true", "false")
@@ -161,14 +162,61 @@ def check_config(cfg: mc.ModelConfig) -> list[str]:
         problems.append(f"parameter gpu_device_ids {ids!r} is not a comma-separated id list")
     if params.get("exclude_input_in_output") not in _BOOL:
         problems.append("parameter exclude_input_in_output must be 'true' or 'false'")
+    problems += _check_guided_decoding(cfg, params)
     return problems
 
 
-def verify_repository(repo: Path, triton_root: Path | None = None) -> list[str]:
+def guided_decoding_on(params: dict[str, str]) -> bool:
+    """As the backend decides: both guided_decoding_backend and xgrammar_tokenizer_info_path set."""
+    return all(
+        params.get(key) and not params[key].startswith("${")
+        for key in ("guided_decoding_backend", "xgrammar_tokenizer_info_path")
+    )
+
+
+def _check_guided_decoding(cfg: mc.ModelConfig, params: dict[str, str]) -> list[str]:
+    backend = params.get("guided_decoding_backend", "")
+    info = params.get("xgrammar_tokenizer_info_path", "")
+    if not guided_decoding_on(params):
+        if bool(backend) != bool(info):
+            # The backend silently serves without guided decoding then.
+            return [
+                "parameters guided_decoding_backend and xgrammar_tokenizer_info_path must be set "
+                "together (guided decoding on) or both empty (off); one alone turns it off"
+            ]
+        return []
+    problems: list[str] = []
+    if backend != pbtxt.XGRAMMAR:
+        problems.append(
+            f"parameter guided_decoding_backend is {backend!r}: the backend takes "
+            f"{pbtxt.XGRAMMAR!r} (or empty, to turn guided decoding off)"
+        )
+    if not Path(info).is_absolute():
+        problems.append(
+            f"parameter xgrammar_tokenizer_info_path {info!r} is relative: the backend opens it "
+            "from tritonserver's working directory; write an absolute path"
+        )
+    inputs = {t.name: t for t in cfg.input}
+    for name in pbtxt.GUIDED_DECODING_INPUTS:
+        declared = inputs.get(name)
+        if declared is None:
+            problems.append(
+                f"input {name} missing: guided decoding is on, and a request names its guide "
+                "with it"
+            )
+        elif declared.data_type != mc.TYPE_STRING:
+            problems.append(f"input {name} must be TYPE_STRING")
+    return problems
+
+
+def verify_repository(
+    repo: Path, triton_root: Path | None = None, published_as: Path | None = None
+) -> list[str]:
     """Every problem found in ``repo``; an empty list means it can be served.
 
     With ``triton_root`` (the Triton root filesystem that will serve it), the engine's
-    TensorRT-LLM version must equal the root's.
+    TensorRT-LLM version must equal the root's. ``published_as`` is where ``repo`` (a staging
+    directory) will be renamed to: absolute paths into it are checked in ``repo``.
     """
     model_dir = repo / pbtxt.MODEL_NAME
     config_path = model_dir / "config.pbtxt"
@@ -201,6 +249,19 @@ def verify_repository(repo: Path, triton_root: Path | None = None) -> list[str]:
             problems.append(f"{fp_path} is not one line of lowercase hex")
     except OSError:
         problems.append(f"{fp_path} missing")
+
+    if guided_decoding_on(params) and Path(params["xgrammar_tokenizer_info_path"]).is_absolute():
+        info = Path(params["xgrammar_tokenizer_info_path"])
+        if published_as is not None and info.is_relative_to(published_as):
+            info = repo / info.relative_to(published_as)
+        if info.is_file():
+            problems += check_tokenizer_info(info)
+        else:
+            problems.append(
+                f"tokenizer info file {info} missing: guided decoding is on "
+                "(xgrammar_tokenizer_info_path); rewrite the repository with `engine-build repo`, "
+                "or empty guided_decoding_backend and xgrammar_tokenizer_info_path"
+            )
 
     engine = params.get("gpt_model_path") or params.get("engine_dir")
     gpt_path, engine_param = params.get("gpt_model_path"), params.get("engine_dir")

@@ -16,8 +16,16 @@ from tokenizers import Tokenizer
 from tritonclient.grpc import model_config_pb2 as mc
 
 from appliance.engine.llama import LlamaModel
-from appliance.tiny_model import CHAT_TEMPLATE, ensure_tiny_model, write_tiny_model
+from appliance.model_store import ensure_model
+from appliance.tiny_model import (
+    CHAT_TEMPLATE,
+    CHECKPOINT_FILES,
+    ensure_tiny_model,
+    write_tiny_model,
+)
+from engine_build.pbtxt import GUIDED_DECODING_INPUTS
 from engine_build.repo import hf_fingerprint
+from engine_build.tokenizer_info import TOKENIZER_INFO_FILE
 
 ROUND_TRIPS = [
     "Hello world, the KV cache is fast.",
@@ -181,6 +189,31 @@ def test_ensure_reuses_a_complete_pair_and_rebuilds_a_broken_one(tmp_path: Path)
     ensure_tiny_model(tmp_path)
     assert weights.stat().st_size > 1_000_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "repo"]  # no staging left
+
+
+def test_the_tiny_repository_has_guided_decoding_off(pair: tuple[Path, Path]) -> None:
+    """Engine servers start on it many times in tests; guided decoding would import xgrammar."""
+    model_root = pair[1] / "tensorrt_llm"
+    cfg = text_format.Parse((model_root / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert cfg.parameters["guided_decoding_backend"].string_value == ""
+    assert not {t.name for t in cfg.input} & set(GUIDED_DECODING_INPUTS)
+    assert not (model_root / "tokenizer" / TOKENIZER_INFO_FILE).exists()
+
+
+def test_ensure_rewrites_a_repository_whose_guided_decoding_differs(tmp_path: Path) -> None:
+    model_dir, repo = ensure_tiny_model(tmp_path)
+    weights = model_dir / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    info = repo / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE
+
+    def make(dest: Path) -> None:
+        raise AssertionError("the checkpoint is complete; only its repository is rewritten")
+
+    assert ensure_model(tmp_path, make, CHECKPOINT_FILES, guided_decoding=True) == (model_dir, repo)
+    assert info.is_file()
+    ensure_tiny_model(tmp_path)
+    assert not info.exists()
+    assert weights.stat().st_mtime_ns == stamp
 
 
 def test_weights_are_readable_by_other_users(tmp_path: Path) -> None:

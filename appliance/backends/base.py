@@ -13,6 +13,8 @@ from typing import Protocol
 
 import grpc
 
+from engine_build.pbtxt import GUIDE_TYPES as GUIDE_TYPES
+
 
 class BackendError(Exception):
     """A failure talking to the inference server; carries the status the gateway's client gets."""
@@ -34,10 +36,6 @@ class Sampling:
 
 
 GREEDY = Sampling(temperature=1.0, top_k=1, top_p=1.0, seed=None)
-
-# Guide types of grammar-constrained decoding, as TensorRT-LLM's `guided_decoding_guide_type` names
-# them.
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 
 
 @dataclass(frozen=True)

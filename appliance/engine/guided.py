@@ -2,10 +2,10 @@
 
 A request names a guide with the `tensorrt_llm` model's inputs `guided_decoding_guide_type` (one of
 GUIDE_TYPES) and `guided_decoding_guide` (the schema, regex or grammar text; ignored for `json`,
-which is any JSON value). A model serves guides only when its config sets both
-`guided_decoding_backend` (`xgrammar`, the one backend the tensorrtllm backend's C++ runtime takes)
-and `xgrammar_tokenizer_info_path` (the JSON file TensorRT-LLM reads: `encoded_vocab`,
-`tokenizer_str`, `stop_token_ids`; `write_tokenizer_info` writes it).
+which is any JSON value); engine_build.pbtxt holds that contract. A model serves guides only when
+its config sets both `guided_decoding_backend` (`xgrammar`, the one backend the tensorrtllm
+backend's C++ runtime takes) and `xgrammar_tokenizer_info_path` (the JSON file TensorRT-LLM reads:
+`encoded_vocab`, `tokenizer_str`, `stop_token_ids`; engine_build.tokenizer_info writes it).
 
 Guides are compiled the way TensorRT-LLM compiles them (xgrammar's defaults: any whitespace between
 JSON tokens, strict schemas), once per (type, text) into a bounded LRU cache shared by the model's
@@ -27,12 +27,13 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from engine_build.pbtxt import GUIDE_TYPES
 
 if TYPE_CHECKING:
     import xgrammar
@@ -46,13 +47,8 @@ __all__ = [
     "GuideError",
     "GuidedMatcher",
     "parse_guide",
-    "write_tokenizer_info",
 ]
 
-# The values of `guided_decoding_guide_type` the tensorrtllm backend maps to a guide.
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
-# The one `guided_decoding_backend` the backend's C++ runtime accepts.
-XGRAMMAR = "xgrammar"
 # Longest guide text accepted: tool and response schemas of real clients are a few KiB.
 MAX_GUIDE_BYTES = 64 * 1024
 # Compiled guides kept per model (least recently used first out).
@@ -120,22 +116,6 @@ def _reason(exc: Exception) -> str:
     message = _LOG_PREFIX.sub("", str(exc).strip())
     message = message.split(" The JSON string is:", 1)[0]
     return message[:_MAX_REASON]
-
-
-def write_tokenizer_info(tokenizer_json: Path, stop_token_ids: Sequence[int], dest: Path) -> None:
-    """Write the tokenizer info file TensorRT-LLM's guided decoder reads, for a tokenizer.json.
-
-    `encoded_vocab` is every token string in id order (added tokens included), `tokenizer_str`
-    the tokenizer.json itself (xgrammar reads the vocabulary type from it), `stop_token_ids` the
-    tokens that end a generation.
-    """
-    from tokenizers import Tokenizer
-
-    text = tokenizer_json.read_text(encoding="utf-8")
-    vocab = Tokenizer.from_str(text).get_vocab(with_added_tokens=True)
-    encoded = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    info = {"encoded_vocab": encoded, "tokenizer_str": text, "stop_token_ids": list(stop_token_ids)}
-    dest.write_text(json.dumps(info, ensure_ascii=False), encoding="utf-8")
 
 
 @dataclass

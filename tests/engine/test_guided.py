@@ -25,8 +25,11 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.engine.guided import MAX_GUIDE_BYTES, write_tokenizer_info
+from appliance.engine.guided import MAX_GUIDE_BYTES
 from appliance.engine.server import EngineModel, load_repository, start_engine
+from engine_build.pbtxt import GUIDED_DECODING_INPUTS
+from engine_build.repo import write_hf_repository
+from engine_build.tokenizer_info import write_tokenizer_info
 from tests.conftest import Tiny, copy_repository
 from tests.engine.test_conformance import (
     collect,
@@ -124,7 +127,10 @@ def _guided_config(
     hf = config.parameters["hf_model_dir"].string_value
     if not Path(hf).is_absolute():
         config.parameters["hf_model_dir"].string_value = str((source / hf).resolve())
-    for input_name in ("guided_decoding_guide_type", "guided_decoding_guide"):
+    declared = {i.name for i in config.input}
+    for input_name in GUIDED_DECODING_INPUTS:
+        if input_name in declared:
+            continue
         config.input.add(
             name=input_name, data_type=mc.TYPE_STRING, dims=[1], optional=True
         ).allow_ragged_batch = True
@@ -233,6 +239,29 @@ async def test_every_sampled_output_validates_against_its_json_schema(
             text = tokenizer.decode(ids)
             assert len(ids) < 200, f"schema {i} seed {seed}: never finished: {text!r}"
             jsonschema.validate(json.loads(text), schema)
+
+
+async def test_a_repository_written_with_guided_decoding_serves_a_json_schema_guide(
+    tiny: Tiny, tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    """What `engine-build repo` and the model makers write is what the engine server serves."""
+    repo = write_hf_repository(tiny.model_dir, tmp_path / "repo", guided_decoding=True)
+    models = load_repository(repo)
+    assert models[PLAIN].grammars is not None
+    server, _, port = await start_engine(models, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ts_grpc.GRPCInferenceServiceStub(channel)
+            schema = SCHEMAS[1]
+            for seed in range(3):
+                ids, _ = await generated(
+                    stub, guided("json_schema", json.dumps(schema), model=PLAIN, seed=seed)
+                )
+                jsonschema.validate(json.loads(tokenizer.decode(ids)), schema)
+    finally:
+        await server.stop(grace=None)
+        for m in models.values():
+            m.runner.close()
 
 
 async def test_json_guide_yields_json_and_a_regex_guide_matches(

@@ -19,7 +19,23 @@ HERE = Path(__file__).parent
 DATA = HERE / "data"
 FAKE = HERE / "fake_trtllm"
 
-TOKENIZER_JSON = {"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}
+EOS_TOKEN = "<|eot_id|>"
+EOS_ID = 2
+TOKENIZER_JSON = {
+    "version": "1.0",
+    "added_tokens": [
+        {
+            "id": EOS_ID,
+            "content": EOS_TOKEN,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    ],
+    "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
+}
 
 
 def make_checkpoint(root: Path, model: str = "llama-3.1-8b", **config_overrides: Any) -> Path:
@@ -29,7 +45,7 @@ def make_checkpoint(root: Path, model: str = "llama-3.1-8b", **config_overrides:
     cfg.update(config_overrides)
     (root / "config.json").write_text(json.dumps(cfg))
     (root / "tokenizer.json").write_text(json.dumps(TOKENIZER_JSON))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN}))
     (root / "model.safetensors").write_bytes(b"\0" * 64)
     return root
 

@@ -16,11 +16,13 @@ from tritonclient.grpc import model_config_pb2
 
 from engine_build import runner
 from engine_build.errors import BuildError
-from engine_build.repo import write_repository
+from engine_build.pbtxt import GUIDED_DECODING_INPUTS
+from engine_build.repo import write_hf_repository, write_repository
 from engine_build.spec import BuildSpec, load_spec
+from engine_build.tokenizer_info import TOKENIZER_INFO_FILE
 from engine_build.verify import verify_repository
 
-from .conftest import make_checkpoint, spec_sections, write_spec
+from .conftest import EOS_ID, EOS_TOKEN, make_checkpoint, spec_sections, write_spec
 
 
 def make_spec(
@@ -297,12 +299,138 @@ def test_verify_reports_a_damaged_engine_config_instead_of_crashing(
 def test_written_repository_has_every_parameter_the_backend_requires(
     tmp_path: Path, built: Callable[..., BuildSpec]
 ) -> None:
-    repo = write_repository(built(), tmp_path / "repo")
-    p = params(parse_config(repo))
+    repo = write_repository(built(runtime={"guided_decoding": False}), tmp_path / "repo")
+    cfg = parse_config(repo)
+    p = params(cfg)
     for key in ("tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
         assert p[key] == "", key  # present, and empty: no guided decoding
     assert p["gpt_model_type"] == "inflight_fused_batching"
+    # No guide inputs: a gateway sees from the config that this model takes no guide.
+    assert not {i.name for i in cfg.input} & set(GUIDED_DECODING_INPUTS)
+    assert not (repo / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE).exists()
     assert verify_repository(repo) == []
+
+
+def test_guided_decoding_is_on_by_default_as_the_backend_takes_it(
+    tmp_path: Path, built: Callable[..., BuildSpec], checkpoint: Path
+) -> None:
+    out = tmp_path / "repo"
+    write_repository(built(), out)
+    # Published under its final name: the paths point there, not at the staging directory.
+    cfg = parse_config(out)
+    p = params(cfg)
+    tokenizer = out / "tensorrt_llm" / "tokenizer"
+    assert p["guided_decoding_backend"] == "xgrammar"
+    assert p["tokenizer_dir"] == str(tokenizer)
+    assert p["xgrammar_tokenizer_info_path"] == str(tokenizer / TOKENIZER_INFO_FILE)
+    inputs = {i.name: i for i in cfg.input}
+    for name in GUIDED_DECODING_INPUTS:
+        declared = inputs[name]  # as the 1.2 template declares them
+        assert declared.data_type == model_config_pb2.TYPE_STRING
+        assert list(declared.dims) == [1]
+        assert declared.optional and declared.allow_ragged_batch
+        assert not declared.HasField("reshape")
+    info = json.loads((tokenizer / TOKENIZER_INFO_FILE).read_text())
+    assert info["encoded_vocab"] == ["a", "b", EOS_TOKEN]  # in id order, added tokens included
+    assert info["tokenizer_str"] == (checkpoint / "tokenizer.json").read_text()
+    assert info["stop_token_ids"] == [EOS_ID]  # the tokenizer's eos token
+    assert verify_repository(out) == []
+
+
+def test_stop_token_falls_back_to_the_checkpoint_eos_token_id(
+    tmp_path: Path, fake_trtllm: Path
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "hf")  # llama-3.1-8b: eos_token_id [128001, 128008, 128009]
+    (ckpt / "tokenizer_config.json").write_text("{}")
+    repo = write_repository(make_spec(tmp_path, ckpt, fake_trtllm), tmp_path / "r", hf_only=True)
+    info = repo / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE
+    assert json.loads(info.read_text())["stop_token_ids"] == [128001]
+
+
+def test_guided_decoding_without_an_end_token_is_refused(tmp_path: Path, fake_trtllm: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "hf")
+    (ckpt / "tokenizer_config.json").write_text("{}")
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["eos_token_id"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    spec = make_spec(tmp_path, ckpt, fake_trtllm)
+    with pytest.raises(
+        BuildError, match=r"hf: no end-of-sequence token .* runtime\.guided_decoding = false"
+    ):
+        write_repository(spec, tmp_path / "out" / "repo", hf_only=True)
+    assert list((tmp_path / "out").iterdir()) == []
+    off = make_spec(tmp_path, ckpt, fake_trtllm, runtime={"guided_decoding": False})
+    assert verify_repository(write_repository(off, tmp_path / "out" / "repo", hf_only=True)) == []
+
+
+def test_hf_repository_for_the_model_makers_turns_guided_decoding_on_or_off(
+    tmp_path: Path, checkpoint: Path
+) -> None:
+    on = write_hf_repository(checkpoint, tmp_path / "on")
+    off = write_hf_repository(checkpoint, tmp_path / "off", guided_decoding=False)
+    assert params(parse_config(on))["guided_decoding_backend"] == "xgrammar"
+    assert (on / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE).is_file()
+    assert params(parse_config(off))["guided_decoding_backend"] == ""
+    assert not (off / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE).exists()
+    assert verify_repository(on) == verify_repository(off) == []
+
+
+def test_verify_refuses_a_guided_repository_without_its_tokenizer_info(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    repo = write_repository(built(), tmp_path / "repo")
+    (repo / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE).unlink()
+    problems = verify_repository(repo)
+    assert any("tokenizer info file" in p and "missing" in p for p in problems), problems
+
+
+def _without_input(repo: Path, name: str) -> None:
+    path = repo / "tensorrt_llm" / "config.pbtxt"
+    cfg = parse_config(repo)
+    kept = [i for i in cfg.input if i.name != name]
+    del cfg.input[:]
+    cfg.input.extend(kept)
+    path.write_text(text_format.MessageToString(cfg))
+
+
+def _edit_tokenizer_info(repo: Path, **changes: Any) -> None:
+    path = repo / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE
+    info = json.loads(path.read_text())
+    info.update(changes)
+    path.write_text(json.dumps(info))
+
+
+GUIDED_EDITS: list[tuple[Callable[[Path], None], str]] = [
+    (lambda r: _without_input(r, "guided_decoding_guide"), "input guided_decoding_guide missing"),
+    (
+        lambda r: _without_input(r, "guided_decoding_guide_type"),
+        "input guided_decoding_guide_type missing",
+    ),
+    (
+        lambda r: _edit_params(r, guided_decoding_backend="outlines"),
+        "guided_decoding_backend is 'outlines'",
+    ),
+    (
+        lambda r: _edit_params(r, xgrammar_tokenizer_info_path=f"tokenizer/{TOKENIZER_INFO_FILE}"),
+        "is relative: the backend opens it from tritonserver's working directory",
+    ),
+    (
+        lambda r: _edit_params(r, xgrammar_tokenizer_info_path=""),
+        "must be set together (guided decoding on) or both empty",
+    ),
+    (lambda r: _edit_tokenizer_info(r, stop_token_ids=[]), "stop_token_ids must be a non-empty"),
+    (lambda r: _edit_tokenizer_info(r, encoded_vocab="ab"), "encoded_vocab is not a list"),
+]
+
+
+@pytest.mark.parametrize(("edit", "problem"), GUIDED_EDITS)
+def test_verify_catches_guided_decoding_hand_edits(
+    tmp_path: Path, built: Callable[..., BuildSpec], edit: Callable[[Path], None], problem: str
+) -> None:
+    repo = write_repository(built(), tmp_path / "repo")
+    edit(repo)
+    problems = verify_repository(repo)
+    assert any(problem in p for p in problems), problems
 
 
 def _triton_root(root: Path, version: str) -> Path:

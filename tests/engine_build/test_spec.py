@@ -24,6 +24,7 @@ def test_defaults_are_the_low_latency_ones(tmp_path: Path) -> None:
     assert s.max_batch_size == 1
     assert s.quantization == "fp8" and s.kv_cache_dtype == "fp8"
     assert s.cuda_graph_mode is True
+    assert s.guided_decoding is True  # structured output unless the operator turns it off
     assert s.enable_kv_cache_reuse is False and s.use_paged_context_fmha is False
     assert s.gpu_ids == (0,)
     assert s.checkpoint_dir == tmp_path / "work" / "checkpoint"
@@ -103,6 +104,10 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
         {"trtllm": {"quantize": "x"}},
         "key 'trtllm.quantize': unknown key; known keys are container,",
     ),
+    (
+        {"runtime": {"guided_decoding": "yes"}},
+        "key 'runtime.guided_decoding': expected bool, got str",
+    ),
     # Byte sizes carry their unit: a bare number would be bytes.
     ({"plan": {"runtime_overhead": 1024}}, "key 'plan.runtime_overhead': expected str, got int"),
     ({"plan": {"runtime_overhead": "1024"}}, "expected a number with a unit, such as 80GiB"),
@@ -138,6 +143,10 @@ def test_refusal_names_the_line_of_the_key(tmp_path: Path) -> None:
         SpecError, match=rf"^{re.escape(str(path))}:{line}: key 'limits\.max_input_len'"
     ):
         load_spec(path)
+
+
+def test_guided_decoding_can_be_turned_off(tmp_path: Path) -> None:
+    assert load_spec(_spec(tmp_path, runtime={"guided_decoding": False})).guided_decoding is False
 
 
 def test_runtime_overhead_takes_a_unit(tmp_path: Path) -> None:
