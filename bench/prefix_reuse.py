@@ -49,7 +49,7 @@ TRITON_MODEL = "tensorrt_llm"
 
 def write_repository(checkpoint: Path, dest: Path) -> Path:
     """The checkpoint's repository, with its model twice: `reuse` and `plain`."""
-    repo = write_hf_repository(checkpoint, dest / "repo")
+    repo = write_hf_repository(checkpoint, dest / "repo", guided_decoding=False)
     source = repo / TRITON_MODEL
     for name, reuse in (("reuse", "true"), ("plain", "false")):
         shutil.copytree(source, repo / name)

@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends import wire
 from appliance.backends.base import BackendError, GenerationRequest
+from engine_build.pbtxt import GUIDED_DECODING_INPUTS
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,7 @@ def status_for_inband_error(message: str) -> grpc.StatusCode:
 
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
-# The tensorrt_llm model's per-request inputs of grammar-constrained decoding.
-GUIDE_INPUTS = frozenset({"guided_decoding_guide_type", "guided_decoding_guide"})
+GUIDE_INPUTS = frozenset(GUIDED_DECODING_INPUTS)
 
 
 @dataclass(frozen=True)

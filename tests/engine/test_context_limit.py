@@ -25,7 +25,9 @@ SHORT = 64
 async def test_prompt_beyond_the_engine_limit_is_invalid_argument(
     tiny: Tiny, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    repo = write_hf_repository(tiny.model_dir, tmp_path_factory.mktemp("short") / "repo", SHORT)
+    repo = write_hf_repository(
+        tiny.model_dir, tmp_path_factory.mktemp("short") / "repo", SHORT, guided_decoding=False
+    )
     models = load_repository(repo)
     assert models["tensorrt_llm"].max_len == SHORT
     server, _, port = await start_engine(models, "127.0.0.1:0")

@@ -42,7 +42,7 @@ def _one_line(stderr: str) -> str:
 
 
 def _repo_for(model_dir: Path, tmp_path: Path) -> Path:
-    return write_hf_repository(model_dir, tmp_path / "repo")
+    return write_hf_repository(model_dir, tmp_path / "repo", guided_decoding=False)
 
 
 def test_half_written_checkpoint_is_refused_naming_the_file(tiny: Tiny, tmp_path: Path) -> None:

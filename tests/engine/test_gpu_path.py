@@ -328,7 +328,7 @@ def test_fit_check_uses_the_planners_numbers_and_names_them() -> None:
 def test_a_model_too_large_for_free_memory_is_refused_before_loading(
     tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    repo = write_hf_repository(tiny.model_dir, tmp_path / "repo")
+    repo = write_hf_repository(tiny.model_dir, tmp_path / "repo", guided_decoding=False)
     monkeypatch.setattr("appliance.engine.options.free_device_bytes", lambda device: 64 << 20)
     loaded: list[object] = []
     monkeypatch.setattr(LlamaModel, "load", lambda *a, **k: loaded.append(a))
@@ -372,7 +372,7 @@ def test_triton_kernels_without_a_gpu_are_refused_in_one_line(
 def test_random_weights_serve_a_repository_without_reading_its_checkpoint(
     tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    repo = write_hf_repository(tiny.model_dir, tmp_path / "repo")
+    repo = write_hf_repository(tiny.model_dir, tmp_path / "repo", guided_decoding=False)
 
     def no_checkpoint(*args: object, **kwargs: object) -> None:
         raise AssertionError("the checkpoint was read")

@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pydantic
 import pytest
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as mc
 
 from appliance.config import CacheConfig, GatewayConfig, HttpConfig, ModelConfig, ServerConfig
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
-from tests.conftest import Tiny, copy_repository
+from engine_build.repo import write_hf_repository
+from tests.conftest import Tiny
 
 SCHEMA = {
     "type": "object",
@@ -47,34 +45,12 @@ WEATHER = {
 CHAT = [{"role": "user", "content": "Answer in JSON."}]
 
 
-def guided_repository(tiny: Tiny, target: Path) -> Path:
-    """The tiny repository with guided decoding on (xgrammar and its tokenizer info)."""
-    try:
-        from engine_build.tokenizer_info import write_tokenizer_info
-    except ImportError:
-        from appliance.engine.guided import write_tokenizer_info
-
-    repo = copy_repository(tiny.repo, target)
-    model = repo / "tensorrt_llm"
-    info = model / "tokenizer" / "xgrammar_tokenizer_info.json"
-    end = json.loads((model / "tokenizer" / "config.json").read_text())["eos_token_id"]
-    write_tokenizer_info(model / "tokenizer" / "tokenizer.json", [end], info)
-    config = text_format.Parse((model / "config.pbtxt").read_text(), mc.ModelConfig())
-    names = {i.name for i in config.input}
-    for name in ("guided_decoding_guide_type", "guided_decoding_guide"):
-        if name not in names:
-            config.input.add(name=name, data_type=mc.TYPE_STRING, dims=[1], optional=True)
-    config.parameters["guided_decoding_backend"].string_value = "xgrammar"
-    config.parameters["xgrammar_tokenizer_info_path"].string_value = str(info)
-    (model / "config.pbtxt").write_text(text_format.MessageToString(config))
-    return repo
-
-
 @pytest.fixture(scope="module")
 async def served(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     from appliance.engine.server import load_repository, start_engine
 
-    models = load_repository(guided_repository(tiny, tmp_path_factory.mktemp("guided")))
+    repo = write_hf_repository(tiny.model_dir, tmp_path_factory.mktemp("guided") / "repo")
+    models = load_repository(repo)
     server, _, port = await start_engine(models, "127.0.0.1:0")
     try:
         yield f"127.0.0.1:{port}"
