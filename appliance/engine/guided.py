@@ -148,8 +148,15 @@ class Grammars:
     @classmethod
     def load(cls, tokenizer_info_path: Path, vocab_size: int) -> Grammars:
         """The decoder of a model whose logits have `vocab_size` entries; ValueError says why a
-        tokenizer info file cannot be used."""
-        import xgrammar as xgr
+        tokenizer info file cannot be used, or that xgrammar is not installed."""
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ValueError(
+                "its repository turns guided decoding on, which needs xgrammar: install the "
+                "`guided` extra (pip install 'llm-appliance[guided]'), or write the repository "
+                "with runtime.guided_decoding = false"
+            ) from None
 
         try:
             info = json.loads(tokenizer_info_path.read_text(encoding="utf-8"))

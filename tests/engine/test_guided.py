@@ -486,3 +486,17 @@ def test_a_guided_decoding_config_the_backend_would_not_load_is_refused(
     (repo / "m" / "config.pbtxt").write_text(config.replace('"xgrammar"', f'"{backend}"'))
     with pytest.raises(RepositoryError, match=says):
         assert read_repository(repo)["m"].guided_decoding is None
+
+
+def test_a_guided_repository_without_xgrammar_is_refused_at_load_saying_why(
+    tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from appliance.engine.guided import Grammars
+
+    info = tmp_path / "info.json"
+    write_tokenizer_info(tiny.tokenizer_dir / "tokenizer.json", [EOS], info)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    with pytest.raises(ValueError, match=r"needs xgrammar: install the `guided` extra"):
+        Grammars.load(info, 2048)
