@@ -182,7 +182,7 @@ def _generate(
     for start in range(start_pos, len(prompt_ids), prefill_chunk):
         if start > start_pos and should_stop():
             return
-        logits = model.forward(prompt_ids[start : start + prefill_chunk], cache, start)
+        logits = step_once.prefill(prompt_ids[start : start + prefill_chunk], start)
     history.extend(prompt_ids)
     pos = len(prompt_ids)
     for step in range(max_new_tokens):
