@@ -282,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
         "--kernels",
         default="auto",
         choices=["auto", "triton", "torch"],
-        help="the captured decode step's kernels: fused Triton kernels or eager torch "
+        help="the decode step's kernels (with or without CUDA graphs): fused Triton or eager torch "
         "(default auto: triton on cuda where triton imports, else torch)",
     )
     e.add_argument(

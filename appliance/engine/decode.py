@@ -70,17 +70,39 @@ class DecodeStep(Protocol):
 
 
 class EagerDecode:
-    """The step as plain torch calls, attending over exactly the positions written so far."""
+    """The step launched call by call, no graph: on the model's fused Triton kernels when it runs
+    them (over the smallest span above the position, as a captured step does, so the kernels are
+    compiled once per span), else as plain torch calls attending over exactly the positions
+    written so far."""
 
     def __init__(self, model: LlamaModel, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
+        self._spans: list[int] = []
+        if model.kernels == "triton":
+            self._spans = decode_spans(cache.max_seq_len)
+            self._step_in = torch.zeros(2, dtype=torch.long, device=model.device)
+            self._logits = torch.empty(
+                model.config.vocab_size, dtype=torch.float32, device=model.device
+            )
 
     def prefill(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
         return self.model.forward(token_ids, self.cache, start)
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
-        return self.model.forward((token,), self.cache, pos)
+        if not self._spans:
+            return self.model.forward((token,), self.cache, pos)
+        if not 0 <= pos < self.cache.max_seq_len:
+            raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
+        if not 0 <= token < self.model.config.vocab_size:
+            raise ValueError(
+                f"token id must be in [0, {self.model.config.vocab_size}), got {token}"
+            )
+        span = self._spans[bisect.bisect_right(self._spans, pos)]
+        with torch.inference_mode():
+            self._step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
+            self.model.decode_static(self._step_in, self.cache, span, self._logits)
+        return self._logits
 
 
 def decode_spans(max_seq_len: int, smallest: int = SMALLEST_SPAN) -> list[int]:

@@ -65,7 +65,7 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         f"{','.join(map(str, options.prefill_buckets)) or 'none'})"
         if graphs
         else "eager",
-        model.kernels if graphs else "torch",
+        model.kernels,
         plan.required_bytes / 2**30,
         plan.gpu_memory_bytes / 2**30,
         loaded - started,

@@ -49,8 +49,9 @@ class EngineOptions:
 
     `dtype` "auto" is float32 on a CPU and bfloat16 on a GPU; `weights` "fp8" quantizes the
     linear layers of every block to E4M3 at load (`fp8_scaling` per output channel or per tensor);
-    `cuda_graph` "auto" captures the decode step on a GPU only; `kernels` "auto" runs the captured
-    step on the fused Triton kernels on a GPU where triton imports, eager torch elsewhere;
+    `cuda_graph` "auto" captures the decode step on a GPU only; `kernels` "auto" runs the decode
+    step (captured or not) on the fused Triton kernels on a GPU where triton imports, eager torch
+    elsewhere;
     `prefill_buckets` are the prompt lengths whose prefill is captured beside the decode step
     (`appliance.engine.prefill`). `random_weights` names a shape
     from `appliance.engine.random_weights.SHAPES` to serve seeded random weights of instead of each
