@@ -391,9 +391,20 @@ class LlamaModel:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got {list(token_ids)[:16]}")
         with torch.inference_mode():
-            return self._forward(token_ids, cache, start_pos)
+            return self._logits(self._forward(token_ids, cache, start_pos)[-1])
+
+    def sequence_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Float32 logits (n, vocab) at every position of `token_ids` from position 0, in one
+        forward pass on a cache of its own: what evaluations (top-1 agreement) compare."""
+        cache = self.new_cache(len(token_ids))  # refuses an empty or too long sequence
+        vocab = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {list(token_ids)[:16]}")
+        with torch.inference_mode():
+            return self._logits(self._forward(token_ids, cache, 0))
 
     def _forward(self, token_ids: Iterable[int], cache: KVCache, start_pos: int) -> torch.Tensor:
+        """The final hidden states (n, hidden) of `token_ids` at positions start_pos.."""
         c = self.config
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         n = ids.shape[0]
@@ -432,8 +443,7 @@ class LlamaModel:
             )
             return attn.squeeze(0)
 
-        x = self._blocks(F.embedding(ids, self.embed), start_pos, end, attend)
-        return self._logits(x[-1])
+        return self._blocks(F.embedding(ids, self.embed), start_pos, end, attend)
 
     def decode_static(
         self, step_in: torch.Tensor, cache: KVCache, span: int, logits_out: torch.Tensor
