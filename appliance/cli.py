@@ -32,8 +32,14 @@ def _engine(args: argparse.Namespace) -> int:
     import uvloop
 
     from appliance.engine.options import EngineOptions
+    from appliance.engine.prefill import parse_buckets
     from appliance.engine.server import run_engine
 
+    try:
+        prefill_buckets = parse_buckets(args.prefill_buckets)
+    except ValueError as exc:
+        print(f"appliance engine: --prefill-buckets {args.prefill_buckets}: {exc}", file=sys.stderr)
+        return 2
     options = EngineOptions(
         device=args.device,
         dtype=args.dtype,
@@ -41,6 +47,7 @@ def _engine(args: argparse.Namespace) -> int:
         fp8_scaling=args.fp8_scaling,
         cuda_graph=args.cuda_graph,
         kernels=args.kernels,
+        prefill_buckets=prefill_buckets,
         random_weights=args.random_weights,
         seed=args.seed,
     )
@@ -275,8 +282,15 @@ def parser() -> argparse.ArgumentParser:
         "--kernels",
         default="auto",
         choices=["auto", "triton", "torch"],
-        help="the captured decode step's kernels: fused Triton kernels or eager torch "
+        help="the decode step's kernels (with or without CUDA graphs): fused Triton or eager torch "
         "(default auto: triton on cuda where triton imports, else torch)",
+    )
+    e.add_argument(
+        "--prefill-buckets",
+        default="16,32,64,128",
+        metavar="N,N,...",
+        help="prompt lengths whose prefill is captured in CUDA graphs with the decode step; a "
+        "prefill of more new tokens runs eager (default 16,32,64,128; none: no prefill captured)",
     )
     e.add_argument(
         "--random-weights",

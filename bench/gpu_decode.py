@@ -12,9 +12,11 @@ device (`--shape llama-3.1-8b`: 32 layers, 4096 hidden, 14336 intermediate, 32/8
   decode latency per token at batch 1, P50/P99 over `--tokens` tokens (256 by default) after a
   warm-up; the captured step's device time from replays enqueued back to back between two CUDA
   events (no host loop in the timing); kernels per decode step (torch.profiler; on a CPU, aten
-  operators per step); TTFT of 128- and 2,048-token prompts, and of a 2,048-token prompt whose
-  first 2,000 tokens an earlier request left in the reuse pool; peak device memory; graph capture
-  time; start-up (weights drawn + runner ready). The variants run through the engine's own Runner
+  operators per step); TTFT of 64-, 128- and 2,048-token prompts, and of a 2,048-token prompt
+  whose first 2,000 tokens an earlier request left in the reuse pool (1,984 reused, 64 computed);
+  the dense matrix products of a 2,048-token prefill alone (every linear layer on 2,048 rows), so
+  TTFT 2,048 / that and TTFT(reuse) - TTFT(64) read off one run; peak device memory; graph
+  capture time (decode spans and prefill buckets); start-up (weights drawn + runner ready). The variants run through the engine's own Runner
   (prefix reuse, chunked prefill, the decode step), timed at the runner's emissions, so gRPC is
   not in these numbers;
 - the whole path, on the host's cores: client -> gateway -> engine server vs client -> engine
@@ -54,6 +56,9 @@ from appliance.engine.runner import Emission, Job, Runner, build_runner
 from appliance.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(top_k=1)
+# The long prompt, and the prefix of it an earlier request leaves in the reuse pool: 62 full
+# blocks of 32 (1,984 tokens) are reused and 64 tokens computed, the same count as the short prompt.
+PREFILL_TOKENS = 2048
 REUSED_PREFIX = 2000
 
 
@@ -192,7 +197,7 @@ def measure_variant(
         result["decode_ms_p50"] = pct(gaps, 50) * 1e3
         result["decode_ms_p99"] = pct(gaps, 99) * 1e3
         result["decode_tokens"] = len(gaps) + 1
-        for n in (128, 2048):
+        for n in (64, 128, PREFILL_TOKENS):
             ttfts = [
                 (t.times[0] - t.submitted) * 1e3
                 for t in (run_job(runner, prompt(n), 1) for _ in range(args.ttft_runs))
@@ -200,12 +205,22 @@ def measure_variant(
             result[f"ttft_{n}_ms_p50"] = statistics.median(ttfts)
             result[f"ttft_{n}_ms_all"] = ttfts
         prefix = prompt(REUSED_PREFIX)
-        run_job(runner, prefix + prompt(48), 1)  # computes and pools the prefix's blocks
-        reused = [run_job(runner, prefix + prompt(48), 1) for _ in range(args.ttft_runs)]
+        run_job(
+            runner, prefix + prompt(PREFILL_TOKENS - REUSED_PREFIX), 1
+        )  # computes and pools the prefix's blocks
+        reused = [
+            run_job(runner, prefix + prompt(PREFILL_TOKENS - REUSED_PREFIX), 1)
+            for _ in range(args.ttft_runs)
+        ]
         result["ttft_reuse_ms_p50"] = statistics.median(
             (t.times[0] - t.submitted) * 1e3 for t in reused
         )
         result["reused_tokens"] = [t.perf.kv.reused_tokens for t in reused]
+        result["ttft_reuse_minus_ttft_64_ms"] = (
+            result["ttft_reuse_ms_p50"] - result["ttft_64_ms_p50"]
+        )
+        result["matmul_2048_ms"] = dense_matmul_ms(model, PREFILL_TOKENS, device)
+        result["ttft_2048_over_matmul"] = result["ttft_2048_ms_p50"] / result["matmul_2048_ms"]
         result.update(step_profile(model, runner.cache, device))
         if variant.kernels == "triton":
             result["triton_vs_torch_logits_rel_err"] = kernel_agreement(model, runner.cache)
@@ -218,6 +233,41 @@ def measure_variant(
         del runner, model
         gc.collect()
     return result
+
+
+def dense_matmul_ms(model: LlamaModel, tokens: int, device: torch.device, runs: int = 3) -> float:
+    """Device time of a prefill's dense matrix products alone: every block's linear layers (as
+    the model holds them: bf16 or FP8) applied to `tokens` rows, best of `runs`. The compute a
+    prefill of that many tokens cannot avoid, measured in the same run as its TTFT."""
+    c = model.config
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rows(width: int) -> torch.Tensor:
+        return torch.randn(tokens, width, generator=gen, device=device).to(model.dtype)
+
+    x, attn, inner = (
+        rows(c.hidden_size),
+        rows(c.num_attention_heads * c.head_dim),
+        rows(c.intermediate_size),
+    )
+
+    def products() -> None:
+        for layer in model.layers:
+            layer.wqkv(x)
+            layer.wo(attn)
+            layer.w13(x)
+            layer.w2(inner)
+
+    best = float("inf")
+    with torch.inference_mode():
+        products()  # warm: cuBLAS handles and heuristics
+        for _ in range(runs):
+            _sync(device)
+            t0 = time.perf_counter()
+            products()
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 def step_profile(model: LlamaModel, cache: Any, device: torch.device) -> dict[str, Any]:
@@ -308,9 +358,10 @@ def table(report: dict[str, Any]) -> str:
         f"GPU decode: {report['device_name']}, shape {report['shape']}, torch {report['torch']}; "
         f"copy bandwidth (read+write) {floor_bw:.0f} GB/s",
         "| variant | weights GB/step | floor ms | decode P50 ms | P99 ms | P50/floor | "
-        "graph step ms | kernels/step | TTFT 128 ms | TTFT 2048 ms | TTFT 2048 reuse ms | "
+        "graph step ms | kernels/step | TTFT 64 ms | TTFT 128 ms | TTFT 2048 ms | "
+        "matmul 2048 ms | TTFT 2048 / matmul | TTFT 2048 reuse ms | reuse - TTFT 64 ms | "
         "peak GiB | capture s | start-up s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|" + "---:|" * 17,
     ]
 
     def f(value: Any, spec: str = ".2f") -> str:
@@ -326,8 +377,10 @@ def table(report: dict[str, Any]) -> str:
             f"| {v['decode_ms_p50']:.3f} | {v['decode_ms_p99']:.3f} "
             f"| {v['decode_ms_p50'] / floor_ms:.2f} | {f(v.get('graph_step_ms_back_to_back'), '.3f')} "
             f"| {f(v.get('kernels_per_step', v.get('cpu_ops_per_step')), '.0f')} "
-            f"| {v['ttft_128_ms_p50']:.1f} "
-            f"| {v['ttft_2048_ms_p50']:.1f} | {v['ttft_reuse_ms_p50']:.1f} "
+            f"| {v['ttft_64_ms_p50']:.2f} | {v['ttft_128_ms_p50']:.2f} "
+            f"| {v['ttft_2048_ms_p50']:.1f} | {v['matmul_2048_ms']:.1f} "
+            f"| {v['ttft_2048_over_matmul']:.2f} | {v['ttft_reuse_ms_p50']:.2f} "
+            f"| {v['ttft_reuse_minus_ttft_64_ms']:+.2f} "
             f"| {f(v.get('peak_memory_gib'))} | {f(v['graph_capture_s'])} | {v['startup_s']:.1f} |"
         )
     path = report["path"]

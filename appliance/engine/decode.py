@@ -14,7 +14,8 @@ graph at start-up, so a short request does not read a 128k-token cache every ste
 `torch.cuda.CUDAGraph` is used directly rather than `torch.compile(mode="reduce-overhead")`: the
 eager kernels are replayed as they are (no compile step at start-up, which takes minutes for an 8B
 model, and no recompilation when a shape changes), the capture is one small function the CPU tests
-can drive with a fake (`Capture`), and the prefill path stays plain eager torch. What compile would
+can drive with a fake (`Capture`). Short prefills are captured the same way
+(`appliance.engine.prefill`); longer ones stay plain eager torch. What compile would
 add, fusing the small elementwise kernels (norms, RoPE, SiLU), moves far fewer bytes than the
 weight reads that bound a batch-1 step.
 """
@@ -23,13 +24,16 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from appliance.engine.llama import KVCache, LlamaModel
+
+if TYPE_CHECKING:
+    from appliance.engine.prefill import GraphPrefill
 
 __all__ = [
     "Capture",
@@ -51,9 +55,14 @@ Capture = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 class DecodeStep(Protocol):
-    """One decode step on one preallocated cache."""
+    """A request's forward passes on one preallocated cache: prefill chunks and decode steps."""
 
     cache: KVCache
+
+    def prefill(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Logits (vocab,) float32 of the last of `token_ids` at positions start..; positions
+        before start must be in the cache. Valid until the next call."""
+        ...
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         """Logits (vocab,) float32 of `token` at `pos`; valid until the next call."""
@@ -61,14 +70,39 @@ class DecodeStep(Protocol):
 
 
 class EagerDecode:
-    """The step as plain torch calls, attending over exactly the positions written so far."""
+    """The step launched call by call, no graph: on the model's fused Triton kernels when it runs
+    them (over the smallest span above the position, as a captured step does, so the kernels are
+    compiled once per span), else as plain torch calls attending over exactly the positions
+    written so far."""
 
     def __init__(self, model: LlamaModel, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
+        self._spans: list[int] = []
+        if model.kernels == "triton":
+            self._spans = decode_spans(cache.max_seq_len)
+            self._step_in = torch.zeros(2, dtype=torch.long, device=model.device)
+            self._logits = torch.empty(
+                model.config.vocab_size, dtype=torch.float32, device=model.device
+            )
+
+    def prefill(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        return self.model.forward(token_ids, self.cache, start)
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
-        return self.model.forward((token,), self.cache, pos)
+        if not self._spans:
+            return self.model.forward((token,), self.cache, pos)
+        if not 0 <= pos < self.cache.max_seq_len:
+            raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
+        if not 0 <= token < self.model.config.vocab_size:
+            raise ValueError(
+                f"token id must be in [0, {self.model.config.vocab_size}), got {token}"
+            )
+        span = self._spans[bisect.bisect_right(self._spans, pos)]
+        with torch.inference_mode():
+            self._step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
+            self.model.decode_static(self._step_in, self.cache, span, self._logits)
+        return self._logits
 
 
 def decode_spans(max_seq_len: int, smallest: int = SMALLEST_SPAN) -> list[int]:
@@ -96,9 +130,15 @@ class GraphDecode:
         cache: KVCache,
         capture: Capture,
         smallest_span: int = SMALLEST_SPAN,
+        prefill: GraphPrefill | None = None,
     ) -> None:
+        """`prefill` (captured on the same cache) serves the prefills it has a bucket for; the
+        others, and all of them without it, run eager."""
+        if prefill is not None and prefill.cache is not cache:
+            raise ValueError("the captured prefill must run on the decode step's cache")
         self.model = model
         self.cache = cache
+        self.graph_prefill = prefill
         device = model.device
         self.step_in = torch.zeros(2, dtype=torch.long, device=device)
         self.logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=device)
@@ -110,6 +150,13 @@ class GraphDecode:
                 for span in self.spans
             ]
         self.capture_seconds = time.perf_counter() - started
+
+    def prefill(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        if self.graph_prefill is not None:
+            logits = self.graph_prefill(token_ids, start)
+            if logits is not None:
+                return logits
+        return self.model.forward(token_ids, self.cache, start)
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         if not 0 <= pos < self.cache.max_seq_len:

@@ -391,9 +391,20 @@ class LlamaModel:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got {list(token_ids)[:16]}")
         with torch.inference_mode():
-            return self._forward(token_ids, cache, start_pos)
+            return self._logits(self._forward(token_ids, cache, start_pos)[-1])
+
+    def sequence_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Float32 logits (n, vocab) at every position of `token_ids` from position 0, in one
+        forward pass on a cache of its own: what evaluations (top-1 agreement) compare."""
+        cache = self.new_cache(len(token_ids))  # refuses an empty or too long sequence
+        vocab = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {list(token_ids)[:16]}")
+        with torch.inference_mode():
+            return self._logits(self._forward(token_ids, cache, 0))
 
     def _forward(self, token_ids: Iterable[int], cache: KVCache, start_pos: int) -> torch.Tensor:
+        """The final hidden states (n, hidden) of `token_ids` at positions start_pos.."""
         c = self.config
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         n = ids.shape[0]
@@ -432,8 +443,7 @@ class LlamaModel:
             )
             return attn.squeeze(0)
 
-        x = self._blocks(F.embedding(ids, self.embed), start_pos, end, attend)
-        return self._logits(x[-1])
+        return self._blocks(F.embedding(ids, self.embed), start_pos, end, attend)
 
     def decode_static(
         self, step_in: torch.Tensor, cache: KVCache, span: int, logits_out: torch.Tensor
@@ -475,13 +485,76 @@ class LlamaModel:
         x = self._blocks(F.embedding(token, self.embed), pos, None, attend)
         logits_out.copy_(self._logits(x[-1]))
 
+    def prefill_static(
+        self,
+        ids: torch.Tensor,
+        meta: torch.Tensor,
+        cache: KVCache,
+        span: int,
+        logits_out: torch.Tensor,
+    ) -> None:
+        """A prefill whose every shape is fixed by its bucket (`ids`' length) and `span`, so a
+        CUDA graph can replay it for any prompt of at most that many tokens.
+
+        `meta` is a (2,) long tensor on the device: the start position and the count n of live
+        tokens; `ids[:n]` are the tokens at positions start..start+n-1 and the rest of `ids` is
+        padding (any valid id). Positions before start must already be in `cache` (a reused
+        prefix or an earlier chunk); start + bucket <= span <= cache.max_seq_len. The float32
+        logits of the last live token are written into `logits_out` (vocab,). Nothing here reads a
+        tensor's value on the host.
+
+        Padding affects nothing: a padded row's embedding is zero and a padded query sees only its
+        own key, whose value is zero, so the row stays exactly zero through every block (RMSNorm,
+        the linear layers, an FP8 per-tensor activation scale included, and SiLU(0) * 0 all map
+        zero to zero). Its K/V (zeros) land at positions start+n..start+bucket-1, after the live
+        ones; no live query sees them, and every later step writes a position before reading it.
+        Positions from start+bucket on are not written here and may hold anything, NaN included:
+        they are selected out (`torch.where`) before attention, never masked arithmetically.
+        """
+        c = self.config
+        bucket = ids.shape[0]
+        start, count = meta[0:1], meta[1:2]
+        rows = self.positions[:bucket]
+        positions = start + rows  # (bucket,) absolute positions of the rows
+        live_row = rows < count
+        keys_at = self.positions[:span]
+        # Live queries see every key at or before them; a padded query sees only its own key.
+        visible = torch.where(
+            live_row[:, None],
+            keys_at[None, :] <= positions[:, None],
+            keys_at[None, :] == positions[:, None],
+        )
+        written = (keys_at < start + bucket).view(span, 1)
+        kv_heads, group = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+        # Query heads sharing a KV head are rows of one (kv_heads, group * bucket) batch: GQA with
+        # neither K/V expansion nor SDPA's enable_gqa; 4-D inputs with a boolean mask take the
+        # fused kernels that accept a mask.
+        mask = visible.repeat(group, 1).view(1, 1, group * bucket, span)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[li].index_copy_(1, positions, k)
+            cache.v[li].index_copy_(1, positions, v)
+            keys = torch.where(written, cache.k[li, :, :span], 0.0)
+            values = torch.where(written, cache.v[li, :, :span], 0.0)
+            attn = F.scaled_dot_product_attention(
+                q.reshape(1, kv_heads, group * bucket, c.head_dim),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=mask,
+            )
+            return attn.view(c.num_attention_heads, bucket, c.head_dim)
+
+        x = torch.where(live_row[:, None], F.embedding(ids, self.embed), 0.0)
+        x = self._blocks(x, positions, None, attend)
+        logits_out.copy_(self._logits(x.index_select(0, count - 1)[0]))
+
     def _blocks(
         self, x: torch.Tensor, start: int | torch.Tensor, end: int | None, attend: Attend
     ) -> torch.Tensor:
         """Every decoder block over hidden states x (n, hidden) at positions start..
 
-        `start` is an int with `end` (a slice of the RoPE tables) or a (1,) device tensor with
-        `end` None (a gather, for the fixed-shape decode step).
+        `start` is an int with `end` (a slice of the RoPE tables) or, with `end` None, a device
+        tensor of the n rows' positions (a gather, for the fixed-shape steps).
         """
         c = self.config
         n = x.shape[0]

@@ -3,7 +3,7 @@
 The order is the point: the fit check runs on config.json alone (or the random-weights shape),
 before a byte of weights moves, so a model too large for the device is refused in milliseconds with
 the numbers; then the weights load (or are drawn on the device), then the runner allocates its
-working cache and, on a GPU, captures the decode step.
+working cache and, on a GPU, captures the decode step and the bucketed short prefills.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from appliance.engine.decode import cuda_graph_capture, decode_spans
 from appliance.engine.llama import LlamaModel, load_config
 from appliance.engine.options import EngineOptions, check_fit
+from appliance.engine.prefill import prefill_graph_count
 from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import ModelEntry
 from appliance.engine.runner import Runner, build_runner, prefill_chunk_tokens, working_seq_len
@@ -32,7 +33,12 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     kv = entry.kv_cache
     max_seq_len = working_seq_len(config, kv)
     device = options.torch_device
-    graphs = len(decode_spans(max_seq_len)) if options.use_cuda_graph else 0
+    spans = decode_spans(max_seq_len)
+    graphs = (
+        len(spans) + prefill_graph_count(options.prefill_buckets, spans)
+        if options.use_cuda_graph
+        else 0
+    )
     plan = check_fit(config, options, kv, max_seq_len, prefill_chunk_tokens(device), graphs)
     if shape:
         model = random_model(config, device, options.torch_dtype, options.fp8, options.seed)
@@ -45,7 +51,7 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     model.kernels = options.kernel_path
     loaded = time.monotonic()
     capture = cuda_graph_capture(device) if options.use_cuda_graph else None
-    runner = build_runner(model, kv, fingerprint, capture)
+    runner = build_runner(model, kv, fingerprint, capture, options.prefill_buckets)
     log.info(
         "model %s: %s %s, weights %s (%.2f GiB read per decode step), working cache %d tokens, "
         "decode %s on %s kernels; fit: %.2f of %.2f GiB free; loaded in %.1f s, runner ready in %.1f s",
@@ -55,8 +61,11 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         f"fp8 ({options.fp8_scaling})" if options.fp8 else "in the model dtype",
         model.weight_bytes / 2**30,
         max_seq_len,
-        f"CUDA graphs for {graphs} attention spans" if graphs else "eager",
-        model.kernels if graphs else "torch",
+        f"{graphs} CUDA graphs (decode: {len(spans)} attention spans; prefill: buckets "
+        f"{','.join(map(str, options.prefill_buckets)) or 'none'})"
+        if graphs
+        else "eager",
+        model.kernels,
         plan.required_bytes / 2**30,
         plan.gpu_memory_bytes / 2**30,
         loaded - started,

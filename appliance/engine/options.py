@@ -18,6 +18,7 @@ from appliance.engine.device import resolve_device
 from appliance.engine.kernels import KernelChoice, resolve_kernels, triton_problem
 from appliance.engine.linear import Scaling
 from appliance.engine.llama import LlamaConfig
+from appliance.engine.prefill import PREFILL_BUCKETS, bucket_problem
 from appliance.engine.prefix_cache import free_device_bytes
 from appliance.engine.random_weights import SHAPES
 from appliance.engine.repository import KvCacheParams
@@ -48,8 +49,11 @@ class EngineOptions:
 
     `dtype` "auto" is float32 on a CPU and bfloat16 on a GPU; `weights` "fp8" quantizes the
     linear layers of every block to E4M3 at load (`fp8_scaling` per output channel or per tensor);
-    `cuda_graph` "auto" captures the decode step on a GPU only; `kernels` "auto" runs the captured
-    step on the fused Triton kernels on a GPU where triton imports, eager torch elsewhere. `random_weights` names a shape
+    `cuda_graph` "auto" captures the decode step on a GPU only; `kernels` "auto" runs the decode
+    step (captured or not) on the fused Triton kernels on a GPU where triton imports, eager torch
+    elsewhere;
+    `prefill_buckets` are the prompt lengths whose prefill is captured beside the decode step
+    (`appliance.engine.prefill`). `random_weights` names a shape
     from `appliance.engine.random_weights.SHAPES` to serve seeded random weights of instead of each
     model's checkpoint (latency work without a download).
     """
@@ -60,6 +64,7 @@ class EngineOptions:
     fp8_scaling: Scaling = "channel"
     cuda_graph: Literal["auto", "on", "off"] = "auto"
     kernels: KernelChoice = "auto"
+    prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
     random_weights: str | None = None
     seed: int = 0
 
@@ -125,6 +130,9 @@ class EngineOptions:
             why = triton_problem(torch.device(self.device))
             if why:
                 return "--kernels triton", why
+        why = bucket_problem(self.prefill_buckets)
+        if why:
+            return "--prefill-buckets", why
         if self.random_weights is not None and self.random_weights not in SHAPES:
             return f"--random-weights {self.random_weights}", f"known shapes: {', '.join(SHAPES)}"
         if not 0 <= self.seed < 2**31:

@@ -7,7 +7,8 @@ flag the generation loop polls before every step, so a cancelled job stops withi
 Nothing is allocated per request: the runner owns one KV cache sized to the repository's
 `max_seq_len`, which every job overwrites, and (with `enable_kv_cache_reuse`) a pool of finished
 requests' blocks from which a job's matching prefix is copied in instead of recomputed. With a
-`Capture` (CUDA graphs on a GPU), the decode step is captured once on that cache at start-up.
+`Capture` (CUDA graphs on a GPU), the decode step and short prefills are captured once on that
+cache at start-up.
 
 Prompts are prefilled in chunks of `prefill_chunk_tokens`, and cancellation is checked between
 chunks, so stopping the engine (or a cancelled request) waits for at most one chunk's forward pass.
@@ -25,10 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from appliance.engine.decode import Capture, DecodeStep, EagerDecode, GraphDecode
+from appliance.engine.decode import Capture, DecodeStep, EagerDecode, GraphDecode, decode_spans
 from appliance.engine.device import enter_device
 from appliance.engine.guided import CompiledGuide
 from appliance.engine.llama import LlamaConfig, LlamaModel
+from appliance.engine.prefill import PREFILL_BUCKETS, GraphPrefill
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
 from appliance.engine.sampling import SamplingParams, generate
@@ -120,16 +122,22 @@ class Runner:
         tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK,
         prefix: PrefixCache | None = None,
         capture: Capture | None = None,
+        prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
     ) -> None:
         """`max_seq_len` sizes the one working KV cache (default: the model's context); `capture`
-        (None: eager decode) captures the decode step on it before the compute thread starts."""
+        (None: all eager) captures the decode step, and a prefill of each of `prefill_buckets`
+        lengths (none when empty), on it before the compute thread starts."""
         self.model = model
         self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
-        self.decode: DecodeStep = (
-            EagerDecode(model, self.cache)
-            if capture is None
-            else GraphDecode(model, self.cache, capture)
-        )
+        self.decode: DecodeStep = EagerDecode(model, self.cache)
+        if capture is not None:
+            spans = decode_spans(self.cache.max_seq_len)
+            prefill = (
+                GraphPrefill(model, self.cache, capture, prefill_buckets, spans)
+                if prefill_buckets
+                else None
+            )
+            self.decode = GraphDecode(model, self.cache, capture, prefill=prefill)
         self.prefill_chunk = prefill_chunk_tokens(model.device)
         self.prefix = prefix
         self.tokens_per_block = prefix.tokens_per_block if prefix else tokens_per_block
@@ -300,7 +308,11 @@ def working_seq_len(config: LlamaConfig, params: KvCacheParams) -> int:
 
 
 def build_runner(
-    model: LlamaModel, params: KvCacheParams, fingerprint: str, capture: Capture | None = None
+    model: LlamaModel,
+    params: KvCacheParams,
+    fingerprint: str,
+    capture: Capture | None = None,
+    prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
 ) -> Runner:
     """The runner a repository's KV-cache parameters ask for."""
     max_seq_len = working_seq_len(model.config, params)
@@ -332,4 +344,4 @@ def build_runner(
                 params.max_tokens,
                 max_seq_len,
             )
-    return Runner(model, max_seq_len, params.tokens_per_block, prefix, capture)
+    return Runner(model, max_seq_len, params.tokens_per_block, prefix, capture, prefill_buckets)

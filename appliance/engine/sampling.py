@@ -232,7 +232,7 @@ def _steps(
     for start in range(start_pos, len(prompt_ids), prefill_chunk):
         if start > start_pos and should_stop():
             return
-        logits = model.forward(prompt_ids[start : start + prefill_chunk], cache, start)
+        logits = step_once.prefill(prompt_ids[start : start + prefill_chunk], start)
     if guide is not None:
         guide.fill()  # while the prefill's last chunk runs
     history.extend(prompt_ids)

@@ -32,7 +32,10 @@ def test_gpu_decode_bench_runs_on_cpu_and_writes_json(
     assert fp8["weight_bytes_per_step"] < bf16["weight_bytes_per_step"]
     for v in (bf16, fp8):
         assert v["decode_tokens"] == 8 and 0 < v["decode_ms_p50"] <= v["decode_ms_p99"]
-        assert v["ttft_128_ms_p50"] > 0 and v["ttft_2048_ms_p50"] > 0
+        assert v["ttft_64_ms_p50"] > 0 and v["ttft_128_ms_p50"] > 0 and v["ttft_2048_ms_p50"] > 0
+        assert v["matmul_2048_ms"] > 0
+        assert v["ttft_2048_over_matmul"] == v["ttft_2048_ms_p50"] / v["matmul_2048_ms"]
+        assert v["ttft_reuse_minus_ttft_64_ms"] == v["ttft_reuse_ms_p50"] - v["ttft_64_ms_p50"]
         # 62 full blocks of the 2,000-token prefix came from the pool.
         assert v["reused_tokens"] == [1984]
         assert v["cpu_ops_per_step"] > 0  # the profiler's count of the captured step's body

@@ -240,6 +240,7 @@ def test_runner_close_cancels_the_running_job_and_joins(micro_model: LlamaModel)
 
     class HeldStep:
         cache = runner.cache
+        prefill = graph_step.prefill
 
         def __call__(self, token: int, pos: int) -> torch.Tensor:
             release.wait(10)  # the job stays in its decode loop until close() has cancelled it
@@ -344,6 +345,8 @@ def test_a_model_too_large_for_free_memory_is_refused_before_loading(
         (["--cuda-graph", "on"], "--cuda-graph on: CUDA graphs need a CUDA device"),
         (["--random-weights", "gpt-5"], "--random-weights gpt-5: known shapes: llama-3.1-8b, tiny"),
         (["--seed", "-1"], "--seed -1: expected an integer"),
+        (["--prefill-buckets", "16,x"], "--prefill-buckets 16,x: expected comma-separated"),
+        (["--prefill-buckets", "0,16"], "--prefill-buckets 0,16: each bucket must be"),
     ],
 )
 def test_engine_refuses_options_it_cannot_honour(

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.engine import kernels
-from appliance.engine.decode import GraphDecode
+from appliance.engine.decode import EagerDecode, GraphDecode
 from appliance.engine.linear import dequantize, quantize
 from appliance.engine.llama import LlamaModel
 from appliance.engine.random_weights import random_model
@@ -161,3 +161,37 @@ def test_the_fused_step_stays_close_to_eager_in_bf16(fp8: str | None) -> None:
         err = float((got - ref).norm() / ref.norm())
         # bf16 alone is ~0.004 from float32 here; FP8 weights add ~0.01 (test_gpu_path's bound).
         assert err < (0.01 if fp8 is None else 0.03), (pos, err)
+
+
+def test_without_graphs_the_decode_step_also_runs_on_the_fused_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--cuda-graph off` with `--kernels triton`: the eager step launches the same fused step."""
+    eager = random_model("tiny", DEVICE, torch.float32, seed=5)
+    fused = _fused(random_model("tiny", DEVICE, torch.float32, seed=5))
+    spans: list[int] = []
+    fused_step = fused.decode_static
+
+    def spy(step_in: torch.Tensor, cache: object, span: int, out: torch.Tensor) -> None:
+        spans.append(span)
+        fused_step(step_in, cache, span, out)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused, "decode_static", spy)
+    prompt = [7, 300, 42, 11, 5]
+    cache = fused.new_cache(600)
+    step = EagerDecode(fused, cache)
+    greedy = SamplingParams(top_k=1)
+    got = list(generate(fused, prompt, 12, None, greedy, cache=cache, decode=step))
+    assert got == list(generate(eager, prompt, 12, None, greedy))
+    assert spans == [256] * 11  # every decode step, over the smallest span above its position
+    eager_cache = eager.new_cache(600)
+    eager.forward([1] * 300, eager_cache, 0)
+    fused.forward([1] * 300, cache, 0)
+    torch.testing.assert_close(
+        step(9, 300), eager.forward([9], eager_cache, 300), rtol=1e-4, atol=1e-4
+    )
+    assert spans[-1] == 512
+    with pytest.raises(ValueError, match="outside the cache"):
+        step(1, 600)
+    with pytest.raises(ValueError, match="token id"):
+        step(fused.config.vocab_size, 3)
