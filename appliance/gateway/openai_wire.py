@@ -8,7 +8,7 @@ streamed token costs one `json.dumps` of its text.
 
 Field policy, documented in the README: an unknown field is refused (as OpenAI's own API does); an
 OpenAI field the appliance does not implement is accepted only at its no-op value (`n: 1`,
-`logprobs: false`, penalties 0, ...), since anything else would silently change the answer; `user`,
+`best_of: 1`, penalties 0, ...), since anything else would silently change the answer; `user`,
 `metadata`, `store` and `service_tier` are accepted and ignored. The appliance's own fields ride in
 an `"appliance"` object (the `openai` SDK sends it with `extra_body`); the answer's extras come back
 in an `"appliance"` object too.
