@@ -43,6 +43,8 @@ GUIDE_KINDS = {
 MIN_TEMPERATURE = 1e-2
 # OpenAI's range.
 MAX_TEMPERATURE = 2.0
+# OpenAI's range of top_logprobs.
+MAX_TOP_LOGPROBS = 20
 # How much of a client's value an error message echoes.
 ECHO_CHARS = 64
 _invalid = invalid
@@ -132,6 +134,12 @@ class CheckedRequest:
     stops: tuple[str, ...]
     cache_policy: CachePolicy
     guide: Guide | None = None
+    # Completion tokens before the end token or a stop string may end the answer.
+    min_tokens: int = 0
+    # The end token does not end the answer.
+    ignore_eos: bool = False
+    # Each completion token's log-probability is returned.
+    logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,9 @@ class PreparedRequest:
     sampling: Sampling
     stops: tuple[str, ...]
     guide: Guide | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: bool = False
 
 
 def _new_request_id() -> str:
@@ -201,6 +212,8 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
             raise _invalid(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long")
 
     guide = _guide(req) if req.HasField("guide") else None
+    min_tokens = _min_tokens(req, max_tokens)
+    logprobs = _logprobs(req)
 
     which = req.WhichOneof("input")
     prompt: str | None = None
@@ -224,7 +237,45 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         stops=stops,
         cache_policy=cache_policy,
         guide=guide,
+        min_tokens=min_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
     )
+
+
+def _min_tokens(req: pb.GenerateRequest, max_tokens: int) -> int:
+    if not req.HasField("min_tokens"):
+        return 0
+    min_tokens = req.min_tokens
+    if not 0 <= min_tokens <= max_tokens:
+        raise _invalid(
+            f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {min_tokens}",
+            field="min_tokens",
+        )
+    return min_tokens
+
+
+def _logprobs(req: pb.GenerateRequest) -> bool:
+    """Whether log-probabilities are returned. top_logprobs is checked against OpenAI's range, then
+    refused above 0: TensorRT-LLM's `tensorrt_llm` model returns only the chosen token's
+    log-probability, and both backends answer the same requests."""
+    if not req.HasField("top_logprobs"):
+        return req.logprobs
+    top = req.top_logprobs
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _invalid(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
+            field="top_logprobs",
+        )
+    if top and not req.logprobs:
+        raise _invalid("top_logprobs needs logprobs: set logprobs to true", field="top_logprobs")
+    if top:
+        raise _invalid(
+            f"top_logprobs {top} is not supported: the inference engine returns only the chosen "
+            "token's log-probability; send top_logprobs 0 or leave it out",
+            field="top_logprobs",
+        )
+    return req.logprobs
 
 
 def _guide(req: pb.GenerateRequest) -> Guide | None:
@@ -317,4 +368,7 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         sampling=checked.sampling,
         stops=checked.stops,
         guide=checked.guide,
+        min_tokens=checked.min_tokens,
+        ignore_eos=checked.ignore_eos,
+        logprobs=checked.logprobs,
     )

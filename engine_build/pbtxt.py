@@ -44,6 +44,7 @@ _INPUTS: tuple[tuple[str, int, tuple[int, ...], bool, bool], ...] = (
     ("runtime_top_p", mc.TYPE_FP32, (1,), True, False),
     ("seed", mc.TYPE_UINT64, (1,), True, False),
     ("min_tokens", mc.TYPE_INT32, (1,), True, False),
+    ("return_log_probs", mc.TYPE_BOOL, (1,), True, False),
     ("repetition_penalty", mc.TYPE_FP32, (1,), True, False),
     ("presence_penalty", mc.TYPE_FP32, (1,), True, False),
     ("frequency_penalty", mc.TYPE_FP32, (1,), True, False),

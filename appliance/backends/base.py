@@ -64,6 +64,19 @@ class GenerationRequest:
     sampling: Sampling
     timeout_s: float | None
     guide: Guide | None = None
+    # The end id (end_id) and stop strings cannot end the generation before this many new tokens.
+    min_tokens: int = 0
+    # The end id does not end the generation (TensorRT-LLM's end_id -1).
+    ignore_eos: bool = False
+    # Each new token's log-probability comes back in Tokens.logprobs.
+    logprobs: bool = False
+
+
+class Tokens(list[int]):
+    """The new token ids of one engine response; `logprobs` holds one log-probability per id when
+    the request asked for them (GenerationRequest.logprobs), else None."""
+
+    logprobs: list[float] | None = None
 
 
 class Backend(Protocol):
@@ -87,7 +100,7 @@ class Backend(Protocol):
         """One readiness check: (ready, why not). Never raises."""
         ...
 
-    def stream(self, request: GenerationRequest) -> AsyncGenerator[list[int], None]:
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
         """The new token ids of each step until the generation ends.
 
         Raises BackendError with the status the client should get. Closing the iterator early

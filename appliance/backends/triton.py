@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends import wire
-from appliance.backends.base import BackendError, GenerationRequest
+from appliance.backends.base import BackendError, GenerationRequest, Tokens
 from engine_build.pbtxt import GUIDED_DECODING_INPUTS
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,13 @@ def status_for_inband_error(message: str) -> grpc.StatusCode:
 
 
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
+LOG_PROBS_INPUT = "return_log_probs"
+# [batch 1, beams, tokens] FP32. Streamed, TensorRT-LLM's executor returns the log-probabilities
+# of every token generated so far (LlmRequest::createResult does not slice them as it slices the
+# output ids), so a response's new tokens own the last entries of the first beam's row.
+LOG_PROBS_OUTPUT = "output_log_probs"
+# TensorRT-LLM's end id that no token matches: the generation ends at request_output_len only.
+NO_END_ID = -1
 GUIDE_INPUTS = frozenset(GUIDED_DECODING_INPUTS)
 
 
@@ -73,6 +80,8 @@ class InputNames:
     # The model takes guides: both inputs declared and a guided decoder configured (the backend
     # sets one up only when `guided_decoding_backend` and `xgrammar_tokenizer_info_path` are set).
     guided: bool = False
+    # The model returns log-probabilities: input return_log_probs and output output_log_probs.
+    log_probs: bool = False
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> InputNames:
@@ -88,6 +97,8 @@ class InputNames:
             min_tokens=next((n for n in ("min_length", "min_tokens") if n in present), None),
             batch_dim=config.max_batch_size > 0,
             guided=configured and present >= GUIDE_INPUTS,
+            log_probs=LOG_PROBS_INPUT in present
+            and LOG_PROBS_OUTPUT in {o.name for o in config.output},
         )
 
 
@@ -139,6 +150,30 @@ def _output_tokens(response: ts.ModelInferResponse) -> list[int]:
             grpc.StatusCode.UNAVAILABLE, f"inference server sent a malformed output_ids: {exc}"
         ) from exc
     return [int(t) for t in tokens] if tokens else []
+
+
+def _output_log_probs(response: ts.ModelInferResponse, count: int) -> list[float]:
+    """The log-probabilities of a response's `count` new tokens (see LOG_PROBS_OUTPUT)."""
+    shape: list[int] = []
+    for output in response.outputs:
+        if output.name == LOG_PROBS_OUTPUT:
+            shape = list(output.shape)
+    try:
+        values = wire.output_values(response, LOG_PROBS_OUTPUT)
+    except wire.WireError as exc:
+        raise BackendError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"inference server sent a malformed {LOG_PROBS_OUTPUT}: {exc}",
+        ) from exc
+    if values is None:
+        values = []
+    row = values[: shape[-1]] if shape and shape[-1] >= 0 else values
+    if len(row) < count:
+        raise BackendError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"inference server sent {len(row)} {LOG_PROBS_OUTPUT} for {count} new tokens",
+        )
+    return [float(v) for v in row[len(row) - count :]]
 
 
 def _is_final(response: ts.ModelInferResponse) -> bool:
@@ -239,7 +274,15 @@ class TritonBackend:
         t.add("input_lengths", "INT32", [len(prompt_ids)])
         t.add("request_output_len", "INT32", [g.max_tokens])
         present = names.present
-        if end_id is not None and "end_id" in present:
+        if g.ignore_eos:
+            if "end_id" not in present:
+                raise BackendError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model '{self.model}' takes no end_id input, which ignore_eos needs; "
+                    "send the request without ignore_eos",
+                )
+            t.add("end_id", "INT32", [NO_END_ID])
+        elif end_id is not None and "end_id" in present:
             t.add("end_id", "INT32", [end_id])
         if pad_id is not None and "pad_id" in present:
             t.add("pad_id", "INT32", [pad_id])
@@ -260,6 +303,23 @@ class TritonBackend:
                     f"model '{self.model}' takes no seed input (random_seed/seed); omit seed",
                 )
             t.add(names.seed, "UINT64", [sampling.seed])
+        if g.min_tokens:
+            if names.min_tokens is None:
+                raise BackendError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model '{self.model}' takes no min_tokens input (min_tokens/min_length); "
+                    "send the request without min_tokens",
+                )
+            t.add(names.min_tokens, "INT32", [g.min_tokens])
+        if g.logprobs:
+            if not names.log_probs:
+                raise BackendError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model '{self.model}' returns no log-probabilities (its config.pbtxt needs "
+                    f"the input {LOG_PROBS_INPUT} and the output {LOG_PROBS_OUTPUT}); send the "
+                    "request without logprobs",
+                )
+            t.flag(LOG_PROBS_INPUT, True)
         if g.guide is not None:
             if not names.guided:
                 raise BackendError(
@@ -273,7 +333,7 @@ class TritonBackend:
             t.add("guided_decoding_guide", "BYTES", [g.guide.text.encode()])
         return req
 
-    async def stream(self, g: GenerationRequest) -> AsyncGenerator[list[int], None]:
+    async def stream(self, g: GenerationRequest) -> AsyncGenerator[Tokens, None]:
         """Yields the new token ids of each response until the final one.
 
         Leaving early (the caller stopped iterating, was cancelled, or hit a stop string) cancels
@@ -303,7 +363,9 @@ class TritonBackend:
                         f"inference server: {message.error_message}",
                     )
                 response = message.infer_response
-                tokens = _output_tokens(response)
+                tokens = Tokens(_output_tokens(response))
+                if g.logprobs and tokens:
+                    tokens.logprobs = _output_log_probs(response, len(tokens))
                 if _is_final(response):
                     finished = True
                     if tokens:

@@ -46,6 +46,10 @@ class SamplingKey:
     stops: tuple[str, ...]
     # The grammar the answer was decoded under: (type, text), or None for free text.
     guide: tuple[str, str] | None = None
+    # Completion tokens before the end token or a stop string may end the answer.
+    min_tokens: int = 0
+    # The end token does not end the answer.
+    ignore_eos: bool = False
 
 
 def _field(value: str) -> bytes:
@@ -125,6 +129,12 @@ def cache_key(
             parts.append(_field(content))
         digest.update(b"".join(parts))
     digest.update(_sampling_fields(sampling))
+    if (
+        sampling.min_tokens or sampling.ignore_eos
+    ):  # absent at their defaults: keys stay as they were
+        digest.update(
+            _field(f"min_tokens={sampling.min_tokens};ignore_eos={sampling.ignore_eos:d}")
+        )
     if sampling.guide is not None:
         digest.update(_field(f"guide:{sampling.guide[0]}") + _field(sampling.guide[1]))
     return digest.digest()

@@ -74,6 +74,9 @@ class Emission:
     final: bool
     error: str | None = None
     perf: RequestPerf | None = None
+    # The log-probabilities of every token generated so far (return_log_probs), as TensorRT-LLM's
+    # executor returns them with each streamed result.
+    log_probs: list[float] | None = None
 
 
 @dataclass(eq=False)  # identity: jobs live in sets and are compared by who they are
@@ -90,6 +93,8 @@ class Job:
     return_perf: bool = False
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     guide: CompiledGuide | None = None
+    min_tokens: int = 0
+    return_log_probs: bool = False
 
 
 @dataclass
@@ -221,6 +226,7 @@ class Runner:
         scheduled_ns = time.monotonic_ns()
         kv = self._reuse(job.prompt_ids)
         history: list[int] = []
+        log_probs: list[float] | None = [] if job.return_log_probs else None
         tokens = generate(
             self.model,
             job.prompt_ids,
@@ -234,6 +240,8 @@ class Runner:
             decode=self.decode,
             prefill_chunk=self.prefill_chunk,
             guide=job.guide,
+            min_tokens=job.min_tokens,
+            logprobs=log_probs,
         )
         produced: list[int] = []
         first_token_ns = 0
@@ -261,7 +269,7 @@ class Runner:
                 finished = len(produced) == job.max_new_tokens
                 if finished:  # counted before the final response leaves, so statistics never lag it
                     self._count(completed=1)
-                job.emit(Emission([token], final=finished, perf=perf()))
+                job.emit(Emission([token], finished, None, perf(), _copy(log_probs)))
                 if finished:
                     break
         if not finished and job.cancel.is_set():
@@ -271,10 +279,10 @@ class Runner:
             finished = True
             self._count(completed=1)
             if not job.streaming:
-                job.emit(Emission(produced, final=True, perf=perf()))
+                job.emit(Emission(produced, True, None, perf(), _copy(log_probs)))
             else:
                 # Ended by the end id: a final response with no new tokens (not a null response).
-                job.emit(Emission([], final=True, perf=perf()))
+                job.emit(Emission([], True, None, perf(), _copy(log_probs)))
         self._account(job, kv, produced, history if finished else None)
 
     def _account(
@@ -298,6 +306,10 @@ class Runner:
             self.stats.cancelled += cancelled
             self.stats.failed += failed
             self.stats.changed.notify_all()
+
+
+def _copy(values: list[float] | None) -> list[float] | None:
+    return None if values is None else values[:]
 
 
 def working_seq_len(config: LlamaConfig, params: KvCacheParams) -> int:

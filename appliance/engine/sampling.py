@@ -83,6 +83,17 @@ class Sampler:
                 choice = indices[choice]
             return int(choice.item())
 
+    def logprob(self, logits: torch.Tensor, token: int) -> float:
+        """The log-probability of `token` under the distribution it was chosen from: the
+        log-softmax over the whole vocabulary of the logits as masked (grammar, min_tokens), divided
+        by the temperature when sampling; top-k and top-p truncation do not renormalize it (as a
+        greedy answer's log-probabilities stay those of the model's distribution)."""
+        with torch.inference_mode():
+            scaled = logits.float()
+            if not self.params.greedy:
+                scaled = scaled / self.params.temperature
+            return float(torch.log_softmax(scaled, dim=-1)[token].item())
+
 
 def nucleus_mask(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest prefix of descending probabilities whose mass reaches top_p.
@@ -107,6 +118,8 @@ def generate(
     decode: DecodeStep | None = None,
     prefill_chunk: int | None = None,
     guide: CompiledGuide | None = None,
+    min_tokens: int = 0,
+    logprobs: list[float] | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
 
@@ -127,6 +140,10 @@ def generate(
     so on a GPU it overlaps the step. The grammar's state (its matcher) exists only while the
     generation runs: it is made at the first token requested and released when the generation ends,
     however it ends.
+    `min_tokens`: the end id is masked out of the logits of the first `min_tokens` steps (a
+    guide's own end is left to its grammar). An `end_id` no token has (TensorRT-LLM's -1) never
+    ends the generation. `logprobs`, when given, is extended with each yielded token's
+    log-probability (Sampler.logprob) before the token is yielded.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must contain at least one token")
@@ -153,6 +170,8 @@ def generate(
         raise ValueError("a decode step runs on its own cache; pass that cache")
     if prefill_chunk is not None and prefill_chunk <= 0:
         raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
     if guide is not None and guide.grammars.vocab_size != vocab:
         raise ValueError(
             f"the guide was compiled for a vocabulary of {guide.grammars.vocab_size}, "
@@ -172,6 +191,8 @@ def generate(
         decode,
         prefill_chunk or len(prompt_ids),
         guide,
+        min_tokens,
+        logprobs,
     )
 
 
@@ -188,8 +209,11 @@ def _generate(
     decode: DecodeStep | None,
     prefill_chunk: int,
     guide: CompiledGuide | None,
+    min_tokens: int,
+    logprobs: list[float] | None,
 ) -> Iterator[int]:
-    matcher = guide.matcher(end_id) if guide is not None else None
+    ends = end_id is not None and 0 <= end_id < model.config.vocab_size
+    matcher = guide.matcher(end_id if ends else None) if guide is not None else None
     try:
         yield from _steps(
             model,
@@ -204,6 +228,8 @@ def _generate(
             decode,
             prefill_chunk,
             matcher,
+            min_tokens if ends and matcher is None else 0,
+            logprobs,
         )
     finally:
         if matcher is not None:
@@ -223,6 +249,8 @@ def _steps(
     decode: DecodeStep | None,
     prefill_chunk: int,
     guide: GuidedMatcher | None,
+    min_tokens: int,
+    logprobs: list[float] | None,
 ) -> Iterator[int]:
     if max_new_tokens == 0 or should_stop():
         return
@@ -240,9 +268,14 @@ def _steps(
     for step in range(max_new_tokens):
         if guide is not None and not guide.apply(logits):
             return  # the grammar allows no token here
+        if step < min_tokens and end_id is not None:
+            with torch.inference_mode():  # the logits are inference tensors
+                logits[end_id] = float("-inf")
         token = sampler(logits)
         if token == end_id or (guide is not None and token in guide.stop):
             return
+        if logprobs is not None:
+            logprobs.append(sampler.logprob(logits, token))
         yield token
         if step == max_new_tokens - 1 or should_stop():
             return

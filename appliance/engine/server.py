@@ -121,6 +121,8 @@ class Decoded:
     return_perf: bool = False
     guide: Guide | None = None
     compiled: CompiledGuide | None = None  # the guide, compiled by `compile_guide`
+    min_tokens: int = 0
+    return_log_probs: bool = False
 
 
 def _read_tensor(
@@ -206,6 +208,9 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         raise InferError(
             f"runtime_top_p must be in [0, 1] and temperature >= 0 for '{model.entry.name}'"
         )
+    min_tokens = int(scalar("min_tokens", scalar("min_length", 0)))
+    if min_tokens < 0:
+        raise InferError(f"min_tokens must be >= 0, got {min_tokens}")
     exclude = model.entry.parameter("exclude_input_in_output", "false") == "true"
     guide = None if stop else _guide(tensors, model)
     return Decoded(
@@ -223,6 +228,8 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         exclude_input=bool(scalar("exclude_input_in_output", exclude)),
         return_perf=bool(scalar("return_perf_metrics", False)),
         guide=guide,
+        min_tokens=min_tokens,
+        return_log_probs=bool(scalar("return_log_probs", False)),
     )
 
 
@@ -287,6 +294,7 @@ def _response(
     final: bool,
     perf: RequestPerf | None = None,
     declared: frozenset[str] = frozenset(),
+    log_probs: list[float] | None = None,
 ) -> ts.ModelInferResponse:
     response = ts.ModelInferResponse(model_name=model_name, model_version="1", id=request.id)
     response.parameters["triton_final_response"].bool_param = final
@@ -298,6 +306,13 @@ def _response(
         wire.add_output(response, "output_ids", "INT32", tokens, [1, 1, len(tokens)])
     if not wanted or "sequence_length" in wanted:
         wire.add_output(response, "sequence_length", "INT32", [len(tokens)], [1, 1])
+    if log_probs is not None:
+        # return_log_probs: every generated token's log-probability so far, [batch, beam, tokens]
+        # (streamed too, as TensorRT-LLM's executor sends them), and their sum, [batch, beam].
+        if "output_log_probs" in declared and (not wanted or "output_log_probs" in wanted):
+            wire.add_output(response, "output_log_probs", "FP32", log_probs, [1, 1, len(log_probs)])
+        if "cum_log_probs" in declared and (not wanted or "cum_log_probs" in wanted):
+            wire.add_output(response, "cum_log_probs", "FP32", [sum(log_probs)], [1, 1])
     if perf is not None:
         # Only outputs the model config declares, as Triton allows a backend no others.
         for name, (datatype, value) in _perf_outputs(perf).items():
@@ -536,6 +551,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             True,
             emission.perf,
             model.output_names,
+            emission.log_probs,
         )
         statistics.finished(clock, ok=True)
         return response
@@ -559,6 +575,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             emit=lambda e: None,
             return_perf=decoded.return_perf,
             guide=decoded.compiled,
+            min_tokens=decoded.min_tokens,
+            return_log_probs=decoded.return_log_probs,
         )
         job.emit = functools.partial(emit, job)
         if request.id:
@@ -639,6 +657,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                         e.final,
                         e.perf,
                         model.output_names,
+                        e.log_probs,
                     )
                     outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
                 if e.final:

@@ -18,10 +18,11 @@ from appliance.stopstrings import StopMatcher
 
 @dataclass(slots=True)
 class Delta:
-    """New text and the token ids it came from."""
+    """New text and the token ids it came from, with their log-probabilities when asked for."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -49,22 +50,33 @@ Event = Delta | Outcome | Started
 async def generate(
     model: ServedModel, request: GenerationRequest, stops: tuple[str, ...]
 ) -> AsyncIterator[Delta | Outcome]:
-    """Deltas as they decode, then the Outcome."""
+    """Deltas as they decode, then the Outcome. Stop strings are looked for only in the text of
+    the tokens after the first `request.min_tokens` (the engine bans the end id until then); with
+    `request.ignore_eos` the end id does not end the answer."""
     decoder = IncrementalDecoder(model.text.table)
     matcher = StopMatcher(stops)
-    end_id = request.end_id
+    end_id = None if request.ignore_eos else request.end_id
+    min_tokens = request.min_tokens
     completion = 0
     ended_by_stop = False
     tokens_stream = model.backend.stream(request)
     try:
-        async for tokens in tokens_stream:
+        async for step in tokens_stream:
+            tokens: list[int] = step
+            logprobs = step.logprobs
             if end_id is not None and end_id in tokens:
-                tokens = tokens[: tokens.index(end_id)]
+                cut = tokens.index(end_id)
+                tokens, logprobs = tokens[:cut], logprobs[:cut] if logprobs else logprobs
                 ended_by_stop = True
+            pieces = [decoder.push(t) for t in tokens]
+            if completion >= min_tokens:
+                text = matcher.feed("".join(pieces))
+            else:
+                free = min(len(pieces), min_tokens - completion)
+                text = "".join(pieces[:free]) + matcher.feed("".join(pieces[free:]))
             completion += len(tokens)
-            text = matcher.feed("".join([decoder.push(t) for t in tokens]))
             if text or tokens:
-                yield Delta(text, tokens)
+                yield Delta(text, tokens, logprobs)
             if matcher.stopped or ended_by_stop:
                 ended_by_stop = True
                 break

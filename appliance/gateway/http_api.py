@@ -407,16 +407,18 @@ class HttpApi:
         if http.stream:
             return await self._stream(request, answer, first, messages)
         text = [first.text]
+        logprobs = list(first.logprobs)
         message = first
         try:
             while not message.HasField("final"):
                 message = await anext(messages)
                 text.append(message.text)
+                logprobs.extend(message.logprobs)
         except RequestError as exc:
             return self._refused(http, exc)
         await _finish(messages)
         return web.Response(
-            body=wire.dumps(answer.whole("".join(text), message.final)),
+            body=wire.dumps(answer.whole("".join(text), message.final, logprobs)),
             content_type="application/json",
             headers={"X-Request-Id": answer.request_id},
         )
@@ -439,8 +441,8 @@ class HttpApi:
         try:
             while True:
                 text = held.feed(message.text) if held is not None else message.text
-                if text:
-                    out += answer.chunk(text)
+                if text or message.logprobs:
+                    out += answer.chunk(text, message.logprobs)
                 if message.HasField("final"):
                     call = None
                     if held is not None:

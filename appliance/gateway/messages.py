@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from appliance.cache.entry import CachedAnswer
+from appliance.detokenize import TokenTable
 from appliance.gateway.generation import Delta, Event, Outcome
 from appliance.gateway.report import RequestReport
 from appliance.v1 import inference_pb2 as pb
@@ -22,8 +23,13 @@ TIERS = {
 }
 
 
-def delta(request_id: str, d: Delta) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids)
+def delta(request_id: str, d: Delta, table: TokenTable) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids)
+    if d.logprobs is not None:
+        entries = message.logprobs
+        for token_id, logprob in zip(d.token_ids, d.logprobs, strict=True):
+            entries.add(token_id=token_id, token=table.bytes_of(token_id), logprob=logprob)
+    return message
 
 
 def final(

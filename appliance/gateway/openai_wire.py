@@ -8,7 +8,7 @@ streamed token costs one `json.dumps` of its text.
 
 Field policy, documented in the README: an unknown field is refused (as OpenAI's own API does); an
 OpenAI field the appliance does not implement is accepted only at its no-op value (`n: 1`,
-`logprobs: false`, penalties 0, ...), since anything else would silently change the answer; `user`,
+`best_of: 1`, penalties 0, ...), since anything else would silently change the answer; `user`,
 `metadata`, `store` and `service_tier` are accepted and ignored. The appliance's own fields ride in
 an `"appliance"` object (the `openai` SDK sends it with `extra_body`); the answer's extras come back
 in an `"appliance"` object too.
@@ -17,7 +17,7 @@ in an `"appliance"` object too.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +49,6 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 # OpenAI fields the appliance does not implement, with the value(s) that mean "off".
 NO_OP: dict[str, tuple[object, ...]] = {
     "n": (1,),
-    "logprobs": (False, None),
-    "top_logprobs": (None, 0),
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
     "logit_bias": (None,),
@@ -72,6 +70,9 @@ COMMON = frozenset(
         "stop",
         "appliance",
         "response_format",
+        "logprobs",
+        "min_tokens",
+        "ignore_eos",
         *IGNORED,
         *NO_OP,
     }
@@ -82,6 +83,7 @@ CHAT_FIELDS = COMMON | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "top_logprobs",
 }
 COMPLETION_FIELDS = COMMON | {"prompt"}
 EXTENSION_FIELDS = frozenset(
@@ -191,6 +193,8 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     if seed is not None:
         req.seed = seed
     req.stop.extend(_stops(data))
+    _length(req, data)
+    _logprobs(req, data, chat)
     _response_format(req, data)
     if tools is not None and tools.forced:
         if req.HasField("guide"):
@@ -205,6 +209,38 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     include_usage = _include_usage(data, stream)
     deadline_s = _extension(req, data)
     return HttpRequest(req, chat, stream, include_usage, deadline_s, tools)
+
+
+def _length(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+    """vLLM's `min_tokens` and `ignore_eos`, top-level in the body as vLLM, SGLang and benchmark
+    tools (aiperf's --extra-inputs) send them."""
+    min_tokens = _int(data, "min_tokens", -INT32_MAX, INT32_MAX)
+    if min_tokens is not None:
+        req.min_tokens = min_tokens
+    req.ignore_eos = bool(_field(data, "ignore_eos", bool) or False)
+
+
+def _logprobs(req: pb.GenerateRequest, data: dict[str, Any], chat: bool) -> None:
+    """Chat: `logprobs` (boolean) and `top_logprobs` (0 to 20). Completions: `logprobs` is the
+    number of alternatives per token (0: the chosen token's log-probability alone)."""
+    if chat:
+        req.logprobs = bool(_field(data, "logprobs", bool) or False)
+        top = _int(data, "top_logprobs", -INT32_MAX, INT32_MAX)
+        if top is not None:
+            req.top_logprobs = top
+        return
+    count = _int(data, "logprobs", 0, INT32_MAX)
+    if count is None:
+        return
+    if count > 0:
+        raise invalid(
+            f"logprobs {count} asks for {count} alternatives per token, which this server does "
+            "not return (the inference engine gives the chosen token's log-probability alone); "
+            "send logprobs 0",
+            "logprobs",
+        )
+    req.logprobs = True
+    req.top_logprobs = count
 
 
 def _tools(data: dict[str, Any]) -> ToolPlan | None:
@@ -556,6 +592,9 @@ class Answer:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.request_id = request_id
         self.created = created
+        self.logprobs = http.request.logprobs
+        # Characters of completion text before the next token (completions' text_offset).
+        self._offset = 0
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         head = dumps({"id": self.id, "object": kind, "created": created, "model": self.model})
         # Every chunk is `data: {head,"choices":[{"index":0,<part>...}]}\n\n`.
@@ -577,8 +616,37 @@ class Answer:
             + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def chunk(self, text: str) -> bytes:
-        return self._text(text)
+    def chunk(self, text: str, logprobs: Sequence[pb.TokenLogprob] = ()) -> bytes:
+        """A text delta; with log-probabilities, those of the tokens its message added (the text
+        of a token may come in a later chunk: a character or a possible stop string can lag)."""
+        if not logprobs:
+            return self._text(text)
+        choice: dict[str, Any] = {"index": 0}
+        choice["delta" if self.chat else "text"] = {"content": text} if self.chat else text
+        choice["logprobs"] = self.render_logprobs(logprobs)
+        choice["finish_reason"] = None
+        return self._chunk_of([choice])
+
+    def render_logprobs(self, entries: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
+        """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists.
+        No alternatives are returned (top_logprobs 0): chat's lists are empty, completions' null."""
+        tokens = [e.token.decode(errors="replace") for e in entries]
+        if self.chat:
+            content = [
+                {"token": t, "logprob": e.logprob, "bytes": list(e.token), "top_logprobs": []}
+                for t, e in zip(tokens, entries, strict=True)
+            ]
+            return {"content": content, "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
 
     def call_id(self) -> str:
         return f"call_{self.request_id}_0"
@@ -617,7 +685,9 @@ class Answer:
         }
         return b"data: " + dumps(body) + b"\n\n"
 
-    def whole(self, text: str, final: pb.Final) -> dict[str, Any]:
+    def whole(
+        self, text: str, final: pb.Final, logprobs: Sequence[pb.TokenLogprob] = ()
+    ) -> dict[str, Any]:
         """The non-streaming answer."""
         choice: dict[str, Any] = {"index": 0}
         call = parse_call(text, self.tools) if self.tools is not None else None
@@ -631,7 +701,7 @@ class Answer:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = None
+        choice["logprobs"] = self.render_logprobs(logprobs) if self.logprobs else None
         choice["finish_reason"] = "tool_calls" if call is not None else finish_reason(final)
         return {
             "id": self.id,

@@ -108,6 +108,8 @@ def sampling_key(checked: CheckedRequest) -> SamplingKey:
     key = _sampling_key(checked.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, checked.stops)
     if checked.guide is not None:  # not in the memo: a guide's text may be 64 KiB
         key = dataclasses.replace(key, guide=(checked.guide.kind, checked.guide.text))
+    if checked.min_tokens or checked.ignore_eos:
+        key = dataclasses.replace(key, min_tokens=checked.min_tokens, ignore_eos=checked.ignore_eos)
     return key
 
 
@@ -297,8 +299,12 @@ class Pipeline:
     def cache_query(
         self, model: ServedModel, checked: CheckedRequest, request: pb.GenerateRequest
     ) -> CacheQuery | None:
-        """The request as the cache sees it; None when its answer may not be cached."""
+        """The request as the cache sees it; None when its answer may not be cached. An answer
+        with log-probabilities is never cached: a cached answer holds none to replay."""
         if self.cache is None or checked.cache_policy == checked.cache_policy.BYPASS:
+            return None
+        if checked.logprobs:
+            self.cache.metrics.not_cacheable += 1
             return None
         sampling = sampling_key(checked)
         if not is_deterministic(sampling):
@@ -521,6 +527,9 @@ class Pipeline:
                 sampling=prepared.sampling,
                 timeout_s=timeout_s,
                 guide=prepared.guide,
+                min_tokens=prepared.min_tokens,
+                ignore_eos=prepared.ignore_eos,
+                logprobs=prepared.logprobs,
             )
             async for event in generate(model, request, prepared.stops):
                 if not first and (isinstance(event, Outcome) or event.token_ids):
@@ -590,7 +599,7 @@ class Pipeline:
                     started = max(started, event.at_ns)
                     continue
                 if isinstance(event, Delta):
-                    yield messages.delta(report.request_id, event)
+                    yield messages.delta(report.request_id, event, generation.model.text.table)
                     sent += len(event.token_ids)
                     now = time.monotonic_ns()
                     if event.token_ids:

@@ -103,6 +103,7 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
             ):
                 text.append(message.text)
                 reply.token_ids.extend(message.token_ids)
+                reply.logprobs.extend(message.logprobs)
                 reply.request_id = message.request_id
                 if message.HasField("final"):
                     reply.final.CopyFrom(message.final)

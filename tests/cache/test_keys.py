@@ -48,6 +48,8 @@ def test_stable() -> None:
         {"sampling": dataclasses.replace(GREEDY, max_tokens=65)},
         {"sampling": dataclasses.replace(GREEDY, stops=("\n",))},
         {"sampling": SEEDED},
+        {"sampling": dataclasses.replace(GREEDY, min_tokens=8)},
+        {"sampling": dataclasses.replace(GREEDY, ignore_eos=True)},
     ],
 )
 def test_every_field_changes_the_key(change: dict[str, object]) -> None:
@@ -100,3 +102,13 @@ def test_only_deterministic_requests_are_cacheable() -> None:
     assert is_deterministic(GREEDY)
     assert is_deterministic(SEEDED)
     assert not is_deterministic(dataclasses.replace(SEEDED, seed=None))
+
+
+def test_min_tokens_and_ignore_eos_keep_their_own_keys() -> None:
+    """Neither is folded into another field: each combination is its own answer."""
+    keys = {
+        key(sampling=dataclasses.replace(GREEDY, min_tokens=m, ignore_eos=e))
+        for m in (0, 1, 8)
+        for e in (False, True)
+    }
+    assert len(keys) == 6

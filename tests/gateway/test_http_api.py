@@ -310,7 +310,7 @@ REFUSED: list[tuple[bytes, str]] = [
     (b'{"model": "tiny", "messages": [], "temperature": true}', "temperature must be a number"),
     (b'{"model": "tiny", "messages": [], "stop": [1]}', "stop must be a string or a list"),
     (b'{"model": "tiny", "messages": [], "n": 2}', "n is not supported"),
-    (b'{"model": "tiny", "messages": [], "logprobs": true}', "logprobs is not supported"),
+    (b'{"model": "tiny", "messages": [], "best_of": 2}', "best_of is not supported"),
     (b'{"model": "tiny", "messages": [], "bogus": 1}', "Unrecognized request argument"),
     (b'{"model": "tiny", "messages": [], "stream_options": {}}', "only allowed when stream"),
     (b'{"model": "tiny", "messages": [], "appliance": {"x": 1}}', "unknown field appliance.x"),
