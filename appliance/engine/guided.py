@@ -27,7 +27,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,6 +218,11 @@ class Grammars:
                 "ebnf_grammar": "the EBNF grammar",
             }.get(guide.kind, "the guide")
             raise GuideError(f"{what} cannot be compiled: {_reason(exc)}") from None
+
+    def snapshot(self) -> tuple[GrammarStats, int]:
+        """A consistent copy of the cache's counters, and the matchers still open."""
+        with self._lock:
+            return replace(self.stats), self.active
 
     def _opened(self, delta: int) -> None:
         with self._lock:

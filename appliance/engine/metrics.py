@@ -6,6 +6,11 @@ durations in microseconds, pending requests) and `nv_trt_llm_*` (KV-cache blocks
 type). The engine server exports the same families from the statistics it already keeps for the
 ModelStatistics RPC, read at scrape time: serving pays nothing for them. Triton serves them on its own
 port (8002 by default); `appliance engine --metrics HOST:PORT` does the same.
+
+Guided decoding has no Triton family; its compiled-guide cache is exported as
+`appliance_engine_guided_*` (Prometheus' naming: counters end in `_total` on the wire), per model
+with a guided decoder: compiles (cache misses), cache hits, seconds spent compiling, and the
+matchers of generations still running. Hit rate = hits / (hits + compiles).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -123,6 +128,39 @@ class EngineCollector(Collector):
         counters = (success, failure, count, execs, *durations)
         yield from (c.metric for c in counters)
         yield from (pending, blocks, requests)
+        yield from self._guided()
+
+    def _guided(self) -> Iterable[Metric]:
+        compiles = CounterMetricFamily(
+            "appliance_engine_guided_compiles",
+            "Guides compiled (compiled-guide cache misses).",
+            labels=("model",),
+        )
+        hits = CounterMetricFamily(
+            "appliance_engine_guided_cache_hits",
+            "Guides served from the compiled-guide cache.",
+            labels=("model",),
+        )
+        seconds = CounterMetricFamily(
+            "appliance_engine_guided_compile_seconds",
+            "Time spent compiling guides.",
+            labels=("model",),
+        )
+        matchers = GaugeMetricFamily(
+            "appliance_engine_guided_matchers",
+            "Grammar matchers of guided generations still running.",
+            labels=("model",),
+        )
+        for name, model in self._models.items():
+            grammars = model.grammars
+            if grammars is None:
+                continue
+            stats, active = grammars.snapshot()
+            compiles.add_metric((name,), stats.compiles)
+            hits.add_metric((name,), stats.hits)
+            seconds.add_metric((name,), stats.compile_ns / 1e9)
+            matchers.add_metric((name,), active)
+        yield from (compiles, hits, seconds, matchers)
 
 
 def serve_metrics(

@@ -20,13 +20,15 @@ import grpc
 import jsonschema
 import pytest
 from google.protobuf import text_format
+from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.guided import MAX_GUIDE_BYTES
-from appliance.engine.server import EngineModel, load_repository, start_engine
+from appliance.engine.metrics import EngineCollector
+from appliance.engine.server import EngineModel, EngineService, load_repository, start_engine
 from engine_build.pbtxt import GUIDED_DECODING_INPUTS
 from engine_build.repo import write_hf_repository
 from engine_build.tokenizer_info import write_tokenizer_info
@@ -343,6 +345,47 @@ async def test_compiled_guides_are_cached(
         await generated(stub, guided("json_schema", schema, seed=seed))
     assert grammars.stats.compiles == compiles + 1
     assert grammars.stats.hits == hits + 2
+
+
+async def test_engine_metrics_export_the_compiled_guide_cache(
+    stub: ts_grpc.GRPCInferenceServiceStub, served: dict[str, EngineModel]
+) -> None:
+    models = {name: m for name, m in served.items() if not name.startswith("_")}
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EngineCollector(EngineService(models), models))
+
+    def sample(name: str) -> float:
+        value = registry.get_sample_value(name, {"model": GUIDED})
+        assert value is not None, f"{name} is not exported for {GUIDED}"
+        return value
+
+    before = {
+        n: sample(n)
+        for n in (
+            "appliance_engine_guided_compiles_total",
+            "appliance_engine_guided_cache_hits_total",
+            "appliance_engine_guided_compile_seconds_total",
+        )
+    }
+    schema = json.dumps({"enum": ["metered", "twice"]})
+    for seed in range(2):
+        await generated(stub, guided("json_schema", schema, seed=seed))
+    assert sample("appliance_engine_guided_compiles_total") == (
+        before["appliance_engine_guided_compiles_total"] + 1
+    )
+    assert sample("appliance_engine_guided_cache_hits_total") == (
+        before["appliance_engine_guided_cache_hits_total"] + 1
+    )
+    assert (
+        sample("appliance_engine_guided_compile_seconds_total")
+        > (before["appliance_engine_guided_compile_seconds_total"])
+    )
+    assert sample("appliance_engine_guided_matchers") == 0
+    # A model without a guided decoder has no guided series.
+    assert (
+        registry.get_sample_value("appliance_engine_guided_compiles_total", {"model": PLAIN})
+        is None
+    )
 
 
 async def test_a_grammar_with_no_token_left_ends_the_generation(
