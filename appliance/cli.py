@@ -50,6 +50,9 @@ def _engine(args: argparse.Namespace) -> int:
         prefill_buckets=prefill_buckets,
         random_weights=args.random_weights,
         seed=args.seed,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
+        ngram=args.ngram,
     )
     problem = options.problem()
     if problem:
@@ -299,6 +302,19 @@ def parser() -> argparse.ArgumentParser:
         "model's checkpoint",
     )
     e.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default 0)")
+    e.add_argument(
+        "--speculative",
+        default="off",
+        choices=["off", "ngram"],
+        help="speculative decoding: ngram proposes drafts copied from the prompt and the text so "
+        "far, verified in one forward pass (default off; eager step only)",
+    )
+    e.add_argument(
+        "--draft-tokens", type=int, default=4, help="drafts per verify step, 1..16 (default 4)"
+    )
+    e.add_argument(
+        "--ngram", type=int, default=3, help="longest n-gram the drafter looks up, 1..8 (default 3)"
+    )
     e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     e.set_defaults(func=_engine)
 

@@ -379,6 +379,11 @@ class LlamaModel:
         Positions before start_pos must already be in `cache` (from earlier calls); a call with
         several tokens is a prefill (or a chunk of one), a call with one token is a decode step.
         """
+        self._check_run(token_ids, cache, start_pos)
+        with torch.inference_mode():
+            return self._logits(self._forward(token_ids, cache, start_pos)[-1])
+
+    def _check_run(self, token_ids: Sequence[int], cache: KVCache, start_pos: int) -> None:
         n = len(token_ids)
         if n == 0:
             raise ValueError("forward needs at least one token")
@@ -390,8 +395,15 @@ class LlamaModel:
         vocab = self.config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got {list(token_ids)[:16]}")
+
+    def forward_rows(
+        self, token_ids: Sequence[int], cache: KVCache, start_pos: int
+    ) -> torch.Tensor:
+        """As `forward`, but float32 logits (n, vocab) of every one of `token_ids` (a verify step
+        of speculative decoding scores each draft in one pass)."""
+        self._check_run(token_ids, cache, start_pos)
         with torch.inference_mode():
-            return self._logits(self._forward(token_ids, cache, start_pos)[-1])
+            return self._logits(self._forward(token_ids, cache, start_pos))
 
     def sequence_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Float32 logits (n, vocab) at every position of `token_ids` from position 0, in one

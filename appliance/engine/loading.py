@@ -51,7 +51,9 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     model.kernels = options.kernel_path
     loaded = time.monotonic()
     capture = cuda_graph_capture(device) if options.use_cuda_graph else None
-    runner = build_runner(model, kv, fingerprint, capture, options.prefill_buckets)
+    runner = build_runner(
+        model, kv, fingerprint, capture, options.prefill_buckets, options.speculation
+    )
     log.info(
         "model %s: %s %s, weights %s (%.2f GiB read per decode step), working cache %d tokens, "
         "decode %s on %s kernels; fit: %.2f of %.2f GiB free; loaded in %.1f s, runner ready in %.1f s",

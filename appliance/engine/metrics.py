@@ -11,6 +11,10 @@ Guided decoding has no Triton family; its compiled-guide cache is exported as
 `appliance_engine_guided_*` (Prometheus' naming: counters end in `_total` on the wire), per model
 with a guided decoder: compiles (cache misses), cache hits, seconds spent compiling, and the
 matchers of generations still running. Hit rate = hits / (hits + compiles).
+
+Speculative decoding (`--speculative ngram`) counts, per model, the draft tokens proposed to verify
+steps and those accepted (`appliance_engine_spec_draft_tokens_total`,
+`appliance_engine_spec_accepted_tokens_total`); acceptance rate = accepted / proposed.
 """
 
 from __future__ import annotations
@@ -129,6 +133,25 @@ class EngineCollector(Collector):
         yield from (c.metric for c in counters)
         yield from (pending, blocks, requests)
         yield from self._guided()
+        yield from self._speculative()
+
+    def _speculative(self) -> Iterable[Metric]:
+        drafts = CounterMetricFamily(
+            "appliance_engine_spec_draft_tokens",
+            "Draft tokens proposed to speculative verify steps.",
+            labels=("model",),
+        )
+        accepted = CounterMetricFamily(
+            "appliance_engine_spec_accepted_tokens",
+            "Draft tokens accepted by speculative verify steps.",
+            labels=("model",),
+        )
+        for name, model in self._models.items():
+            stats = model.runner.stats
+            with stats.lock:
+                drafts.add_metric((name,), stats.spec_draft_tokens)
+                accepted.add_metric((name,), stats.spec_accepted_tokens)
+        yield from (drafts, accepted)
 
     def _guided(self) -> Iterable[Metric]:
         compiles = CounterMetricFamily(

@@ -22,6 +22,7 @@ from appliance.engine.prefill import PREFILL_BUCKETS, bucket_problem
 from appliance.engine.prefix_cache import free_device_bytes
 from appliance.engine.random_weights import SHAPES
 from appliance.engine.repository import KvCacheParams
+from appliance.engine.speculative import NgramSpeculation
 from engine_build.planner import GIB, MIB, FitPlan, make_plan
 from engine_build.spec import BuildSpec
 
@@ -55,7 +56,9 @@ class EngineOptions:
     `prefill_buckets` are the prompt lengths whose prefill is captured beside the decode step
     (`appliance.engine.prefill`). `random_weights` names a shape
     from `appliance.engine.random_weights.SHAPES` to serve seeded random weights of instead of each
-    model's checkpoint (latency work without a download).
+    model's checkpoint (latency work without a download). `speculative` "ngram" runs prompt-lookup
+    speculative decoding (`draft_tokens` drafts a step, n-grams of at most `ngram` tokens) on the
+    eager decode step; with CUDA graphs the captured single-token step runs instead.
     """
 
     device: str = "cpu"
@@ -67,6 +70,16 @@ class EngineOptions:
     prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
     random_weights: str | None = None
     seed: int = 0
+    speculative: Literal["off", "ngram"] = "off"
+    draft_tokens: int = 4
+    ngram: int = 3
+
+    @property
+    def speculation(self) -> NgramSpeculation | None:
+        """The drafter's settings, None when speculation is off."""
+        if self.speculative == "off":
+            return None
+        return NgramSpeculation(self.draft_tokens, self.ngram)
 
     @property
     def torch_device(self) -> torch.device:
@@ -137,6 +150,13 @@ class EngineOptions:
             return f"--random-weights {self.random_weights}", f"known shapes: {', '.join(SHAPES)}"
         if not 0 <= self.seed < 2**31:
             return f"--seed {self.seed}", "expected an integer in [0, 2**31)"
+        if self.speculative not in ("off", "ngram"):
+            return f"--speculative {self.speculative}", "expected off or ngram"
+        spec = NgramSpeculation(self.draft_tokens, self.ngram).problem()
+        if spec:
+            option, why = spec
+            value = self.draft_tokens if option == "--draft-tokens" else self.ngram
+            return f"{option} {value}", why
         return None
 
 

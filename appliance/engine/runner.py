@@ -34,6 +34,7 @@ from appliance.engine.prefill import PREFILL_BUCKETS, GraphPrefill
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
 from appliance.engine.sampling import SamplingParams, generate
+from appliance.engine.speculative import NgramSpeculation, SpecCounts
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0
     tokens_generated: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     queue_ns: int = 0
     compute_ns: int = 0
     running: str | None = None
@@ -128,10 +131,12 @@ class Runner:
         prefix: PrefixCache | None = None,
         capture: Capture | None = None,
         prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
+        speculation: NgramSpeculation | None = None,
     ) -> None:
         """`max_seq_len` sizes the one working KV cache (default: the model's context); `capture`
         (None: all eager) captures the decode step, and a prefill of each of `prefill_buckets`
-        lengths (none when empty), on it before the compute thread starts."""
+        lengths (none when empty), on it before the compute thread starts. `speculation` runs
+        prompt-lookup speculative decoding on the eager step; with a captured step it is off."""
         self.model = model
         self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
         self.decode: DecodeStep = EagerDecode(model, self.cache)
@@ -143,6 +148,10 @@ class Runner:
                 else None
             )
             self.decode = GraphDecode(model, self.cache, capture, prefill=prefill)
+        self.speculation = speculation
+        if capture is not None and speculation is not None:
+            log.warning("speculative decoding runs on the eager step only: off with CUDA graphs")
+            self.speculation = None
         self.prefill_chunk = prefill_chunk_tokens(model.device)
         self.prefix = prefix
         self.tokens_per_block = prefix.tokens_per_block if prefix else tokens_per_block
@@ -227,6 +236,8 @@ class Runner:
         kv = self._reuse(job.prompt_ids)
         history: list[int] = []
         log_probs: list[float] | None = [] if job.return_log_probs else None
+        spec = SpecCounts()
+        published = SpecCounts()
         tokens = generate(
             self.model,
             job.prompt_ids,
@@ -242,6 +253,8 @@ class Runner:
             guide=job.guide,
             min_tokens=job.min_tokens,
             logprobs=log_probs,
+            speculation=self.speculation,
+            spec_counts=spec,
         )
         produced: list[int] = []
         first_token_ns = 0
@@ -265,6 +278,9 @@ class Runner:
             first_token_ns = first_token_ns or time.monotonic_ns()
             with self.stats.lock:
                 self.stats.tokens_generated += 1
+                self.stats.spec_draft_tokens += spec.proposed - published.proposed
+                self.stats.spec_accepted_tokens += spec.accepted - published.accepted
+            published = dataclasses.replace(spec)
             if job.streaming:
                 finished = len(produced) == job.max_new_tokens
                 if finished:  # counted before the final response leaves, so statistics never lag it
@@ -325,6 +341,7 @@ def build_runner(
     fingerprint: str,
     capture: Capture | None = None,
     prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
+    speculation: NgramSpeculation | None = None,
 ) -> Runner:
     """The runner a repository's KV-cache parameters ask for."""
     max_seq_len = working_seq_len(model.config, params)
@@ -356,4 +373,12 @@ def build_runner(
                 params.max_tokens,
                 max_seq_len,
             )
-    return Runner(model, max_seq_len, params.tokens_per_block, prefix, capture, prefill_buckets)
+    return Runner(
+        model,
+        max_seq_len,
+        params.tokens_per_block,
+        prefix,
+        capture,
+        prefill_buckets,
+        speculation,
+    )

@@ -17,6 +17,7 @@ import torch
 from appliance.engine.decode import DecodeStep, EagerDecode
 from appliance.engine.guided import CompiledGuide, GuidedMatcher
 from appliance.engine.llama import KVCache, LlamaModel
+from appliance.engine.speculative import NgramSpeculation, SpecCounts, accept_sampled, verify
 
 __all__ = ["Sampler", "SamplingParams", "generate"]
 
@@ -83,6 +84,34 @@ class Sampler:
                 choice = indices[choice]
             return int(choice.item())
 
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The (vocab,) probabilities `__call__` samples from when not greedy (temperature, top-k,
+        top-p applied, renormalised), as a full-vocabulary vector."""
+        p = self.params
+        with torch.inference_mode():
+            scaled = logits.float() / p.temperature
+            if 0 < p.top_k < scaled.shape[-1]:
+                values, indices = torch.topk(scaled, p.top_k)
+            elif 0.0 < p.top_p < 1.0:
+                values, indices = torch.sort(scaled, descending=True)
+            else:
+                return torch.softmax(scaled, dim=-1)
+            probs = torch.softmax(values, dim=-1)
+            if 0.0 < p.top_p < 1.0:
+                probs = probs * nucleus_mask(probs, p.top_p)
+                probs = probs / probs.sum()
+            return torch.zeros_like(scaled).scatter_(0, indices, probs)
+
+    def choose(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
+        """The token chosen from `logits` given a speculative draft, and whether it is the draft:
+        greedy, the argmax; sampled, the rejection rule (`accept_sampled`), whose tokens are
+        distributed as `__call__`'s."""
+        if self.params.greedy:
+            token = int(torch.argmax(logits).item())
+            return token, token == draft
+        probs = self.distribution(logits)
+        return accept_sampled(probs, draft, self._generator_for(probs.device))
+
     def logprob(self, logits: torch.Tensor, token: int) -> float:
         """The log-probability of `token` under the distribution it was chosen from: the
         log-softmax over the whole vocabulary of the logits as masked (grammar, min_tokens), divided
@@ -120,6 +149,8 @@ def generate(
     guide: CompiledGuide | None = None,
     min_tokens: int = 0,
     logprobs: list[float] | None = None,
+    speculation: NgramSpeculation | None = None,
+    spec_counts: SpecCounts | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
 
@@ -144,6 +175,9 @@ def generate(
     guide's own end is left to its grammar). An `end_id` no token has (TensorRT-LLM's -1) never
     ends the generation. `logprobs`, when given, is extended with each yielded token's
     log-probability (Sampler.logprob) before the token is yielded.
+    `speculation` turns on prompt-lookup speculative decoding (`appliance.engine.speculative`) on
+    eager forward passes: same tokens when greedy, same distribution when sampled; a guided
+    request or one asking for log-probabilities runs without it. `spec_counts` counts its drafts.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must contain at least one token")
@@ -193,6 +227,8 @@ def generate(
         guide,
         min_tokens,
         logprobs,
+        speculation,
+        spec_counts if spec_counts is not None else SpecCounts(),
     )
 
 
@@ -211,6 +247,8 @@ def _generate(
     guide: CompiledGuide | None,
     min_tokens: int,
     logprobs: list[float] | None,
+    speculation: NgramSpeculation | None,
+    spec_counts: SpecCounts,
 ) -> Iterator[int]:
     ends = end_id is not None and 0 <= end_id < model.config.vocab_size
     matcher = guide.matcher(end_id if ends else None) if guide is not None else None
@@ -230,6 +268,8 @@ def _generate(
             matcher,
             min_tokens if ends and matcher is None else 0,
             logprobs,
+            speculation if matcher is None and logprobs is None else None,
+            spec_counts,
         )
     finally:
         if matcher is not None:
@@ -251,6 +291,8 @@ def _steps(
     guide: GuidedMatcher | None,
     min_tokens: int,
     logprobs: list[float] | None,
+    speculation: NgramSpeculation | None,
+    spec_counts: SpecCounts,
 ) -> Iterator[int]:
     if max_new_tokens == 0 or should_stop():
         return
@@ -265,13 +307,18 @@ def _steps(
         guide.fill()  # while the prefill's last chunk runs
     history.extend(prompt_ids)
     pos = len(prompt_ids)
+    # Tokens a verify step chose, emitted one per step; all but the last have their K/V written.
+    chosen: list[int] = []
     for step in range(max_new_tokens):
-        if guide is not None and not guide.apply(logits):
-            return  # the grammar allows no token here
-        if step < min_tokens and end_id is not None:
-            with torch.inference_mode():  # the logits are inference tensors
-                logits[end_id] = float("-inf")
-        token = sampler(logits)
+        if chosen:
+            token = chosen.pop(0)
+        else:
+            if guide is not None and not guide.apply(logits):
+                return  # the grammar allows no token here
+            if step < min_tokens and end_id is not None:
+                with torch.inference_mode():  # the logits are inference tensors
+                    logits[end_id] = float("-inf")
+            token = sampler(logits)
         if token == end_id or (guide is not None and token in guide.stop):
             return
         if logprobs is not None:
@@ -279,6 +326,23 @@ def _steps(
         yield token
         if step == max_new_tokens - 1 or should_stop():
             return
+        if chosen:  # an accepted draft: its K/V is in the cache already
+            history.append(token)
+            pos += 1
+            continue
+        drafts = (
+            speculation.propose([*history, token], max_new_tokens - step - 2)
+            if speculation is not None
+            else []
+        )
+        if drafts:
+            masked = max(0, min_tokens - step - 1) if end_id is not None else 0
+            chosen = verify(model, cache, pos, token, drafts, sampler, end_id, masked)
+            spec_counts.proposed += len(drafts)
+            spec_counts.accepted += len(chosen) - 1
+            history.append(token)
+            pos += 1
+            continue
         logits = step_once(token, pos)
         if guide is not None:
             guide.advance(token)  # while the decode step runs
