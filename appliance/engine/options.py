@@ -21,6 +21,7 @@ from appliance.engine.llama import LlamaConfig
 from appliance.engine.prefix_cache import free_device_bytes
 from appliance.engine.random_weights import SHAPES
 from appliance.engine.repository import KvCacheParams
+from engine_build.formats import DEFAULT_GROUP_SIZE, FORMATS, WeightFormat
 from engine_build.planner import GIB, MIB, FitPlan, make_plan
 from engine_build.spec import BuildSpec
 
@@ -159,14 +160,15 @@ class _EngineFitSpec:
     """
 
     dtype: str
-    weights_fp8: bool
+    weight_format: WeightFormat
     max_seq_len: int
     max_num_tokens: int
     tokens_per_block: int
     kv_cache_free_gpu_mem_fraction: float
     cuda_graph_mode: bool
     cuda_graph_cache_size: int
-    kv_fp8: bool = False
+    group_size: int = DEFAULT_GROUP_SIZE
+    kv_cache_dtype: str = "auto"
     tp_size: int = 1
     max_batch_size: int = 1
     runtime_overhead_bytes: int = RUNTIME_OVERHEAD_BYTES
@@ -195,7 +197,7 @@ def check_fit(
         free_bytes = free_device_bytes(device)
     spec = _EngineFitSpec(
         dtype=options.dtype_name,
-        weights_fp8=options.weights == "fp8",
+        weight_format=FORMATS["fp8" if options.weights == "fp8" else "none"],
         max_seq_len=max_seq_len,
         max_num_tokens=min(prefill_chunk, max_seq_len),
         tokens_per_block=kv.tokens_per_block,
