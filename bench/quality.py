@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--formats",
         default="float32,bfloat16,int8,int4",
-        help=f"comma list, the first is the reference (known: {', '.join(FORMATS)})",
+        help=f"comma list, the first is the reference (known: {', '.join(FORMATS)}); "
+        "NAME:G gives an int format its own group size",
     )
     p.add_argument("--weight-group", type=int, default=128, help="inputs per scale of int8/int4")
     p.add_argument("--tokens", type=int, default=4096, help="score at most this many tokens")
@@ -60,13 +61,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(args: argparse.Namespace) -> list[str]:
-    names = [n.strip() for n in args.formats.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FORMATS]
-    if not names or unknown:
+def _format(item: str, default_group: int) -> tuple[str, int]:
+    name, _, group = item.partition(":")
+    if name not in FORMATS:
+        raise UsageError(f"--formats: unknown {[name]}; known: {', '.join(FORMATS)}")
+    if not group:
+        return name, default_group
+    if FORMATS[name][1] is None or not group.isdigit() or int(group) not in GROUP_SIZES:
         raise UsageError(
-            f"--formats: unknown {unknown or 'empty list'}; known: {', '.join(FORMATS)}"
+            f"--formats {item}: a group ({', '.join(map(str, GROUP_SIZES))}) goes with int formats"
         )
+    return name, int(group)
+
+
+def _check(args: argparse.Namespace) -> list[tuple[str, int]]:
+    items = [n.strip() for n in args.formats.split(",") if n.strip()]
+    if not items:
+        raise UsageError("--formats: empty list")
     if args.weight_group not in GROUP_SIZES:
         raise UsageError(
             f"--weight-group {args.weight_group}: expected one of {', '.join(map(str, GROUP_SIZES))}"
@@ -81,7 +92,7 @@ def _check(args: argparse.Namespace) -> list[str]:
     for flag, (value, low, high) in bounds.items():
         if not low <= value <= high:
             raise UsageError(f"{flag} {value}: expected {low}..{high}")
-    return names
+    return [_format(item, args.weight_group) for item in items]
 
 
 def _model_dir(repository: Path, name: str | None) -> Path:
@@ -149,9 +160,10 @@ def run(argv: list[str] | None = None) -> int:
     )
     rows: list[FormatQuality] = []
     reference = None
-    for name in names:
-        dtype, bits = FORMATS[name]
-        quant = GroupQuant(bits, args.weight_group) if bits else None  # type: ignore[arg-type]
+    for fmt, group in names:
+        dtype, bits = FORMATS[fmt]
+        quant = GroupQuant(bits, group) if bits else None  # type: ignore[arg-type]
+        name = f"{fmt} g{group}" if bits else fmt
         started = time.perf_counter()
         try:
             model = LlamaModel.load(model_dir, "cpu", dtype, quant)
@@ -169,7 +181,7 @@ def run(argv: list[str] | None = None) -> int:
         )
         del model
     print()
-    print(f"reference: {names[0]}")
+    print(f"reference: {rows[0].name}")
     print(_table(rows, rows[0].perplexity))
     if args.json is not None:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2) + "\n")

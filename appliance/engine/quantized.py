@@ -12,7 +12,10 @@ group. Quantization is round-to-nearest from the checkpoint's float weights:
 Scales and zero points are kept in the model dtype. The INT4 product runs on torch's CPU kernel
 ``_weight_int4pack_mm_for_cpu`` where it applies (CPU, output rows divisible by 16); everywhere else,
 and for INT8, each call dequantizes the weight and multiplies (`F.linear`): correct on any device,
-but it writes a full-width copy of the weight per call, so it saves memory, not time.
+but it writes a full-width copy of the weight per call, so it saves memory, not time. The CPU
+kernel in float32 is fast for one token but about 100x slower than `F.linear` for a 512-token
+prefill chunk (bench.weight_kernels), so a float32 call with more than `_F32_KERNEL_ROWS` rows
+runs the kernel in bfloat16 (activations cast, bfloat16 copies of the scales) and casts back.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 _MIN_SCALE = 1e-8
 # `_convert_weight_to_int4pack_for_cpu` needs the output rows divisible by 16.
 _INT4PACK_ROWS = 16
+_F32_KERNEL_ROWS = 4
 Int4Kernel = Literal["int4pack", "dequantize"]
 
 
@@ -125,9 +129,12 @@ class Int4Linear:
     out_features: int
     in_features: int
     kernel: Int4Kernel
+    # bfloat16 scales for float32 prefill calls on the CPU kernel (None unless float32 int4pack).
+    scales_and_zeros_bf16: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
+        """Weights and the model-dtype scales: what a decode step reads."""
         sz = self.scales_and_zeros
         return self.packed.numel() * self.packed.element_size() + sz.numel() * sz.element_size()
 
@@ -135,7 +142,10 @@ class Int4Linear:
         """The (out, in) weight this layer stands for (the reference of the kernel path)."""
         if self.kernel == "int4pack":
             eye = torch.eye(self.in_features, dtype=dtype, device=self.packed.device)
-            return self(eye).t().contiguous()
+            w: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, self.packed, self.group_size, self.scales_and_zeros.to(dtype)
+            )
+            return w.t().contiguous()
         low = self.packed & 0x0F
         high = self.packed >> 4
         q = torch.stack([high, low], dim=-1).reshape(self.out_features, self.in_features)
@@ -146,9 +156,14 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "int4pack":
             flat = x.reshape(-1, self.in_features)
-            y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, self.packed, self.group_size, self.scales_and_zeros
-            )
+            if self.scales_and_zeros_bf16 is not None and flat.shape[0] > _F32_KERNEL_ROWS:
+                y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    flat.bfloat16(), self.packed, self.group_size, self.scales_and_zeros_bf16
+                ).to(x.dtype)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    flat, self.packed, self.group_size, self.scales_and_zeros
+                )
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized(x.dtype))
 
@@ -193,6 +208,9 @@ def quantize_group_linear(
         else:
             pairs = q4.to(torch.uint8).reshape(out_features, in_features // 2, 2)
             packed = (pairs[..., 0] << 4) | pairs[..., 1]
+        bf16 = None
+        if kernel == "int4pack" and dtype == torch.float32:
+            bf16 = scales_and_zeros.bfloat16()
         return Int4Linear(
-            packed.contiguous(), scales_and_zeros, g, out_features, in_features, kernel
+            packed.contiguous(), scales_and_zeros, g, out_features, in_features, kernel, bf16
         )

@@ -51,6 +51,8 @@ def test_greedy_is_deterministic_and_bounded() -> None:
         (["--formats", "int3"], "--formats: unknown ['int3']"),
         (["--weight-group", "100"], "--weight-group 100: expected one of 32, 64, 128, 256"),
         (["--tokens", "0"], "--tokens 0: expected 2..65536"),
+        (["--formats", "float32,bfloat16:32"], "--formats bfloat16:32: a group"),
+        (["--formats", "int4:48"], "--formats int4:48: a group (32, 64, 128, 256)"),
     ],
 )
 def test_cli_refuses_bad_arguments_in_one_line(
