@@ -45,6 +45,7 @@ def _engine(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         weights=args.weights,
         fp8_scaling=args.fp8_scaling,
+        weight_group=args.weight_group,
         cuda_graph=args.cuda_graph,
         kernels=args.kernels,
         prefill_buckets=prefill_buckets,
@@ -266,8 +267,15 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--weights",
         default="dtype",
-        choices=["dtype", "fp8"],
-        help="linear layers in --dtype, or quantized to FP8 E4M3 at load (needs bfloat16)",
+        choices=["dtype", "fp8", "int8", "int4"],
+        help="linear layers in --dtype, quantized to FP8 E4M3 at load (needs bfloat16), or "
+        "weight-only INT8/INT4 with group-wise scales (round-to-nearest at load)",
+    )
+    e.add_argument(
+        "--weight-group",
+        type=int,
+        default=128,
+        help="inputs per scale of --weights int8/int4 (32, 64, 128 or 256; default 128)",
     )
     e.add_argument(
         "--fp8-scaling",

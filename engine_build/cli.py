@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine_build import commands, gpu, planner, runner, runtime
+from engine_build import commands, formats, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape_for
 from engine_build.errors import BuildError, DoesNotFit, SpecError
 from engine_build.repo import write_repository
@@ -62,9 +62,36 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _capability(spec: BuildSpec, args: argparse.Namespace) -> tuple[int, int] | None:
+    """The GPUs' compute capability: ``--compute-capability``, else NVML when the memory comes
+    from NVML too; None (not checked) when planning elsewhere with ``--gpu-memory`` alone."""
+    if args.compute_capability is not None:
+        try:
+            return formats.parse_capability(args.compute_capability)
+        except ValueError as err:
+            raise SpecError(str(err)) from err
+    if args.gpu_memory is None:
+        return gpu.nvml_compute_capability(spec.gpu_ids)
+    return None
+
+
+def check_gpu(spec: BuildSpec, capability: tuple[int, int] | None) -> None:
+    """Refuse a weight or KV-cache format the GPU cannot run, before any work."""
+    if capability is None:
+        print(
+            "compute capability not checked (pass --compute-capability to check "
+            f"{spec.quantization} / KV {spec.kv_cache_dtype} against the GPU)"
+        )
+        return
+    why = formats.capability_problem(spec.quantization, spec.kv_cache_dtype, capability)
+    if why:
+        raise SpecError(why)
+
+
 def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.FitPlan:
     """Print the table; raise :class:`DoesNotFit` with what to change when it does not fit."""
     shape = read_shape_for(spec)
+    planner.check_groups(shape, spec)
     plan = planner.make_plan(shape, spec, _gpu_memory(spec, gpu_memory))
     print(planner.render_table(plan, spec))
     if not plan.fits:
@@ -79,6 +106,7 @@ def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.FitPlan:
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     script = "\n".join(planned_script(spec)) + "\n"
+    check_gpu(spec, _capability(spec, args))
     try:
         check_fit(spec, args.gpu_memory)
     except DoesNotFit:
@@ -96,6 +124,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     runtime.require_single_gpu(spec)
+    check_gpu(spec, _capability(spec, args))
     check_fit(spec, args.gpu_memory)
     results = runner.BuildRunner(spec, quiet=args.quiet).run(force=args.force)
     built = [r.name for r in results if not r.skipped]
@@ -120,22 +149,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+_CC_HELP = (
+    "GPU compute capability (e.g. 8.0, 9.0) instead of asking NVML; formats the GPU cannot run "
+    "are refused"
+)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="engine-build",
-        description="Plan, build and lay out FP8 TensorRT-LLM 1.2 engines for batch-1 latency.",
+        description="Plan, build and lay out TensorRT-LLM 1.2 engines for batch-1 latency.",
     )
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="fit table and the exact commands build would run")
     p.add_argument("--spec", type=Path, required=True)
     p.add_argument("--gpu-memory", help="GPU size (e.g. 80GiB) instead of asking NVML")
+    p.add_argument("--compute-capability", help=_CC_HELP)
     p.add_argument("--commands-out", type=Path, help="also write the commands as a shell script")
     p.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("build", help="quantize and build the engine (skips up-to-date stages)")
     b.add_argument("--spec", type=Path, required=True)
     b.add_argument("--gpu-memory", help="GPU size instead of asking NVML")
+    b.add_argument("--compute-capability", help=_CC_HELP)
     b.add_argument("--force", action="store_true", help="rebuild even if up to date")
     b.add_argument("--quiet", action="store_true", help="only progress lines; logs go to files")
     b.set_defaults(func=cmd_build)

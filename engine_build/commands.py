@@ -60,20 +60,28 @@ def _enable(flag: bool) -> str:
 def quantize_args(spec: BuildSpec, output_dir: Path) -> list[str]:
     """Arguments of quantize.py that turn the HF checkpoint into a TensorRT-LLM checkpoint.
 
-    ``--qformat full_prec`` exports an unquantized checkpoint, so one stage covers bf16 too.
+    ``--qformat full_prec`` exports an unquantized checkpoint, so one stage covers bf16 too; the
+    weight-only formats (``int8_wo``, ``int4_wo``) export ``dtype`` weights marked W8A16/W4A16
+    that trtllm-build quantizes, so they calibrate only for a quantized KV cache. AWQ formats pass
+    their group size (``--awq_block_size``).
     """
+    fmt = spec.weight_format
     args = [
         "--model_dir",
         str(spec.hf_model_dir),
         "--dtype",
         spec.dtype,
         "--qformat",
-        "fp8" if spec.weights_fp8 else "full_prec",
+        fmt.qformat,
     ]
-    if spec.kv_fp8:
-        args += ["--kv_cache_dtype", "fp8"]
-    if spec.weights_fp8 or spec.kv_fp8:
-        args += ["--calib_size", str(spec.calib_size)]
+    if spec.kv_cache_dtype != "auto":
+        args += ["--kv_cache_dtype", spec.kv_cache_dtype]
+    if spec.is_awq:
+        args += ["--awq_block_size", str(spec.awq_block_size)]
+    if fmt.calibrated or spec.kv_cache_dtype != "auto":
+        args += ["--calib_size", str(spec.effective_calib_size)]
+        args += ["--batch_size", str(spec.calib_batch_size)]
+        args += ["--calib_max_seq_length", str(spec.calib_max_seq_length)]
         if spec.calib_dataset is not None:
             args += ["--calib_dataset", spec.calib_dataset]
     args += ["--tp_size", str(spec.tp_size), "--output_dir", str(output_dir)]
@@ -85,7 +93,13 @@ def quantize_command(spec: BuildSpec, output_dir: Path) -> list[str]:
 
 
 def build_args(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[str]:
-    """trtllm-build arguments: the low-latency batch-1 recipe with every plugin flag explicit."""
+    """trtllm-build arguments: the low-latency batch-1 recipe with every plugin flag explicit.
+
+    Only FP8 weights take the FP8 GEMM plugins; every other format passes ``--gemm_plugin`` in
+    ``dtype`` for the layers it leaves unquantized, and trtllm-build turns on the weight-only
+    (group-wise) and SmoothQuant plugins itself from the checkpoint's ``quant_algo`` (they have
+    no command-line flag in 1.2).
+    """
     fp8 = spec.weights_fp8
     low_latency = spec.gemm == "low_latency_gemm_plugin"
     multi_gpu = spec.tp_size > 1

@@ -44,3 +44,35 @@ def nvml_total_memory(gpu_ids: Sequence[int]) -> int:
         raise BuildError(f"NVML query failed ({err}); pass --gpu-memory") from err
     finally:
         pynvml.nvmlShutdown()
+
+
+def nvml_compute_capability(gpu_ids: Sequence[int]) -> tuple[int, int]:
+    """Lowest compute capability among ``gpu_ids``: every rank runs the same engine."""
+    try:
+        import pynvml
+    except ImportError as err:  # pragma: no cover - nvidia-ml-py is a dependency
+        raise BuildError(
+            "nvidia-ml-py is not installed; pass --gpu-memory and --compute-capability"
+        ) from err
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        raise BuildError(
+            f"cannot query GPUs through NVML ({err}); pass --gpu-memory and --compute-capability"
+        ) from err
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        found = []
+        for i in gpu_ids:
+            if i >= count:
+                raise BuildError(f"parallel.gpu_ids has GPU {i} but this host has {count} GPUs")
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            found.append((int(major), int(minor)))
+        return min(found)
+    except pynvml.NVMLError as err:
+        raise BuildError(
+            f"NVML query failed ({err}); pass --gpu-memory and --compute-capability"
+        ) from err
+    finally:
+        pynvml.nvmlShutdown()

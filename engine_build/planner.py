@@ -6,11 +6,12 @@ runtime buffers, then take ``kv_cache_free_gpu_mem_fraction`` of what is *left* 
 pool. So the plan fits when that pool holds ``max_batch_size`` sequences of ``max_seq_len``
 tokens (rounded up to whole KV blocks) on every GPU.
 
-Precision model (TensorRT-LLM fp8 checkpoint from quantize.py ``--qformat fp8``): the linear
-layers of every decoder block (q, k, v, o, gate, up, down) are stored in FP8 (1 byte); the
-embedding table, ``lm_head`` and the RMSNorm weights stay in ``dtype`` (2 bytes) because
-quantize.py leaves them alone unless ``--quantize_lm_head``. Per-tensor scales (a few floats per
-layer) are ignored. Tensor parallelism splits the linear layers and ``lm_head`` across ranks;
+Precision model: the linear layers of every decoder block (q, k, v, o, gate, up, down) are stored
+in the spec's weight format, with its scales, zero points and smoothing factors
+(``engine_build.formats``: FP8 one byte, INT8 one byte, INT4 half a byte, plus per-tensor,
+per-channel or per-group scales); the embedding table, ``lm_head`` and the RMSNorm weights stay in
+``dtype`` (2 bytes) because quantize.py leaves them alone unless ``--quantize_lm_head``. The KV cache
+takes one byte per element in FP8 or INT8, else ``dtype``. Tensor parallelism splits the linear layers and ``lm_head`` across ranks;
 the embedding table is replicated (``use_parallel_embedding`` is off by default) and so are the
 norms. KV heads are split across ranks, but a rank never holds less than one.
 ``lm_head`` is counted even for tied embeddings because the engine keeps its own copy.
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine_build.checkpoint import ModelShape
+from engine_build.errors import SpecError
+from engine_build.formats import WeightFormat
 from engine_build.spec import BuildSpec
 
 MIB = 1 << 20
@@ -49,9 +52,11 @@ class FitSpec(Protocol):
     @property
     def dtype(self) -> str: ...
     @property
-    def weights_fp8(self) -> bool: ...
+    def weight_format(self) -> WeightFormat: ...
     @property
-    def kv_fp8(self) -> bool: ...
+    def group_size(self) -> int: ...
+    @property
+    def kv_cache_dtype(self) -> str: ...
     @property
     def tp_size(self) -> int: ...
     @property
@@ -142,17 +147,53 @@ def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
     return max(1, math.ceil(shape.num_key_value_heads / tp))
 
 
-def weight_bytes_per_gpu(shape: ModelShape, spec: FitSpec) -> int:
-    """Bytes of weights on one rank for the spec's precision and tensor parallelism."""
-    tp = spec.tp_size
+def _linear_shapes(shape: ModelShape, tp: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear layer of a block on one rank, by its checkpoint name."""
     h, hd = shape.hidden_size, shape.head_dim
     q_out = shape.num_attention_heads * hd // tp
     kv_out = kv_heads_per_gpu(shape, tp) * hd
-    attn = h * q_out + 2 * h * kv_out + q_out * h
-    mlp = 3 * h * (shape.intermediate_size // tp)
-    linear = shape.num_hidden_layers * (attn + mlp)
+    inter = shape.intermediate_size // tp
+    return {
+        "self_attn.q_proj": (h, q_out),
+        "self_attn.k_proj": (h, kv_out),
+        "self_attn.v_proj": (h, kv_out),
+        "self_attn.o_proj": (q_out, h),
+        "mlp.gate_proj": (h, inter),
+        "mlp.up_proj": (h, inter),
+        "mlp.down_proj": (inter, h),
+    }
+
+
+def group_problem(shape: ModelShape, spec: FitSpec) -> str | None:
+    """Why a group-wise format cannot take this model's shapes (None: it can), naming the layer."""
+    if spec.weight_format.scales != "group":
+        return None
+    for name, (inputs, _) in _linear_shapes(shape, spec.tp_size).items():
+        if inputs % spec.group_size:
+            return (
+                f"model.layers.*.{name}: {inputs} inputs per rank are not divisible by the group "
+                f"size {spec.group_size}; use another group size or format"
+            )
+    return None
+
+
+def check_groups(shape: ModelShape, spec: FitSpec) -> None:
+    """SpecError when the format's groups do not divide a layer (see `group_problem`)."""
+    why = group_problem(shape, spec)
+    if why:
+        raise SpecError(why)
+
+
+def weight_bytes_per_gpu(shape: ModelShape, spec: FitSpec) -> int:
+    """Bytes of weights on one rank for the spec's weight format and tensor parallelism."""
+    tp = spec.tp_size
+    h = shape.hidden_size
     wide = DTYPE_BYTES[spec.dtype]
-    linear_bytes = linear * (1 if spec.weights_fp8 else wide)
+    fmt = spec.weight_format
+    per_layer = sum(
+        fmt.linear_bytes(i, o, wide, spec.group_size) for i, o in _linear_shapes(shape, tp).values()
+    )
+    linear_bytes = shape.num_hidden_layers * per_layer
     embedding = shape.vocab_size * h
     lm_head = math.ceil(shape.vocab_size / tp) * h
     norms = shape.num_hidden_layers * 2 * h + h
@@ -161,7 +202,7 @@ def weight_bytes_per_gpu(shape: ModelShape, spec: FitSpec) -> int:
 
 def kv_bytes_per_token(shape: ModelShape, spec: FitSpec) -> int:
     """K and V for one token across all layers on one rank."""
-    elem = 1 if spec.kv_fp8 else DTYPE_BYTES[spec.dtype]
+    elem = 1 if spec.kv_cache_dtype in ("fp8", "int8") else DTYPE_BYTES[spec.dtype]
     return (
         2 * shape.num_hidden_layers * kv_heads_per_gpu(shape, spec.tp_size) * shape.head_dim * elem
     )
@@ -208,19 +249,27 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
+def _format_label(spec: BuildSpec) -> str:
+    if spec.quantization == "none":
+        return spec.dtype
+    if spec.weight_format.scales == "group":
+        return f"{spec.quantization} linear, group {spec.group_size}"
+    return f"{spec.quantization} linear"
+
+
 def render_table(plan: FitPlan, spec: BuildSpec) -> str:
     """Human table; the last line is the verdict so a log grep finds it."""
     rows = [
         ("parameters (whole model)", f"{plan.params.total / 1e9:9.3f} B"),
         (
-            f"weights per GPU ({'fp8 linear' if spec.weights_fp8 else spec.dtype}, tp={spec.tp_size})",
+            f"weights per GPU ({_format_label(spec)}, tp={spec.tp_size})",
             _gib(plan.weight_bytes),
         ),
         ("activations (estimate)", _gib(plan.activation_bytes)),
         ("logits", _gib(plan.logits_bytes)),
         ("runtime overhead + CUDA graphs", _gib(plan.overhead_bytes)),
         (
-            f"KV cache per token ({'fp8' if spec.kv_fp8 else spec.dtype})",
+            f"KV cache per token ({spec.dtype if spec.kv_cache_dtype == 'auto' else spec.kv_cache_dtype})",
             f"{plan.kv_bytes_per_token:>9} B",
         ),
         (
@@ -245,10 +294,19 @@ def render_table(plan: FitPlan, spec: BuildSpec) -> str:
 def advice(plan: FitPlan, spec: BuildSpec) -> list[str]:
     """What to change when the plan does not fit, most effective first."""
     out: list[str] = []
-    if not spec.weights_fp8:
-        out.append("set precision.quantization = 'fp8' (halves the linear-layer weights)")
-    if not spec.kv_fp8:
-        out.append("set precision.kv_cache_dtype = 'fp8' (halves the KV cache)")
+    if spec.weight_format.weight_bits in (0, 16):
+        out.append(
+            "set precision.quantization = 'fp8' or 'int8_wo' (halves the linear-layer weights), "
+            "or 'int4_awq' (quarters them)"
+        )
+    elif spec.weight_format.weight_bits == 8 and spec.quantization != "int8_sq":
+        out.append(
+            "set precision.quantization = 'int4_awq' (halves the linear-layer weights again)"
+        )
+    if spec.kv_cache_dtype == "auto":
+        kv8 = [d for d in ("fp8", "int8") if d in spec.weight_format.kv_cache_dtypes]
+        if kv8:
+            out.append(f"set precision.kv_cache_dtype = {kv8[0]!r} (halves the KV cache)")
     short = plan.kv_bytes_needed - plan.kv_pool_bytes
     if plan.kv_pool_bytes > 0 and short > 0:
         fit_tokens = plan.kv_pool_tokens // max(1, spec.max_batch_size)

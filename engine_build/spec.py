@@ -18,10 +18,21 @@ from typing import Any, NoReturn
 from appliance import tomlcheck
 from appliance.tomlcheck import Table
 from engine_build.errors import SpecError
+from engine_build.formats import (
+    AWQ_BLOCK_SIZES,
+    BUILD_FORMATS,
+    DEFAULT_GROUP_SIZE,
+    FORMATS,
+    WeightFormat,
+    kv_problem,
+)
 
 DTYPES = ("bfloat16", "float16")
-QUANTIZATIONS = ("fp8", "none")
-KV_CACHE_DTYPES = ("fp8", "auto")
+QUANTIZATIONS = BUILD_FORMATS
+KV_CACHE_DTYPES = ("fp8", "int8", "auto")
+# quantize.py caps AWQ's calibration at 32 samples whatever --calib_size says; the command passes
+# the capped number so the plan shows what runs.
+AWQ_CALIB_SIZE_MAX = 32
 GEMM_CHOICES = ("gemm_plugin", "low_latency_gemm_plugin")
 # GEMM + SwiGLU fusion of the gated MLP (FP8 on Hopper only). Each fused plugin goes with its GEMM
 # plugin: NVIDIA's batch-1 latency recipe pairs low_latency_gemm_plugin with
@@ -59,6 +70,9 @@ class BuildSpec:
     kv_cache_dtype: str = "fp8"
     calib_size: int = 512
     calib_dataset: str | None = None
+    calib_batch_size: int = 1
+    calib_max_seq_length: int = 512
+    awq_block_size: int = DEFAULT_GROUP_SIZE
     max_input_len: int = 2048
     max_seq_len: int = 4096
     max_num_tokens: int = 2048
@@ -111,6 +125,24 @@ class BuildSpec:
     def kv_fp8(self) -> bool:
         return self.kv_cache_dtype == "fp8"
 
+    @property
+    def weight_format(self) -> WeightFormat:
+        return FORMATS[self.quantization]
+
+    @property
+    def group_size(self) -> int:
+        """Inputs per scale of the group-wise (AWQ) formats."""
+        return self.awq_block_size
+
+    @property
+    def is_awq(self) -> bool:
+        return self.quantization in ("int4_awq", "w4a8_awq")
+
+    @property
+    def effective_calib_size(self) -> int:
+        """The calibration samples quantize.py actually runs (AWQ caps them)."""
+        return min(self.calib_size, AWQ_CALIB_SIZE_MAX) if self.is_awq else self.calib_size
+
 
 # section -> key -> (BuildSpec field, expected TOML type). "size" is a byte size with its unit.
 _SCHEMA: dict[str, dict[str, tuple[str, type | str]]] = {
@@ -124,6 +156,9 @@ _SCHEMA: dict[str, dict[str, tuple[str, type | str]]] = {
         "kv_cache_dtype": ("kv_cache_dtype", str),
         "calib_size": ("calib_size", int),
         "calib_dataset": ("calib_dataset", str),
+        "calib_batch_size": ("calib_batch_size", int),
+        "calib_max_seq_length": ("calib_max_seq_length", int),
+        "awq_block_size": ("awq_block_size", int),
     },
     "limits": {
         "max_input_len": ("max_input_len", int),
@@ -248,6 +283,20 @@ def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             fail(key, f"must be one of {', '.join(allowed)}, got {value!r}")
+    why = kv_problem(spec.quantization, spec.kv_cache_dtype)
+    if why:
+        fail("precision.kv_cache_dtype", why)
+    if spec.awq_block_size not in AWQ_BLOCK_SIZES:
+        fail(
+            "precision.awq_block_size",
+            f"must be one of {', '.join(map(str, AWQ_BLOCK_SIZES))} (the group sizes "
+            f"TensorRT-LLM's group-wise kernels take), got {spec.awq_block_size}",
+        )
+    if spec.awq_block_size != DEFAULT_GROUP_SIZE and not spec.is_awq:
+        fail(
+            "precision.awq_block_size",
+            f"applies to int4_awq and w4a8_awq only, not quantization = {spec.quantization!r}",
+        )
     if spec.gemm == "low_latency_gemm_plugin" and not spec.weights_fp8:
         fail(
             "plugins.gemm",
@@ -270,6 +319,8 @@ def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
             )
     positive = {
         "precision.calib_size": spec.calib_size,
+        "precision.calib_batch_size": spec.calib_batch_size,
+        "precision.calib_max_seq_length": spec.calib_max_seq_length,
         "limits.max_input_len": spec.max_input_len,
         "limits.max_seq_len": spec.max_seq_len,
         "limits.max_num_tokens": spec.max_num_tokens,

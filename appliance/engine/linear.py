@@ -1,4 +1,5 @@
-"""The decoder's linear layers: plain (weights in the model dtype) or FP8 E4M3 with scales.
+"""The decoder's linear layers: plain (weights in the model dtype), FP8 E4M3 with scales, or
+weight-only INT8/INT4 with group-wise scales (`appliance.engine.quantized`).
 
 At batch 1 a decode step reads every weight once, so bytes per weight are the step time on a GPU:
 FP8 halves what bf16 reads. The FP8 layer is W8A8 through `torch._scaled_mm`: weights are quantized
@@ -25,6 +26,8 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from appliance.engine.quantized import GroupQuant, quantize_group_linear
+
 __all__ = [
     "E4M3_MAX",
     "FP8_DTYPE",
@@ -32,6 +35,7 @@ __all__ = [
     "Linear",
     "PlainLinear",
     "Scaling",
+    "WeightQuant",
     "dequantize",
     "quantize",
     "quantize_linear",
@@ -45,6 +49,9 @@ _MIN_SCALE = 1e-12
 _FP8_ALIGN = 16
 
 Scaling = Literal["channel", "tensor"]
+# How a block's linear layers are stored when not in the model dtype: FP8 with that scaling, or a
+# weight-only group-wise integer format.
+WeightQuant = Scaling | GroupQuant
 
 
 class Linear(Protocol):
@@ -112,9 +119,11 @@ class Fp8Linear:
 
 
 def quantize_linear(
-    name: str, weight: torch.Tensor, scaling: Scaling, out_dtype: torch.dtype
-) -> Fp8Linear:
-    """Quantize an (out, in) weight at load; `name` says which in a refusal."""
+    name: str, weight: torch.Tensor, scaling: WeightQuant, out_dtype: torch.dtype
+) -> Linear:
+    """Quantize an (out, in) weight at load; `name` says which in a refusal (ValueError)."""
+    if isinstance(scaling, GroupQuant):
+        return quantize_group_linear(name, weight, scaling, out_dtype)
     out_features, in_features = weight.shape
     if out_features % _FP8_ALIGN or in_features % _FP8_ALIGN:
         raise ValueError(

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from appliance.engine.device import resolve_device
-from appliance.engine.linear import Linear, PlainLinear, Scaling, quantize_linear
+from appliance.engine.linear import Linear, PlainLinear, WeightQuant, quantize_linear
 from engine_build.hf_config import CheckpointError, Llama3RopeScaling, LlamaConfig, read_config
 
 __all__ = [
@@ -231,7 +231,7 @@ class LlamaModel:
         tensors: Mapping[str, torch.Tensor],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-        fp8: Scaling | None = None,
+        fp8: WeightQuant | None = None,
     ) -> None:
         """Build from HF-named tensors already checked for shape (see `load`).
 
@@ -340,7 +340,7 @@ class LlamaModel:
         model_dir: Path,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-        fp8: Scaling | None = None,
+        fp8: WeightQuant | None = None,
     ) -> LlamaModel:
         """Load a HF Llama checkpoint directory, checking every tensor before any is used."""
         model_dir = Path(model_dir)

@@ -41,12 +41,16 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     )
     plan = check_fit(config, options, kv, max_seq_len, prefill_chunk_tokens(device), graphs)
     if shape:
-        model = random_model(config, device, options.torch_dtype, options.fp8, options.seed)
+        model = random_model(
+            config, device, options.torch_dtype, options.weight_quant, options.seed
+        )
         # Random weights compute other tokens than the checkpoint: their reusable KV blocks must
         # never match blocks of the real weights.
         fingerprint = f"random-weights {shape} seed {options.seed} {entry.fingerprint}"
     else:
-        model = LlamaModel.load(entry.hf_model_dir, device, options.torch_dtype, options.fp8)
+        model = LlamaModel.load(
+            entry.hf_model_dir, device, options.torch_dtype, options.weight_quant
+        )
         fingerprint = entry.fingerprint
     model.kernels = options.kernel_path
     loaded = time.monotonic()
@@ -60,7 +64,7 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         entry.name,
         device,
         options.dtype_name,
-        f"fp8 ({options.fp8_scaling})" if options.fp8 else "in the model dtype",
+        options.weights_label,
         model.weight_bytes / 2**30,
         max_seq_len,
         f"{graphs} CUDA graphs (decode: {len(spans)} attention spans; prefill: buckets "

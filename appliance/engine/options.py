@@ -16,13 +16,15 @@ import torch
 
 from appliance.engine.device import resolve_device
 from appliance.engine.kernels import KernelChoice, resolve_kernels, triton_problem
-from appliance.engine.linear import Scaling
+from appliance.engine.linear import Scaling, WeightQuant
 from appliance.engine.llama import LlamaConfig
 from appliance.engine.prefill import PREFILL_BUCKETS, bucket_problem
 from appliance.engine.prefix_cache import free_device_bytes
+from appliance.engine.quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, GroupQuant
 from appliance.engine.random_weights import SHAPES
 from appliance.engine.repository import KvCacheParams
 from appliance.engine.speculative import NgramSpeculation
+from engine_build.formats import FORMATS, WeightFormat
 from engine_build.planner import GIB, MIB, FitPlan, make_plan
 from engine_build.spec import BuildSpec
 
@@ -38,6 +40,9 @@ DTYPES: dict[str, torch.dtype] = {
 RUNTIME_OVERHEAD_BYTES = BuildSpec.runtime_overhead_bytes
 # FP8 tensor cores (and torch._scaled_mm on CUDA) start with Ada (8.9) and Hopper (9.0).
 FP8_MIN_CAPABILITY = (8, 9)
+# --weights -> the planner's storage format of the linear layers (engine_build.formats).
+WEIGHT_FORMATS = {"dtype": "none", "fp8": "fp8", "int8": "int8_group", "int4": "int4_group"}
+Weights = Literal["dtype", "fp8", "int8", "int4"]
 
 
 class FitError(ValueError):
@@ -49,7 +54,8 @@ class EngineOptions:
     """The `appliance engine` compute options (docs/MODEL_REPOSITORY.md, "Engine server options").
 
     `dtype` "auto" is float32 on a CPU and bfloat16 on a GPU; `weights` "fp8" quantizes the
-    linear layers of every block to E4M3 at load (`fp8_scaling` per output channel or per tensor);
+    linear layers of every block to E4M3 at load (`fp8_scaling` per output channel or per tensor),
+    "int8"/"int4" to weight-only integers with one scale per `weight_group` inputs;
     `cuda_graph` "auto" captures the decode step on a GPU only; `kernels` "auto" runs the decode
     step (captured or not) on the fused Triton kernels on a GPU where triton imports, eager torch
     elsewhere;
@@ -63,8 +69,9 @@ class EngineOptions:
 
     device: str = "cpu"
     dtype: str = "auto"
-    weights: Literal["dtype", "fp8"] = "dtype"
+    weights: Weights = "dtype"
     fp8_scaling: Scaling = "channel"
+    weight_group: int = DEFAULT_GROUP_SIZE
     cuda_graph: Literal["auto", "on", "off"] = "auto"
     kernels: KernelChoice = "auto"
     prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
@@ -107,6 +114,23 @@ class EngineOptions:
         return self.fp8_scaling if self.weights == "fp8" else None
 
     @property
+    def weight_quant(self) -> WeightQuant | None:
+        """How the linear layers are quantized at load; None for the model dtype."""
+        if self.weights == "int8":
+            return GroupQuant(8, self.weight_group)
+        if self.weights == "int4":
+            return GroupQuant(4, self.weight_group)
+        return self.fp8
+
+    @property
+    def weights_label(self) -> str:
+        if self.weights == "fp8":
+            return f"fp8 ({self.fp8_scaling})"
+        if self.weights in ("int8", "int4"):
+            return f"{self.weights} (group {self.weight_group})"
+        return "in the model dtype"
+
+    @property
     def kernel_path(self) -> Literal["triton", "torch"]:
         """The decode step's kernels (`auto` resolved for this device)."""
         return resolve_kernels(self.kernels, torch.device(self.device))
@@ -137,6 +161,18 @@ class EngineOptions:
                     f"FP8 matrix products need compute capability 8.9 or later (Ada, Hopper); "
                     f"this GPU is {major}.{minor}: use --weights dtype",
                 )
+        if self.weights not in WEIGHT_FORMATS:
+            return f"--weights {self.weights}", f"expected one of {', '.join(WEIGHT_FORMATS)}"
+        if self.weight_group not in GROUP_SIZES:
+            return (
+                f"--weight-group {self.weight_group}",
+                f"expected one of {', '.join(map(str, GROUP_SIZES))}",
+            )
+        if self.weight_group != DEFAULT_GROUP_SIZE and self.weights not in ("int8", "int4"):
+            return (
+                f"--weight-group {self.weight_group}",
+                "applies to --weights int8 or int4 only",
+            )
         if self.cuda_graph == "on" and self.device_type != "cuda":
             return "--cuda-graph on", "CUDA graphs need a CUDA device; use --cuda-graph off or auto"
         if self.kernels == "triton":
@@ -187,14 +223,15 @@ class _EngineFitSpec:
     """
 
     dtype: str
-    weights_fp8: bool
+    weight_format: WeightFormat
     max_seq_len: int
     max_num_tokens: int
     tokens_per_block: int
     kv_cache_free_gpu_mem_fraction: float
     cuda_graph_mode: bool
     cuda_graph_cache_size: int
-    kv_fp8: bool = False
+    group_size: int = DEFAULT_GROUP_SIZE
+    kv_cache_dtype: str = "auto"
     tp_size: int = 1
     max_batch_size: int = 1
     runtime_overhead_bytes: int = RUNTIME_OVERHEAD_BYTES
@@ -223,7 +260,8 @@ def check_fit(
         free_bytes = free_device_bytes(device)
     spec = _EngineFitSpec(
         dtype=options.dtype_name,
-        weights_fp8=options.weights == "fp8",
+        weight_format=FORMATS[WEIGHT_FORMATS[options.weights]],
+        group_size=options.weight_group,
         max_seq_len=max_seq_len,
         max_num_tokens=min(prefill_chunk, max_seq_len),
         tokens_per_block=kv.tokens_per_block,
@@ -234,10 +272,12 @@ def check_fit(
     plan = make_plan(config, spec, free_bytes)
     if plan.fits:
         return plan
-    weights = "FP8 linear layers" if options.weights == "fp8" else options.dtype_name
+    weights = options.dtype_name if options.weights == "dtype" else options.weights_label
     hints = ["lower max_seq_len in config.pbtxt"]
-    if options.weights != "fp8":
-        hints.append("use --weights fp8")
+    if options.weights != "int4":
+        hints.append(
+            "use --weights int4" if options.weights != "dtype" else "use --weights fp8 or int4"
+        )
     hints.append("free memory on the device")
     raise FitError(
         f"does not fit on {device}: needs {_size(plan.required_bytes)} = weights "

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from appliance.engine.linear import Scaling
+from appliance.engine.linear import WeightQuant
 from appliance.engine.llama import LlamaConfig, LlamaModel
 from engine_build.hf_config import parse_config
 
@@ -118,7 +118,7 @@ def random_model(
     shape: str | LlamaConfig,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    fp8: Scaling | None = None,
+    fp8: WeightQuant | None = None,
     seed: int = 0,
 ) -> LlamaModel:
     """A model of a named shape (or a config) with seeded random weights, built on `device`."""

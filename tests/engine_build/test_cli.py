@@ -129,6 +129,7 @@ def test_plan_without_gpu_memory_asks_nvml_and_explains_failure(
     assert cli.main(["plan", "--spec", spec]) == 1
     assert "pass --gpu-memory" in one_line_error(capsys.readouterr().err)
     monkeypatch.setattr(gpu, "nvml_total_memory", lambda ids: 80 << 30)
+    monkeypatch.setattr(gpu, "nvml_compute_capability", lambda ids: (9, 0))
     assert cli.main(["plan", "--spec", spec]) == 0
 
 

@@ -66,6 +66,16 @@ VARIANTS = {
     "tp2": {"tp_size": 2},
     "opt tokens": {"multiple_profiles": False, "opt_num_tokens": 256},
     "float16 calib dataset": {"dtype": "float16", "calib_dataset": "/data/cnn"},
+    "int4 awq": {"quantization": "int4_awq"},
+    "int4 awq group 64 int8 kv": {
+        "quantization": "int4_awq",
+        "awq_block_size": 64,
+        "kv_cache_dtype": "int8",
+    },
+    "w4a8 awq": {"quantization": "w4a8_awq"},
+    "int8 smoothquant": {"quantization": "int8_sq", "kv_cache_dtype": "int8"},
+    "int8 weight-only": {"quantization": "int8_wo", "kv_cache_dtype": "auto"},
+    "int4 weight-only fp8 kv": {"quantization": "int4_wo"},
 }
 
 
@@ -90,8 +100,8 @@ def test_quantize_argv_parses_with_real_cli(name: str) -> None:
     ns = parse("quantize.py", commands.quantize_args(s, CKPT))
     assert ns.model_dir == "/m/llama" and ns.output_dir == str(CKPT)
     assert ns.tp_size == s.tp_size
-    assert ns.qformat == ("fp8" if s.weights_fp8 else "full_prec")
-    assert ns.kv_cache_dtype == ("fp8" if s.kv_fp8 else None)
+    assert ns.qformat == s.weight_format.qformat
+    assert ns.kv_cache_dtype == (None if s.kv_cache_dtype == "auto" else s.kv_cache_dtype)
     assert ns.calib_dataset == s.calib_dataset
 
 

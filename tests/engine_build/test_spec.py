@@ -76,7 +76,7 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
     ),
     ({"extra": {"x": 1}}, "key 'extra': unknown key; known keys are kv_cache, limits, model,"),
     ({"precision": {"dtype": "float32"}}, "key 'precision.dtype': must be one of"),
-    ({"precision": {"quantization": "int4_awq"}}, "key 'precision.quantization': must be one of"),
+    ({"precision": {"quantization": "int3_awq"}}, "key 'precision.quantization': must be one of"),
     (
         {"precision": {"quantization": "none"}, "plugins": {"gemm": "low_latency_gemm_plugin"}},
         "exists only for fp8 weights",

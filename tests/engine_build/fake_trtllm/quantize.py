@@ -29,12 +29,21 @@ if os.environ.get("FAKE_TRTLLM_FAIL") == "quantize":
         print(f"calibrating batch {i}", flush=True)
     print("RuntimeError: CUDA out of memory (fake)", file=sys.stderr, flush=True)
     sys.exit(1)
+QUANT_ALGO = {
+    "fp8": "FP8",
+    "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    "int4_awq": "W4A16_AWQ",
+    "w4a8_awq": "W4A8_AWQ",
+    "int8_wo": "W8A16",
+    "int4_wo": "W4A16",
+}
+KV_ALGO = {"fp8": "FP8", "int8": "INT8"}
 config = {
     "architecture": hf["architectures"][0],
     "dtype": args.dtype,
     "quantization": {
-        "quant_algo": "FP8" if args.qformat == "fp8" else None,
-        "kv_cache_quant_algo": "FP8" if args.kv_cache_dtype == "fp8" else None,
+        "quant_algo": QUANT_ALGO.get(args.qformat),
+        "kv_cache_quant_algo": KV_ALGO.get(args.kv_cache_dtype or ""),
     },
     "mapping": {"world_size": args.tp_size, "tp_size": args.tp_size, "pp_size": 1},
 }
