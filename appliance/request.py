@@ -177,8 +177,10 @@ def valid_request_id(request_id: str) -> bool:
 
 def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     """Checks every field and normalizes the text (NFC); raises RequestError. No tokenization."""
-    request_id = req.request_id or _new_request_id()
-    if not valid_request_id(request_id):
+    request_id = req.request_id
+    if not request_id:
+        request_id = _new_request_id()
+    elif not valid_request_id(request_id):
         raise _invalid(
             f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} visible ASCII characters (letters, "
             "digits, punctuation; no spaces or control characters)"
