@@ -8,6 +8,7 @@ RNG, so concurrent or interleaved requests cannot perturb each other's draws.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -212,7 +213,10 @@ def generate(
             f"the model has {vocab}"
         )
     sampler = Sampler(params)
-    return _generate(
+    ends = end_id is not None and 0 <= end_id < vocab
+    guided = guide is not None
+    steps = functools.partial(
+        _steps,
         model,
         list(prompt_ids),
         max_new_tokens,
@@ -224,53 +228,24 @@ def generate(
         history if history is not None else [],
         decode,
         prefill_chunk or len(prompt_ids),
-        guide,
-        min_tokens,
-        logprobs,
-        speculation,
-        spec_counts if spec_counts is not None else SpecCounts(),
+        min_tokens=min_tokens if ends and not guided else 0,
+        logprobs=logprobs,
+        speculation=speculation if not guided and logprobs is None else None,
+        spec_counts=spec_counts if spec_counts is not None else SpecCounts(),
     )
+    return _with_matcher(guide, end_id if ends else None, steps)
 
 
-def _generate(
-    model: LlamaModel,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    end_id: int | None,
-    sampler: Sampler,
-    should_stop: Callable[[], bool],
-    cache: KVCache | None,
-    start_pos: int,
-    history: list[int],
-    decode: DecodeStep | None,
-    prefill_chunk: int,
+def _with_matcher(
     guide: CompiledGuide | None,
-    min_tokens: int,
-    logprobs: list[float] | None,
-    speculation: NgramSpeculation | None,
-    spec_counts: SpecCounts,
+    end_id: int | None,
+    steps: Callable[[GuidedMatcher | None], Iterator[int]],
 ) -> Iterator[int]:
-    ends = end_id is not None and 0 <= end_id < model.config.vocab_size
-    matcher = guide.matcher(end_id if ends else None) if guide is not None else None
+    """Runs `steps` with the guide's matcher, made at the first token requested and closed when
+    the generation ends, however it ends."""
+    matcher = guide.matcher(end_id) if guide is not None else None
     try:
-        yield from _steps(
-            model,
-            prompt_ids,
-            max_new_tokens,
-            end_id,
-            sampler,
-            should_stop,
-            cache,
-            start_pos,
-            history,
-            decode,
-            prefill_chunk,
-            matcher,
-            min_tokens if ends and matcher is None else 0,
-            logprobs,
-            speculation if matcher is None and logprobs is None else None,
-            spec_counts,
-        )
+        yield from steps(matcher)
     finally:
         if matcher is not None:
             matcher.close()
@@ -289,6 +264,7 @@ def _steps(
     decode: DecodeStep | None,
     prefill_chunk: int,
     guide: GuidedMatcher | None,
+    *,
     min_tokens: int,
     logprobs: list[float] | None,
     speculation: NgramSpeculation | None,
