@@ -34,18 +34,7 @@ def token_logits(model: LlamaModel, ids: Sequence[int]) -> torch.Tensor:
     c = model.config
     if not 0 < len(ids) <= c.max_position_embeddings:
         raise ValueError(f"a window holds 1..{c.max_position_embeddings} tokens, got {len(ids)}")
-    group = c.num_attention_heads // c.num_key_value_heads
-
-    def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, enable_gqa=group > 1
-        )
-        return out.squeeze(0)
-
-    with torch.inference_mode():
-        t = torch.tensor(list(ids), dtype=torch.long, device=model.device)
-        x = model._blocks(F.embedding(t, model.embed), 0, len(ids), attend)
-        return model._logits(x)
+    return model.sequence_logits(ids)
 
 
 def greedy(model: LlamaModel, prompt: Sequence[int], steps: int) -> list[int]:

@@ -27,7 +27,7 @@ from appliance.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway import tool_calls
 from appliance.gateway.messages import FINISH, TIERS
 from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry, parse_call
-from appliance.request import MAX_MESSAGES
+from appliance.request import GUIDE_KINDS, MAX_MESSAGES
 from appliance.v1 import inference_pb2 as pb
 
 INT32_MAX = 2**31 - 1
@@ -100,12 +100,7 @@ EXTENSION_FIELDS = frozenset(
 )
 JSON_OBJECT = json.dumps({"type": "object"})
 # appliance.guide's types (the gRPC API's GuideType by its engine name).
-GUIDE_TYPES = {
-    "json": pb.GUIDE_TYPE_JSON,
-    "json_schema": pb.GUIDE_TYPE_JSON_SCHEMA,
-    "regex": pb.GUIDE_TYPE_REGEX,
-    "ebnf_grammar": pb.GUIDE_TYPE_EBNF_GRAMMAR,
-}
+GUIDE_TYPES = {name: value for value, name in GUIDE_KINDS.items()}
 
 
 def invalid(message: str, param: str | None = None) -> WireError:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from appliance.engine.llama import CheckpointError, LlamaModel
+from appliance.engine.quality import greedy
 from appliance.engine.quantized import (
     GroupQuant,
     Int4Linear,
@@ -105,23 +106,12 @@ def test_checkpoint_whose_shapes_the_group_cannot_take_is_refused_at_load(micro_
         LlamaModel.load(micro_dir, fp8=GroupQuant(8, 32))
 
 
-def _greedy(model: LlamaModel, prompt: list[int], steps: int) -> list[int]:
-    cache = model.new_cache(len(prompt) + steps)
-    logits = model.forward(prompt, cache, 0)
-    out: list[int] = []
-    for i in range(steps):
-        token = int(logits.argmax())
-        out.append(token)
-        logits = model.forward([token], cache, len(prompt) + i)
-    return out
-
-
 def test_tiny_model_int8_greedy_tokens_equal_float() -> None:
     reference = random_model("tiny", seed=7)
     int8 = random_model("tiny", fp8=GroupQuant(8, 128), seed=7)
     assert int8.weight_bytes < reference.weight_bytes
     for prompt in ([5, 9, 200, 31], [1, 2, 3], [400, 17, 17, 17, 88, 9]):
-        assert _greedy(int8, prompt, 24) == _greedy(reference, prompt, 24)
+        assert greedy(int8, prompt, 24) == greedy(reference, prompt, 24)
 
 
 def test_tiny_model_int4_greedy_tokens_mostly_agree() -> None:
@@ -129,8 +119,8 @@ def test_tiny_model_int4_greedy_tokens_mostly_agree() -> None:
     int4 = random_model("tiny", fp8=GroupQuant(4, 128), seed=7)
     same = total = 0
     for prompt in ([5, 9, 200, 31], [1, 2, 3], [400, 17, 17, 17, 88, 9]):
-        ref = _greedy(reference, prompt, 16)
-        got = _greedy(int4, prompt, 16)
+        ref = greedy(reference, prompt, 16)
+        got = greedy(int4, prompt, 16)
         # Count up to the first divergence: after it, the two continue from different text.
         agree = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), 16)
         same += agree
