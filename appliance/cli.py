@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from appliance import keyscli, logline
+from appliance import logline
 from appliance.config import ConfigError, load_config
+from appliance.tools import keys_cli as keyscli
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,7 +66,7 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from appliance.tiny_model import ensure_tiny_model
+    from appliance.tools.tiny_model import ensure_tiny_model
 
     model_dir, repo_dir = ensure_tiny_model(Path(args.dest))
     print(f"model: {model_dir}\nrepository: {repo_dir}")
@@ -73,7 +74,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from appliance.instruct_model import ModelError, ensure_instruct_model
+    from appliance.tools.instruct_model import ModelError, ensure_instruct_model
     from engine_build.errors import BuildError
 
     def say(line: str) -> None:
@@ -90,7 +91,7 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from appliance.demo import run_demo
+    from appliance.tools.demo import run_demo
 
     return run_demo(Path(args.workdir), args.requests, args.max_tokens)
 
@@ -136,7 +137,7 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _cache_warm(args: argparse.Namespace) -> int:
-    from appliance.warm import WarmInputError, read_prompts, run_warm
+    from appliance.tools.warm import WarmInputError, read_prompts, run_warm
 
     for option, value in (
         ("--ttft-budget-ms", args.ttft_budget_ms),
@@ -154,7 +155,7 @@ def _cache_warm(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from appliance.processes import wait_serving
+    from appliance.tools.processes import wait_serving
 
     try:
         wait_serving(args.gateway, timeout_s=args.wait, service=args.service)

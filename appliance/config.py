@@ -11,7 +11,7 @@ from pathlib import Path
 
 from appliance import tomlcheck
 from appliance.cache.l2 import RedisSettings
-from appliance.security.keys import Limits
+from appliance.security.api_keys import RateLimits
 from appliance.security.secretfile import MAC_PURPOSE, PEPPER_PURPOSE, SecretFileError, read_secret
 from appliance.security.tls import ServerTls, TlsError, TlsSettings
 from appliance.tomlcheck import Table
@@ -43,8 +43,8 @@ class AuthConfig:
     pepper: bytes = field(default=b"", repr=False)
     # No keys file on a non-loopback address.
     allow_anonymous: bool = False
-    # Limits of keys that set none of their own.
-    limits: Limits = field(default_factory=lambda: Limits(100.0, 200, 32))
+    # Rate limits of keys that set none of their own.
+    limits: RateLimits = field(default_factory=lambda: RateLimits(100.0, 200, 32))
 
 
 @dataclass(frozen=True)
@@ -359,7 +359,7 @@ def _auth(r: _Reader, path: Path) -> AuthConfig:
         keys_file=keys_file,
         pepper=pepper,
         allow_anonymous=r.get("allow_anonymous", bool, False),
-        limits=Limits(
+        limits=RateLimits(
             rate_per_s=limit("rate_per_s", float, d.rate_per_s),
             burst=int(burst) if burst else None,
             max_streams=int(m) if (m := limit("max_streams", int, d.max_streams)) else None,

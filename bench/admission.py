@@ -28,8 +28,8 @@ import grpc
 import numpy as np
 import uvloop
 
-from appliance import processes
-from appliance.tiny_model import ensure_tiny_model
+from appliance.tools import processes
+from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.echo_server import METHOD

@@ -49,26 +49,26 @@ import redis.asyncio as aredis
 import uvloop
 from redis.utils import HIREDIS_AVAILABLE
 
-from appliance import processes
-from appliance.admission import Admission
 from appliance.backends.base import Backend
-from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, cache_key
 from appliance.cache.l1 import LruCache
 from appliance.cache.tiers import CacheQuery
 from appliance.config import CacheConfig
+from appliance.gateway.admission import Admission
+from appliance.gateway.breaker import CircuitBreaker
 from appliance.gateway.health import ModelHealth
+from appliance.gateway.metrics import GatewayMetrics, MetricsSink
 from appliance.gateway.models import ModelPolicy, ServedModel
 from appliance.gateway.pipeline import Pipeline, sampling_key
 from appliance.gateway.report import AccessLog, RequestReport, Sinks
+from appliance.gateway.request import Limits, check
 from appliance.gateway.server import make_cache
 from appliance.gateway.service import InferenceService
 from appliance.logline import FORMAT, OneLineFormatter
-from appliance.metrics import GatewayMetrics, MetricsSink
-from appliance.request import Limits, check
-from appliance.tiny_model import ensure_tiny_model
-from appliance.tokenizer import ModelText
+from appliance.text.tokenizer import ModelText
+from appliance.tools import processes
+from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.common import MODEL, prompt_of, run_dir, start_redis_and_engine

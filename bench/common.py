@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance import processes
-from appliance.tiny_model import ensure_tiny_model
-from appliance.tokenizer import ModelText
+from appliance.text.tokenizer import ModelText
+from appliance.tools import processes
+from appliance.tools.tiny_model import ensure_tiny_model
 from tests.cache.redis_server import RedisServer
 
 

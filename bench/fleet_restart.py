@@ -29,9 +29,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from appliance import processes
 from appliance.client import connect_fleet, fleet_target, generate
-from appliance.tiny_model import ensure_tiny_model
+from appliance.tools import processes
+from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from appliance.instruct_model import ensure_instruct_model
+        from appliance.tools.instruct_model import ensure_instruct_model
 
         model_dir, _ = ensure_instruct_model(Path(args.root), log=print)
     repo_root = Path(__file__).resolve().parent.parent

@@ -44,8 +44,8 @@ import grpc
 import jsonschema
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import processes
 from appliance.client import StreamResult, generate
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.common import pct, run_dir
@@ -445,7 +445,7 @@ def print_answers(variants: dict[str, Variant], prompts: int, max_tokens: int) -
 async def run(args: argparse.Namespace, work: Path) -> None:
     checkpoint = args.checkpoint
     if checkpoint is None:
-        from appliance.instruct_model import ensure_instruct_model
+        from appliance.tools.instruct_model import ensure_instruct_model
 
         checkpoint, _ = ensure_instruct_model(args.model_root, log=print)
     repo = write_hf_repository(checkpoint, work / "repo")  # guided decoding on

@@ -27,7 +27,7 @@ import aiohttp
 import psutil
 import uvloop
 
-from appliance import processes
+from appliance.tools import processes
 from bench.common import pct
 
 CANDIDATES = ("aiohttp", "uvicorn-asgi", "uvicorn-starlette")

@@ -7,7 +7,7 @@ keys), K (plaintext, API keys) and T (TLS, API keys) — and measures from this 
   (c) the same through T over TLS, warm channel, with the key,
   (d) a new channel's first L1 hit through P (connect + request),
   (e) the same through T: connect + TLS handshake + request,
-  (f) in-process: Gate.admit (bearer parse, keyed BLAKE2b check, rate limit, scope, namespace) per
+  (f) in-process: AccessControl.authorize (bearer parse, keyed BLAKE2b check, rate limit, scope, namespace) per
       call, and the gRPC service's metadata extraction, on a ring of 1,000 keys.
 (a), (b), (c) alternate request by request, as do (d) and (e), so drift on the machine hits all
 alike. Goals: (f) <= 5 µs per request; (c) P50 <= 1.1 x (b) P50 (TLS on a warm channel).
@@ -28,11 +28,11 @@ from pathlib import Path
 import grpc
 import uvloop
 
-from appliance import processes
-from appliance.security.auth import Credentials, Gate, bearer_token
-from appliance.security.keys import KeyRing, Limits, new_key, write_entries
+from appliance.security.api_keys import KeyRing, RateLimits, new_key, write_entries
+from appliance.security.auth import AccessControl, Credentials, bearer_token
 from appliance.security.secretfile import PEPPER_PURPOSE, read_secret, write_secret
-from appliance.tiny_model import ensure_tiny_model
+from appliance.tools import processes
+from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.common import pct
@@ -49,7 +49,7 @@ def keys_file(work: Path, count: int) -> tuple[Path, Path, str]:
     pepper_file = work / "pepper"
     write_secret(pepper_file)
     pepper = read_secret(pepper_file, PEPPER_PURPOSE)
-    generous = Limits(rate_per_s=1e9, burst=10**9, max_streams=10**6)
+    generous = RateLimits(rate_per_s=1e9, burst=10**9, max_streams=10**6)
     entries = []
     token = ""
     for n in range(count):
@@ -61,18 +61,21 @@ def keys_file(work: Path, count: int) -> tuple[Path, Path, str]:
 
 
 def in_process(keys: Path, pepper_file: Path, token: str, n: int = 400_000) -> dict[str, float]:
-    """µs per call of the gate and of reading the key out of gRPC-style metadata."""
-    ring = KeyRing(keys, read_secret(pepper_file, PEPPER_PURPOSE), Limits())
-    gate = Gate(ring)
+    """µs per call of the access and of reading the key out of gRPC-style metadata."""
+    ring = KeyRing(keys, read_secret(pepper_file, PEPPER_PURPOSE), RateLimits())
+    access = AccessControl(ring)
     metadata = (("user-agent", "grpc-python/1.85"), ("authorization", f"Bearer {token}"))
     out = {}
     for name, call in (
         ("metadata → credentials", lambda: _credentials(metadata)),
         (
-            "Gate.admit (+ release)",
-            lambda: gate.admit(Credentials(token), "bench", "generate").release(),
+            "AccessControl.authorize (+ release)",
+            lambda: access.authorize(Credentials(token), "bench", "generate").release(),
         ),
-        ("Gate.admit, a wrong key (refused)", lambda: _refused(gate, token[:-2] + "xx")),
+        (
+            "AccessControl.authorize, a wrong key (refused)",
+            lambda: _refused(access, token[:-2] + "xx"),
+        ),
     ):
         # Best of 40 short rounds: on a shared machine most rounds share their core with others.
         samples = []
@@ -92,9 +95,9 @@ def _credentials(metadata: tuple[tuple[str, str], ...]) -> Credentials:
     return Credentials()
 
 
-def _refused(gate: Gate, token: str) -> None:
+def _refused(access: AccessControl, token: str) -> None:
     try:
-        gate.admit(Credentials(token), "bench", "generate")
+        access.authorize(Credentials(token), "bench", "generate")
     except Exception:
         return
     raise AssertionError("a wrong key was admitted")
@@ -189,7 +192,7 @@ def main() -> None:
         print("in-process, µs per call (best of 40 rounds):")
         for name, us in micro.items():
             print(f"  (f) {name}: {us:.2f}")
-        check = micro["metadata → credentials"] + micro["Gate.admit (+ release)"]
+        check = micro["metadata → credentials"] + micro["AccessControl.authorize (+ release)"]
         verdict = "met" if check <= 5 else "MISSED"
         print(f"  key check per request (both): {check:.2f} µs; goal <= 5 µs -> {verdict}")
         ca = CA(work, "bench-ca")

@@ -47,10 +47,10 @@ from pathlib import Path
 import grpc
 import uvloop
 
-from appliance import processes
 from appliance.cache.embedder import Embedder
 from appliance.config import SemanticConfig
-from appliance.tiny_model import ensure_tiny_model
+from appliance.tools import processes
+from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.cache import box_busy_s, cache_tables, ours_s

@@ -23,10 +23,10 @@ import time
 import grpc
 import uvloop
 
-from appliance import processes
 from appliance.backends.base import GREEDY, GenerationRequest
 from appliance.backends.triton import TritonBackend
 from appliance.client import generate, inter_token_latency
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from bench.common import MODEL, pct, prompt_of, tiny_stack, workload_args

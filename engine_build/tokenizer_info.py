@@ -59,7 +59,7 @@ def stop_token_ids(tokenizer_dir: Path) -> list[int]:
     That is the tokenizer's end-of-sequence token (`eos_token` of tokenizer_config.json), as
     TensorRT-LLM's writer takes `tokenizer.eos_token_id`; a tokenizer without one in its
     vocabulary falls back to config.json's `eos_token_id` (the first of a list), as the gateway
-    does (appliance.tokenizer.ModelText). One id only: a grammar that ended on a token the generation does not end on would
+    does (appliance.text.tokenizer.ModelText). One id only: a grammar that ended on a token the generation does not end on would
     leave the request running with a finished grammar. BuildError when there is none.
     """
     from tokenizers import Tokenizer

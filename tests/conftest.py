@@ -47,7 +47,7 @@ class Tiny:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    from appliance.tiny_model import ensure_tiny_model
+    from appliance.tools.tiny_model import ensure_tiny_model
 
     _one_torch_thread()
     model_dir, repo = ensure_tiny_model(tmp_path_factory.mktemp("tiny"))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import demo, instruct_model
 from appliance.engine.repository import lock_repository
+from appliance.tools import demo, instruct_model
 from tests.conftest import Tiny
 
 

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer
 from tritonclient.grpc import model_config_pb2 as mc
 
 from appliance.engine.llama import LlamaModel
-from appliance.model_store import ensure_model
-from appliance.tiny_model import (
+from appliance.tools.model_store import ensure_model
+from appliance.tools.tiny_model import (
     CHAT_TEMPLATE,
     CHECKPOINT_FILES,
     ensure_tiny_model,

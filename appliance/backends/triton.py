@@ -145,7 +145,7 @@ class _Inputs:
 def _output_tokens(response: ts.ModelInferResponse) -> list[int]:
     try:
         tokens = wire.output_values(response, "output_ids")
-    except wire.WireError as exc:
+    except wire.TensorError as exc:
         raise BackendError(
             grpc.StatusCode.UNAVAILABLE, f"inference server sent a malformed output_ids: {exc}"
         ) from exc
@@ -160,7 +160,7 @@ def _output_log_probs(response: ts.ModelInferResponse, count: int) -> list[float
             shape = list(output.shape)
     try:
         values = wire.output_values(response, LOG_PROBS_OUTPUT)
-    except wire.WireError as exc:
+    except wire.TensorError as exc:
         raise BackendError(
             grpc.StatusCode.UNAVAILABLE,
             f"inference server sent a malformed {LOG_PROBS_OUTPUT}: {exc}",

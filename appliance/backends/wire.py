@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2 as ts
 __all__ = [
     "DATATYPES",
     "Tensor",
-    "WireError",
+    "TensorError",
     "add_input",
     "add_output",
     "batched",
@@ -69,7 +69,7 @@ _SWAP = sys.byteorder != "little"
 _LENGTH = struct.Struct("<I")
 
 
-class WireError(ValueError):
+class TensorError(ValueError):
     """Tensor bytes that do not match their datatype and shape; the message says how."""
 
 
@@ -91,7 +91,7 @@ def batched(dims: Sequence[int], batch_dim: bool) -> list[int]:
 def _typecode(datatype: str) -> str:
     code = DATATYPES.get(datatype)
     if code is None:
-        raise WireError(
+        raise TensorError(
             f"datatype {datatype!r} is not supported; use one of {', '.join([*DATATYPES, 'BYTES'])}"
         )
     return code
@@ -111,7 +111,7 @@ def encode(datatype: str, values: Sequence[Value]) -> bytes:
     try:
         data = array.array(code, values)  # type: ignore[type-var]
     except (OverflowError, TypeError) as exc:
-        raise WireError(f"values do not fit {datatype}: {exc}") from exc
+        raise TensorError(f"values do not fit {datatype}: {exc}") from exc
     if _SWAP:
         data.byteswap()
     return data.tobytes()
@@ -122,14 +122,14 @@ def _decode_bytes(raw: bytes) -> list[bytes]:
     at = 0
     while at < len(raw):
         if len(raw) - at < _LENGTH.size:
-            raise WireError(
+            raise TensorError(
                 f"BYTES element {len(items)}: {len(raw) - at} trailing byte(s) where a 4-byte "
                 "length prefix was expected"
             )
         (length,) = _LENGTH.unpack_from(raw, at)
         at += _LENGTH.size
         if length > len(raw) - at:
-            raise WireError(
+            raise TensorError(
                 f"BYTES element {len(items)}: length prefix says {length} bytes but only "
                 f"{len(raw) - at} remain"
             )
@@ -144,15 +144,15 @@ def decode(datatype: str, raw: bytes, count: int | None = None) -> list[Any]:
     if datatype == "BYTES":
         items = _decode_bytes(raw)
         if count is not None and len(items) != count:
-            raise WireError(f"{len(items)} BYTES elements where the shape holds {count}")
+            raise TensorError(f"{len(items)} BYTES elements where the shape holds {count}")
         return items
     data = array.array(_typecode(datatype))
     if count is not None and len(raw) != count * data.itemsize:
-        raise WireError(
+        raise TensorError(
             f"{len(raw)} bytes where {count} {datatype} element(s) need {count * data.itemsize}"
         )
     if len(raw) % data.itemsize:
-        raise WireError(f"{len(raw)} bytes is not a whole number of {datatype} elements")
+        raise TensorError(f"{len(raw)} bytes is not a whole number of {datatype} elements")
     data.frombytes(raw)
     if _SWAP:
         data.byteswap()
@@ -182,7 +182,9 @@ def add_output(
 ) -> None:
     """Append an output tensor with raw contents; ``shape`` is the full wire shape."""
     if prod(shape) != len(values):
-        raise WireError(f"output {name!r}: shape {list(shape)} does not hold {len(values)} values")
+        raise TensorError(
+            f"output {name!r}: shape {list(shape)} does not hold {len(values)} values"
+        )
     response.outputs.add(name=name, datatype=datatype, shape=list(shape))
     response.raw_output_contents.append(encode(datatype, values))
 
@@ -192,11 +194,11 @@ def input_tensor(request: ts.ModelInferRequest, index: int) -> Tensor:
     meta = request.inputs[index]
     shape = list(meta.shape)
     if any(d < 0 for d in shape):
-        raise WireError(f"input {meta.name!r}: negative dimension in shape {shape}")
+        raise TensorError(f"input {meta.name!r}: negative dimension in shape {shape}")
     count = prod(shape)
     if request.raw_input_contents:
         if index >= len(request.raw_input_contents):
-            raise WireError(f"input {meta.name!r} has no raw_input_contents entry")
+            raise TensorError(f"input {meta.name!r} has no raw_input_contents entry")
         values = decode(meta.datatype, request.raw_input_contents[index], count)
     else:
         field = _CONTENTS_FIELD.get(meta.datatype)
@@ -205,7 +207,7 @@ def input_tensor(request: ts.ModelInferRequest, index: int) -> Tensor:
             raise AssertionError("unreachable")
         values = list(getattr(meta.contents, field))
         if len(values) != count:
-            raise WireError(
+            raise TensorError(
                 f"input {meta.name!r}: {len(values)} element(s) where shape {shape} holds {count}"
             )
     return Tensor(meta.name, meta.datatype, shape, values)

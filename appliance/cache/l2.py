@@ -26,11 +26,11 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.connection import parse_url
 from redis.exceptions import RedisError
 
-from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.seal import Sealer
 from appliance.cache.tiers import CacheQuery
+from appliance.gateway.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 

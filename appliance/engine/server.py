@@ -152,7 +152,7 @@ def _read_tensor(
         )
     try:
         values = wire.input_tensor(request, index).values
-    except wire.WireError as exc:
+    except wire.TensorError as exc:
         raise InferError(f"input '{tensor.name}' for model '{name}': {exc}") from exc
     return tensor.name, values
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from appliance.backends.base import GenerationRequest
 from appliance.cache.keys import ModelIdentity
-from appliance.detokenize import IncrementalDecoder
 from appliance.gateway.models import ServedModel
-from appliance.stopstrings import StopMatcher
+from appliance.text.detokenize import IncrementalDecoder
+from appliance.text.stops import StopMatcher
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2
 
-from appliance.breaker import CircuitBreaker
+from appliance.gateway.breaker import CircuitBreaker
 
 if TYPE_CHECKING:
     from appliance.gateway.models import ServedModel

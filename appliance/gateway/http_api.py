@@ -34,15 +34,15 @@ from aiohttp.web_protocol import RequestPayloadError
 from grpc_health.v1 import health, health_pb2
 
 from appliance.config import HttpConfig
-from appliance.errors import RequestError
 from appliance.gateway import json_body
 from appliance.gateway import openai_wire as wire
+from appliance.gateway.errors import RequestError
 from appliance.gateway.health import health_name
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.report import RequestReport
+from appliance.gateway.request import echo, valid_request_id
 from appliance.gateway.tool_calls import HeldText
 from appliance.logline import Throttled
-from appliance.request import echo, valid_request_id
 from appliance.security.auth import Credentials, bearer_token
 from appliance.security.tls import ServerTls, peercert_names
 from appliance.v1 import inference_pb2 as pb
@@ -133,7 +133,7 @@ async def _finish(messages: AsyncIterator[pb.GenerateResponse]) -> None:
         pass
 
 
-def error_response(err: wire.WireError, retry_after_ms: int | None = None) -> web.Response:
+def error_response(err: wire.HttpError, retry_after_ms: int | None = None) -> web.Response:
     headers = {}
     if err.status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
@@ -264,7 +264,7 @@ class HttpApi:
         """The 401 of a request whose credentials the gateway's keys do not know (None: known, or
         no keys configured). Listing models needs a valid key, no particular scope."""
         try:
-            self.pipeline.gate.authenticate(self._credentials(request))
+            self.pipeline.access.authenticate(self._credentials(request))
         except RequestError as exc:
             return error_response(wire.error_of(exc))
         return None
@@ -297,14 +297,14 @@ class HttpApi:
                     "GET /v1/models, GET /health"
                 )
             kind = "invalid_request_error" if exc.status < 500 else "server_error"
-            return error_response(wire.WireError(exc.status, kind, message))
+            return error_response(wire.HttpError(exc.status, kind, message))
 
     # -- generation -------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if self.draining:
             return error_response(
-                wire.WireError(503, "service_unavailable_error", "the gateway is shutting down")
+                wire.HttpError(503, "service_unavailable_error", "the gateway is shutting down")
             )
         self._active += 1
         self._idle.clear()
@@ -317,7 +317,7 @@ class HttpApi:
                 # gateway can carry; an unusable one is ignored, never a reason to refuse.
                 if not http.request.request_id and header_id and valid_request_id(header_id):
                     http.request.request_id = header_id
-            except wire.WireError as err:
+            except wire.HttpError as err:
                 self._report_refusal(err, received)
                 return error_response(err)
             messages = self.pipeline.run(
@@ -347,7 +347,7 @@ class HttpApi:
     async def _body(self, request: web.Request) -> bytes:
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in BODY_ENCODINGS:
-            raise wire.WireError(
+            raise wire.HttpError(
                 415,
                 "invalid_request_error",
                 f"Content-Encoding {echo(encoding)} is not accepted; send the body as one of "
@@ -357,7 +357,7 @@ class HttpApi:
             async with asyncio.timeout(self.config.client_timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise wire.WireError(
+            raise wire.HttpError(
                 413,
                 "invalid_request_error",
                 f"the request body is larger than {self.config.max_body_bytes} bytes "
@@ -369,7 +369,7 @@ class HttpApi:
                 "it uncompressed, or compressed as Content-Encoding says"
             ) from None
         except TimeoutError:
-            raise wire.WireError(
+            raise wire.HttpError(
                 408,
                 "invalid_request_error",
                 f"the request body did not arrive within {self.config.client_timeout_s:g} s",
@@ -381,9 +381,9 @@ class HttpApi:
         except json_body.BodyError as exc:
             raise wire.invalid(str(exc)) from None
         except json_body.BodyBusy as exc:
-            raise wire.WireError(503, "service_unavailable_error", str(exc)) from None
+            raise wire.HttpError(503, "service_unavailable_error", str(exc)) from None
 
-    def _report_refusal(self, err: wire.WireError, received: int) -> None:
+    def _report_refusal(self, err: wire.HttpError, received: int) -> None:
         """A body refused before the pipeline saw it still counts in metrics and the access log."""
         report = RequestReport(
             front_end="http",

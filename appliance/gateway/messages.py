@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from appliance.cache.entry import CachedAnswer
-from appliance.detokenize import TokenTable
 from appliance.gateway.generation import Delta, Event, Outcome
 from appliance.gateway.report import RequestReport
+from appliance.text.detokenize import TokenTable
 from appliance.v1 import inference_pb2 as pb
 
 FINISH = {

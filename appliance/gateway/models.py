@@ -12,12 +12,12 @@ from pathlib import Path
 
 from appliance.backends.base import Backend, BackendError
 from appliance.backends.triton import TritonBackend
-from appliance.breaker import CircuitBreaker
 from appliance.cache.keys import ModelIdentity
 from appliance.config import GatewayConfig, ModelConfig
+from appliance.gateway.breaker import CircuitBreaker
 from appliance.gateway.health import ModelHealth
-from appliance.request import Limits
-from appliance.tokenizer import ModelText, TokenizerLoadError
+from appliance.gateway.request import Limits
+from appliance.text.tokenizer import ModelText, TokenizerLoadError
 
 
 class StartupError(Exception):

@@ -23,11 +23,11 @@ from typing import Any
 
 import grpc
 
-from appliance.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway import tool_calls
+from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.messages import FINISH, TIERS
+from appliance.gateway.request import GUIDE_KINDS, MAX_MESSAGES
 from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry, parse_call
-from appliance.request import GUIDE_KINDS, MAX_MESSAGES
 from appliance.v1 import inference_pb2 as pb
 
 INT32_MAX = 2**31 - 1
@@ -103,11 +103,11 @@ JSON_OBJECT = json.dumps({"type": "object"})
 GUIDE_TYPES = {name: value for value, name in GUIDE_KINDS.items()}
 
 
-def invalid(message: str, param: str | None = None) -> WireError:
-    return WireError(400, "invalid_request_error", message, param)
+def invalid(message: str, param: str | None = None) -> HttpError:
+    return HttpError(400, "invalid_request_error", message, param)
 
 
-class WireError(Exception):
+class HttpError(Exception):
     """An HTTP request refused before it reaches the pipeline (its body cannot be a request), or a
     pipeline refusal in OpenAI's terms (`error_of`)."""
 
@@ -513,16 +513,16 @@ STATUS = {
 MODEL_NOT_FOUND_KIND = "invalid_request_error"
 
 
-def error_of(exc: RequestError) -> WireError:
+def error_of(exc: RequestError) -> HttpError:
     """A pipeline refusal as its HTTP status, OpenAI error type, `param` and `code`."""
     status, kind = STATUS.get(exc.code, (502, "server_error"))
     if exc.reason == MODEL_NOT_FOUND:
         kind = MODEL_NOT_FOUND_KIND
-    return WireError(status, kind, exc.message, exc.field, exc.reason)
+    return HttpError(status, kind, exc.message, exc.field, exc.reason)
 
 
-def unknown_model(known: list[str]) -> WireError:
-    return WireError(
+def unknown_model(known: list[str]) -> HttpError:
+    return HttpError(
         404,
         MODEL_NOT_FOUND_KIND,
         f"unknown model; known models: {', '.join(known)}",
@@ -531,7 +531,7 @@ def unknown_model(known: list[str]) -> WireError:
     )
 
 
-def error_body(err: WireError) -> dict[str, Any]:
+def error_body(err: HttpError) -> dict[str, Any]:
     return {
         "error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
     }
@@ -709,7 +709,7 @@ class Answer:
         }
 
 
-def stream_error(err: WireError) -> bytes:
+def stream_error(err: HttpError) -> bytes:
     """An error after the stream began (the status line is gone): an SSE event the SDKs raise."""
     return b"data: " + dumps(error_body(err)) + b"\n\n"
 

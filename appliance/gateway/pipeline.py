@@ -48,18 +48,18 @@ from dataclasses import dataclass
 
 import grpc
 
-from appliance.admission import Admission
 from appliance.backends.base import BackendError, GenerationRequest
 from appliance.cache.keys import ModelIdentity, SamplingKey, cache_key, is_deterministic
 from appliance.cache.policy import CachePlan, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, Hit, TierCascade
-from appliance.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway import messages
+from appliance.gateway.admission import Admission
+from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.generation import Delta, Event, Outcome, Started, generate
 from appliance.gateway.models import ServedModel
 from appliance.gateway.report import ReportSink, RequestReport
-from appliance.request import (
+from appliance.gateway.request import (
     CheckedRequest,
     PreparedRequest,
     check,
@@ -67,7 +67,14 @@ from appliance.request import (
     tokenize,
     valid_request_id,
 )
-from appliance.security.auth import CACHE_ONLY, GENERATE, NO_CREDENTIALS, Credentials, Gate, Pass
+from appliance.security.auth import (
+    CACHE_ONLY,
+    GENERATE,
+    NO_CREDENTIALS,
+    AccessControl,
+    Credentials,
+    Grant,
+)
 from appliance.v1 import inference_pb2 as pb
 
 # Inputs longer than this are tokenized on a worker thread (the tokenizer releases the GIL).
@@ -172,10 +179,10 @@ class Pipeline:
         cache: TierCascade | None,
         admission: Admission,
         sink: ReportSink,
-        gate: Gate | None = None,
+        access: AccessControl | None = None,
     ) -> None:
         self.models = models
-        self.gate = gate or Gate()
+        self.access = access or AccessControl()
         self.cache = cache
         self.admission = admission
         self.sink = sink
@@ -204,9 +211,9 @@ class Pipeline:
         # A request id the check would refuse (control characters, non-ASCII) is not logged.
         request_id = request.request_id if valid_request_id(request.request_id) else ""
         report = RequestReport(request_id=request_id, front_end=front_end)
-        admitted: Pass | None = None
+        admitted: Grant | None = None
         try:
-            admitted = self.admit(request, credentials, report)
+            admitted = self.authorize(request, credentials, report)
             model = self.route(request)
             report.model = model.name
             self.in_flight[model.name] += 1
@@ -253,15 +260,15 @@ class Pipeline:
 
     # -- stages -------------------------------------------------------------------------------
 
-    def admit(
+    def authorize(
         self, request: pb.GenerateRequest, credentials: Credentials, report: RequestReport
-    ) -> Pass:
+    ) -> Grant:
         """The gate; the request's namespace becomes the one the key may use (a key holding one
         namespace may leave it out)."""
         scope = CACHE_ONLY if request.cache_policy == pb.CACHE_POLICY_ONLY else GENERATE
         report.key_id = credentials.claimed_key_id()
         report.namespace = request.namespace[:64]
-        admitted = self.gate.admit(credentials, request.namespace, scope)
+        admitted = self.access.authorize(credentials, request.namespace, scope)
         report.key_id = admitted.key_id
         request.namespace = report.namespace = admitted.namespace
         return admitted

@@ -15,7 +15,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from appliance import sdnotify
-from appliance.admission import GatedAdmission, ModelGate
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.l1 import LruCache
@@ -25,17 +24,18 @@ from appliance.cache.semantic import SemanticTier, make_semantic_tier
 from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
 from appliance.config import CacheConfig, GatewayConfig
 from appliance.gateway import decoding
+from appliance.gateway.admission import GatedAdmission, ModelGate
 from appliance.gateway.health import HealthMonitor
 from appliance.gateway.http_api import HttpApi
+from appliance.gateway.metrics import GatewayMetrics, MetricsSink
 from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.quiesce import quiesce
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
 from appliance.listen import taken_address
-from appliance.metrics import GatewayMetrics, MetricsSink
-from appliance.security.auth import Gate
-from appliance.security.keys import KeyRing, KeysFileError
+from appliance.security.api_keys import KeyRing, KeysFileError
+from appliance.security.auth import AccessControl
 from appliance.security.tls import ServerTls, TlsError
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -96,16 +96,16 @@ class RunningGateway:
     metrics_port: int = 0
     # The OpenAI-compatible HTTP API (None: not configured).
     http: HttpApi | None = None
-    gate: Gate | None = None
+    access: AccessControl | None = None
     tls: ServerTls | None = None
 
     def reload(self) -> None:
         """SIGHUP: re-reads the keys file (a file that cannot be used leaves the keys in use) and
         the TLS files (which are also picked up on their own at the next handshake)."""
-        if self.gate is not None and self.gate.keys is not None:
+        if self.access is not None and self.access.keys is not None:
             try:
-                count = self.gate.keys.reload()
-                log.info("keys file %s reloaded: %d keys", self.gate.keys.path, count)
+                count = self.access.keys.reload()
+                log.info("keys file %s reloaded: %d keys", self.access.keys.path, count)
             except KeysFileError as exc:
                 log.error("keys file not reloaded, the keys in use stay: %s", exc)
         if self.tls is not None:
@@ -145,13 +145,13 @@ class RunningGateway:
         self.metrics.close()
 
 
-def make_gate(config: GatewayConfig) -> Gate:
+def make_access_control(config: GatewayConfig) -> AccessControl:
     """The keys of `[auth] keys_file` (none: every request is anonymous, allowed on loopback)."""
     auth = config.auth
     if auth.keys_file is None:
-        return Gate()
+        return AccessControl()
     try:
-        return Gate(KeyRing(auth.keys_file, auth.pepper, auth.limits))
+        return AccessControl(KeyRing(auth.keys_file, auth.pepper, auth.limits))
     except KeysFileError as exc:
         raise StartupError(str(exc), exit_status=2) from None
 
@@ -181,7 +181,7 @@ async def start_server(
 ) -> RunningGateway:
     if (taken := taken_address(config.server.listen)) is not None:
         raise StartupError(taken)
-    gate = make_gate(config)
+    access = make_access_control(config)
     mutual = config.tls is not None and config.tls.client_ca_file is not None
     # Without this gRPC sets SO_REUSEPORT: a second gateway on the same port would start and
     # silently take half of the connections.
@@ -199,12 +199,12 @@ async def start_server(
         sinks.append(AccessLog())
     if sink is not None:
         sinks.append(sink)
-    pipeline = Pipeline(models, cache, admission, Sinks(*sinks), gate)
+    pipeline = Pipeline(models, cache, admission, Sinks(*sinks), access)
     metrics.watch(models, admission, cache, pipeline.in_flight)
     service = InferenceService(pipeline, mutual)
     decoding.add_service(pb_grpc.add_InferenceServicer_to_server, service, server)
     decoding.add_service(
-        pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache, gate, mutual), server
+        pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache, access, mutual), server
     )
     health_servicer = health.aio.HealthServicer()
     decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
@@ -232,7 +232,7 @@ async def start_server(
     await monitor.publish()
     monitor.start()
     running = RunningGateway(
-        server, service, health_servicer, monitor, models, port, metrics, gate=gate, tls=tls
+        server, service, health_servicer, monitor, models, port, metrics, access=access, tls=tls
     )
     if config.metrics.listen is not None:
         try:
@@ -323,8 +323,8 @@ async def serve(config: GatewayConfig) -> int:
         else "TLS"
         if running.tls
         else "plaintext",
-        f"{len(running.gate.keys)} API keys"
-        if running.gate and running.gate.keys
+        f"{len(running.access.keys)} API keys"
+        if running.access and running.access.keys
         else "no API keys",
         ", ".join(models),
     )

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from appliance.cache.tiers import TierCascade
-from appliance.errors import RequestError
 from appliance.gateway import report
+from appliance.gateway.errors import RequestError
 from appliance.gateway.pipeline import Pipeline
-from appliance.security.auth import Credentials, Gate, bearer_token
+from appliance.security.auth import AccessControl, Credentials, bearer_token
 from appliance.security.tls import grpc_peer_names
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -132,10 +132,13 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
     """Needs the `admin` scope; every call, refused or not, is an access-log line."""
 
     def __init__(
-        self, cache: TierCascade | None, gate: Gate | None = None, mutual_tls: bool = False
+        self,
+        cache: TierCascade | None,
+        access: AccessControl | None = None,
+        mutual_tls: bool = False,
     ) -> None:
         self._cache = cache
-        self._gate = gate or Gate()
+        self._access = access or AccessControl()
         self._mutual_tls = mutual_tls
         # Invalidations whose caller went away (deadline, cancel) and that still run to the end.
         self._invalidating: set[asyncio.Task[dict[str, int]]] = set()
@@ -155,7 +158,7 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
         model = request.model if request is not None else ""
         everything = request.all if request is not None else False
         try:
-            return self._gate.admit_admin(presented, namespace).key_id
+            return self._access.authorize_admin(presented, namespace).key_id
         except RequestError as exc:
             report.admin_call(
                 method,

@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.errors import RequestError, invalid
-from appliance.request import check_json_schema
+from appliance.gateway.errors import RequestError, invalid
+from appliance.gateway.request import check_json_schema
 
 # OpenAI's limits: tools per request and a function name's form.
 MAX_TOOLS = 128

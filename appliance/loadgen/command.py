@@ -21,7 +21,7 @@ from typing import Any
 from appliance.loadgen import report
 from appliance.loadgen.options import BenchInputError, Settings, settings
 from appliance.loadgen.progress import Progress
-from appliance.loadgen.runner import BenchRunError, Runner, open_channel
+from appliance.loadgen.runner import BenchRunError, LoadRunner, open_channel
 from appliance.loadgen.stats import LevelSummary, Record, summarize
 from appliance.loadgen.workload import Prompt, load_prompts
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -82,7 +82,7 @@ def _out_dir(path: Path | None) -> None:
         raise BenchInputError(f"--out {path}: {exc.strerror or exc}") from None
 
 
-class Outcome:
+class SweepResult:
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.summaries: list[LevelSummary] = []
@@ -91,12 +91,12 @@ class Outcome:
         self.started = datetime.now(UTC)
 
 
-async def _sweep(s: Settings, prompts: list[Prompt] | None, outcome: Outcome) -> None:
+async def _sweep(s: Settings, prompts: list[Prompt] | None, outcome: SweepResult) -> None:
     progress = Progress(sys.stderr)
     channel = await open_channel(s.target)
     loop = asyncio.get_running_loop()
     async with channel:
-        runner = Runner(s, prompts, pb_grpc.InferenceStub(channel), progress)
+        runner = LoadRunner(s, prompts, pb_grpc.InferenceStub(channel), progress)
 
         def on_sigint() -> None:
             # A second Ctrl-C ends the process at once.
@@ -123,7 +123,7 @@ async def _sweep(s: Settings, prompts: list[Prompt] | None, outcome: Outcome) ->
             outcome.records = runner.records
 
 
-def _run_info(s: Settings, outcome: Outcome, argv: list[str]) -> dict[str, Any]:
+def _run_info(s: Settings, outcome: SweepResult, argv: list[str]) -> dict[str, Any]:
     return {
         "command": " ".join(["appliance", "bench", *argv]),
         "started": outcome.started.isoformat(timespec="seconds"),
@@ -146,7 +146,7 @@ def _run_info(s: Settings, outcome: Outcome, argv: list[str]) -> dict[str, Any]:
     }
 
 
-def _write(s: Settings, outcome: Outcome, argv: list[str]) -> None:
+def _write(s: Settings, outcome: SweepResult, argv: list[str]) -> None:
     if s.out is None:
         return
     from appliance.loadgen import plots  # matplotlib: loaded only when files are written
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     except BenchInputError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    outcome = Outcome()
+    outcome = SweepResult()
     started = time.monotonic()
     try:
         uvloop.run(_sweep(s, prompts, outcome))

@@ -56,7 +56,7 @@ def _name(value: int, enum: str) -> str:
     return kind.Name(value).removeprefix(prefix)
 
 
-class Runner:
+class LoadRunner:
     def __init__(
         self,
         settings: Settings,

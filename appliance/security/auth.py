@@ -2,7 +2,7 @@
 namespace), and not too often (rate limits) — before validation, the cache or the engine.
 
 Front ends (gRPC, HTTP) turn what their protocol carries into Credentials (a bearer token, the client
-certificate's names) and call `Gate.admit`; the pipeline and CacheAdmin only ever see the Pass it
+certificate's names) and call `AccessControl.admit`; the pipeline and CacheAdmin only ever see the Grant it
 returns. Refusals are RequestErrors: UNAUTHENTICATED for a missing or unknown key, PERMISSION_DENIED
 for a key that may not do this (scope or namespace), RESOURCE_EXHAUSTED over a rate limit. A
 refusal's message names only the caller's own key and what it sent, never another tenant's.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from appliance.errors import RequestError
-from appliance.security.keys import ANONYMOUS, KeyRing, Principal, is_hex, parse_token
+from appliance.gateway.errors import RequestError
+from appliance.security.api_keys import ANONYMOUS, KeyRing, Principal, is_hex, parse_token
 from appliance.security.ratelimit import RateLimiter
 
 GENERATE = "generate"
@@ -50,8 +50,8 @@ def bearer_token(authorization: str) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-class Pass:
-    """An admitted request: its key id and namespace; `release` once it ends (frees its stream)."""
+class Grant:
+    """An authorized request: its key id and namespace; `release` once it ends (frees its stream)."""
 
     __slots__ = ("_limiter", "key_id", "namespace")
 
@@ -74,7 +74,7 @@ def _denied(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.PERMISSION_DENIED, message)
 
 
-class Gate:
+class AccessControl:
     """Authentication, per-key rate limits and authorization. Without a key ring (no keys file;
     allowed on loopback) every request is the anonymous principal, which may do everything."""
 
@@ -107,24 +107,24 @@ class Gate:
             "this gateway requires an API key: send metadata 'authorization: Bearer KEY'"
         )
 
-    def admit(self, credentials: Credentials, namespace: str, scope: str) -> Pass:
+    def authorize(self, credentials: Credentials, namespace: str, scope: str) -> Grant:
         """A request for `namespace` ("": the key's only one, else "default") needing `scope`."""
         principal = self.authenticate(credentials)
         if principal is ANONYMOUS:
-            return Pass(principal.key_id, namespace, None)
+            return Grant(principal.key_id, namespace, None)
         limits = principal.limits
         self.limiter.take(principal.key_id, limits)
         self._scope(principal, scope)
         namespace = self._namespace(principal, namespace)
         counted = self.limiter.open_stream(principal.key_id, limits)
-        return Pass(principal.key_id, namespace, self.limiter if counted else None)
+        return Grant(principal.key_id, namespace, self.limiter if counted else None)
 
-    def admit_admin(self, credentials: Credentials, namespace: str) -> Pass:
+    def authorize_admin(self, credentials: Credentials, namespace: str) -> Grant:
         """A CacheAdmin call: the `admin` scope; a namespace the key holds, or any namespace
         (every namespace's entries or counters) only for a key that holds "*"."""
         principal = self.authenticate(credentials)
         if principal is ANONYMOUS:
-            return Pass(principal.key_id, namespace, None)
+            return Grant(principal.key_id, namespace, None)
         self.limiter.take(principal.key_id, principal.limits)
         self._scope(principal, ADMIN)
         if not principal.any_namespace and (not namespace or namespace not in principal.namespaces):
@@ -133,7 +133,7 @@ class Gate:
                 f"({', '.join(sorted(principal.namespaces))}): name one of them"
                 + ("" if namespace else '; all namespaces need a key holding "*"')
             )
-        return Pass(principal.key_id, namespace, None)
+        return Grant(principal.key_id, namespace, None)
 
     @staticmethod
     def _scope(principal: Principal, scope: str) -> None:

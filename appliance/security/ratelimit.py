@@ -13,8 +13,8 @@ import time
 
 import grpc
 
-from appliance.errors import RequestError
-from appliance.security.keys import Limits
+from appliance.gateway.errors import RequestError
+from appliance.security.api_keys import RateLimits
 
 # A stream slot frees when some stream ends: no better estimate than "soon".
 STREAM_RETRY_MS = 100
@@ -35,7 +35,7 @@ class RateLimiter:
     def __init__(self) -> None:
         self._buckets: dict[str, _Bucket] = {}
 
-    def take(self, key_id: str, limits: Limits) -> None:
+    def take(self, key_id: str, limits: RateLimits) -> None:
         """One request of `key_id`; RequestError(RESOURCE_EXHAUSTED) when over its rate."""
         rate = limits.rate_per_s
         if rate is None:
@@ -58,7 +58,7 @@ class RateLimiter:
             retry_after_ms=wait_ms,
         )
 
-    def open_stream(self, key_id: str, limits: Limits) -> bool:
+    def open_stream(self, key_id: str, limits: RateLimits) -> bool:
         """Counts a stream of `key_id`; RequestError when it has its limit open. True when counted
         (then `close_stream` must follow)."""
         if limits.max_streams is None:

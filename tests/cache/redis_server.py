@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from appliance.processes import free_port
+from appliance.tools.processes import free_port
 
 
 class RedisServer:

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.breaker import CircuitBreaker
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.invalidation_feed import MAX_LEN, InvalidationFeed
 from appliance.cache.l1 import MAX_HOLDS, LruCache
@@ -17,6 +16,7 @@ from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import L1Tier, TierCascade
+from appliance.gateway.breaker import CircuitBreaker
 
 
 class Clock:

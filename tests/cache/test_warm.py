@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from appliance.tools.warm import Tally, read_prompts, warm_one
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
-from appliance.warm import Tally, read_prompts, warm_one
 from tests.cache.redis_server import RedisServer
 from tests.cache.test_cache_e2e import (  # redis_server: the fixture, one per module
     Gateway,

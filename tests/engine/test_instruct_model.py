@@ -20,8 +20,8 @@ import torch
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.server import EngineModel, load_repository, start_engine
-from appliance.instruct_model import default_gguf, ensure_instruct_model
-from appliance.tokenizer import ModelText
+from appliance.text.tokenizer import ModelText
+from appliance.tools.instruct_model import default_gguf, ensure_instruct_model
 from tests.engine.test_conformance import collect, request, tokens_of
 
 QUESTIONS = [

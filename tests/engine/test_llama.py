@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from appliance.engine.linear import PlainLinear
 from appliance.engine.llama import CheckpointError, LlamaModel, load_config
-from appliance.tiny_model import write_tiny_model
+from appliance.tools.tiny_model import write_tiny_model
 from tests.engine.conftest import MICRO_CONFIG, write_micro_checkpoint
 
 TOKENS = [1, 5, 17, 42, 3, 88, 60, 7, 7, 19, 33, 96]
@@ -210,7 +210,7 @@ def test_config_reader_and_shared_fixtures_do_not_import_torch() -> None:
 
     code = (
         "import sys, tests.conftest, engine_build.hf_config, engine_build.repo, "
-        "appliance.model_store, appliance.backends.wire; "
+        "appliance.tools.model_store, appliance.backends.wire; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

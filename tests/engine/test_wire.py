@@ -74,7 +74,7 @@ def test_typed_contents_are_read_when_raw_is_absent() -> None:
     t.contents.fp32_contents.append(0.25)
     assert wire.input_tensor(request, 0).values == [0.25]
     t.contents.fp32_contents.append(0.5)
-    with pytest.raises(wire.WireError, match=r"2 element\(s\) where shape \[1, 1\] holds 1"):
+    with pytest.raises(wire.TensorError, match=r"2 element\(s\) where shape \[1, 1\] holds 1"):
         wire.input_tensor(request, 0)
 
 
@@ -85,7 +85,7 @@ def test_outputs_round_trip_and_absent_outputs_are_none() -> None:
     assert wire.output_values(response, "output_ids") == [9, 8]
     assert wire.output_values(response, "sequence_length") == [2]
     assert wire.output_values(response, "cum_log_probs") is None
-    with pytest.raises(wire.WireError, match="does not hold"):
+    with pytest.raises(wire.TensorError, match="does not hold"):
         wire.add_output(response, "output_ids", "INT32", [1, 2, 3], [1, 1, 2])
 
 
@@ -103,10 +103,10 @@ def test_outputs_round_trip_and_absent_outputs_are_none() -> None:
 def test_malformed_contents_are_a_clear_error(
     datatype: str, raw: bytes, count: int | None, message: str
 ) -> None:
-    with pytest.raises(wire.WireError, match=message):
+    with pytest.raises(wire.TensorError, match=message):
         wire.decode(datatype, raw, count)
 
 
 def test_values_out_of_range_are_refused() -> None:
-    with pytest.raises(wire.WireError, match="do not fit INT32"):
+    with pytest.raises(wire.TensorError, match="do not fit INT32"):
         wire.encode("INT32", [2**31])

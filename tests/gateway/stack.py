@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import processes
+from appliance.tools import processes
 from tests.conftest import Tiny
 
 MODEL = "tiny"

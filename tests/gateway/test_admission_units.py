@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from appliance.admission import ModelGate, ServiceEstimate
-from appliance.errors import RequestError
+from appliance.gateway.admission import ModelGate, ServiceEstimate
+from appliance.gateway.errors import RequestError
 
 
 class Clock:

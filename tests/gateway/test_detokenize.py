@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from appliance.detokenize import (
+from appliance.text.detokenize import (
     IncrementalDecoder,
     TokenTable,
     UnsupportedTokenizerError,

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance import processes
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny

@@ -253,7 +253,7 @@ def test_the_command_lines_log_level_wins_over_the_files(tiny: Tiny, tmp_path: P
     import subprocess
     import sys
 
-    from appliance import processes
+    from appliance.tools import processes
 
     config = processes.write_gateway_config(
         tmp_path / "g.toml",

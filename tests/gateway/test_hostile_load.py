@@ -22,7 +22,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from appliance import processes
 from appliance.config import (
     AuthConfig,
     GatewayConfig,
@@ -32,9 +31,10 @@ from appliance.config import (
 )
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
-from appliance.security.keys import new_key, write_entries
+from appliance.security.api_keys import new_key, write_entries
 from appliance.security.secretfile import PEPPER_PURPOSE, read_secret, write_secret
 from appliance.security.tls import TlsSettings
+from appliance.tools import processes
 from tests.conftest import Tiny
 from tests.security.certs import CA
 

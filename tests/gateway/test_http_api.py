@@ -18,9 +18,9 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from appliance.admission import GatedAdmission
 from appliance.config import GatewayConfig, HttpConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
+from appliance.gateway.admission import GatedAdmission
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from appliance import processes
 from appliance.client import generate
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny

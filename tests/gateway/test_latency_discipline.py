@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance import processes
 from appliance.config import GatewayConfig, ModelConfig, ServerConfig
 from appliance.gateway.health import health_name
 from appliance.gateway.models import load_models
 from appliance.gateway.server import SERVICE_NAME, RunningGateway, start_server
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny, copy_repository

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from appliance.backends import wire
 from appliance.backends.base import GREEDY, GenerationRequest
 from appliance.backends.triton import InputNames, TritonBackend
-from appliance.tokenizer import ModelText
+from appliance.text.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny

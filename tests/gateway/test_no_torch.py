@@ -12,7 +12,7 @@ GATEWAY_MODULES = [
     "appliance.gateway.http_api",
     "appliance.gateway.openai_wire",
     "appliance.client",
-    "appliance.processes",
+    "appliance.tools.processes",
     "appliance.loadgen.command",
     "appliance.loadgen.plots",
 ]

@@ -7,8 +7,8 @@ import json
 import grpc
 import pytest
 
-from appliance.errors import RequestError
 from appliance.gateway import openai_wire as wire
+from appliance.gateway.errors import RequestError
 from appliance.v1 import inference_pb2 as pb
 
 
@@ -86,7 +86,7 @@ def test_unset_fields_stay_unset_for_the_check_stage() -> None:
     ],
 )
 def test_refused_completion_bodies(body: dict[str, object]) -> None:
-    with pytest.raises(wire.WireError) as err:
+    with pytest.raises(wire.HttpError) as err:
         wire.parse_request(body, chat=False)
     assert err.value.status == 400 and err.value.param
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance.admission import ModelGate, ServiceEstimate
-from appliance.errors import RequestError
+from appliance.gateway.admission import ModelGate, ServiceEstimate
+from appliance.gateway.errors import RequestError
 from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS
 from appliance.gateway.server import RunningGateway
 from appliance.v1 import inference_pb2 as pb

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import processes, sdnotify
+from appliance import sdnotify
+from appliance.tools import processes
 from tests.conftest import Tiny
 
 

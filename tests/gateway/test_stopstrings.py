@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.stopstrings import StopMatcher
+from appliance.text.stops import StopMatcher
 
 
 def _run(stops: tuple[str, ...], deltas: list[str]) -> tuple[str, bool]:

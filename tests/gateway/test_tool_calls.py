@@ -116,7 +116,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
 
 @pytest.mark.parametrize(("fields", "message"), BAD)
 def test_bad_tools_are_refused_with_what_to_fix(fields: dict[str, Any], message: str) -> None:
-    with pytest.raises(wire.WireError) as err:
+    with pytest.raises(wire.HttpError) as err:
         chat(**fields)
     assert err.value.status == 400 and message in err.value.message
 

@@ -9,9 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-from appliance import cli, processes
+from appliance import cli
 from appliance.loadgen.options import Lengths, parse_lengths
 from appliance.loadgen.workload import Workload, load_prompts
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 
 

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from appliance.processes import free_port
+from appliance.tools.processes import free_port
 
 
 class Prometheus:

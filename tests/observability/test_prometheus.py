@@ -27,10 +27,10 @@ from appliance.config import (
     ServerConfig,
 )
 from appliance.engine.metrics import serve_metrics
+from appliance.gateway.metrics import LATENCY_BUCKETS, GpuCollector
 from appliance.gateway.models import load_models
 from appliance.gateway.report import RequestReport
 from appliance.gateway.server import RunningGateway, start_server
-from appliance.metrics import LATENCY_BUCKETS, GpuCollector
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer

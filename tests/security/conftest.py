@@ -14,7 +14,7 @@ import pytest
 from appliance.config import AuthConfig, CacheConfig, GatewayConfig, ModelConfig, ServerConfig
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
-from appliance.security.keys import Limits, new_key, write_entries
+from appliance.security.api_keys import RateLimits, new_key, write_entries
 from appliance.security.secretfile import PEPPER_PURPOSE, read_secret, write_secret
 from appliance.security.tls import TlsSettings
 from tests.conftest import Engine, Tiny
@@ -37,7 +37,7 @@ class Keys:
         namespaces: list[str],
         scopes: list[str],
         identities: list[str] | None = None,
-        limits: Limits | None = None,
+        limits: RateLimits | None = None,
     ) -> str:
         token, entry = new_key(self.pepper, namespaces, scopes, identities, limits)
         self.entries.append(entry)

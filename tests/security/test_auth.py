@@ -14,7 +14,7 @@ import pytest
 from appliance.cache.l2 import RedisSettings
 from appliance.config import CacheConfig
 from appliance.gateway.server import RunningGateway
-from appliance.security.keys import Limits
+from appliance.security.api_keys import RateLimits
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer
@@ -88,8 +88,8 @@ async def test_a_request_without_a_valid_key_is_unauthenticated(
     gateway: Client, keys: Keys
 ) -> None:
     token = keys.add(["a"], ["generate"])
-    assert gateway.gw.gate is not None and gateway.gw.gate.keys is not None
-    gateway.gw.gate.keys.reload()
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
     forged = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
     for presented in (None, forged, "not-a-key", token + "x"):
         err = await gateway.refused(req("a"), presented)
@@ -104,8 +104,8 @@ async def test_namespace_rules(gateway: Client, keys: Keys) -> None:
     one = keys.add(["tenant-a"], ["generate"])
     two = keys.add(["tenant-a", "tenant-b"], ["generate"])
     anywhere = keys.add(["*"], ["generate"])
-    assert gateway.gw.gate is not None and gateway.gw.gate.keys is not None
-    gateway.gw.gate.keys.reload()
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
     # A key with one namespace may leave it out: the answer is that namespace's.
     r = req()
     await gateway.complete(r, one)
@@ -130,8 +130,8 @@ async def test_namespace_rules(gateway: Client, keys: Keys) -> None:
 async def test_cache_only_needs_its_own_scope(gateway: Client, keys: Keys) -> None:
     writer = keys.add(["t"], ["generate"])
     prober = keys.add(["t"], ["cache:read-only-policy"])
-    assert gateway.gw.gate is not None and gateway.gw.gate.keys is not None
-    gateway.gw.gate.keys.reload()
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
     r = req("t")
     await gateway.complete(r, writer)
     only = req("t", r.prompt, cache_policy=pb.CACHE_POLICY_ONLY)
@@ -163,8 +163,8 @@ async def test_invalidate_needs_admin_and_refused_calls_remove_nothing(
     tenant_admin = keys.add(["a"], ["admin", "generate"])
     operator = keys.add(["*"], ["admin"])
     user_b = keys.add(["b"], ["generate"])
-    assert gateway.gw.gate is not None and gateway.gw.gate.keys is not None
-    gateway.gw.gate.keys.reload()
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
     await gateway.complete(req("a"), user)
     await gateway.complete(req("b"), user_b)
     before = await _entries(gateway.gw, redis_server)
@@ -208,8 +208,8 @@ async def test_the_access_log_names_the_key_and_namespace(
     gateway: Client, keys: Keys, caplog: pytest.LogCaptureFixture
 ) -> None:
     token = keys.add(["logged"], ["generate"])
-    assert gateway.gw.gate is not None and gateway.gw.gate.keys is not None
-    gateway.gw.gate.keys.reload()
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
     caplog.set_level(logging.INFO, logger="appliance.access")
     await gateway.complete(req(), token)
     await gateway.refused(req("elsewhere"), token)
@@ -226,11 +226,11 @@ async def test_the_access_log_names_the_key_and_namespace(
 
 
 async def test_rate_and_stream_limits_per_key(gateway: Client, keys: Keys) -> None:
-    limited = keys.add(["t"], ["generate"], limits=Limits(rate_per_s=1000.0, max_streams=1))
-    slow = keys.add(["t"], ["generate"], limits=Limits(rate_per_s=0.2, burst=2))
+    limited = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=1000.0, max_streams=1))
+    slow = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=0.2, burst=2))
     other = keys.add(["t"], ["generate"])
-    assert gateway.gw.gate is not None and gateway.gw.gate.keys is not None
-    gateway.gw.gate.keys.reload()
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
     # Requests/s: the burst passes, the next is refused with a retry hint; other keys are not.
     await gateway.complete(req("t"), slow)
     await gateway.complete(req("t"), slow)
@@ -267,7 +267,7 @@ async def test_rate_and_stream_limits_per_key(gateway: Client, keys: Keys) -> No
 
 async def test_a_revoked_key_is_refused_after_a_reload(gateway: Client, keys: Keys) -> None:
     token = keys.add(["t"], ["generate"])
-    assert gateway.gw.gate is not None and gateway.gw.gate.keys is not None
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
     gateway.gw.reload()
     await gateway.complete(req("t"), token)
     keys.entries.clear()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from appliance.config import ConfigError, load_config
-from appliance.security.keys import KeyRing, Limits
+from appliance.security.api_keys import KeyRing, RateLimits
 
 
 def keys(*args: str) -> subprocess.CompletedProcess[str]:
@@ -42,7 +42,7 @@ def test_add_list_revoke(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o640
     from appliance.security.secretfile import PEPPER_PURPOSE, read_secret
 
-    ring = KeyRing(path, read_secret(pepper, PEPPER_PURPOSE), Limits())
+    ring = KeyRing(path, read_secret(pepper, PEPPER_PURPOSE), RateLimits())
     principal = ring.by_token(token)
     assert principal is not None and principal.namespaces == {"acme"}
     assert principal.limits.rate_per_s == 5 and principal.scopes == {"generate", "admin"}

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance.security.keys import Limits
+from appliance.security.api_keys import RateLimits
 from appliance.security.tls import ServerTls, TlsError, TlsSettings
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -229,7 +229,7 @@ async def test_a_renewed_certificate_is_used_without_failing_a_stream(
 async def test_rate_limited_keys_over_tls_get_the_pushback_trailer(
     tiny: Tiny, engine: Engine, ca: CA, server_cert: Issued, keys: Keys
 ) -> None:
-    token = keys.add(["t"], ["generate"], limits=Limits(rate_per_s=0.5, burst=1))
+    token = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=0.5, burst=1))
     tls = TlsSettings(server_cert.cert, server_cert.key)
     async with (
         running(gateway_config(tiny, engine, tls, keys.auth())) as gw,

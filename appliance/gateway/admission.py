@@ -29,7 +29,7 @@ from typing import Protocol
 
 import grpc
 
-from appliance.errors import RequestError
+from appliance.gateway.errors import RequestError
 
 
 class Ticket(Protocol):

@@ -28,8 +28,8 @@ from prometheus_client.registry import Collector
 from appliance.gateway.report import RequestReport
 
 if TYPE_CHECKING:
-    from appliance.admission import Admission, ModelGate
     from appliance.cache.tiers import TierCascade
+    from appliance.gateway.admission import Admission, ModelGate
     from appliance.gateway.models import ServedModel
 
 log = logging.getLogger(__name__)

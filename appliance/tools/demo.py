@@ -12,8 +12,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from appliance import processes
 from appliance.client import StreamResult, connect, generate
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 
 MODEL = "smollm2"
@@ -96,7 +96,7 @@ def _report(results: list[StreamResult]) -> None:
 
 
 def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
-    from appliance.instruct_model import ModelError, ensure_instruct_model
+    from appliance.tools.instruct_model import ModelError, ensure_instruct_model
 
     workdir.mkdir(parents=True, exist_ok=True)
     _say("making the model: SmolLM2-135M-Instruct (converted from its GGUF on the first run)")

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from appliance.security.keys import SCOPES, KeysFileError, Limits, new_key, read_entries
-from appliance.security.keys import write_entries as write_keys
+from appliance.security.api_keys import SCOPES, KeysFileError, RateLimits, new_key, read_entries
+from appliance.security.api_keys import write_entries as write_keys
 from appliance.security.secretfile import PEPPER_PURPOSE, SecretFileError, read_secret, write_secret
 
 DEFAULT_KEYS_FILE = "/etc/appliance/api-keys.json"
@@ -40,7 +40,7 @@ def _add(args: argparse.Namespace) -> int:
         raise _Refused(f"--pepper-file: {exc}") from None
     path = Path(args.keys_file)
     entries = _entries(path, create=True)
-    limits = Limits(args.rate_per_s, args.burst, args.max_streams)
+    limits = RateLimits(args.rate_per_s, args.burst, args.max_streams)
     token, entry = new_key(
         pepper, args.namespace, args.scope or ["generate"], args.identity, limits, args.note
     )

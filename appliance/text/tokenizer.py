@@ -16,7 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from appliance.detokenize import TokenTable, build_token_table
+from appliance.text.detokenize import TokenTable, build_token_table
 
 CHAT_ROLES = ("system", "user", "assistant")
 

@@ -20,8 +20,8 @@ import jsonschema
 
 from appliance.backends.base import GREEDY, Guide, Sampling
 from appliance.cache.policy import CachePolicy
-from appliance.errors import CONTEXT_LENGTH_EXCEEDED, invalid
-from appliance.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
+from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, invalid
+from appliance.text.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
 from appliance.v1 import inference_pb2 as pb
 
 MAX_STOP_STRINGS = 16

@@ -51,7 +51,7 @@ class KeysFileError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class RateLimits:
     """Per-key rate limits; None: unlimited."""
 
     rate_per_s: float | None = None
@@ -66,7 +66,7 @@ class Principal:
     key_id: str
     namespaces: frozenset[str]
     scopes: frozenset[str]
-    limits: Limits = field(default_factory=Limits)
+    limits: RateLimits = field(default_factory=RateLimits)
     identities: tuple[str, ...] = ()
 
     @property
@@ -108,7 +108,7 @@ _DUMMY = KeyRecord(ANONYMOUS, b"\0" * 16, b"\0" * 32)
 class KeyRing:
     """The keys of one keys file, checked per request; `reload` re-reads the file (SIGHUP)."""
 
-    def __init__(self, path: Path, pepper: bytes, defaults: Limits) -> None:
+    def __init__(self, path: Path, pepper: bytes, defaults: RateLimits) -> None:
         self.path = path
         self._pepper = pepper
         self._defaults = defaults
@@ -136,7 +136,7 @@ class KeyRing:
 
     def _record(self, entry: dict[str, Any]) -> KeyRecord:
         d = self._defaults
-        limits = Limits(
+        limits = RateLimits(
             rate_per_s=entry.get("rate_per_s", d.rate_per_s),
             burst=entry.get("burst", d.burst),
             max_streams=entry.get("max_streams", d.max_streams),
@@ -262,7 +262,7 @@ def new_key(
     namespaces: list[str],
     scopes: list[str],
     identities: list[str] | None = None,
-    limits: Limits | None = None,
+    limits: RateLimits | None = None,
     note: str = "",
 ) -> tuple[str, dict[str, Any]]:
     """A new key: (the token, shown once; the file entry, which holds only its hash)."""

@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokeniz
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from appliance.model_store import ensure_model
+from appliance.tools.model_store import ensure_model
 from engine_build.hf_config import parse_config
 
 __all__ = [
@@ -29,7 +29,7 @@ __all__ = [
     "write_tiny_model",
 ]
 
-CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+CORPUS = Path(__file__).parents[1] / "data" / "corpus.txt"
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from appliance.model_store import ensure_model
+from appliance.tools.model_store import ensure_model
 
 __all__ = [
     "CHECKPOINT_FILES",
