@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine_build import commands, formats, gpu, planner, runner, runtime
-from engine_build.checkpoint import read_shape_for
+from engine_build.checkpoint import read_shape, read_shape_for
 from engine_build.errors import BuildError, DoesNotFit, SpecError
 from engine_build.repo import write_repository
 from engine_build.spec import BuildSpec, load_spec
@@ -92,7 +92,13 @@ def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.FitPlan:
     """Print the table; raise :class:`DoesNotFit` with what to change when it does not fit."""
     shape = read_shape_for(spec)
     planner.check_groups(shape, spec)
-    plan = planner.make_plan(shape, spec, _gpu_memory(spec, gpu_memory))
+    s = spec.speculative
+    other = s.draft_hf_model_dir if s.mode == "draft_target" else s.eagle_model_dir
+    draft_shape = read_shape(other) if s.mode in ("draft_target", "eagle") and other else None
+    if draft_shape is not None and s.mode == "draft_target":
+        planner.check_groups(draft_shape, spec)
+    cost = planner.draft_cost(shape, spec, draft_shape)
+    plan = planner.make_plan(shape, spec, _gpu_memory(spec, gpu_memory), cost)
     print(planner.render_table(plan, spec))
     if not plan.fits:
         raise DoesNotFit(

@@ -19,6 +19,7 @@ import shlex
 from pathlib import Path
 
 from engine_build.spec import BuildSpec
+from engine_build.speculative import BUILD_MODE
 
 # The pinned line. 1.3 removed trtllm-build and the tensorrtllm Triton backend.
 TRTLLM_SUPPORTED = (1, 2)
@@ -92,7 +93,94 @@ def quantize_command(spec: BuildSpec, output_dir: Path) -> list[str]:
     return [*_python(spec), spec.trtllm.quantize_script, *quantize_args(spec, output_dir)]
 
 
+def draft_quantize_args(spec: BuildSpec, output_dir: Path) -> list[str]:
+    """quantize.py for the draft model of draft-target speculation: the target's precision."""
+    draft = spec.speculative.draft_hf_model_dir
+    assert draft is not None
+    args = quantize_args(spec, output_dir)
+    args[args.index("--model_dir") + 1] = str(draft)
+    return args
+
+
+def convert_script(spec: BuildSpec, mode: str) -> str:
+    """examples/<mode>/convert_checkpoint.py of the same source tree as quantize_script."""
+    examples = Path(spec.trtllm.quantize_script).parent.parent
+    return str(examples / mode / "convert_checkpoint.py")
+
+
+def convert_args(spec: BuildSpec, output_dir: Path) -> list[str]:
+    """The Medusa or EAGLE checkpoint: the base model with its heads or drafter, in ``dtype``."""
+    s = spec.speculative
+    args = ["--model_dir", str(spec.hf_model_dir), "--dtype", spec.dtype]
+    if s.mode == "medusa":
+        args += [
+            "--medusa_model_dir",
+            str(s.medusa_model_dir),
+            "--num_medusa_heads",
+            str(s.num_medusa_heads),
+            "--num_medusa_layers",
+            str(s.num_medusa_layers),
+            "--max_medusa_token_len",
+            str(s.draft_len),
+        ]
+    else:
+        args += [
+            "--eagle_model_dir",
+            str(s.eagle_model_dir),
+            "--max_draft_len",
+            str(s.draft_len),
+            "--num_eagle_layers",
+            str(s.num_eagle_layers),
+            "--max_non_leaves_per_layer",
+            str(s.max_non_leaves_per_layer),
+        ]
+    return [*args, "--tp_size", str(spec.tp_size), "--output_dir", str(output_dir)]
+
+
+def checkpoint_command(spec: BuildSpec, output_dir: Path) -> list[str]:
+    """The target's checkpoint stage: quantize.py, or the mode's convert_checkpoint.py."""
+    mode = spec.speculative.mode
+    if mode in ("medusa", "eagle"):
+        return [*_python(spec), convert_script(spec, mode), *convert_args(spec, output_dir)]
+    return quantize_command(spec, output_dir)
+
+
+def draft_quantize_command(spec: BuildSpec, output_dir: Path) -> list[str]:
+    return [*_python(spec), spec.trtllm.quantize_script, *draft_quantize_args(spec, output_dir)]
+
+
+def speculative_build_args(spec: BuildSpec) -> list[str]:
+    """The target engine's speculative flags (none without speculation)."""
+    s = spec.speculative
+    if not s.on:
+        return []
+    return [
+        "--speculative_decoding_mode",
+        BUILD_MODE[s.mode],
+        "--max_draft_len",
+        str(s.draft_len),
+    ]
+
+
+def draft_build_args(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[str]:
+    """The draft engine: the target's recipe without speculative flags; it returns its
+    generation logits when the target accepts by logits."""
+    args = _engine_args(spec, checkpoint_dir, output_dir)
+    if spec.speculative.use_draft_logits:
+        args.append("--gather_generation_logits")
+    return args
+
+
+def draft_build_command(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[str]:
+    return [*_tool(spec, "trtllm-build"), *draft_build_args(spec, checkpoint_dir, output_dir)]
+
+
 def build_args(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[str]:
+    """The target engine: `_engine_args` and the speculative flags of the spec's mode."""
+    return [*_engine_args(spec, checkpoint_dir, output_dir), *speculative_build_args(spec)]
+
+
+def _engine_args(spec: BuildSpec, checkpoint_dir: Path, output_dir: Path) -> list[str]:
     """trtllm-build arguments: the low-latency batch-1 recipe with every plugin flag explicit.
 
     Only FP8 weights take the FP8 GEMM plugins; every other format passes ``--gemm_plugin`` in

@@ -119,6 +119,13 @@ class RepoParams:
     hf_model_dir: str
     engine_dir: str | None
     guided_decoding: GuidedDecoding | None = None  # None: guided decoding off
+    # Speculative decoding: parameters the backend reads for the mode (decoding_mode, choices,
+    # lookahead sizes), written verbatim; `draft_inputs` declares the draft-target inputs.
+    speculative: tuple[tuple[str, str], ...] = ()
+    draft_inputs: bool = False
+    draft_logits: bool = False
+    name: str = MODEL_NAME
+    max_tokens_in_paged_kv_cache: int | None = None
 
 
 def _bool(v: bool) -> str:
@@ -157,11 +164,14 @@ def parameters(p: RepoParams) -> dict[str, str]:
     if p.engine_dir is not None:
         params["gpt_model_path"] = p.engine_dir
         params["engine_dir"] = p.engine_dir
+    if p.max_tokens_in_paged_kv_cache is not None:
+        params["max_tokens_in_paged_kv_cache"] = str(p.max_tokens_in_paged_kv_cache)
+    params.update(p.speculative)
     return params
 
 
 def model_config(p: RepoParams) -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name=MODEL_NAME, backend=BACKEND, max_batch_size=p.max_batch_size)
+    cfg = mc.ModelConfig(name=p.name, backend=BACKEND, max_batch_size=p.max_batch_size)
     cfg.model_transaction_policy.decoupled = True
     cfg.dynamic_batching.preferred_batch_size.append(p.max_batch_size)
     cfg.dynamic_batching.max_queue_delay_microseconds = 0
@@ -181,6 +191,27 @@ def model_config(p: RepoParams) -> mc.ModelConfig:
                 optional=True,
                 allow_ragged_batch=True,
             )
+    if p.draft_inputs:
+        # As the template declares them; draft_logits only when acceptance uses logits.
+        cfg.input.add(
+            name="draft_input_ids",
+            data_type=mc.TYPE_INT32,
+            dims=[-1],
+            optional=True,
+            allow_ragged_batch=True,
+        )
+        if p.draft_logits:
+            cfg.input.add(
+                name="draft_logits",
+                data_type=mc.TYPE_FP32,
+                dims=[-1, -1],
+                optional=True,
+                allow_ragged_batch=True,
+            )
+        t = cfg.input.add(
+            name="draft_acceptance_threshold", data_type=mc.TYPE_FP32, dims=[1], optional=True
+        )
+        t.reshape.SetInParent()
     for name, dtype, dims in _OUTPUTS:
         cfg.output.add(name=name, data_type=dtype, dims=list(dims))
     cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)

@@ -105,6 +105,9 @@ class FitPlan:
     overhead_bytes: int
     gpu_memory_bytes: int
     kv_pool_bytes: int
+    # Speculative decoding: the draft model's weights and its capped KV pool, or the Medusa
+    # heads / EAGLE drafter weights (their KV is part of kv_bytes_per_token).
+    draft_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -123,6 +126,7 @@ class FitPlan:
             + self.logits_bytes
             + self.overhead_bytes
             + self.kv_bytes_needed
+            + self.draft_bytes
         )
 
 
@@ -217,17 +221,65 @@ def activation_bytes(shape: ModelShape, spec: FitSpec) -> int:
     return spec.max_num_tokens * widest * DTYPE_BYTES[spec.dtype] * ACTIVATION_BUFFERS
 
 
-def make_plan(shape: ModelShape, spec: FitSpec, gpu_memory_bytes: int) -> FitPlan:
+@dataclass(frozen=True)
+class DraftCost:
+    """What speculative decoding adds per GPU: ``bytes`` held before the target's KV pool
+    (draft engine weights and KV, or head/drafter weights), ``kv_per_token`` added to the
+    target's KV per token (EAGLE's drafter layers), ``extra_tokens`` added to its sequence."""
+
+    bytes: int = 0
+    kv_per_token: int = 0
+    extra_tokens: int = 0
+
+
+def draft_cost(shape: ModelShape, spec: BuildSpec, draft_shape: ModelShape | None) -> DraftCost:
+    """The speculative mode's memory, from the target's shape and (draft-target: the draft
+    model's; EAGLE: the drafter's config.json) ``draft_shape``.
+
+    - draft_target: the draft engine's weights in the spec's format plus its KV pool, capped at
+      one ``max_seq_len`` sequence (the repository writes that cap).
+    - medusa: ``num_medusa_heads`` heads, each ``num_medusa_layers`` residual blocks (hidden x
+      hidden weight and bias) and its own ``lm_head`` (vocab x hidden), in ``dtype``.
+    - eagle: ``num_eagle_layers`` EAGLE nets, each the drafter's decoder layers, its fc (2 x
+      hidden -> hidden), a vocab embedding and an ``lm_head`` copy, in ``dtype``; each net's
+      layers keep KV cache per token like the target's.
+    - lookahead: no weights; its sequences are ``max_draft_len`` longer (all modes are).
+    """
+    s = spec.speculative
+    extra = s.extra_seq_len
+    wide = DTYPE_BYTES[spec.dtype]
+    h, tp = shape.hidden_size, spec.tp_size
+    if s.mode == "draft_target" and draft_shape is not None:
+        blocks = math.ceil(spec.max_seq_len / spec.tokens_per_block)
+        tokens = blocks * spec.tokens_per_block * spec.max_batch_size
+        kv = tokens * kv_bytes_per_token(draft_shape, spec)
+        return DraftCost(weight_bytes_per_gpu(draft_shape, spec) + kv, 0, extra)
+    if s.mode == "medusa":
+        per_head = s.num_medusa_layers * (h * h + h) + shape.vocab_size * h
+        return DraftCost(s.num_medusa_heads * per_head * wide // tp, 0, extra)
+    if s.mode == "eagle" and draft_shape is not None:
+        d = draft_shape
+        block = sum(i * o for i, o in _linear_shapes(d, tp).values()) + 2 * d.hidden_size
+        net = d.num_hidden_layers * block + 2 * h * h + 2 * shape.vocab_size * h // tp
+        per_token = kv_bytes_per_token(d, spec) * s.num_eagle_layers
+        return DraftCost(s.num_eagle_layers * net * wide, per_token, extra)
+    return DraftCost(0, 0, extra)
+
+
+def make_plan(
+    shape: ModelShape, spec: FitSpec, gpu_memory_bytes: int, draft: DraftCost | None = None
+) -> FitPlan:
     """The fit table for one GPU of ``gpu_memory_bytes`` (the smallest of the spec's GPUs)."""
-    per_token = kv_bytes_per_token(shape, spec)
-    blocks = math.ceil(spec.max_seq_len / spec.tokens_per_block)
+    draft = draft or DraftCost()
+    per_token = kv_bytes_per_token(shape, spec) + draft.kv_per_token
+    blocks = math.ceil((spec.max_seq_len + draft.extra_tokens) / spec.tokens_per_block)
     tokens = blocks * spec.tokens_per_block * spec.max_batch_size
     weights = weight_bytes_per_gpu(shape, spec)
     act = activation_bytes(shape, spec)
     logits = spec.max_batch_size * shape.vocab_size * LOGITS_BYTES
     cuda_graphs = spec.cuda_graph_cache_size if spec.cuda_graph_mode else 0
     overhead = spec.runtime_overhead_bytes + cuda_graphs * CUDA_GRAPH_RESERVE_BYTES
-    free_after = gpu_memory_bytes - weights - act - logits - overhead
+    free_after = gpu_memory_bytes - weights - act - logits - overhead - draft.bytes
     pool = math.floor(free_after * spec.kv_cache_free_gpu_mem_fraction) if free_after > 0 else 0
     return FitPlan(
         params=count_params(shape),
@@ -240,6 +292,7 @@ def make_plan(shape: ModelShape, spec: FitSpec, gpu_memory_bytes: int) -> FitPla
         overhead_bytes=overhead,
         gpu_memory_bytes=gpu_memory_bytes,
         kv_pool_bytes=pool,
+        draft_bytes=draft.bytes,
     )
 
 
@@ -268,12 +321,17 @@ def render_table(plan: FitPlan, spec: BuildSpec) -> str:
         ("activations (estimate)", _gib(plan.activation_bytes)),
         ("logits", _gib(plan.logits_bytes)),
         ("runtime overhead + CUDA graphs", _gib(plan.overhead_bytes)),
+        *(
+            [(f"speculative ({spec.speculative.mode})", _gib(plan.draft_bytes))]
+            if spec.speculative.on
+            else []
+        ),
         (
             f"KV cache per token ({spec.dtype if spec.kv_cache_dtype == 'auto' else spec.kv_cache_dtype})",
             f"{plan.kv_bytes_per_token:>9} B",
         ),
         (
-            f"KV needed ({spec.max_batch_size} x {spec.max_seq_len} tok, "
+            f"KV needed ({spec.max_batch_size} x {spec.engine_max_seq_len} tok, "
             f"block {spec.tokens_per_block})",
             _gib(plan.kv_bytes_needed),
         ),

@@ -18,6 +18,7 @@ from engine_build.checkpoint import content_fingerprint, fingerprint_tree, read_
 from engine_build.errors import BuildError
 from engine_build.hf_config import read_config
 from engine_build.spec import BuildSpec, validate
+from engine_build.speculative import DECODING_MODE, DRAFT_MODEL_NAME, choices_text
 from engine_build.tokenizer_info import TOKENIZER_INFO_FILE, stop_token_ids, write_tokenizer_info
 from engine_build.verify import cross_check_engine, engine_limits, verify_repository
 
@@ -41,10 +42,69 @@ def guided_decoding(spec: BuildSpec, model_dir: Path) -> pbtxt.GuidedDecoding | 
     return pbtxt.GuidedDecoding(str(tokenizer), str(tokenizer / TOKENIZER_INFO_FILE))
 
 
-def repo_params(spec: BuildSpec, engine_dir: Path | None, model_dir: Path) -> pbtxt.RepoParams:
-    """The repository's parameters; ``model_dir`` is where its model will be published (absolute;
-    guided decoding's paths point into it)."""
+def speculative_params(spec: BuildSpec) -> tuple[tuple[str, str], ...]:
+    """The target model's speculative parameters: what the backend reads for the mode, and the
+    mode and draft length for the gateway and `verify` (the backend ignores those two)."""
+    s = spec.speculative
+    if not s.on:
+        return ()
+    params = [
+        ("speculative_decoding_mode", s.mode),
+        ("max_draft_len", str(s.draft_len)),
+        # The backend keeps fast logits only in orchestrator mode without spawned processes.
+        ("speculative_decoding_fast_logits", "false"),
+    ]
+    if s.mode in DECODING_MODE:
+        params.append(("decoding_mode", DECODING_MODE[s.mode]))
+    if s.mode == "medusa":
+        params.append(("medusa_choices", choices_text(s.medusa_choices)))
+    if s.mode == "eagle":
+        params.append(("eagle_choices", choices_text(s.eagle_choices)))
+    if s.mode == "lookahead":
+        params += [
+            ("lookahead_window_size", str(s.lookahead_window_size)),
+            ("lookahead_ngram_size", str(s.lookahead_ngram_size)),
+            ("lookahead_verification_set_size", str(s.lookahead_verification_set_size)),
+        ]
+    if s.mode == "draft_target":
+        params.append(("speculative_draft_model", DRAFT_MODEL_NAME))
+    return tuple(params)
+
+
+def draft_kv_tokens(spec: BuildSpec) -> int:
+    """KV tokens the draft model reserves: one sequence of max_seq_len in whole blocks."""
+    blocks = -(-spec.max_seq_len // spec.tokens_per_block)
+    return blocks * spec.tokens_per_block * spec.max_batch_size
+
+
+def draft_repo_params(spec: BuildSpec) -> pbtxt.RepoParams:
+    """The draft model (``tensorrt_llm_draft``) of draft-target speculation: the target's
+    settings on the draft engine, its KV pool capped at one sequence
+    (``max_tokens_in_paged_kv_cache``) so the target keeps the rest of the memory."""
+    base = repo_params(spec, spec.draft_engine_dir, spec.work_dir, hf_only=True)
     return pbtxt.RepoParams(
+        **{
+            **base.__dict__,
+            "name": DRAFT_MODEL_NAME,
+            "engine_dir": str(spec.draft_engine_dir),
+            "guided_decoding": None,
+            "speculative": (("speculative_decoding_fast_logits", "false"),),
+            "max_tokens_in_paged_kv_cache": draft_kv_tokens(spec),
+            "hf_model_dir": str(spec.speculative.draft_hf_model_dir),
+        }
+    )
+
+
+def repo_params(
+    spec: BuildSpec, engine_dir: Path | None, model_dir: Path, hf_only: bool = False
+) -> pbtxt.RepoParams:
+    """The repository's parameters; ``model_dir`` is where its model will be published (absolute;
+    guided decoding's paths point into it). Speculation is the engine's (not ``hf_only``)."""
+    speculative = () if hf_only or engine_dir is None else speculative_params(spec)
+    return pbtxt.RepoParams(
+        speculative=speculative,
+        draft_inputs=spec.speculative.mode == "draft_target" and bool(speculative),
+        draft_logits=spec.speculative.use_draft_logits and bool(speculative),
         max_batch_size=spec.max_batch_size,
         max_input_len=spec.max_input_len,
         max_seq_len=spec.max_seq_len,
@@ -116,7 +176,9 @@ def write_repository(
         expected = {
             "max_batch_size": spec.max_batch_size,
             "max_input_len": spec.max_input_len,
-            "max_seq_len": spec.max_seq_len,
+            # trtllm-build adds the draft length (and EAGLE's layers) to max_seq_len.
+            "max_seq_len": spec.engine_max_seq_len,
+            "max_draft_len": spec.speculative.draft_len,
         }
         for key, want in expected.items():
             if limits[key] != want:
@@ -141,6 +203,8 @@ def write_repository(
                 raise BuildError(f"engine {engine_dir} does not match the spec: {mismatch[0]}")
         (model_dir / "config.pbtxt").write_text(pbtxt.render(cfg), encoding="utf-8")
         _copy_tokenizer(spec, model_dir / "tokenizer")
+        if engine_dir is not None and spec.speculative.mode == "draft_target":
+            _write_draft_model(spec, tmp)
         if spec.guided_decoding:
             tokenizer = model_dir / "tokenizer"
             write_tokenizer_info(
@@ -165,6 +229,20 @@ def write_repository(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return output
+
+
+def _write_draft_model(spec: BuildSpec, tmp: Path) -> None:
+    draft_engine = spec.draft_engine_dir
+    if not (draft_engine / "config.json").is_file():
+        raise BuildError(f"no draft engine in {draft_engine}: run `engine-build build` first")
+    limits = engine_limits(read_json(draft_engine / "config.json", "draft engine config.json"))
+    cfg = pbtxt.model_config(draft_repo_params(spec))
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    mismatch = cross_check_engine(cfg, params, limits)
+    if mismatch:
+        raise BuildError(f"draft engine {draft_engine} does not match the spec: {mismatch[0]}")
+    (tmp / DRAFT_MODEL_NAME / "1").mkdir(parents=True)
+    (tmp / DRAFT_MODEL_NAME / "config.pbtxt").write_text(pbtxt.render(cfg), encoding="utf-8")
 
 
 def write_hf_repository(

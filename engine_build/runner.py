@@ -63,12 +63,14 @@ def _rank_files(spec: BuildSpec, pattern: str) -> Callable[[Path], list[str]]:
 
 
 def stages(spec: BuildSpec) -> list[Stage]:
-    """quantize.py then trtllm-build; the engine is built from the finished checkpoint dir."""
-    return [
+    """The checkpoint stage (quantize.py, or convert_checkpoint.py for Medusa/EAGLE) then
+    trtllm-build; draft-target speculation adds the draft model's two stages after them."""
+    mode = spec.speculative.mode
+    out = [
         Stage(
-            "quantize",
+            "convert" if mode in ("medusa", "eagle") else "quantize",
             spec.checkpoint_dir,
-            lambda out: commands.quantize_command(spec, out),
+            lambda out: commands.checkpoint_command(spec, out),
             _rank_files(spec, "rank{rank}.safetensors"),
         ),
         Stage(
@@ -78,6 +80,22 @@ def stages(spec: BuildSpec) -> list[Stage]:
             _rank_files(spec, "rank{rank}.engine"),
         ),
     ]
+    if mode == "draft_target":
+        out += [
+            Stage(
+                "draft-quantize",
+                spec.draft_checkpoint_dir,
+                lambda out: commands.draft_quantize_command(spec, out),
+                _rank_files(spec, "rank{rank}.safetensors"),
+            ),
+            Stage(
+                "draft-trtllm-build",
+                spec.draft_engine_dir,
+                lambda out: commands.draft_build_command(spec, spec.draft_checkpoint_dir, out),
+                _rank_files(spec, "rank{rank}.engine"),
+            ),
+        ]
+    return out
 
 
 _VERSION_RE = re.compile(r"^TRTLLM_VERSION=(\d+)\.(\d+)(\S*)$", re.MULTILINE)

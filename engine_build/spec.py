@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from appliance import tomlcheck
 from appliance.tomlcheck import Table
-from engine_build.errors import SpecError
+from engine_build.errors import BuildError, SpecError
 from engine_build.formats import (
     AWQ_BLOCK_SIZES,
     BUILD_FORMATS,
@@ -25,6 +25,14 @@ from engine_build.formats import (
     FORMATS,
     WeightFormat,
     kv_problem,
+)
+from engine_build.hf_config import read_config
+from engine_build.speculative import (
+    DRAFT_LEN_MAX,
+    MODES,
+    Speculative,
+    non_leaves_per_level,
+    tree_problem,
 )
 
 DTYPES = ("bfloat16", "float16")
@@ -93,6 +101,7 @@ class BuildSpec:
     # The repository serves structured output (guide inputs, xgrammar tokenizer info) unless off.
     guided_decoding: bool = True
     runtime_overhead_bytes: int = 1 << 30
+    speculative: Speculative = field(default_factory=Speculative)
     trtllm: TrtllmInstall = field(
         default_factory=lambda: TrtllmInstall(None, (), "/opt/TensorRT-LLM/quantize.py")
     )
@@ -113,9 +122,25 @@ class BuildSpec:
         return self.work_dir / "logs"
 
     @property
+    def draft_checkpoint_dir(self) -> Path:
+        """The draft model's TensorRT-LLM checkpoint (draft-target speculation)."""
+        return self.work_dir / "draft_checkpoint"
+
+    @property
+    def draft_engine_dir(self) -> Path:
+        """The draft model's engine (draft-target speculation)."""
+        return self.work_dir / "draft_engine"
+
+    @property
     def use_paged_context_fmha(self) -> bool:
-        """KV-cache reuse needs paged context FMHA; without reuse the unpaged kernel is faster."""
-        return self.enable_kv_cache_reuse
+        """KV-cache reuse needs paged context FMHA; without reuse the unpaged kernel is faster.
+        EAGLE needs it too (trtllm-build turns it on for EAGLE whatever the flag says)."""
+        return self.enable_kv_cache_reuse or self.speculative.mode == "eagle"
+
+    @property
+    def engine_max_seq_len(self) -> int:
+        """The ``max_seq_len`` trtllm-build records: the spec's plus what speculation adds."""
+        return self.max_seq_len + self.speculative.extra_seq_len
 
     @property
     def weights_fp8(self) -> bool:
@@ -193,6 +218,35 @@ _SCHEMA: dict[str, dict[str, tuple[str, type | str]]] = {
     },
 }
 _TRTLLM_KEYS = {"venv", "container", "quantize_script"}
+# [speculative] keys -> the modes that take them ("mode" goes with every mode).
+_SPECULATIVE_KEYS: dict[str, tuple[str, ...]] = {
+    "max_draft_len": ("draft_target", "eagle"),
+    "draft_hf_model_dir": ("draft_target",),
+    "use_draft_logits": ("draft_target",),
+    "medusa_model_dir": ("medusa",),
+    "num_medusa_heads": ("medusa",),
+    "num_medusa_layers": ("medusa",),
+    "medusa_choices": ("medusa",),
+    "eagle_model_dir": ("eagle",),
+    "num_eagle_layers": ("eagle",),
+    "max_non_leaves_per_layer": ("eagle",),
+    "eagle_choices": ("eagle",),
+    "eagle_dynamic_tree": ("eagle",),
+    "lookahead_window_size": ("lookahead",),
+    "lookahead_ngram_size": ("lookahead",),
+    "lookahead_verification_set_size": ("lookahead",),
+}
+# What each mode cannot run without.
+_SPECULATIVE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "draft_target": ("draft_hf_model_dir", "max_draft_len"),
+    "medusa": ("medusa_model_dir", "medusa_choices"),
+    "eagle": ("eagle_model_dir", "eagle_choices", "max_draft_len"),
+    "lookahead": (
+        "lookahead_window_size",
+        "lookahead_ngram_size",
+        "lookahead_verification_set_size",
+    ),
+}
 
 
 class _Table(Table):
@@ -233,10 +287,57 @@ def _parse_trtllm(top: _Table, base: Path) -> TrtllmInstall:
     return TrtllmInstall(None, container, script)
 
 
+def _choices(t: _Table, key: str) -> tuple[tuple[int, ...], ...]:
+    value = t.get(key, list, [])
+    ok = all(
+        isinstance(path, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in path)
+        for path in value
+    )
+    if not ok:
+        t.fail(key, f"expected a list of integer lists, e.g. [[0], [0, 0], [1]], got {value!r}")
+    return tuple(tuple(path) for path in value)
+
+
+def _parse_speculative(top: _Table, base: Path) -> Speculative:
+    t = top.sub("speculative", {"mode", *_SPECULATIVE_KEYS})
+    mode = str(t.get("mode", str, "none"))
+    if mode not in MODES:
+        t.fail("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+    for key, modes in _SPECULATIVE_KEYS.items():
+        if key in t.data and mode not in modes:
+            t.fail(key, f"does not go with mode = {mode!r} (only {', '.join(modes)}); remove it")
+    for key in _SPECULATIVE_REQUIRED.get(mode, ()):
+        if key not in t.data:
+            t.fail(None, f"mode = {mode!r} needs {key!r}")
+
+    def path(key: str) -> Path | None:
+        raw = t.get(key, str, None)
+        return None if raw is None else _resolve(base, raw)
+
+    return Speculative(
+        mode=mode,
+        max_draft_len=t.get("max_draft_len", int, 0),
+        draft_hf_model_dir=path("draft_hf_model_dir"),
+        use_draft_logits=t.get("use_draft_logits", bool, False),
+        medusa_model_dir=path("medusa_model_dir"),
+        num_medusa_heads=t.get("num_medusa_heads", int, 4),
+        num_medusa_layers=t.get("num_medusa_layers", int, 1),
+        medusa_choices=_choices(t, "medusa_choices"),
+        eagle_model_dir=path("eagle_model_dir"),
+        num_eagle_layers=t.get("num_eagle_layers", int, 4),
+        max_non_leaves_per_layer=t.get("max_non_leaves_per_layer", int, 10),
+        eagle_choices=_choices(t, "eagle_choices"),
+        eagle_dynamic_tree=t.get("eagle_dynamic_tree", bool, False),
+        lookahead_window_size=t.get("lookahead_window_size", int, 0),
+        lookahead_ngram_size=t.get("lookahead_ngram_size", int, 0),
+        lookahead_verification_set_size=t.get("lookahead_verification_set_size", int, 0),
+    )
+
+
 def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
     """Turn a decoded TOML document into a validated spec; relative paths are spec-relative."""
     base = source.parent
-    top = _Table(source, text, "", data, {*_SCHEMA, "trtllm"})
+    top = _Table(source, text, "", data, {*_SCHEMA, "trtllm", "speculative"})
     tables = {section: top.sub(section, set(keys)) for section, keys in _SCHEMA.items()}
     values: dict[str, Any] = {}
     for section, keys in _SCHEMA.items():
@@ -252,6 +353,7 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
                 assert isinstance(kind, type)
                 values[name] = t.get(key, kind, None)
     values["trtllm"] = _parse_trtllm(top, base)
+    values["speculative"] = _parse_speculative(top, base)
     model = tables["model"]
     values["hf_model_dir"] = _resolve(base, model.require("hf_model_dir"))
     values["work_dir"] = _resolve(base, model.require("work_dir"))
@@ -259,8 +361,12 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
         values["gpu_ids"] = tuple(range(values["tp_size"]))
     spec = BuildSpec(source=source, **values)
 
+    speculative = top.sub("speculative", {"mode", *_SPECULATIVE_KEYS})
+
     def fail(dotted: str, message: str) -> NoReturn:
         section, key = dotted.split(".")
+        if section == "speculative":
+            speculative.fail(key, message)
         tables[section].fail(key, message)
 
     validate(spec, fail)
@@ -377,9 +483,137 @@ def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
         )
     if len(set(spec.gpu_ids)) != len(spec.gpu_ids) or min(spec.gpu_ids) < 0:
         fail("parallel.gpu_ids", f"must be distinct non-negative ids, got {list(spec.gpu_ids)}")
+    if spec.speculative.on:
+        validate_speculative(spec, fail)
+
+
+def validate_speculative(spec: BuildSpec, fail: Fail = _refuse) -> None:
+    """Refuse a speculative setting the 1.2 build or backend would reject or ignore."""
+    s = spec.speculative
+    if s.mode not in MODES:
+        fail("speculative.mode", f"must be one of {', '.join(MODES)}, got {s.mode!r}")
+    if s.mode in ("medusa", "eagle") and (
+        spec.quantization != "none" or spec.kv_cache_dtype != "auto"
+    ):
+        # The medusa/eagle examples support FP16/BF16 and convert without quantize.py.
+        fail(
+            "precision.quantization",
+            f"mode = {s.mode!r} builds from examples/{s.mode}/convert_checkpoint.py, which "
+            "supports FP16/BF16 only: set quantization = 'none' and kv_cache_dtype = 'auto'",
+        )
+    if s.mode == "draft_target" and not spec.enable_kv_cache_reuse:
+        fail(
+            "kv_cache.enable_reuse",
+            "mode = 'draft_target' needs KV-cache reuse (the target is built with paged "
+            "context FMHA and re-reads accepted tokens' blocks): set enable_reuse = true",
+        )
+    if s.mode == "medusa":
+        why = tree_problem(s.medusa_choices, "medusa_choices")
+        if why:
+            fail("speculative.medusa_choices", why)
+        depth = max(len(p) for p in s.medusa_choices)
+        if depth > s.num_medusa_heads:
+            fail(
+                "speculative.medusa_choices",
+                f"paths {depth} deep need {depth} heads; num_medusa_heads is {s.num_medusa_heads}",
+            )
+        if not 1 <= s.num_medusa_heads <= 16 or not 1 <= s.num_medusa_layers <= 8:
+            fail(
+                "speculative.num_medusa_heads",
+                "num_medusa_heads must be in 1..16 and num_medusa_layers in 1..8",
+            )
+    if s.mode == "eagle":
+        if s.eagle_dynamic_tree:
+            fail(
+                "speculative.eagle_dynamic_tree",
+                "the tensorrtllm backend builds its EagleConfig from eagle_choices only, so "
+                "EAGLE-2's dynamic tree cannot be set on a Triton model; set it false",
+            )
+        why = tree_problem(s.eagle_choices, "eagle_choices")
+        if why:
+            fail("speculative.eagle_choices", why)
+        depth = max(len(p) for p in s.eagle_choices)
+        if depth != s.num_eagle_layers:
+            fail(
+                "speculative.eagle_choices",
+                f"the deepest path has {depth} tokens but num_eagle_layers is "
+                f"{s.num_eagle_layers}; TensorRT-LLM needs them equal",
+            )
+        widest = max(non_leaves_per_level(s.eagle_choices).values(), default=0)
+        if widest > s.max_non_leaves_per_layer:
+            fail(
+                "speculative.eagle_choices",
+                f"a level has {widest} non-leaf nodes; max_non_leaves_per_layer is "
+                f"{s.max_non_leaves_per_layer}",
+            )
+        if len(s.eagle_choices) > s.max_draft_len:
+            fail(
+                "speculative.max_draft_len",
+                f"{s.max_draft_len} < {len(s.eagle_choices)} paths in eagle_choices",
+            )
+    if s.mode == "lookahead":
+        w, n, g = (
+            s.lookahead_window_size,
+            s.lookahead_ngram_size,
+            s.lookahead_verification_set_size,
+        )
+        if w < 2 or n < 2 or g < 1:
+            fail(
+                "speculative.lookahead_window_size",
+                f"(window, ngram, verification set) = ({w}, {n}, {g}) does not speculate; "
+                "the smallest that does is (2, 2, 1), or use mode = 'none'",
+            )
+    draft = s.draft_len
+    key = (
+        "speculative.max_draft_len"
+        if s.mode in ("draft_target", "eagle")
+        else (
+            "speculative.medusa_choices"
+            if s.mode == "medusa"
+            else "speculative.lookahead_window_size"
+        )
+    )
+    if not 1 <= draft <= DRAFT_LEN_MAX:
+        fail(key, f"the draft length {draft} is outside 1..{DRAFT_LEN_MAX}")
+    need = spec.max_batch_size * (draft + 1)
+    if spec.max_num_tokens < need:
+        # trtllm-build would silently raise max_num_tokens (and the plan's activations).
+        fail(
+            "limits.max_num_tokens",
+            f"{spec.max_num_tokens} < max_batch_size x (draft length + 1) = {need}: "
+            "a verification step would not fit; raise it",
+        )
 
 
 def load_spec(path: Path) -> BuildSpec:
     """Read and validate a spec file; every failure is a one-line :class:`SpecError`."""
     text, data = tomlcheck.read(path, "spec", SpecError)
-    return parse_spec(text, data, path.resolve())
+    spec = parse_spec(text, data, path.resolve())
+    check_draft_model(spec)
+    return spec
+
+
+def check_draft_model(spec: BuildSpec) -> None:
+    """A draft model must speak the target's tokens: same vocabulary size and special ids in
+    config.json, and the same tokenizer.json bytes when both have one."""
+    draft = spec.speculative.draft_hf_model_dir
+    if spec.speculative.mode != "draft_target" or draft is None:
+        return
+    where = f"{spec.source}: key 'speculative.draft_hf_model_dir'"
+    try:
+        target_cfg, draft_cfg = read_config(spec.hf_model_dir), read_config(draft)
+    except BuildError as err:
+        raise SpecError(f"{where}: {err}") from err
+    for name in ("vocab_size", "bos_token_id", "eos_token_ids"):
+        a, b = getattr(target_cfg, name), getattr(draft_cfg, name)
+        if a != b:
+            raise SpecError(
+                f"{where}: the draft's {name} {b!r} differs from the target's {a!r}; "
+                "a draft model must share the target's tokenizer"
+            )
+    tok_t, tok_d = spec.hf_model_dir / "tokenizer.json", draft / "tokenizer.json"
+    if tok_t.is_file() and tok_d.is_file() and tok_t.read_bytes() != tok_d.read_bytes():
+        raise SpecError(
+            f"{where}: the draft's tokenizer.json differs from the target's; "
+            "a draft model must share the target's tokenizer"
+        )

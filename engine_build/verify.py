@@ -17,6 +17,13 @@ from tritonclient.grpc import model_config_pb2 as mc
 from engine_build import commands, pbtxt, runtime
 from engine_build.checkpoint import read_json
 from engine_build.errors import BuildError
+from engine_build.speculative import (
+    DECODING_MODES,
+    DRAFT_MODEL_NAME,
+    LOOKAHEAD_PARAMETERS,
+    lookahead_draft_len,
+    parse_choices,
+)
 from engine_build.tokenizer_info import check_tokenizer_info
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
@@ -50,7 +57,10 @@ def engine_limits(engine_cfg: dict[str, Any]) -> dict[str, Any]:
     plugin: dict[str, Any] = raw_plugin if isinstance(raw_plugin, dict) else {}
     pretrained = engine_cfg.get("pretrained_config")
     mapping = pretrained.get("mapping", {}) if isinstance(pretrained, dict) else {}
+    eagle_layers = pretrained.get("num_eagle_layers") if isinstance(pretrained, dict) else None
     return {
+        "max_draft_len": build.get("max_draft_len") or 0,
+        "num_eagle_layers": eagle_layers if isinstance(eagle_layers, int) else 0,
         "max_batch_size": build.get("max_batch_size"),
         "max_input_len": build.get("max_input_len"),
         "max_seq_len": build.get("max_seq_len"),
@@ -70,10 +80,26 @@ def cross_check_engine(
             f"max_batch_size {cfg.max_batch_size} != engine max_batch_size "
             f"{limits['max_batch_size']}"
         )
-    for key in ("max_input_len", "max_seq_len"):
-        value = _int_param(params, key, problems)
-        if value is not None and value != limits[key]:
-            problems.append(f"parameter {key} = {value} != engine {key} {limits[key]}")
+    value = _int_param(params, "max_input_len", problems)
+    if value is not None and value != limits["max_input_len"]:
+        problems.append(
+            f"parameter max_input_len = {value} != engine max_input_len {limits['max_input_len']}"
+        )
+    # trtllm-build adds the draft length (and EAGLE's layers) to the engine's max_seq_len.
+    draft = limits["max_draft_len"] if isinstance(limits["max_draft_len"], int) else 0
+    extra = draft + limits["num_eagle_layers"]
+    value = _int_param(params, "max_seq_len", problems)
+    if value is not None and value + extra != limits["max_seq_len"]:
+        problems.append(
+            f"parameter max_seq_len = {value} (+ {extra} for speculation) != engine max_seq_len "
+            f"{limits['max_seq_len']}"
+        )
+    declared = _int_param(params, "max_draft_len", problems)
+    if (declared or 0) != draft:
+        problems.append(
+            f"parameter max_draft_len = {declared or 0} != engine max_draft_len {draft} "
+            "(rewrite the repository with `engine-build repo` from the spec that built it)"
+        )
     window = _int_param(params, "max_attention_window_size", problems)
     if (
         window is not None
@@ -100,11 +126,11 @@ def cross_check_engine(
     return problems
 
 
-def check_config(cfg: mc.ModelConfig) -> list[str]:
+def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]:
     """Structural and latency checks that need nothing but the parsed config."""
     problems: list[str] = []
-    if cfg.name and cfg.name != pbtxt.MODEL_NAME:
-        problems.append(f"name is {cfg.name!r}, expected {pbtxt.MODEL_NAME!r}")
+    if cfg.name and cfg.name != name:
+        problems.append(f"name is {cfg.name!r}, expected {name!r}")
     if cfg.backend != pbtxt.BACKEND:
         problems.append(f"backend is {cfg.backend!r}, expected {pbtxt.BACKEND!r}")
     if cfg.max_batch_size != 1:
@@ -163,6 +189,61 @@ def check_config(cfg: mc.ModelConfig) -> list[str]:
     if params.get("exclude_input_in_output") not in _BOOL:
         problems.append("parameter exclude_input_in_output must be 'true' or 'false'")
     problems += _check_guided_decoding(cfg, params)
+    problems += check_speculative(params)
+    return problems
+
+
+def check_speculative(params: dict[str, str]) -> list[str]:
+    """The speculative parameters, as the backend reads them (model_instance_state.cc)."""
+    problems: list[str] = []
+    fast = params.get("speculative_decoding_fast_logits")
+    if fast is not None and fast not in _BOOL:
+        problems.append(f"parameter speculative_decoding_fast_logits {fast!r} is not true/false")
+    elif fast == "true":
+        problems.append(
+            "parameter speculative_decoding_fast_logits is true: the backend keeps it only in "
+            "orchestrator mode without spawned processes, which appliance-triton.service does "
+            "not run; set it false"
+        )
+    mode = params.get("decoding_mode", "")
+    if mode and mode not in DECODING_MODES:
+        # The backend logs a warning and silently falls back to top_k_top_p.
+        problems.append(
+            f"parameter decoding_mode {mode!r} is not one of {', '.join(DECODING_MODES)}"
+        )
+    draft = _int_param(params, "max_draft_len", problems)
+    if mode == "lookahead":
+        sizes = [_int_param(params, key, problems) for key in LOOKAHEAD_PARAMETERS]
+        if any(v is None or v < 0 for v in sizes):
+            # A missing one fails the model load.
+            problems.append(
+                "decoding_mode lookahead needs parameters "
+                + ", ".join(LOOKAHEAD_PARAMETERS)
+                + " as non-negative integers"
+            )
+        elif draft is not None:
+            w, n, g = (v or 0 for v in sizes)
+            if lookahead_draft_len(w, n, g) != draft:
+                problems.append(
+                    f"lookahead ({w}, {n}, {g}) needs max_draft_len {lookahead_draft_len(w, n, g)}, "
+                    f"the engine has {draft}"
+                )
+    for tree_mode in ("medusa", "eagle"):
+        key = f"{tree_mode}_choices"
+        raw = params.get(key, "")
+        if mode == tree_mode and not raw:
+            problems.append(
+                f"decoding_mode {tree_mode} without parameter {key}: the backend would use its "
+                "default 63-path tree, which need not fit the engine's max_draft_len"
+            )
+        if raw:
+            try:
+                paths = parse_choices(raw)
+            except ValueError as err:
+                problems.append(f"parameter {key} {raw!r} does not parse as {{i, j}} groups: {err}")
+                continue
+            if draft is not None and len(paths) > draft:
+                problems.append(f"parameter {key} has {len(paths)} paths > max_draft_len {draft}")
     return problems
 
 
@@ -206,6 +287,44 @@ def _check_guided_decoding(cfg: mc.ModelConfig, params: dict[str, str]) -> list[
             )
         elif declared.data_type != mc.TYPE_STRING:
             problems.append(f"input {name} must be TYPE_STRING")
+    return problems
+
+
+def _check_draft_model(repo: Path, name: str, target: dict[str, str]) -> list[str]:
+    """The draft model of draft-target speculation: a tensorrtllm model on the same GPUs."""
+    if name != DRAFT_MODEL_NAME:
+        return [f"parameter speculative_draft_model is {name!r}, expected {DRAFT_MODEL_NAME!r}"]
+    path = repo / name / "config.pbtxt"
+    try:
+        cfg = pbtxt.parse(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        return [f"draft model: cannot read {path}: {err.strerror or err}"]
+    except text_format.ParseError as err:
+        return [f"draft model: {path} does not parse as a ModelConfig: {err}"]
+    problems = [f"draft model: {p}" for p in check_config(cfg, name)]
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    if params.get("gpu_device_ids") != target.get("gpu_device_ids"):
+        problems.append("draft model: gpu_device_ids differ from the target's")
+    cap = _int_param(params, "max_tokens_in_paged_kv_cache", problems)
+    if cap is None or cap < 1:
+        problems.append(
+            "draft model: parameter max_tokens_in_paged_kv_cache must cap its KV pool, else it "
+            "takes kv_cache_free_gpu_mem_fraction of what the target left"
+        )
+    engine = params.get("gpt_model_path", "")
+    if not engine:
+        problems.append("draft model: parameter gpt_model_path missing")
+    else:
+        try:
+            limits = engine_limits(
+                read_json(Path(engine) / "config.json", "draft engine config.json")
+            )
+        except BuildError as err:
+            problems.append(f"draft model: {err}")
+        else:
+            problems += [f"draft model: {p}" for p in cross_check_engine(cfg, params, limits)]
+    if not (repo / name / "1").is_dir():
+        problems.append(f"draft model: version directory {repo / name / '1'} missing")
     return problems
 
 
@@ -291,6 +410,9 @@ def verify_repository(
             for rank in range(ranks):
                 if not (engine_dir / f"rank{rank}.engine").is_file():
                     problems.append(f"engine file {engine_dir / f'rank{rank}.engine'} missing")
+    draft_name = params.get("speculative_draft_model")
+    if draft_name:
+        problems += _check_draft_model(repo, draft_name, params)
     if hf:
         hf_dir = _resolve(model_dir, hf)
         try:

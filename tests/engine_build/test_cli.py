@@ -251,6 +251,8 @@ def test_engine_config_json_shape_matches_what_verify_reads(tmp_path: Path) -> N
     }
     limits = engine_limits(json.loads(json.dumps(cfg)))
     assert limits == {
+        "max_draft_len": 0,
+        "num_eagle_layers": 0,
         "max_batch_size": 1,
         "max_input_len": 2048,
         "max_seq_len": 4096,

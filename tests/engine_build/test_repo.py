@@ -225,7 +225,10 @@ PARAM_EDITS: list[tuple[dict[str, str | None], str]] = [
     ({"cuda_graph_cache_size": "${cuda_graph_cache_size}"}, "unfilled placeholder"),
     ({"enable_kv_cache_reuse": "true"}, "built without paged context FMHA"),
     ({"enable_kv_cache_reuse": None}, "enable_kv_cache_reuse must be 'true' or 'false'"),
-    ({"max_seq_len": "8192"}, "max_seq_len = 8192 != engine max_seq_len 4096"),
+    (
+        {"max_seq_len": "8192"},
+        "max_seq_len = 8192 (+ 0 for speculation) != engine max_seq_len 4096",
+    ),
     ({"max_input_len": "4096"}, "max_input_len = 4096 != engine max_input_len 2048"),
     ({"max_attention_window_size": "9000"}, "max_attention_window_size = 9000 > engine"),
     ({"cuda_graph_mode": "false"}, "cuda_graph_mode is 'false'"),

@@ -43,14 +43,24 @@ plugin = {
     "tokens_per_block": args.tokens_per_block,
     "multiple_profiles": args.multiple_profiles == "enable",
 }
+# As the real builder: speculation adds the draft length (and EAGLE's layers) to max_seq_len,
+# and raises max_num_tokens to max_batch_size * (max_draft_len + 1).
+seq_len, num_tokens = args.max_seq_len, args.max_num_tokens
+if args.speculative_decoding_mode is not None:
+    seq_len += args.max_draft_len
+    if args.speculative_decoding_mode == "eagle":
+        seq_len += pretrained["num_eagle_layers"]
+    num_tokens = max(num_tokens, args.max_batch_size * (args.max_draft_len + 1))
 config = {
     "version": "1.2.1",  # the version trtllm-build records: its own
     "pretrained_config": pretrained,
     "build_config": {
         "max_batch_size": args.max_batch_size,
         "max_input_len": args.max_input_len,
-        "max_seq_len": args.max_seq_len,
-        "max_num_tokens": args.max_num_tokens,
+        "max_seq_len": seq_len,
+        "max_num_tokens": num_tokens,
+        "max_draft_len": args.max_draft_len or 0,
+        "speculative_decoding_mode": args.speculative_decoding_mode,
         "max_beam_width": args.max_beam_width,
         "plugin_config": plugin,
     },
