@@ -113,8 +113,8 @@ class SemanticConfig:
     # Nearest entries the rule looks at per lookup.
     candidates: int = 4
     # Threads of one embedding (onnxruntime intra-op). One: a lookup comes after an idle gap, and
-    # there a second thread made the lookup slower, not faster, on both CPUs measured (it pays
-    # only when questions come back to back); the core stays free for the event loop.
+    # there a second thread made the lookup slower, not faster (it pays only when questions come
+    # back to back; docs/PERFORMANCE.md#semantic-cache-tier); the core stays free for the loop.
     embed_threads: int = 1
     # Overrides of the shipped rule's cosine floor and classifier threshold (None: shipped).
     min_similarity: float | None = None

@@ -32,6 +32,7 @@ from appliance.tools import processes
 from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 from bench.echo_server import METHOD
 
 MODEL = "tiny"
@@ -251,7 +252,10 @@ def main() -> None:
         "--rate", type=float, default=0.0, help="Poisson rate; default: 1.5× one client's"
     )
     parser.add_argument("--model-root", default="var/tiny")
-    uvloop.run(run(parser.parse_args()))
+    record.add_flag(parser)
+    args = parser.parse_args()
+    with record.recording("admission", record.record_dir(args)):
+        uvloop.run(run(args))
 
 
 if __name__ == "__main__":

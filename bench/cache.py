@@ -71,6 +71,7 @@ from appliance.tools import processes
 from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 from bench.common import MODEL, prompt_of, run_dir, start_redis_and_engine
 from bench.echo_server import METHOD
 
@@ -146,13 +147,14 @@ def main() -> None:
     )
     parser.add_argument("--model-root", default="var/tiny")
     parser.add_argument("--profile", type=Path, help="py-spy raw profile of gateway 1 under load")
+    record.add_flag(parser)
     args = parser.parse_args()
 
     _, repo = ensure_tiny_model(Path(args.model_root))
     tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
     fingerprint = (tok_dir.parent / "engine_fingerprint").read_text().strip()
     # Every process is stopped (and Redis killed) on the way out, whatever happened.
-    with contextlib.ExitStack() as stack:
+    with record.recording("cache", record.record_dir(args)), contextlib.ExitStack() as stack:
         work = stack.enter_context(run_dir("bench.cache"))
         backends = start_redis_and_engine(stack, work, repo)
         redis_server, engine_addr, engine = backends.redis, backends.engine_addr, backends.engine

@@ -34,6 +34,7 @@ from appliance.tools import processes
 from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 
 MODEL = "tiny"
 
@@ -137,30 +138,34 @@ async def phase(hosts: list[Host], fleet_client: bool, drain_first: bool, settle
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settle-s", type=float, default=3.0, help="load before and after the restart")
+    record.add_flag(p)
     args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
-    hosts: list[Host] = []
-    try:
-        for n in range(2):
-            (work / f"host-{n}").mkdir()
-            hosts.append(Host(work / f"host-{n}"))
-        print("| client | upgrade of one host | requests | failed | TTFT P50 ms | TTFT P99 ms |")
-        print("|---|---|---:|---|---:|---:|")
-        for fleet_client in (False, True):
-            for drain_first in (False, True):
-                r = asyncio.run(phase(hosts, fleet_client, drain_first, args.settle_s))
-                ttft = np.percentile(np.array(r.ttft_s) * 1000, [50, 99])
-                failed = ", ".join(f"{n} {code}" for code, n in r.failures.items()) or "0"
-                print(
-                    f"| {'connect_fleet (health, retry)' if fleet_client else 'round_robin'}"
-                    f" | {'drain, restart' if drain_first else 'restart'}"
-                    f" | {len(r.ttft_s) + r.failures.total()} | {failed}"
-                    f" | {ttft[0]:.1f} | {ttft[1]:.1f} |",
-                    flush=True,
-                )
-    finally:
-        for h in hosts:
-            h.stop()
+    with record.recording("fleet_restart", record.record_dir(args)):
+        work = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+        hosts: list[Host] = []
+        try:
+            for n in range(2):
+                (work / f"host-{n}").mkdir()
+                hosts.append(Host(work / f"host-{n}"))
+            print(
+                "| client | upgrade of one host | requests | failed | TTFT P50 ms | TTFT P99 ms |"
+            )
+            print("|---|---|---:|---|---:|---:|")
+            for fleet_client in (False, True):
+                for drain_first in (False, True):
+                    r = asyncio.run(phase(hosts, fleet_client, drain_first, args.settle_s))
+                    ttft = np.percentile(np.array(r.ttft_s) * 1000, [50, 99])
+                    failed = ", ".join(f"{n} {code}" for code, n in r.failures.items()) or "0"
+                    print(
+                        f"| {'connect_fleet (health, retry)' if fleet_client else 'round_robin'}"
+                        f" | {'drain, restart' if drain_first else 'restart'}"
+                        f" | {len(r.ttft_s) + r.failures.total()} | {failed}"
+                        f" | {ttft[0]:.1f} | {ttft[1]:.1f} |",
+                        flush=True,
+                    )
+        finally:
+            for h in hosts:
+                h.stop()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch
 
 from appliance.engine.linear import Fp8Linear, Linear, Scaling, dequantize
 from appliance.engine.llama import LlamaModel
+from bench import record
 
 # Documents whose opening tokens are scored, and how many tokens of each.
 DOCUMENTS = (
@@ -123,36 +124,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default="var/smollm2", help="where `make-model` puts SmolLM2")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="also write the result as JSON here")
+    record.add_flag(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    # Subnormal floats take a slow path on x86 CPUs, and FP8 products of real activations make
-    # many: flushed to zero (for every model alike) the run takes minutes, not hours.
-    torch.set_flush_denormal(True)
-    if args.model_dir:
-        model_dir = Path(args.model_dir)
-    else:
-        from appliance.tools.instruct_model import ensure_instruct_model
+    with record.recording(
+        "fp8_agreement", record.record_dir(args), None if argv is None else list(argv)
+    ) as run_record:
+        torch.set_num_threads(args.threads)
+        # Subnormal floats take a slow path on x86 CPUs, and FP8 products of real activations make
+        # many: flushed to zero (for every model alike) the run takes minutes, not hours.
+        torch.set_flush_denormal(True)
+        if args.model_dir:
+            model_dir = Path(args.model_dir)
+        else:
+            from appliance.tools.instruct_model import ensure_instruct_model
 
-        model_dir, _ = ensure_instruct_model(Path(args.root), log=print)
-    repo_root = Path(__file__).resolve().parent.parent
-    sequences = document_sequences(model_dir, repo_root)
+            model_dir, _ = ensure_instruct_model(Path(args.root), log=print)
+        repo_root = Path(__file__).resolve().parent.parent
+        sequences = document_sequences(model_dir, repo_root)
 
-    def load(dtype: torch.dtype, fp8: Scaling | None) -> LlamaModel:
-        return LlamaModel.load(model_dir, "cpu", dtype, fp8)
+        def load(dtype: torch.dtype, fp8: Scaling | None) -> LlamaModel:
+            return LlamaModel.load(model_dir, "cpu", dtype, fp8)
 
-    result = {
-        "model_dir": str(model_dir),
-        "documents": list(DOCUMENTS),
-        "torch": torch.__version__,
-        **agreement(load, sequences),
-    }
-    for name, value in result["top1_agreement_with_bf16"].items():
-        print(
-            f"{name:>20} vs bf16: top-1 agreement {value:.4f} over {result['positions']} positions"
-        )
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    return 0
+        result = {
+            "model_dir": str(model_dir),
+            "documents": list(DOCUMENTS),
+            "torch": torch.__version__,
+            **agreement(load, sequences),
+        }
+        for name, value in result["top1_agreement_with_bf16"].items():
+            print(
+                f"{name:>20} vs bf16: top-1 agreement {value:.4f} over {result['positions']} positions"
+            )
+        run_record.results["agreement"] = result
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return 0
 
 
 if __name__ == "__main__":

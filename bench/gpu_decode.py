@@ -54,6 +54,7 @@ from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import KvCacheParams
 from appliance.engine.runner import Emission, Job, Runner, build_runner
 from appliance.engine.sampling import SamplingParams
+from bench import record
 
 GREEDY = SamplingParams(top_k=1)
 # The long prompt, and the prefix of it an earlier request leaves in the reuse pool: 62 full
@@ -416,34 +417,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-path", action="store_true", help="skip the whole-path comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT") or "var/bench")
+    record.add_flag(parser)
     args = parser.parse_args(argv)
-    device = enter_device(args.device)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
-    report: dict[str, Any] = {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "shape": args.shape,
-        "tokens": args.tokens,
-        "copy_bandwidth_gbps": copy_bandwidth(device, copy_bytes) / 1e9,
-        "variants": [],
-    }
-    for variant in VARIANTS:
-        if variant.graph and device.type != "cuda":
-            report["variants"].append({"variant": variant.name, "skipped": "CUDA graphs need cuda"})
-            continue
-        why = triton_problem(device) if variant.kernels == "triton" else None
-        if why:
-            report["variants"].append({"variant": variant.name, "skipped": why})
-            continue
-        report["variants"].append(measure_variant(args, variant, device, rng))
-        print(json.dumps(report["variants"][-1]), flush=True)
-    report["path"] = {"skipped": "--skip-path"} if args.skip_path else measure_path(args, device)
-    (Path(args.out) / "gpu_decode.json").write_text(json.dumps(report, indent=2))
-    print(table(report))
-    return 0
+    with record.recording(
+        "gpu_decode", record.record_dir(args), None if argv is None else list(argv)
+    ) as run_record:
+        device = enter_device(args.device)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        rng = random.Random(args.seed)
+        copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
+        report: dict[str, Any] = {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "shape": args.shape,
+            "tokens": args.tokens,
+            "copy_bandwidth_gbps": copy_bandwidth(device, copy_bytes) / 1e9,
+            "variants": [],
+        }
+        for variant in VARIANTS:
+            if variant.graph and device.type != "cuda":
+                report["variants"].append(
+                    {"variant": variant.name, "skipped": "CUDA graphs need cuda"}
+                )
+                continue
+            why = triton_problem(device) if variant.kernels == "triton" else None
+            if why:
+                report["variants"].append({"variant": variant.name, "skipped": why})
+                continue
+            report["variants"].append(measure_variant(args, variant, device, rng))
+            print(json.dumps(report["variants"][-1]), flush=True)
+        report["path"] = (
+            {"skipped": "--skip-path"} if args.skip_path else measure_path(args, device)
+        )
+        (Path(args.out) / "gpu_decode.json").write_text(json.dumps(report, indent=2))
+        run_record.results["report"] = report
+        print(table(report))
+        return 0
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from appliance.client import StreamResult, generate
 from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 from bench.common import pct, run_dir
 from engine_build.repo import write_hf_repository
 
@@ -520,11 +521,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
+    record.add_flag(parser)
     args = parser.parse_args(argv)
-    with run_dir("bench.guided") as work:
-        asyncio.run(run(args, work))
-    sys.stdout.flush()
-    return 0
+    with record.recording("guided", record.record_dir(args), None if argv is None else list(argv)):
+        with run_dir("bench.guided") as work:
+            asyncio.run(run(args, work))
+        sys.stdout.flush()
+        return 0
 
 
 if __name__ == "__main__":

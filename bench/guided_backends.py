@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from tokenizers import Tokenizer
 
+from bench import record
 from bench.common import pct
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -160,41 +161,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("tokenizers", type=Path, nargs="+")
     parser.add_argument("--rounds", type=int, default=3)
+    record.add_flag(parser)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    guides = {name: ("json_schema", json.dumps(s)) for name, s in SCHEMAS.items()}
-    guides["json"] = ("json", "")
-    guides["regex"] = ("regex", REGEX)
-    for path in args.tokenizers:
-        tok = Tokenizer.from_file(str(path))
-        vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        print(f"\n## {path} (vocab {vocab_size})")
-        for cls in (XGrammar, LLGuidance):
-            started = time.perf_counter()
-            lib: Library = cls(path, vocab_size)
-            setup = time.perf_counter() - started
-            print(f"{cls.name}: setup {setup * 1e3:.0f} ms")
-            masks: list[float] = []
-            for name, (kind, guide) in guides.items():
-                compiles = []
-                for _ in range(args.rounds):
-                    started = time.perf_counter()
-                    compiled = lib.compile(kind, guide)
-                    compiles.append(time.perf_counter() - started)
-                tokens = answer_tokens(tok, ANSWERS[name])
-                walk: list[float] = []
-                for _ in range(args.rounds):
-                    walk += lib.walk(compiled, tokens)
-                masks += walk
+    with record.recording("guided_backends", record.record_dir(args)):
+        torch.set_num_threads(1)
+        guides = {name: ("json_schema", json.dumps(s)) for name, s in SCHEMAS.items()}
+        guides["json"] = ("json", "")
+        guides["regex"] = ("regex", REGEX)
+        for path in args.tokenizers:
+            tok = Tokenizer.from_file(str(path))
+            vocab_size = tok.get_vocab_size(with_added_tokens=True)
+            print(f"\n## {path} (vocab {vocab_size})")
+            for cls in (XGrammar, LLGuidance):
+                started = time.perf_counter()
+                lib: Library = cls(path, vocab_size)
+                setup = time.perf_counter() - started
+                print(f"{cls.name}: setup {setup * 1e3:.0f} ms")
+                masks: list[float] = []
+                for name, (kind, guide) in guides.items():
+                    compiles = []
+                    for _ in range(args.rounds):
+                        started = time.perf_counter()
+                        compiled = lib.compile(kind, guide)
+                        compiles.append(time.perf_counter() - started)
+                    tokens = answer_tokens(tok, ANSWERS[name])
+                    walk: list[float] = []
+                    for _ in range(args.rounds):
+                        walk += lib.walk(compiled, tokens)
+                    masks += walk
+                    print(
+                        f"  {name:7s} compile median {statistics.median(compiles) * 1e3:7.2f} ms; "
+                        f"mask median {statistics.median(walk) * 1e6:7.1f} us "
+                        f"p99 {pct(walk, 0.99) * 1e6:7.1f} us over {len(walk)} steps"
+                    )
                 print(
-                    f"  {name:7s} compile median {statistics.median(compiles) * 1e3:7.2f} ms; "
-                    f"mask median {statistics.median(walk) * 1e6:7.1f} us "
-                    f"p99 {pct(walk, 0.99) * 1e6:7.1f} us over {len(walk)} steps"
+                    f"  all     mask median {statistics.median(masks) * 1e6:7.1f} us "
+                    f"p99 {pct(masks, 0.99) * 1e6:7.1f} us"
                 )
-            print(
-                f"  all     mask median {statistics.median(masks) * 1e6:7.1f} us "
-                f"p99 {pct(masks, 0.99) * 1e6:7.1f} us"
-            )
 
 
 if __name__ == "__main__":

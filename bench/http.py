@@ -30,6 +30,7 @@ import uvloop
 
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 from bench.common import MODEL, pct, prompt_of, tiny_stack, workload_args
 
 # (TTFT s, per-token s, completion tokens)
@@ -170,7 +171,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     workload_args(parser, requests=300)
-    uvloop.run(run(parser.parse_args()))
+    record.add_flag(parser)
+    args = parser.parse_args()
+    with record.recording("http", record.record_dir(args)):
+        uvloop.run(run(args))
 
 
 if __name__ == "__main__":

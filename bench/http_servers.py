@@ -28,6 +28,7 @@ import psutil
 import uvloop
 
 from appliance.tools import processes
+from bench import record
 from bench.common import pct
 
 CANDIDATES = ("aiohttp", "uvicorn-asgi", "uvicorn-starlette")
@@ -236,55 +237,57 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=64)
     parser.add_argument("--serve", choices=CANDIDATES, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    record.add_flag(parser)
     args = parser.parse_args()
-    if args.serve:
-        uvloop.run(SERVERS[args.serve](args.port, args.events))
-        return 0
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: dict[str, str] = {}
-    pids: dict[str, int] = {}
-    try:
-        for name in CANDIDATES:
-            port = processes.free_port()
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "bench.http_servers",
-                        "--serve",
-                        name,
-                        "--port",
-                        str(port),
-                        "--events",
-                        str(args.events),
-                    ]
+    with record.recording("http_servers", record.record_dir(args)):
+        if args.serve:
+            uvloop.run(SERVERS[args.serve](args.port, args.events))
+            return 0
+        procs: list[subprocess.Popen[bytes]] = []
+        urls: dict[str, str] = {}
+        pids: dict[str, int] = {}
+        try:
+            for name in CANDIDATES:
+                port = processes.free_port()
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bench.http_servers",
+                            "--serve",
+                            name,
+                            "--port",
+                            str(port),
+                            "--events",
+                            str(args.events),
+                        ]
+                    )
                 )
-            )
-            urls[name] = f"http://127.0.0.1:{port}"
-            pids[name] = procs[-1].pid
-        uvloop.run(_wait_up(urls))
-        results = uvloop.run(measure(urls, pids, args.requests))
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-    print(
-        f"{args.requests} requests per candidate, {args.events} events per stream; latencies "
-        "client-side, CPU = the server process's CPU time per request (µs):"
-    )
-    print(
-        f"{'server':<20}{'first P50':>10}{'first P99':>10}{'/event P50':>11}{'json P50':>9}"
-        f"{'json P99':>9}{'CPU stream':>11}{'CPU json':>9}"
-    )
-    for name, r in results.items():
-        us = {k: [v * 1e6 for v in vals] for k, vals in r.items()}
+                urls[name] = f"http://127.0.0.1:{port}"
+                pids[name] = procs[-1].pid
+            uvloop.run(_wait_up(urls))
+            results = uvloop.run(measure(urls, pids, args.requests))
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
         print(
-            f"{name:<20}{pct(us['ttfe'], 0.5):>10.0f}{pct(us['ttfe'], 0.99):>10.0f}"
-            f"{pct(us['per_event'], 0.5):>11.1f}{pct(us['json'], 0.5):>9.0f}"
-            f"{pct(us['json'], 0.99):>9.0f}{us['cpu_stream'][0]:>11.0f}{us['cpu_json'][0]:>9.0f}"
+            f"{args.requests} requests per candidate, {args.events} events per stream; latencies "
+            "client-side, CPU = the server process's CPU time per request (µs):"
         )
-    return 0
+        print(
+            f"{'server':<20}{'first P50':>10}{'first P99':>10}{'/event P50':>11}{'json P50':>9}"
+            f"{'json P99':>9}{'CPU stream':>11}{'CPU json':>9}"
+        )
+        for name, r in results.items():
+            us = {k: [v * 1e6 for v in vals] for k, vals in r.items()}
+            print(
+                f"{name:<20}{pct(us['ttfe'], 0.5):>10.0f}{pct(us['ttfe'], 0.99):>10.0f}"
+                f"{pct(us['per_event'], 0.5):>11.1f}{pct(us['json'], 0.5):>9.0f}"
+                f"{pct(us['json'], 0.99):>9.0f}{us['cpu_stream'][0]:>11.0f}{us['cpu_json'][0]:>9.0f}"
+            )
+        return 0
 
 
 async def _wait_up(urls: dict[str, str]) -> None:

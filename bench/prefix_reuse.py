@@ -36,10 +36,11 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
+from appliance.tools import processes
 from appliance.backends import wire
 from appliance.engine.llama import LlamaModel
 from appliance.engine.sampling import SamplingParams, generate
-from appliance.tools import processes
+from bench import record
 from bench.common import pct
 from engine_build.hf_config import read_config
 from engine_build.repo import write_hf_repository
@@ -279,14 +280,16 @@ def main() -> None:
     parser.add_argument("--decode-prompt-tokens", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--skip", choices=("reuse", "decode"), default=None)
+    record.add_flag(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.skip != "reuse":
-        vocab = read_config(args.checkpoint).vocab_size
-        with tempfile.TemporaryDirectory() as tmp:
-            asyncio.run(bench_reuse(args, Path(tmp), vocab))
-    if args.skip != "decode":
-        bench_decode(args)
+    with record.recording("prefix_reuse", record.record_dir(args)):
+        torch.set_num_threads(args.threads)
+        if args.skip != "reuse":
+            vocab = read_config(args.checkpoint).vocab_size
+            with tempfile.TemporaryDirectory() as tmp:
+                asyncio.run(bench_reuse(args, Path(tmp), vocab))
+        if args.skip != "decode":
+            bench_decode(args)
 
 
 if __name__ == "__main__":

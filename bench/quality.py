@@ -22,6 +22,7 @@ from appliance.engine.llama import CheckpointError, LlamaModel
 from appliance.engine.quality import FormatQuality, measure
 from appliance.engine.quantized import GROUP_SIZES, GroupQuant
 from appliance.engine.repository import RepositoryError, read_repository
+from bench import record
 
 MAX_TEXT_BYTES = 4 << 20
 # name -> (compute dtype, weight-only bits or None)
@@ -138,54 +139,61 @@ def _table(rows: list[FormatQuality], reference_ppl: float) -> str:
 
 
 def run(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    names = _check(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_dir = _model_dir(args.repository, args.model)
-    text = _read_text(args.text)
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    ids = tokenizer.encode(text, add_special_tokens=False).ids[: args.tokens]
-    if len(ids) < 2:
-        raise UsageError(f"--text {args.text}: fewer than 2 tokens")
-    span = max(1, len(ids) - args.prompt_tokens)
-    prompts = [
-        ids[i * span // max(1, args.prompts) :][: args.prompt_tokens] for i in range(args.prompts)
-    ]
-    print(
-        f"model {model_dir}, text {args.text}: {len(ids)} tokens, windows of {args.window}; "
-        f"{args.prompts} prompts x {args.steps} greedy tokens; group {args.weight_group}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
-        flush=True,
-    )
-    rows: list[FormatQuality] = []
-    reference = None
-    for fmt, group in names:
-        dtype, bits = FORMATS[fmt]
-        quant = GroupQuant(bits, group) if bits else None  # type: ignore[arg-type]
-        name = f"{fmt} g{group}" if bits else fmt
-        started = time.perf_counter()
-        try:
-            model = LlamaModel.load(model_dir, "cpu", dtype, quant)
-        except CheckpointError as err:
-            raise UsageError(f"{name}: {err}") from err
-        loaded = time.perf_counter() - started
-        quality, own = measure(name, model, ids, prompts, args.steps, args.window, reference)
-        if reference is None:
-            reference = own
-        rows.append(quality)
+    parser = _parser()
+    record.add_flag(parser)
+    args = parser.parse_args(argv)
+    with record.recording(
+        "quality", record.record_dir(args), None if argv is None else list(argv)
+    ) as run_record:
+        names = _check(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model_dir = _model_dir(args.repository, args.model)
+        text = _read_text(args.text)
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        ids = tokenizer.encode(text, add_special_tokens=False).ids[: args.tokens]
+        if len(ids) < 2:
+            raise UsageError(f"--text {args.text}: fewer than 2 tokens")
+        span = max(1, len(ids) - args.prompt_tokens)
+        prompts = [
+            ids[i * span // max(1, args.prompts) :][: args.prompt_tokens]
+            for i in range(args.prompts)
+        ]
         print(
-            f"{name}: perplexity {quality.perplexity:.4f}, load {loaded:.1f} s, "
-            f"scored in {time.perf_counter() - started - loaded:.1f} s",
+            f"model {model_dir}, text {args.text}: {len(ids)} tokens, windows of {args.window}; "
+            f"{args.prompts} prompts x {args.steps} greedy tokens; group {args.weight_group}; "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads",
             flush=True,
         )
-        del model
-    print()
-    print(f"reference: {rows[0].name}")
-    print(_table(rows, rows[0].perplexity))
-    if args.json is not None:
-        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2) + "\n")
-    return 0
+        rows: list[FormatQuality] = []
+        reference = None
+        for fmt, group in names:
+            dtype, bits = FORMATS[fmt]
+            quant = GroupQuant(bits, group) if bits else None  # type: ignore[arg-type]
+            name = f"{fmt} g{group}" if bits else fmt
+            started = time.perf_counter()
+            try:
+                model = LlamaModel.load(model_dir, "cpu", dtype, quant)
+            except CheckpointError as err:
+                raise UsageError(f"{name}: {err}") from err
+            loaded = time.perf_counter() - started
+            quality, own = measure(name, model, ids, prompts, args.steps, args.window, reference)
+            if reference is None:
+                reference = own
+            rows.append(quality)
+            print(
+                f"{name}: perplexity {quality.perplexity:.4f}, load {loaded:.1f} s, "
+                f"scored in {time.perf_counter() - started - loaded:.1f} s",
+                flush=True,
+            )
+            del model
+        print()
+        print(f"reference: {rows[0].name}")
+        print(_table(rows, rows[0].perplexity))
+        run_record.results["formats"] = [r.__dict__ for r in rows]
+        if args.json is not None:
+            args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2) + "\n")
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ from appliance.cache.entry import CachedAnswer
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.v1 import inference_pb2 as pb
+from bench import record
 from tests.cache.redis_server import RedisServer
 
 KEYS = 2000
@@ -185,20 +186,22 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=32, help="simulated streams while loaded")
     p.add_argument("--busy", default="1,2", help="busy processes in each loaded phase")
     p.add_argument("--budgets", default="5,10,20,50", help="candidate budgets, ms")
+    record.add_flag(p)
     args = p.parse_args()
-    budgets = [float(b) for b in args.budgets.split(",")]
-    with tempfile.TemporaryDirectory() as work:
-        redis_server = RedisServer(Path(work))
-        redis_server.start()
-        try:
-            print(
-                f"redis budget: {args.rate:g} lookups/s for {args.seconds:g} s per phase, "
-                f"{KEYS} keys, {os.cpu_count()} CPUs"
-            )
-            assert redis_server.proc is not None
-            uvloop.run(run(args, redis_server.proc.pid, redis_server.url, budgets))
-        finally:
-            redis_server.kill()
+    with record.recording("redis_budget", record.record_dir(args)):
+        budgets = [float(b) for b in args.budgets.split(",")]
+        with tempfile.TemporaryDirectory() as work:
+            redis_server = RedisServer(Path(work))
+            redis_server.start()
+            try:
+                print(
+                    f"redis budget: {args.rate:g} lookups/s for {args.seconds:g} s per phase, "
+                    f"{KEYS} keys, {os.cpu_count()} CPUs"
+                )
+                assert redis_server.proc is not None
+                uvloop.run(run(args, redis_server.proc.pid, redis_server.url, budgets))
+            finally:
+                redis_server.kill()
 
 
 if __name__ == "__main__":

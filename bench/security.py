@@ -35,6 +35,7 @@ from appliance.tools import processes
 from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 from bench.common import pct
 from tests.security.certs import CA
 
@@ -181,8 +182,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--connections", type=int, default=200)
     parser.add_argument("--keys", type=int, default=1000, help="keys in the keys file")
+    record.add_flag(parser)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-security-") as tmp, contextlib.ExitStack() as st:
+    with (
+        record.recording("security", record.record_dir(args)),
+        tempfile.TemporaryDirectory(prefix="bench-security-") as tmp,
+        contextlib.ExitStack() as st,
+    ):
         work = Path(tmp)
         _, repo = ensure_tiny_model(Path("var/tiny"))
         repo = repo.resolve()

@@ -48,6 +48,7 @@ from appliance.cache.tiers import CacheQuery, L1Tier, TierCascade
 from appliance.cache.vectors import Entry
 from appliance.config import SemanticConfig
 from appliance.gateway.server import freeze_heap
+from bench import record
 from bench.common import pct
 
 QQP = Path(__file__).resolve().parents[2] / "shared" / "data" / "qqp"
@@ -404,24 +405,26 @@ def main() -> None:
         action="store_true",
         help="the baseline's second thread spins within a run (ours sleeps between operators)",
     )
+    record.add_flag(ap)
     args = ap.parse_args()
-    if not args.skip_quality:
-        quality(args.embedder, args.qqp)
-    tier, scope = filled_tier(args.embedder, args.entries)
-    test = read_pairs(args.qqp / "test.jsonl.gz")[: args.queries]
-    # QQP test questions against dev questions: mostly misses, some paraphrase hits.
-    threads = args.baseline_threads or tier.settings.embed_threads
-    baseline = (
-        Embedder(args.baseline_embedder, threads, spin=args.baseline_spin)
-        if args.baseline_embedder
-        else None
-    )
-    lookups(tier, scope, [p.a for p in test], baseline)
-    if args.baseline_index:
-        index_baseline(tier, scope, [p.a for p in test])
-    uvloop.run(rebuild(tier, args.entries))
-    uvloop.run(behind_an_l2_hit(tier, [p.b for p in test]))
-    uvloop.run(tier.close())
+    with record.recording("semantic", record.record_dir(args)):
+        if not args.skip_quality:
+            quality(args.embedder, args.qqp)
+        tier, scope = filled_tier(args.embedder, args.entries)
+        test = read_pairs(args.qqp / "test.jsonl.gz")[: args.queries]
+        # QQP test questions against dev questions: mostly misses, some paraphrase hits.
+        threads = args.baseline_threads or tier.settings.embed_threads
+        baseline = (
+            Embedder(args.baseline_embedder, threads, spin=args.baseline_spin)
+            if args.baseline_embedder
+            else None
+        )
+        lookups(tier, scope, [p.a for p in test], baseline)
+        if args.baseline_index:
+            index_baseline(tier, scope, [p.a for p in test])
+        uvloop.run(rebuild(tier, args.entries))
+        uvloop.run(behind_an_l2_hit(tier, [p.b for p in test]))
+        uvloop.run(tier.close())
 
 
 if __name__ == "__main__":

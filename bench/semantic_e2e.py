@@ -53,6 +53,7 @@ from appliance.tools import processes
 from appliance.tools.tiny_model import ensure_tiny_model
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 from bench.cache import box_busy_s, cache_tables, ours_s
 from bench.common import MODEL, pct, run_dir, start_redis_and_engine
 
@@ -396,38 +397,40 @@ def main() -> None:
     parser.add_argument("--no-restart", dest="restart", action="store_false", help="skip (g)")
     parser.add_argument("--embedder-dir", type=Path, default=Path("var/semantic"))
     parser.add_argument("--model-root", default="var/tiny")
+    record.add_flag(parser)
     args = parser.parse_args()
-    embedder_dir = args.embedder_dir.resolve()
-    if not embedder_dir.is_dir():
-        sys.exit(f"no embedder in {embedder_dir}: run `appliance semantic-setup` first")
-    embedder = Embedder(embedder_dir, SemanticConfig().embed_threads)
+    with record.recording("semantic_e2e", record.record_dir(args)):
+        embedder_dir = args.embedder_dir.resolve()
+        if not embedder_dir.is_dir():
+            sys.exit(f"no embedder in {embedder_dir}: run `appliance semantic-setup` first")
+        embedder = Embedder(embedder_dir, SemanticConfig().embed_threads)
 
-    _, repo = ensure_tiny_model(Path(args.model_root))
-    tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
-    with contextlib.ExitStack() as stack:
-        work = stack.enter_context(run_dir("bench.semantic_e2e"))
-        backends = start_redis_and_engine(stack, work, repo)
-        redis_server, engine_addr = backends.redis, backends.engine_addr
-        (work / "mac-key").write_text("bench-semantic-mac-key-shared-by-both-gateways\n")
-        gateways: list[tuple[str, Path]] = []
-        procs: list[subprocess.Popen[bytes]] = []
-        for name in ("a", "b", "c"):
-            addr = f"127.0.0.1:{processes.free_port()}"
-            config = processes.write_gateway_config(
-                work / f"{name}.toml", addr, MODEL, engine_addr, tok_dir
-            )
-            with config.open("a") as f:
-                f.write(semantic_tables(redis_server.url, embedder_dir, overlap=name == "c"))
-            proc = processes.spawn(["serve", "--config", str(config)], work / f"{name}.log")
-            stack.callback(processes.stop, proc)
-            gateways.append((addr, config))
-            procs.append(proc)
-        for (addr, _), proc in zip(gateways, procs, strict=True):
-            processes.wait_serving(addr, proc)
-        pids = (os.getpid(), backends.redis_pid, backends.engine.pid, *(p.pid for p in procs))
-        (a, _), (b, b_config), (c, _) = gateways
-        setup = Gateways(a, b, c, b_config, work, pids)
-        uvloop.run(measure(args, setup, embedder, procs[1]))
+        _, repo = ensure_tiny_model(Path(args.model_root))
+        tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
+        with contextlib.ExitStack() as stack:
+            work = stack.enter_context(run_dir("bench.semantic_e2e"))
+            backends = start_redis_and_engine(stack, work, repo)
+            redis_server, engine_addr = backends.redis, backends.engine_addr
+            (work / "mac-key").write_text("bench-semantic-mac-key-shared-by-both-gateways\n")
+            gateways: list[tuple[str, Path]] = []
+            procs: list[subprocess.Popen[bytes]] = []
+            for name in ("a", "b", "c"):
+                addr = f"127.0.0.1:{processes.free_port()}"
+                config = processes.write_gateway_config(
+                    work / f"{name}.toml", addr, MODEL, engine_addr, tok_dir
+                )
+                with config.open("a") as f:
+                    f.write(semantic_tables(redis_server.url, embedder_dir, overlap=name == "c"))
+                proc = processes.spawn(["serve", "--config", str(config)], work / f"{name}.log")
+                stack.callback(processes.stop, proc)
+                gateways.append((addr, config))
+                procs.append(proc)
+            for (addr, _), proc in zip(gateways, procs, strict=True):
+                processes.wait_serving(addr, proc)
+            pids = (os.getpid(), backends.redis_pid, backends.engine.pid, *(p.pid for p in procs))
+            (a, _), (b, b_config), (c, _) = gateways
+            setup = Gateways(a, b, c, b_config, work, pids)
+            uvloop.run(measure(args, setup, embedder, procs[1]))
 
 
 if __name__ == "__main__":

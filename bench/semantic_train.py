@@ -38,6 +38,7 @@ from appliance.cache.paraphrase import (
     veto,
 )
 from appliance.cache.semantic_eval import read_pairs
+from bench import record
 from bench.semantic import vectors
 
 FLOORS = (0.60, 0.70, 0.75, 0.80)
@@ -176,63 +177,65 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--tree-depth", type=int, default=6)
+    record.add_flag(ap)
     args = ap.parse_args()
-    if "test" in args.pairs.name:
-        ap.error("the rule is tuned on dev only")
+    with record.recording("semantic_train", record.record_dir(args)):
+        if "test" in args.pairs.name:
+            ap.error("the rule is tuned on dev only")
 
-    pairs = read_pairs(args.pairs)[: args.limit]
-    print(f"{len(pairs)} dev pairs")
-    va, vb = vectors(args.embedder, "dev", pairs)
-    questions: list[tuple[Question, Question]] = [(analyze(p.a), analyze(p.b)) for p in pairs]
-    idf = idf_table([q for pair in questions for q in pair])
-    cos = (va * vb).sum(1).astype(np.float64)
-    vetoed = np.array([bool(veto(a, b)) for a, b in questions])
-    labels = np.array([p.label for p in pairs])
-    weight = idf_weights(idf)
-    x = np.stack([features(va[i], vb[i], *questions[i], weight) for i in range(len(pairs))])
-    rows = np.flatnonzero((cos >= args.train_floor) & ~vetoed)
-    fold = np.random.default_rng(0).integers(0, args.folds, len(pairs))
-    print(f"training on {len(rows)} dev pairs (cos >= {args.train_floor}, no guard refusing)")
+        pairs = read_pairs(args.pairs)[: args.limit]
+        print(f"{len(pairs)} dev pairs")
+        va, vb = vectors(args.embedder, "dev", pairs)
+        questions: list[tuple[Question, Question]] = [(analyze(p.a), analyze(p.b)) for p in pairs]
+        idf = idf_table([q for pair in questions for q in pair])
+        cos = (va * vb).sum(1).astype(np.float64)
+        vetoed = np.array([bool(veto(a, b)) for a, b in questions])
+        labels = np.array([p.label for p in pairs])
+        weight = idf_weights(idf)
+        x = np.stack([features(va[i], vb[i], *questions[i], weight) for i in range(len(pairs))])
+        rows = np.flatnonzero((cos >= args.train_floor) & ~vetoed)
+        fold = np.random.default_rng(0).integers(0, args.folds, len(pairs))
+        print(f"training on {len(rows)} dev pairs (cos >= {args.train_floor}, no guard refusing)")
 
-    scratch = args.out.with_suffix(".partial.npz")
+        scratch = args.out.with_suffix(".partial.npz")
 
-    def network_scores(weights: dict[str, Any], at: np.ndarray) -> Vector:
-        np.savez(scratch, **weights, idf=idf, **_no_trees())
-        return Rule(scratch).network(va[at], vb[at], x[at])
+        def network_scores(weights: dict[str, Any], at: np.ndarray) -> Vector:
+            np.savez(scratch, **weights, idf=idf, **_no_trees())
+            return Rule(scratch).network(va[at], vb[at], x[at])
 
-    net_oof = np.zeros(len(pairs), dtype=np.float32)
-    for k in range(args.folds):
-        fit, held = rows[fold[rows] != k], rows[fold[rows] == k]
-        weights = train_network(va[fit], vb[fit], x[fit], labels[fit], args)
-        net_oof[held] = network_scores(weights, held)
-    z = np.concatenate([x, net_oof[:, None]], axis=1).astype(np.float64)
-    oof = np.full(len(pairs), -1.0)
-    for k in range(args.folds):
-        fit, held = rows[fold[rows] != k], rows[fold[rows] == k]
-        oof[held] = fit_trees(z[fit], labels[fit], args.tree_depth).predict_proba(z[held])[:, 1]
-    floor, threshold, recall, precision = choose(oof, cos, vetoed, labels, args)
-    if recall == 0.0:
-        print("no setting reaches the target precision", file=sys.stderr)
-        return 1
-    print(
-        f"out-of-fold dev: floor {floor:.2f}, threshold {threshold:.4f}: "
-        f"precision {precision:.4f}, recall {recall:.4f}"
-    )
+        net_oof = np.zeros(len(pairs), dtype=np.float32)
+        for k in range(args.folds):
+            fit, held = rows[fold[rows] != k], rows[fold[rows] == k]
+            weights = train_network(va[fit], vb[fit], x[fit], labels[fit], args)
+            net_oof[held] = network_scores(weights, held)
+        z = np.concatenate([x, net_oof[:, None]], axis=1).astype(np.float64)
+        oof = np.full(len(pairs), -1.0)
+        for k in range(args.folds):
+            fit, held = rows[fold[rows] != k], rows[fold[rows] == k]
+            oof[held] = fit_trees(z[fit], labels[fit], args.tree_depth).predict_proba(z[held])[:, 1]
+        floor, threshold, recall, precision = choose(oof, cos, vetoed, labels, args)
+        if recall == 0.0:
+            print("no setting reaches the target precision", file=sys.stderr)
+            return 1
+        print(
+            f"out-of-fold dev: floor {floor:.2f}, threshold {threshold:.4f}: "
+            f"precision {precision:.4f}, recall {recall:.4f}"
+        )
 
-    weights = train_network(va[rows], vb[rows], x[rows], labels[rows], args)
-    trees = fit_trees(z[rows], labels[rows], args.tree_depth)
-    shipped = {**weights, "idf": idf, **export_trees(trees)}
-    np.savez(args.out, **shipped, floor=np.float32(floor), threshold=np.float32(threshold))
-    scratch.unlink(missing_ok=True)
-    check = rows[:2000]
-    got = Rule(args.out).trees.probabilities(z[check])
-    want = trees.predict_proba(z[check])[:, 1]
-    assert np.allclose(got, want, atol=1e-6), "exported trees disagree with scikit-learn"
-    print(
-        f"wrote {args.out} ({len(trees._predictors)} trees); `appliance semantic-setup` "
-        "compiles its classifier for the gateway"
-    )
-    return 0
+        weights = train_network(va[rows], vb[rows], x[rows], labels[rows], args)
+        trees = fit_trees(z[rows], labels[rows], args.tree_depth)
+        shipped = {**weights, "idf": idf, **export_trees(trees)}
+        np.savez(args.out, **shipped, floor=np.float32(floor), threshold=np.float32(threshold))
+        scratch.unlink(missing_ok=True)
+        check = rows[:2000]
+        got = Rule(args.out).trees.probabilities(z[check])
+        want = trees.predict_proba(z[check])[:, 1]
+        assert np.allclose(got, want, atol=1e-6), "exported trees disagree with scikit-learn"
+        print(
+            f"wrote {args.out} ({len(trees._predictors)} trees); `appliance semantic-setup` "
+            "compiles its classifier for the gateway"
+        )
+        return 0
 
 
 def _no_trees() -> dict[str, Any]:

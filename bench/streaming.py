@@ -29,6 +29,7 @@ from appliance.client import generate, inter_token_latency
 from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from bench import record
 from bench.common import MODEL, pct, prompt_of, tiny_stack, workload_args
 from bench.echo_server import METHOD
 
@@ -153,7 +154,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     workload_args(parser, requests=200)
-    uvloop.run(run(parser.parse_args()))
+    record.add_flag(parser)
+    args = parser.parse_args()
+    with record.recording("streaming", record.record_dir(args)):
+        uvloop.run(run(args))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 from appliance.engine.linear import PlainLinear
 from appliance.engine.quantized import GroupQuant, quantize_group_linear
+from bench import record
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -40,29 +41,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--group", type=int, default=64)
     p.add_argument("--repeat", type=int, default=20)
+    record.add_flag(p)
     args = p.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, group {args.group}")
-    print(
-        "| dtype | out x in | tokens | F.linear ms | int8 dequant | int4 int4pack | int4 dequant |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for dname in args.dtypes.split(","):
-        dtype = DTYPES[dname]
-        for shape in args.shapes.split(","):
-            out_f, in_f = (int(v) for v in shape.split("x"))
-            w = torch.randn(out_f, in_f) * in_f**-0.5
-            plain = w.to(dtype)
-            int8 = quantize_group_linear("w", w, GroupQuant(8, args.group), dtype)
-            fast = quantize_group_linear("w", w, GroupQuant(4, args.group), dtype, "int4pack")
-            slow = quantize_group_linear("w", w, GroupQuant(4, args.group), dtype, "dequantize")
-            for n in (int(t) for t in args.tokens.split(",")):
-                x = torch.randn(n, in_f).to(dtype)
-                with torch.inference_mode():
-                    base = _median_ms(PlainLinear(plain), x, args.repeat)
-                    cells = [_median_ms(layer, x, args.repeat) for layer in (int8, fast, slow)]
-                row = " | ".join(f"{c:.2f} ({c / base:.2f}x)" for c in cells)
-                print(f"| {dname} | {shape} | {n} | {base:.2f} | {row} |", flush=True)
-    return 0
+    with record.recording(
+        "weight_kernels", record.record_dir(args), None if argv is None else list(argv)
+    ):
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, group {args.group}")
+        print(
+            "| dtype | out x in | tokens | F.linear ms | int8 dequant | int4 int4pack | int4 dequant |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            for shape in args.shapes.split(","):
+                out_f, in_f = (int(v) for v in shape.split("x"))
+                w = torch.randn(out_f, in_f) * in_f**-0.5
+                plain = w.to(dtype)
+                int8 = quantize_group_linear("w", w, GroupQuant(8, args.group), dtype)
+                fast = quantize_group_linear("w", w, GroupQuant(4, args.group), dtype, "int4pack")
+                slow = quantize_group_linear("w", w, GroupQuant(4, args.group), dtype, "dequantize")
+                for n in (int(t) for t in args.tokens.split(",")):
+                    x = torch.randn(n, in_f).to(dtype)
+                    with torch.inference_mode():
+                        base = _median_ms(PlainLinear(plain), x, args.repeat)
+                        cells = [_median_ms(layer, x, args.repeat) for layer in (int8, fast, slow)]
+                    row = " | ".join(f"{c:.2f} ({c / base:.2f}x)" for c in cells)
+                    print(f"| {dname} | {shape} | {n} | {base:.2f} | {row} |", flush=True)
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """The decision rule's classifier run as one onnxruntime call.
 
 The rule ships as arrays (`appliance/data/semantic_rule.npz`) and paraphrase.Rule scores with them in
-numpy, about forty numpy calls on the two to four pairs of a lookup: 0.13 ms hot, twice that right
-after a model run has pushed them out of the caches. `appliance semantic-setup` writes the same
+numpy, about forty numpy calls on the two to four pairs of a lookup. `appliance semantic-setup` writes the same
 computation (network, then trees) as one ONNX graph, `classifier.onnx`, beside the embedder, stamped
 with the SHA-256 of the rule file it was made from; the gateway loads it when the stamp matches the
 shipped rule, and otherwise scores in numpy and says why in one log line. The graph compares the
-trees' thresholds in float64, as the numpy trees do, so both give the same decisions. Measured alone
-the call is 2.5x faster hot and 1.7x right after a model run; inside a whole lookup at 100k entries
-the difference was within the run-to-run noise of search + verify (about 0.05 ms).
+trees' thresholds in float64, as the numpy trees do, so both give the same decisions. One call is
+cheaper than the forty, though inside a whole lookup the difference is within the run-to-run noise
+(docs/PERFORMANCE.md#semantic-cache-tier).
 """
 
 from __future__ import annotations

@@ -4,12 +4,11 @@ The gateway never imports torch: `appliance semantic-setup` exports the model on
 and L2 normalization inside the graph) into a directory with `model.onnx`, `tokenizer.json` and
 `embedder.json`; this module only loads those. A question's embedding is latency-bound, and a
 gateway's lookups come after idle gaps: there one intra-op thread (the gateway's default) made the
-tier's lookup 0.1-0.4 ms faster at P50 than two on both 2-vCPU VMs measured (AVX2, and AVX-512 with
-VNNI), though two can be faster for questions run back to back. With more threads, the others sleep
-between operators instead of spinning. Spinning within a run only (stopped when the run returns, so
-no core is held between questions) saves 0.3-0.6 ms when runs follow each other, but a run that
-follows an idle gap got a worse tail with it (tier lookup P99 14.5-15.0 against 10.9-11.5 ms
-without, same process, alternating), so `spin` is off unless asked for.
+tier's lookup faster than two, though two can be faster for questions run back to back. With more
+threads, the others sleep between operators instead of spinning. Spinning within a run only
+(stopped when the run returns, so no core is held between questions) helps runs that follow each
+other but worsened the tail of a run after an idle gap, so `spin` is off unless asked for
+(docs/PERFORMANCE.md#semantic-cache-tier).
 
 Texts longer than MAX_TOKENS word pieces are refused (None), never truncated: two long prompts that
 agree in their first 128 pieces would otherwise embed alike however they end.

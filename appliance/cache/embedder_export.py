@@ -6,9 +6,10 @@ model's safetensors and tokenizer.json as published, no download at run time). T
 input_ids and attention_mask and returns the mean-pooled, L2-normalized sentence vector, as
 sentence-transformers computes it for this model. The model is traced with the plain ("eager")
 attention so that onnxruntime's transformer optimizer recognizes each layer's attention and fuses it
-(with the embeddings, the layer norms and the GELUs): 151 nodes instead of 339, a quarter faster on
-a short question. Its matrix weights are then quantized to int8 (onnxruntime's dynamic quantization,
-one scale per output channel), which halves the model run on the CPU. The vectors move (cosine to the
+(with the embeddings, the layer norms and the GELUs): 151 nodes instead of 339, faster on a short
+question. Its matrix weights are then quantized to int8 (onnxruntime's dynamic quantization, one
+scale per output channel), which shortens the model run on the CPU further
+(docs/PERFORMANCE.md#semantic-cache-tier). The vectors move (cosine to the
 float32 ones >= 0.98 on QQP questions), so the decision rule is trained on vectors of exactly this
 export. The decision rule's classifier is compiled beside it (classifier_export.py).
 """

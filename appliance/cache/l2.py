@@ -44,7 +44,7 @@ class RedisSettings:
     key_prefix: str = "appliance"
     ttl_s: int = 86400
     # A healthy local Redis answers well within this even on a loaded host; past it: a miss.
-    # bench/redis_budget.py measures that tail (docs/PERFORMANCE.md, "Redis time budget").
+    # bench/redis_budget.py measures that tail (docs/PERFORMANCE.md#redis-time-budget).
     timeout_ms: float = 20.0
     max_connections: int = 32
     breaker_failures: int = 5

@@ -4,7 +4,7 @@ A scope is everything that must be identical for two requests to share an answer
 identity, sampling, stop strings, earlier chat messages), so each scope has its own usearch HNSW
 index and a search never sees another scope's vectors. The graph holds int8 copies of the vectors: a
 search reads a quarter of the bytes, which is what it costs right after a model run has evicted the
-caches (0.86 against 1.20 ms P50 at 100k entries, measured). The float32 vectors sit in blocks
+caches (docs/PERFORMANCE.md#lookup-at-100k-entries). The float32 vectors sit in blocks
 beside it (1.5 kB an entry, where usearch's float32 graph took 1.7 kB); a search takes twice the candidates it returns from the graph and ranks them by the exact
 vectors, so the similarities are those the decision rule was tuned on (the nearest entry found as
 often as by a float32 graph, 564 against 567 of 600 questions). Eviction is least recently used
@@ -37,11 +37,11 @@ WIDEN = 2
 BLOCK_ROWS = 1024
 
 
-# Scopes up to this size are searched exhaustively (over the int8 copies: 0.24 ms at 4096 entries
-# here, against 0.16 ms for the graph): the graph, built with a narrow expansion_add, loses the
-# nearest entry once a scope holds a cluster of near-identical questions ("rainfall in district N
-# during week M" x 160 hid "What is the meaning of life?" from "What's the meaning of life?",
-# cosine 0.98).
+# Scopes up to this size are searched exhaustively (over the int8 copies, at a small cost over the
+# graph; docs/PERFORMANCE.md#semantic-cache-tier): the graph, built with a narrow expansion_add,
+# loses the nearest entry once a scope holds a cluster of near-identical questions ("rainfall in
+# district N during week M" x 160 hid "What is the meaning of life?" from "What's the meaning of
+# life?", cosine 0.98).
 EXACT_SEARCH_UP_TO = 4096
 
 

@@ -13,8 +13,8 @@ Scales and zero points are kept in the model dtype. The INT4 product runs on tor
 ``_weight_int4pack_mm_for_cpu`` where it applies (CPU, output rows divisible by 16); everywhere else,
 and for INT8, each call dequantizes the weight and multiplies (`F.linear`): correct on any device,
 but it writes a full-width copy of the weight per call, so it saves memory, not time. The CPU
-kernel in float32 is fast for one token but about 100x slower than `F.linear` for a 512-token
-prefill chunk (bench.weight_kernels), so a float32 call with more than `_F32_KERNEL_ROWS` rows
+kernel in float32 is fast for one token but far slower than `F.linear` for a 512-token prefill
+chunk (bench.weight_kernels, docs/PERFORMANCE.md#weight-formats), so a float32 call with more than `_F32_KERNEL_ROWS` rows
 runs the kernel in bfloat16 (activations cast, bfloat16 copies of the scales) and casts back.
 """
 

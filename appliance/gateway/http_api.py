@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: a second front door onto the gRPC API's pipeline.
 
 Served by aiohttp's web server inside the gateway's own event loop (aiohttp was measured against
-uvicorn with and without Starlette: bench/http_servers.py, docs/PERFORMANCE.md). Thin like the gRPC
+uvicorn with and without Starlette: bench/http_servers.py, docs/PERFORMANCE.md#http-api). Thin like the gRPC
 service: a body becomes the pipeline's GenerateRequest (openai_wire), the pipeline's messages become
 server-sent events or one JSON answer, and a RequestError becomes an HTTP status in OpenAI's error
 shape. Nothing about validation, caching or the engine is decided here.

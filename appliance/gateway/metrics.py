@@ -49,9 +49,8 @@ GAP_BUCKETS = (
 class Histograms:
     """One histogram family, by label values, recorded on the event loop thread.
 
-    prometheus-client's Histogram takes a lock and a label lookup per observation: measured at
-    14 µs per cache hit and 85 µs per 64-token generation on this project's 2-core machine
-    (bench/cache.py (g)), most of a hit's gateway time. Here an observation is a bisect and two
+    prometheus-client's Histogram takes a lock and a label lookup per observation, which was most
+    of a cache hit's gateway time (bench/cache.py (g), docs/PERFORMANCE.md#cache-hits). Here an observation is a bisect and two
     additions; the one writer is the event loop, and a scrape copies the counts from its own thread
     (a scrape may see an observation's bucket before its sum: off by one sample, never corrupt).
     """

@@ -288,8 +288,8 @@ def freeze_heap() -> None:
     """A full collection, then every object alive moved out of the collector's sight
     (`gc.freeze`). Python collects all generations once the objects that survived into the oldest
     grow by a quarter, and that collection walks every tracked object: with the gateway's modules
-    and 100k semantic entries loaded it took 140 ms on the 2-vCPU test VM, a stall every request in
-    flight waits out. Frozen objects are still freed by reference counting (the index's entries hold
+    and a full semantic index loaded it is a stall every request in flight waits out
+    (docs/PERFORMANCE.md#semantic-cache-tier). Frozen objects are still freed by reference counting (the index's entries hold
     no cycles); only cycles among them are never collected."""
     gc.collect()
     gc.freeze()
@@ -298,7 +298,7 @@ def freeze_heap() -> None:
 def keep_long_lived_from_gc(running: RunningGateway) -> None:
     """Freezes the heap now (modules, models, an index already rebuilt) and after each rebuild
     of the semantic index (its entries). A rebuild after Redis came back thus pays one full
-    collection while the gateway serves (about 140 ms at 100k entries), once."""
+    collection while the gateway serves, once."""
     freeze_heap()
     for tier in running.pipeline.cache.tiers if running.pipeline.cache else ():
         if isinstance(tier, SemanticTier):

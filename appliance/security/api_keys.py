@@ -5,8 +5,8 @@ messages; the secret (32 random bytes, base64url) is shown once, when the key is
 stored. The file keeps, per key, a random salt and BLAKE2b-256(secret, key=pepper, salt=salt):
 the pepper is a secret of its own (a systemd credential), so the file alone, leaked or read by a
 backup, verifies nothing. Secrets are 256 random bits, so a slow password hash would add nothing
-against guessing. A token is checked once against the file's hash (keyed BLAKE2b, about 2 µs, a
-constant-time comparison; a token naming an unknown id is hashed against a dummy record so both
+against guessing. A token is checked once against the file's hash (keyed BLAKE2b and a
+constant-time comparison, docs/PERFORMANCE.md#security-tls-and-api-keys; a token naming an unknown id is hashed against a dummy record so both
 refusals take the same time); a token that verified is remembered, so the next requests with it
 cost one dictionary lookup. Only verified tokens are remembered (at most one per key), and a reload
 forgets them all, so a revoked key stops working at once.

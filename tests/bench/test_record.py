@@ -1,0 +1,90 @@
+"""bench/record.py: a run record is written only when asked, never over an earlier one."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import record
+
+NOON = dt.datetime(2026, 11, 27, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def test_write_record_writes_json_and_markdown(tmp_path: Path) -> None:
+    path = record.write_record(
+        "streaming",
+        {"ttft_p50_us": 11.5},
+        "| measure | P50 |\n",
+        directory=tmp_path,
+        argv=["--requests", "20"],
+        now=NOON,
+    )
+    assert path == tmp_path / "2026-11-27-streaming.json"
+    data = json.loads(path.read_text())
+    assert data["date"] == "2026-11-27"
+    assert data["command"] == "python -m bench.streaming --requests 20"
+    assert data["results"] == {"ttft_p50_us": 11.5}
+    assert data["machine"]["cpu_count"] >= 1
+    assert {"platform", "cpu", "python"} <= data["machine"].keys()
+    page = (tmp_path / "2026-11-27-streaming.md").read_text()
+    assert "python -m bench.streaming --requests 20" in page
+    assert "| measure | P50 |" in page
+
+
+def test_a_second_run_the_same_day_does_not_overwrite(tmp_path: Path) -> None:
+    first = record.write_record("cache", {"run": 1}, "one", directory=tmp_path, now=NOON)
+    second = record.write_record("cache", {"run": 2}, "two", directory=tmp_path, now=NOON)
+    assert second == tmp_path / "2026-11-27-cache-2.json"
+    assert json.loads(first.read_text())["results"] == {"run": 1}
+    assert json.loads(second.read_text())["results"] == {"run": 2}
+
+
+@pytest.mark.parametrize("name", ["", "../x", ".hidden"])
+def test_a_name_that_is_not_a_file_name_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match="plain file name"):
+        record.write_record(name, {}, "", directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recording_without_a_directory_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with record.recording("streaming", None) as run:
+        print("table")
+        run.results["x"] = 1
+    assert capsys.readouterr().out == "table\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recording_keeps_the_printed_output_and_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with record.recording("admission", tmp_path, argv=["--seconds", "1"]) as run:
+        print("| gateway | load |")
+        run.results["levels"] = [1, 2]
+    assert capsys.readouterr().out == "| gateway | load |\n"
+    (path,) = tmp_path.glob("*-admission.json")
+    data = json.loads(path.read_text())
+    assert data["results"] == {"output": "| gateway | load |\n", "levels": [1, 2]}
+    assert data["command"] == "python -m bench.admission --seconds 1"
+    assert "| gateway | load |" in path.with_suffix(".md").read_text()
+
+
+def test_a_run_that_fails_writes_no_record(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), record.recording("guided", tmp_path):
+        print("half a table")
+        raise RuntimeError("engine died")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_flag_is_off_by_default(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    record.add_flag(parser)
+    assert record.record_dir(parser.parse_args([])) is None
+    assert record.record_dir(parser.parse_args(["--record"])) == record.RUNS_DIR
+    given = parser.parse_args(["--record", "--record-dir", str(tmp_path)])
+    assert record.record_dir(given) == tmp_path
