@@ -6,23 +6,34 @@ cut at stop strings, so the backend never needs the tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from appliance.backends.base import GenerationRequest
+from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity
 from appliance.gateway.models import ServedModel
 from appliance.text.detokenize import IncrementalDecoder
 from appliance.text.stops import StopMatcher
 
 
+class TokenLogprob(NamedTuple):
+    """A completion token, its bytes (a token may hold part of a character) and log-probability."""
+
+    token_id: int
+    token: bytes
+    logprob: float
+
+
 @dataclass(slots=True)
 class Delta:
-    """New text and the token ids it came from, with their log-probabilities when asked for."""
+    """New text and the token ids it came from, with their log-probabilities when asked for.
+    Every client following a generation receives the same Delta: nobody changes one."""
 
     text: str
-    token_ids: list[int]
-    logprobs: list[float] | None = None
+    token_ids: Sequence[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -53,7 +64,8 @@ async def generate(
     """Deltas as they decode, then the Outcome. Stop strings are looked for only in the text of
     the tokens after the first `request.min_tokens` (the engine bans the end id until then); with
     `request.ignore_eos` the end id does not end the answer."""
-    decoder = IncrementalDecoder(model.text.table)
+    table = model.text.table
+    decoder = IncrementalDecoder(table)
     matcher = StopMatcher(stops)
     end_id = None if request.ignore_eos else request.end_id
     min_tokens = request.min_tokens
@@ -68,6 +80,12 @@ async def generate(
                 cut = tokens.index(end_id)
                 tokens, logprobs = tokens[:cut], logprobs[:cut] if logprobs else logprobs
                 ended_by_stop = True
+            entries = None
+            if logprobs is not None:
+                entries = [
+                    TokenLogprob(t, table.bytes_of(t), p)
+                    for t, p in zip(tokens, logprobs, strict=True)
+                ]
             pieces = [decoder.push(t) for t in tokens]
             if completion >= min_tokens:
                 text = matcher.feed("".join(pieces))
@@ -76,7 +94,7 @@ async def generate(
                 text = "".join(pieces[:free]) + matcher.feed("".join(pieces[free:]))
             completion += len(tokens)
             if text or tokens:
-                yield Delta(text, tokens, logprobs)
+                yield Delta(text, tokens, entries)
             if matcher.stopped or ended_by_stop:
                 ended_by_stop = True
                 break
@@ -88,4 +106,18 @@ async def generate(
     stopped = ended_by_stop or completion < request.max_tokens
     yield Outcome(
         "stop" if stopped else "length", len(request.prompt_ids), completion, model.identity
+    )
+
+
+def answer_of(events: list[Event]) -> CachedAnswer:
+    """A complete generation as a cache entry."""
+    outcome = events[-1]
+    assert isinstance(outcome, Outcome)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    return CachedAnswer(
+        text="".join(d.text for d in deltas),
+        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        finish_reason=outcome.finish_reason,
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=outcome.completion_tokens,
     )

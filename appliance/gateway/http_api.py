@@ -37,15 +37,15 @@ from appliance.config import HttpConfig
 from appliance.gateway import json_body
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
+from appliance.gateway.generation import Delta, TokenLogprob
 from appliance.gateway.health import health_name
 from appliance.gateway.pipeline import Pipeline
-from appliance.gateway.report import RequestReport
-from appliance.gateway.request import echo, valid_request_id
+from appliance.gateway.reply import Reply
+from appliance.gateway.request import echo, new_request_id, valid_request_id
 from appliance.gateway.tool_calls import HeldText
 from appliance.logline import Throttled
 from appliance.security.auth import Credentials, bearer_token
 from appliance.security.tls import ServerTls, peercert_names
-from appliance.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {
@@ -126,10 +126,10 @@ class HandshakeBoundedSite(web.TCPSite):
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
-async def _finish(messages: AsyncIterator[pb.GenerateResponse]) -> None:
-    """Runs the pipeline past its final message: the answer is stored in the cache and the request
+async def _finish(replies: AsyncIterator[Reply]) -> None:
+    """Runs the pipeline past its Final: the answer is stored in the cache and the request
     reported there (closing the stream early would count it as cancelled)."""
-    async for _ in messages:
+    async for _ in replies:
         pass
 
 
@@ -312,22 +312,23 @@ class HttpApi:
         try:
             try:
                 http = wire.parse_request(await self._decode(await self._body(request)), chat)
-                header_id = request.headers.get("X-Request-Id")
-                # The client's (or its proxy's) id when the body sets none and it is one the
-                # gateway can carry; an unusable one is ignored, never a reason to refuse.
-                if not http.request.request_id and header_id and valid_request_id(header_id):
-                    http.request.request_id = header_id
+                if not http.request.request_id:
+                    # The client's (or its proxy's) id when the body sets none and it is one
+                    # the gateway can carry; an unusable one is ignored, never a refusal.
+                    header_id = request.headers.get("X-Request-Id", "")
+                    usable = valid_request_id(header_id)
+                    http.request.request_id = header_id if usable else new_request_id()
             except wire.HttpError as err:
                 self._report_refusal(err, received)
                 return error_response(err)
-            messages = self.pipeline.run(
+            replies = self.pipeline.run(
                 http.request, http.deadline_s, self._credentials(request), front_end="http"
             )
-            assert isinstance(messages, AsyncGenerator)  # closed below, whatever happens
+            assert isinstance(replies, AsyncGenerator)  # closed below, whatever happens
             try:
-                return await self._answer(request, http, messages)
+                return await self._answer(request, http, replies)
             finally:
-                await messages.aclose()
+                await replies.aclose()
         finally:
             self._active -= 1
             if self._active == 0:
@@ -385,40 +386,36 @@ class HttpApi:
 
     def _report_refusal(self, err: wire.HttpError, received: int) -> None:
         """A body refused before the pipeline saw it still counts in metrics and the access log."""
-        report = RequestReport(
-            front_end="http",
-            status=WIRE_STATUS.get(err.status, grpc.StatusCode.INVALID_ARGUMENT).name,
-            total_us=(time.monotonic_ns() - received) // 1000,
-        )
-        self.pipeline.sink.report(report)
+        status = WIRE_STATUS.get(err.status, grpc.StatusCode.INVALID_ARGUMENT)
+        self.pipeline.refused("http", status.name, received)
 
     async def _answer(
         self,
         request: web.Request,
         http: wire.HttpRequest,
-        messages: AsyncIterator[pb.GenerateResponse],
+        replies: AsyncIterator[Reply],
     ) -> web.StreamResponse:
-        # The first message decides the status line: refusals before it are HTTP errors.
+        # The first reply decides the status line: refusals before it are HTTP errors.
         try:
-            first = await anext(messages)
+            reply = await anext(replies)
         except RequestError as exc:
             return self._refused(http, exc)
-        answer = wire.Answer(http, first.request_id, int(time.time()))
+        answer = wire.Answer(http, http.request.request_id, int(time.time()))
         if http.stream:
-            return await self._stream(request, answer, first, messages)
-        text = [first.text]
-        logprobs = list(first.logprobs)
-        message = first
+            return await self._stream(request, answer, reply, replies)
+        text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         try:
-            while not message.HasField("final"):
-                message = await anext(messages)
-                text.append(message.text)
-                logprobs.extend(message.logprobs)
+            while isinstance(reply, Delta):
+                text.append(reply.text)
+                if reply.logprobs:
+                    logprobs += reply.logprobs
+                reply = await anext(replies)
         except RequestError as exc:
             return self._refused(http, exc)
-        await _finish(messages)
+        await _finish(replies)
         return web.Response(
-            body=wire.dumps(answer.whole("".join(text), message.final, logprobs)),
+            body=wire.dumps(answer.whole("".join(text), reply, logprobs)),
             content_type="application/json",
             headers={"X-Request-Id": answer.request_id},
         )
@@ -431,32 +428,30 @@ class HttpApi:
         self,
         request: web.Request,
         answer: wire.Answer,
-        message: pb.GenerateResponse,
-        messages: AsyncIterator[pb.GenerateResponse],
+        reply: Reply,
+        replies: AsyncIterator[Reply],
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": answer.request_id})
         await response.prepare(request)
         out = answer.first_chunk()
         held = HeldText(answer.tools) if answer.tools is not None else None
         try:
-            while True:
-                text = held.feed(message.text) if held is not None else message.text
-                if text or message.logprobs:
-                    out += answer.chunk(text, message.logprobs)
-                if message.HasField("final"):
-                    call = None
-                    if held is not None:
-                        rest, call = held.finish()
-                        out += answer.chunk(rest) if rest else b""
-                        out += answer.call_chunk(call) if call is not None else b""
-                    last = answer.last_chunks(message.final, called=call is not None)
-                    await self._write(request, response, out + last)
-                    await _finish(messages)
-                    break
+            while isinstance(reply, Delta):
+                text = held.feed(reply.text) if held is not None else reply.text
+                if text or reply.logprobs:
+                    out += answer.chunk(text, reply.logprobs or ())
                 if out:
                     await self._write(request, response, out)
                     out = b""
-                message = await anext(messages)
+                reply = await anext(replies)
+            call = None
+            if held is not None:
+                rest, call = held.finish()
+                out += answer.chunk(rest) if rest else b""
+                out += answer.call_chunk(call) if call is not None else b""
+            last = answer.last_chunks(reply, called=call is not None)
+            await self._write(request, response, out + last)
+            await _finish(replies)
         except RequestError as exc:
             # The status line is gone: the error travels as an event (the SDKs raise it).
             err = wire.error_of(exc)

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP API's wire format: JSON bodies in, the pipeline's messages out.
+"""The OpenAI-compatible HTTP API's wire format: JSON bodies in, the pipeline's replies out.
 
-Pure logic, no I/O. A request body becomes the same `GenerateRequest` the gRPC front end passes, so
+Pure logic, no I/O. A request body becomes the same `IncomingRequest` the gRPC front end makes, so
 the pipeline's check stage validates both front ends with the same messages; this module only checks
-what JSON can get wrong and protobuf cannot hold (types, ranges of the wire's integer fields, fields
-the appliance does not implement). Answers are rendered with pre-encoded heads and tails, so a
+what JSON can get wrong and the gRPC API cannot (types, ranges of the gRPC messages' integer fields,
+text that is not valid Unicode, fields the appliance does not implement). Answers are rendered with pre-encoded heads and tails, so a
 streamed token costs one `json.dumps` of its text.
 
 Field policy, documented in the README: an unknown field is refused (as OpenAI's own API does); an
@@ -23,24 +23,19 @@ from typing import Any
 
 import grpc
 
+from appliance.backends.base import Guide
+from appliance.cache.policy import CachePolicy
 from appliance.gateway import tool_calls
 from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
-from appliance.gateway.messages import FINISH, TIERS
-from appliance.gateway.request import GUIDE_KINDS, MAX_MESSAGES
+from appliance.gateway.generation import TokenLogprob
+from appliance.gateway.reply import Final
+from appliance.gateway.request import GUIDE_KINDS, IncomingRequest, too_many_messages
 from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry, parse_call
-from appliance.v1 import inference_pb2 as pb
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
-CACHE_POLICIES = {
-    "default": pb.CACHE_POLICY_DEFAULT,
-    "bypass": pb.CACHE_POLICY_BYPASS,
-    "refresh": pb.CACHE_POLICY_REFRESH,
-    "only": pb.CACHE_POLICY_ONLY,
-}
-FINISH_NAMES = {v: k for k, v in FINISH.items()}
-TIER_NAMES = {v: k for k, v in TIERS.items()}
+CACHE_POLICIES = {p.name.lower(): p.value for p in CachePolicy}
 # Roles the chat template knows; OpenAI's "developer" role is its system role.
 ROLE_ALIASES = {"developer": "system"}
 
@@ -100,7 +95,7 @@ EXTENSION_FIELDS = frozenset(
 )
 JSON_OBJECT = json.dumps({"type": "object"})
 # appliance.guide's types (the gRPC API's GuideType by its engine name).
-GUIDE_TYPES = {name: value for value, name in GUIDE_KINDS.items()}
+GUIDE_TYPES = GUIDE_KINDS
 
 
 def invalid(message: str, param: str | None = None) -> HttpError:
@@ -128,7 +123,7 @@ class HttpError(Exception):
 class HttpRequest:
     """A decoded body: the pipeline's request and what only the HTTP answer needs."""
 
-    request: pb.GenerateRequest
+    request: IncomingRequest
     chat: bool
     stream: bool
     include_usage: bool
@@ -143,14 +138,31 @@ class HttpRequest:
 
 def parse_request(data: dict[str, Any], chat: bool) -> HttpRequest:
     """A chat (`/v1/chat/completions`) or completion (`/v1/completions`) body as a request."""
-    try:
-        return _parse(data, chat)
-    except UnicodeEncodeError as exc:
-        # JSON can escape half a UTF-16 pair ("\ud800"); protobuf strings must be valid UTF-8.
-        raise invalid(
-            f"the request holds text that is not valid Unicode: an unpaired surrogate "
-            f"{exc.object[exc.start : exc.end]!a}"
-        ) from None
+    http = _parse(data, chat)
+    _unicode(http.request)
+    return http
+
+
+def _unicode(req: IncomingRequest) -> None:
+    """JSON can escape half a UTF-16 pair ("\ud800"), which no UTF-8 text holds: the gRPC API
+    cannot carry it, nor can the tokenizer or the cache key."""
+    texts = [req.model, req.request_id, req.namespace, *req.stop]
+    if req.prompt is not None:
+        texts.append(req.prompt)
+    for role, content in req.messages or ():
+        texts += (role, content)
+    if req.guide is not None:
+        texts.append(req.guide.text)
+    for text in texts:
+        if text.isascii():
+            continue
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise invalid(
+                f"the request holds text that is not valid Unicode: an unpaired surrogate "
+                f"{exc.object[exc.start : exc.end]!a}"
+            ) from None
 
 
 def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
@@ -162,13 +174,13 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
         if name in data and data[name] not in allowed and data[name] not in ({}, []):
             shown = ", ".join(json.dumps(a) for a in allowed)
             raise invalid(f"{name} is not supported by this server (accepted: {shown})", name)
-    req = pb.GenerateRequest(model=_field(data, "model", str, required=True))
+    req = IncomingRequest(model=_field(data, "model", str, required=True))
     tools = None
     if chat:
         tools = _tools(data)
-        _messages(req, data, tools)
+        req.messages = _messages(data, tools)
     else:
-        _prompt(req, data)
+        req.prompt = _prompt(data)
     max_tokens = _int(data, "max_tokens", -INT32_MAX, INT32_MAX)
     if chat:
         other = _int(data, "max_completion_tokens", -INT32_MAX, INT32_MAX)
@@ -178,51 +190,41 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
                 "max_completion_tokens",
             )
         max_tokens = other if other is not None else max_tokens
-    if max_tokens is not None:
-        req.max_tokens = max_tokens
-    for name in ("temperature", "top_p"):
-        value = _number(data, name)
-        if value is not None:
-            setattr(req, name, value)
-    seed = _int(data, "seed", 0, UINT64_MAX)
-    if seed is not None:
-        req.seed = seed
-    req.stop.extend(_stops(data))
+    req.max_tokens = max_tokens
+    req.temperature = _number(data, "temperature")
+    req.top_p = _number(data, "top_p")
+    req.seed = _int(data, "seed", 0, UINT64_MAX)
+    req.stop = _stops(data)
     _length(req, data)
     _logprobs(req, data, chat)
-    _response_format(req, data)
+    req.guide = _response_format(data)
     if tools is not None and tools.forced:
-        if req.HasField("guide"):
+        if req.guide is not None:
             raise invalid(
                 "a tool_choice that forces a call constrains the answer itself; drop "
                 "response_format or use tool_choice auto",
                 "response_format",
             )
-        req.guide.type = pb.GUIDE_TYPE_JSON_SCHEMA
-        req.guide.guide = tools.guide_schema() or ""
+        req.guide = Guide("json_schema", tools.guide_schema() or "")
     stream = bool(_field(data, "stream", bool) or False)
     include_usage = _include_usage(data, stream)
     deadline_s = _extension(req, data)
     return HttpRequest(req, chat, stream, include_usage, deadline_s, tools)
 
 
-def _length(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+def _length(req: IncomingRequest, data: dict[str, Any]) -> None:
     """vLLM's `min_tokens` and `ignore_eos`, top-level in the body as vLLM, SGLang and benchmark
     tools (aiperf's --extra-inputs) send them."""
-    min_tokens = _int(data, "min_tokens", -INT32_MAX, INT32_MAX)
-    if min_tokens is not None:
-        req.min_tokens = min_tokens
+    req.min_tokens = _int(data, "min_tokens", -INT32_MAX, INT32_MAX)
     req.ignore_eos = bool(_field(data, "ignore_eos", bool) or False)
 
 
-def _logprobs(req: pb.GenerateRequest, data: dict[str, Any], chat: bool) -> None:
+def _logprobs(req: IncomingRequest, data: dict[str, Any], chat: bool) -> None:
     """Chat: `logprobs` (boolean) and `top_logprobs` (0 to 20). Completions: `logprobs` is the
     number of alternatives per token (0: the chosen token's log-probability alone)."""
     if chat:
         req.logprobs = bool(_field(data, "logprobs", bool) or False)
-        top = _int(data, "top_logprobs", -INT32_MAX, INT32_MAX)
-        if top is not None:
-            req.top_logprobs = top
+        req.top_logprobs = _int(data, "top_logprobs", -INT32_MAX, INT32_MAX)
         return
     count = _int(data, "logprobs", 0, INT32_MAX)
     if count is None:
@@ -246,14 +248,13 @@ def _tools(data: dict[str, Any]) -> ToolPlan | None:
         raise invalid(exc.message, exc.field) from None
 
 
-def _messages(req: pb.GenerateRequest, data: dict[str, Any], tools: ToolPlan | None) -> None:
+def _messages(data: dict[str, Any], tools: ToolPlan | None) -> list[tuple[str, str]]:
+    """The chat as (role, content); an empty list reaches the check stage, which names it."""
     messages = _field(data, "messages", list, required=True)
-    if len(messages) > MAX_MESSAGES:
-        raise invalid(
-            f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are accepted",
-            "messages",
-        )
-    req.messages.SetInParent()  # an empty list reaches the check stage, which names it
+    refusal = too_many_messages(len(messages))
+    if refusal is not None:
+        raise invalid(refusal.message, "messages")
+    listed: list[tuple[str, str]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"messages[{i}] must be an object, got {_kind(m)}", f"messages[{i}]")
@@ -268,13 +269,13 @@ def _messages(req: pb.GenerateRequest, data: dict[str, Any], tools: ToolPlan | N
                 content = tool_calls.assistant_content(m, content, i)
         except RequestError as exc:
             raise invalid(exc.message, exc.field) from None
-        req.messages.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
-    if tools is not None and messages:
-        listed = req.messages.messages
-        if listed[0].role == "system":
-            listed[0].content = tools.system_message() + "\n\n" + listed[0].content
+        listed.append((ROLE_ALIASES.get(role, role), content))
+    if tools is not None and listed:
+        if listed[0][0] == "system":
+            listed[0] = ("system", tools.system_message() + "\n\n" + listed[0][1])
         else:
-            listed.insert(0, pb.ChatMessage(role="system", content=tools.system_message()))
+            listed.insert(0, ("system", tools.system_message()))
+    return listed
 
 
 def _content(content: object, i: int) -> str:
@@ -304,7 +305,7 @@ def _content(content: object, i: int) -> str:
     )
 
 
-def _prompt(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+def _prompt(data: dict[str, Any]) -> str:
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -313,24 +314,24 @@ def _prompt(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
             "prompt must be a string (one prompt per request; token ids are not accepted)",
             "prompt",
         )
-    req.prompt = prompt
+    return prompt
 
 
-def _response_format(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
+def _response_format(data: dict[str, Any]) -> Guide | None:
     """OpenAI's `response_format`: `text` (free text), `json_object` (any JSON object: a schema
     that says so) or
     `json_schema` (`json_schema.schema`, enforced whether `strict` is set or not) as a guide."""
     form = _field(data, "response_format", dict)
     if form is None:
-        return
+        return None
+    guide = None
     kind = _field(form, "type", str, required=True, prefix="response_format.")
     if kind == "text":
         known = {"type"}
     elif kind == "json_object":
         known = {"type"}
         # The engine's `json` guide is any JSON value; OpenAI's json_object is an object.
-        req.guide.type = pb.GUIDE_TYPE_JSON_SCHEMA
-        req.guide.guide = JSON_OBJECT
+        guide = Guide("json_schema", JSON_OBJECT)
     elif kind == "json_schema":
         known = {"type", "json_schema"}
         spec = _field(form, "json_schema", dict, required=True, prefix="response_format.")
@@ -342,9 +343,10 @@ def _response_format(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
         _field(spec, "strict", bool, prefix=p)
         _field(spec, "description", str, prefix=p)
         schema = _field(spec, "schema", dict, prefix=p)
-        req.guide.type = pb.GUIDE_TYPE_JSON_SCHEMA
         # No schema: OpenAI's default, an object with any properties.
-        req.guide.guide = json.dumps(schema if schema is not None else {"type": "object"})
+        guide = Guide(
+            "json_schema", json.dumps(schema if schema is not None else {"type": "object"})
+        )
     else:
         raise invalid(
             f"response_format.type {kind!r} is not one of text, json_object, json_schema",
@@ -353,6 +355,7 @@ def _response_format(req: pb.GenerateRequest, data: dict[str, Any]) -> None:
     for name in form:
         if name not in known:
             raise invalid(f"unknown field response_format.{name}", "response_format")
+    return guide
 
 
 def _stops(data: dict[str, Any]) -> list[str]:
@@ -378,7 +381,7 @@ def _include_usage(data: dict[str, Any], stream: bool) -> bool:
     return bool(_field(options, "include_usage", bool, prefix="stream_options.") or False)
 
 
-def _extension(req: pb.GenerateRequest, data: dict[str, Any]) -> float | None:
+def _extension(req: IncomingRequest, data: dict[str, Any]) -> float | None:
     ext = _field(data, "appliance", dict)
     if ext is None:
         return None
@@ -400,18 +403,12 @@ def _extension(req: pb.GenerateRequest, data: dict[str, Any]) -> float | None:
                 "appliance.cache_policy",
             )
         req.cache_policy = CACHE_POLICIES[policy.lower()]
-    semantic = _field(ext, "semantic_cache", bool, prefix=p)
-    if semantic is not None:
-        req.semantic_cache = semantic
-    top_k = _int(ext, "top_k", -INT32_MAX, INT32_MAX, prefix=p)
-    if top_k is not None:
-        req.top_k = top_k
-    ttft = _int(ext, "ttft_budget_ms", 0, UINT32_MAX, prefix=p)
-    if ttft is not None:
-        req.ttft_budget_ms = ttft
+    req.semantic_cache = _field(ext, "semantic_cache", bool, prefix=p)
+    req.top_k = _int(ext, "top_k", -INT32_MAX, INT32_MAX, prefix=p)
+    req.ttft_budget_ms = _int(ext, "ttft_budget_ms", 0, UINT32_MAX, prefix=p)
     guide = _field(ext, "guide", dict, prefix=p)
     if guide is not None:
-        if req.HasField("guide"):
+        if req.guide is not None:
             raise invalid("send response_format or appliance.guide, not both", "response_format")
         kind = _field(guide, "type", str, required=True, prefix=p + "guide.")
         if kind not in GUIDE_TYPES:
@@ -421,8 +418,7 @@ def _extension(req: pb.GenerateRequest, data: dict[str, Any]) -> float | None:
         for name in guide:
             if name not in ("type", "guide"):
                 raise invalid(f"unknown field {p}guide.{name}", p + "guide")
-        req.guide.type = GUIDE_TYPES[kind]
-        req.guide.guide = _field(guide, "guide", str, prefix=p + "guide.") or ""
+        req.guide = Guide(kind, _field(guide, "guide", str, prefix=p + "guide.") or "")
     deadline_ms = _int(ext, "deadline_ms", 1, UINT32_MAX, prefix=p)
     return None if deadline_ms is None else deadline_ms / 1000
 
@@ -547,33 +543,33 @@ def dumps(value: object) -> bytes:
 # -- answers -----------------------------------------------------------------------------------
 
 
-def extension(request_id: str, final: pb.Final) -> dict[str, Any]:
+def extension(request_id: str, final: Final) -> dict[str, Any]:
     """The appliance's facts about an answer: which tier and model answered, and its timings; the
     key a cached or cacheable answer is stored under (to audit or drop it), and for a semantic hit
     the similarity."""
-    t = final.timings
+    f = final
     facts: dict[str, Any] = {
         "request_id": request_id,
-        "cache_tier": TIER_NAMES.get(final.cache_tier, "miss"),
-        "model": final.model,
-        "degraded": final.degraded,
-        "timings": {"queue_us": t.queue_us, "ttft_us": t.ttft_us, "total_us": t.total_us},
+        "cache_tier": f.tier,
+        "model": f.model,
+        "degraded": f.degraded,
+        "timings": {"queue_us": f.queue_us, "ttft_us": f.ttft_us, "total_us": f.total_us},
     }
-    if final.cache_tier == pb.CACHE_TIER_SEMANTIC:
+    if f.tier == "semantic":
         facts["similarity"] = round(final.similarity, 4)
     if final.cache_entry:
         facts["cache_entry"] = final.cache_entry
     return facts
 
 
-def usage(final: pb.Final) -> dict[str, int]:
-    p, c = final.usage.prompt_tokens, final.usage.completion_tokens
+def usage(final: Final) -> dict[str, int]:
+    p, c = final.prompt_tokens, final.completion_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def finish_reason(final: pb.Final) -> str:
+def finish_reason(final: Final) -> str:
     """OpenAI's "stop" and "length"; "cancelled" when the gateway ended the answer early."""
-    return FINISH_NAMES.get(final.finish_reason, "stop")
+    return final.finish_reason
 
 
 class Answer:
@@ -611,7 +607,7 @@ class Answer:
             + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def chunk(self, text: str, logprobs: Sequence[pb.TokenLogprob] = ()) -> bytes:
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> bytes:
         """A text delta; with log-probabilities, those of the tokens its message added (the text
         of a token may come in a later chunk: a character or a possible stop string can lag)."""
         if not logprobs:
@@ -622,7 +618,7 @@ class Answer:
         choice["finish_reason"] = None
         return self._chunk_of([choice])
 
-    def render_logprobs(self, entries: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
+    def render_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists.
         No alternatives are returned (top_logprobs 0): chat's lists are empty, completions' null."""
         tokens = [e.token.decode(errors="replace") for e in entries]
@@ -657,7 +653,7 @@ class Answer:
             [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
         )
 
-    def last_chunks(self, final: pb.Final, called: bool = False) -> bytes:
+    def last_chunks(self, final: Final, called: bool = False) -> bytes:
         """The chunk with the finish reason and the extension, the usage chunk, then [DONE]."""
         choice: dict[str, Any] = {"index": 0}
         choice["delta" if self.chat else "text"] = {} if self.chat else ""
@@ -681,7 +677,7 @@ class Answer:
         return b"data: " + dumps(body) + b"\n\n"
 
     def whole(
-        self, text: str, final: pb.Final, logprobs: Sequence[pb.TokenLogprob] = ()
+        self, text: str, final: Final, logprobs: Sequence[TokenLogprob] = ()
     ) -> dict[str, Any]:
         """The non-streaming answer."""
         choice: dict[str, Any] = {"index": 0}

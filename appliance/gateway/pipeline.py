@@ -1,10 +1,14 @@
-"""The gateway's request path, as named stages, for every front end (gRPC today).
+"""The gateway's request path, as named stages, for every front end (gRPC and the OpenAI HTTP API).
 
-    gate → route → check → cache lookup → failover → tokenize → single flight → [admission → engine]
-          → deliver → store
+    authorize → route → check → cache lookup → failover → tokenize → single flight
+          → [admission → engine] → deliver → store
 
-- gate: who is asking and whether they may (security.auth): the API key or client certificate,
-  the key's rate limits, its scope and namespace; before anything else is looked at.
+Front ends translate their wire format into an IncomingRequest (messages.py, openai_wire.py) and
+the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows a wire format.
+
+- authorize: who is asking and whether they may (security.auth): the API key or client
+  certificate, the key's rate limits, its scope and the namespace it may use; before anything else
+  is looked at.
 - route: the model the request names.
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
@@ -24,9 +28,9 @@
 - admission: the generation asks for a slot at the engine before it starts and frees it when it ends
   (a follower rides on its leader's slot); the engine stage streams token ids from the model's
   Backend, decodes them (generation.py) and tells the model's breaker how the engine did.
-- deliver: events become this client's messages with this client's timings, within its deadline
+- deliver: events become this client's replies with this client's timings, within its deadline
   (the client's, or the model's default when the client sets none).
-- store: after the final message is out, a complete answer is written to the cache once per flight,
+- store: after the Final is out, a complete answer is written to the cache once per flight,
   under the identity of the model that produced it.
 
 Errors leave as RequestError with the status the client gets; the facts of every request, however it
@@ -50,17 +54,18 @@ import grpc
 
 from appliance.backends.base import BackendError, GenerationRequest
 from appliance.cache.keys import ModelIdentity, SamplingKey, cache_key, is_deterministic
-from appliance.cache.policy import CachePlan, OnlyNotPossible, plan
+from appliance.cache.policy import CachePlan, CachePolicy, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, Hit, TierCascade
-from appliance.gateway import messages
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
-from appliance.gateway.generation import Delta, Event, Outcome, Started, generate
+from appliance.gateway.generation import Delta, Event, Outcome, Started, answer_of, generate
 from appliance.gateway.models import ServedModel
+from appliance.gateway.reply import Final, Reply, final_of
 from appliance.gateway.report import ReportSink, RequestReport
 from appliance.gateway.request import (
     CheckedRequest,
+    IncomingRequest,
     PreparedRequest,
     check,
     echo,
@@ -75,7 +80,6 @@ from appliance.security.auth import (
     Credentials,
     Grant,
 )
-from appliance.v1 import inference_pb2 as pb
 
 # Inputs longer than this are tokenized on a worker thread (the tokenizer releases the GIL).
 TOKENIZE_INLINE_CHARS = 8192
@@ -172,6 +176,15 @@ class Generation:
     since_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
 
 
+@dataclass(slots=True)
+class Undecided:
+    """The tiers before `first` missed; the ones from `first` on are slower than starting a
+    generation, so they are asked while it starts."""
+
+    query: CacheQuery
+    first: int
+
+
 class Pipeline:
     def __init__(
         self,
@@ -199,50 +212,52 @@ class Pipeline:
 
     async def run(
         self,
-        request: pb.GenerateRequest,
+        request: IncomingRequest,
         deadline_s: float | None,
         credentials: Credentials = NO_CREDENTIALS,
         front_end: str = "grpc",
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """The request's messages; raises RequestError. `deadline_s`: seconds the client gives;
-        `credentials`: what the client presented (none: refused when the gateway has keys);
-        `front_end`: which one received it, for metrics and the access log."""
+    ) -> AsyncIterator[Reply]:
+        """The request's replies: text deltas, then the Final; raises RequestError.
+        `deadline_s`: seconds the client gives; `credentials`: what the client presented (none:
+        refused when the gateway has keys); `front_end`: which one received it, for metrics and
+        the access log."""
         received = time.monotonic_ns()
         # A request id the check would refuse (control characters, non-ASCII) is not logged.
         request_id = request.request_id if valid_request_id(request.request_id) else ""
         report = RequestReport(request_id=request_id, front_end=front_end)
-        admitted: Grant | None = None
+        grant: Grant | None = None
         try:
-            admitted = self.authorize(request, credentials, report)
-            model = self.route(request)
+            grant = self.authorize(request, credentials, report)
+            model = self.route(request.model)
             report.model = model.name
             self.in_flight[model.name] += 1
-            budget = self.budget(model, request, deadline_s)
-            checked = check(request, model.limits)
-            report.request_id, report.namespace = checked.request_id, checked.namespace
-            query = self.cache_query(model, checked, request)
+            checked = check(request, model.limits, grant.namespace)
+            report.request_id = checked.request_id
+            budget = self.budget(model, checked, deadline_s)
+            query = self.cache_query(model, checked)
             cache_plan = self.cache_plan(checked, query)
-            start = functools.partial(self.start, model, checked, request, cache_plan, budget)
-            found: Hit | Generation | None = None
+            start = functools.partial(self.start, model, checked, cache_plan, budget)
+            found: Hit | Undecided | Generation | None = None
             if query is not None and cache_plan.read:
-                found = await self.lookup(query, cache_plan, start, report)
+                found = await self.lookup(query, cache_plan)
+            if isinstance(found, Undecided):
+                found = await self.overlap(found, start, report)
             if isinstance(found, Hit):
-                for message in self.replay(found, report, received):
-                    yield message
+                for reply in self.replay(found, report, received):
+                    yield reply
                 return
-            for retry in (False, True):
-                if retry or found is None:
-                    found = await start(retry)
-                try:
-                    async for message in self.deliver(found, report, received, budget, model):
-                        yield message
-                except RequestError as exc:
-                    if retry or not self.may_retry(model, found.model, exc, report):
-                        raise
-                    continue  # the engine failed before answering: the fallback answers
-                if found.shared is not None:
-                    self.store(found.shared, found.flight)
-                return
+            generation = found if isinstance(found, Generation) else await start()
+            try:
+                async for reply in self.deliver(generation, report, received, budget, model):
+                    yield reply
+            except RequestError as exc:
+                if not self.may_fall_back(model, generation.model, exc, report):
+                    raise
+                # The engine failed before answering: the fallback answers.
+                generation = await start(skip_primary=True)
+                async for reply in self.deliver(generation, report, received, budget, model):
+                    yield reply
+            self.store(generation)
         except RequestError as exc:
             report.status = exc.code.name
             raise
@@ -250,8 +265,8 @@ class Pipeline:
             report.status = grpc.StatusCode.CANCELLED.name
             raise
         finally:
-            if admitted is not None:
-                admitted.release()
+            if grant is not None:
+                grant.release()
             if report.model:
                 self.in_flight[report.model] -= 1
             if not report.total_us:
@@ -261,51 +276,45 @@ class Pipeline:
     # -- stages -------------------------------------------------------------------------------
 
     def authorize(
-        self, request: pb.GenerateRequest, credentials: Credentials, report: RequestReport
+        self, request: IncomingRequest, credentials: Credentials, report: RequestReport
     ) -> Grant:
-        """The gate; the request's namespace becomes the one the key may use (a key holding one
-        namespace may leave it out)."""
-        scope = CACHE_ONLY if request.cache_policy == pb.CACHE_POLICY_ONLY else GENERATE
+        """Access control: who is asking, whether they may, and the namespace they may use (a
+        key holding one namespace may leave it out)."""
+        scope = CACHE_ONLY if request.cache_policy == CachePolicy.ONLY.value else GENERATE
         report.key_id = credentials.claimed_key_id()
         report.namespace = request.namespace[:64]
-        admitted = self.access.authorize(credentials, request.namespace, scope)
-        report.key_id = admitted.key_id
-        request.namespace = report.namespace = admitted.namespace
-        return admitted
+        grant = self.access.authorize(credentials, request.namespace, scope)
+        report.key_id = grant.key_id
+        report.namespace = grant.namespace
+        return grant
 
-    def route(self, request: pb.GenerateRequest) -> ServedModel:
-        model = self.models.get(request.model)
+    def route(self, name: str) -> ServedModel:
+        model = self.models.get(name)
         if model is None:
             known = ", ".join(sorted(self.models))
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
-                f"unknown model {echo(request.model)}; known models: {known}",
+                f"unknown model {echo(name)}; known models: {known}",
                 reason=MODEL_NOT_FOUND,
                 field="model",
             )
         return model
 
     @staticmethod
-    def budget(model: ServedModel, request: pb.GenerateRequest, deadline_s: float | None) -> Budget:
+    def budget(model: ServedModel, checked: CheckedRequest, deadline_s: float | None) -> Budget:
         """The client's deadline, or the model's default one: a hung engine never holds a client
         that set none forever. The TTFT budget is the client's or the model's default."""
         now = time.monotonic()
         expires = now + (deadline_s if deadline_s is not None else model.policy.default_deadline_s)
         ttft_s = (
-            request.ttft_budget_ms / 1000
-            if request.HasField("ttft_budget_ms")
+            checked.ttft_budget_ms / 1000
+            if checked.ttft_budget_ms is not None
             else model.policy.ttft_budget_s
         )
-        if ttft_s is not None and ttft_s <= 0:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "ttft_budget_ms must be >= 1 when set"
-            )
         first_by = expires if ttft_s is None else min(expires, now + ttft_s)
         return Budget(expires, first_by, ttft_s)
 
-    def cache_query(
-        self, model: ServedModel, checked: CheckedRequest, request: pb.GenerateRequest
-    ) -> CacheQuery | None:
+    def cache_query(self, model: ServedModel, checked: CheckedRequest) -> CacheQuery | None:
         """The request as the cache sees it; None when its answer may not be cached. An answer
         with log-probabilities is never cached: a cached answer holds none to replay."""
         if self.cache is None or checked.cache_policy == checked.cache_policy.BYPASS:
@@ -320,7 +329,6 @@ class Pipeline:
         key = cache_key(
             checked.namespace, model.identity, checked.prompt, checked.messages, sampling
         )
-        semantic = request.semantic_cache if request.HasField("semantic_cache") else None
         return CacheQuery(
             key,
             checked.namespace,
@@ -328,7 +336,7 @@ class Pipeline:
             checked.prompt,
             checked.messages,
             sampling,
-            semantic,
+            checked.semantic_cache,
         )
 
     @staticmethod
@@ -338,20 +346,14 @@ class Pipeline:
         except OnlyNotPossible as exc:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
-    async def lookup(
-        self,
-        query: CacheQuery,
-        cache_plan: CachePlan,
-        start: Callable[[], Awaitable[Generation]],
-        report: RequestReport,
-    ) -> Hit | Generation | None:
-        """The tiers in order; those that overlap the engine beside `start` (never for ONLY, which
-        must not generate): then a miss returns the generation already under way."""
+    async def lookup(self, query: CacheQuery, cache_plan: CachePlan) -> Hit | Undecided | None:
+        """The tiers in order, up to the first whose lookup overlaps the engine (never for ONLY,
+        which must not generate): a miss there leaves the rest Undecided."""
         assert self.cache is not None
         split = len(self.cache.tiers) if cache_plan.only else self.cache.split(query)
         hit = await self.cache.lookup(query, stop=split)
         if hit is None and split < len(self.cache.tiers):
-            return await self.overlap(query, split, start, report)
+            return Undecided(query, split)
         if hit is None and cache_plan.only:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND, "no cached answer for this request (cache_policy ONLY)"
@@ -360,16 +362,17 @@ class Pipeline:
 
     async def overlap(
         self,
-        query: CacheQuery,
-        first: int,
+        undecided: Undecided,
         start: Callable[[], Awaitable[Generation]],
         report: RequestReport,
     ) -> Hit | Generation:
-        """The tiers from `first` on, asked while the generation starts. The request holds the
+        """The undecided tiers, asked while the generation starts. The request holds the
         generation until the tiers decide: a hit leaves it, a miss follows it from its first event.
         A generation that could not start (unavailable, refused) matters only on a miss."""
         assert self.cache is not None
-        lookup = asyncio.get_running_loop().create_task(self.cache.lookup(query, start=first))
+        lookup = asyncio.get_running_loop().create_task(
+            self.cache.lookup(undecided.query, start=undecided.first)
+        )
         generation: Generation | None = None
         failure: RequestError | None = None
         try:
@@ -413,8 +416,8 @@ class Pipeline:
             return "cancelled"
         return "ended" if generation.flight.done else "shared"
 
-    def replay(self, hit: Hit, report: RequestReport, received: int) -> list[pb.GenerateResponse]:
-        """A cached answer in the shape of a generated one: one delta, then the final message."""
+    def replay(self, hit: Hit, report: RequestReport, received: int) -> tuple[Delta, Final]:
+        """A cached answer in the shape of a generated one: one delta, then the Final."""
         answer, report.tier, report.cache_entry = hit.answer, hit.tier, hit.entry.hex()
         if not hit.exact:
             report.similarity = hit.similarity
@@ -423,10 +426,8 @@ class Pipeline:
         report.finish_reason = answer.finish_reason
         report.prompt_tokens = answer.prompt_tokens
         report.completion_tokens = answer.completion_tokens
-        delta = pb.GenerateResponse(
-            request_id=report.request_id, text=answer.text, token_ids=answer.token_ids
-        )
-        return [delta, messages.final(report, received, started, time.monotonic_ns())]
+        delta = Delta(answer.text, answer.token_ids)
+        return delta, final_of(report, received, started, time.monotonic_ns())
 
     def failover(self, model: ServedModel, skip_primary: bool = False) -> ServedModel:
         """The model whose engine generates: this one, its fallback, or none (UNAVAILABLE)."""
@@ -449,7 +450,7 @@ class Pipeline:
             retry_after_ms=max(UNAVAILABLE_RETRY_MS, round(retry_s * 1000)),
         )
 
-    def may_retry(
+    def may_fall_back(
         self, model: ServedModel, target: ServedModel, exc: RequestError, report: RequestReport
     ) -> bool:
         """Whether a failed generation may go to the fallback: the requested model's engine was
@@ -467,15 +468,14 @@ class Pipeline:
         self,
         model: ServedModel,
         checked: CheckedRequest,
-        request: pb.GenerateRequest,
         cache_plan: CachePlan,
         budget: Budget,
-        retry: bool = False,
+        skip_primary: bool = False,
     ) -> Generation:
         """failover → tokenize → single flight: the generation under way, not yet followed."""
-        target = self.failover(model, skip_primary=retry)
+        target = self.failover(model, skip_primary)
         prepared = await self.tokenize(target, checked)
-        shared = self.cache_query(target, checked, request) if cache_plan.write else None
+        shared = self.cache_query(target, checked) if cache_plan.write else None
         flight, led = self.single_flight(target, prepared, shared, budget)
         return Generation(target, shared, flight, len(prepared.prompt_ids), follows=not led)
 
@@ -579,8 +579,8 @@ class Pipeline:
         received: int,
         budget: Budget,
         requested: ServedModel,
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """Events as this client's messages, within its deadline; the report gets its timings.
+    ) -> AsyncIterator[Reply]:
+        """Events as this client's replies, within its deadline; the report gets its timings.
         A generation the drain cancels ends with a final message that counts what this client was
         sent, or, when it was sent nothing yet, with a refusal it may retry elsewhere."""
         if generation.follows and self.cache is not None:
@@ -606,7 +606,7 @@ class Pipeline:
                     started = max(started, event.at_ns)
                     continue
                 if isinstance(event, Delta):
-                    yield messages.delta(report.request_id, event, generation.model.text.table)
+                    yield event
                     sent += len(event.token_ids)
                     now = time.monotonic_ns()
                     if event.token_ids:
@@ -620,7 +620,7 @@ class Pipeline:
                 self._outcome(report, event)
                 if generation.shared is not None and event.finish_reason in CACHED_FINISHES:
                     report.cache_entry = keyed_by(generation.shared, event.produced_by).key.hex()
-                yield messages.final(report, received, started, first)
+                yield final_of(report, received, started, first)
         except BackendError as exc:
             if not (self.draining and exc.code == grpc.StatusCode.CANCELLED):
                 raise RequestError(exc.code, exc.message) from None
@@ -632,22 +632,25 @@ class Pipeline:
             report.prompt_tokens = generation.prompt_tokens
             report.completion_tokens = sent
             report.answered_by = generation.model.name
-            yield messages.final(report, received, started, first)
+            yield final_of(report, received, started, first)
         finally:
             await events.aclose()
             if generation.held:
                 generation.held = False
                 generation.flight.release()
 
-    def store(self, query: CacheQuery, flight: Flight[Event]) -> None:
+    def store(self, generation: Generation) -> None:
         """Once per flight, after the final message: a complete answer, keyed by its producer."""
-        if self.cache is None or not flight.done or flight.written or not flight.events:
+        query, flight = generation.shared, generation.flight
+        if query is None or self.cache is None:
+            return
+        if not flight.done or flight.written or not flight.events:
             return
         outcome = flight.events[-1]
         if not isinstance(outcome, Outcome) or outcome.finish_reason not in CACHED_FINISHES:
             return
         flight.written = True
-        self.cache.store(keyed_by(query, outcome.produced_by), messages.answer_of(flight.events))
+        self.cache.store(keyed_by(query, outcome.produced_by), answer_of(flight.events))
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -663,6 +666,13 @@ class Pipeline:
         report.prompt_tokens = outcome.prompt_tokens
         report.completion_tokens = outcome.completion_tokens
         report.answered_by = outcome.produced_by.name
+
+    def refused(self, front_end: str, status: str, received_ns: int) -> None:
+        """A request its front end refused before the pipeline could read it still counts in the
+        metrics and the access log."""
+        report = RequestReport(front_end=front_end, status=status)
+        report.total_us = (time.monotonic_ns() - received_ns) // 1000
+        self.sink.report(report)
 
     def end_generations(self) -> None:
         """The drain's grace is over: requests waiting for the engine are refused (before any

@@ -1,4 +1,9 @@
-"""Validation and normalization of a GenerateRequest, before anything is sent to the engine.
+"""A generation request as the gateway's core sees it, and its validation before anything is sent
+to the engine.
+
+Front ends translate their wire format (the gRPC messages, OpenAI's JSON) into an IncomingRequest of
+plain values; `check` turns it into a CheckedRequest, the only request type the stages after it read,
+and `tokenize` into the PreparedRequest the engine gets.
 
 Pure logic over the request and the model's text side, so every bad input is tested without servers.
 Every size is bounded here, before any expensive work: the number of messages before one is read,
@@ -14,15 +19,15 @@ import math
 import os
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jsonschema
 
 from appliance.backends.base import GREEDY, Guide, Sampling
 from appliance.cache.policy import CachePolicy
-from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, invalid
+from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, invalid
 from appliance.text.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
-from appliance.v1 import inference_pb2 as pb
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -33,12 +38,7 @@ MAX_MESSAGES = 2048
 MAX_NAMESPACE_LENGTH = 64
 # Bytes of a guide's schema, expression or grammar.
 MAX_GUIDE_BYTES = 64 * 1024
-GUIDE_KINDS = {
-    pb.GUIDE_TYPE_JSON: "json",
-    pb.GUIDE_TYPE_JSON_SCHEMA: "json_schema",
-    pb.GUIDE_TYPE_REGEX: "regex",
-    pb.GUIDE_TYPE_EBNF_GRAMMAR: "ebnf_grammar",
-}
+GUIDE_KINDS = ("json", "json_schema", "regex", "ebnf_grammar")
 # Below this, logits / temperature overflows float32 for ordinary logits: 0 means greedy instead.
 MIN_TEMPERATURE = 1e-2
 # OpenAI's range.
@@ -69,11 +69,50 @@ class Limits:
     max_input_chars: int = 1 << 62
 
 
+@dataclass(slots=True)
+class IncomingRequest:
+    """A request as a front end received it, in plain values and not yet checked. None: the
+    client left the field out."""
+
+    model: str
+    # One of the two inputs: a prompt, or chat messages as (role, content).
+    prompt: str | None = None
+    messages: Sequence[tuple[str, str]] | None = None
+    # The client's id ("": the check makes one).
+    request_id: str = ""
+    # "": the one the client's key holds, else "default".
+    namespace: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    # A CachePolicy value (a number: front ends pass what the client sent).
+    cache_policy: int = 0
+    # The client's say on the semantic tier: True asks it, False never, None the default.
+    semantic_cache: bool | None = None
+    ttft_budget_ms: int | None = None
+    # A grammar for the answer: its kind as the client named it, and its text.
+    guide: Guide | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
 _POLICIES = {p.value: p for p in CachePolicy}
 
 
-def _sampling(req: pb.GenerateRequest) -> Sampling:
-    temperature = req.temperature if req.HasField("temperature") else 1.0
+def too_many_messages(count: int) -> RequestError | None:
+    """The refusal of a chat of `count` messages, asked before any of them is read."""
+    if count > MAX_MESSAGES:
+        return _invalid(f"messages holds {count} messages; at most {MAX_MESSAGES} are accepted")
+    return None
+
+
+def _sampling(req: IncomingRequest) -> Sampling:
+    temperature = req.temperature if req.temperature is not None else 1.0
     if not math.isfinite(temperature) or temperature < 0:
         raise _invalid(f"temperature must be >= 0, got {temperature}")
     if 0 < temperature < MIN_TEMPERATURE or temperature > MAX_TEMPERATURE:
@@ -81,13 +120,13 @@ def _sampling(req: pb.GenerateRequest) -> Sampling:
             f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and "
             f"{MAX_TEMPERATURE:g}, got {temperature:g}"
         )
-    top_p = req.top_p if req.HasField("top_p") else 1.0
+    top_p = req.top_p if req.top_p is not None else 1.0
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise _invalid(f"top_p must be in (0, 1], got {top_p}")
-    top_k = req.top_k if req.HasField("top_k") else 0
+    top_k = req.top_k if req.top_k is not None else 0
     if top_k < 0:
         raise _invalid(f"top_k must be >= 0 (0 turns it off), got {top_k}")
-    seed = req.seed if req.HasField("seed") else None
+    seed = req.seed
     if temperature == 0:
         if seed is None:
             return GREEDY
@@ -95,23 +134,20 @@ def _sampling(req: pb.GenerateRequest) -> Sampling:
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
-def _messages(req: pb.GenerateRequest) -> list[dict[str, str]]:
-    count = len(req.messages.messages)
-    if count > MAX_MESSAGES:
-        raise _invalid(f"messages holds {count} messages; at most {MAX_MESSAGES} are accepted")
-    messages = list(req.messages.messages)
+def _messages(messages: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
+    refusal = too_many_messages(len(messages))
+    if refusal is not None:
+        raise refusal
     if not messages:
         raise _invalid("messages is empty: send at least one message")
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
+    for i, (role, _) in enumerate(messages):
+        if role not in CHAT_ROLES:
             raise _invalid(
-                f"messages[{i}].role is {echo(m.role)}; expected one of {', '.join(CHAT_ROLES)}"
+                f"messages[{i}].role is {echo(role)}; expected one of {', '.join(CHAT_ROLES)}"
             )
-        out.append({"role": m.role, "content": m.content})
-    if out[-1]["role"] == "assistant":
+    if messages[-1][0] == "assistant":
         raise _invalid("the last message must not be from the assistant: nothing to answer")
-    return out
+    return messages
 
 
 def nfc(text: str) -> str:
@@ -133,6 +169,10 @@ class CheckedRequest:
     sampling: Sampling
     stops: tuple[str, ...]
     cache_policy: CachePolicy
+    # The client's say on the semantic tier: True asks it, False never, None the default.
+    semantic_cache: bool | None = None
+    # Milliseconds to the first token the client gives (None: the model's default).
+    ttft_budget_ms: int | None = None
     guide: Guide | None = None
     # Completion tokens before the end token or a stop string may end the answer.
     min_tokens: int = 0
@@ -155,7 +195,7 @@ class PreparedRequest:
     logprobs: bool = False
 
 
-def _new_request_id() -> str:
+def new_request_id() -> str:
     """uuid.uuid4().hex without building a UUID object (it is on a cache hit's path): 16
     random bytes with the version (4) and RFC 4122 variant bits set exactly as uuid4 sets them."""
     b = bytearray(os.urandom(16))
@@ -175,17 +215,18 @@ def valid_request_id(request_id: str) -> bool:
     )
 
 
-def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
-    """Checks every field and normalizes the text (NFC); raises RequestError. No tokenization."""
+def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) -> CheckedRequest:
+    """Checks every field and normalizes the text (NFC); raises RequestError. No tokenization.
+    `namespace`: the one the client's credentials let it use, when they decided it."""
     request_id = req.request_id
     if not request_id:
-        request_id = _new_request_id()
+        request_id = new_request_id()
     elif not valid_request_id(request_id):
         raise _invalid(
             f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} visible ASCII characters (letters, "
             "digits, punctuation; no spaces or control characters)"
         )
-    namespace = req.namespace or "default"
+    namespace = namespace or req.namespace or "default"
     if len(namespace) > MAX_NAMESPACE_LENGTH:
         raise _invalid(f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters")
     cache_policy = _POLICIES.get(req.cache_policy)
@@ -193,7 +234,7 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         names = ", ".join(f"{p.value} ({p.name})" for p in CachePolicy)
         raise _invalid(f"cache_policy {req.cache_policy} is not one of {names}")
 
-    if req.HasField("max_tokens"):
+    if req.max_tokens is not None:
         max_tokens = req.max_tokens
         if max_tokens <= 0:
             raise _invalid(f"max_tokens must be >= 1, got {max_tokens}")
@@ -213,20 +254,22 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         if not s or len(s) > MAX_STOP_LENGTH:
             raise _invalid(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long")
 
-    guide = _guide(req) if req.HasField("guide") else None
+    guide = _guide(req.guide) if req.guide is not None else None
     min_tokens = _min_tokens(req, max_tokens)
     logprobs = _logprobs(req)
+    ttft_budget_ms = req.ttft_budget_ms
+    if ttft_budget_ms is not None and ttft_budget_ms <= 0:
+        raise _invalid("ttft_budget_ms must be >= 1 when set")
 
-    which = req.WhichOneof("input")
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
-    if which == "prompt" and req.prompt:
+    if req.messages is not None:
+        raw = _messages(req.messages)
+        _fits(sum(len(c) for _, c in raw), limits, "messages")
+        messages = tuple([(r, nfc(c)) for r, c in raw])
+    elif req.prompt:
         _fits(len(req.prompt), limits, "prompt")
         prompt = nfc(req.prompt)
-    elif which == "messages":
-        raw = _messages(req)
-        _fits(sum(len(m["content"]) for m in raw), limits, "messages")
-        messages = tuple((m["role"], nfc(m["content"])) for m in raw)
     else:
         raise _invalid("prompt is empty: send some text or chat messages")
     return CheckedRequest(
@@ -238,6 +281,8 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
         sampling=sampling,
         stops=stops,
         cache_policy=cache_policy,
+        semantic_cache=req.semantic_cache,
+        ttft_budget_ms=ttft_budget_ms,
         guide=guide,
         min_tokens=min_tokens,
         ignore_eos=req.ignore_eos,
@@ -245,10 +290,10 @@ def check(req: pb.GenerateRequest, limits: Limits) -> CheckedRequest:
     )
 
 
-def _min_tokens(req: pb.GenerateRequest, max_tokens: int) -> int:
-    if not req.HasField("min_tokens"):
-        return 0
+def _min_tokens(req: IncomingRequest, max_tokens: int) -> int:
     min_tokens = req.min_tokens
+    if min_tokens is None:
+        return 0
     if not 0 <= min_tokens <= max_tokens:
         raise _invalid(
             f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {min_tokens}",
@@ -257,13 +302,13 @@ def _min_tokens(req: pb.GenerateRequest, max_tokens: int) -> int:
     return min_tokens
 
 
-def _logprobs(req: pb.GenerateRequest) -> bool:
+def _logprobs(req: IncomingRequest) -> bool:
     """Whether log-probabilities are returned. top_logprobs is checked against OpenAI's range, then
     refused above 0: TensorRT-LLM's `tensorrt_llm` model returns only the chosen token's
     log-probability, and both backends answer the same requests."""
-    if not req.HasField("top_logprobs"):
-        return req.logprobs
     top = req.top_logprobs
+    if top is None:
+        return req.logprobs
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _invalid(
             f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
@@ -280,15 +325,15 @@ def _logprobs(req: pb.GenerateRequest) -> bool:
     return req.logprobs
 
 
-def _guide(req: pb.GenerateRequest) -> Guide | None:
+def _guide(asked: Guide) -> Guide:
     """The request's grammar, checked as far as the gateway can without the engine's tokenizer: a
     JSON Schema must be a valid schema, a regular expression must compile. An EBNF grammar is
     compiled by the engine, which refuses one that does not parse before generating anything."""
-    kind = GUIDE_KINDS.get(req.guide.type)
-    if kind is None:
-        names = ", ".join(GUIDE_KINDS.values())
-        raise _invalid(f"guide.type {req.guide.type} is not one of {names}", field="guide")
-    text = req.guide.guide
+    kind = asked.kind
+    if kind not in GUIDE_KINDS:
+        names = ", ".join(GUIDE_KINDS)
+        raise _invalid(f"guide.type {echo(kind)} is not one of {names}", field="guide")
+    text = asked.text
     if len(text) > MAX_GUIDE_BYTES or len(text.encode()) > MAX_GUIDE_BYTES:
         raise _invalid(f"guide.guide is longer than {MAX_GUIDE_BYTES} bytes", field="guide")
     if kind == "json":

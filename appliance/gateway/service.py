@@ -1,22 +1,25 @@
 """The gRPC services of the public API: Inference (Generate, Complete) and CacheAdmin.
 
-Thin on purpose: each RPC hands the request and the caller's credentials (the `authorization`
-metadata, the client certificate's names under mutual TLS) to the pipeline and turns a RequestError
-into the call's status; nothing about keys, caching, tokenizing or the engine is decided here.
+Thin on purpose: each RPC translates the request (messages.py), hands it with the caller's
+credentials (the `authorization` metadata, the client certificate's names under mutual TLS) to the
+pipeline, translates the replies back and turns a RequestError into the call's status; nothing about keys, caching, tokenizing or the engine is decided here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import string
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from appliance.cache.tiers import TierCascade
-from appliance.gateway import report
+from appliance.gateway import messages, report
 from appliance.gateway.errors import RequestError
+from appliance.gateway.generation import Delta
 from appliance.gateway.pipeline import Pipeline
+from appliance.gateway.request import IncomingRequest
 from appliance.security.auth import AccessControl, Credentials, bearer_token
 from appliance.security.tls import grpc_peer_names
 from appliance.v1 import inference_pb2 as pb
@@ -79,10 +82,16 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._begin()
         try:
-            async for message in self.pipeline.run(
-                request, context.time_remaining(), credentials(context, self.mutual_tls)
-            ):
-                yield message
+            incoming = self._incoming(request)
+            replies = self.pipeline.run(
+                incoming, context.time_remaining(), credentials(context, self.mutual_tls)
+            )
+            request_id = incoming.request_id
+            async for reply in replies:
+                if isinstance(reply, Delta):
+                    yield messages.delta(request_id, reply)
+                else:
+                    yield messages.final(reply)
         except RequestError as exc:
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
@@ -92,21 +101,23 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
     async def Complete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.CompleteResponse:
-        """Generate's messages gathered into one reply. The pipeline's messages are read here
-        directly, not through Generate: one async generator less per request."""
+        """Generate's replies gathered into one message."""
         text: list[str] = []
         reply = pb.CompleteResponse()
         self._begin()
         try:
-            async for message in self.pipeline.run(
-                request, context.time_remaining(), credentials(context, self.mutual_tls)
+            incoming = self._incoming(request)
+            reply.request_id = incoming.request_id
+            async for part in self.pipeline.run(
+                incoming, context.time_remaining(), credentials(context, self.mutual_tls)
             ):
-                text.append(message.text)
-                reply.token_ids.extend(message.token_ids)
-                reply.logprobs.extend(message.logprobs)
-                reply.request_id = message.request_id
-                if message.HasField("final"):
-                    reply.final.CopyFrom(message.final)
+                if isinstance(part, Delta):
+                    text.append(part.text)
+                    reply.token_ids.extend(part.token_ids)
+                    if part.logprobs is not None:
+                        reply.logprobs.extend(messages.delta("", part).logprobs)
+                else:
+                    reply.final.CopyFrom(messages.final(part).final)
         except RequestError as exc:
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
@@ -114,6 +125,15 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
             self._end()
         reply.text = "".join(text)
         return reply
+
+    def _incoming(self, request: pb.GenerateRequest) -> IncomingRequest:
+        """The message in the pipeline's terms; a refusal here is reported as the pipeline's."""
+        received = time.monotonic_ns()
+        try:
+            return messages.request_of(request)
+        except RequestError as exc:
+            self.pipeline.refused("grpc", exc.code.name, received)
+            raise
 
     def _begin(self) -> None:
         self._active += 1

@@ -1,4 +1,4 @@
-"""The HTTP API's wire format without servers: bodies to GenerateRequest, answers to OpenAI's shapes."""
+"""The HTTP API's wire format without servers: bodies to IncomingRequest, answers to OpenAI's shapes."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import json
 import grpc
 import pytest
 
+from appliance.cache.policy import CachePolicy
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
-from appliance.v1 import inference_pb2 as pb
+from appliance.gateway.reply import Final
+from appliance.gateway.request import IncomingRequest
 
 
-def test_every_field_reaches_the_grpc_request() -> None:
+def test_every_field_reaches_the_request() -> None:
     http = wire.parse_request(
         {
             "model": "tiny",
@@ -43,14 +45,9 @@ def test_every_field_reaches_the_grpc_request() -> None:
         },
         chat=True,
     )
-    assert http.request == pb.GenerateRequest(
+    assert http.request == IncomingRequest(
         model="tiny",
-        messages=pb.ChatMessages(
-            messages=[
-                pb.ChatMessage(role="system", content="Be brief."),
-                pb.ChatMessage(role="user", content="Hi there"),
-            ]
-        ),
+        messages=[("system", "Be brief."), ("user", "Hi there")],
         max_tokens=9,
         temperature=0,
         top_p=0.5,
@@ -58,7 +55,7 @@ def test_every_field_reaches_the_grpc_request() -> None:
         stop=["END"],
         request_id="r",
         namespace="ns",
-        cache_policy=pb.CACHE_POLICY_REFRESH,
+        cache_policy=CachePolicy.REFRESH.value,
         top_k=4,
         ttft_budget_ms=250,
     )
@@ -70,7 +67,7 @@ def test_unset_fields_stay_unset_for_the_check_stage() -> None:
     r = http.request
     assert r.prompt == "one"
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ttft_budget_ms"):
-        assert not r.HasField(name)
+        assert getattr(r, name) is None
     assert (http.stream, http.include_usage, http.deadline_s) == (False, False, None)
 
 
@@ -91,16 +88,22 @@ def test_refused_completion_bodies(body: dict[str, object]) -> None:
     assert err.value.status == 400 and err.value.param
 
 
-def _final(**kw: object) -> pb.Final:
-    return pb.Final(
-        finish_reason=pb.FINISH_REASON_LENGTH,
-        usage=pb.Usage(prompt_tokens=3, completion_tokens=2),
-        timings=pb.Timings(queue_us=1, ttft_us=2, total_us=3),
-        cache_tier=pb.CACHE_TIER_EXACT_L2,
+def _final(**kw: object) -> Final:
+    fields: dict[str, object] = dict(
+        request_id="abc",
+        finish_reason="length",
+        prompt_tokens=3,
+        completion_tokens=2,
+        queue_us=1,
+        ttft_us=2,
+        total_us=3,
+        tier="l2",
         model="small",
         degraded=True,
-        **kw,  # type: ignore[arg-type]
+        similarity=0.0,
+        cache_entry="",
     )
+    return Final(**{**fields, **kw})  # type: ignore[arg-type]
 
 
 def _events(data: bytes) -> list[object]:

@@ -10,7 +10,6 @@ import pytest
 
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.tool_calls import HeldText, ToolCall, parse_call, plan
-from appliance.v1 import inference_pb2 as pb
 
 WEATHER = {
     "type": "function",
@@ -35,21 +34,23 @@ def chat(**fields: Any) -> wire.HttpRequest:
 def test_auto_adds_a_system_message_and_no_guide() -> None:
     http = chat(tools=[WEATHER, TIME])
     assert http.tools is not None and http.tools.choice == "auto"
-    first = http.request.messages.messages[0]
-    assert first.role == "system" and '"name": "get_weather"' in first.content
-    assert not http.request.HasField("guide")
+    assert http.request.messages is not None
+    role, content = http.request.messages[0]
+    assert role == "system" and '"name": "get_weather"' in content
+    assert http.request.guide is None
 
 
 def test_a_forced_choice_constrains_the_answer_to_a_call() -> None:
     http = chat(
         tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}
     )
-    assert http.request.guide.type == pb.GUIDE_TYPE_JSON_SCHEMA
-    schema = json.loads(http.request.guide.guide)
+    assert http.request.guide is not None and http.request.guide.kind == "json_schema"
+    schema = json.loads(http.request.guide.text)
     assert schema["properties"]["name"] == {"const": "get_weather"}
     assert schema["properties"]["arguments"]["required"] == ["city"]
     required = chat(tools=[WEATHER, TIME], tool_choice="required")
-    assert len(json.loads(required.request.guide.guide)["anyOf"]) == 2
+    assert required.request.guide is not None
+    assert len(json.loads(required.request.guide.text)["anyOf"]) == 2
 
 
 def test_an_existing_system_message_keeps_its_text_after_the_tools() -> None:
@@ -57,14 +58,15 @@ def test_an_existing_system_message_keeps_its_text_after_the_tools() -> None:
         tools=[TIME],
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
     )
-    messages = http.request.messages.messages
-    assert [m.role for m in messages] == ["system", "user"]
-    assert messages[0].content.endswith("\n\nBe brief.")
+    messages = http.request.messages
+    assert messages is not None and [role for role, _ in messages] == ["system", "user"]
+    assert messages[0][1].endswith("\n\nBe brief.")
 
 
 def test_none_leaves_the_tools_out() -> None:
     http = chat(tools=[WEATHER], tool_choice="none")
-    assert http.tools is None and len(http.request.messages.messages) == 1
+    assert http.tools is None and http.request.messages is not None
+    assert len(http.request.messages) == 1
 
 
 def test_the_history_is_written_for_any_template() -> None:
@@ -86,7 +88,8 @@ def test_the_history_is_written_for_any_template() -> None:
             {"role": "tool", "tool_call_id": "call_1", "content": "4 C, rain"},
         ],
     )
-    roles = [(m.role, m.content) for m in http.request.messages.messages]
+    assert http.request.messages is not None
+    roles = list(http.request.messages)
     assert roles[2] == ("assistant", '{"name": "get_weather", "arguments": {"city": "Oslo"}}')
     assert roles[3] == ("user", "Result of tool call call_1:\n4 C, rain")
 

@@ -1,0 +1,59 @@
+"""What the pipeline answers a request with, whatever front end asked: text deltas as they decode
+(generation.Delta), then one Final. Front ends translate both into their wire format."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from appliance.gateway.generation import Delta
+from appliance.gateway.report import RequestReport
+
+
+@dataclass(slots=True)
+class Final:
+    """How the answer ended and what the client is told about it."""
+
+    request_id: str
+    # "stop", "length" or "cancelled" (the gateway ended it early).
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    # Microseconds from arrival at the gateway: to the engine's slot, to the first text, to the end.
+    queue_us: int
+    ttft_us: int
+    total_us: int
+    # "miss" (generated) or the name of the cache tier that answered.
+    tier: str
+    # The model that answered, and whether it is not the one asked for (a fallback answered).
+    model: str
+    degraded: bool
+    # A semantic hit: the cosine similarity of this request's question and the cached one.
+    similarity: float
+    # The key (hex) the answer is cached under; "" when it is not.
+    cache_entry: str
+
+
+Reply = Delta | Final
+
+
+def final_of(r: RequestReport, received_ns: int, started_ns: int, first_ns: int) -> Final:
+    """The last reply; fills the report's timings as the client sees them."""
+    done = time.monotonic_ns()
+    r.queue_us = (started_ns - received_ns) // 1000
+    r.ttft_us = ((first_ns or done) - received_ns) // 1000
+    r.total_us = (done - received_ns) // 1000
+    return Final(
+        r.request_id,
+        r.finish_reason,
+        r.prompt_tokens,
+        r.completion_tokens,
+        r.queue_us,
+        r.ttft_us,
+        r.total_us,
+        r.tier,
+        r.answered_by or r.model,
+        r.answered_by not in ("", r.model),
+        r.similarity,
+        r.cache_entry,
+    )
