@@ -36,10 +36,10 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.tools import processes
 from appliance.backends import wire
 from appliance.engine.llama import LlamaModel
 from appliance.engine.sampling import SamplingParams, generate
+from appliance.tools import processes
 from bench import record
 from bench.common import pct
 from engine_build.hf_config import read_config
