@@ -19,9 +19,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from appliance.engine import awq
 from appliance.engine.llama import CheckpointError, LlamaModel, load_config
 from appliance.engine.loading import load_model
-from appliance.engine.options import EngineOptions
+from appliance.engine.options import EngineOptions, check_fit
 from appliance.engine.quantized import Int4Linear, dequantize_int4
-from appliance.engine.repository import ModelEntry
+from appliance.engine.repository import KvCacheParams, ModelEntry
 from appliance.tiny_model import TINY_CONFIG
 from engine_build.hf_config import parse_config
 
@@ -225,3 +225,15 @@ def test_engine_loads_the_awq_checkpoint_a_model_names(
         torch.testing.assert_close(model.sequence_logits(ids), direct.sequence_logits(ids))
     finally:
         runner.close()
+
+
+def test_fit_check_counts_the_awq_layers_bytes(pair: tuple[Path, Path]) -> None:
+    float_dir, awq_dir = pair
+    config = load_config(float_dir)
+    options = awq.awq_options(awq_dir, EngineOptions(weights="int4"))
+    kv = KvCacheParams(None, 32, False, None, 0.9)
+    plan = check_fit(config, options, kv, 256, 64, 0, free_bytes=8 << 30)
+    model = awq.load_awq_model(awq_dir, config, CPU, torch.float32)
+    c = config
+    embedding = c.vocab_size * c.hidden_size * 4  # read one row per token: not in weight_bytes
+    assert plan.weight_bytes == model.weight_bytes + embedding
