@@ -28,6 +28,7 @@ from engine_build.hf_config import CheckpointError, Llama3RopeScaling, LlamaConf
 __all__ = [
     "CheckpointError",
     "KVCache",
+    "LinearMaker",
     "Llama3RopeScaling",
     "LlamaConfig",
     "LlamaModel",
@@ -143,6 +144,10 @@ class _Layer:
     w2: Linear  # (hidden, intermediate)
 
 
+# Builds a block's linear layer in place of the float weights: (the layer's name, the HF names of
+# the weights it fuses, in order) -> the layer (an AWQ checkpoint's layers, `appliance.engine.awq`).
+LinearMaker = Callable[[str, tuple[str, ...]], Linear]
+
 # One attention call of a block: (layer index, q (heads, n, d), k and v (kv_heads, n, d)) -> the
 # attention output (heads, n, d). It also stores k and v in the cache.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -232,11 +237,14 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         fp8: WeightQuant | None = None,
+        linears: LinearMaker | None = None,
     ) -> None:
         """Build from HF-named tensors already checked for shape (see `load`).
 
         `tensors` is read one name at a time, so a mapping that makes each tensor on access (random
-        weights) never holds more than one block's weights beside the model.
+        weights) never holds more than one block's weights beside the model. With `linears`, the
+        blocks' linear layers come from it and `tensors` is never asked for their weights; `fp8`
+        then names the format they are in.
         """
         self.config = config
         self.device = resolve_device(device)
@@ -251,6 +259,8 @@ class LlamaModel:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
 
         def linear(name: str, *parts: str) -> Linear:
+            if linears is not None:
+                return linears(name, parts)
             weight = torch.cat([w(part) for part in parts]) if len(parts) > 1 else w(parts[0])
             if fp8 is None:
                 return PlainLinear(weight.contiguous())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from appliance.engine.awq import awq_options, awq_source, load_awq_model
 from appliance.engine.decode import cuda_graph_capture, decode_spans
 from appliance.engine.llama import LlamaModel, load_config
 from appliance.engine.options import EngineOptions, check_fit
@@ -30,6 +31,9 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     started = time.monotonic()
     shape = options.random_weights
     config = random_config(shape) if shape else load_config(entry.hf_model_dir)
+    awq_dir = None if shape else awq_source(entry)
+    if awq_dir is not None:
+        options = awq_options(awq_dir, options)
     kv = entry.kv_cache
     max_seq_len = working_seq_len(config, kv)
     device = options.torch_device
@@ -47,6 +51,9 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         # Random weights compute other tokens than the checkpoint: their reusable KV blocks must
         # never match blocks of the real weights.
         fingerprint = f"random-weights {shape} seed {options.seed} {entry.fingerprint}"
+    elif awq_dir is not None:
+        model = load_awq_model(awq_dir, config, device, options.torch_dtype)
+        fingerprint = f"awq {awq_dir} {entry.fingerprint}"
     else:
         model = LlamaModel.load(
             entry.hf_model_dir, device, options.torch_dtype, options.weight_quant

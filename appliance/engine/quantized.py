@@ -34,6 +34,7 @@ __all__ = [
     "Int8Linear",
     "dequantize_int4",
     "dequantize_int8",
+    "int4_linear",
     "quantize_group_linear",
     "quantize_int4",
     "quantize_int8",
@@ -184,7 +185,7 @@ def quantize_group_linear(
 ) -> Int8Linear | Int4Linear:
     """Quantize an (out, in) float weight at load; ValueError naming `name` when the group does
     not divide the inputs (or is not a size the kernels take)."""
-    out_features, in_features = weight.shape
+    in_features = weight.shape[1]
     g = fmt.group_size
     if g not in GROUP_SIZES:
         raise ValueError(
@@ -201,10 +202,27 @@ def quantize_group_linear(
             q8, scale = quantize_int8(weight, g)
             return Int8Linear(q8.contiguous(), scale.to(dtype).contiguous())
         q4, scale, zero = quantize_int4(weight, g)
+        return int4_linear(q4, scale, zero, g, dtype, int4_kernel)
+
+
+def int4_linear(
+    q4: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    int4_kernel: Int4Kernel | None = None,
+) -> Int4Linear:
+    """The layer of INT4 values q4 (out, in) in [0, 15] with per-group `scale` and `zero`
+    (out, in / group_size), standing for ``(q4 - 8) * scale + zero``; on q4's device."""
+    out_features, in_features = q4.shape
+    with torch.inference_mode():
         scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(dtype).contiguous()
-        kernel = int4_kernel or _int4_kernel(weight)
+        kernel = int4_kernel or _int4_kernel(q4)
         if kernel == "int4pack":
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.contiguous(), 1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q4.to(torch.int32).contiguous(), 1
+            )
         else:
             pairs = q4.to(torch.uint8).reshape(out_features, in_features // 2, 2)
             packed = (pairs[..., 0] << 4) | pairs[..., 1]
@@ -212,5 +230,11 @@ def quantize_group_linear(
         if kernel == "int4pack" and dtype == torch.float32:
             bf16 = scales_and_zeros.bfloat16()
         return Int4Linear(
-            packed.contiguous(), scales_and_zeros, g, out_features, in_features, kernel, bf16
+            packed.contiguous(),
+            scales_and_zeros,
+            group_size,
+            out_features,
+            in_features,
+            kernel,
+            bf16,
         )

@@ -11,6 +11,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 HF_MODEL_DIR = "hf_model_dir"
+# Optional: an AWQ checkpoint of the hf_model_dir model whose weights the engine serves.
+AWQ_CHECKPOINT = "awq_checkpoint"
 FINGERPRINT_FILE = "engine_fingerprint"
 # TensorRT-LLM 1.2's build default (PluginConfig.tokens_per_block); a repository that was built with
 # another value records it in the `tokens_per_block` parameter.
@@ -148,6 +150,16 @@ class ModelEntry:
                 f"path at {path} does not exist"
             )
         return GuidedDecodingParams(backend, path)
+
+    @property
+    def awq_checkpoint(self) -> Path | None:
+        """The `awq_checkpoint` parameter's directory (a relative path is taken from the model's
+        directory); None when unset."""
+        raw = self.parameter(AWQ_CHECKPOINT, "")
+        if not raw:
+            return None
+        path = Path(raw)
+        return (path if path.is_absolute() else self.directory / path).resolve()
 
     @property
     def fingerprint(self) -> str:

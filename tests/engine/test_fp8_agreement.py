@@ -52,3 +52,31 @@ def test_weight_only_form_computes_with_unquantised_activations() -> None:
     x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
     w = layer.layer.weight.float() * layer.layer.scale
     torch.testing.assert_close(layer(x).float(), (x.float() @ w.t()).to(torch.bfloat16).float())
+
+
+def test_emulated_w8a8_is_the_scaled_mm_product() -> None:
+    for scaling in ("channel", "tensor"):
+        model = random_model("tiny", CPU, torch.bfloat16, fp8=scaling, seed=3)
+        layer = model.layers[0].w13
+        assert isinstance(layer, Fp8Linear)
+        x = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+        want = layer(x)  # torch._scaled_mm
+        got = fp8_agreement.EmulatedW8A8(layer)(x)
+        assert got.dtype == want.dtype == torch.bfloat16
+        # One bf16 rounding apart at most (the float32 sums run in another order).
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-5)
+        assert float((got == want).float().mean()) > 0.99
+
+
+def test_agreement_through_scaled_mm_matches_the_emulation_on_the_tiny_model() -> None:
+    def load(dtype: torch.dtype, fp8: Scaling | None) -> LlamaModel:
+        return random_model("tiny", CPU, dtype, fp8=fp8, seed=2)
+
+    seqs = [[7, 300, 42, 11, 5, 9, 100, 3]]
+    lines: list[str] = []
+    emulated = fp8_agreement.agreement(load, seqs, progress=lines.append)
+    real = fp8_agreement.agreement(load, seqs, scaled_mm=True)
+    assert emulated["w8a8_product"] == "float32 emulation"
+    assert real["w8a8_product"] == "torch._scaled_mm"
+    assert emulated["top1_agreement_with_bf16"] == real["top1_agreement_with_bf16"]
+    assert len(lines) == 5 and lines[0].startswith("bf16: document 1/1, 8 tokens")

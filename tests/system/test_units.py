@@ -189,7 +189,15 @@ def test_engine_gpu_drop_in_verifies_and_keeps_an_allow_list(root: Path) -> None
     assert "DevicePolicy=closed" in text and "DeviceAllow=/dev/nvidiactl rw" in text
     assert re.search(r"^PrivateDevices=no$", text, re.M)
     unit = (UNITS / "appliance-engine.service").read_text()
-    for var in ("DEVICE", "DTYPE", "WEIGHTS", "FP8_SCALING", "CUDA_GRAPH", "KERNELS"):
+    for var in (
+        "DEVICE",
+        "DTYPE",
+        "WEIGHTS",
+        "WEIGHT_GROUP",
+        "FP8_SCALING",
+        "CUDA_GRAPH",
+        "KERNELS",
+    ):
         assert f"${{ENGINE_{var}}}" in unit and f"ENGINE_{var}=" in unit  # used, with a default
     assert "ENGINE_DEVICE=cpu" in unit
     target = root / "etc/systemd/system/appliance-engine.service.d"
