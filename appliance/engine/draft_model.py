@@ -40,9 +40,10 @@ VERIFY_OVERHEAD = 0.25
 
 def draft_off_switch(draft_tokens: int, draft: LlamaModel, target: LlamaModel) -> OffSwitch:
     """The switch at this pair's break-even: k draft steps, each costing the draft's share of the
-    target's weight bytes, plus the verify overhead, must be repaid by accepted drafts."""
+    target's weight bytes, plus the verify overhead, must be repaid by accepted drafts. A probe of
+    a costly drafter is short (4 verify steps) and rests long (64 tokens, doubling)."""
     ratio = draft.weight_bytes / target.weight_bytes
-    return OffSwitch(min_accepted=VERIFY_OVERHEAD + draft_tokens * ratio)
+    return OffSwitch(window=4, min_accepted=VERIFY_OVERHEAD + draft_tokens * ratio, cooldown=64)
 
 
 class DraftModelDrafter:
