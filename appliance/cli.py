@@ -55,6 +55,7 @@ def _engine(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,
         ngram=args.ngram,
+        draft_model=args.draft_model,
     )
     problem = options.problem()
     if problem:
@@ -314,15 +315,21 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--speculative",
         default="off",
-        choices=["off", "ngram"],
+        choices=["off", "ngram", "draft"],
         help="speculative decoding: ngram proposes drafts copied from the prompt and the text so "
-        "far, verified in one forward pass (default off; eager step only)",
+        "far, draft runs the smaller model of --draft-model; drafts are verified in one forward "
+        "pass (default off; eager step only)",
     )
     e.add_argument(
         "--draft-tokens", type=int, default=4, help="drafts per verify step, 1..16 (default 4)"
     )
     e.add_argument(
         "--ngram", type=int, default=3, help="longest n-gram the drafter looks up, 1..8 (default 3)"
+    )
+    e.add_argument(
+        "--draft-model",
+        metavar="DIR",
+        help="with --speculative draft: a smaller Llama checkpoint of the same tokenizer",
     )
     e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     e.set_defaults(func=_engine)

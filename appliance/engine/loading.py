@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from appliance.engine.awq import awq_options, awq_source, load_awq_model
 from appliance.engine.decode import cuda_graph_capture, decode_spans
+from appliance.engine.draft_model import DraftModelDrafter, check_draft_model, draft_off_switch
 from appliance.engine.llama import LlamaModel, load_config
 from appliance.engine.options import EngineOptions, check_fit
 from appliance.engine.prefill import prefill_graph_count
+from appliance.engine.prefix_cache import free_device_bytes
 from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import ModelEntry
 from appliance.engine.runner import Runner, build_runner, prefill_chunk_tokens, working_seq_len
+from appliance.engine.speculative import Drafter
 
 __all__ = ["load_model"]
 
@@ -44,6 +48,15 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         else 0
     )
     plan = check_fit(config, options, kv, max_seq_len, prefill_chunk_tokens(device), graphs)
+    draft_config = None
+    if options.speculative == "draft" and options.draft_model:
+        # Before any weights load: a draft of another tokenizer, or one that does not fit beside
+        # the target, is refused in milliseconds.
+        draft_config = check_draft_model(
+            Path(options.draft_model), None if shape else entry.hf_model_dir, config
+        )
+        free = free_device_bytes(device) - (plan.required_bytes - plan.overhead_bytes)
+        check_fit(draft_config, options, kv, max_seq_len, prefill_chunk_tokens(device), 0, free)
     if shape:
         model = random_model(
             config, device, options.torch_dtype, options.weight_quant, options.seed
@@ -60,11 +73,28 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         )
         fingerprint = entry.fingerprint
     model.kernels = options.kernel_path
+    speculation: Drafter | None = options.speculation
+    if draft_config is not None and options.draft_model:
+        draft = LlamaModel.load(
+            Path(options.draft_model), device, options.torch_dtype, options.weight_quant
+        )
+        speculation = DraftModelDrafter(
+            draft,
+            max_seq_len,
+            options.draft_tokens,
+            prefill_chunk_tokens(device),
+            draft_off_switch(options.draft_tokens, draft, model),
+        )
+        log.info(
+            "model %s: draft model %s (%d layers, %.2f GiB read per draft step)",
+            entry.name,
+            options.draft_model,
+            draft_config.num_hidden_layers,
+            draft.weight_bytes / 2**30,
+        )
     loaded = time.monotonic()
     capture = cuda_graph_capture(device) if options.use_cuda_graph else None
-    runner = build_runner(
-        model, kv, fingerprint, capture, options.prefill_buckets, options.speculation
-    )
+    runner = build_runner(model, kv, fingerprint, capture, options.prefill_buckets, speculation)
     log.info(
         "model %s: %s %s, weights %s (%.2f GiB read per decode step), working cache %d tokens, "
         "decode %s on %s kernels; fit: %.2f of %.2f GiB free; loaded in %.1f s, runner ready in %.1f s",

@@ -12,9 +12,12 @@ Guided decoding has no Triton family; its compiled-guide cache is exported as
 with a guided decoder: compiles (cache misses), cache hits, seconds spent compiling, and the
 matchers of generations still running. Hit rate = hits / (hits + compiles).
 
-Speculative decoding (`--speculative ngram`) counts, per model, the draft tokens proposed to verify
-steps and those accepted (`appliance_engine_spec_draft_tokens_total`,
-`appliance_engine_spec_accepted_tokens_total`); acceptance rate = accepted / proposed.
+Speculative decoding (`--speculative ngram|draft`) counts, per model, the draft tokens proposed to
+verify steps and those accepted (`appliance_engine_spec_draft_tokens_total`,
+`appliance_engine_spec_accepted_tokens_total`), the verify steps
+(`appliance_engine_spec_verify_steps_total`) and the times a request's speculation switched itself
+off for low acceptance (`appliance_engine_spec_switched_off_total`); acceptance rate = accepted /
+proposed, accepted tokens per verify step = accepted / verify steps.
 """
 
 from __future__ import annotations
@@ -146,12 +149,24 @@ class EngineCollector(Collector):
             "Draft tokens accepted by speculative verify steps.",
             labels=("model",),
         )
+        steps = CounterMetricFamily(
+            "appliance_engine_spec_verify_steps",
+            "Speculative verify steps (forward passes scoring drafts).",
+            labels=("model",),
+        )
+        switched_off = CounterMetricFamily(
+            "appliance_engine_spec_switched_off",
+            "Times a request's speculation switched itself off for low acceptance.",
+            labels=("model",),
+        )
         for name, model in self._models.items():
             stats = model.runner.stats
             with stats.lock:
                 drafts.add_metric((name,), stats.spec_draft_tokens)
                 accepted.add_metric((name,), stats.spec_accepted_tokens)
-        yield from (drafts, accepted)
+                steps.add_metric((name,), stats.spec_verify_steps)
+                switched_off.add_metric((name,), stats.spec_switched_off)
+        yield from (drafts, accepted, steps, switched_off)
 
     def _guided(self) -> Iterable[Metric]:
         compiles = CounterMetricFamily(

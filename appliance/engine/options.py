@@ -10,6 +10,7 @@ the device has free right now.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -28,7 +29,14 @@ from engine_build.formats import FORMATS, WeightFormat
 from engine_build.planner import GIB, MIB, FitPlan, make_plan
 from engine_build.spec import BuildSpec
 
-__all__ = ["DTYPES", "EngineOptions", "FitError", "check_fit", "device_problem"]
+__all__ = [
+    "DTYPES",
+    "EngineOptions",
+    "FitError",
+    "check_fit",
+    "device_problem",
+    "draft_model_problem",
+]
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -64,7 +72,8 @@ class EngineOptions:
     from `appliance.engine.random_weights.SHAPES` to serve seeded random weights of instead of each
     model's checkpoint (latency work without a download). `speculative` "ngram" runs prompt-lookup
     speculative decoding (`draft_tokens` drafts a step, n-grams of at most `ngram` tokens) on the
-    eager decode step; with CUDA graphs the captured single-token step runs instead.
+    eager decode step; with CUDA graphs the captured single-token step runs instead. "draft" drafts
+    with the smaller Llama checkpoint in `draft_model` (same tokenizer; `appliance.engine.draft_model`).
     """
 
     device: str = "cpu"
@@ -77,14 +86,16 @@ class EngineOptions:
     prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
     random_weights: str | None = None
     seed: int = 0
-    speculative: Literal["off", "ngram"] = "off"
+    speculative: Literal["off", "ngram", "draft"] = "off"
     draft_tokens: int = 4
     ngram: int = 3
+    draft_model: str | None = None
 
     @property
     def speculation(self) -> NgramSpeculation | None:
-        """The drafter's settings, None when speculation is off."""
-        if self.speculative == "off":
+        """The prompt-lookup drafter's settings; None when speculation is off or drafts with a
+        model (which `appliance.engine.loading` builds once the target is loaded)."""
+        if self.speculative != "ngram":
             return None
         return NgramSpeculation(self.draft_tokens, self.ngram)
 
@@ -186,14 +197,29 @@ class EngineOptions:
             return f"--random-weights {self.random_weights}", f"known shapes: {', '.join(SHAPES)}"
         if not 0 <= self.seed < 2**31:
             return f"--seed {self.seed}", "expected an integer in [0, 2**31)"
-        if self.speculative not in ("off", "ngram"):
-            return f"--speculative {self.speculative}", "expected off or ngram"
+        if self.speculative not in ("off", "ngram", "draft"):
+            return f"--speculative {self.speculative}", "expected off, ngram or draft"
+        why = draft_model_problem(self.speculative, self.draft_model)
+        if why:
+            return f"--draft-model {self.draft_model or ''}".rstrip(), why
         spec = NgramSpeculation(self.draft_tokens, self.ngram).problem()
         if spec:
             option, why = spec
             value = self.draft_tokens if option == "--draft-tokens" else self.ngram
             return f"{option} {value}", why
         return None
+
+
+def draft_model_problem(speculative: str, draft_model: str | None) -> str | None:
+    """Why `--draft-model` cannot serve `--speculative` (None: it can); the tokenizer is compared
+    with the target's at load."""
+    if speculative != "draft":
+        return None if draft_model is None else "applies to --speculative draft only"
+    if not draft_model:
+        return "--speculative draft needs a draft model checkpoint directory"
+    if not (Path(draft_model) / "config.json").is_file():
+        return "no config.json there; expected a Hugging Face Llama checkpoint directory"
+    return None
 
 
 def device_problem(device: str) -> str | None:

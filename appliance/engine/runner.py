@@ -34,7 +34,7 @@ from appliance.engine.prefill import PREFILL_BUCKETS, GraphPrefill
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
 from appliance.engine.sampling import SamplingParams, generate
-from appliance.engine.speculative import NgramSpeculation, SpecCounts
+from appliance.engine.speculative import Drafter, SpecCounts
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class EngineStats:
     tokens_generated: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_switched_off: int = 0
     queue_ns: int = 0
     compute_ns: int = 0
     running: str | None = None
@@ -131,12 +133,12 @@ class Runner:
         prefix: PrefixCache | None = None,
         capture: Capture | None = None,
         prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
-        speculation: NgramSpeculation | None = None,
+        speculation: Drafter | None = None,
     ) -> None:
         """`max_seq_len` sizes the one working KV cache (default: the model's context); `capture`
         (None: all eager) captures the decode step, and a prefill of each of `prefill_buckets`
         lengths (none when empty), on it before the compute thread starts. `speculation` runs
-        prompt-lookup speculative decoding on the eager step; with a captured step it is off."""
+        speculative decoding with that drafter on the eager step; with a captured step it is off."""
         self.model = model
         self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
         self.decode: DecodeStep = EagerDecode(model, self.cache)
@@ -280,6 +282,8 @@ class Runner:
                 self.stats.tokens_generated += 1
                 self.stats.spec_draft_tokens += spec.proposed - published.proposed
                 self.stats.spec_accepted_tokens += spec.accepted - published.accepted
+                self.stats.spec_verify_steps += spec.verify_steps - published.verify_steps
+                self.stats.spec_switched_off += spec.switched_off - published.switched_off
             published = dataclasses.replace(spec)
             if job.streaming:
                 finished = len(produced) == job.max_new_tokens
@@ -341,7 +345,7 @@ def build_runner(
     fingerprint: str,
     capture: Capture | None = None,
     prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
-    speculation: NgramSpeculation | None = None,
+    speculation: Drafter | None = None,
 ) -> Runner:
     """The runner a repository's KV-cache parameters ask for."""
     max_seq_len = working_seq_len(model.config, params)

@@ -18,7 +18,7 @@ import torch
 from appliance.engine.decode import DecodeStep, EagerDecode
 from appliance.engine.guided import CompiledGuide, GuidedMatcher
 from appliance.engine.llama import KVCache, LlamaModel
-from appliance.engine.speculative import NgramSpeculation, SpecCounts, accept_sampled, verify
+from appliance.engine.speculative import Drafter, SpecCounts, Speculator, accept_sampled, verify
 
 __all__ = ["Sampler", "SamplingParams", "generate"]
 
@@ -103,15 +103,27 @@ class Sampler:
                 probs = probs / probs.sum()
             return torch.zeros_like(scaled).scatter_(0, indices, probs)
 
-    def choose(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
-        """The token chosen from `logits` given a speculative draft, and whether it is the draft:
-        greedy, the argmax; sampled, the rejection rule (`accept_sampled`), whose tokens are
-        distributed as `__call__`'s."""
+    def choose(
+        self, logits: torch.Tensor, draft: int, draft_probs: torch.Tensor | None = None
+    ) -> tuple[int, bool]:
+        """The token chosen from `logits` given a speculative draft (drawn from `draft_probs`;
+        None: certain), and whether it is the draft: greedy, the argmax; sampled, the rejection
+        rule (`accept_sampled`), whose tokens are distributed as `__call__`'s."""
         if self.params.greedy:
             token = int(torch.argmax(logits).item())
             return token, token == draft
         probs = self.distribution(logits)
-        return accept_sampled(probs, draft, self._generator_for(probs.device))
+        return accept_sampled(probs, draft, self._generator_for(probs.device), draft_probs)
+
+    def draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A drafter's token from its own `logits`, with the distribution it was drawn from:
+        greedy, the argmax (certain: None); sampled, a draw from `distribution(logits)`."""
+        if self.params.greedy:
+            return int(torch.argmax(logits).item()), None
+        with torch.inference_mode():
+            probs = self.distribution(logits)
+            choice = torch.multinomial(probs, 1, generator=self._generator_for(probs.device))
+            return int(choice.item()), probs
 
     def logprob(self, logits: torch.Tensor, token: int) -> float:
         """The log-probability of `token` under the distribution it was chosen from: the
@@ -150,7 +162,7 @@ def generate(
     guide: CompiledGuide | None = None,
     min_tokens: int = 0,
     logprobs: list[float] | None = None,
-    speculation: NgramSpeculation | None = None,
+    speculation: Drafter | None = None,
     spec_counts: SpecCounts | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
@@ -176,9 +188,10 @@ def generate(
     guide's own end is left to its grammar). An `end_id` no token has (TensorRT-LLM's -1) never
     ends the generation. `logprobs`, when given, is extended with each yielded token's
     log-probability (Sampler.logprob) before the token is yielded.
-    `speculation` turns on prompt-lookup speculative decoding (`appliance.engine.speculative`) on
-    eager forward passes: same tokens when greedy, same distribution when sampled; a guided
-    request or one asking for log-probabilities runs without it. `spec_counts` counts its drafts.
+    `speculation` turns on speculative decoding with that drafter (`appliance.engine.speculative`)
+    on eager forward passes: same tokens when greedy, same distribution when sampled; a guided
+    request or one asking for log-probabilities runs without it. `spec_counts` counts its drafts,
+    verify steps and switch-offs.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must contain at least one token")
@@ -267,13 +280,14 @@ def _steps(
     *,
     min_tokens: int,
     logprobs: list[float] | None,
-    speculation: NgramSpeculation | None,
+    speculation: Drafter | None,
     spec_counts: SpecCounts,
 ) -> Iterator[int]:
     if max_new_tokens == 0 or should_stop():
         return
     if cache is None:
         cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+    speculator = Speculator(speculation, spec_counts) if speculation is not None else None
     step_once = decode or EagerDecode(model, cache)
     for start in range(start_pos, len(prompt_ids), prefill_chunk):
         if start > start_pos and should_stop():
@@ -306,16 +320,15 @@ def _steps(
             history.append(token)
             pos += 1
             continue
-        drafts = (
-            speculation.propose([*history, token], max_new_tokens - step - 2)
-            if speculation is not None
-            else []
+        draft = (
+            speculator.propose([*history, token], max_new_tokens - step - 2, sampler)
+            if speculator is not None
+            else None
         )
-        if drafts:
+        if draft is not None and speculator is not None:
             masked = max(0, min_tokens - step - 1) if end_id is not None else 0
-            chosen = verify(model, cache, pos, token, drafts, sampler, end_id, masked)
-            spec_counts.proposed += len(drafts)
-            spec_counts.accepted += len(chosen) - 1
+            chosen = verify(model, cache, pos, token, draft, sampler, end_id, masked)
+            speculator.record(len(draft.tokens), len(chosen) - 1)
             history.append(token)
             pos += 1
             continue

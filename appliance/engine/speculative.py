@@ -1,26 +1,34 @@
-"""Prompt-lookup (n-gram) speculative decoding: drafts copied from the text so far, verified in one
-forward pass.
+"""Speculative decoding: drafts proposed by a drafter, verified by the target in one forward pass.
 
 At batch 1 a decode step is bound by reading the weights once, so scoring k + 1 tokens in one
-forward pass costs little more than one. The drafter needs no second model: it finds the most
-recent earlier occurrence of the text's last n-gram (n, then shorter, down to one token) and
-proposes the tokens that followed it. The target model scores the current token and the drafts
-at consecutive cache positions; the longest prefix the target agrees with is accepted, plus one
-token chosen by the target itself, so every verify step yields at least one token.
+forward pass costs little more than one. A drafter (`Drafter`) proposes up to k tokens to follow
+the text so far; the target model scores the current token and the drafts at consecutive cache
+positions; the longest prefix the target agrees with is accepted, plus one token chosen by the
+target itself, so every verify step yields at least one token. Two drafters plug in the same way:
+prompt lookup (`NgramSpeculation`, here: drafts copied from the most recent earlier occurrence of
+the text's last n-gram) and a smaller model of the same tokenizer
+(`appliance.engine.draft_model.DraftModelDrafter`).
 
 Agreement keeps the output the target's: greedy, a draft is accepted when it is the argmax;
-sampled, the standard rejection rule with a one-hot draft distribution: draft d is accepted with
-probability p(d), and on rejection the token is drawn from p with d removed and renormalised.
+sampled, the standard rejection rule: draft d, drawn from the drafter's distribution q, is accepted
+with probability min(1, p(d) / q(d)), and on rejection the token is drawn from max(0, p - q),
+renormalised. A drafter whose drafts are certain (prompt lookup, or any greedy drafter) has a
+one-hot q: d is accepted with probability p(d), else drawn from p without d.
 
 Cache positions written for rejected drafts are never read: the next forward pass starts at the
 first of them and overwrites it, and attention reads only positions up to its own.
+
+Speculation switches itself off where it does not pay (`OffSwitch`): per request, when the drafts
+accepted per verify step over the last `window` verify steps fall below the drafter's break-even,
+drafting rests for `cooldown` tokens (doubled each time it switches off again in the request).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -32,8 +40,12 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_DRAFT_TOKENS",
     "MAX_NGRAM",
+    "Draft",
+    "Drafter",
     "NgramSpeculation",
+    "OffSwitch",
     "SpecCounts",
+    "Speculator",
     "accept_sampled",
     "propose",
     "verify",
@@ -44,11 +56,52 @@ MAX_NGRAM = 8
 
 
 @dataclass(frozen=True)
+class Draft:
+    """Draft tokens, and the drafter's distributions they were drawn from: `probs` (n, vocab),
+    None when every draft is certain (a one-hot distribution)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class OffSwitch:
+    """When a request stops drafting: the mean accepted drafts per verify step over the last
+    `window` verify steps below `min_accepted` rests drafting for `cooldown` decode steps, doubled
+    at each further switch-off in the same request. `min_accepted` 0 never switches off."""
+
+    window: int = 8
+    min_accepted: float = 0.5
+    cooldown: int = 32
+
+
+class Drafter(Protocol):
+    """Proposes the tokens to follow a text; the runner's one instance serves one request at a
+    time (the compute thread), so it may keep state, such as a KV cache, across calls."""
+
+    @property
+    def off_switch(self) -> OffSwitch:
+        """When a request stops asking this drafter (its break-even acceptance)."""
+        ...
+
+    def propose(self, text: Sequence[int], limit: int, sampler: Sampler) -> Draft:
+        """At most `limit` (and at most the drafter's own k) tokens to follow `text`, whose last
+        token is the current one (not yet in the target's cache). `sampler` is the request's:
+        a drafter that samples draws from it and returns its distributions."""
+        ...
+
+
+@dataclass(frozen=True)
 class NgramSpeculation:
-    """How many draft tokens a verify step scores, and the longest n-gram looked up."""
+    """Prompt lookup: how many draft tokens a verify step scores, and the longest n-gram looked up.
+
+    A lookup costs nothing beside the verify step, whose k + 1 rows cost little more than one:
+    break-even is a fraction of a token per verify step.
+    """
 
     draft_tokens: int = 4
     ngram: int = 3
+    off_switch: OffSwitch = OffSwitch(min_accepted=0.5)
 
     def problem(self) -> tuple[str, str] | None:
         """(option, why) when a value is out of range; None when both are usable."""
@@ -58,17 +111,57 @@ class NgramSpeculation:
             return "--ngram", f"expected an integer in [1, {MAX_NGRAM}]"
         return None
 
-    def propose(self, text: Sequence[int], limit: int) -> list[int]:
-        """Draft tokens to follow `text`: at most draft_tokens, and at most `limit`."""
-        return propose(text, min(self.draft_tokens, limit), self.ngram)
+    def propose(self, text: Sequence[int], limit: int, sampler: Sampler | None = None) -> Draft:
+        """Draft tokens to follow `text`: at most draft_tokens, and at most `limit`; certain."""
+        return Draft(propose(text, min(self.draft_tokens, limit), self.ngram))
 
 
 @dataclass
 class SpecCounts:
-    """Draft tokens proposed to and accepted by verify steps; only move forward."""
+    """Draft tokens proposed to and accepted by verify steps, the verify steps, and how often
+    speculation switched itself off; only move forward."""
 
     proposed: int = 0
     accepted: int = 0
+    verify_steps: int = 0
+    switched_off: int = 0
+
+
+class Speculator:
+    """One request's speculation: its drafter, behind the request's off switch, and its counts."""
+
+    def __init__(self, drafter: Drafter, counts: SpecCounts) -> None:
+        self.drafter = drafter
+        self.counts = counts
+        self.switch = drafter.off_switch
+        self._recent: deque[int] = deque(maxlen=max(1, self.switch.window))
+        self._resting = 0
+        self._cooldown = self.switch.cooldown
+
+    def propose(self, text: Sequence[int], limit: int, sampler: Sampler) -> Draft | None:
+        """The drafter's drafts, or None while drafting rests or when it proposes nothing."""
+        if self._resting > 0:
+            self._resting -= 1
+            return None
+        if limit <= 0:
+            return None
+        draft = self.drafter.propose(text, limit, sampler)
+        return draft if draft.tokens else None
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Count one verify step; switch drafting off when the window's acceptance is too low."""
+        self.counts.proposed += proposed
+        self.counts.accepted += accepted
+        self.counts.verify_steps += 1
+        self._recent.append(accepted)
+        window = self.switch.window
+        if len(self._recent) < window or window <= 0:
+            return
+        if sum(self._recent) / window < self.switch.min_accepted:
+            self.counts.switched_off += 1
+            self._resting = self._cooldown
+            self._cooldown *= 2
+            self._recent.clear()
 
 
 def propose(text: Sequence[int], k: int, ngram: int) -> list[int]:
@@ -93,25 +186,27 @@ def verify(
     cache: KVCache,
     pos: int,
     token: int,
-    drafts: Sequence[int],
+    draft: Draft,
     sampler: Sampler,
     end_id: int | None,
     masked: int,
 ) -> list[int]:
-    """Score `token` (at `pos`, not yet in the cache) and `drafts` after it in one forward pass;
+    """Score `token` (at `pos`, not yet in the cache) and the drafts after it in one forward pass;
     return the accepted drafts then the target's own next token.
 
     The K/V of `token` and of every accepted draft is in the cache afterwards; the positions of
     rejected drafts hold values nothing reads before they are overwritten. `masked` rows (the
     steps still under min_tokens) have the end id masked out, as the single-token step masks it.
     """
+    drafts = draft.tokens
     rows = model.forward_rows([token, *drafts], cache, pos)
     chosen: list[int] = []
     with torch.inference_mode():
         if masked and end_id is not None:
             rows[:masked, end_id] = float("-inf")
-        for i, draft in enumerate(drafts):
-            choice, accepted = sampler.choose(rows[i], draft)
+        for i, proposed in enumerate(drafts):
+            q = None if draft.probs is None else draft.probs[i]
+            choice, accepted = sampler.choose(rows[i], proposed, q)
             chosen.append(choice)
             if not accepted:
                 return chosen
@@ -119,18 +214,32 @@ def verify(
     return chosen
 
 
-def accept_sampled(probs: torch.Tensor, draft: int, generator: torch.Generator) -> tuple[int, bool]:
+def accept_sampled(
+    probs: torch.Tensor,
+    draft: int,
+    generator: torch.Generator,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[int, bool]:
     """The token the target chooses at a step given a draft, and whether it is the draft.
 
-    `probs` is the target's distribution (vocab,); the draft is accepted with probability
-    probs[draft], else a token is drawn from probs without the draft, renormalised (when the
-    draft holds all the mass it is always accepted). The token's distribution is probs.
+    `probs` is the target's distribution p (vocab,) and `draft_probs` the drafter's q the draft
+    was drawn from (None: the draft was certain). The draft is accepted with probability
+    min(1, p(d) / q(d)), else a token is drawn from max(0, p - q) renormalised (for a certain
+    draft: p without the draft). The token's distribution is p.
     """
     p_draft = float(probs[draft].item())
+    q_draft = 1.0 if draft_probs is None else float(draft_probs[draft].item())
     u = float(torch.rand((), generator=generator, device=generator.device).item())
-    if u < p_draft or p_draft >= 1.0:
+    if q_draft <= 0.0 or u * q_draft < p_draft or p_draft >= q_draft:
+        # q(d) 0 cannot happen for a draft drawn from q; accepting it keeps the step defined.
         return draft, True
-    residual = probs.clone()
-    residual[draft] = 0.0
-    choice = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    if draft_probs is None:
+        residual = probs.clone()
+        residual[draft] = 0.0
+    else:
+        residual = (probs - draft_probs.to(probs.device, probs.dtype)).clamp_(min=0.0)
+    total = float(residual.sum().item())
+    if total <= 0.0:  # p equals q up to rounding: p itself is the residual's limit
+        residual, total = probs, float(probs.sum().item())
+    choice = torch.multinomial(residual / total, 1, generator=generator)
     return int(choice.item()), False

@@ -16,11 +16,19 @@ from appliance.engine.options import EngineOptions
 from appliance.engine.prefix_cache import PrefixCache
 from appliance.engine.runner import Emission, Job, Runner
 from appliance.engine.sampling import Sampler, SamplingParams, generate
-from appliance.engine.speculative import NgramSpeculation, SpecCounts, accept_sampled, propose
+from appliance.engine.speculative import (
+    NgramSpeculation,
+    OffSwitch,
+    SpecCounts,
+    accept_sampled,
+    propose,
+)
 from tests.engine.conftest import write_micro_checkpoint
 
 GREEDY = SamplingParams(top_k=1)
-SPEC = NgramSpeculation(draft_tokens=4, ngram=3)
+# The off switch never trips here: these tests are about what verify steps do.
+NEVER_OFF = OffSwitch(min_accepted=0.0)
+SPEC = NgramSpeculation(draft_tokens=4, ngram=3, off_switch=NEVER_OFF)
 END = 2
 
 
@@ -78,7 +86,7 @@ def test_other_draft_lengths_and_ngrams_give_the_same_output(model: LlamaModel) 
     prompt = [11, 12, 13, 14] * 4
     plain = run(model, prompt, 120, None)
     for k, n in ((1, 1), (2, 2), (8, 3), (16, 8)):
-        assert run(model, prompt, 120, NgramSpeculation(k, n)) == plain
+        assert run(model, prompt, 120, NgramSpeculation(k, n, NEVER_OFF)) == plain
 
 
 def accepted_positions(
@@ -250,4 +258,4 @@ def test_out_of_range_options_are_refused(options: EngineOptions, option: str) -
 
 def test_speculation_is_off_by_default(tmp_path: Path) -> None:
     assert EngineOptions().speculation is None
-    assert EngineOptions(speculative="ngram").speculation == SPEC
+    assert EngineOptions(speculative="ngram").speculation == NgramSpeculation(4, 3)

@@ -1,0 +1,148 @@
+"""Speculative decoding on the real SmolLM2-135M-Instruct, CPU: accepted drafts per verify step and
+inter-token latency against no speculation, on three workloads.
+
+    PYTHONPATH=. python -m bench.speculative --model /work/main/var/smollm2/model
+
+Workloads (chat-templated): input-grounded (rewrite a given text), free chat, code. Modes: off,
+ngram (prompt lookup, with the off switch), ngram-always (switch disabled), draft (the target's
+first --draft-layers layers as a "layer-skip" draft model: no smaller SmolLM2 of this tokenizer
+is on the machine), draft-always. Greedy; every mode's output must equal the off output (asserted).
+Each workload runs the modes in turn, --reps times, alternating; the figure per mode is the median
+of its mean inter-token latency (first to last token / (n - 1)), and the ratio is to off's median
+in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from appliance.engine.draft_model import DraftModelDrafter, check_draft_model, draft_off_switch
+from appliance.engine.llama import LlamaModel
+from appliance.engine.sampling import SamplingParams, generate
+from appliance.engine.speculative import Drafter, NgramSpeculation, OffSwitch, SpecCounts
+from appliance.tokenizer import ModelText
+
+GREEDY = SamplingParams(top_k=1)
+NEVER_OFF = OffSwitch(min_accepted=0.0)
+
+ARTICLE = (
+    "The city council met on Tuesday to discuss the new bicycle lanes on Main Street. "
+    "Supporters said the lanes would make cycling safer and reduce traffic. Shop owners worried "
+    "that removing forty parking spaces would hurt their business. The council voted five to two "
+    "to build the lanes, and asked the transport office to report on parking in six months. "
+    "Construction will start in March and should take about eight weeks."
+)
+WORKLOADS = {
+    "input-grounded": (
+        "Rewrite the following text, keeping every fact and sentence but correcting nothing and "
+        "changing as little as possible; just repeat it in plain words:\n\n" + ARTICLE
+    ),
+    "free chat": "What are some good habits for staying healthy while working from home?",
+    "code": "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+}
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    itl_s: float
+    counts: SpecCounts
+
+
+def layer_skip_dir(model_dir: Path, layers: int, dest: Path) -> Path:
+    """A checkpoint directory of the target's first `layers` layers (its norm and head after)."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config["num_hidden_layers"] = layers
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / name).exists():
+            (dest / name).symlink_to((model_dir / name).resolve())
+    return dest
+
+
+def run(
+    model: LlamaModel, prompt: list[int], n: int, end_id: int | None, spec: Drafter | None
+) -> Result:
+    counts = SpecCounts()
+    stamps: list[float] = []
+    tokens: list[int] = []
+    for token in generate(model, prompt, n, end_id, GREEDY, speculation=spec, spec_counts=counts):
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+    itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
+    return Result(tokens, itl, counts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="var/smollm2/model")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model)
+    text = ModelText.load(model_dir)
+    model = LlamaModel.load(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        draft_dir = layer_skip_dir(model_dir, args.draft_layers, Path(tmp) / "draft")
+        check_draft_model(draft_dir, model_dir, model.config)
+        draft = LlamaModel.load(draft_dir)
+    seq = 2048
+    k = args.draft_tokens
+    switch = draft_off_switch(k, draft, model)
+    modes: dict[str, Drafter | None] = {
+        "off": None,
+        "ngram": NgramSpeculation(k, 3),
+        "ngram-always": NgramSpeculation(k, 3, NEVER_OFF),
+        "draft": DraftModelDrafter(draft, seq, k, 256, switch),
+        "draft-always": DraftModelDrafter(draft, seq, k, 256, NEVER_OFF),
+    }
+    print(
+        f"SmolLM2-135M float32, {args.threads} thread(s), greedy, {args.tokens} new tokens, "
+        f"k={k}; draft = first {args.draft_layers} of {model.config.num_hidden_layers} layers "
+        f"({draft.weight_bytes / model.weight_bytes:.2f} of the weight bytes; off below "
+        f"{switch.min_accepted:.2f} accepted per verify step)"
+    )
+    print(
+        "| workload | mode | accepted/verify | acceptance | verify steps | switched off "
+        "| ITL ms | ratio to off |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for workload, message in WORKLOADS.items():
+        prompt = text.encode_chat([{"role": "user", "content": message}])
+        itls: dict[str, list[float]] = {m: [] for m in modes}
+        last: dict[str, Result] = {}
+        run(model, prompt, 8, text.end_id, None)  # warm-up: the first pass of a shape is slower
+        for _ in range(args.reps):
+            for mode, spec in modes.items():
+                result = run(model, prompt, args.tokens, text.end_id, spec)
+                itls[mode].append(result.itl_s)
+                last[mode] = result
+                assert result.tokens == last["off"].tokens, (workload, mode)
+        base = statistics.median(itls["off"])
+        for mode in modes:
+            c = last[mode].counts
+            itl = statistics.median(itls[mode])
+            per_step = f"{c.accepted / c.verify_steps:.2f}" if c.verify_steps else "-"
+            rate = f"{c.accepted / c.proposed:.0%}" if c.proposed else "-"
+            print(
+                f"| {workload} | {mode} | {per_step} | {rate} | {c.verify_steps} | "
+                f"{c.switched_off} | {itl * 1e3:.1f} | {itl / base:.2f} |"
+            )
+        print(f"<!-- {workload}: {len(last['off'].tokens)} tokens, prompt {len(prompt)} -->")
+
+
+if __name__ == "__main__":
+    main()
