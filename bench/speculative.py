@@ -28,7 +28,7 @@ from appliance.engine.draft_model import DraftModelDrafter, check_draft_model, d
 from appliance.engine.llama import LlamaModel
 from appliance.engine.sampling import SamplingParams, generate
 from appliance.engine.speculative import Drafter, NgramSpeculation, OffSwitch, SpecCounts
-from appliance.tokenizer import ModelText
+from appliance.text.tokenizer import ModelText
 
 GREEDY = SamplingParams(top_k=1)
 NEVER_OFF = OffSwitch(min_accepted=0.0)

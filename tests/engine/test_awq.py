@@ -22,7 +22,7 @@ from appliance.engine.loading import load_model
 from appliance.engine.options import EngineOptions, check_fit
 from appliance.engine.quantized import Int4Linear, dequantize_int4
 from appliance.engine.repository import KvCacheParams, ModelEntry
-from appliance.tiny_model import TINY_CONFIG
+from appliance.tools.tiny_model import TINY_CONFIG
 from engine_build.hf_config import parse_config
 
 CPU = torch.device("cpu")
