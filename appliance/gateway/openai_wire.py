@@ -554,7 +554,7 @@ def extension(request_id: str, final: pb.Final) -> dict[str, Any]:
     t = final.timings
     facts: dict[str, Any] = {
         "request_id": request_id,
-        "cache_tier": TIER_NAMES.get(final.cache_tier, "miss"),
+        "cache_tier": final.cache_tier_name or TIER_NAMES.get(final.cache_tier, "miss"),
         "model": final.model,
         "degraded": final.degraded,
         "timings": {"queue_us": t.queue_us, "ttft_us": t.ttft_us, "total_us": t.total_us},
