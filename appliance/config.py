@@ -139,9 +139,21 @@ class CacheConfig:
     l1_ttl_s: float = 300.0
     redis: RedisSettings | None = None
     semantic: SemanticConfig = field(default_factory=SemanticConfig)
-    # The tiers in lookup order: built-in names (BUILTIN_TIERS) or package.module:Class. When not
-    # configured: l1, then l2 with [cache.redis], then semantic when [cache.semantic] is enabled.
-    tiers: tuple[str, ...] = ("l1",)
+    # The tiers in lookup order: built-in names (BUILTIN_TIERS) or package.module:Class; None:
+    # the default order (see `order`).
+    tiers: tuple[str, ...] | None = None
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The configured tiers, else l1, then l2 with [cache.redis], then semantic when enabled."""
+        if self.tiers is not None:
+            return self.tiers
+        order = ["l1"]
+        if self.redis is not None:
+            order.append("l2")
+        if self.semantic.enabled:
+            order.append("semantic")
+        return tuple(order)
 
 
 @dataclass(frozen=True)
@@ -384,12 +396,13 @@ def _backend_kind(r: _Reader) -> str:
     return str(kind)
 
 
-def _tiers(r: _Reader, redis: RedisSettings | None, semantic: SemanticConfig) -> tuple[str, ...]:
+def _tiers(
+    r: _Reader, redis: RedisSettings | None, semantic: SemanticConfig
+) -> tuple[str, ...] | None:
     """The configured tiers, checked: each resolves to a CacheTier with its counters described,
     no tier twice, and the built-in ones agree with the tables that configure them."""
-    default = ("l1", *(("l2",) * (redis is not None)), *(("semantic",) * semantic.enabled))
     if "tiers" not in r.data:
-        return default
+        return None
     specs = r.str_list("tiers")
     if not specs:
         r.fail("tiers", "list at least one tier (or set enabled = false)")

@@ -54,7 +54,7 @@ def make_cache(config: CacheConfig) -> TierCascade | None:
         return None
     metrics = CacheMetrics()
     tiers: list[CacheTier] = []
-    for spec in config.tiers:
+    for spec in config.order:
         tier = tier_class(spec).build(TierContext(config, metrics, tuple(tiers)))
         if tier is not None:
             tiers.append(tier)
