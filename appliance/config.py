@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import tomlcheck
+from appliance.backends.base import backend_kind
 from appliance.cache.l2 import RedisSettings
+from appliance.cache.tiers import CacheTier, tier_class
 from appliance.security.api_keys import RateLimits
 from appliance.security.secretfile import MAC_PURPOSE, PEPPER_PURPOSE, SecretFileError, read_secret
 from appliance.security.tls import ServerTls, TlsError, TlsSettings
@@ -69,6 +71,8 @@ class ModelConfig:
     name: str
     backend: str
     tokenizer_dir: Path
+    # Which backend class talks to `backend`: a name of BACKEND_KINDS, or package.module:Class.
+    backend_kind: str = "triton"
     triton_model: str = "tensorrt_llm"
     # None: derived from the model's config.json (max_position_embeddings) at start-up.
     max_input_tokens: int | None = None
@@ -135,6 +139,21 @@ class CacheConfig:
     l1_ttl_s: float = 300.0
     redis: RedisSettings | None = None
     semantic: SemanticConfig = field(default_factory=SemanticConfig)
+    # The tiers in lookup order: built-in names (BUILTIN_TIERS) or package.module:Class; None:
+    # the default order (see `order`).
+    tiers: tuple[str, ...] | None = None
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The configured tiers, else l1, then l2 with [cache.redis], then semantic when enabled."""
+        if self.tiers is not None:
+            return self.tiers
+        order = ["l1"]
+        if self.redis is not None:
+            order.append("l2")
+        if self.semantic.enabled:
+            order.append("semantic")
+        return tuple(order)
 
 
 @dataclass(frozen=True)
@@ -239,6 +258,7 @@ def load_config(path: Path) -> GatewayConfig:
             name=name,
             backend=_address(r, "backend", "") if "backend" in table else r.require("backend"),
             tokenizer_dir=tokenizer_dir,
+            backend_kind=_backend_kind(r),
             triton_model=r.get("triton_model", str, ModelConfig.triton_model),
             max_input_tokens=r.positive("max_input_tokens", int, None),
             max_output_tokens=r.positive("max_output_tokens", int, ModelConfig.max_output_tokens),
@@ -367,9 +387,61 @@ def _auth(r: _Reader, path: Path) -> AuthConfig:
     )
 
 
+def _backend_kind(r: _Reader) -> str:
+    kind = r.get("backend_kind", str, ModelConfig.backend_kind)
+    try:
+        backend_kind(kind)
+    except ValueError as exc:
+        r.fail("backend_kind", str(exc))
+    return str(kind)
+
+
+def _tiers(
+    r: _Reader, redis: RedisSettings | None, semantic: SemanticConfig
+) -> tuple[str, ...] | None:
+    """The configured tiers, checked: each resolves to a CacheTier with its counters described,
+    no tier twice, and the built-in ones agree with the tables that configure them."""
+    if "tiers" not in r.data:
+        return None
+    specs = r.str_list("tiers")
+    if not specs:
+        r.fail("tiers", "list at least one tier (or set enabled = false)")
+    classes: list[type[CacheTier]] = []
+    for spec in specs:
+        if specs.count(spec) > 1:
+            r.fail("tiers", f"{spec!r} is listed twice")
+        try:
+            cls = tier_class(spec)
+        except ValueError as exc:
+            r.fail("tiers", str(exc))
+        if any(other.name == cls.name for other in classes):
+            r.fail("tiers", f"two tiers are named {cls.name!r} ({spec!r}): names must differ")
+        classes.append(cls)
+
+    def position(builtin: str) -> int | None:
+        kind = tier_class(builtin) if any(c.name == builtin for c in classes) else None
+        return next((i for i, c in enumerate(classes) if kind and issubclass(c, kind)), None)
+
+    l2, sem = position("l2"), position("semantic")
+    if l2 is not None and redis is None:
+        r.fail("tiers", "'l2' needs a [cache.redis] table")
+    if l2 is None and redis is not None:
+        r.fail("tiers", "[cache.redis] is set but 'l2' is not listed: add it, or remove the table")
+    if (sem is not None) != semantic.enabled:
+        r.fail(
+            "tiers",
+            "'semantic' is listed but [cache.semantic] is not enabled"
+            if sem is not None
+            else "[cache.semantic] is enabled but 'semantic' is not listed",
+        )
+    if sem is not None and l2 is not None and sem < l2:
+        r.fail("tiers", "'semantic' shares its entries through 'l2': list it after 'l2'")
+    return specs
+
+
 def _cache(top: _Reader, path: Path, text: str) -> CacheConfig:
     data = top.get("cache", dict, {})
-    known = {"enabled", "l1_max_entries", "l1_max_bytes", "l1_ttl_s", "redis", "semantic"}
+    known = {"enabled", "l1_max_entries", "l1_max_bytes", "l1_ttl_s", "redis", "semantic", "tiers"}
     r = _Reader(path, text, "cache", data, known)
     redis_data = r.get("redis", dict, None)
     redis = None
@@ -378,13 +450,15 @@ def _cache(top: _Reader, path: Path, text: str) -> CacheConfig:
     l1_entries = r.get("l1_max_entries", int, CacheConfig.l1_max_entries)
     if l1_entries < 0:
         r.fail("l1_max_entries", "must be 0 (L1 off) or more")
+    semantic = _semantic(r.sub("semantic", _SEMANTIC_KEYS), path)
     return CacheConfig(
         enabled=r.get("enabled", bool, True),
         l1_max_entries=l1_entries,
         l1_max_bytes=r.positive("l1_max_bytes", int, CacheConfig.l1_max_bytes),
         l1_ttl_s=r.positive("l1_ttl_s", float, CacheConfig.l1_ttl_s),
         redis=redis,
-        semantic=_semantic(r.sub("semantic", _SEMANTIC_KEYS), path),
+        semantic=semantic,
+        tiers=_tiers(r, redis, semantic),
     )
 
 

@@ -38,7 +38,6 @@ import uvloop
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.l2 import RedisSettings, RedisTier
-from appliance.cache.metrics import CacheMetrics
 from appliance.v1 import inference_pb2 as pb
 from bench import record
 from tests.cache.redis_server import RedisServer
@@ -144,8 +143,7 @@ async def run(args: argparse.Namespace, redis_pid: int, url: str, budgets: list[
             timeout_ms=MEASURING_BUDGET_MS,
             key_prefix="bench",
             mac_key=b"bench-mac-key" * 3,
-        ),
-        CacheMetrics(),
+        )
     )
     answer = CachedAnswer(
         text="word " * 64, token_ids=tuple(range(64)), finish_reason="length",

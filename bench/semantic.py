@@ -317,7 +317,7 @@ async def redis_l2() -> AsyncIterator[RedisTier]:
         server.start()
         try:
             settings = RedisSettings(url=server.url, timeout_ms=1000.0, mac_key=b"bench-key" * 4)
-            l2 = RedisTier(settings, CacheMetrics())
+            l2 = RedisTier(settings)
             yield l2
             await l2.close()
         finally:

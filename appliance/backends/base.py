@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import grpc
 
+from appliance.plugins import PluginError, load_class
 from engine_build.pbtxt import GUIDE_TYPES as GUIDE_TYPES
+
+if TYPE_CHECKING:
+    from appliance.config import ModelConfig
+
+# The backend kinds a model's `backend_kind` names without an import path.
+BACKEND_KINDS = {"triton": "appliance.backends.triton:TritonBackend"}
 
 
 class BackendError(Exception):
@@ -116,3 +123,20 @@ class Backend(Protocol):
     async def close(self) -> None:
         """Releases connections; no call is made afterwards."""
         ...
+
+
+class BackendKind(Protocol):
+    """A backend class: makes the backend of one model from its configuration."""
+
+    def from_config(self, config: ModelConfig) -> Backend: ...
+
+
+def backend_kind(spec: str) -> BackendKind:
+    """The backend class a model's `backend_kind` names (a BACKEND_KINDS name or
+    `package.module:Class`); PluginError (a ValueError) says what to fix in one line."""
+    found = load_class(spec, BACKEND_KINDS, "backend kind")
+    if not callable(getattr(found, "from_config", None)):
+        raise PluginError(
+            f"backend kind {spec!r}: {found.__qualname__} has no from_config(model_config)"
+        )
+    return cast(BackendKind, found)

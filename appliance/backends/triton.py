@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from tritonclient.grpc import model_config_pb2 as mc
@@ -22,6 +23,9 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 from appliance.backends import wire
 from appliance.backends.base import BackendError, GenerationRequest, Tokens
 from engine_build.pbtxt import GUIDED_DECODING_INPUTS
+
+if TYPE_CHECKING:
+    from appliance.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +187,10 @@ def _is_final(response: ts.ModelInferResponse) -> bool:
 
 class TritonBackend:
     """One model on one Triton-protocol server, behind one persistent channel (a Backend)."""
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> TritonBackend:
+        return cls(config.backend, config.triton_model)
 
     def __init__(self, address: str, model: str) -> None:
         self.address = address

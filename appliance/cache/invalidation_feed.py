@@ -22,11 +22,12 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from redis.exceptions import RedisError
 
 from appliance.cache.l2 import RedisSettings, StreamClient
+from appliance.cache.series import Described, Series
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,23 @@ class _Counters:
 
 class InvalidationFeed:
     """Publishes this gateway's invalidations and applies everyone else's."""
+
+    series: ClassVar[Described] = {
+        "l1_feed_in_step": Series(
+            "1 while L1 follows the other gateways' invalidations on Redis.", gauge=True
+        ),
+        "l1_peer_invalidations": (
+            "Invalidations made through other gateways and applied to this gateway's L1."
+        ),
+        "l1_feed_clears": (
+            "Times L1 was emptied on hearing Redis again, or after falling behind the stream's "
+            "trimming (invalidations may have been missed)."
+        ),
+        "l1_feed_errors": "Times L1 lost the Redis stream of the other gateways' invalidations.",
+        "l1_feed_corrupt_messages": (
+            "Invalidation messages on the Redis stream that could not be read (skipped)."
+        ),
+    }
 
     def __init__(self, settings: RedisSettings, apply: Apply) -> None:
         self.stream = f"{settings.key_prefix}:inv-log"

@@ -18,8 +18,8 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 import redis.asyncio as redis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
@@ -27,9 +27,9 @@ from redis.connection import parse_url
 from redis.exceptions import RedisError
 
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
-from appliance.cache.metrics import CacheMetrics
 from appliance.cache.seal import Sealer
-from appliance.cache.tiers import CacheQuery
+from appliance.cache.series import Described, Series
+from appliance.cache.tiers import CacheQuery, CacheTier, TierContext
 from appliance.gateway.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
@@ -63,16 +63,58 @@ def _key_part(value: str) -> str:
     return "".join(f"%{ord(c):02X}" if c in ":*?[]%\\" else c for c in value)
 
 
-class RedisTier:
-    """The shared tier (a CacheTier). Writes go out in background tasks, off the request path."""
+@dataclass
+class RedisCounters:
+    """The tier's faults: each one a miss (or an answer not kept), never a failed request."""
+
+    l2_timeouts: int = 0
+    l2_errors: int = 0
+    l2_skipped_breaker_open: int = 0
+    l2_corrupt_entries: int = 0
+    # Entries whose authentication tag did not verify (written by something that is not a gateway
+    # of this appliance, or damaged): misses, never answers.
+    l2_forged_entries: int = 0
+    breaker_opened: int = 0
+    write_failures: int = 0
+
+
+class RedisTier(CacheTier):
+    """The shared tier. Writes go out in background tasks, off the request path."""
 
     name = "l2"
+    series: ClassVar[Described] = {
+        "l2_timeouts": Series(
+            "Redis calls over their time budget.", metric="appliance_redis_timeouts"
+        ),
+        "l2_errors": Series("Redis calls that failed.", metric="appliance_redis_errors"),
+        "l2_skipped_breaker_open": Series(
+            "Redis calls not made because the breaker was open.",
+            metric="appliance_redis_skipped_breaker_open",
+        ),
+        "l2_corrupt_entries": Series(
+            "Redis entries that could not be decoded (treated as misses).",
+            metric="appliance_redis_corrupt_entries",
+        ),
+        "l2_forged_entries": Series(
+            "Redis entries whose MAC did not match (refused, treated as misses).",
+            metric="appliance_redis_forged_entries",
+        ),
+        "breaker_opened": Series(
+            "Times the Redis breaker opened.", metric="appliance_redis_breaker_opened"
+        ),
+        "write_failures": Series(
+            "Answers Redis did not take.", metric="appliance_cache_write_failures"
+        ),
+        "breaker_open": Series(
+            "1 while the Redis breaker is open.", gauge=True, metric="appliance_redis_breaker_open"
+        ),
+    }
 
-    def __init__(self, settings: RedisSettings, metrics: CacheMetrics) -> None:
+    def __init__(self, settings: RedisSettings) -> None:
         if not settings.mac_key:
             raise ValueError("RedisSettings.mac_key is required: entries are authenticated")
         self.settings = settings
-        self.metrics = metrics
+        self.metrics = RedisCounters()
         self._sealer = Sealer(settings.mac_key)
         self._writes: set[asyncio.Task[None]] = set()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
@@ -160,17 +202,14 @@ class RedisTier:
         if not await self.put(namespace, model, key, answer):
             self.metrics.write_failures += 1
 
-    def overlaps_engine(self, query: CacheQuery) -> bool:
-        return False
-
-    def prepare(self, query: CacheQuery) -> None:
-        return None
-
-    def forgo(self, query: CacheQuery) -> None:
-        return None
+    @classmethod
+    def build(cls, context: TierContext) -> RedisTier:
+        if context.config.redis is None:  # the configuration refuses l2 without [cache.redis]
+            raise ValueError("the l2 cache tier needs a [cache.redis] table")
+        return cls(context.config.redis)
 
     def counters(self) -> dict[str, int]:
-        return {"breaker_open": int(self.breaker.state != "closed")}
+        return {**asdict(self.metrics), "breaker_open": int(self.breaker.state != "closed")}
 
     async def check(self) -> str:
         """One PING within a start-up budget; an unreachable Redis opens the breaker at once."""

@@ -1,8 +1,12 @@
-"""Counters of the cache: every hit, miss and fault is counted (exported by CacheAdmin.Stats)."""
+"""Counters every cache tier shares: hits by tier, misses, writes, single-flight followers (exported
+by CacheAdmin.Stats and the metrics; each tier counts its own faults itself)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+from appliance.cache.series import Described, Series
 
 
 @dataclass
@@ -11,25 +15,30 @@ class CacheMetrics:
     not_cacheable: int = 0
     single_flight_followers: int = 0
     writes: int = 0
-    write_failures: int = 0
-    l2_timeouts: int = 0
-    l2_errors: int = 0
-    l2_skipped_breaker_open: int = 0
-    l2_corrupt_entries: int = 0
-    # Entries whose authentication tag did not verify (written by something that is not a gateway
-    # of this appliance, or damaged): misses, never answers.
-    l2_forged_entries: int = 0
-    breaker_opened: int = 0
     # Generations started beside a semantic lookup (overlap_engine) and cancelled because it hit:
     # the engine work the overlap wasted.
     engine_cancelled_by_hit: int = 0
-    # Hits by tier name ("l1", "l2", ...), exported as NAME_hits.
-    hits: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0})
+    # Hits by tier name ("l1", "l2", ...), exported as NAME_hits; the cascade lists every tier.
+    hits: dict[str, int] = field(default_factory=dict)
+
+    series: ClassVar[Described] = {
+        "misses": "Cacheable requests no cache tier answered.",
+        "not_cacheable": "Requests whose answer is not cached: sampled, so not deterministic.",
+        "single_flight_followers": (
+            "Requests answered by following an identical request's generation under way."
+        ),
+        "writes": "Answers written to the cache tiers.",
+        "engine_cancelled_by_hit": Series(
+            "Generations started beside a semantic lookup and cancelled by its hit.",
+            metric="appliance_cache_engine_cancelled_by_semantic_hit",
+        ),
+    }
 
     def count_hit(self, tier: str) -> None:
         self.hits[tier] = self.hits.get(tier, 0) + 1
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self, hits: bool = True) -> dict[str, int]:
         counters = {k: v for k, v in asdict(self).items() if k != "hits"}
-        counters.update({f"{tier}_hits": n for tier, n in self.hits.items()})
+        if hits:
+            counters.update({f"{tier}_hits": n for tier, n in self.hits.items()})
         return counters

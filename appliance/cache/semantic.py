@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import unquote
 
 import numpy as np
@@ -52,7 +52,8 @@ from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encod
 from appliance.cache.keys import cache_key
 from appliance.cache.l2 import RedisTier, StreamClient
 from appliance.cache.paraphrase import Rule
-from appliance.cache.tiers import CacheQuery, Hit
+from appliance.cache.series import Described, Series
+from appliance.cache.tiers import CacheQuery, CacheTier, Hit, TierContext
 from appliance.cache.vectors import Entry, VectorIndex
 from appliance.config import SemanticConfig
 
@@ -112,10 +113,69 @@ def decode_record(data: bytes, dim: int) -> tuple[float, bytes, Vector, str, Cac
     return created, scope, vector, text, decode(data[start + text_len :])
 
 
-class SemanticTier:
-    """A CacheTier. Lookups never touch Redis; stores and the follower do, off the request path."""
+class SemanticTier(CacheTier):
+    """Lookups never touch Redis; stores and the follower do, off the request path. It shares its
+    entries through the l2 tier configured before it; without one, its index is this gateway's."""
 
     name = "semantic"
+    series: ClassVar[Described] = {
+        "semantic_entries": Series(
+            "Entries in the semantic index.", gauge=True, metric="appliance_semantic_entries"
+        ),
+        "semantic_bytes": Series(
+            "Bytes the semantic index accounts for (vectors, texts, answers).",
+            gauge=True,
+            metric="appliance_semantic_bytes",
+        ),
+        "semantic_in_sync": Series(
+            "1 while the semantic index is in step with Redis; 0: no semantic hits.",
+            gauge=True,
+            metric="appliance_semantic_in_sync",
+        ),
+        "semantic_lookups": Series(
+            "Semantic lookups made (question embedded, index searched, candidates verified).",
+            metric="appliance_semantic_lookups",
+        ),
+        "semantic_skipped": Series(
+            "Requests the semantic tier passed over: namespace or request not opted in, question "
+            "empty or over 128 word pieces, or its embedding failed.",
+            metric="appliance_semantic_skipped",
+        ),
+        "semantic_unsynced": Series(
+            "Semantic lookups not made because the index was not in step with Redis.",
+            metric="appliance_semantic_unsynced",
+        ),
+        "semantic_refused": Series(
+            "Nearest entries the decision rule refused (a lookup may refuse several).",
+            metric="appliance_semantic_refused_candidates",
+        ),
+        "semantic_stored": Series(
+            "Answers this gateway embedded and indexed.", metric="appliance_semantic_stored"
+        ),
+        "semantic_store_failures": Series(
+            "Semantic entries Redis did not take (the other gateways will not see them).",
+            metric="appliance_semantic_store_failures",
+        ),
+        "semantic_follower_errors": Series(
+            "Times the semantic tier lost its Redis stream (no semantic hits until it rebuilds).",
+            metric="appliance_semantic_follower_errors",
+        ),
+        "semantic_rebuilds": Series(
+            "Rebuilds of the index from Redis.", metric="appliance_semantic_rebuilds"
+        ),
+        "semantic_corrupt_records": Series(
+            "Semantic records in Redis that could not be decoded (skipped).",
+            metric="appliance_semantic_corrupt_records",
+        ),
+        "semantic_forged_records": Series(
+            "Semantic records no gateway sealed for their Redis key (skipped, never an answer).",
+            metric="appliance_semantic_forged_records",
+        ),
+        "semantic_embeddings_cancelled": Series(
+            "Embeddings started when L1 missed and cancelled because L2 answered.",
+            metric="appliance_semantic_embeddings_cancelled",
+        ),
+    }
 
     def __init__(
         self,
@@ -193,6 +253,10 @@ class SemanticTier:
         return self._synced_at is not None and time.monotonic() - self._synced_at < self._stale_s
 
     # -- CacheTier ----------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, context: TierContext) -> SemanticTier | None:
+        return make_semantic_tier(context.config.semantic, context.find(RedisTier))
 
     async def lookup(self, query: CacheQuery) -> Hit | None:
         found = self.eligible(query, asking=True)

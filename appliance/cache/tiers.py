@@ -1,4 +1,5 @@
-"""The cache-tier protocol and the cascade the gateway looks answers up in.
+"""The cache-tier base class, the tiers the configuration can name, and the cascade the gateway
+looks answers up in.
 
 A tier finds an answer for a CacheQuery: the exact tiers use its key alone; a semantic tier needs the
 normalized input, the namespace, the model identity and the sampling parameters, so the query carries
@@ -10,24 +11,35 @@ an exact entry that outlives the judgment (an invalidation of the cached questio
 A tier may say that its lookup of a query overlaps the engine: the gateway then asks the tiers before
 it, and on their miss asks it and the tiers after it while the generation starts (split, then lookup
 with start and stop). The counting and copying are the same either way.
+
+A tier is one class: `[cache] tiers` names it (a built-in name, or `package.module:Class`), its
+`build` makes it from the configuration, and its `name` and `series` are all the final message, the
+metrics and CacheAdmin.Stats need to report it.
 """
 
 from __future__ import annotations
 
+import abc
+import inspect
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Self, TypeVar
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l1 import LruCache
 from appliance.cache.metrics import CacheMetrics
+from appliance.cache.series import Described, Series, described
+from appliance.plugins import load_class
 
-if TYPE_CHECKING:  # the feed is built on L2's client, which imports this module
+if TYPE_CHECKING:  # the feed is built on L2's client, and the configuration on L2's settings
     from appliance.cache.invalidation_feed import InvalidationFeed
+    from appliance.config import CacheConfig
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,73 +70,143 @@ class Hit:
     entry: bytes = b""
 
 
-class CacheTier(Protocol):
-    """One place answers are kept. `name` labels its counters ("l1" → l1_hits)."""
+class TierError(ValueError):
+    """A tier that cannot take part in the cascade; the message is one line saying what to fix."""
 
-    name: str
 
+# The tiers the configuration names without an import path, in the default order.
+BUILTIN_TIERS = {
+    "l1": "appliance.cache.tiers:L1Tier",
+    "l2": "appliance.cache.l2:RedisTier",
+    "semantic": "appliance.cache.semantic:SemanticTier",
+}
+# What a final message says when no tier answered; no tier may take it as its name.
+MISS = "miss"
+HITS_METRIC = "appliance_cache_hits"
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier is built from: the cache's configuration, the counters every tier shares, and
+    the tiers configured before it (a tier that works through another finds it here)."""
+
+    config: CacheConfig
+    metrics: CacheMetrics
+    before: tuple[CacheTier, ...] = ()
+
+    def find(self, kind: type[_T]) -> _T | None:
+        return next((tier for tier in self.before if isinstance(tier, kind)), None)
+
+
+class CacheTier(abc.ABC):
+    """One place answers are kept, and the base of every tier.
+
+    A tier declares its `name` (what the final message and the HTTP `appliance` object report when
+    it answers, and the `tier` label of its hits) and, in `series`, every number its `counters()`
+    reports with a line of help (the metrics, CacheAdmin.Stats and start-up's checks read it). Only
+    `lookup` has no default: a tier that keeps answers also overrides `store` and `invalidate`.
+    """
+
+    name: ClassVar[str]
+    series: ClassVar[Described] = {}
+
+    @classmethod
+    def build(cls, context: TierContext) -> Self | None:
+        """The tier for this configuration, or None when it is off (said in a log line)."""
+        return cls()
+
+    @abc.abstractmethod
     async def lookup(self, query: CacheQuery) -> CachedAnswer | Hit | None:
         """The answer for the query (a Hit when the tier says more than the answer), or None; a
         fault is a (counted) miss, never an exception."""
-        ...
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         """Keeps the answer; must not wait on I/O (slow tiers write in the background)."""
-        ...
+        return None
 
     def overlaps_engine(self, query: CacheQuery) -> bool:
         """Whether the lookup of this query runs while the engine's generation starts, instead of
         before it: worth it only for a tier slower than starting a generation."""
-        ...
+        return False
 
     def prepare(self, query: CacheQuery) -> None:
         """Starts, without waiting, work its lookup of this query will need: the cascade calls it
         once the first tier has missed, so the work runs while the tiers before this one answer."""
-        ...
+        return None
 
     def forgo(self, query: CacheQuery) -> None:
         """A tier before this one answered the query it was asked to prepare: the work started
         for it may stop."""
-        ...
+        return None
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         """Drops entries of a namespace and/or model ("" matches any), or only the entry of that
         key among them; returns how many."""
-        ...
+        return 0
 
     def counters(self) -> dict[str, int]:
-        """Gauges of the tier's own (entries, bytes, breaker state)."""
-        ...
+        """The numbers `series` declares, by name (entries, bytes, faults, breaker state)."""
+        return {}
 
     async def check(self) -> str:
         """ "" when the tier works, else why not (said once at start-up: degraded, not failed)."""
-        ...
+        return ""
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        return None
 
 
-class L1Tier:
+def tier_class(spec: str) -> type[CacheTier]:
+    """The tier class a configuration entry names (a built-in name or `package.module:Class`),
+    its name and counters checked; TierError or PluginError (ValueErrors) say what to fix."""
+    found = load_class(spec, BUILTIN_TIERS, "cache tier")
+    if not issubclass(found, CacheTier):
+        raise TierError(f"cache tier {spec!r}: {found.__qualname__} is not a CacheTier subclass")
+    if inspect.isabstract(found):
+        raise TierError(f"cache tier {spec!r}: {found.__qualname__} does not define lookup")
+    name = getattr(found, "name", None)
+    if not (isinstance(name, str) and _NAME.fullmatch(name)) or name == MISS:
+        raise TierError(
+            f"cache tier {spec!r}: name {name!r} must be up to 32 lowercase letters, digits "
+            f"and _ (and not {MISS!r}): the final message reports it"
+        )
+    described(f"cache tier {spec!r}", found.series)
+    return found
+
+
+class L1Tier(CacheTier):
     """The in-process LRU as a tier: a hit never leaves the event loop."""
 
     name = "l1"
+    series: ClassVar[Described] = {
+        "l1_entries": Series("Entries in the in-process L1 cache.", gauge=True),
+        "l1_bytes": Series("Bytes of the answers in L1.", gauge=True),
+        "l1_held_puts": (
+            "Answers L1 refused because an invalidation had just named them, or all of L1 was "
+            "held (a burst of invalidations, or L1 emptied after Redis came back): a Redis read "
+            "begun before it must not copy a dropped answer back."
+        ),
+    }
 
     def __init__(self, lru: LruCache) -> None:
         self.lru = lru
+
+    @classmethod
+    def build(cls, context: TierContext) -> L1Tier:
+        config = context.config
+        # A Redis read under way when an invalidation lands ends within its time budget: past
+        # twice that, its answer can no longer be copied back into L1.
+        hold_s = 1.0 if config.redis is None else max(1.0, 2 * config.redis.timeout_ms / 1000)
+        return cls(
+            LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s, hold_s=hold_s)
+        )
 
     async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
         return self.lru.get(query.key)
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         self.lru.put(query.key, answer, (query.namespace, query.model.name))
-
-    def overlaps_engine(self, query: CacheQuery) -> bool:
-        return False
-
-    def prepare(self, query: CacheQuery) -> None:
-        return None
-
-    def forgo(self, query: CacheQuery) -> None:
-        return None
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         return self.lru.invalidate(namespace, model, entry)
@@ -135,12 +217,6 @@ class L1Tier:
             "l1_bytes": self.lru.bytes,
             "l1_held_puts": self.lru.held,
         }
-
-    async def check(self) -> str:
-        return ""
-
-    async def close(self) -> None:
-        return None
 
 
 class TierCascade:
@@ -159,6 +235,9 @@ class TierCascade:
         self.tiers = tuple(tiers)
         self.metrics = metrics
         self.feed = feed
+        for tier in self.tiers:  # every tier's hits are reported, the first one included
+            metrics.hits.setdefault(tier.name, 0)
+        self._described: dict[str, Series] | None = None
 
     def split(self, query: CacheQuery) -> int:
         """The index of the first tier whose lookup of this query overlaps the engine (the ones
@@ -240,6 +319,43 @@ class TierCascade:
         if self.feed is not None:
             counters.update(self.feed.counters())
         return counters
+
+    def describe(self) -> dict[str, Series]:
+        """Every number `counters()` reports but the hits (one family, labelled by tier), with its
+        help line and Prometheus name. Checked once, at start-up: TierError when two tiers share a
+        name or a number, or a tier reports a number it does not declare, or declares one it does
+        not report."""
+        if self._described is not None:
+            return self._described
+        owners: list[tuple[str, Described, dict[str, int]]] = [
+            ("the cache", CacheMetrics.series, self.metrics.as_dict(hits=False))
+        ]
+        if self.feed is not None:
+            owners.append(("the invalidation feed", self.feed.series, self.feed.counters()))
+        names: set[str] = set()
+        for tier in self.tiers:
+            if tier.name in names:
+                raise TierError(f"two cache tiers are named {tier.name!r}: names must differ")
+            names.add(tier.name)
+            owners.append((f"cache tier {tier.name!r}", tier.series, tier.counters()))
+        found: dict[str, Series] = {}
+        metrics = {HITS_METRIC}
+        taken = {f"{name}_hits" for name in names}
+        for owner, series, reported in owners:
+            declared = described(owner, series)
+            if undeclared := sorted(set(reported) - set(declared)):
+                raise TierError(
+                    f"{owner}: counter {undeclared[0]!r} has no description: declare it in series"
+                )
+            if unreported := sorted(set(declared) - set(reported)):
+                raise TierError(f"{owner}: counters() does not report {unreported[0]!r}")
+            for key, s in declared.items():
+                if key in found or key in taken or s.metric in metrics:
+                    raise TierError(f"{owner}: counter {key!r} ({s.metric}) is taken already")
+                found[key] = s
+                metrics.add(s.metric)
+        self._described = found
+        return found
 
     async def check(self) -> None:
         """Says at start-up which tiers do not work (requests still do, without them); starts

@@ -7,8 +7,8 @@ histogram observations on the event loop, nothing else. Everything that is alrea
 by a collector: the request path pays nothing for it.
 
 Names follow Prometheus conventions (base units, `_total` counters, `_seconds` histograms) under the
-`appliance_` prefix; labels: `model` (the model the client asked for), `tier` (`miss`, `l1`, `l2`,
-`semantic`), `status` (gRPC status name), `finish_reason`.
+`appliance_` prefix; labels: `model` (the model the client asked for), `tier` (`miss`, or the name
+of the configured cache tier that answered: `l1`, `l2`, `semantic`, ...), `status` (gRPC status name), `finish_reason`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from appliance.cache.tiers import HITS_METRIC
 from appliance.gateway.report import RequestReport
 
 if TYPE_CHECKING:
@@ -347,7 +348,7 @@ class _StateCollector(Collector):
         )
         yield from _admission_series(self._admission)
         if self._cache is not None:
-            yield from _cache_series(self._cache.counters())
+            yield from _cache_series(self._cache)
 
 
 _T = TypeVar("_T")
@@ -414,128 +415,14 @@ def _admission_series(admission: Admission) -> Iterable[GaugeMetricFamily | Coun
     yield refused
 
 
-# Cache counter name → (metric, help) in Prometheus' naming; counters get `_total` on the wire.
-_CACHE_COUNTERS = {
-    "misses": ("appliance_cache_misses", "Cacheable requests no cache tier answered."),
-    "not_cacheable": (
-        "appliance_cache_not_cacheable",
-        "Requests whose answer is not cached: sampled, so not deterministic.",
-    ),
-    "single_flight_followers": (
-        "appliance_cache_single_flight_followers",
-        "Requests answered by following an identical request's generation under way.",
-    ),
-    "writes": ("appliance_cache_writes", "Answers written to the cache tiers."),
-    "write_failures": ("appliance_cache_write_failures", "Answers Redis did not take."),
-    "l2_timeouts": ("appliance_redis_timeouts", "Redis calls over their time budget."),
-    "l2_errors": ("appliance_redis_errors", "Redis calls that failed."),
-    "l2_skipped_breaker_open": (
-        "appliance_redis_skipped_breaker_open",
-        "Redis calls not made because the breaker was open.",
-    ),
-    "l2_corrupt_entries": (
-        "appliance_redis_corrupt_entries",
-        "Redis entries that could not be decoded (treated as misses).",
-    ),
-    "l2_forged_entries": (
-        "appliance_redis_forged_entries",
-        "Redis entries whose MAC did not match (refused, treated as misses).",
-    ),
-    "breaker_opened": ("appliance_redis_breaker_opened", "Times the Redis breaker opened."),
-    "engine_cancelled_by_hit": (
-        "appliance_cache_engine_cancelled_by_semantic_hit",
-        "Generations started beside a semantic lookup and cancelled by its hit.",
-    ),
-    "l1_held_puts": (
-        "appliance_cache_l1_held_puts",
-        "Answers L1 refused because an invalidation had just named them, or all of L1 was held "
-        "(a burst of invalidations, or L1 emptied after Redis came back): a Redis read begun "
-        "before it must not copy a dropped answer back.",
-    ),
-    "l1_peer_invalidations": (
-        "appliance_cache_l1_peer_invalidations",
-        "Invalidations made through other gateways and applied to this gateway's L1.",
-    ),
-    "l1_feed_clears": (
-        "appliance_cache_l1_feed_clears",
-        "Times L1 was emptied on hearing Redis again, or after falling behind the stream's "
-        "trimming (invalidations may have been missed).",
-    ),
-    "l1_feed_errors": (
-        "appliance_cache_l1_feed_errors",
-        "Times L1 lost the Redis stream of the other gateways' invalidations.",
-    ),
-    "l1_feed_corrupt_messages": (
-        "appliance_cache_l1_feed_corrupt_messages",
-        "Invalidation messages on the Redis stream that could not be read (skipped).",
-    ),
-    "semantic_lookups": (
-        "appliance_semantic_lookups",
-        "Semantic lookups made (question embedded, index searched, candidates verified).",
-    ),
-    "semantic_skipped": (
-        "appliance_semantic_skipped",
-        "Requests the semantic tier passed over: namespace or request not opted in, question "
-        "empty or over 128 word pieces, or its embedding failed.",
-    ),
-    "semantic_unsynced": (
-        "appliance_semantic_unsynced",
-        "Semantic lookups not made because the index was not in step with Redis.",
-    ),
-    "semantic_refused": (
-        "appliance_semantic_refused_candidates",
-        "Nearest entries the decision rule refused (a lookup may refuse several).",
-    ),
-    "semantic_stored": ("appliance_semantic_stored", "Answers this gateway embedded and indexed."),
-    "semantic_store_failures": (
-        "appliance_semantic_store_failures",
-        "Semantic entries Redis did not take (the other gateways will not see them).",
-    ),
-    "semantic_follower_errors": (
-        "appliance_semantic_follower_errors",
-        "Times the semantic tier lost its Redis stream (no semantic hits until it rebuilds).",
-    ),
-    "semantic_rebuilds": ("appliance_semantic_rebuilds", "Rebuilds of the index from Redis."),
-    "semantic_corrupt_records": (
-        "appliance_semantic_corrupt_records",
-        "Semantic records in Redis that could not be decoded (skipped).",
-    ),
-    "semantic_forged_records": (
-        "appliance_semantic_forged_records",
-        "Semantic records no gateway sealed for their Redis key (skipped, never an answer).",
-    ),
-    "semantic_embeddings_cancelled": (
-        "appliance_semantic_embeddings_cancelled",
-        "Embeddings started when L1 missed and cancelled because L2 answered.",
-    ),
-}
-_CACHE_GAUGES = {
-    "l1_entries": ("appliance_cache_l1_entries", "Entries in the in-process L1 cache."),
-    "l1_bytes": ("appliance_cache_l1_bytes", "Bytes of the answers in L1."),
-    "breaker_open": ("appliance_redis_breaker_open", "1 while the Redis breaker is open."),
-    "l1_feed_in_step": (
-        "appliance_cache_l1_feed_in_step",
-        "1 while L1 follows the other gateways' invalidations on Redis.",
-    ),
-    "semantic_entries": ("appliance_semantic_entries", "Entries in the semantic index."),
-    "semantic_bytes": (
-        "appliance_semantic_bytes",
-        "Bytes the semantic index accounts for (vectors, texts, answers).",
-    ),
-    "semantic_in_sync": (
-        "appliance_semantic_in_sync",
-        "1 while the semantic index is in step with Redis; 0: no semantic hits.",
-    ),
-}
-
-
-def _cache_series(counters: dict[str, int]) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-    hits = CounterMetricFamily("appliance_cache_hits", "Cache hits by tier.", labels=("tier",))
-    for key, value in counters.items():
-        if key.endswith("_hits"):
-            hits.add_metric((key.removesuffix("_hits"),), value)
-        elif key in _CACHE_COUNTERS:
-            yield CounterMetricFamily(*_CACHE_COUNTERS[key], value=value)
-        elif key in _CACHE_GAUGES:
-            yield GaugeMetricFamily(*_CACHE_GAUGES[key], value=value)
+def _cache_series(cache: TierCascade) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+    """The cache's numbers as the configured tiers declare them (TierCascade.describe), and one
+    hits family labelled by tier."""
+    counters = cache.counters()
+    for key, series in cache.describe().items():
+        family = GaugeMetricFamily if series.gauge else CounterMetricFamily
+        yield family(series.metric, series.help, value=counters.get(key, 0))
+    hits = CounterMetricFamily(HITS_METRIC, "Cache hits by tier.", labels=("tier",))
+    for tier, value in list(cache.metrics.hits.items()):
+        hits.add_metric((tier,), value)
     yield hits

@@ -10,8 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.backends.base import Backend, BackendError
-from appliance.backends.triton import TritonBackend
+from appliance.backends.base import Backend, BackendError, backend_kind
 from appliance.cache.keys import ModelIdentity
 from appliance.config import GatewayConfig, ModelConfig
 from appliance.gateway.breaker import CircuitBreaker
@@ -134,7 +133,7 @@ async def load_models(config: GatewayConfig) -> dict[str, ServedModel]:
                 text = ModelText.load(cfg.tokenizer_dir)
             except (TokenizerLoadError, ValueError) as exc:
                 raise StartupError(f"model '{name}': {exc}", exit_status=2) from exc
-            backend = TritonBackend(cfg.backend, cfg.triton_model)
+            backend = backend_kind(cfg.backend_kind).from_config(cfg)
             models[name] = _served(cfg, text, backend, cached=config.cache.enabled)
             try:
                 await backend.wait_ready(cfg.ready_timeout_s)

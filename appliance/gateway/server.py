@@ -17,11 +17,9 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from appliance import sdnotify
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.cache.invalidation_feed import InvalidationFeed
-from appliance.cache.l1 import LruCache
-from appliance.cache.l2 import RedisTier
 from appliance.cache.metrics import CacheMetrics
-from appliance.cache.semantic import SemanticTier, make_semantic_tier
-from appliance.cache.tiers import CacheTier, L1Tier, TierCascade
+from appliance.cache.semantic import SemanticTier
+from appliance.cache.tiers import CacheTier, L1Tier, TierCascade, TierContext, tier_class
 from appliance.config import CacheConfig, GatewayConfig
 from appliance.gateway import decoding
 from appliance.gateway.admission import GatedAdmission, ModelGate
@@ -50,23 +48,26 @@ ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheAdmin"].full_name
 
 
 def make_cache(config: CacheConfig) -> TierCascade | None:
+    """The configured tiers in their order (a tier whose `build` says it is off is left out), L1's
+    invalidation feed with Redis; StartupError when a tier's counters and declarations differ."""
     if not config.enabled:
         return None
     metrics = CacheMetrics()
-    # A Redis read under way when an invalidation lands ends within its time budget: past twice
-    # that, its answer can no longer be copied back into L1.
-    hold_s = 1.0 if config.redis is None else max(1.0, 2 * config.redis.timeout_ms / 1000)
-    lru = LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s, hold_s=hold_s)
-    feed = None if config.redis is None else InvalidationFeed(config.redis, lru.invalidate)
-    tiers: list[CacheTier] = [L1Tier(lru)]
-    l2 = RedisTier(config.redis, metrics) if config.redis is not None else None
-    if l2 is not None:
-        tiers.append(l2)
-    if config.semantic.enabled:
-        semantic = make_semantic_tier(config.semantic, l2)
-        if semantic is not None:
-            tiers.append(semantic)
-    return TierCascade(tiers, metrics, feed)
+    tiers: list[CacheTier] = []
+    for spec in config.order:
+        tier = tier_class(spec).build(TierContext(config, metrics, tuple(tiers)))
+        if tier is not None:
+            tiers.append(tier)
+    l1 = next((tier for tier in tiers if isinstance(tier, L1Tier)), None)
+    feed = None
+    if l1 is not None and config.redis is not None:
+        feed = InvalidationFeed(config.redis, l1.lru.invalidate)
+    cascade = TierCascade(tiers, metrics, feed)
+    try:
+        cascade.describe()
+    except ValueError as exc:
+        raise StartupError(str(exc), exit_status=2) from None
+    return cascade
 
 
 def make_admission(config: GatewayConfig, models: dict[str, ServedModel]) -> GatedAdmission:

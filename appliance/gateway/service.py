@@ -224,11 +224,11 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
             report.admin_call("Invalidate", *audit, "UNAVAILABLE", f"error={why:.200}")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis invalidation failed: {why}")
         counts = {f"{tier}_removed": removed.get(tier, 0) for tier in ("l1", "l2", "semantic")}
-        what = " ".join(f"{name}={n}" for name, n in counts.items())
+        what = " ".join(f"{name}_removed={n}" for name, n in removed.items())
         report.admin_call(
             "Invalidate", *audit, "OK", what if entry is None else f"entry={entry.hex()} {what}"
         )
-        return pb.InvalidateResponse(**counts)
+        return pb.InvalidateResponse(**counts, removed=removed)
 
     async def Stats(
         self, request: pb.CacheStatsRequest, context: grpc.aio.ServicerContext

@@ -27,6 +27,7 @@ class CacheTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_TIER_EXACT_L1: _ClassVar[CacheTier]
     CACHE_TIER_EXACT_L2: _ClassVar[CacheTier]
     CACHE_TIER_SEMANTIC: _ClassVar[CacheTier]
+    CACHE_TIER_OTHER: _ClassVar[CacheTier]
 
 class GuideType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +48,7 @@ CACHE_TIER_MISS: CacheTier
 CACHE_TIER_EXACT_L1: CacheTier
 CACHE_TIER_EXACT_L2: CacheTier
 CACHE_TIER_SEMANTIC: CacheTier
+CACHE_TIER_OTHER: CacheTier
 GUIDE_TYPE_UNSPECIFIED: GuideType
 GUIDE_TYPE_JSON: GuideType
 GUIDE_TYPE_JSON_SCHEMA: GuideType
@@ -146,7 +148,7 @@ class Timings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., ttft_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "cache_tier", "model", "degraded", "similarity", "cache_entry")
+    __slots__ = ("finish_reason", "usage", "timings", "cache_tier", "model", "degraded", "similarity", "cache_entry", "cache_tier_name")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class Final(_message.Message):
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TIER_NAME_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
@@ -163,7 +166,8 @@ class Final(_message.Message):
     degraded: bool
     similarity: float
     cache_entry: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., cache_tier: _Optional[_Union[CacheTier, str]] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ..., similarity: _Optional[float] = ..., cache_entry: _Optional[str] = ...) -> None: ...
+    cache_tier_name: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., cache_tier: _Optional[_Union[CacheTier, str]] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ..., similarity: _Optional[float] = ..., cache_entry: _Optional[str] = ..., cache_tier_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "final", "logprobs")
@@ -206,14 +210,23 @@ class InvalidateRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., model: _Optional[str] = ..., all: _Optional[bool] = ..., entry: _Optional[str] = ...) -> None: ...
 
 class InvalidateResponse(_message.Message):
-    __slots__ = ("l1_removed", "l2_removed", "semantic_removed")
+    __slots__ = ("l1_removed", "l2_removed", "semantic_removed", "removed")
+    class RemovedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     L1_REMOVED_FIELD_NUMBER: _ClassVar[int]
     L2_REMOVED_FIELD_NUMBER: _ClassVar[int]
     SEMANTIC_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     l1_removed: int
     l2_removed: int
     semantic_removed: int
-    def __init__(self, l1_removed: _Optional[int] = ..., l2_removed: _Optional[int] = ..., semantic_removed: _Optional[int] = ...) -> None: ...
+    removed: _containers.ScalarMap[str, int]
+    def __init__(self, l1_removed: _Optional[int] = ..., l2_removed: _Optional[int] = ..., semantic_removed: _Optional[int] = ..., removed: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class CacheStatsRequest(_message.Message):
     __slots__ = ()

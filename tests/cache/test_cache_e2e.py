@@ -15,7 +15,6 @@ import pytest
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.l2 import RedisSettings, RedisTier
-from appliance.cache.metrics import CacheMetrics
 from appliance.config import CacheConfig, GatewayConfig, HttpConfig, ModelConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import load_models
@@ -604,10 +603,8 @@ async def test_more_lookups_than_connections_wait_for_one_instead_of_failing(
     redis_server: RedisServer,
 ) -> None:
     # A burst larger than the pool is not a Redis fault: it must neither miss nor open the breaker.
-    metrics = CacheMetrics()
     tier = RedisTier(
-        RedisSettings(url=redis_server.url, timeout_ms=5000.0, max_connections=2, mac_key=MAC_KEY),
-        metrics,
+        RedisSettings(url=redis_server.url, timeout_ms=5000.0, max_connections=2, mac_key=MAC_KEY)
     )
     answer = CachedAnswer("an answer", (1, 2, 3), "stop", 4, 3)
     try:
@@ -616,5 +613,6 @@ async def test_more_lookups_than_connections_wait_for_one_instead_of_failing(
     finally:
         await tier.close()
     assert hits == [answer] * 64
-    assert (metrics.l2_errors, metrics.l2_timeouts, metrics.breaker_opened) == (0, 0, 0)
+    faults = tier.metrics
+    assert (faults.l2_errors, faults.l2_timeouts, faults.breaker_opened) == (0, 0, 0)
     assert tier.breaker.state == "closed"

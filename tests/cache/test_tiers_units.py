@@ -313,9 +313,7 @@ async def _drain(it: AsyncIterator[int]) -> list[int]:
 async def test_a_cancelled_probe_counts_as_a_failed_probe() -> None:
     """A caller whose deadline passes during the half-open probe must not leave the breaker
     waiting for that probe forever (L2 would stay off until a restart)."""
-    tier = RedisTier(
-        RedisSettings(breaker_failures=1, breaker_reset_s=0.0, mac_key=b"k" * 32), CacheMetrics()
-    )
+    tier = RedisTier(RedisSettings(breaker_failures=1, breaker_reset_s=0.0, mac_key=b"k" * 32))
     tier.breaker.failure()  # open; reset_s 0: the next call is the half-open probe
     started = asyncio.Event()
 

@@ -158,3 +158,51 @@ def test_semantic_table_is_checked(tmp_path: Path, extra: str, expected: str) ->
     with pytest.raises(ConfigError, match=r":\d+: ") as err:
         load_config(_write(tmp_path, GOOD + f"\n[cache.semantic]\n{extra}\n"))
     assert expected in str(err.value)
+
+
+def test_cache_tiers_default_to_todays_order(tmp_path: Path) -> None:
+    from appliance.security.secretfile import write_secret
+
+    write_secret(tmp_path / "mac")
+    redis = '\n[cache.redis]\nmac_key_file = "mac"\n'
+    semantic = '\n[cache.semantic]\nenabled = true\nnamespaces = ["*"]\n'
+    assert load_config(_write(tmp_path, GOOD)).cache.order == ("l1",)
+    assert load_config(_write(tmp_path, GOOD + redis)).cache.order == ("l1", "l2")
+    both = load_config(_write(tmp_path, GOOD + redis + semantic)).cache
+    assert both.tiers is None and both.order == ("l1", "l2", "semantic")
+    listed = GOOD + '\n[cache]\ntiers = ["l2", "l1"]\n' + redis
+    assert load_config(_write(tmp_path, listed)).cache.order == ("l2", "l1")
+
+
+@pytest.mark.parametrize(
+    ("tiers", "expected"),
+    [
+        ('["l1", "l3"]', "unknown cache tier 'l3': expected one of 'l1', 'l2', 'semantic'"),
+        ('["l1", "l1"]', "'l1' is listed twice"),
+        ("[]", "list at least one tier"),
+        ('["l1", "l2"]', "'l2' needs a \\[cache.redis\\] table"),
+        ('["l1", "semantic"]', "'semantic' is listed but \\[cache.semantic\\] is not enabled"),
+        ('["l1", "no_such_module:Tier"]', "cannot import no_such_module"),
+        ('["l1", "appliance.cache.tiers:Nothing"]', "appliance.cache.tiers has no class Nothing"),
+        ('["l1", "appliance.cache.tiers:CacheQuery"]', "CacheQuery is not a CacheTier subclass"),
+        ('["l1", "appliance.cache.tiers:CacheTier"]', "CacheTier does not define lookup"),
+        ('["l1", "appliance.cache.tiers:L1Tier"]', "two tiers are named 'l1'"),
+    ],
+)
+def test_cache_tiers_are_checked(tmp_path: Path, tiers: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=f"key 'cache.tiers': .*{expected}") as refused:
+        load_config(_write(tmp_path, GOOD + f"\n[cache]\ntiers = {tiers}\n"))
+    assert "\n" not in str(refused.value)
+
+
+def test_backend_kind_defaults_to_triton_and_unknown_kinds_are_refused(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, GOOD)).models["tiny"].backend_kind == "triton"
+    for kind, expected in (
+        ("vllm", "unknown backend kind 'vllm': expected one of 'triton', or package.module:Class"),
+        ("appliance.cache.tiers:L1Tier", "backend kind '.*': L1Tier has no from_config"),
+    ):
+        text = GOOD.replace(
+            'tokenizer_dir = "tok"', f'tokenizer_dir = "tok"\nbackend_kind = "{kind}"'
+        )
+        with pytest.raises(ConfigError, match=f":9: key 'models.tiny.backend_kind': {expected}"):
+            load_config(_write(tmp_path, text))
