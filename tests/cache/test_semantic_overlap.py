@@ -33,15 +33,12 @@ from tests.cache.test_semantic_e2e import (
     SEMANTIC,
     HeldEmbedding,
     ask,
-    redis_server,
     semantic_config,
     semantic_tier,
     stored,
     until,
 )
 from tests.conftest import Engine, Tiny, engine_to_stop
-
-__all__ = ["redis_server"]  # the module's Redis fixture, shared
 
 PARAPHRASE = "How can I get rid of acne?"
 # Long enough that a generation is still running when the lookup ends (the test cancels it).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -23,14 +23,6 @@ from tests.security.conftest import Keys, bearer, gateway_config, running
 
 MAC_KEY = b"security-test-mac-key-0123456789"
 prompts = iter(range(10**9))
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.kill()
 
 
 def cache(redis_server: RedisServer) -> CacheConfig:
