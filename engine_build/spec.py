@@ -10,13 +10,12 @@ names the file, the line and the key (appliance.tomlcheck, as the gateway's conf
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from appliance import tomlcheck
-from appliance.tomlcheck import Table
+from appliance.tomlcheck import Fail, Table
 from engine_build.errors import SpecError
 from engine_build.formats import (
     AWQ_BLOCK_SIZES,
@@ -201,7 +200,8 @@ class _Table(Table):
     error = SpecError
 
 
-Fail = Callable[[str, str], NoReturn]
+# Refusals of a value built in code (no file to name).
+_REFUSE = tomlcheck.refusal(SpecError)
 
 
 def _resolve(base: Path, value: str) -> Path:
@@ -259,19 +259,11 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
         values["gpu_ids"] = tuple(range(values["tp_size"]))
     spec = BuildSpec(source=source, **values)
 
-    def fail(dotted: str, message: str) -> NoReturn:
-        section, key = dotted.split(".")
-        tables[section].fail(key, message)
-
-    validate(spec, fail)
+    validate(spec, tomlcheck.refusal_in(tables))
     return spec
 
 
-def _refuse(dotted: str, message: str) -> NoReturn:
-    raise SpecError(f"key '{dotted}': {message}")
-
-
-def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
+def validate(spec: BuildSpec, fail: Fail = _REFUSE) -> None:
     """Refuse contradictory or unsupported values; `fail` names the key (and its line)."""
     choices = {
         "precision.dtype": (spec.dtype, DTYPES),
