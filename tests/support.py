@@ -1,8 +1,8 @@
-"""Scaffolding the suites share: waiting on a condition, and a gateway configuration with test
-defaults.
+"""Scaffolding the suites share: waiting on a condition (a bounded poll, or the engine's own
+condition variable), and a gateway configuration with test defaults.
 
-Only the standard library and pytest are imported at module level: engine_build and host_tuning
-use `until` without loading the gateway's dependencies.
+Only the standard library and pytest are imported at module level: host_tuning's tests use `until`
+without loading the gateway's dependencies.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, overload
 
 import pytest
 
@@ -33,7 +33,7 @@ T = TypeVar("T")
 Message = str | Callable[[], str]
 
 
-def _fail(message: Message, timeout: float) -> None:
+def _fail(message: Message, timeout: float) -> NoReturn:
     text = message() if callable(message) else message
     pytest.fail(f"{text} (waited {timeout:g} s)")
 
