@@ -219,17 +219,11 @@ def load_config(path: Path) -> GatewayConfig:
         server_data,
         {"listen", "drain_seconds", "log_level", "log_format", "access_log", "allow_plaintext"},
     )
-    log_level = srv.get("log_level", str, "info")
-    if log_level not in _LOG_LEVELS:
-        srv.fail("log_level", f"expected one of {', '.join(_LOG_LEVELS)}, got {log_level!r}")
-    log_format = srv.get("log_format", str, "text")
-    if log_format not in _LOG_FORMATS:
-        srv.fail("log_format", f"expected one of {', '.join(_LOG_FORMATS)}, got {log_format!r}")
     server = ServerConfig(
         listen=_address(srv, "listen", ServerConfig.listen),
         drain_seconds=srv.get("drain_seconds", float, ServerConfig.drain_seconds),
-        log_level=log_level,
-        log_format=log_format,
+        log_level=srv.choice("log_level", _LOG_LEVELS, ServerConfig.log_level),
+        log_format=srv.choice("log_format", _LOG_FORMATS, ServerConfig.log_format),
         access_log=srv.get("access_log", bool, True),
         allow_plaintext=srv.get("allow_plaintext", bool, False),
     )

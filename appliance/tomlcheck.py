@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Self
 
@@ -48,6 +49,14 @@ def line_of(text: str, table: str, key: str | None) -> int:
     return table_line
 
 
+def loads(text: str, source: Path, error: type[Exception] = TomlError) -> dict[str, Any]:
+    """The decoded document of `text`, read from `source` (named in the message)."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{source}: not valid TOML: {exc}") from exc
+
+
 def read(path: Path, what: str, error: type[Exception] = TomlError) -> tuple[str, dict[str, Any]]:
     """The text and the decoded document of `path`; `what` names the file in the messages."""
     try:
@@ -56,10 +65,31 @@ def read(path: Path, what: str, error: type[Exception] = TomlError) -> tuple[str
         raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise error(f"{path}: {what} is not UTF-8 text: {exc.reason}") from exc
-    try:
-        return text, tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise error(f"{path}: not valid TOML: {exc}") from exc
+    return text, loads(text, path, error)
+
+
+# A refusal of one value, named 'SECTION.KEY'; a loader's checks of a whole document take one, so
+# the same checks serve a file (the message names its line) and a value built in code.
+Fail = Callable[[str, str], NoReturn]
+
+
+def refusal(error: type[Exception]) -> Fail:
+    """Refuses with `error` naming the key only: the value was not read from a file."""
+
+    def fail(dotted: str, message: str) -> NoReturn:
+        raise error(f"key '{dotted}': {message}")
+
+    return fail
+
+
+def refusal_in(tables: Mapping[str, Table]) -> Fail:
+    """Refuses naming the file and the line of 'SECTION.KEY' among `tables`, by section."""
+
+    def fail(dotted: str, message: str) -> NoReturn:
+        section, key = dotted.split(".", 1)
+        tables[section].fail(key, message)
+
+    return fail
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)\s*$", re.IGNORECASE)

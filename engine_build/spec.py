@@ -10,13 +10,12 @@ names the file, the line and the key (appliance.tomlcheck, as the gateway's conf
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from appliance import tomlcheck
-from appliance.tomlcheck import Table
+from appliance.tomlcheck import Fail, Table
 from engine_build.errors import BuildError, SpecError
 from engine_build.formats import (
     AWQ_BLOCK_SIZES,
@@ -255,7 +254,8 @@ class _Table(Table):
     error = SpecError
 
 
-Fail = Callable[[str, str], NoReturn]
+# Refusals of a value built in code (no file to name).
+_REFUSE = tomlcheck.refusal(SpecError)
 
 
 def _resolve(base: Path, value: str) -> Path:
@@ -362,22 +362,11 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
     spec = BuildSpec(source=source, **values)
 
     speculative = top.sub("speculative", {"mode", *_SPECULATIVE_KEYS})
-
-    def fail(dotted: str, message: str) -> NoReturn:
-        section, key = dotted.split(".")
-        if section == "speculative":
-            speculative.fail(key, message)
-        tables[section].fail(key, message)
-
-    validate(spec, fail)
+    validate(spec, tomlcheck.refusal_in({**tables, "speculative": speculative}))
     return spec
 
 
-def _refuse(dotted: str, message: str) -> NoReturn:
-    raise SpecError(f"key '{dotted}': {message}")
-
-
-def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
+def validate(spec: BuildSpec, fail: Fail = _REFUSE) -> None:
     """Refuse contradictory or unsupported values; `fail` names the key (and its line)."""
     choices = {
         "precision.dtype": (spec.dtype, DTYPES),
@@ -487,7 +476,7 @@ def validate(spec: BuildSpec, fail: Fail = _refuse) -> None:
         validate_speculative(spec, fail)
 
 
-def validate_speculative(spec: BuildSpec, fail: Fail = _refuse) -> None:
+def validate_speculative(spec: BuildSpec, fail: Fail = _REFUSE) -> None:
     """Refuse a speculative setting the 1.2 build or backend would reject or ignore."""
     s = spec.speculative
     if s.mode not in MODES:

@@ -8,14 +8,12 @@ production host is worse than a refused run. Every refusal names the file, the l
 from __future__ import annotations
 
 import re
-import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from appliance import tomlcheck
-from appliance.tomlcheck import Table
+from appliance.tomlcheck import Fail, Table
 
 IRREVERSIBLE = ("idle=poll", "intel_idle.max_cstate=0", "processor.max_cstate=0")
 HUGEPAGE_SIZES_KB = {"2M": 2048, "1G": 1048576}
@@ -128,7 +126,8 @@ class _Table(Table):
     error = ProfileError
 
 
-Fail = Callable[[str, str], NoReturn]
+# Refusals of a value built in code (no file to name).
+_REFUSE = tomlcheck.refusal(ProfileError)
 
 
 def _typed(t: _Table, key: str, expected: type | tuple[type, ...]) -> Any:
@@ -152,10 +151,10 @@ def is_sched_sysctl(key: str) -> bool:
 
 def parse(text: str, source: Path = Path("<profile>")) -> Profile:
     """A validated profile from TOML text; refusals name `source`, the line and the key."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{source}: not valid TOML: {exc}") from exc
+    return _parse(text, tomlcheck.loads(text, source, ProfileError), source)
+
+
+def _parse(text: str, data: dict[str, Any], source: Path) -> Profile:
     top = _Table(source, text, "", data, {*_SECTIONS, "sysctl"})
     tables: dict[str, _Table] = {}
     kwargs: dict[str, Any] = {}
@@ -176,19 +175,11 @@ def parse(text: str, source: Path = Path("<profile>")) -> Profile:
     kwargs["sysctl"] = sysctl
     profile = Profile(**kwargs)
 
-    def fail(dotted: str, message: str) -> NoReturn:
-        section, key = dotted.split(".", 1)
-        tables[section].fail(key, message)
-
-    validate(profile, fail)
+    validate(profile, tomlcheck.refusal_in(tables))
     return profile
 
 
-def _refuse(dotted: str, message: str) -> NoReturn:
-    raise ProfileError(f"key '{dotted}': {message}")
-
-
-def validate(p: Profile, fail: Fail = _refuse) -> None:
+def validate(p: Profile, fail: Fail = _REFUSE) -> None:
     """Refuse values the plugins cannot apply; `fail` names the key (and its line)."""
     if p.hugepage_size not in HUGEPAGE_SIZES_KB:
         fail(
@@ -253,5 +244,5 @@ def validate(p: Profile, fail: Fail = _refuse) -> None:
 
 def load(path: str | Path) -> Profile:
     """Read and validate a profile file; every failure is a one-line :class:`ProfileError`."""
-    text, _ = tomlcheck.read(Path(path), "profile", ProfileError)
-    return parse(text, Path(path))
+    text, data = tomlcheck.read(Path(path), "profile", ProfileError)
+    return _parse(text, data, Path(path))

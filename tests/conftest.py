@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +27,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 if TYPE_CHECKING:
     from appliance.engine.runner import EngineStats
     from appliance.engine.server import EngineModel, EngineService
+    from tests.cache.redis_server import RedisServer
 
 
 def _one_torch_thread() -> None:
@@ -166,3 +167,14 @@ def semantic_setup(
 @pytest.fixture(scope="session")
 def embedder_dir(semantic_setup: tuple[Path, subprocess.CompletedProcess[str]]) -> Path:
     return semantic_setup[0]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, one per test module (tests flush it)."""
+    from tests.cache.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()

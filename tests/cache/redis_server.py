@@ -5,12 +5,12 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import redis
 
 from appliance.tools.processes import free_port
+from tests.support import until
 
 
 class RedisServer:
@@ -49,13 +49,14 @@ class RedisServer:
             stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port)
-        for _ in range(200):
+
+        def answers() -> bool:
             try:
-                if client.ping():
-                    return
+                return bool(client.ping())
             except redis.ConnectionError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not answer PING")
+                return False
+
+        until(answers, "redis-server did not answer PING", timeout=5.0)
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -114,12 +115,12 @@ class SentinelGroup:
                     stderr=subprocess.DEVNULL,
                 )
             )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if all(self._knows_replica(port) for port in self.sentinel_ports):
-                return
-            time.sleep(0.1)
-        raise RuntimeError("the Sentinels did not find the replica within 30 s")
+        until(
+            lambda: all(self._knows_replica(port) for port in self.sentinel_ports),
+            "the Sentinels did not find the replica",
+            timeout=30.0,
+            interval=0.1,
+        )
 
     @staticmethod
     def binary_sentinel() -> str:

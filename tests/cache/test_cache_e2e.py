@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -15,7 +15,7 @@ import pytest
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.l2 import RedisSettings, RedisTier
-from appliance.config import CacheConfig, GatewayConfig, HttpConfig, ModelConfig, ServerConfig
+from appliance.config import CacheConfig, HttpConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
@@ -23,18 +23,11 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer
 from tests.conftest import Engine, Tiny
+from tests.support import gateway_config, until_async, until_engine
 
 # The secret every gateway of a test shares to authenticate Redis entries.
 MAC_KEY = b"test-cache-mac-key-0123456789abc"
 MISS, L1, L2 = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.kill()
 
 
 def cache_config(redis_server: RedisServer | None, **l1: object) -> CacheConfig:
@@ -69,16 +62,8 @@ async def gateway(
     fingerprint: Path | None = None,
     http: HttpConfig | None = None,
 ) -> Gateway:
-    model = ModelConfig(
-        name="tiny",
-        backend=engine.address,
-        tokenizer_dir=tiny.tokenizer_dir,
-        max_output_tokens=2000,
-        ready_timeout_s=5.0,
-        fingerprint_file=fingerprint,
-    )
-    config = GatewayConfig(
-        ServerConfig(listen="127.0.0.1:0"), {"tiny": model}, cache, http=http or HttpConfig()
+    config = gateway_config(
+        tiny.tokenizer_dir, engine.address, cache=cache, http=http, fingerprint_file=fingerprint
     )
     running = await start_server(config, await load_models(config))
     return Gateway(running, grpc.aio.insecure_channel(f"127.0.0.1:{running.port}"))
@@ -92,17 +77,19 @@ async def gw(tiny: Tiny, engine: Engine, redis_server: RedisServer) -> AsyncIter
     await g.close()
 
 
-async def until(
+async def counters_until(
     g: Gateway, done: Callable[[dict[str, int]], bool], timeout: float = 20.0
 ) -> dict[str, int]:
     """Polls the gateway's counters until `done` holds (what it waits for happens in the
     background: writes, stream followers)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            counters = await g.counters()
-            if done(counters):
-                return counters
-            await asyncio.sleep(0.02)
+
+    last: dict[str, int] = {}
+
+    async def reached() -> dict[str, int] | None:
+        last.update(await g.counters())
+        return dict(last) if done(last) else None
+
+    return await until_async(reached, lambda: f"counters never got there: {last}", timeout, 0.02)
 
 
 counter = iter(range(10**9))
@@ -202,15 +189,7 @@ async def test_a_cancelled_stream_is_never_cached(gw: Gateway, engine: Engine) -
     call = gw.stub.Generate(r)
     await call.read()
     call.cancel()
-    await asyncio.to_thread(
-        lambda: (
-            stats.changed.acquire()
-            and (
-                stats.changed.wait_for(lambda: stats.cancelled > cancelled, 30),
-                stats.changed.release(),
-            )
-        )
-    )
+    await until_engine(stats, lambda: stats.cancelled > cancelled)
     await settle()
     assert (await gw.counters())["writes"] == 0
     before = started(engine)
@@ -269,11 +248,7 @@ async def test_the_leader_cancelling_leaves_the_followers_their_answer(
     leader = gw.stub.Generate(r)
     await leader.read()
     followers = [asyncio.ensure_future(gw.stub.Complete(r)) for _ in range(3)]
-    for _ in range(200):
-        if (await gw.counters())["single_flight_followers"] == 3:
-            break
-        await asyncio.sleep(0.01)
-    assert (await gw.counters())["single_flight_followers"] == 3
+    await counters_until(gw, lambda c: c["single_flight_followers"] == 3)
     leader.cancel()
     answers = await asyncio.gather(*followers)
     assert started(engine) - before == 1
@@ -368,7 +343,7 @@ async def test_an_invalidation_reaches_the_l1_of_every_gateway_on_the_redis(
     other = await gateway(tiny, engine, cache_config(redis_server))
     try:
         for g in (gw, other):
-            await until(g, lambda c: c["l1_feed_in_step"] == 1)
+            await counters_until(g, lambda c: c["l1_feed_in_step"] == 1)
         team, single, kept = req(namespace="team"), req(namespace="one"), req(namespace="one")
         for r in (team, single, kept):
             await gw.stub.Complete(r)
@@ -378,12 +353,12 @@ async def test_an_invalidation_reaches_the_l1_of_every_gateway_on_the_redis(
             assert (await other.stub.Complete(r)).final.cache_tier == L1
         removed = await gw.admin.Invalidate(pb.InvalidateRequest(namespace="team"))
         assert (removed.l1_removed, removed.l2_removed) == (1, 1)
-        await until(other, lambda c: c["l1_peer_invalidations"] == 1)
+        await counters_until(other, lambda c: c["l1_peer_invalidations"] == 1)
         assert (await other.stub.Complete(team)).final.cache_tier == MISS
         # One answer by its key (the hex that ends its Redis key), the rest of the namespace kept.
         name = redis_server.client().keys("appliance:one:*")[0].decode()
         await gw.admin.Invalidate(pb.InvalidateRequest(namespace="one", entry=name[-32:]))
-        await until(other, lambda c: c["l1_peer_invalidations"] == 2)
+        await counters_until(other, lambda c: c["l1_peer_invalidations"] == 2)
         tiers = [(await other.stub.Complete(r)).final.cache_tier for r in (single, kept)]
         assert sorted(tiers) == [MISS, L1]
         own = await gw.counters()
@@ -401,7 +376,7 @@ async def test_an_invalidation_whose_caller_gave_up_still_reaches_redis_and_the_
     other = await gateway(tiny, engine, cache_config(redis_server))
     try:
         for g in (gw, other):
-            await until(g, lambda c: c["l1_feed_in_step"] == 1)
+            await counters_until(g, lambda c: c["l1_feed_in_step"] == 1)
         r = req(namespace="slow")
         await gw.stub.Complete(r)
         await settle()
@@ -410,7 +385,7 @@ async def test_an_invalidation_whose_caller_gave_up_still_reaches_redis_and_the_
         with pytest.raises(grpc.aio.AioRpcError) as gave_up:
             await gw.admin.Invalidate(pb.InvalidateRequest(namespace="slow"), timeout=0.2)
         assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        await until(other, lambda c: c["l1_peer_invalidations"] == 1)
+        await counters_until(other, lambda c: c["l1_peer_invalidations"] == 1)
         assert redis_server.client().keys("appliance:slow:*") == []
         assert (await other.stub.Complete(r)).final.cache_tier == MISS
     finally:
@@ -430,10 +405,10 @@ async def test_a_gateway_that_lost_redis_empties_its_l1_when_it_hears_redis_agai
         await g.stub.Complete(r)
         assert (await g.stub.Complete(r)).final.cache_tier == L1
         redis_server.kill()
-        await until(g, lambda c: c["l1_feed_in_step"] == 0)
+        await counters_until(g, lambda c: c["l1_feed_in_step"] == 0)
         assert (await g.stub.Complete(r)).final.cache_tier == L1
         redis_server.start()
-        counters = await until(g, lambda c: c["l1_feed_clears"] == 1)
+        counters = await counters_until(g, lambda c: c["l1_feed_clears"] == 1)
         assert counters["l1_feed_in_step"] == 1 and counters["l1_entries"] == 0
         assert (await g.stub.Complete(r)).final.cache_tier != L1
     finally:
@@ -477,15 +452,11 @@ async def test_the_invalidation_follower_outlives_a_failure_of_its_own(
     await follower.start()
     assert follower.following  # start returns once it has read where the stream ends
     try:
-        async with asyncio.timeout(20):
-            while not follower.following:
-                await asyncio.sleep(0.01)
-            await publisher.publish("first", "", None)
-            while follower.counts.cleared == 0:
-                await asyncio.sleep(0.01)
-            await publisher.publish("second", "", None)
-            while applied[-1] != "second":
-                await asyncio.sleep(0.01)
+        await until_async(lambda: follower.following, "the follower never followed", 20.0)
+        await publisher.publish("first", "", None)
+        await until_async(lambda: follower.counts.cleared, "the follower never cleared L1", 20.0)
+        await publisher.publish("second", "", None)
+        await until_async(lambda: applied[-1] == "second", lambda: f"applied {applied}", 20.0)
         assert applied == ["first", "everything", "second"]
         assert follower.following and follower.counts.errors == 1
     finally:
@@ -528,9 +499,7 @@ async def test_a_gateway_listening_before_its_follower_read_the_stream_empties_l
     try:
         await late.start(wait_s=0)  # returns before the follower has run at all
         assert not late.following
-        async with asyncio.timeout(10):
-            while not late.following:
-                await asyncio.sleep(0.01)
+        await until_async(lambda: late.following, "the follower never read the stream", 10.0)
         assert applied == ["everything"] and late.counts.cleared == 1
         await timely.start()
         assert timely.following and timely.counts.cleared == 0 and applied == ["everything"]

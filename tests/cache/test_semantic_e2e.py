@@ -9,7 +9,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +23,22 @@ from appliance.config import CacheConfig, HttpConfig, SemanticConfig
 from appliance.gateway.server import freeze_heap, keep_long_lived_from_gc
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
-from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, settle, started, until
+from tests.cache.test_cache_e2e import (
+    Gateway,
+    cache_config,
+    counters_until,
+    gateway,
+    settle,
+    started,
+)
 from tests.conftest import Engine, Tiny
 from tests.gateway.test_e2e import cache_cli
+from tests.support import until_async
 
 MISS, L1, L2 = pb.CACHE_TIER_MISS, pb.CACHE_TIER_EXACT_L1, pb.CACHE_TIER_EXACT_L2
 SEMANTIC = pb.CACHE_TIER_SEMANTIC
 QUESTION = "How do I get rid of acne?"
 PARAPHRASE = "How can I get rid of acne?"
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.kill()
 
 
 def semantic_config(
@@ -62,7 +62,7 @@ async def gw(
 ) -> AsyncIterator[Gateway]:
     redis_server.client().flushall()
     g = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
-    await until(g, lambda c: c["semantic_in_sync"] == 1)
+    await counters_until(g, lambda c: c["semantic_in_sync"] == 1)
     yield g
     await g.close()
 
@@ -112,7 +112,7 @@ class HeldEmbedding:
 
 
 async def stored(g: Gateway, n: int) -> None:
-    await until(g, lambda c: c["semantic_stored"] >= n)
+    await counters_until(g, lambda c: c["semantic_stored"] >= n)
 
 
 async def test_a_paraphrase_is_answered_from_the_semantic_tier_with_its_audit_fields(
@@ -187,7 +187,7 @@ async def test_unset_semantic_cache_follows_the_request_default(
         tiny, engine, semantic_config(redis_server, embedder_dir, request_default=True)
     )
     try:
-        await until(g, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(g, lambda c: c["semantic_in_sync"] == 1)
         await g.stub.Complete(ask(QUESTION))
         await stored(g, 1)
         unset = pb.GenerateRequest(
@@ -213,16 +213,16 @@ async def test_another_gateway_finds_the_entry_and_a_restarted_one_rebuilds(
     config = semantic_config(redis_server, embedder_dir)
     other = await gateway(tiny, engine, config)
     try:
-        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
         first = await gw.stub.Complete(ask(QUESTION))
-        await until(other, lambda c: c["semantic_entries"] >= 1)
+        await counters_until(other, lambda c: c["semantic_entries"] >= 1)
         hit = await other.stub.Complete(ask(PARAPHRASE))
         assert (hit.final.cache_tier, hit.text) == (SEMANTIC, first.text)
     finally:
         await other.close()
     restarted = await gateway(tiny, engine, config)
     try:
-        counters = await until(restarted, lambda c: c["semantic_in_sync"] == 1)
+        counters = await counters_until(restarted, lambda c: c["semantic_in_sync"] == 1)
         assert counters["semantic_entries"] >= 1 and counters["semantic_rebuilds"] >= 1
         hit = await restarted.stub.Complete(ask(PARAPHRASE))
         assert hit.final.cache_tier == SEMANTIC
@@ -241,7 +241,7 @@ async def test_an_l2_hit_cancels_the_embedding_its_lookup_prepared(
     the embedding thread for nothing), and the tier goes on answering paraphrases."""
     other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
-        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
         first = await gw.stub.Complete(ask(QUESTION))
         await settle()  # its L2 entry is written
         # The embedding is held until L2 has answered, so L2 always answers first here.
@@ -250,7 +250,7 @@ async def test_an_l2_hit_cancels_the_embedding_its_lookup_prepared(
         held.release.set()
         assert (from_l2.final.cache_tier, from_l2.text) == (L2, first.text)
         assert (await other.counters())["semantic_embeddings_cancelled"] == 1
-        await until(other, lambda c: c["semantic_entries"] >= 1)
+        await counters_until(other, lambda c: c["semantic_entries"] >= 1)
         hit = await other.stub.Complete(ask(PARAPHRASE))
         assert (hit.final.cache_tier, hit.text) == (SEMANTIC, first.text)
         assert held.outcomes == ["cancelled"]
@@ -267,7 +267,9 @@ async def test_a_restarted_gateway_answers_once_rebuilt_not_after_the_first_stre
     config = semantic_config(redis_server, embedder_dir, follow_block_ms=60_000)
     restarted = await gateway(tiny, engine, config)
     try:
-        await until(restarted, lambda c: c["semantic_rebuilds"] >= 1 and c["semantic_in_sync"] == 1)
+        await counters_until(
+            restarted, lambda c: c["semantic_rebuilds"] >= 1 and c["semantic_in_sync"] == 1
+        )
         assert (await restarted.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
     finally:
         await restarted.close()
@@ -278,9 +280,9 @@ async def test_a_rebuild_calls_the_processs_hook_with_the_entries_loaded(
 ) -> None:
     await gw.stub.Complete(ask(QUESTION))
     await stored(gw, 1)
-    async with asyncio.timeout(10):  # the record's write follows the local store
-        while not redis_server.client().keys("*:*:*:sem-*"):
-            await asyncio.sleep(0.01)
+    await until_async(  # the record's write follows the local store
+        lambda: redis_server.client().keys("*:*:*:sem-*"), "no semantic record in Redis", 10.0
+    )
     semantic = semantic_tier(gw)
     seen: list[int] = []
     semantic.on_rebuilt = lambda: seen.append(len(semantic.index))
@@ -303,11 +305,11 @@ async def test_invalidation_reaches_the_other_gateways(
 ) -> None:
     other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
-        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
         await gw.stub.Complete(ask(QUESTION))
-        await until(other, lambda c: c["semantic_entries"] >= 1)
+        await counters_until(other, lambda c: c["semantic_entries"] >= 1)
         await gw.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
-        await until(other, lambda c: c["semantic_entries"] == 0)
+        await counters_until(other, lambda c: c["semantic_entries"] == 0)
         assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
     finally:
         await other.close()
@@ -345,21 +347,23 @@ async def test_the_redis_roles_gateway_user_may_send_what_every_tier_sends(
     config = dataclasses.replace(config, redis=redis_as_gateway)
     first = await gateway(tiny, engine, config)
     try:
-        await until(first, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(first, lambda c: c["semantic_in_sync"] == 1)
         asked = await first.stub.Complete(ask(QUESTION))
         await stored(first, 1)
         await settle()
         assert (await first.stub.Complete(ask(PARAPHRASE))).final.cache_tier == SEMANTIC
         other = await gateway(tiny, engine, config)  # rebuilds its index from Redis at start
         try:
-            counters = await until(other, lambda c: c["semantic_in_sync"] == 1)
+            counters = await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
             assert counters["semantic_entries"] == 1
             from_l2 = await other.stub.Complete(ask(QUESTION))
             assert (from_l2.final.cache_tier, from_l2.text) == (L2, asked.text)
-            await until(other, lambda c: c["l1_feed_in_step"] == 1)
+            await counters_until(other, lambda c: c["l1_feed_in_step"] == 1)
             await first.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
-            await until(other, lambda c: c["semantic_entries"] == 0)
-            await until(other, lambda c: c["l1_peer_invalidations"] == 1 and c["l1_entries"] == 0)
+            await counters_until(other, lambda c: c["semantic_entries"] == 0)
+            await counters_until(
+                other, lambda c: c["l1_peer_invalidations"] == 1 and c["l1_entries"] == 0
+            )
             for g in (first, other):
                 counters = await g.counters()
                 assert counters["l1_feed_errors"] == 0, counters
@@ -380,10 +384,10 @@ async def test_a_wrong_hit_is_dropped_by_its_entry_on_every_gateway(
     the hit's cache_entry drops that one answer from every tier and every gateway's index."""
     other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
-        await until(other, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
         await gw.stub.Complete(ask(QUESTION))
         kept = await gw.stub.Complete(ask("Why is the sky blue?"))
-        await until(other, lambda c: c["semantic_entries"] == 2)
+        await counters_until(other, lambda c: c["semantic_entries"] == 2)
         await settle()
         hit = await other.stub.Complete(ask(PARAPHRASE))
         assert hit.final.cache_tier == SEMANTIC
@@ -395,7 +399,7 @@ async def test_a_wrong_hit_is_dropped_by_its_entry_on_every_gateway(
             "removed 1 from L1, 2 from Redis, 1 from the semantic index (this gateway's counts; "
             "every gateway on the same Redis drops the same)"
         )
-        await until(other, lambda c: c["semantic_entries"] == 1)
+        await counters_until(other, lambda c: c["semantic_entries"] == 1)
         assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
         again = await other.stub.Complete(ask("Why is the sky blue?"))
         assert (again.final.cache_tier, again.text) == (L2, kept.text)
@@ -452,7 +456,9 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
     forged = encode_record(planted, vector, time.time())
     tier.index.remove(genuine.entry_id)  # only the planted record could answer now
     client.xadd(tier._stream, {"k": key_of(planted.entry_id), "v": forged})
-    counters = await until(gw, lambda c: c["semantic_forged_records"] + c["semantic_entries"] >= 1)
+    counters = await counters_until(
+        gw, lambda c: c["semantic_forged_records"] + c["semantic_entries"] >= 1
+    )
     assert (counters["semantic_forged_records"], counters["semantic_entries"]) == (1, 0)
     hit = await gw.stub.Complete(ask(PARAPHRASE))
     assert hit.final.cache_tier != SEMANTIC and "PLANTED" not in hit.text
@@ -462,7 +468,7 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
     client.set(key_of(b"c" * 16), sealed)
     other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
-        counters = await until(other, lambda c: c["semantic_in_sync"] == 1)
+        counters = await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
         assert counters["semantic_forged_records"] == 2
         # The genuine record and the paraphrase's own answer (the engine's, after its miss).
         kept = {entry.entry_id for entry, _ in semantic_tier(other).index.entries()}
@@ -478,11 +484,11 @@ async def test_redis_down_means_no_semantic_hits_and_no_failed_request(
     redis_server.client().flushall()
     g = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
-        await until(g, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(g, lambda c: c["semantic_in_sync"] == 1)
         await g.stub.Complete(ask(QUESTION))
         await stored(g, 1)
         redis_server.kill()
-        await until(g, lambda c: c["semantic_in_sync"] == 0)
+        await counters_until(g, lambda c: c["semantic_in_sync"] == 0)
         for text in (PARAPHRASE, "How do I get rid of my acne?", "How can one get rid of acne?"):
             reply = await g.stub.Complete(ask(text), timeout=30)
             assert reply.final.cache_tier == MISS

@@ -14,34 +14,32 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
+from appliance.config import CacheConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import load_models
 from appliance.gateway.report import RequestReport
 from appliance.gateway.server import start_server
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
-from tests.cache.test_cache_e2e import Gateway, settle, started
+from tests.cache.test_cache_e2e import Gateway, counters_until, settle, started
 from tests.cache.test_semantic_e2e import (
     MISS,
     QUESTION,
     SEMANTIC,
     HeldEmbedding,
     ask,
-    redis_server,
     semantic_config,
     semantic_tier,
     stored,
-    until,
 )
 from tests.conftest import Engine, Tiny, engine_to_stop
-
-__all__ = ["redis_server"]  # the module's Redis fixture, shared
+from tests.support import gateway_config, until_async, until_engine
 
 PARAPHRASE = "How can I get rid of acne?"
 # Long enough that a generation is still running when the lookup ends (the test cancels it).
@@ -54,26 +52,20 @@ async def overlap_gateway(
     backends: dict[str, str],
     overlap: bool = True,
     fallbacks: dict[str, str] | None = None,
-    **model: object,
+    **model: Any,
 ) -> Gateway:
     """A gateway serving a model per backend address; `model`: ModelConfig fields every model
     gets."""
     cache = dataclasses.replace(
         cache, semantic=dataclasses.replace(cache.semantic, overlap_engine=overlap)
     )
-    models = {
-        name: ModelConfig(
-            name=name,
-            backend=address,
-            tokenizer_dir=tiny.tokenizer_dir,
-            max_output_tokens=2000,
-            ready_timeout_s=5.0,
-            fallback=(fallbacks or {}).get(name),
-            **model,  # type: ignore[arg-type]
-        )
-        for name, address in backends.items()
-    }
-    config = GatewayConfig(ServerConfig(listen="127.0.0.1:0"), models, cache)
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        backends,
+        per_model={name: {"fallback": to} for name, to in (fallbacks or {}).items()},
+        cache=cache,
+        **model,
+    )
     running = await start_server(config, await load_models(config))
     return Gateway(running, grpc.aio.insecure_channel(f"127.0.0.1:{running.port}"))
 
@@ -110,18 +102,16 @@ async def paraphrase_while_generating(gw: Gateway, engine: Engine) -> Overlappin
     stats = engine.stats()
     before, cancelled = stats.started, stats.cancelled
     call = gw.stub.Generate(ask(PARAPHRASE, max_tokens=LONG))
-    async with asyncio.timeout(30):
-        while not (stats.started > before and stats.running is not None):
-            await asyncio.sleep(0.005)
+    await until_async(
+        lambda: stats.started > before and stats.running is not None,
+        "the engine never started the paraphrase",
+        interval=0.005,
+    )
     return Overlapping(answer, held, call, cancelled)
 
 
 async def engine_cancelled(stats: EngineStats, before: int) -> None:
-    def wait() -> bool:
-        with stats.changed:
-            return stats.changed.wait_for(lambda: stats.cancelled > before, 30)
-
-    assert await asyncio.to_thread(wait)
+    await until_engine(stats, lambda: stats.cancelled > before)
 
 
 async def test_a_hit_while_the_engine_generates_answers_and_cancels_the_generation(
@@ -153,9 +143,7 @@ async def test_a_request_that_joined_a_flight_and_then_hit_is_no_follower(
     running = await paraphrase_while_generating(gw, engine)
     flights = gw.running.pipeline.flights
     second = gw.stub.Generate(ask(PARAPHRASE, max_tokens=LONG))
-    async with asyncio.timeout(30):
-        while flights.joined == 0:
-            await asyncio.sleep(0.005)
+    await until_async(lambda: flights.joined, "the second never joined", interval=0.005)
     running.held.release.set()
     for call in (running.call, second):
         messages = [m async for m in call]
@@ -199,7 +187,7 @@ async def test_a_miss_answers_as_without_overlap_and_is_stored_in_every_tier(
         tiny, semantic_config(None, embedder_dir), {"tiny": engine.address}, overlap=False
     )
     try:
-        await until(on, lambda c: c["semantic_in_sync"] == 1)
+        await counters_until(on, lambda c: c["semantic_in_sync"] == 1)
         request = ask("What is the capital of Australia?", max_tokens=24)
         overlapped = [m async for m in on.stub.Generate(request)]
         assert reports()[-1].overlap == "missed"
@@ -322,9 +310,9 @@ async def test_a_client_cancelling_during_the_lookup_stops_both(
             if getattr(t.get_coro(), "__qualname__", "") in overlapping
         ]
 
-    async with asyncio.timeout(10):
-        while pending() or not reports():
-            await asyncio.sleep(0.01)
+    await until_async(
+        lambda: not pending() and reports(), lambda: f"still pending: {pending()}", 10.0
+    )
     running.held.release.set()
     assert reports()[-1].status == "CANCELLED" and reports()[-1].overlap == ""
     assert len(gw.running.pipeline.flights) == 0

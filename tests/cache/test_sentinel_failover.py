@@ -21,7 +21,7 @@ from appliance.cache.l2 import RedisSettings
 from appliance.config import CacheConfig
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import SentinelGroup
-from tests.cache.test_cache_e2e import MAC_KEY, Gateway, gateway, until
+from tests.cache.test_cache_e2e import MAC_KEY, Gateway, counters_until, gateway
 from tests.cache.test_semantic_e2e import QUESTION, ask, semantic_config
 from tests.conftest import Engine, Tiny
 
@@ -101,7 +101,7 @@ async def test_losing_the_primary_degrades_to_l1_then_l2_resumes(
         await asyncio.wait_for(load.l2_hit.wait(), 60)
         # The invalidation feed lost its connection with the primary: it follows the new one, L1
         # emptied once (invalidations may have been missed meanwhile).
-        await until(gw, lambda c: c["l1_feed_clears"] >= 1 and c["l1_feed_in_step"] == 1)
+        await counters_until(gw, lambda c: c["l1_feed_clears"] >= 1 and c["l1_feed_in_step"] == 1)
         # A little more load on the new primary, then stop.
         await asyncio.sleep(0.5)
     finally:
@@ -145,12 +145,14 @@ async def test_the_stream_followers_use_the_primary_the_sentinels_name(
     other = await gateway(tiny, engine, config)
     try:
         for g in (first, other):
-            await until(g, lambda c: c["semantic_in_sync"] == 1 and c["l1_feed_in_step"] == 1)
+            await counters_until(
+                g, lambda c: c["semantic_in_sync"] == 1 and c["l1_feed_in_step"] == 1
+            )
         await first.stub.Complete(ask(QUESTION))
-        await until(other, lambda c: c["semantic_entries"] == 1)
+        await counters_until(other, lambda c: c["semantic_entries"] == 1)
         assert (await other.stub.Complete(ask(QUESTION))).final.cache_tier == L2
         await first.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
-        counters = await until(
+        counters = await counters_until(
             other, lambda c: c["semantic_entries"] == 0 and c["l1_peer_invalidations"] == 1
         )
         assert counters["l1_entries"] == 0

@@ -17,14 +17,7 @@ from appliance.tools.warm import Tally, read_prompts, warm_one
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer
-from tests.cache.test_cache_e2e import (  # redis_server: the fixture, one per module
-    Gateway,
-    cache_config,
-    gateway,
-    redis_server,  # noqa: F401
-    settle,
-    started,
-)
+from tests.cache.test_cache_e2e import Gateway, cache_config, gateway, settle, started
 from tests.conftest import Engine, Tiny
 
 L2 = pb.CACHE_TIER_EXACT_L2
@@ -41,7 +34,7 @@ PROMPTS = [
 async def two(
     tiny: Tiny,
     engine: Engine,
-    redis_server: RedisServer,  # noqa: F811 (the imported fixture)
+    redis_server: RedisServer,
 ) -> AsyncIterator[tuple[Gateway, Gateway]]:
     redis_server.client().flushall()
     a = await gateway(tiny, engine, cache_config(redis_server))

@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.runner import EngineStats
 from tests.conftest import Engine
+from tests.support import until_engine
 
 MODEL = "tensorrt_llm"
 PROMPT = [1, 300, 301, 302, 303, 304]
@@ -94,16 +95,6 @@ async def collect(
             yield r
 
     return [m async for m in stub.ModelStreamInfer(gen(), metadata=metadata, timeout=60)]
-
-
-async def wait_for(stats: EngineStats, predicate: object, timeout: float = 30.0) -> None:
-    """Waits on the engine's own state (not on time) for a condition to hold."""
-
-    def block() -> bool:
-        with stats.changed:
-            return stats.changed.wait_for(predicate, timeout=timeout)  # type: ignore[arg-type]
-
-    assert await asyncio.to_thread(block), "engine state did not change"
 
 
 async def test_server_and_model_readiness(triton: ts_grpc.GRPCInferenceServiceStub) -> None:
@@ -274,7 +265,7 @@ async def test_stop_with_the_same_id_ends_the_stopped_stream_with_a_final_result
     before = stats.cancelled
     call, outgoing = await _first_token_then(triton, request("long-1", max_tokens=1500))
     stop_replies = await collect(triton, request("long-1", stop=True))  # from another stream
-    await wait_for(stats, lambda: stats.cancelled > before)
+    await until_engine(stats, lambda: stats.cancelled > before)
     await outgoing.put(None)
     rest = await read_rest(call)
     assert stats.tokens_generated and stats.running is None
@@ -302,7 +293,7 @@ async def test_a_stopped_stream_ends_without_empty_final_responses_enabled(
         await outgoing.put(stop)
     else:
         await collect(triton, stop)
-    await wait_for(stats, lambda: stats.cancelled > before)
+    await until_engine(stats, lambda: stats.cancelled > before)
     await outgoing.put(None)
     rest = await read_rest(call)
     finals = [r for r in rest if is_final(r)]
@@ -329,7 +320,7 @@ async def test_closing_the_stream_cancels_generation(
     before_cancelled, before_tokens = stats.cancelled, stats.tokens_generated
     call, _ = await _first_token_then(triton, request("long-3", max_tokens=1500))
     call.cancel()
-    await wait_for(stats, lambda: stats.cancelled > before_cancelled and stats.running is None)
+    await until_engine(stats, lambda: stats.cancelled > before_cancelled and stats.running is None)
     assert stats.tokens_generated - before_tokens < 1500
 
 

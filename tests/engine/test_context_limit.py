@@ -10,7 +10,6 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from appliance.config import GatewayConfig, ModelConfig, ServerConfig
 from appliance.engine.server import load_repository, start_engine
 from appliance.gateway.models import load_models
 from appliance.gateway.server import start_server
@@ -18,6 +17,7 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from engine_build.repo import write_hf_repository
 from tests.conftest import Tiny
+from tests.support import gateway_config
 
 SHORT = 64
 
@@ -31,16 +31,8 @@ async def test_prompt_beyond_the_engine_limit_is_invalid_argument(
     models = load_repository(repo)
     assert models["tensorrt_llm"].max_len == SHORT
     server, _, port = await start_engine(models, "127.0.0.1:0")
-    model = ModelConfig(
-        name="tiny",
-        backend=f"127.0.0.1:{port}",
-        tokenizer_dir=tiny.tokenizer_dir,
-        ready_timeout_s=5.0,
-    )
-    gateway = await start_server(
-        config := GatewayConfig(server=ServerConfig(listen="127.0.0.1:0"), models={"tiny": model}),
-        await load_models(config),
-    )
+    config = gateway_config(tiny.tokenizer_dir, f"127.0.0.1:{port}")
+    gateway = await start_server(config, await load_models(config))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)

@@ -38,8 +38,8 @@ from tests.engine.test_conformance import (
     is_final,
     request,
     tokens_of,
-    wait_for,
 )
+from tests.support import until_engine
 
 GUIDED = "guided_llm"
 PLAIN = "tensorrt_llm"
@@ -415,7 +415,7 @@ async def test_cancelling_a_guided_generation_leaves_no_grammar_state(
     assert tokens_of(first.infer_response)
     assert model.grammars.active == 1
     call.cancel()
-    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
     assert model.grammars.active == 0
     ids, _ = await generated(stub, guided("regex", "[0-9]{4}", seed=1))
     assert len(ids) >= 1 and model.grammars.active == 0

@@ -30,8 +30,8 @@ from tests.engine.test_conformance import (
     read_rest,
     request,
     tokens_of,
-    wait_for,
 )
+from tests.support import until_engine
 
 BLOCK = 8
 PERF_OUTPUTS = {
@@ -181,7 +181,7 @@ async def test_cancelled_request_leaves_nothing_reusable(server: Server) -> None
         server.stub, with_perf(request("long-kv", fresh, 1500, model="reuse"))
     )
     await collect(server.stub, request("long-kv", stop=True, model="reuse"))
-    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
     await outgoing.put(None)
     rest = await read_rest(call)
     assert rest and is_final(rest[-1])

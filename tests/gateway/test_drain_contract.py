@@ -27,6 +27,7 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
 from tests.gateway.stack import MODEL, Stack, engine_and_gateway
+from tests.support import until_async
 
 LONG_TOKENS = 1500
 QUEUED = 3
@@ -72,12 +73,11 @@ def gauge(ports: Ports, name: str) -> float:
     return 0.0
 
 
-async def until(ports: Ports, name: str, at_least: int = 1) -> None:
-    for _ in range(600):
-        if await asyncio.to_thread(gauge, ports, name) >= at_least:
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail(f"{name} never reached {at_least}")
+async def until_gauge(ports: Ports, name: str, at_least: int = 1) -> None:
+    async def reached() -> bool:
+        return await asyncio.to_thread(gauge, ports, name) >= at_least
+
+    await until_async(reached, f"{name} never reached {at_least}", interval=0.05)
 
 
 def long_request(prompt: str) -> pb.GenerateRequest:
@@ -143,7 +143,7 @@ async def test_sigterm_ends_running_and_queued_grpc_streams_cleanly(
             GrpcStream(stub.Generate(long_request(f"Tell me more {k}"))) for k in range(QUEUED)
         ]
         reading = [asyncio.ensure_future(q.read_all()) for q in queued]
-        await until(ports, "appliance_requests_waiting", QUEUED)
+        await until_gauge(ports, "appliance_requests_waiting", QUEUED)
         os.kill(gateway.gateway_pid, signal.SIGTERM)
         await running.read_all()
         await asyncio.gather(*reading)
@@ -202,12 +202,12 @@ async def test_sigterm_ends_running_and_queued_http_streams_cleanly(
         "appliance": {"cache_policy": "bypass"},
     }
     first = asyncio.ensure_future(_sse(ports.http, {**body, "prompt": "Tell me everything"}))
-    await until(ports, "appliance_engine_generating")  # the first holds the slot
+    await until_gauge(ports, "appliance_engine_generating")  # the first holds the slot
     queued = [
         asyncio.ensure_future(_sse(ports.http, {**body, "prompt": f"Tell me more {k}"}))
         for k in range(QUEUED)
     ]
-    await until(ports, "appliance_requests_waiting", QUEUED)
+    await until_gauge(ports, "appliance_requests_waiting", QUEUED)
     os.kill(gateway.gateway_pid, signal.SIGTERM)
     status, headers, events = await first
     assert status == 200

@@ -9,8 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
@@ -18,7 +17,7 @@ from grpc_health.v1 import health_pb2
 
 from appliance import sdnotify
 from appliance.client import connect, connect_fleet, fleet_target, generate
-from appliance.config import CacheConfig, GatewayConfig, ModelConfig, ServerConfig
+from appliance.config import CacheConfig
 from appliance.gateway import quiesce as quiesce_module
 from appliance.gateway.health import health_name
 from appliance.gateway.models import load_models
@@ -26,6 +25,7 @@ from appliance.gateway.server import SERVICE_NAME, start_server
 from appliance.v1 import inference_pb2 as pb
 from tests.conftest import Engine, Tiny, copy_repository
 from tests.gateway.stack import MODEL, Stack, engine_and_gateway
+from tests.support import gateway_config, until, until_async
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +41,6 @@ def fleet(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list
 
 def answered(host: Stack) -> int:
     return sum(" appliance.access " in line for line in host.log_lines())
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def health(address: str) -> int:
@@ -96,11 +88,15 @@ async def test_a_draining_gateway_gets_no_new_requests(fleet: list[Stack]) -> No
     assert answered(a) > 0 and answered(b) > 0  # round-robin over both
 
     os.kill(a.gateway_pid, signal.SIGUSR1)
-    await asyncio.to_thread(wait_for, "a's health NOT_SERVING", lambda: health(a.address) == 1)
+    await asyncio.to_thread(
+        until, lambda: health(a.address) == 1, "timed out waiting for a's health NOT_SERVING"
+    )
     assert health(b.address) == 0
     before_a, before_b = answered(a), answered(b)
     assert await send(addresses, 8) == []
-    await asyncio.to_thread(wait_for, "b's access lines", lambda: answered(b) == before_b + 8)
+    await asyncio.to_thread(
+        until, lambda: answered(b) == before_b + 8, "timed out waiting for b's access lines"
+    )
     assert answered(a) == before_a
 
     # A client that ignores health still gets answers from the draining gateway.
@@ -110,7 +106,9 @@ async def test_a_draining_gateway_gets_no_new_requests(fleet: list[Stack]) -> No
         reply = await generate(stub, request, timeout=30)
     assert reply.final.finish_reason == pb.FINISH_REASON_LENGTH
     await asyncio.to_thread(
-        wait_for, "drained", lambda: any(" drained: " in line for line in a.log_lines())
+        until,
+        lambda: any(" drained: " in line for line in a.log_lines()),
+        "timed out waiting for drained",
     )
 
 
@@ -119,11 +117,10 @@ async def test_quiesce_holds_not_serving_and_says_when_drained(
 ) -> None:
     """In process: the readiness polls do not bring SERVING back, and the status line follows the
     requests in flight until none has been for the quiet time."""
-    model = ModelConfig(
-        name=MODEL, backend=engine.address, tokenizer_dir=tiny.tokenizer_dir, ready_timeout_s=5
-    )
-    config = GatewayConfig(
-        ServerConfig(listen="127.0.0.1:0"), {MODEL: model}, CacheConfig(enabled=False)
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        {MODEL: engine.address},
+        cache=CacheConfig(enabled=False),
     )
     running = await start_server(config, await load_models(config))
     lines: list[str] = []
@@ -136,15 +133,19 @@ async def test_quiesce_holds_not_serving_and_says_when_drained(
     in_flight = {MODEL: 1}
     task = asyncio.ensure_future(quiesce_module.quiesce(running.monitor, in_flight, quiet_s=0.05))
     try:
-        while "STATUS=draining: 1 requests in flight, health NOT_SERVING" not in lines:
-            await asyncio.sleep(0.01)
+        await until_async(
+            lambda: "STATUS=draining: 1 requests in flight, health NOT_SERVING" in lines,
+            lambda: f"never said draining; said {lines}",
+        )
         await running.monitor.check()  # a readiness round: the engine is fine
         for name in ("", SERVICE_NAME, health_name(SERVICE_NAME, MODEL)):
             reply = await running.health.Check(health_pb2.HealthCheckRequest(service=name), None)
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING, name
         in_flight[MODEL] = 0
-        while not any(line.startswith("STATUS=drained: ") for line in lines):
-            await asyncio.sleep(0.01)
+        await until_async(
+            lambda: any(line.startswith("STATUS=drained: ") for line in lines),
+            lambda: f"never said drained; said {lines}",
+        )
     finally:
         task.cancel()
         await running.drain(0.2)

@@ -22,13 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from appliance.config import (
-    AuthConfig,
-    GatewayConfig,
-    HttpConfig,
-    ModelConfig,
-    ServerConfig,
-)
+from appliance.config import AuthConfig, HttpConfig
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.security.api_keys import new_key, write_entries
@@ -37,6 +31,7 @@ from appliance.security.tls import TlsSettings
 from appliance.tools import processes
 from tests.conftest import Tiny
 from tests.security.certs import CA
+from tests.support import gateway_config
 
 MARKER = "hostile-prompt-7f3a9c"
 # How often the probe wakes, and the lateness the loop may show at its 99th percentile.
@@ -67,15 +62,13 @@ async def tls_gateway(
     pepper = read_secret(pepper_file, PEPPER_PURPOSE)
     token, entry = new_key(pepper, ["default"], ["generate"])
     write_entries(work / "keys.json", [entry])
-    model = ModelConfig(
-        name="tiny", backend=engine, tokenizer_dir=tiny.tokenizer_dir, ready_timeout_s=90.0
-    )
-    config = GatewayConfig(
-        server=ServerConfig(listen="127.0.0.1:0"),
-        models={"tiny": model},
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        engine,
         http=HttpConfig(listen="127.0.0.1:0"),
         tls=TlsSettings(cert.cert, cert.key),
         auth=AuthConfig(keys_file=work / "keys.json", pepper=pepper),
+        ready_timeout_s=90.0,
     )
     gateway = await start_server(config, await load_models(config))
     try:

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import gzip
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from appliance.config import GatewayConfig, HttpConfig, ModelConfig, ServerConfig
+from appliance.config import GatewayConfig, HttpConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.admission import GatedAdmission
 from appliance.gateway.models import load_models
@@ -26,8 +26,8 @@ from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny, engine_to_stop
-from tests.engine.test_conformance import wait_for
 from tests.gateway.test_inprocess import RecordingSink
+from tests.support import gateway_config, until_async, until_engine
 
 LONG = "Tell me everything"
 # Greedy decoding of LONG runs to max_tokens (a sampled answer may end early), and bypassing the
@@ -38,19 +38,13 @@ LONG_ARGS: dict[str, Any] = dict(
 )
 
 
-def _config(tiny: Tiny, backend: str, **kw: object) -> GatewayConfig:
-    model = ModelConfig(
-        name="tiny",
-        backend=backend,
-        tokenizer_dir=tiny.tokenizer_dir,
-        max_output_tokens=2000,
-        ready_timeout_s=5.0,
-        **kw,  # type: ignore[arg-type]
-    )
-    return GatewayConfig(
+def _config(tiny: Tiny, backend: str, **kw: Any) -> GatewayConfig:
+    return gateway_config(
+        tiny.tokenizer_dir,
+        backend,
         server=ServerConfig(listen="127.0.0.1:0", access_log=False),
-        models={"tiny": model},
         http=HttpConfig(listen="127.0.0.1:0", max_body_bytes=64 * 1024, client_timeout_s=5.0),
+        **kw,
     )
 
 
@@ -427,7 +421,7 @@ async def test_client_disconnect_mid_stream_cancels_the_engine_request(
             if seen >= 3:
                 break
         await stream.close()
-    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
     assert stats.tokens_generated - tokens < 1500
 
 
@@ -440,9 +434,9 @@ async def test_disconnect_while_queued_leaves_the_line(tiny: Tiny, engine: Engin
             waiting = asyncio.ensure_future(
                 client.completions.create(model="tiny", prompt="queued", max_tokens=4)
             )
-            await _until(lambda: _waiting(running) == 1)
+            await until_async(lambda: _waiting(running) == 1, "the request never queued", 10.0)
             waiting.cancel()
-            await _until(lambda: _waiting(running) == 0)
+            await until_async(lambda: _waiting(running) == 0, "the queue never emptied", 10.0)
             await busy.close()
     finally:
         await running.drain(0.5)
@@ -452,14 +446,6 @@ def _waiting(running: RunningGateway) -> int:
     admission = running.pipeline.admission
     assert isinstance(admission, GatedAdmission)
     return len(admission.gates["tiny"].waiting)
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    assert condition()
 
 
 async def test_drain_ends_an_http_stream_as_cancelled(tiny: Tiny, engine: Engine) -> None:

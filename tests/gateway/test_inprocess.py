@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance.config import GatewayConfig, ModelConfig, ServerConfig
+from appliance.config import GatewayConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import StartupError, load_models
 from appliance.gateway.report import RequestReport
@@ -18,22 +18,7 @@ from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny, engine_to_stop
-from tests.engine.test_conformance import wait_for
-
-
-def _config(
-    tiny: Tiny, backend: str, triton_model: str = "tensorrt_llm", **kw: object
-) -> GatewayConfig:
-    model = ModelConfig(
-        name="tiny",
-        backend=backend,
-        tokenizer_dir=tiny.tokenizer_dir,
-        triton_model=triton_model,
-        max_output_tokens=2000,
-        ready_timeout_s=5.0,
-        **kw,  # type: ignore[arg-type]
-    )
-    return GatewayConfig(server=ServerConfig(listen="127.0.0.1:0"), models={"tiny": model})
+from tests.support import gateway_config, until_async, until_engine
 
 
 async def _gateway(config: GatewayConfig) -> RunningGateway:
@@ -42,7 +27,7 @@ async def _gateway(config: GatewayConfig) -> RunningGateway:
 
 @pytest.fixture
 async def gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
-    running = await _gateway(_config(tiny, engine.address))
+    running = await _gateway(gateway_config(tiny.tokenizer_dir, engine.address))
     yield running
     await running.drain(0.5)
 
@@ -77,7 +62,7 @@ async def test_client_cancellation_reaches_the_engine(
         if seen >= 3:
             break
     call.cancel()
-    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
     assert stats.tokens_generated - tokens < 1500
 
 
@@ -92,14 +77,14 @@ async def test_stop_string_stops_the_engine_too(
     stop = probe.text[2:5]
     reply = await stub.Complete(long_request(stop=[stop]))
     assert reply.final.finish_reason == pb.FINISH_REASON_STOP
-    await wait_for(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
 
 
 async def test_engine_unreachable_at_run_time_is_unavailable_fast(
     tiny: Tiny, engine_repo: Path
 ) -> None:
     address, stop_engine = await engine_to_stop(engine_repo)
-    running = await _gateway(_config(tiny, address))
+    running = await _gateway(gateway_config(tiny.tokenizer_dir, address))
     try:
         await stop_engine()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
@@ -126,11 +111,15 @@ async def test_a_model_that_is_not_decoupled_is_refused_at_start_up(
         StartupError,
         match=r"model 'sync_llm' .* is not decoupled; streaming needs 'model_transaction_policy \{ decoupled: true \}'",
     ):
-        await load_models(_config(tiny, engine.address, triton_model="sync_llm"))
+        await load_models(
+            gateway_config(tiny.tokenizer_dir, engine.address, triton_model="sync_llm")
+        )
 
 
 async def test_earlier_input_names_are_mapped(tiny: Tiny, engine: Engine) -> None:
-    running = await _gateway(_config(tiny, engine.address, triton_model="legacy_names_llm"))
+    running = await _gateway(
+        gateway_config(tiny.tokenizer_dir, engine.address, triton_model="legacy_names_llm")
+    )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
@@ -144,7 +133,7 @@ async def test_earlier_input_names_are_mapped(tiny: Tiny, engine: Engine) -> Non
 
 
 async def test_drain_ends_in_flight_requests_as_cancelled(tiny: Tiny, engine: Engine) -> None:
-    running = await _gateway(_config(tiny, engine.address))
+    running = await _gateway(gateway_config(tiny.tokenizer_dir, engine.address))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
         stub = pb_grpc.InferenceStub(channel)
         call = stub.Generate(long_request())
@@ -161,7 +150,7 @@ async def test_one_client_cancelling_never_stops_another_with_the_same_request_i
     tiny: Tiny, engine: Engine
 ) -> None:
     # Two slots at the gateway, so both requests reach the engine (it queues the second).
-    running = await _gateway(_config(tiny, engine.address, max_in_flight=2))
+    running = await _gateway(gateway_config(tiny.tokenizer_dir, engine.address, max_in_flight=2))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             await _same_request_id(engine, pb_grpc.InferenceStub(channel))
@@ -184,13 +173,11 @@ async def _same_request_id(engine: Engine, stub: pb_grpc.InferenceStub) -> None:
     first = stub.Generate(long_request(request_id="same"))
     await first.read()
     second = asyncio.ensure_future(stub.Complete(other))
-    for _ in range(500):  # until the engine holds both requests (the second queued behind)
-        if engine.service.pending_requests() >= 2:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.service.pending_requests() >= 2
+    await until_async(  # the engine holds both requests (the second queued behind)
+        lambda: engine.service.pending_requests() >= 2, "the second request never queued", 5.0
+    )
     first.cancel()
-    await wait_for(stats, lambda: stats.cancelled > cancelled)
+    await until_engine(stats, lambda: stats.cancelled > cancelled)
     reply = await second
     assert reply.request_id == "same"
     assert list(reply.token_ids) == list(reference.token_ids)
@@ -215,7 +202,7 @@ class RecordingSink:
 
 async def test_every_request_is_reported_once_with_its_facts(tiny: Tiny, engine: Engine) -> None:
     sink = RecordingSink()
-    config = _config(tiny, engine.address)
+    config = gateway_config(tiny.tokenizer_dir, engine.address)
     running = await start_server(config, await load_models(config), sink)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:

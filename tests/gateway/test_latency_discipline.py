@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.config import GatewayConfig, ModelConfig, ServerConfig
 from appliance.gateway.health import health_name
 from appliance.gateway.models import load_models
 from appliance.gateway.server import SERVICE_NAME, RunningGateway, start_server
@@ -28,6 +27,7 @@ from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny, copy_repository
+from tests.support import gateway_config, until_async
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -57,14 +57,15 @@ class EngineProcess:
     async def wait_ready(self) -> None:
         async with grpc.aio.insecure_channel(self.address) as channel:
             stub = ts_grpc.GRPCInferenceServiceStub(channel)
-            for _ in range(600):
+
+            async def ready() -> bool:
                 assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
                 try:
-                    if (await stub.ServerReady(ts.ServerReadyRequest(), timeout=1)).ready:
-                        return
+                    return bool((await stub.ServerReady(ts.ServerReadyRequest(), timeout=1)).ready)
                 except grpc.aio.AioRpcError:
-                    await asyncio.sleep(0.1)
-        raise AssertionError("engine server did not start")
+                    return False
+
+            await until_async(ready, "engine server did not start", timeout=60.0, interval=0.1)
 
     async def requests_seen(self) -> int:
         """Requests the engine server received (Triton's ModelStatistics)."""
@@ -91,17 +92,6 @@ def engines(tiny: Tiny, tmp_path: Path) -> Iterator[tuple[EngineProcess, EngineP
         e.stop()
 
 
-def _model(name: str, tiny: Tiny, backend: str, **kw: object) -> ModelConfig:
-    return ModelConfig(
-        name=name,
-        backend=backend,
-        tokenizer_dir=tiny.tokenizer_dir,
-        max_output_tokens=2000,
-        ready_timeout_s=60.0,
-        **kw,  # type: ignore[arg-type]
-    )
-
-
 @pytest.fixture
 async def gateway(
     request: pytest.FixtureRequest, tiny: Tiny, engines: tuple[EngineProcess, EngineProcess]
@@ -109,11 +99,12 @@ async def gateway(
     primary_kw, small_kw = getattr(request, "param", ({}, {}))
     for e in engines:
         await e.wait_ready()
-    models = {
-        "primary": _model("primary", tiny, engines[0].address, **primary_kw),
-        "small": _model("small", tiny, engines[1].address, **small_kw),
-    }
-    config = GatewayConfig(server=ServerConfig(listen="127.0.0.1:0"), models=models)
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        {"primary": engines[0].address, "small": engines[1].address},
+        per_model={"primary": primary_kw, "small": small_kw},
+        ready_timeout_s=60.0,
+    )
     running = await start_server(config, await load_models(config))
     yield running
     await running.drain(0.5)
@@ -208,10 +199,7 @@ async def test_overload_is_refused_at_once_with_a_retry_hint(
     queued = [
         stub.Generate(req(max_tokens=4, cache_policy=pb.CACHE_POLICY_BYPASS)) for _ in range(2)
     ]
-    for _ in range(300):
-        if len(gate.waiting) == 2:
-            break
-        await asyncio.sleep(0.01)
+    await until_async(lambda: len(gate.waiting) == 2, "the two never queued", timeout=10.0)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Complete(req(max_tokens=4, cache_policy=pb.CACHE_POLICY_BYPASS))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -255,11 +243,12 @@ async def test_engine_killed_falls_back_then_recovers(
 
     engines[0].start()  # same port
     await engines[0].wait_ready()
-    for _ in range(100):
-        again = await stub.Complete(fresh)
-        if again.final.model == "primary":
-            break
-        await asyncio.sleep(0.1)
+
+    async def from_primary() -> pb.CompleteResponse | None:
+        reply = await stub.Complete(fresh)
+        return reply if reply.final.model == "primary" else None
+
+    again = await until_async(from_primary, "the primary never answered again", 10.0, 0.1)
     assert (again.final.model, again.final.degraded) == ("primary", False)
     assert again.final.cache_tier == pb.CACHE_TIER_MISS  # never the fallback's cached answer
     assert again.final.cache_entry not in ("", fallback_entry)

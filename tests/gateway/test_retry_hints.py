@@ -19,6 +19,7 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny, engine_to_stop
 from tests.gateway.test_http_api import _config, _gateway, _post
+from tests.support import until_async
 
 
 class Clock:
@@ -40,8 +41,7 @@ def _gate(clock: Clock, max_queue: int = 4) -> ModelGate:
 async def _queued(gate: ModelGate, *args: float | None) -> asyncio.Future[object]:
     """An admit() that joined the line (it is waiting when this returns)."""
     task: asyncio.Future[object] = asyncio.ensure_future(gate.admit(*args))  # type: ignore[arg-type]
-    while not gate.waiting:
-        await asyncio.sleep(0)
+    await until_async(lambda: gate.waiting, "the admit never joined the line", interval=0)
     return task
 
 

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from appliance import sdnotify
 from appliance.tools import processes
 from tests.conftest import Tiny
+from tests.support import until
 
 
 @pytest.fixture
@@ -79,10 +79,11 @@ class Datagrams:
                 return
 
     def wait_for(self, predicate: Callable[[list[bytes]], bool], timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate(list(self.received)):
-            assert time.monotonic() < deadline, f"not received; got {self.received[-5:]}"
-            time.sleep(0.02)
+        until(
+            lambda: predicate(list(self.received)),
+            lambda: f"not received; got {self.received[-5:]}",
+            timeout_s,
+        )
 
     def close(self) -> None:
         self._stop.set()

@@ -13,11 +13,12 @@ import openai
 import pydantic
 import pytest
 
-from appliance.config import CacheConfig, GatewayConfig, HttpConfig, ModelConfig, ServerConfig
+from appliance.config import HttpConfig, ServerConfig
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from engine_build.repo import write_hf_repository
 from tests.conftest import Tiny
+from tests.support import gateway_config
 
 SCHEMA = {
     "type": "object",
@@ -60,29 +61,17 @@ async def served(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> AsyncI
             m.runner.close()
 
 
-def config_for(tiny: Tiny, *backends: tuple[str, str]) -> GatewayConfig:
-    models = {
-        name: ModelConfig(
-            name=name,
-            backend=address,
-            tokenizer_dir=tiny.tokenizer_dir,
-            max_output_tokens=512,
-            ready_timeout_s=30.0,
-        )
-        for name, address in backends
-    }
-    return GatewayConfig(
-        server=ServerConfig(listen="127.0.0.1:0", access_log=False),
-        models=models,
-        cache=CacheConfig(),
-        http=HttpConfig(listen="127.0.0.1:0"),
-    )
-
-
 @pytest.fixture(scope="module")
 async def gateway(tiny: Tiny, served: str, engine: Any) -> AsyncIterator[RunningGateway]:
     """`tiny` decodes under guides; `plain` is the shared engine's model, without them."""
-    config = config_for(tiny, ("tiny", served), ("plain", engine.address))
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        {"tiny": served, "plain": engine.address},
+        server=ServerConfig(listen="127.0.0.1:0", access_log=False),
+        http=HttpConfig(listen="127.0.0.1:0"),
+        max_output_tokens=512,
+        ready_timeout_s=30.0,
+    )
     running = await start_server(config, await load_models(config))
     try:
         yield running

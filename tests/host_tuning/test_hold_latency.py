@@ -8,14 +8,13 @@ import struct
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from host_tuning import holdlatency
 from host_tuning.cli import main
+from tests.support import until
 
 
 def holders(path: Path, pid: int) -> int:
@@ -31,14 +30,6 @@ def holders(path: Path, pid: int) -> int:
     return count
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Polls the held file's state (no other event exists), bounded; fails when it never holds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_encode_is_native_s32() -> None:
     assert holdlatency.encode(5) == struct.pack("i", 5)
     with pytest.raises(ValueError):
@@ -52,7 +43,7 @@ def test_hold_keeps_fd_open_until_stopped(tmp_path: Path) -> None:
     t = threading.Thread(target=holdlatency.hold, args=(3, str(dev), stop))
     t.start()
     try:
-        wait_for(lambda: dev.read_bytes() == struct.pack("i", 3))
+        until(lambda: dev.read_bytes() == struct.pack("i", 3), timeout=10.0)
         assert holders(dev, os.getpid()) == 1
     finally:
         stop.set()
@@ -69,7 +60,10 @@ def test_cli_process_holds_and_exits_on_sigterm(tmp_path: Path) -> None:
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        wait_for(lambda: dev.read_bytes() == struct.pack("i", 7) and holders(dev, proc.pid) == 1)
+        until(
+            lambda: dev.read_bytes() == struct.pack("i", 7) and holders(dev, proc.pid) == 1,
+            timeout=10.0,
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from appliance.tools.processes import free_port
+from tests.support import until
 
 
 class Prometheus:
@@ -47,28 +47,28 @@ class Prometheus:
         return result
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             assert self.proc.poll() is None, "prometheus exited; see prometheus.log"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1):
-                    return
+                    return True
             except OSError:
-                time.sleep(0.1)
-        raise AssertionError("prometheus not ready")
+                return False
+
+        until(ready, "prometheus not ready", timeout_s, 0.1)
 
     def wait_value(self, promql: str, expected: float, timeout_s: float = 30.0) -> float:
         """Polls the query until it returns `expected` (scrapes are periodic); the last value."""
-        deadline = time.monotonic() + timeout_s
-        value = float("nan")
-        while time.monotonic() < deadline:
+        value = [float("nan")]
+
+        def reached() -> bool:
             result = self.query(promql)
             if result:
-                value = float(result[0]["value"][1])
-                if value == expected:
-                    return value
-            time.sleep(0.2)
-        raise AssertionError(f"{promql} = {value}, expected {expected}")
+                value[0] = float(result[0]["value"][1])
+            return value[0] == expected
+
+        until(reached, lambda: f"{promql} = {value[0]}, expected {expected}", timeout_s, 0.2)
+        return value[0]
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -18,14 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.cache.l2 import RedisSettings
-from appliance.config import (
-    CacheConfig,
-    GatewayConfig,
-    MetricsConfig,
-    ModelConfig,
-    SemanticConfig,
-    ServerConfig,
-)
+from appliance.config import CacheConfig, MetricsConfig, SemanticConfig
 from appliance.engine.metrics import serve_metrics
 from appliance.gateway.metrics import LATENCY_BUCKETS, GpuCollector
 from appliance.gateway.models import load_models
@@ -37,6 +30,7 @@ from tests.cache.redis_server import RedisServer
 from tests.cache.test_semantic_e2e import PARAPHRASE, QUESTION
 from tests.conftest import Engine, Tiny
 from tests.observability.prometheus_server import Prometheus
+from tests.support import gateway_config, until_async
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 
@@ -56,13 +50,12 @@ async def gateway(
     """Every tier on: L1, L2 on a real redis-server, the semantic tier for namespace "sem"."""
     redis = RedisServer(tmp_path)
     redis.start()
-    model = ModelConfig(name="tiny", backend=engine.address, tokenizer_dir=tiny.tokenizer_dir)
     semantic = SemanticConfig(
         enabled=True, namespaces=("sem",), embedder_dir=embedder_dir, follow_block_ms=100
     )
-    config = GatewayConfig(
-        server=ServerConfig(listen="127.0.0.1:0"),
-        models={"tiny": model},
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        engine.address,
         cache=CacheConfig(
             redis=RedisSettings(url=redis.url, timeout_ms=100, mac_key=b"k" * 32),
             semantic=semantic,
@@ -207,9 +200,9 @@ async def test_prometheus_sees_the_semantic_tier(
     assert cache is not None
 
     async def counters_reach(name: str, value: int) -> None:
-        async with asyncio.timeout(20):
-            while cache.counters()[name] != value:
-                await asyncio.sleep(0.02)
+        await until_async(
+            lambda: cache.counters()[name] == value, f"{name} never reached {value}", 20.0, 0.02
+        )
 
     await counters_reach("semantic_in_sync", 1)
     prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{running.metrics_port}"})

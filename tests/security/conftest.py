@@ -11,13 +11,11 @@ from typing import Any
 import grpc
 import pytest
 
-from appliance.config import AuthConfig, CacheConfig, GatewayConfig, ModelConfig, ServerConfig
+from appliance.config import AuthConfig, GatewayConfig
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.security.api_keys import RateLimits, new_key, write_entries
 from appliance.security.secretfile import PEPPER_PURPOSE, read_secret, write_secret
-from appliance.security.tls import TlsSettings
-from tests.conftest import Engine, Tiny
 
 
 @dataclasses.dataclass
@@ -55,29 +53,6 @@ def keys(tmp_path: Path) -> Keys:
     k = Keys(tmp_path / "keys.json", pepper)
     write_entries(k.path, [])
     return k
-
-
-def gateway_config(
-    tiny: Tiny,
-    engine: Engine,
-    tls: TlsSettings | None = None,
-    auth: AuthConfig | None = None,
-    cache: CacheConfig | None = None,
-) -> GatewayConfig:
-    model = ModelConfig(
-        name="tiny",
-        backend=engine.address,
-        tokenizer_dir=tiny.tokenizer_dir,
-        max_output_tokens=2000,
-        ready_timeout_s=5.0,
-    )
-    return GatewayConfig(
-        server=ServerConfig(listen="127.0.0.1:0"),
-        models={"tiny": model},
-        cache=cache or CacheConfig(),
-        tls=tls,
-        auth=auth or AuthConfig(),
-    )
 
 
 @asynccontextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -19,18 +19,11 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.cache.redis_server import RedisServer
 from tests.conftest import Engine, Tiny
-from tests.security.conftest import Keys, bearer, gateway_config, running
+from tests.security.conftest import Keys, bearer, running
+from tests.support import gateway_config, until_async
 
 MAC_KEY = b"security-test-mac-key-0123456789"
 prompts = iter(range(10**9))
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.kill()
 
 
 def cache(redis_server: RedisServer) -> CacheConfig:
@@ -77,7 +70,9 @@ async def gateway(
 ) -> AsyncIterator[Client]:
     redis_server.client().flushall()
     async with running(
-        gateway_config(tiny, engine, auth=keys.auth(), cache=cache(redis_server))
+        gateway_config(
+            tiny.tokenizer_dir, engine.address, auth=keys.auth(), cache=cache(redis_server)
+        )
     ) as gw:
         client = Client(gw)
         yield client
@@ -146,13 +141,16 @@ async def _entries(gw: RunningGateway, redis_server: RedisServer) -> tuple[int, 
     await asyncio.sleep(0)
     cascade = gw.pipeline.cache
     assert cascade is not None
-    for _ in range(200):  # until the write-backs to Redis have landed
-        if not any(
-            getattr(t.get_coro(), "__qualname__", "") == "RedisTier._write"
-            for t in asyncio.all_tasks()
-        ):
-            break
-        await asyncio.sleep(0.01)
+    await until_async(  # the write-backs to Redis have landed
+        lambda: (
+            not any(
+                getattr(t.get_coro(), "__qualname__", "") == "RedisTier._write"
+                for t in asyncio.all_tasks()
+            )
+        ),
+        "the write-backs to Redis never landed",
+        10.0,
+    )
     return cascade.counters()["l1_entries"], len(redis_server.client().keys("appliance:*"))
 
 
@@ -254,15 +252,16 @@ async def test_rate_and_stream_limits_per_key(gateway: Client, keys: Keys) -> No
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "grpc-retry-pushback-ms" in dict(err.trailing_metadata() or ())
     call.cancel()
-    for _ in range(500):  # the cancelled stream's slot frees when its handler ends
+
+    async def slot_freed() -> bool:  # the cancelled stream's slot frees when its handler ends
         try:
             await gateway.complete(req("t"), limited)
-            break
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            await asyncio.sleep(0.01)
-    else:
-        pytest.fail("the stream slot was never freed")
+            return False
+        return True
+
+    await until_async(slot_freed, "the stream slot was never freed", 10.0)
 
 
 async def test_a_revoked_key_is_refused_after_a_reload(gateway: Client, keys: Keys) -> None:
@@ -285,7 +284,7 @@ async def test_a_forged_or_moved_redis_entry_is_never_served(
     """An entry written into Redis by anything but a gateway (no tag, a tag made with another
     key, or a genuine entry copied under another tenant's key) is a counted miss."""
     redis_server.client().flushall()
-    config = gateway_config(tiny, engine, cache=cache(redis_server))
+    config = gateway_config(tiny.tokenizer_dir, engine.address, cache=cache(redis_server))
     a, b = req("tenant-a"), req("tenant-b")
     b.prompt = a.prompt
     async with running(config) as gw:

@@ -10,7 +10,8 @@ import pytest
 
 from appliance.config import HttpConfig
 from tests.conftest import Engine, Tiny
-from tests.security.conftest import Keys, gateway_config, running
+from tests.security.conftest import Keys, running
+from tests.support import gateway_config
 
 
 async def test_http_requests_need_a_key_with_the_namespace_and_scope(
@@ -18,7 +19,7 @@ async def test_http_requests_need_a_key_with_the_namespace_and_scope(
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
     config = dataclasses.replace(
-        gateway_config(tiny, engine, auth=keys.auth()),
+        gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
         http=HttpConfig(listen="127.0.0.1:0"),
     )
     async with running(config) as gw:
@@ -49,7 +50,7 @@ async def test_listing_models_needs_a_valid_key_and_health_does_not(
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
     config = dataclasses.replace(
-        gateway_config(tiny, engine, auth=keys.auth()),
+        gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
         http=HttpConfig(listen="127.0.0.1:0"),
     )
     async with running(config) as gw, aiohttp.ClientSession() as session:

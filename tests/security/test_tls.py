@@ -18,7 +18,8 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
 from tests.security.certs import CA, Issued
-from tests.security.conftest import Keys, bearer, gateway_config, running, tls_channel
+from tests.security.conftest import Keys, bearer, running, tls_channel
+from tests.support import gateway_config, until_async
 
 
 def hit_request(prompt: str = "tls says hello") -> pb.GenerateRequest:
@@ -55,7 +56,7 @@ async def test_tls_handshake_serves_and_plaintext_is_refused(
     tiny: Tiny, engine: Engine, ca: CA, server_cert: Issued
 ) -> None:
     tls = TlsSettings(server_cert.cert, server_cert.key)
-    async with running(gateway_config(tiny, engine, tls)) as gw:
+    async with running(gateway_config(tiny.tokenizer_dir, engine.address, tls=tls)) as gw:
         async with tls_channel(gw.port, ca.pem) as channel:
             reply = await _complete(channel)
             assert reply.final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
@@ -72,7 +73,9 @@ async def test_a_client_refuses_a_bad_server_certificate(
         "wrong-ca": lambda: other_ca.issue("server", "gateway"),
         "wrong-host": lambda: ca.issue("server", "gateway", hosts=("other.example",)),
     }[fault]()
-    async with running(gateway_config(tiny, engine, TlsSettings(cert.cert, cert.key))) as gw:
+    async with running(
+        gateway_config(tiny.tokenizer_dir, engine.address, tls=TlsSettings(cert.cert, cert.key))
+    ) as gw:
         assert await _refused(tls_channel(gw.port, ca.pem)) == grpc.StatusCode.UNAVAILABLE
 
 
@@ -83,7 +86,7 @@ async def test_mutual_tls_refuses_clients_without_a_good_certificate(
     good = ca.issue("client", "client-a", hosts=("client-a.example",), client=True)
     expired = ca.issue("old", "client-a", client=True, expired=True)
     foreign = other_ca.issue("foreign", "client-a", client=True)
-    async with running(gateway_config(tiny, engine, tls)) as gw:
+    async with running(gateway_config(tiny.tokenizer_dir, engine.address, tls=tls)) as gw:
         async with tls_channel(gw.port, ca.pem, good.cert_pem, good.key_pem) as channel:
             await _complete(channel)
         for refused in (
@@ -102,7 +105,9 @@ async def test_a_client_certificate_stands_for_its_key(
     tls = TlsSettings(server_cert.cert, server_cert.key, client_ca_file=ca.path)
     mapped = ca.issue("mapped", "client-a", hosts=("client-a.example",), client=True)
     unmapped = ca.issue("unmapped", "client-z", hosts=("client-z.example",), client=True)
-    async with running(gateway_config(tiny, engine, tls, keys.auth())) as gw:
+    async with running(
+        gateway_config(tiny.tokenizer_dir, engine.address, tls=tls, auth=keys.auth())
+    ) as gw:
         async with tls_channel(gw.port, ca.pem, mapped.cert_pem, mapped.key_pem) as channel:
             await _complete(channel)  # the certificate's key holds one namespace: implied
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -191,7 +196,7 @@ async def test_a_renewed_certificate_is_used_without_failing_a_stream(
             failures.append(exc)
             stop.set()
 
-    async with running(gateway_config(tiny, engine, tls)) as gw:
+    async with running(gateway_config(tiny.tokenizer_dir, engine.address, tls=tls)) as gw:
         assert await asyncio.to_thread(_served_certificate, gw.port, ca.path) == _der(first)
         channels = [tls_channel(gw.port, ca.pem) for _ in range(3)]
         workers = [
@@ -200,24 +205,29 @@ async def test_a_renewed_certificate_is_used_without_failing_a_stream(
             asyncio.ensure_future(guarded(streams(channels[2]))),
             asyncio.ensure_future(guarded(new_channels(gw.port))),
         ]
-        while done["streams"] < 1 or done["new_channel"] < 3:
-            await asyncio.sleep(0.01)
+        await until_async(
+            lambda: done["streams"] >= 1 and done["new_channel"] >= 3, lambda: f"done {done}"
+        )
         # The renewal as a certificate tool does it: each file replaced by a rename (the pair is
         # mismatched in between: that handshake keeps the old certificate).
         for source, target in ((renewed.cert, live.cert), (renewed.key, live.key)):
             staged = target.with_suffix(".new")
             staged.write_bytes(source.read_bytes())
             os.replace(staged, target)
-        for _ in range(200):
-            if await asyncio.to_thread(_served_certificate, gw.port, ca.path) == _der(renewed):
-                break
-            await asyncio.sleep(0.05)
-        assert await asyncio.to_thread(_served_certificate, gw.port, ca.path) == _der(renewed)
+
+        async def renewed_served() -> bool:
+            served = await asyncio.to_thread(_served_certificate, gw.port, ca.path)
+            return served == _der(renewed)
+
+        await until_async(renewed_served, "the renewed certificate was never served", 20.0, 0.05)
         before = dict(done)
-        while (
-            done["streams"] <= before["streams"] or done["new_channel"] < before["new_channel"] + 3
-        ):
-            await asyncio.sleep(0.01)
+        await until_async(
+            lambda: (
+                done["streams"] > before["streams"]
+                and done["new_channel"] >= before["new_channel"] + 3
+            ),
+            lambda: f"done {done}, before the renewal {before}",
+        )
         stop.set()
         await asyncio.gather(*workers)
         for channel in channels:
@@ -232,7 +242,9 @@ async def test_rate_limited_keys_over_tls_get_the_pushback_trailer(
     token = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=0.5, burst=1))
     tls = TlsSettings(server_cert.cert, server_cert.key)
     async with (
-        running(gateway_config(tiny, engine, tls, keys.auth())) as gw,
+        running(
+            gateway_config(tiny.tokenizer_dir, engine.address, tls=tls, auth=keys.auth())
+        ) as gw,
         tls_channel(gw.port, ca.pem) as channel,
     ):
         await _complete(channel, metadata=bearer(token))

@@ -17,7 +17,8 @@ from appliance.config import HttpConfig
 from appliance.security.tls import ServerTls, TlsSettings
 from tests.conftest import Engine, Tiny
 from tests.security.certs import CA, Issued
-from tests.security.conftest import gateway_config, running
+from tests.security.conftest import running
+from tests.support import gateway_config
 
 
 @asynccontextmanager
@@ -122,7 +123,7 @@ async def test_a_tls_handshake_that_never_finishes_is_dropped_on_both_ports(
     ca = CA(tmp_path, "ca")
     cert = ca.issue("server", "gateway")
     config = dataclasses.replace(
-        gateway_config(tiny, engine, TlsSettings(cert.cert, cert.key)),
+        gateway_config(tiny.tokenizer_dir, engine.address, tls=TlsSettings(cert.cert, cert.key)),
         http=HttpConfig(listen="127.0.0.1:0", client_timeout_s=1.0),
     )
     async with running(config) as gw:

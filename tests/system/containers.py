@@ -13,13 +13,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tests.support import until
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
@@ -78,12 +77,7 @@ class Machine:
 
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float) -> None:
         """Polls `predicate()` until true, at most `timeout` seconds; fails naming `what`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.5)
-        pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        until(predicate, f"timed out waiting for {what}", timeout, 0.5)
 
     def host_vars(self, **extra: object) -> dict[str, object]:
         """This container's inventory entry: reached with nsenter, wheels at /srv/wheelhouse."""
@@ -191,26 +185,25 @@ def boot(
         stdin=subprocess.DEVNULL,
     )
     try:
-        leader = 0
-        deadline = time.monotonic() + 60
-        while not leader and time.monotonic() < deadline:
+
+        def container_init() -> int:
             assert nspawn.poll() is None, (workdir / f"nspawn-{name}.log").read_text()
-            leader = _container_init(nspawn.pid)
-            if not leader:
-                time.sleep(0.2)
-        assert leader, "systemd-nspawn started no container"
+            return _container_init(nspawn.pid)
+
+        leader = until(container_init, "systemd-nspawn started no container", 60.0, 0.2)
         m = Machine(name, workdir, netns, nspawn, leader)
+
         # Until PID 1 has its private bus socket, systemctl cannot connect; entered before nspawn
         # has exec'd systemd, it answers "offline": poll, bounded.
-        state = ""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            booted = m.sh("systemctl", "is-system-running", "--wait", timeout=timeout)
-            state = booted.stdout.strip()
-            if state not in ("", "offline"):
-                break
+        def system_state() -> subprocess.CompletedProcess[str] | None:
+            run = m.sh("systemctl", "is-system-running", "--wait", timeout=timeout)
+            if run.stdout.strip() not in ("", "offline"):
+                return run
             assert nspawn.poll() is None, (workdir / f"nspawn-{name}.log").read_text()
-            time.sleep(0.2)
+            return None
+
+        booted = until(system_state, f"container {name} stayed offline", timeout, 0.2)
+        state = booted.stdout.strip()
         assert state in ("running", "degraded"), (
             f"container {name} state {state!r}: {booted.stderr.strip()}"
         )
