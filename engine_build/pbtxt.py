@@ -64,6 +64,28 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 # The one `guided_decoding_backend` the backend's C++ runtime accepts.
 XGRAMMAR = "xgrammar"
 
+# Speculative decoding's per-request report, as the tensorrtllm backend names it: with the input
+# `return_perf_metrics` true, each response carries the request's RequestPerfMetrics so far, among
+# them the draft tokens proposed (`total_draft_tokens`), those accepted
+# (`total_accepted_draft_tokens`) and their ratio (`acceptance_rate`), shape [1] each. Declared on a
+# model with a speculative mode, so a gateway sees from the config that it may ask for them.
+PERF_METRICS_INPUT = "return_perf_metrics"
+DRAFT_TOKENS_OUTPUT = "total_draft_tokens"
+ACCEPTED_DRAFT_TOKENS_OUTPUT = "total_accepted_draft_tokens"
+ACCEPTANCE_RATE_OUTPUT = "acceptance_rate"
+SPEC_OUTPUTS: tuple[tuple[str, int], ...] = (
+    (ACCEPTANCE_RATE_OUTPUT, mc.TYPE_FP32),
+    (ACCEPTED_DRAFT_TOKENS_OUTPUT, mc.TYPE_INT32),
+    (DRAFT_TOKENS_OUTPUT, mc.TYPE_INT32),
+)
+# The per-request switch of speculation (BOOL; false: this request decodes without drafts). The
+# tensorrtllm backend has none: a TensorRT-LLM engine speculates on every request of a model whose
+# `decoding_mode` is speculative. The appliance engine server declares it on the models it serves
+# with `--speculative`, and only there.
+SPECULATION_INPUT = "appliance_speculation"
+# `decoding_mode` values with which the backend speculates on every request.
+SPECULATIVE_DECODING_MODES = ("medusa", "eagle", "lookahead", "redrafter", "explicit_draft_tokens")
+
 _OUTPUTS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("output_ids", mc.TYPE_INT32, (-1, -1)),
     ("sequence_length", mc.TYPE_INT32, (-1,)),
@@ -214,10 +236,24 @@ def model_config(p: RepoParams) -> mc.ModelConfig:
         t.reshape.SetInParent()
     for name, dtype, dims in _OUTPUTS:
         cfg.output.add(name=name, data_type=dtype, dims=list(dims))
+    if p.speculative or p.draft_inputs:
+        declare_spec_metrics(cfg)
     cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
     for key, value in parameters(p).items():
         cfg.parameters[key].string_value = value
     return cfg
+
+
+def declare_spec_metrics(cfg: mc.ModelConfig) -> None:
+    """Declares PERF_METRICS_INPUT and SPEC_OUTPUTS on `cfg` where it does not yet (as the
+    template declares them: [1] each, the input reshaped to [] per request)."""
+    if PERF_METRICS_INPUT not in {i.name for i in cfg.input}:
+        t = cfg.input.add(name=PERF_METRICS_INPUT, data_type=mc.TYPE_BOOL, dims=[1], optional=True)
+        t.reshape.SetInParent()
+    outputs = {o.name for o in cfg.output}
+    for name, dtype in SPEC_OUTPUTS:
+        if name not in outputs:
+            cfg.output.add(name=name, data_type=dtype, dims=[1])
 
 
 def render(cfg: mc.ModelConfig) -> str:

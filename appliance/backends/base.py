@@ -55,6 +55,33 @@ class Guide:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """What a model does with speculative decoding: whether it drafts (`drafts`), and whether a
+    request can turn drafting off (`switchable`). Read from the model's configuration."""
+
+    drafts: bool = False
+    switchable: bool = False
+
+    def refusal(self, model: str, asked: bool | None) -> str | None:
+        """Why a request's `speculation` (None: the model's default) cannot be served by `model`;
+        None when it can."""
+        if asked is None or asked == self.drafts or self.switchable:
+            return None
+        if asked:
+            return (
+                f"model '{model}' has no speculative decoding (no drafter): send the request "
+                "without speculation, or with speculation false"
+            )
+        return (
+            f"model '{model}' speculates on every request and cannot turn it off per request: "
+            "send the request without speculation false"
+        )
+
+
+NO_SPECULATION = Speculation()
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation as a backend sees it: token ids in, token ids out.
 
@@ -77,13 +104,19 @@ class GenerationRequest:
     ignore_eos: bool = False
     # Each new token's log-probability comes back in Tokens.logprobs.
     logprobs: bool = False
+    # False: decode without drafts; True: with them; None: the model's default.
+    speculation: bool | None = None
 
 
 class Tokens(list[int]):
     """The new token ids of one engine response; `logprobs` holds one log-probability per id when
-    the request asked for them (GenerationRequest.logprobs), else None."""
+    the request asked for them (GenerationRequest.logprobs), else None. `draft_tokens` and
+    `accepted_draft_tokens`: the generation's speculative draft tokens so far, proposed and
+    accepted, when the model reports them (else None). A response may carry counts and no ids."""
 
     logprobs: list[float] | None = None
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
 
 
 class Backend(Protocol):
@@ -97,6 +130,11 @@ class Backend(Protocol):
     @property
     def max_batch_size(self) -> int:
         """Generations the backend runs at once at full speed."""
+        ...
+
+    @property
+    def speculation(self) -> Speculation:
+        """What the model does with speculative decoding (NO_SPECULATION until it is known)."""
         ...
 
     async def wait_ready(self, timeout_s: float) -> None:

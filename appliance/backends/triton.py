@@ -21,8 +21,21 @@ from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends import wire
-from appliance.backends.base import BackendError, GenerationRequest, Tokens
-from engine_build.pbtxt import GUIDED_DECODING_INPUTS
+from appliance.backends.base import (
+    NO_SPECULATION,
+    BackendError,
+    GenerationRequest,
+    Speculation,
+    Tokens,
+)
+from engine_build.pbtxt import (
+    ACCEPTED_DRAFT_TOKENS_OUTPUT,
+    DRAFT_TOKENS_OUTPUT,
+    GUIDED_DECODING_INPUTS,
+    PERF_METRICS_INPUT,
+    SPECULATION_INPUT,
+    SPECULATIVE_DECODING_MODES,
+)
 
 if TYPE_CHECKING:
     from appliance.config import ModelConfig
@@ -86,6 +99,10 @@ class InputNames:
     guided: bool = False
     # The model returns log-probabilities: input return_log_probs and output output_log_probs.
     log_probs: bool = False
+    # The model reports draft tokens: input return_perf_metrics, outputs total_draft_tokens and
+    # total_accepted_draft_tokens.
+    draft_counts: bool = False
+    speculation: Speculation = NO_SPECULATION
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> InputNames:
@@ -95,14 +112,22 @@ class InputNames:
             params[name].string_value if name in params else ""
             for name in ("guided_decoding_backend", "xgrammar_tokenizer_info_path")
         )
+        outputs = {o.name for o in config.output}
+        decoding_mode = params["decoding_mode"].string_value if "decoding_mode" in params else ""
+        switchable = SPECULATION_INPUT in present
         return cls(
             present=present,
             seed=next((n for n in ("random_seed", "seed") if n in present), None),
             min_tokens=next((n for n in ("min_length", "min_tokens") if n in present), None),
             batch_dim=config.max_batch_size > 0,
             guided=configured and present >= GUIDE_INPUTS,
-            log_probs=LOG_PROBS_INPUT in present
-            and LOG_PROBS_OUTPUT in {o.name for o in config.output},
+            log_probs=LOG_PROBS_INPUT in present and LOG_PROBS_OUTPUT in outputs,
+            draft_counts=PERF_METRICS_INPUT in present
+            and {DRAFT_TOKENS_OUTPUT, ACCEPTED_DRAFT_TOKENS_OUTPUT} <= outputs,
+            speculation=Speculation(
+                drafts=switchable or decoding_mode.lower() in SPECULATIVE_DECODING_MODES,
+                switchable=switchable,
+            ),
         )
 
 
@@ -180,6 +205,19 @@ def _output_log_probs(response: ts.ModelInferResponse, count: int) -> list[float
     return [float(v) for v in row[len(row) - count :]]
 
 
+def _count(response: ts.ModelInferResponse, name: str) -> int | None:
+    """A draft-count output's value (shape [1, 1]); None when the response carries none."""
+    try:
+        values = wire.output_values(response, name)
+    except wire.TensorError as exc:
+        raise BackendError(
+            grpc.StatusCode.UNAVAILABLE, f"inference server sent a malformed {name}: {exc}"
+        ) from exc
+    if not values:
+        return None
+    return max(0, int(values[0]))
+
+
 def _is_final(response: ts.ModelInferResponse) -> bool:
     params = response.parameters
     return "triton_final_response" in params and params["triton_final_response"].bool_param
@@ -207,6 +245,11 @@ class TritonBackend:
         self._closed = False
         # Generations the server runs at once (its model's max_batch_size; 1 until read).
         self.max_batch_size = 1
+
+    @property
+    def speculation(self) -> Speculation:
+        """From the model's configuration as last read (NO_SPECULATION before)."""
+        return self._names.speculation if self._names is not None else NO_SPECULATION
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Waits for ServerReady and ModelReady, then reads and checks the model's configuration.
@@ -328,6 +371,13 @@ class TritonBackend:
                     "request without logprobs",
                 )
             t.flag(LOG_PROBS_INPUT, True)
+        if names.draft_counts:
+            t.flag(PERF_METRICS_INPUT, True)
+        refusal = names.speculation.refusal(self.model, g.speculation)
+        if refusal is not None:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        if g.speculation is not None and g.speculation != names.speculation.drafts:
+            t.flag(SPECULATION_INPUT, g.speculation)
         if g.guide is not None:
             if not names.guided:
                 raise BackendError(
@@ -351,6 +401,7 @@ class TritonBackend:
         if self._shutting_down or self._closed:
             raise BackendError(grpc.StatusCode.CANCELLED, "gateway shutting down")
         request = self._request(g)
+        counts = self._names is not None and self._names.draft_counts
         call = self._stub.ModelStreamInfer(timeout=g.timeout_s)
         self._calls.add(call)
         finished = False
@@ -374,9 +425,14 @@ class TritonBackend:
                 tokens = Tokens(_output_tokens(response))
                 if g.logprobs and tokens:
                     tokens.logprobs = _output_log_probs(response, len(tokens))
+                counted = False
+                if counts:
+                    tokens.draft_tokens = _count(response, DRAFT_TOKENS_OUTPUT)
+                    tokens.accepted_draft_tokens = _count(response, ACCEPTED_DRAFT_TOKENS_OUTPUT)
+                    counted = tokens.draft_tokens is not None
                 if _is_final(response):
                     finished = True
-                    if tokens:
+                    if tokens or counted:
                         yield tokens
                     return
                 if tokens:

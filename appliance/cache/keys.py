@@ -11,6 +11,10 @@ field lists encode alike. Text is NFC-normalized by the request validation befor
 model sees the same NFC text, so equal keys always mean equal model inputs); content is otherwise used
 byte for byte: case and whitespace are never folded, because they change meaning (code, poetry).
 Greedy requests drop temperature, top_p, top_k and seed: none of them changes a greedy answer.
+Speculative decoding leaves a greedy answer as it is, so a request's `speculation` is not part of a
+greedy key. A sampled answer keeps the target's distribution but draws its random numbers in another
+order with drafts, so the same seed gives another answer: a sampled request that turns speculation
+off adds a `speculation=off` field (the default and "on" add nothing, so keys stay as they were).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class SamplingKey:
     min_tokens: int = 0
     # The end token does not end the answer.
     ignore_eos: bool = False
+    # A sampled request decoded without speculative drafts (only ever set when not greedy).
+    speculation_off: bool = False
 
 
 def _field(value: str) -> bytes:
@@ -137,6 +143,8 @@ def cache_key(
         )
     if sampling.guide is not None:
         digest.update(_field(f"guide:{sampling.guide[0]}") + _field(sampling.guide[1]))
+    if sampling.speculation_off:
+        digest.update(_field("speculation=off"))
     return digest.digest()
 
 

@@ -65,6 +65,9 @@ class RequestPerf:
     first_scheduled_ns: int
     first_token_ns: int
     last_token_ns: int
+    # Speculative decoding so far: draft tokens proposed to verify steps, and those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class Job:
     guide: CompiledGuide | None = None
     min_tokens: int = 0
     return_log_probs: bool = False
+    # False: this request decodes without drafts whatever the runner's drafter.
+    speculate: bool = True
 
 
 @dataclass
@@ -255,7 +260,7 @@ class Runner:
             guide=job.guide,
             min_tokens=job.min_tokens,
             logprobs=log_probs,
-            speculation=self.speculation,
+            speculation=self.speculation if job.speculate else None,
             spec_counts=spec,
         )
         produced: list[int] = []
@@ -272,19 +277,15 @@ class Runner:
                 scheduled_ns,
                 first_token_ns or now,
                 now,
+                spec.proposed,
+                spec.accepted,
             )
 
         finished = False
         for token in tokens:
             produced.append(token)
             first_token_ns = first_token_ns or time.monotonic_ns()
-            with self.stats.lock:
-                self.stats.tokens_generated += 1
-                self.stats.spec_draft_tokens += spec.proposed - published.proposed
-                self.stats.spec_accepted_tokens += spec.accepted - published.accepted
-                self.stats.spec_verify_steps += spec.verify_steps - published.verify_steps
-                self.stats.spec_switched_off += spec.switched_off - published.switched_off
-            published = dataclasses.replace(spec)
+            published = self._publish(spec, published, tokens=1)
             if job.streaming:
                 finished = len(produced) == job.max_new_tokens
                 if finished:  # counted before the final response leaves, so statistics never lag it
@@ -292,6 +293,9 @@ class Runner:
                 job.emit(Emission([token], finished, None, perf(), _copy(log_probs)))
                 if finished:
                     break
+        # A verify step whose first accepted token is the end id yields nothing: its counts are
+        # published here, before the final response that reports them.
+        self._publish(spec, published)
         if not finished and job.cancel.is_set():
             self._count(cancelled=1)
             job.emit(Emission(None, final=True))
@@ -304,6 +308,17 @@ class Runner:
                 # Ended by the end id: a final response with no new tokens (not a null response).
                 job.emit(Emission([], True, None, perf(), _copy(log_probs)))
         self._account(job, kv, produced, history if finished else None)
+
+    def _publish(self, spec: SpecCounts, published: SpecCounts, tokens: int = 0) -> SpecCounts:
+        """Adds `tokens` and the speculation counts since `published` to the engine's counters;
+        returns the counts now published."""
+        with self.stats.lock:
+            self.stats.tokens_generated += tokens
+            self.stats.spec_draft_tokens += spec.proposed - published.proposed
+            self.stats.spec_accepted_tokens += spec.accepted - published.accepted
+            self.stats.spec_verify_steps += spec.verify_steps - published.verify_steps
+            self.stats.spec_switched_off += spec.switched_off - published.switched_off
+        return dataclasses.replace(spec)
 
     def _account(
         self, job: Job, kv: RequestKvStats, produced: list[int], history: list[int] | None

@@ -20,6 +20,7 @@ extensions served here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -59,6 +60,13 @@ from appliance.engine.runner import Emission, Job, RequestPerf, Runner
 from appliance.engine.sampling import SamplingParams
 from appliance.engine.statistics import ModelStatistics, RequestClock
 from appliance.listen import taken_address
+from engine_build.pbtxt import (
+    ACCEPTANCE_RATE_OUTPUT,
+    ACCEPTED_DRAFT_TOKENS_OUTPUT,
+    DRAFT_TOKENS_OUTPUT,
+    SPECULATION_INPUT,
+    declare_spec_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +131,8 @@ class Decoded:
     compiled: CompiledGuide | None = None  # the guide, compiled by `compile_guide`
     min_tokens: int = 0
     return_log_probs: bool = False
+    # False: decode without drafts (SPECULATION_INPUT); only a speculating model declares it.
+    speculation: bool = True
 
 
 def _read_tensor(
@@ -230,6 +240,7 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         guide=guide,
         min_tokens=min_tokens,
         return_log_probs=bool(scalar("return_log_probs", False)),
+        speculation=bool(scalar(SPECULATION_INPUT, True)),
     )
 
 
@@ -281,10 +292,16 @@ def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, int | float]]:
         "first_scheduled_time_ns": ("INT64", perf.first_scheduled_ns),
         "first_token_time_ns": ("INT64", perf.first_token_ns),
         "last_token_time_ns": ("INT64", perf.last_token_ns),
-        "acceptance_rate": ("FP32", 0.0),
-        "total_accepted_draft_tokens": ("INT32", 0),
-        "total_draft_tokens": ("INT32", 0),
+        ACCEPTANCE_RATE_OUTPUT: ("FP32", acceptance_rate(perf)),
+        ACCEPTED_DRAFT_TOKENS_OUTPUT: ("INT32", perf.accepted_draft_tokens),
+        DRAFT_TOKENS_OUTPUT: ("INT32", perf.draft_tokens),
     }
+
+
+def acceptance_rate(perf: RequestPerf) -> float:
+    """Accepted draft tokens per draft token proposed, as the executor computes it; 0 without
+    drafts."""
+    return perf.accepted_draft_tokens / perf.draft_tokens if perf.draft_tokens else 0.0
 
 
 def _response(
@@ -577,6 +594,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             guide=decoded.compiled,
             min_tokens=decoded.min_tokens,
             return_log_probs=decoded.return_log_probs,
+            speculate=decoded.speculation,
         )
         job.emit = functools.partial(emit, job)
         if request.id:
@@ -737,6 +755,8 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
     except (RepositoryError, ValueError) as exc:
         runner.close()
         raise RepositoryError(f"model '{entry.name}': {exc}") from exc
+    if runner.speculation is not None:
+        entry = dataclasses.replace(entry, config=speculative_config(entry.config))
     return EngineModel(
         entry=entry,
         model=model,
@@ -746,6 +766,21 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
         output_names=frozenset(o.name for o in entry.config.output),
         grammars=grammars,
     )
+
+
+def speculative_config(config: mc.ModelConfig) -> mc.ModelConfig:
+    """The config a speculating model is served with: the repository's, plus the per-request
+    switch (SPECULATION_INPUT) and the inputs and outputs that report drafts (PERF_METRICS_INPUT,
+    SPEC_OUTPUTS), so a client sees from ModelConfig that the model drafts and may ask for them."""
+    served = mc.ModelConfig()
+    served.CopyFrom(config)
+    if SPECULATION_INPUT not in {i.name for i in served.input}:
+        t = served.input.add(
+            name=SPECULATION_INPUT, data_type=mc.TYPE_BOOL, dims=[1], optional=True
+        )
+        t.reshape.SetInParent()
+    declare_spec_metrics(served)
+    return served
 
 
 def load_repository(

@@ -46,6 +46,9 @@ class Outcome:
     completion_tokens: int
     # The model that produced the answer: its cache entry may only be keyed with this identity.
     produced_by: ModelIdentity
+    # Speculative decoding: draft tokens proposed to the model's verify steps, and accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -69,13 +72,15 @@ async def generate(
     matcher = StopMatcher(stops)
     end_id = None if request.ignore_eos else request.end_id
     min_tokens = request.min_tokens
-    completion = 0
+    completion = drafts = accepted = 0
     ended_by_stop = False
     tokens_stream = model.backend.stream(request)
     try:
         async for step in tokens_stream:
             tokens: list[int] = step
             logprobs = step.logprobs
+            if step.draft_tokens is not None:  # the generation's counts so far
+                drafts, accepted = step.draft_tokens, step.accepted_draft_tokens or 0
             if end_id is not None and end_id in tokens:
                 cut = tokens.index(end_id)
                 tokens, logprobs = tokens[:cut], logprobs[:cut] if logprobs else logprobs
@@ -105,7 +110,12 @@ async def generate(
         yield Delta(tail, [])
     stopped = ended_by_stop or completion < request.max_tokens
     yield Outcome(
-        "stop" if stopped else "length", len(request.prompt_ids), completion, model.identity
+        "stop" if stopped else "length",
+        len(request.prompt_ids),
+        completion,
+        model.identity,
+        drafts,
+        min(accepted, drafts),
     )
 
 

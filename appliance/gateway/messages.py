@@ -62,6 +62,7 @@ def request_of(m: pb.GenerateRequest) -> IncomingRequest:
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs,
         top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
+        speculation=m.speculation if m.HasField("speculation") else None,
     )
 
 
@@ -87,5 +88,7 @@ def final(f: Final) -> pb.GenerateResponse:
             degraded=f.degraded,
             similarity=f.similarity,
             cache_entry=f.cache_entry,
+            draft_tokens=f.draft_tokens,
+            accepted_draft_tokens=f.accepted_draft_tokens,
         ),
     )

@@ -152,10 +152,29 @@ class GatewayMetrics:
             "Answers produced by a fallback model.",
             ("model", "answered_by"),
         )
+        # Labelled by the model that generated the answer (a fallback's drafts are its own).
+        self.draft_tokens = Counters(
+            "appliance_spec_draft_tokens",
+            "Speculative draft tokens proposed to the verify steps of generated answers.",
+            ("model",),
+        )
+        self.accepted_draft_tokens = Counters(
+            "appliance_spec_accepted_draft_tokens",
+            "Speculative draft tokens the model accepted (completion tokens without a step of "
+            "their own).",
+            ("model",),
+        )
         self.registry.register(
             _FamiliesCollector(
                 (self.ttft, self.inter_token, self.e2e, self.queue),
-                (self.requests, self.prompt_tokens, self.completion_tokens, self.degraded),
+                (
+                    self.requests,
+                    self.prompt_tokens,
+                    self.completion_tokens,
+                    self.degraded,
+                    self.draft_tokens,
+                    self.accepted_draft_tokens,
+                ),
             )
         )
         self._server: object | None = None
@@ -306,6 +325,10 @@ class MetricsSink:
         s.completion[0] += r.completion_tokens
         if r.answered_by and r.answered_by != model:
             m.degraded.inc((model, r.answered_by))
+        if r.draft_tokens:
+            drafter = (r.answered_by or model,)
+            m.draft_tokens.inc(drafter, r.draft_tokens)
+            m.accepted_draft_tokens.inc(drafter, r.accepted_draft_tokens)
 
 
 class _FamiliesCollector(Collector):

@@ -91,6 +91,7 @@ EXTENSION_FIELDS = frozenset(
         "ttft_budget_ms",
         "deadline_ms",
         "guide",
+        "speculation",
     }
 )
 JSON_OBJECT = json.dumps({"type": "object"})
@@ -404,6 +405,7 @@ def _extension(req: IncomingRequest, data: dict[str, Any]) -> float | None:
             )
         req.cache_policy = CACHE_POLICIES[policy.lower()]
     req.semantic_cache = _field(ext, "semantic_cache", bool, prefix=p)
+    req.speculation = _field(ext, "speculation", bool, prefix=p)
     req.top_k = _int(ext, "top_k", -INT32_MAX, INT32_MAX, prefix=p)
     req.ttft_budget_ms = _int(ext, "ttft_budget_ms", 0, UINT32_MAX, prefix=p)
     guide = _field(ext, "guide", dict, prefix=p)
@@ -545,8 +547,9 @@ def dumps(value: object) -> bytes:
 
 def extension(request_id: str, final: Final) -> dict[str, Any]:
     """The appliance's facts about an answer: which tier and model answered, and its timings; the
-    key a cached or cacheable answer is stored under (to audit or drop it), and for a semantic hit
-    the similarity."""
+    key a cached or cacheable answer is stored under (to audit or drop it), for a semantic hit
+    the similarity, and for a generated answer its speculative draft tokens, proposed and
+    accepted (0 without drafts)."""
     f = final
     facts: dict[str, Any] = {
         "request_id": request_id,
@@ -559,6 +562,9 @@ def extension(request_id: str, final: Final) -> dict[str, Any]:
         facts["similarity"] = round(final.similarity, 4)
     if final.cache_entry:
         facts["cache_entry"] = final.cache_entry
+    if f.tier == "miss":
+        facts["draft_tokens"] = f.draft_tokens
+        facts["accepted_draft_tokens"] = f.accepted_draft_tokens
     return facts
 
 

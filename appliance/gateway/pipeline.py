@@ -68,6 +68,7 @@ from appliance.gateway.request import (
     IncomingRequest,
     PreparedRequest,
     check,
+    check_speculation,
     echo,
     tokenize,
     valid_request_id,
@@ -121,6 +122,8 @@ def sampling_key(checked: CheckedRequest) -> SamplingKey:
         key = dataclasses.replace(key, guide=(checked.guide.kind, checked.guide.text))
     if checked.min_tokens or checked.ignore_eos:
         key = dataclasses.replace(key, min_tokens=checked.min_tokens, ignore_eos=checked.ignore_eos)
+    if checked.speculation is False and not key.greedy:
+        key = dataclasses.replace(key, speculation_off=True)
     return key
 
 
@@ -233,6 +236,7 @@ class Pipeline:
             self.in_flight[model.name] += 1
             checked = check(request, model.limits, grant.namespace)
             report.request_id = checked.request_id
+            check_speculation(checked, model.name, model.backend.speculation)
             budget = self.budget(model, checked, deadline_s)
             query = self.cache_query(model, checked)
             cache_plan = self.cache_plan(checked, query)
@@ -537,6 +541,7 @@ class Pipeline:
                 min_tokens=prepared.min_tokens,
                 ignore_eos=prepared.ignore_eos,
                 logprobs=prepared.logprobs,
+                speculation=prepared.speculation,
             )
             async for event in generate(model, request, prepared.stops):
                 if not first and (isinstance(event, Outcome) or event.token_ids):
@@ -666,6 +671,8 @@ class Pipeline:
         report.prompt_tokens = outcome.prompt_tokens
         report.completion_tokens = outcome.completion_tokens
         report.answered_by = outcome.produced_by.name
+        report.draft_tokens = outcome.draft_tokens
+        report.accepted_draft_tokens = outcome.accepted_draft_tokens
 
     def refused(self, front_end: str, status: str, received_ns: int) -> None:
         """A request its front end refused before the pipeline could read it still counts in the

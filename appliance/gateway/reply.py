@@ -32,6 +32,10 @@ class Final:
     similarity: float
     # The key (hex) the answer is cached under; "" when it is not.
     cache_entry: str
+    # Speculative decoding of a generated answer: draft tokens proposed, and accepted (0 for a
+    # cached answer and a model without a drafter).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 Reply = Delta | Final
@@ -56,4 +60,6 @@ def final_of(r: RequestReport, received_ns: int, started_ns: int, first_ns: int)
         r.answered_by not in ("", r.model),
         r.similarity,
         r.cache_entry,
+        r.draft_tokens,
+        r.accepted_draft_tokens,
     )

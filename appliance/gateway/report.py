@@ -42,6 +42,9 @@ class RequestReport:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Speculative decoding of a generated answer: draft tokens proposed, and accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     # Microseconds from arrival at the gateway.
     queue_us: int = 0
     ttft_us: int = 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import jsonschema
 
-from appliance.backends.base import GREEDY, Guide, Sampling
+from appliance.backends.base import GREEDY, Guide, Sampling, Speculation
 from appliance.cache.policy import CachePolicy
 from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, invalid
 from appliance.text.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
@@ -99,6 +99,8 @@ class IncomingRequest:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Speculative decoding: False off, True asked for, None the model's default.
+    speculation: bool | None = None
 
 
 _POLICIES = {p.value: p for p in CachePolicy}
@@ -180,6 +182,8 @@ class CheckedRequest:
     ignore_eos: bool = False
     # Each completion token's log-probability is returned.
     logprobs: bool = False
+    # Speculative decoding: False off, True asked for, None the model's default.
+    speculation: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ class PreparedRequest:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: bool = False
+    speculation: bool | None = None
 
 
 def new_request_id() -> str:
@@ -287,7 +292,17 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
         min_tokens=min_tokens,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        speculation=req.speculation,
     )
+
+
+def check_speculation(checked: CheckedRequest, model: str, speculation: Speculation) -> None:
+    """Refuses a `speculation` the model cannot serve: drafts asked of a model without a drafter,
+    or none asked of a model that drafts on every request with no per-request switch. Asked
+    before the cache, so whether a request is refused never depends on what is cached."""
+    refusal = speculation.refusal(model, checked.speculation)
+    if refusal is not None:
+        raise _invalid(refusal, field="speculation")
 
 
 def _min_tokens(req: IncomingRequest, max_tokens: int) -> int:
@@ -418,4 +433,5 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         min_tokens=checked.min_tokens,
         ignore_eos=checked.ignore_eos,
         logprobs=checked.logprobs,
+        speculation=checked.speculation,
     )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ppliance/v1/inference.proto\x12\x0c\x61ppliance.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\"=\n\x05Guide\x12%\n\x04type\x18\x01 \x01(\x0e\x32\x17.appliance.v1.GuideType\x12\r\n\x05guide\x18\x02 \x01(\t\"\xf9\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.appliance.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0c\x63\x61\x63he_policy\x18\x0b \x01(\x0e\x32\x19.appliance.v1.CachePolicy\x12\x11\n\tnamespace\x18\x0c \x01(\t\x12\x1b\n\x0ettft_budget_ms\x18\r \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x0esemantic_cache\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\"\n\x05guide\x18\x0f \x01(\x0b\x32\x13.appliance.v1.Guide\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12\x10\n\x08logprobs\x18\x12 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\x05H\t\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_ttft_budget_msB\x11\n\x0f_semantic_cacheB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobs\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x0f\n\x07ttft_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\x96\x02\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.appliance.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.appliance.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.appliance.v1.Timings\x12+\n\ncache_tier\x18\x04 \x01(\x0e\x32\x17.appliance.v1.CacheTier\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x12\x12\n\nsimilarity\x18\x07 \x01(\x02\x12\x13\n\x0b\x63\x61\x63he_entry\x18\x08 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_tier_name\x18\t \x01(\t\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"\x99\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"Q\n\x11InvalidateRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\r\n\x05\x65ntry\x18\x04 \x01(\t\"\xc6\x01\n\x12InvalidateResponse\x12\x12\n\nl1_removed\x18\x01 \x01(\x04\x12\x12\n\nl2_removed\x18\x02 \x01(\x04\x12\x18\n\x10semantic_removed\x18\x03 \x01(\x04\x12>\n\x07removed\x18\x04 \x03(\x0b\x32-.appliance.v1.InvalidateResponse.RemovedEntry\x1a.\n\x0cRemovedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x87\x01\n\x12\x43\x61\x63heStatsResponse\x12@\n\x08\x63ounters\x18\x01 \x03(\x0b\x32..appliance.v1.CacheStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*q\n\x0b\x43\x61\x63hePolicy\x12\x18\n\x14\x43\x41\x43HE_POLICY_DEFAULT\x10\x00\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x01\x12\x18\n\x14\x43\x41\x43HE_POLICY_REFRESH\x10\x02\x12\x15\n\x11\x43\x41\x43HE_POLICY_ONLY\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x81\x01\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_MISS\x10\x00\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L1\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L2\x10\x02\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x03\x12\x14\n\x10\x43\x41\x43HE_TIER_OTHER\x10\x04*\x8b\x01\n\tGuideType\x12\x1a\n\x16GUIDE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fGUIDE_TYPE_JSON\x10\x01\x12\x1a\n\x16GUIDE_TYPE_JSON_SCHEMA\x10\x02\x12\x14\n\x10GUIDE_TYPE_REGEX\x10\x03\x12\x1b\n\x17GUIDE_TYPE_EBNF_GRAMMAR\x10\x04\x32\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.CompleteResponse2\xa9\x01\n\nCacheAdmin\x12O\n\nInvalidate\x12\x1f.appliance.v1.InvalidateRequest\x1a .appliance.v1.InvalidateResponse\x12J\n\x05Stats\x12\x1f.appliance.v1.CacheStatsRequest\x1a .appliance.v1.CacheStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ppliance/v1/inference.proto\x12\x0c\x61ppliance.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\"=\n\x05Guide\x12%\n\x04type\x18\x01 \x01(\x0e\x32\x17.appliance.v1.GuideType\x12\r\n\x05guide\x18\x02 \x01(\t\"\xa3\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.appliance.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0c\x63\x61\x63he_policy\x18\x0b \x01(\x0e\x32\x19.appliance.v1.CachePolicy\x12\x11\n\tnamespace\x18\x0c \x01(\t\x12\x1b\n\x0ettft_budget_ms\x18\r \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x0esemantic_cache\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\"\n\x05guide\x18\x0f \x01(\x0b\x32\x13.appliance.v1.Guide\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12\x10\n\x08logprobs\x18\x12 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x18\n\x0bspeculation\x18\x16 \x01(\x08H\n\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_ttft_budget_msB\x11\n\x0f_semantic_cacheB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x0e\n\x0c_speculation\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x0f\n\x07ttft_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\xcb\x02\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.appliance.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.appliance.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.appliance.v1.Timings\x12+\n\ncache_tier\x18\x04 \x01(\x0e\x32\x17.appliance.v1.CacheTier\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x12\x12\n\nsimilarity\x18\x07 \x01(\x02\x12\x13\n\x0b\x63\x61\x63he_entry\x18\x08 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_tier_name\x18\t \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\r\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"\x99\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"Q\n\x11InvalidateRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\r\n\x05\x65ntry\x18\x04 \x01(\t\"\xc6\x01\n\x12InvalidateResponse\x12\x12\n\nl1_removed\x18\x01 \x01(\x04\x12\x12\n\nl2_removed\x18\x02 \x01(\x04\x12\x18\n\x10semantic_removed\x18\x03 \x01(\x04\x12>\n\x07removed\x18\x04 \x03(\x0b\x32-.appliance.v1.InvalidateResponse.RemovedEntry\x1a.\n\x0cRemovedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x87\x01\n\x12\x43\x61\x63heStatsResponse\x12@\n\x08\x63ounters\x18\x01 \x03(\x0b\x32..appliance.v1.CacheStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*q\n\x0b\x43\x61\x63hePolicy\x12\x18\n\x14\x43\x41\x43HE_POLICY_DEFAULT\x10\x00\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x01\x12\x18\n\x14\x43\x41\x43HE_POLICY_REFRESH\x10\x02\x12\x15\n\x11\x43\x41\x43HE_POLICY_ONLY\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x81\x01\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_MISS\x10\x00\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L1\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L2\x10\x02\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x03\x12\x14\n\x10\x43\x41\x43HE_TIER_OTHER\x10\x04*\x8b\x01\n\tGuideType\x12\x1a\n\x16GUIDE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fGUIDE_TYPE_JSON\x10\x01\x12\x1a\n\x16GUIDE_TYPE_JSON_SCHEMA\x10\x02\x12\x14\n\x10GUIDE_TYPE_REGEX\x10\x03\x12\x1b\n\x17GUIDE_TYPE_EBNF_GRAMMAR\x10\x04\x32\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.CompleteResponse2\xa9\x01\n\nCacheAdmin\x12O\n\nInvalidate\x12\x1f.appliance.v1.InvalidateRequest\x1a .appliance.v1.InvalidateResponse\x12J\n\x05Stats\x12\x1f.appliance.v1.CacheStatsRequest\x1a .appliance.v1.CacheStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_options = b'8\001'
   _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_CACHEPOLICY']._serialized_start=2077
-  _globals['_CACHEPOLICY']._serialized_end=2190
-  _globals['_FINISHREASON']._serialized_start=2192
-  _globals['_FINISHREASON']._serialized_end=2316
-  _globals['_CACHETIER']._serialized_start=2319
-  _globals['_CACHETIER']._serialized_end=2448
-  _globals['_GUIDETYPE']._serialized_start=2451
-  _globals['_GUIDETYPE']._serialized_end=2590
+  _globals['_CACHEPOLICY']._serialized_start=2172
+  _globals['_CACHEPOLICY']._serialized_end=2285
+  _globals['_FINISHREASON']._serialized_start=2287
+  _globals['_FINISHREASON']._serialized_end=2411
+  _globals['_CACHETIER']._serialized_start=2414
+  _globals['_CACHETIER']._serialized_end=2543
+  _globals['_GUIDETYPE']._serialized_start=2546
+  _globals['_GUIDETYPE']._serialized_end=2685
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_CHATMESSAGES']._serialized_start=92
@@ -50,33 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GUIDE']._serialized_start=153
   _globals['_GUIDE']._serialized_end=214
   _globals['_GENERATEREQUEST']._serialized_start=217
-  _globals['_GENERATEREQUEST']._serialized_end=850
-  _globals['_TOKENLOGPROB']._serialized_start=852
-  _globals['_TOKENLOGPROB']._serialized_end=916
-  _globals['_USAGE']._serialized_start=918
-  _globals['_USAGE']._serialized_end=975
-  _globals['_TIMINGS']._serialized_start=977
-  _globals['_TIMINGS']._serialized_end=1039
-  _globals['_FINAL']._serialized_start=1042
-  _globals['_FINAL']._serialized_end=1320
-  _globals['_GENERATERESPONSE']._serialized_start=1323
-  _globals['_GENERATERESPONSE']._serialized_end=1476
-  _globals['_COMPLETERESPONSE']._serialized_start=1479
-  _globals['_COMPLETERESPONSE']._serialized_end=1632
-  _globals['_INVALIDATEREQUEST']._serialized_start=1634
-  _globals['_INVALIDATEREQUEST']._serialized_end=1715
-  _globals['_INVALIDATERESPONSE']._serialized_start=1718
-  _globals['_INVALIDATERESPONSE']._serialized_end=1916
-  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_start=1870
-  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_end=1916
-  _globals['_CACHESTATSREQUEST']._serialized_start=1918
-  _globals['_CACHESTATSREQUEST']._serialized_end=1937
-  _globals['_CACHESTATSRESPONSE']._serialized_start=1940
-  _globals['_CACHESTATSRESPONSE']._serialized_end=2075
-  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_start=2028
-  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_end=2075
-  _globals['_INFERENCE']._serialized_start=2593
-  _globals['_INFERENCE']._serialized_end=2756
-  _globals['_CACHEADMIN']._serialized_start=2759
-  _globals['_CACHEADMIN']._serialized_end=2928
+  _globals['_GENERATEREQUEST']._serialized_end=892
+  _globals['_TOKENLOGPROB']._serialized_start=894
+  _globals['_TOKENLOGPROB']._serialized_end=958
+  _globals['_USAGE']._serialized_start=960
+  _globals['_USAGE']._serialized_end=1017
+  _globals['_TIMINGS']._serialized_start=1019
+  _globals['_TIMINGS']._serialized_end=1081
+  _globals['_FINAL']._serialized_start=1084
+  _globals['_FINAL']._serialized_end=1415
+  _globals['_GENERATERESPONSE']._serialized_start=1418
+  _globals['_GENERATERESPONSE']._serialized_end=1571
+  _globals['_COMPLETERESPONSE']._serialized_start=1574
+  _globals['_COMPLETERESPONSE']._serialized_end=1727
+  _globals['_INVALIDATEREQUEST']._serialized_start=1729
+  _globals['_INVALIDATEREQUEST']._serialized_end=1810
+  _globals['_INVALIDATERESPONSE']._serialized_start=1813
+  _globals['_INVALIDATERESPONSE']._serialized_end=2011
+  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_start=1965
+  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_end=2011
+  _globals['_CACHESTATSREQUEST']._serialized_start=2013
+  _globals['_CACHESTATSREQUEST']._serialized_end=2032
+  _globals['_CACHESTATSRESPONSE']._serialized_start=2035
+  _globals['_CACHESTATSRESPONSE']._serialized_end=2170
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_start=2123
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_end=2170
+  _globals['_INFERENCE']._serialized_start=2688
+  _globals['_INFERENCE']._serialized_end=2851
+  _globals['_CACHEADMIN']._serialized_start=2854
+  _globals['_CACHEADMIN']._serialized_end=3023
 # @@protoc_insertion_point(module_scope)

@@ -78,7 +78,7 @@ class Guide(_message.Message):
     def __init__(self, type: _Optional[_Union[GuideType, str]] = ..., guide: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "cache_policy", "namespace", "ttft_budget_ms", "semantic_cache", "guide", "min_tokens", "ignore_eos", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "cache_policy", "namespace", "ttft_budget_ms", "semantic_cache", "guide", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "speculation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -117,7 +118,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[_Union[CachePolicy, str]] = ..., namespace: _Optional[str] = ..., ttft_budget_ms: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    speculation: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_policy: _Optional[_Union[CachePolicy, str]] = ..., namespace: _Optional[str] = ..., ttft_budget_ms: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., guide: _Optional[_Union[Guide, _Mapping]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -148,7 +150,7 @@ class Timings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., ttft_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "cache_tier", "model", "degraded", "similarity", "cache_entry", "cache_tier_name")
+    __slots__ = ("finish_reason", "usage", "timings", "cache_tier", "model", "degraded", "similarity", "cache_entry", "cache_tier_name", "draft_tokens", "accepted_draft_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,8 @@ class Final(_message.Message):
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_ENTRY_FIELD_NUMBER: _ClassVar[int]
     CACHE_TIER_NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
@@ -167,7 +171,9 @@ class Final(_message.Message):
     similarity: float
     cache_entry: str
     cache_tier_name: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., cache_tier: _Optional[_Union[CacheTier, str]] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ..., similarity: _Optional[float] = ..., cache_entry: _Optional[str] = ..., cache_tier_name: _Optional[str] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., cache_tier: _Optional[_Union[CacheTier, str]] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ..., similarity: _Optional[float] = ..., cache_entry: _Optional[str] = ..., cache_tier_name: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "final", "logprobs")
