@@ -18,7 +18,8 @@ from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
-from tests.gateway.test_inprocess import _config, _gateway
+from tests.gateway.test_inprocess import _gateway
+from tests.support import gateway_config
 
 MODEL = "tiny"
 # A repeated phrase: prompt lookup has n-grams to copy from the first decode step.
@@ -148,7 +149,7 @@ async def test_counters_add_up_the_final_messages(stack: Stack) -> None:
 
 @pytest.fixture
 async def plain_gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
-    running = await _gateway(_config(tiny, engine.address))
+    running = await _gateway(gateway_config(tiny.tokenizer_dir, engine.address))
     yield running
     await running.drain(0.5)
 
