@@ -121,6 +121,8 @@ def sampling_key(checked: CheckedRequest) -> SamplingKey:
         key = dataclasses.replace(key, guide=(checked.guide.kind, checked.guide.text))
     if checked.min_tokens or checked.ignore_eos:
         key = dataclasses.replace(key, min_tokens=checked.min_tokens, ignore_eos=checked.ignore_eos)
+    if checked.tool_chat is not None:
+        key = dataclasses.replace(key, tools=checked.tool_chat.key)
     return key
 
 
