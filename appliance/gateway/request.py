@@ -320,9 +320,9 @@ def _min_tokens(req: IncomingRequest, max_tokens: int) -> int:
 
 
 def _logprobs(req: IncomingRequest) -> tuple[bool, int]:
-    """Whether log-probabilities are returned, and how many alternatives per token. Whether the
-    model can return alternatives is its backend's to say (TensorRT-LLM's `tensorrt_llm` model
-    returns only the chosen token's log-probability; the appliance's engine server the top k)."""
+    """Whether log-probabilities are returned, and how many alternatives per token. top_logprobs
+    is checked against OpenAI's range, then refused above 0: TensorRT-LLM's `tensorrt_llm` model
+    returns only the chosen token's log-probability, and both backends answer the same requests."""
     top = req.top_logprobs
     if top is None:
         return req.logprobs, 0
@@ -333,6 +333,12 @@ def _logprobs(req: IncomingRequest) -> tuple[bool, int]:
         )
     if top and not req.logprobs:
         raise _invalid("top_logprobs needs logprobs: set logprobs to true", field="top_logprobs")
+    if top:
+        raise _invalid(
+            f"top_logprobs {top} is not supported: the inference engine returns only the chosen "
+            "token's log-probability; send top_logprobs 0 or leave it out",
+            field="top_logprobs",
+        )
     return req.logprobs, top
 
 
