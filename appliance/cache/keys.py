@@ -5,7 +5,9 @@ Key = BLAKE2b-128 over a canonical encoding of, in order:
   prompt-template version, the input (raw prompt, or each message's role and content in order), and
   the normalized sampling parameters (max_tokens; greedy, or temperature/top_p/top_k/seed; the stop
   strings deduplicated and sorted), and the guide (its type and text) when the request has one; an
-  unguided request's key has no guide field, so it is the key it was before guides existed.
+  unguided request's key has no guide field, so it is the key it was before guides existed. A chat
+  with tools adds the canonical text of its tools, choice and structured messages (a template that
+  takes tools renders them, not the (role, content) messages); a chat without has no such field.
 Each field is written as its UTF-8 length (4 bytes, big-endian) then its bytes, so no two different
 field lists encode alike. Text is NFC-normalized by the request validation before it gets here (the
 model sees the same NFC text, so equal keys always mean equal model inputs); content is otherwise used
@@ -56,6 +58,8 @@ class SamplingKey:
     ignore_eos: bool = False
     # A sampled request decoded without speculative drafts (only ever set when not greedy).
     speculation_off: bool = False
+    # A chat with tools: the canonical text of its tools and structured messages.
+    tools: str | None = None
 
 
 def _field(value: str) -> bytes:
@@ -145,6 +149,8 @@ def cache_key(
         digest.update(_field(f"guide:{sampling.guide[0]}") + _field(sampling.guide[1]))
     if sampling.speculation_off:
         digest.update(_field("speculation=off"))
+    if sampling.tools is not None:
+        digest.update(_field("tools") + _field(sampling.tools))
     return digest.digest()
 
 

@@ -225,6 +225,8 @@ class SemanticTier(CacheTier):
             return None
         if query.sampling.guide is not None:
             return None  # a paraphrase's answer was not decoded under this request's grammar
+        if query.sampling.tools is not None:
+            return None  # nor with this request's tools
         if asking and not (
             query.semantic if query.semantic is not None else self.settings.request_default
         ):

@@ -3,10 +3,19 @@ GenerateRequest into an IncomingRequest, and the pipeline's replies into Generat
 
 from __future__ import annotations
 
+import json
+
 from appliance.backends.base import Guide
+from appliance.gateway import tool_calls
+from appliance.gateway.errors import invalid
 from appliance.gateway.generation import Delta
 from appliance.gateway.reply import Final
-from appliance.gateway.request import IncomingRequest, new_request_id, too_many_messages
+from appliance.gateway.request import (
+    MAX_GUIDE_BYTES,
+    IncomingRequest,
+    new_request_id,
+    too_many_messages,
+)
 from appliance.v1 import inference_pb2 as pb
 
 FINISH = {
@@ -28,20 +37,45 @@ GUIDE_TYPES = {
 }
 
 
+TOOL_CHOICES = {
+    pb.TOOL_CHOICE_AUTO: "auto",
+    pb.TOOL_CHOICE_NONE: "none",
+    pb.TOOL_CHOICE_REQUIRED: "required",
+}
+
+
 def request_of(m: pb.GenerateRequest) -> IncomingRequest:
     """The request in plain values; the client's request id, or a new one (every reply names
-    it). A chat's message count is checked before any message is read."""
+    it). A chat's message count is checked before any message is read; tools make the same plan
+    the HTTP API's do (a forced call becomes the answer's guide)."""
     which = m.WhichOneof("input")
     messages = None
+    chat = None
+    plan = _plan(m) if m.HasField("tools") else None
+    if m.HasField("tools") and which != "messages":
+        raise invalid("tools need a chat: send messages, not a prompt", field="tools")
     if which == "messages":
         listed = m.messages.messages
         refusal = too_many_messages(len(listed))
         if refusal is not None:
             raise refusal
-        messages = [(c.role, c.content) for c in listed]
+        turns = [_turn(c, i) for i, c in enumerate(listed)]
+        if plan is not None or tool_calls.has_tool_parts(turns):
+            chat = tool_calls.ToolChat(plan, tuple(turns))
+            messages = chat.fallback()
+        else:
+            messages = [(t.role, t.content) for t in turns]
     guide = None
     if m.HasField("guide"):
         guide = Guide(GUIDE_TYPES.get(m.guide.type, str(m.guide.type)), m.guide.guide)
+    if plan is not None and plan.forced:
+        if guide is not None:
+            raise invalid(
+                "a tool choice that forces a call constrains the answer itself; drop the guide "
+                "or use TOOL_CHOICE_AUTO",
+                field="guide",
+            )
+        guide = Guide("json_schema", plan.guide_schema() or "")
     return IncomingRequest(
         model=m.model,
         prompt=m.prompt if which == "prompt" else None,
@@ -63,7 +97,48 @@ def request_of(m: pb.GenerateRequest) -> IncomingRequest:
         logprobs=m.logprobs,
         top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
         speculation=m.speculation if m.HasField("speculation") else None,
+        tool_chat=chat,
     )
+
+
+def _plan(m: pb.GenerateRequest) -> tool_calls.ToolPlan | None:
+    """The request's Tools checked (tool_calls.plan_of); None when the answer is text."""
+    given = m.tools
+    tool_calls.check_count(len(given.tools), "tools.tools")
+    tools = []
+    for i, t in enumerate(given.tools):
+        where = f"tools.tools[{i}]"
+        parameters = None
+        if t.parameters:
+            if len(t.parameters) > MAX_GUIDE_BYTES:
+                raise invalid(
+                    f"{where}.parameters is longer than {MAX_GUIDE_BYTES} bytes", field=where
+                )
+            try:
+                parameters = json.loads(t.parameters)
+            except (ValueError, RecursionError) as exc:
+                raise invalid(f"{where}.parameters is not valid JSON: {exc}", field=where) from None
+        tools.append(tool_calls.tool_of(t.name, t.description, parameters, where))
+    choice = TOOL_CHOICES.get(given.choice)
+    if choice is None:
+        raise invalid(f"tools.choice {given.choice} is not a ToolChoice", field="tools.choice")
+    if given.function_name:
+        if choice == "none":
+            raise invalid(
+                "tools.function_name forces a call, which TOOL_CHOICE_NONE forbids; send one",
+                field="tools.function_name",
+            )
+        choice = given.function_name
+    if not tools and choice != "auto":
+        raise invalid("tools.choice needs tools: send the tools it may call", field="tools.choice")
+    if not tools:
+        return None
+    return tool_calls.plan_of(tools, choice, "tools.tools", "tools.function_name")
+
+
+def _turn(c: pb.ChatMessage, i: int) -> tool_calls.Turn:
+    calls = [tool_calls.PastCall(t.name, t.arguments, t.id) for t in c.tool_calls]
+    return tool_calls.turn(c.role, c.content, calls, c.tool_call_id or None, i)
 
 
 def delta(request_id: str, d: Delta) -> pb.GenerateResponse:
@@ -73,6 +148,15 @@ def delta(request_id: str, d: Delta) -> pb.GenerateResponse:
         for token_id, token, logprob in d.logprobs:
             entries.add(token_id=token_id, token=token, logprob=logprob)
     return message
+
+
+def tool_call(call: tool_calls.ToolCall, request_id: str) -> pb.ToolCall:
+    """An answer's call as the Final carries it."""
+    return pb.ToolCall(
+        name=call.name,
+        arguments=json.dumps(call.arguments, ensure_ascii=False),
+        id=tool_calls.call_id(request_id),
+    )
 
 
 def final(f: Final) -> pb.GenerateResponse:

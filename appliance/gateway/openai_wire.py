@@ -152,6 +152,14 @@ def _unicode(req: IncomingRequest) -> None:
         texts.append(req.prompt)
     for role, content in req.messages or ():
         texts += (role, content)
+    if req.tool_chat is not None:
+        for t in req.tool_chat.turns:
+            texts += (t.call_id, *(f"{c.name}{c.arguments}{c.id}" for c in t.calls))
+        if req.tool_chat.plan is not None:
+            texts += [t.description for t in req.tool_chat.plan.tools]
+            texts += [
+                json.dumps(t.parameters, ensure_ascii=False) for t in req.tool_chat.plan.tools
+            ]
     if req.guide is not None:
         texts.append(req.guide.text)
     for text in texts:
@@ -179,7 +187,7 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     tools = None
     if chat:
         tools = _tools(data)
-        req.messages = _messages(data, tools)
+        _messages(data, tools, req)
     else:
         req.prompt = _prompt(data)
     max_tokens = _int(data, "max_tokens", -INT32_MAX, INT32_MAX)
@@ -249,13 +257,14 @@ def _tools(data: dict[str, Any]) -> ToolPlan | None:
         raise invalid(exc.message, exc.field) from None
 
 
-def _messages(data: dict[str, Any], tools: ToolPlan | None) -> list[tuple[str, str]]:
-    """The chat as (role, content); an empty list reaches the check stage, which names it."""
+def _messages(data: dict[str, Any], tools: ToolPlan | None, req: IncomingRequest) -> None:
+    """The chat as (role, content), and as a ToolChat when it has tools or tool-call history; an
+    empty list reaches the check stage, which names it."""
     messages = _field(data, "messages", list, required=True)
     refusal = too_many_messages(len(messages))
     if refusal is not None:
         raise invalid(refusal.message, "messages")
-    listed: list[tuple[str, str]] = []
+    turns: list[tool_calls.Turn] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"messages[{i}] must be an object, got {_kind(m)}", f"messages[{i}]")
@@ -263,20 +272,50 @@ def _messages(data: dict[str, Any], tools: ToolPlan | None) -> list[tuple[str, s
         if not isinstance(role, str):
             raise invalid(f"messages[{i}].role must be a string", f"messages[{i}].role")
         content = _content(m.get("content"), i)
+        call_id = m.get("tool_call_id") if role == "tool" else None
+        if call_id is not None and not isinstance(call_id, str):
+            raise invalid(f"messages[{i}].tool_call_id must be a string", f"messages[{i}]")
         try:
-            if role == "tool":
-                role, content = "user", tool_calls.tool_result(m, content, i)
-            elif role == "assistant":
-                content = tool_calls.assistant_content(m, content, i)
+            turns.append(
+                tool_calls.turn(
+                    ROLE_ALIASES.get(role, role), content, _past_calls(m, i), call_id, i
+                )
+            )
         except RequestError as exc:
             raise invalid(exc.message, exc.field) from None
-        listed.append((ROLE_ALIASES.get(role, role), content))
-    if tools is not None and listed:
-        if listed[0][0] == "system":
-            listed[0] = ("system", tools.system_message() + "\n\n" + listed[0][1])
-        else:
-            listed.insert(0, ("system", tools.system_message()))
-    return listed
+    if tools is None and not tool_calls.has_tool_parts(turns):
+        req.messages = [(t.role, t.content) for t in turns]
+        return
+    chat = tool_calls.ToolChat(tools, tuple(turns))
+    req.messages = chat.fallback()
+    req.tool_chat = chat
+
+
+def _past_calls(message: dict[str, Any], i: int) -> list[tool_calls.PastCall]:
+    """An assistant message's `tool_calls`, as the client sent them."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls must be an array", f"messages[{i}].tool_calls")
+    past = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        call_id = call.get("id", "") if isinstance(call, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise invalid(
+                f"messages[{i}].tool_calls[{j}] must be "
+                '{"type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}',
+                f"messages[{i}].tool_calls",
+            )
+        if not isinstance(call_id, str):
+            raise invalid(
+                f"messages[{i}].tool_calls[{j}].id must be a string", f"messages[{i}].tool_calls"
+            )
+        past.append(tool_calls.PastCall(name, arguments, call_id))
+    return past
 
 
 def _content(content: object, i: int) -> str:
@@ -646,7 +685,7 @@ class Answer:
         }
 
     def call_id(self) -> str:
-        return f"call_{self.request_id}_0"
+        return tool_calls.call_id(self.request_id)
 
     def call_chunk(self, call: ToolCall) -> bytes:
         """The streamed tool call: one delta with its name and whole arguments."""

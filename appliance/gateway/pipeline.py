@@ -124,6 +124,8 @@ def sampling_key(checked: CheckedRequest) -> SamplingKey:
         key = dataclasses.replace(key, min_tokens=checked.min_tokens, ignore_eos=checked.ignore_eos)
     if checked.speculation is False and not key.greedy:
         key = dataclasses.replace(key, speculation_off=True)
+    if checked.tool_chat is not None:
+        key = dataclasses.replace(key, tools=checked.tool_chat.key)
     return key
 
 

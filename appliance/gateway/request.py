@@ -21,6 +21,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jsonschema
 
@@ -28,6 +29,9 @@ from appliance.backends.base import GREEDY, Guide, Sampling, Speculation
 from appliance.cache.policy import CachePolicy
 from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, invalid
 from appliance.text.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
+
+if TYPE_CHECKING:
+    from appliance.gateway.tool_calls import ToolChat
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -101,6 +105,9 @@ class IncomingRequest:
     top_logprobs: int | None = None
     # Speculative decoding: False off, True asked for, None the model's default.
     speculation: bool | None = None
+    # A chat with tools or tool-call history, in structure; `messages` then holds its fallback
+    # rendering (tool_calls.ToolChat.fallback), which the check validates.
+    tool_chat: ToolChat | None = None
 
 
 _POLICIES = {p.value: p for p in CachePolicy}
@@ -184,6 +191,10 @@ class CheckedRequest:
     logprobs: bool = False
     # Speculative decoding: False off, True asked for, None the model's default.
     speculation: bool | None = None
+    # Alternatives per token returned with the log-probabilities (0: none).
+    top_logprobs: int = 0
+    # A chat with tools: the tokenize stage renders it (`messages` is its fallback rendering).
+    tool_chat: ToolChat | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,7 @@ class PreparedRequest:
     ignore_eos: bool = False
     logprobs: bool = False
     speculation: bool | None = None
+    top_logprobs: int = 0
 
 
 def new_request_id() -> str:
@@ -261,17 +273,20 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
 
     guide = _guide(req.guide) if req.guide is not None else None
     min_tokens = _min_tokens(req, max_tokens)
-    logprobs = _logprobs(req)
+    logprobs, top_logprobs = _logprobs(req)
     ttft_budget_ms = req.ttft_budget_ms
     if ttft_budget_ms is not None and ttft_budget_ms <= 0:
         raise _invalid("ttft_budget_ms must be >= 1 when set")
 
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
+    tool_chat = None
     if req.messages is not None:
         raw = _messages(req.messages)
         _fits(sum(len(c) for _, c in raw), limits, "messages")
         messages = tuple([(r, nfc(c)) for r, c in raw])
+        if req.tool_chat is not None:
+            tool_chat = req.tool_chat.with_text(nfc)
     elif req.prompt:
         _fits(len(req.prompt), limits, "prompt")
         prompt = nfc(req.prompt)
@@ -293,6 +308,8 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         speculation=req.speculation,
+        top_logprobs=top_logprobs,
+        tool_chat=tool_chat,
     )
 
 
@@ -317,13 +334,13 @@ def _min_tokens(req: IncomingRequest, max_tokens: int) -> int:
     return min_tokens
 
 
-def _logprobs(req: IncomingRequest) -> bool:
-    """Whether log-probabilities are returned. top_logprobs is checked against OpenAI's range, then
-    refused above 0: TensorRT-LLM's `tensorrt_llm` model returns only the chosen token's
-    log-probability, and both backends answer the same requests."""
+def _logprobs(req: IncomingRequest) -> tuple[bool, int]:
+    """Whether log-probabilities are returned, and how many alternatives per token. top_logprobs
+    is checked against OpenAI's range, then refused above 0: TensorRT-LLM's `tensorrt_llm` model
+    returns only the chosen token's log-probability, and both backends answer the same requests."""
     top = req.top_logprobs
     if top is None:
-        return req.logprobs
+        return req.logprobs, 0
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _invalid(
             f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
@@ -337,7 +354,7 @@ def _logprobs(req: IncomingRequest) -> bool:
             "token's log-probability; send top_logprobs 0 or leave it out",
             field="top_logprobs",
         )
-    return req.logprobs
+    return req.logprobs, top
 
 
 def _guide(asked: Guide) -> Guide:
@@ -404,7 +421,7 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         prompt_ids = text.encode_prompt(checked.prompt)
     else:
         try:
-            prompt_ids = text.encode_chat([{"role": r, "content": c} for r, c in checked.messages])
+            prompt_ids = _encode_chat(checked, text)
         except ChatTemplateError as exc:
             raise _invalid(str(exc)) from exc
     field = "prompt" if checked.prompt is not None else "messages"
@@ -434,4 +451,14 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         ignore_eos=checked.ignore_eos,
         logprobs=checked.logprobs,
         speculation=checked.speculation,
+        top_logprobs=checked.top_logprobs,
     )
+
+
+def _encode_chat(checked: CheckedRequest, text: ModelText) -> list[int]:
+    """A chat's token ids: a chat with tools through the model's template when it takes tools,
+    else (and every other chat) its (role, content) messages."""
+    chat = checked.tool_chat
+    if chat is not None and text.takes_tools:
+        return text.encode_chat(chat.template_messages(), tools=chat.tool_specs())
+    return text.encode_chat([{"role": r, "content": c} for r, c in checked.messages])

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from appliance.cache.tiers import TierCascade
-from appliance.gateway import messages, report
+from appliance.gateway import messages, report, tool_calls
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta
 from appliance.gateway.pipeline import Pipeline
@@ -69,6 +69,33 @@ def entry_key(request: pb.InvalidateRequest) -> bytes | None:
     return bytes.fromhex(request.entry)
 
 
+class _Calls:
+    """A streamed answer's text, kept when the request offered tools, to read the call it makes."""
+
+    def __init__(self, incoming: IncomingRequest) -> None:
+        chat = incoming.tool_chat
+        self.plan = chat.plan if chat is not None else None
+        self.request_id = incoming.request_id
+        self.text: list[str] = []
+
+    def feed(self, text: str) -> None:
+        if self.plan is not None:
+            self.text.append(text)
+
+    def finish(self, last: pb.GenerateResponse) -> pb.GenerateResponse:
+        call = self.call("".join(self.text))
+        if call is not None:
+            last.final.tool_call.CopyFrom(call)
+        return last
+
+    def call(self, text: str) -> pb.ToolCall | None:
+        """The call the whole answer makes, if the request offered tools and it is one."""
+        if self.plan is None:
+            return None
+        call = tool_calls.parse_call(text, self.plan)
+        return None if call is None else messages.tool_call(call, self.request_id)
+
+
 class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
     def __init__(self, pipeline: Pipeline, mutual_tls: bool = False) -> None:
         self.pipeline = pipeline
@@ -87,11 +114,13 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
                 incoming, context.time_remaining(), credentials(context, self.mutual_tls)
             )
             request_id = incoming.request_id
+            calls = _Calls(incoming)
             async for reply in replies:
                 if isinstance(reply, Delta):
+                    calls.feed(reply.text)
                     yield messages.delta(request_id, reply)
                 else:
-                    yield messages.final(reply)
+                    yield calls.finish(messages.final(reply))
         except RequestError as exc:
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
@@ -124,6 +153,9 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         finally:
             self._end()
         reply.text = "".join(text)
+        call = _Calls(incoming).call(reply.text)
+        if call is not None:
+            reply.final.tool_call.CopyFrom(call)
         return reply
 
     def _incoming(self, request: pb.GenerateRequest) -> IncomingRequest:

@@ -1,26 +1,29 @@
-"""OpenAI tool calling over a model that answers in text: at the HTTP edge, the tools become a guide
-and a system message, and the answer becomes tool calls. Nothing behind the edge knows of tools.
+"""OpenAI tool calling over a model that answers in text. The front ends translate their tools into
+a ToolPlan and their messages into a ToolChat (both front ends through `plan` and `turn`); the
+answer becomes a tool call at the edge again. Behind the edges a tool chat is only a chat to render.
 
 - `tool_choice` "none" (or no tools): the tools are left out; the answer is text.
 - "required", or a named function: decoding is constrained (a `json_schema` guide) to one JSON
   object `{"name": NAME, "arguments": {...}}` whose arguments follow that tool's `parameters`
   schema, so the answer is always one call of a listed tool (unless `max_tokens` cuts it short).
-- "auto": the model chooses. A system message lists the tools and asks for such an object when a
-  tool is wanted; an answer that is one such object naming a listed tool is a tool call, any
-  other answer is text.
+- "auto": the model chooses; an answer that is one such object naming a listed tool is a tool
+  call, any other answer is text.
 
-The tools are described to the model in a system message of this module's wording (the fallback
-for chat templates without tool support, which is what every template gets here). In the history,
-an assistant message's `tool_calls` are written as the objects the model would have produced, and a
-`tool` message becomes a user message that names the call it answers, so any chat template renders
-the conversation. The gRPC API has no tools: a gRPC client sends the guide and the prompt itself.
+Rendering (at the tokenize stage, with the model that generates): a chat template that takes
+`tools` (its source names them, as Hugging Face templates with tool support do) gets the tools as
+`tools=[{"type": "function", "function": {...}}]` and the history as it came: assistant messages
+with `tool_calls`, `tool` messages with their `tool_call_id`. Any other template gets the fallback:
+a system message of this module's wording that lists the tools and asks for the JSON object above,
+an assistant message's calls written as the objects the model would have produced, and a `tool`
+message as a user message that names the call it answers.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.gateway.errors import RequestError, invalid
@@ -28,6 +31,9 @@ from appliance.gateway.request import check_json_schema
 
 # OpenAI's limits: tools per request and a function name's form.
 MAX_TOOLS = 128
+# Bytes of all the tools' parameters schemas together (JSON): a forced choice's guide holds them
+# all, and a guide is bounded to this size.
+MAX_SCHEMA_BYTES = 64 * 1024
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
 
@@ -63,6 +69,20 @@ class ToolPlan:
         chosen = [t for t in self.tools if self.choice in ("required", t.name)]
         calls = [_call_schema(t) for t in chosen]
         return json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+
+    def specs(self) -> list[dict[str, Any]]:
+        """The tools as chat templates with tool support take them (OpenAI's shape)."""
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                },
+            }
+            for t in self.tools
+        ]
 
     def system_message(self) -> str:
         listed = "\n".join(
@@ -104,23 +124,18 @@ def _bad(message: str, param: str) -> RequestError:
 
 
 def plan(tools: object, choice: object) -> ToolPlan | None:
-    """The request's `tools` and `tool_choice` checked; None when the answer is plain text."""
+    """OpenAI's `tools` and `tool_choice` (JSON values) checked; None when the answer is plain
+    text."""
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise _bad("tool_choice needs tools: send the tools it may call", "tool_choice")
         return None
     if not isinstance(tools, list):
         raise _bad("tools must be an array of function tools", "tools")
-    if len(tools) > MAX_TOOLS:
-        raise _bad(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are accepted", "tools")
-    checked = tuple(_tool(t, i) for i, t in enumerate(tools))
-    names = [t.name for t in checked]
-    if len(set(names)) != len(names):
-        raise _bad("tools name the same function twice", "tools")
+    check_count(len(tools), "tools")
+    checked = [_tool(t, i) for i, t in enumerate(tools)]
     if choice is None:
         choice = "auto"
-    if choice == "none":
-        return None
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
@@ -130,12 +145,36 @@ def plan(tools: object, choice: object) -> ToolPlan | None:
                 '{"type": "function", "function": {"name": NAME}}',
                 "tool_choice",
             )
-        if name not in names:
-            raise _bad(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        return ToolPlan(checked, name)
-    if choice not in CHOICES:
+        return plan_of(checked, name, "tools", "tool_choice")
+    if choice not in (*CHOICES, "none"):
         raise _bad(f"tool_choice {choice!r} is not one of {', '.join(CHOICES)}", "tool_choice")
-    return ToolPlan(checked, str(choice))
+    return plan_of(checked, str(choice), "tools", "tool_choice")
+
+
+def plan_of(tools: Sequence[Tool], choice: str, where: str, choice_field: str) -> ToolPlan | None:
+    """Checked tools and a choice ("none", "auto", "required" or a tool's name) as a plan; None
+    for "none". `where` and `choice_field` name the request's fields in a refusal."""
+    check_count(len(tools), where)
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise _bad(f"{where} name the same function twice", where)
+    size = sum(len(json.dumps(t.parameters)) for t in tools)
+    if size > MAX_SCHEMA_BYTES:
+        raise _bad(
+            f"the tools' parameters schemas are {size} bytes in all; at most {MAX_SCHEMA_BYTES} "
+            "are accepted",
+            where,
+        )
+    if choice == "none":
+        return None
+    if choice not in CHOICES and choice not in names:
+        raise _bad(f"{choice_field} names {choice!r}, which is not in {where}", choice_field)
+    return ToolPlan(tuple(tools), choice)
+
+
+def check_count(count: int, where: str) -> None:
+    if count > MAX_TOOLS:
+        raise _bad(f"{where} holds {count} tools; at most {MAX_TOOLS} are accepted", where)
 
 
 def _tool(tool: object, i: int) -> Tool:
@@ -146,56 +185,148 @@ def _tool(tool: object, i: int) -> Tool:
     if not isinstance(function, dict):
         raise _bad(f"{where}.function must be an object", where)
     name = function.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise _bad(f"{where}.function.name must be 1 to 64 letters, digits, _ or -", where)
     description = function.get("description", "")
     if not isinstance(description, str):
         raise _bad(f"{where}.function.description must be a string", where)
-    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    return tool_of(name, description, function.get("parameters"), f"{where}.function")
+
+
+def tool_of(name: object, description: str, parameters: object, where: str) -> Tool:
+    """One tool checked: its name's form, its parameters a valid JSON Schema object (None: an
+    object with any properties)."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise _bad(f"{where}.name must be 1 to 64 letters, digits, _ or -", where)
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise _bad(f"{where}.function.parameters must be a JSON Schema object", where)
+        raise _bad(f"{where}.parameters must be a JSON Schema object", where)
     try:
         check_json_schema(json.dumps(parameters))
     except RequestError as exc:
-        raise _bad(f"{where}.function.parameters: {exc.message}", where) from None
+        raise _bad(f"{where}.parameters: {exc.message}", where) from None
     return Tool(name, description, parameters)
 
 
 # -- history -------------------------------------------------------------------------------------
 
 
-def assistant_content(message: dict[str, Any], text: str, i: int) -> str:
-    """An assistant message's text with its `tool_calls` written as the model writes calls."""
-    calls = message.get("tool_calls")
-    if calls is None:
-        return text
-    if not isinstance(calls, list):
-        raise _bad(f"messages[{i}].tool_calls must be an array", f"messages[{i}].tool_calls")
-    written = []
-    for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
-        if not isinstance(name, str) or not isinstance(arguments, str):
-            raise _bad(
-                f"messages[{i}].tool_calls[{j}] must be "
-                '{"type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}',
-                f"messages[{i}].tool_calls",
-            )
+@dataclass(frozen=True)
+class PastCall:
+    """A call in the history (an assistant message's), as the client sent it."""
+
+    name: str
+    # JSON text as the client sent it (written as is where it does not parse).
+    arguments: str
+    id: str = ""
+
+    def parsed_arguments(self) -> Any:
         try:
-            parsed = json.loads(arguments) if arguments else {}
-        except ValueError:
-            parsed = arguments  # written as the client sent it
-        written.append(json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False))
-    return "\n".join(filter(None, [text, *written]))
+            return json.loads(self.arguments) if self.arguments else {}
+        except (ValueError, RecursionError):
+            return self.arguments
 
 
-def tool_result(message: dict[str, Any], text: str, i: int) -> str:
-    """A `tool` message as a user message naming the call it answers."""
-    call_id = message.get("tool_call_id")
-    if not isinstance(call_id, str):
-        raise _bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}]")
-    return f"Result of tool call {call_id}:\n{text}"
+@dataclass(frozen=True)
+class Turn:
+    """One message of a chat with tools: its role ("system", "user", "assistant" or "tool"), its
+    text, an assistant message's calls, a tool message's call id."""
+
+    role: str
+    content: str
+    calls: tuple[PastCall, ...] = ()
+    call_id: str = ""
+
+
+def turn(role: str, content: str, calls: Sequence[PastCall], call_id: str | None, i: int) -> Turn:
+    """A message checked for its tool parts: a tool message names the call it answers."""
+    if role == "tool":
+        if not call_id:
+            raise _bad(
+                f"messages[{i}].tool_call_id is required: a tool message names the call it answers",
+                f"messages[{i}]",
+            )
+        return Turn(role, content, call_id=call_id)
+    if calls and role != "assistant":
+        raise _bad(f"messages[{i}] has tool_calls; only an assistant message may", f"messages[{i}]")
+    for j, call in enumerate(calls):
+        if not call.name:
+            raise _bad(f"messages[{i}].tool_calls[{j}] needs the name of the function", "messages")
+    return Turn(role, content, tuple(calls))
+
+
+def has_tool_parts(turns: Sequence[Turn]) -> bool:
+    return any(t.calls or t.role == "tool" for t in turns)
+
+
+@dataclass(frozen=True)
+class ToolChat:
+    """A chat request with tools or a history of tool calls: rendered by the tokenize stage, with
+    the model's chat template when it takes tools, else as `fallback()`."""
+
+    plan: ToolPlan | None
+    turns: tuple[Turn, ...]
+    # The canonical text of everything above (what the cache key holds).
+    key: str = field(default="", compare=False)
+
+    def fallback(self) -> list[tuple[str, str]]:
+        """The chat for any template: (role, content) with roles system, user and assistant."""
+        pairs: list[tuple[str, str]] = []
+        for t in self.turns:
+            if t.role == "tool":
+                pairs.append(("user", f"Result of tool call {t.call_id}:\n{t.content}"))
+            elif t.calls:
+                written = [
+                    json.dumps(
+                        {"name": c.name, "arguments": c.parsed_arguments()}, ensure_ascii=False
+                    )
+                    for c in t.calls
+                ]
+                pairs.append((t.role, "\n".join(filter(None, [t.content, *written]))))
+            else:
+                pairs.append((t.role, t.content))
+        if self.plan is not None and pairs:
+            if pairs[0][0] == "system":
+                pairs[0] = ("system", self.plan.system_message() + "\n\n" + pairs[0][1])
+            else:
+                pairs.insert(0, ("system", self.plan.system_message()))
+        return pairs
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The chat as Hugging Face chat templates with tool support take it."""
+        messages: list[dict[str, Any]] = []
+        for t in self.turns:
+            message: dict[str, Any] = {"role": t.role, "content": t.content}
+            if t.calls:
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.parsed_arguments()},
+                    }
+                    for c in t.calls
+                ]
+            if t.role == "tool":
+                message["tool_call_id"] = t.call_id
+            messages.append(message)
+        return messages
+
+    def tool_specs(self) -> list[dict[str, Any]] | None:
+        return self.plan.specs() if self.plan is not None else None
+
+    def with_text(self, normalize: Callable[[str], str]) -> ToolChat:
+        """The chat with every message's text normalized (the check stage's NFC), and its key."""
+        turns = tuple(Turn(t.role, normalize(t.content), t.calls, t.call_id) for t in self.turns)
+        chat = ToolChat(self.plan, turns)
+        key = json.dumps(
+            {
+                "tools": chat.tool_specs(),
+                "choice": self.plan.choice if self.plan else "none",
+                "messages": chat.template_messages(),
+            },
+            ensure_ascii=False,
+            sort_keys=True,
+        )
+        return ToolChat(self.plan, turns, key)
 
 
 # -- answer --------------------------------------------------------------------------------------
@@ -216,6 +347,11 @@ def parse_call(text: str, tool_plan: ToolPlan) -> ToolCall | None:
     if name not in tool_plan.names or not isinstance(arguments, dict):
         return None
     return ToolCall(name, arguments)
+
+
+def call_id(request_id: str) -> str:
+    """The id of the call an answer makes (one call per answer)."""
+    return f"call_{request_id}_0"
 
 
 def call_entry(call: ToolCall, call_id: str, index: int | None = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -49,6 +50,11 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _reads_tools(env: jinja2.Environment, source: str) -> bool:
+    """Whether a template reads the `tools` variable (not just the word in its text)."""
+    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+
+
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
@@ -65,6 +71,9 @@ class ModelText:
     context_length: int | None
     # Digest of the chat template source: a changed template must not reuse cached answers.
     template_version: str
+    # The chat template renders `tools` (Hugging Face templates with tool support take them as
+    # `tools=[...]`); a chat with tools is otherwise rendered without them (the gateway's fallback).
+    takes_tools: bool = False
 
     @classmethod
     def load(cls, directory: Path) -> ModelText:
@@ -84,11 +93,13 @@ class ModelText:
             named = {t.get("name"): t.get("template") for t in template_source}
             template_source = named.get("default")
         template = None
+        takes_tools = False
         if isinstance(template_source, str):
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
             try:
                 template = env.from_string(template_source)
+                takes_tools = _reads_tools(env, template_source)
             except jinja2.TemplateError as exc:
                 raise TokenizerLoadError(
                     f"{directory}: chat_template does not compile: {exc}"
@@ -114,6 +125,7 @@ class ModelText:
             template_version=hashlib.blake2b(
                 str(template_source or "").encode(), digest_size=8
             ).hexdigest(),
+            takes_tools=takes_tools,
         )
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -128,13 +140,18 @@ class ModelText:
         ].ids
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat templates write BOS themselves, so the rendered text is encoded without extras."""
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Chat templates write BOS themselves, so the rendered text is encoded without extras.
+        `tools` (OpenAI's function tools) are passed to the template as Hugging Face's
+        apply_chat_template passes them; only for a template that `takes_tools`."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a prompt instead")
         try:
             text = self.chat_template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
