@@ -140,8 +140,12 @@ def gateway_config(
         name: ModelConfig(
             name=name,
             backend=address,
-            tokenizer_dir=tokenizer_dir,
-            **{**MODEL_DEFAULTS, **model, **(per_model or {}).get(name, {})},
+            **{
+                "tokenizer_dir": tokenizer_dir,
+                **MODEL_DEFAULTS,
+                **model,
+                **(per_model or {}).get(name, {}),
+            },
         )
         for name, address in addresses.items()
     }

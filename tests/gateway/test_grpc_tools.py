@@ -6,7 +6,6 @@ message); `tooled` is the same engine behind a tokenizer whose template renders 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ import grpc
 import jsonschema
 import pytest
 
+from appliance.config import HttpConfig, ServerConfig
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.models import load_models
 from appliance.gateway.request import Limits, check, tokenize
@@ -25,7 +25,8 @@ from appliance.text.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
-from tests.gateway.test_structured_output import config_for, served  # noqa: F401
+from tests.gateway.test_structured_output import served  # noqa: F401
+from tests.support import gateway_config
 
 # A template in the style of Hugging Face's templates with tool support: the tools as JSON after a
 # marker, an assistant's calls inside <tool_call> tags, tool results in their own role.
@@ -85,8 +86,15 @@ async def gateway(
     served: str,  # noqa: F811
     tooled: Path,
 ) -> AsyncIterator[RunningGateway]:
-    config = config_for(tiny, ("tiny", served), ("tooled", served))
-    config.models["tooled"] = dataclasses.replace(config.models["tooled"], tokenizer_dir=tooled)
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        {"tiny": served, "tooled": served},
+        per_model={"tooled": {"tokenizer_dir": tooled}},
+        server=ServerConfig(listen="127.0.0.1:0", access_log=False),
+        http=HttpConfig(listen="127.0.0.1:0"),
+        max_output_tokens=512,
+        ready_timeout_s=30.0,
+    )
     running = await start_server(config, await load_models(config))
     try:
         yield running
