@@ -26,13 +26,11 @@ drafting rests for `cooldown` tokens (doubled each time it switches off again in
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-
-from appliance.engine.llama import KVCache, LlamaModel
 
 if TYPE_CHECKING:
     from appliance.engine.sampling import Sampler
@@ -182,8 +180,7 @@ def propose(text: Sequence[int], k: int, ngram: int) -> list[int]:
 
 
 def verify(
-    model: LlamaModel,
-    cache: KVCache,
+    rows: Callable[[Sequence[int], int], torch.Tensor],
     pos: int,
     token: int,
     draft: Draft,
@@ -191,26 +188,27 @@ def verify(
     end_id: int | None,
     masked: int,
 ) -> list[int]:
-    """Score `token` (at `pos`, not yet in the cache) and the drafts after it in one forward pass;
-    return the accepted drafts then the target's own next token.
+    """Score `token` (at `pos`, not yet in the cache) and the drafts after it in one forward pass
+    (`rows`: a decode step's `rows`, eager or a captured graph); return the accepted drafts then
+    the target's own next token.
 
     The K/V of `token` and of every accepted draft is in the cache afterwards; the positions of
     rejected drafts hold values nothing reads before they are overwritten. `masked` rows (the
     steps still under min_tokens) have the end id masked out, as the single-token step masks it.
     """
     drafts = draft.tokens
-    rows = model.forward_rows([token, *drafts], cache, pos)
+    logits = rows([token, *drafts], pos)
     chosen: list[int] = []
     with torch.inference_mode():
         if masked and end_id is not None:
-            rows[:masked, end_id] = float("-inf")
+            logits[:masked, end_id] = float("-inf")
         for i, proposed in enumerate(drafts):
             q = None if draft.probs is None else draft.probs[i]
-            choice, accepted = sampler.choose(rows[i], proposed, q)
+            choice, accepted = sampler.choose(logits[i], proposed, q)
             chosen.append(choice)
             if not accepted:
                 return chosen
-        chosen.append(sampler(rows[len(drafts)]))
+        chosen.append(sampler(logits[len(drafts)]))
     return chosen
 
 
