@@ -327,7 +327,9 @@ def _steps(
         )
         if draft is not None and speculator is not None:
             masked = max(0, min_tokens - step - 1) if end_id is not None else 0
-            chosen = verify(step_once.rows, pos, token, draft, sampler, end_id, masked)
+            chosen = verify(
+                model, cache, pos, token, draft, sampler, end_id, masked, step_once.rows
+            )
             speculator.record(len(draft.tokens), len(chosen) - 1)
             history.append(token)
             pos += 1

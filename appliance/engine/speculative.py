@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from appliance.engine.llama import KVCache, LlamaModel
+
 if TYPE_CHECKING:
     from appliance.engine.sampling import Sampler
 
@@ -180,24 +182,27 @@ def propose(text: Sequence[int], k: int, ngram: int) -> list[int]:
 
 
 def verify(
-    rows: Callable[[Sequence[int], int], torch.Tensor],
+    model: LlamaModel,
+    cache: KVCache,
     pos: int,
     token: int,
     draft: Draft,
     sampler: Sampler,
     end_id: int | None,
     masked: int,
+    rows: Callable[[Sequence[int], int], torch.Tensor] | None = None,
 ) -> list[int]:
     """Score `token` (at `pos`, not yet in the cache) and the drafts after it in one forward pass
-    (`rows`: a decode step's `rows`, eager or a captured graph); return the accepted drafts then
-    the target's own next token.
+    (by `rows`, a decode step's on `cache`, eager or a captured graph; by default the model's
+    `forward_rows`); return the accepted drafts then the target's own next token.
 
     The K/V of `token` and of every accepted draft is in the cache afterwards; the positions of
     rejected drafts hold values nothing reads before they are overwritten. `masked` rows (the
     steps still under min_tokens) have the end id masked out, as the single-token step masks it.
     """
     drafts = draft.tokens
-    logits = rows([token, *drafts], pos)
+    tokens = [token, *drafts]
+    logits = model.forward_rows(tokens, cache, pos) if rows is None else rows(tokens, pos)
     chosen: list[int] = []
     with torch.inference_mode():
         if masked and end_id is not None:
