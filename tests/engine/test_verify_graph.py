@@ -13,6 +13,7 @@ import bisect
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,10 @@ from appliance import cli as appliance_cli
 from appliance.engine.decode import GraphDecode, decode_spans
 from appliance.engine.llama import KVCache, LlamaModel
 from appliance.engine.options import EngineOptions
+from appliance.engine.options import check_fit as check_fit_of_options
 from appliance.engine.runner import Emission, Job, Runner
 from appliance.engine.sampling import SamplingParams, generate
+from appliance.engine.server import load_repository
 from appliance.engine.speculative import NgramSpeculation, OffSwitch, SpecCounts
 from appliance.engine.verify import (
     GraphVerify,
@@ -30,6 +33,8 @@ from appliance.engine.verify import (
     parse_verify_graphs,
     verify_graph_count,
 )
+from engine_build.repo import write_hf_repository
+from tests.conftest import Tiny
 from tests.engine.conftest import write_micro_checkpoint
 
 GREEDY = SamplingParams(top_k=1)
@@ -295,3 +300,35 @@ def test_the_engine_refuses_verify_graphs_it_cannot_serve_in_one_line(
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1
     assert lines[0].startswith(f"appliance engine: {message}"), lines
+
+
+def test_loading_captures_the_verify_steps_with_the_decode_step(
+    tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = write_hf_repository(tiny.model_dir, tmp_path / "repo", guided_decoding=False)
+    capture = VerifyCapture()
+    monkeypatch.setattr(EngineOptions, "use_cuda_graph", property(lambda self: True))
+    monkeypatch.setattr("appliance.engine.loading.cuda_graph_capture", lambda device: capture)
+    graphs: list[int] = []
+
+    def check_fit(*args: Any, **kwargs: Any) -> Any:
+        graphs.append(args[5])
+        return check_fit_of_options(*args, **kwargs)
+
+    monkeypatch.setattr("appliance.engine.loading.check_fit", check_fit)
+    options = EngineOptions(
+        random_weights="tiny", speculative="ngram", draft_tokens=4, prefill_buckets=()
+    )
+    models = load_repository(repo, options)
+    try:
+        runner = models["tensorrt_llm"].runner
+        assert isinstance(runner.decode, GraphDecode) and runner.speculation is not None
+        assert runner.decode.graph_verify is not None
+        assert runner.decode.graph_verify.draft_counts == [1, 2, 4]
+        spans = runner.decode.spans
+        # The fit check reserved a graph for each decode span and each captured verify step.
+        assert graphs == [len(spans) + verify_graph_count((1, 2, 4), spans)]
+        assert len(capture.captured) == verify_graph_count((1, 2, 4), spans)
+    finally:
+        for m in models.values():
+            m.runner.close()
