@@ -35,11 +35,17 @@ def _engine(args: argparse.Namespace) -> int:
     from appliance.engine.options import EngineOptions
     from appliance.engine.prefill import parse_buckets
     from appliance.engine.server import run_engine
+    from appliance.engine.verify import parse_verify_graphs
 
     try:
         prefill_buckets = parse_buckets(args.prefill_buckets)
     except ValueError as exc:
         print(f"appliance engine: --prefill-buckets {args.prefill_buckets}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        verify_graphs = parse_verify_graphs(args.verify_graphs)
+    except ValueError as exc:
+        print(f"appliance engine: --verify-graphs {args.verify_graphs}: {exc}", file=sys.stderr)
         return 2
     options = EngineOptions(
         device=args.device,
@@ -56,6 +62,7 @@ def _engine(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens,
         ngram=args.ngram,
         draft_model=args.draft_model,
+        verify_graphs=verify_graphs,
     )
     problem = options.problem()
     if problem:
@@ -318,7 +325,7 @@ def parser() -> argparse.ArgumentParser:
         choices=["off", "ngram", "draft"],
         help="speculative decoding: ngram proposes drafts copied from the prompt and the text so "
         "far, draft runs the smaller model of --draft-model; drafts are verified in one forward "
-        "pass (default off; eager step only)",
+        "pass (default off)",
     )
     e.add_argument(
         "--draft-tokens", type=int, default=4, help="drafts per verify step, 1..16 (default 4)"
@@ -330,6 +337,14 @@ def parser() -> argparse.ArgumentParser:
         "--draft-model",
         metavar="DIR",
         help="with --speculative draft: a smaller Llama checkpoint of the same tokenizer",
+    )
+    e.add_argument(
+        "--verify-graphs",
+        default="auto",
+        metavar="K,K,...",
+        help="with CUDA graphs and --speculative: draft counts whose verify step is captured; a "
+        "shorter draft replays the next larger one, and --draft-tokens must be among them "
+        "(default auto: the powers of two below --draft-tokens, and it)",
     )
     e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     e.set_defaults(func=_engine)

@@ -16,7 +16,12 @@ device (`--shape llama-3.1-8b`: 32 layers, 4096 hidden, 14336 intermediate, 32/8
   whose first 2,000 tokens an earlier request left in the reuse pool (1,984 reused, 64 computed);
   the dense matrix products of a 2,048-token prefill alone (every linear layer on 2,048 rows), so
   TTFT 2,048 / that and TTFT(reuse) - TTFT(64) read off one run; peak device memory; graph
-  capture time (decode spans and prefill buckets); start-up (weights drawn + runner ready). The variants run through the engine's own Runner
+  capture time (decode spans and prefill buckets); start-up (weights drawn + runner ready);
+  the verify step of speculative decoding for k = 1, 2, 4 and 8 drafts over the single-token step
+  at the same position, as ratios: captured graphs replayed back to back between CUDA events for a
+  graph variant (`appliance.engine.verify`), else the same static bodies run back to back
+  (on a CPU, timed by the host clock), with the verify step's first row checked against the
+  single-token step's logits. The variants run through the engine's own Runner
   (prefix reuse, chunked prefill, the decode step), timed at the runner's emissions, so gRPC is
   not in these numbers;
 - the whole path, on the host's cores: client -> gateway -> engine server vs client -> engine
@@ -31,6 +36,7 @@ Prints one table; writes everything as JSON to `--out` (default $OUT, else var/b
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import os
@@ -38,14 +44,16 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from appliance.engine.decode import GraphDecode, cuda_graph_capture
+from appliance.engine.decode import Capture, GraphDecode, cuda_graph_capture, decode_spans
 from appliance.engine.device import enter_device
 from appliance.engine.kernels import triton_problem
 from appliance.engine.linear import Scaling
@@ -54,6 +62,7 @@ from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import KvCacheParams
 from appliance.engine.runner import Emission, Job, Runner, build_runner
 from appliance.engine.sampling import SamplingParams
+from appliance.engine.verify import GraphVerify
 from bench import record
 
 GREEDY = SamplingParams(top_k=1)
@@ -89,6 +98,11 @@ VARIANTS = (
 # Decode steps profiled for the kernel count, and graph replays timed back to back.
 PROFILED_STEPS = 4
 BACK_TO_BACK_STEPS = 200
+# Back-to-back runs of each timed step on a CPU, where each is a whole forward pass on the host.
+CPU_BACK_TO_BACK_STEPS = 10
+# Draft counts whose verify step is timed against the single-token step, at this position.
+VERIFY_DRAFTS = (1, 2, 4, 8)
+VERIFY_POS = 128
 
 
 def _sync(device: torch.device) -> None:
@@ -227,6 +241,7 @@ def measure_variant(
             result["triton_vs_torch_logits_rel_err"] = kernel_agreement(model, runner.cache)
         if isinstance(runner.decode, GraphDecode):
             result["graph_step_ms_back_to_back"] = graph_step_ms(runner.decode, 128)
+        result.update(verify_step_ratios(model, runner, capture, device))
         if device.type == "cuda":
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     finally:
@@ -320,17 +335,81 @@ def kernel_agreement(model: LlamaModel, cache: Any) -> float:
 def graph_step_ms(step: GraphDecode, pos: int) -> float:
     """Device time of one captured step, from BACK_TO_BACK_STEPS replays enqueued back to back
     between two CUDA events: the host enqueues without waiting, so no host gap is timed."""
-    replay = step.replay_for(pos)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.inference_mode():
         step.step_in.copy_(torch.tensor((5, pos), dtype=torch.long))
-        replay()
+    return back_to_back_ms(step.replay_for(pos), torch.device("cuda"))
+
+
+def back_to_back_ms(run: Callable[[], None], device: torch.device) -> float:
+    """Time of one `run`, from runs enqueued back to back after one warm run: between two CUDA
+    events on a GPU (BACK_TO_BACK_STEPS runs, no host gap timed), by the host clock on a CPU
+    (CPU_BACK_TO_BACK_STEPS runs)."""
+    with torch.inference_mode():
+        run()
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(CPU_BACK_TO_BACK_STEPS):
+                run()
+            return (time.perf_counter() - t0) * 1e3 / CPU_BACK_TO_BACK_STEPS
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(BACK_TO_BACK_STEPS):
-            replay()
+            run()
         end.record()
         end.synchronize()
     return float(start.elapsed_time(end)) / BACK_TO_BACK_STEPS
+
+
+def verify_step_ratios(
+    model: LlamaModel, runner: Runner, capture: Capture | None, device: torch.device
+) -> dict[str, Any]:
+    """The verify step of k drafts (k in VERIFY_DRAFTS: k + 1 rows at VERIFY_POS, over the
+    smallest span) against the single-token step at the same position: with `capture`, graphs of
+    their own on the runner's cache, replayed; without, the same static bodies run eagerly. Also
+    the relative L2 distance of the verify step's first row from the single-token step's logits
+    (same token, same position, same cache)."""
+    cache = runner.cache
+    tokens = [5 + i for i in range(max(VERIFY_DRAFTS) + 1)]
+    spans = decode_spans(cache.max_seq_len)  # the runner's: the captured step's spans
+    span = spans[bisect.bisect_left(spans, VERIFY_POS + len(tokens))]
+    vocab = model.config.vocab_size
+    step_in = torch.tensor((tokens[0], VERIFY_POS), dtype=torch.long, device=device)
+    step_logits = torch.empty(vocab, dtype=torch.float32, device=device)
+    if isinstance(runner.decode, GraphDecode) and capture is not None:
+        with torch.inference_mode():
+            runner.decode.step_in.copy_(step_in)
+        step: Callable[[], None] = runner.decode.replay_for(VERIFY_POS)
+        step_logits = runner.decode.logits
+        verify = GraphVerify(model, cache, capture, VERIFY_DRAFTS, [span])
+        timing = "graph replays"
+    else:
+        step = partial(model.decode_static, step_in, cache, span, step_logits)
+        timing = "static bodies, eager"
+    result: dict[str, Any] = {"verify_timing": timing}
+    step_ms = back_to_back_ms(step, device)
+    result["verify_single_step_ms"] = step_ms
+    verify_logits = torch.empty(0)
+    for k in VERIFY_DRAFTS:
+        if timing == "graph replays":
+            replay = verify.load(tokens[: k + 1], VERIFY_POS)
+            if replay is None:
+                raise RuntimeError(f"no verify graph holds {k} drafts at {VERIFY_POS}")
+            run, verify_logits = replay, verify.logits[: k + 1]
+        else:
+            ids = torch.tensor(tokens[: k + 1], dtype=torch.long, device=device)
+            meta = torch.tensor((VERIFY_POS, k + 1), dtype=torch.long, device=device)
+            verify_logits = torch.empty(k + 1, vocab, dtype=torch.float32, device=device)
+            run = partial(model.verify_static, ids, meta, cache, span, verify_logits)
+        ms = back_to_back_ms(run, device)
+        result[f"verify_{k}_ms"] = ms
+        result[f"verify_{k}_over_step"] = ms / step_ms
+    with torch.inference_mode():
+        step()  # the single-token step of tokens[0] at VERIFY_POS, as the verify's first row
+        _sync(device)
+        first = verify_logits[0].clone()
+        single = step_logits.clone()
+    result["verify_vs_step_logits_rel_err"] = float((first - single).norm() / single.norm())
+    return result
 
 
 def measure_path(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -351,6 +430,24 @@ def measure_path(args: argparse.Namespace, device: torch.device) -> dict[str, An
     started = time.perf_counter()
     results = uvloop.run(streaming.run(path_args, ("--device", str(device))))
     return {"seconds": time.perf_counter() - started, **results}
+
+
+def verify_table(variants: list[dict[str, Any]]) -> str:
+    """The verify step's time over the single-token step's, per measured variant."""
+    ks = " | ".join(f"verify {k} / step" for k in VERIFY_DRAFTS)
+    lines = [
+        f"| variant | timed | step ms | {ks} | first row vs step rel err |",
+        "|---|---|" + "---:|" * (len(VERIFY_DRAFTS) + 2),
+    ]
+    for v in variants:
+        if "verify_single_step_ms" not in v:
+            continue
+        ratios = " | ".join(f"{v[f'verify_{k}_over_step']:.2f}" for k in VERIFY_DRAFTS)
+        lines.append(
+            f"| {v['variant']} | {v['verify_timing']} | {v['verify_single_step_ms']:.3f} "
+            f"| {ratios} | {v['verify_vs_step_logits_rel_err']:.1e} |"
+        )
+    return "\n".join(lines)
 
 
 def table(report: dict[str, Any]) -> str:
@@ -384,6 +481,7 @@ def table(report: dict[str, Any]) -> str:
             f"| {v['ttft_reuse_minus_ttft_64_ms']:+.2f} "
             f"| {f(v.get('peak_memory_gib'))} | {f(v['graph_capture_s'])} | {v['startup_s']:.1f} |"
         )
+    lines.append(verify_table(report["variants"]))
     path = report["path"]
     if "skipped" in path:
         lines.append(f"whole path: skipped ({path['skipped']})")

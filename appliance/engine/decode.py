@@ -15,7 +15,8 @@ graph at start-up, so a short request does not read a 128k-token cache every ste
 eager kernels are replayed as they are (no compile step at start-up, which takes minutes for an 8B
 model, and no recompilation when a shape changes), the capture is one small function the CPU tests
 can drive with a fake (`Capture`). Short prefills are captured the same way
-(`appliance.engine.prefill`); longer ones stay plain eager torch. What compile would
+(`appliance.engine.prefill`), and so are speculative decoding's verify steps
+(`appliance.engine.verify`); longer prefills stay plain eager torch. What compile would
 add, fusing the small elementwise kernels (norms, RoPE, SiLU), moves far fewer bytes than the
 weight reads that bound a batch-1 step.
 """
@@ -34,6 +35,7 @@ from appliance.engine.llama import KVCache, LlamaModel
 
 if TYPE_CHECKING:
     from appliance.engine.prefill import GraphPrefill
+    from appliance.engine.verify import GraphVerify
 
 __all__ = [
     "Capture",
@@ -68,6 +70,11 @@ class DecodeStep(Protocol):
         """Logits (vocab,) float32 of `token` at `pos`; valid until the next call."""
         ...
 
+    def rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Logits (n, vocab) float32 of every one of `token_ids` at positions start.. (a verify
+        step of speculative decoding); valid until the next call."""
+        ...
+
 
 class EagerDecode:
     """The step launched call by call, no graph: on the model's fused Triton kernels when it runs
@@ -88,6 +95,9 @@ class EagerDecode:
 
     def prefill(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
         return self.model.forward(token_ids, self.cache, start)
+
+    def rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        return self.model.forward_rows(token_ids, self.cache, start)
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         if not self._spans:
@@ -131,14 +141,19 @@ class GraphDecode:
         capture: Capture,
         smallest_span: int = SMALLEST_SPAN,
         prefill: GraphPrefill | None = None,
+        verify: GraphVerify | None = None,
     ) -> None:
         """`prefill` (captured on the same cache) serves the prefills it has a bucket for; the
-        others, and all of them without it, run eager."""
+        others, and all of them without it, run eager. `verify` (likewise) serves the verify
+        steps of speculative decoding it has a graph for."""
         if prefill is not None and prefill.cache is not cache:
             raise ValueError("the captured prefill must run on the decode step's cache")
+        if verify is not None and verify.cache is not cache:
+            raise ValueError("the captured verify step must run on the decode step's cache")
         self.model = model
         self.cache = cache
         self.graph_prefill = prefill
+        self.graph_verify = verify
         device = model.device
         self.step_in = torch.zeros(2, dtype=torch.long, device=device)
         self.logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=device)
@@ -157,6 +172,13 @@ class GraphDecode:
             if logits is not None:
                 return logits
         return self.model.forward(token_ids, self.cache, start)
+
+    def rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        if self.graph_verify is not None:
+            logits = self.graph_verify(token_ids, start)
+            if logits is not None:
+                return logits
+        return self.model.forward_rows(token_ids, self.cache, start)
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         if not 0 <= pos < self.cache.max_seq_len:

@@ -533,6 +533,32 @@ class LlamaModel:
         Positions from start+bucket on are not written here and may hold anything, NaN included:
         they are selected out (`torch.where`) before attention, never masked arithmetically.
         """
+        x = self._static_rows(ids, meta, cache, span)
+        logits_out.copy_(self._logits(x.index_select(0, meta[1:2] - 1)[0]))
+
+    def verify_static(
+        self,
+        ids: torch.Tensor,
+        meta: torch.Tensor,
+        cache: KVCache,
+        span: int,
+        logits_out: torch.Tensor,
+    ) -> None:
+        """The verify step of speculative decoding with every shape fixed by its row count (`ids`'
+        length) and `span`, so a CUDA graph can replay it for any token, drafts and position.
+
+        `prefill_static`'s contract (the same `ids`, `meta`, padding and cache writes), but the
+        float32 logits of every row are written into `logits_out` (rows, vocab): row i scores the
+        token after `ids[i]`. A padded row's logits are those of a zero hidden state and mean
+        nothing; `forward_rows` is the eager reference for the live ones.
+        """
+        logits_out.copy_(self._logits(self._static_rows(ids, meta, cache, span)))
+
+    def _static_rows(
+        self, ids: torch.Tensor, meta: torch.Tensor, cache: KVCache, span: int
+    ) -> torch.Tensor:
+        """The final hidden states (bucket, hidden) of `prefill_static`'s rows, whose contract
+        this is; the cache holds their K/V afterwards."""
         c = self.config
         bucket = ids.shape[0]
         start, count = meta[0:1], meta[1:2]
@@ -567,8 +593,7 @@ class LlamaModel:
             return attn.view(c.num_attention_heads, bucket, c.head_dim)
 
         x = torch.where(live_row[:, None], F.embedding(ids, self.embed), 0.0)
-        x = self._blocks(x, positions, None, attend)
-        logits_out.copy_(self._logits(x.index_select(0, count - 1)[0]))
+        return self._blocks(x, positions, None, attend)
 
     def _blocks(
         self, x: torch.Tensor, start: int | torch.Tensor, end: int | None, attend: Attend

@@ -3,7 +3,8 @@
 The order is the point: the fit check runs on config.json alone (or the random-weights shape),
 before a byte of weights moves, so a model too large for the device is refused in milliseconds with
 the numbers; then the weights load (or are drawn on the device), then the runner allocates its
-working cache and, on a GPU, captures the decode step and the bucketed short prefills.
+working cache and, on a GPU, captures the decode step, the bucketed short prefills and (when
+speculating) the verify steps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import ModelEntry
 from appliance.engine.runner import Runner, build_runner, prefill_chunk_tokens, working_seq_len
 from appliance.engine.speculative import Drafter
+from appliance.engine.verify import verify_graph_count
 
 __all__ = ["load_model"]
 
@@ -42,8 +44,11 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     max_seq_len = working_seq_len(config, kv)
     device = options.torch_device
     spans = decode_spans(max_seq_len)
+    verify_counts = options.verify_counts
     graphs = (
-        len(spans) + prefill_graph_count(options.prefill_buckets, spans)
+        len(spans)
+        + prefill_graph_count(options.prefill_buckets, spans)
+        + verify_graph_count(verify_counts, spans)
         if options.use_cuda_graph
         else 0
     )
@@ -94,7 +99,9 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         )
     loaded = time.monotonic()
     capture = cuda_graph_capture(device) if options.use_cuda_graph else None
-    runner = build_runner(model, kv, fingerprint, capture, options.prefill_buckets, speculation)
+    runner = build_runner(
+        model, kv, fingerprint, capture, options.prefill_buckets, speculation, verify_counts
+    )
     log.info(
         "model %s: %s %s, weights %s (%.2f GiB read per decode step), working cache %d tokens, "
         "decode %s on %s kernels; fit: %.2f of %.2f GiB free; loaded in %.1f s, runner ready in %.1f s",
@@ -105,7 +112,9 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
         model.weight_bytes / 2**30,
         max_seq_len,
         f"{graphs} CUDA graphs (decode: {len(spans)} attention spans; prefill: buckets "
-        f"{','.join(map(str, options.prefill_buckets)) or 'none'})"
+        f"{','.join(map(str, options.prefill_buckets)) or 'none'}"
+        + (f"; verify: drafts {','.join(map(str, verify_counts))}" if verify_counts else "")
+        + ")"
         if graphs
         else "eager",
         model.kernels,

@@ -25,6 +25,7 @@ from appliance.engine.quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, GroupQua
 from appliance.engine.random_weights import SHAPES
 from appliance.engine.repository import KvCacheParams
 from appliance.engine.speculative import NgramSpeculation
+from appliance.engine.verify import default_verify_counts, verify_counts_problem
 from engine_build.formats import FORMATS, WeightFormat
 from engine_build.planner import GIB, MIB, FitPlan, make_plan
 from engine_build.spec import BuildSpec
@@ -71,9 +72,10 @@ class EngineOptions:
     (`appliance.engine.prefill`). `random_weights` names a shape
     from `appliance.engine.random_weights.SHAPES` to serve seeded random weights of instead of each
     model's checkpoint (latency work without a download). `speculative` "ngram" runs prompt-lookup
-    speculative decoding (`draft_tokens` drafts a step, n-grams of at most `ngram` tokens) on the
-    eager decode step; with CUDA graphs the captured single-token step runs instead. "draft" drafts
-    with the smaller Llama checkpoint in `draft_model` (same tokenizer; `appliance.engine.draft_model`).
+    speculative decoding (`draft_tokens` drafts a step, n-grams of at most `ngram` tokens); with
+    CUDA graphs its verify step is captured for each of `verify_counts` draft counts
+    (`appliance.engine.verify`). "draft" drafts with the smaller Llama checkpoint in `draft_model`
+    (same tokenizer; `appliance.engine.draft_model`), whose own steps run eager.
     """
 
     device: str = "cpu"
@@ -90,6 +92,18 @@ class EngineOptions:
     draft_tokens: int = 4
     ngram: int = 3
     draft_model: str | None = None
+    verify_graphs: tuple[int, ...] | None = None
+
+    @property
+    def verify_counts(self) -> tuple[int, ...]:
+        """The draft counts whose verify step is captured with CUDA graphs: `verify_graphs`, or
+        when None those `default_verify_counts` derives from `draft_tokens`; none when speculation
+        is off or the step runs eager."""
+        if self.speculative == "off" or not self.use_cuda_graph:
+            return ()
+        if self.verify_graphs is not None:
+            return self.verify_graphs
+        return default_verify_counts(self.draft_tokens)
 
     @property
     def speculation(self) -> NgramSpeculation | None:
@@ -207,6 +221,17 @@ class EngineOptions:
             option, why = spec
             value = self.draft_tokens if option == "--draft-tokens" else self.ngram
             return f"{option} {value}", why
+        if self.verify_graphs is not None:
+            listed = ",".join(map(str, self.verify_graphs))
+            why = verify_counts_problem(self.verify_graphs)
+            if why:
+                return f"--verify-graphs {listed}", why
+            if self.speculative != "off" and self.draft_tokens not in self.verify_graphs:
+                return (
+                    f"--draft-tokens {self.draft_tokens}",
+                    f"no verify step is captured for {self.draft_tokens} drafts (--verify-graphs "
+                    f"{listed}); add {self.draft_tokens} to --verify-graphs, or leave it auto",
+                )
         return None
 
 

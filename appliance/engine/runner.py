@@ -7,8 +7,8 @@ flag the generation loop polls before every step, so a cancelled job stops withi
 Nothing is allocated per request: the runner owns one KV cache sized to the repository's
 `max_seq_len`, which every job overwrites, and (with `enable_kv_cache_reuse`) a pool of finished
 requests' blocks from which a job's matching prefix is copied in instead of recomputed. With a
-`Capture` (CUDA graphs on a GPU), the decode step and short prefills are captured once on that
-cache at start-up.
+`Capture` (CUDA graphs on a GPU), the decode step, short prefills and speculative decoding's verify
+steps are captured once on that cache at start-up.
 
 Prompts are prefilled in chunks of `prefill_chunk_tokens`, and cancellation is checked between
 chunks, so stopping the engine (or a cancelled request) waits for at most one chunk's forward pass.
@@ -35,6 +35,7 @@ from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvSt
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
 from appliance.engine.sampling import SamplingParams, generate
 from appliance.engine.speculative import Drafter, SpecCounts
+from appliance.engine.verify import GraphVerify
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +140,21 @@ class Runner:
         capture: Capture | None = None,
         prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
         speculation: Drafter | None = None,
+        verify_counts: Sequence[int] = (),
     ) -> None:
         """`max_seq_len` sizes the one working KV cache (default: the model's context); `capture`
         (None: all eager) captures the decode step, and a prefill of each of `prefill_buckets`
         lengths (none when empty), on it before the compute thread starts. `speculation` runs
-        speculative decoding with that drafter on the eager step; with a captured step it is off."""
+        speculative decoding with that drafter; with a captured step, its verify step is captured
+        for each of `verify_counts` draft counts (`appliance.engine.verify`), and without any
+        speculation is off."""
         self.model = model
         self.cache = model.new_cache(max_seq_len or model.config.max_position_embeddings)
         self.decode: DecodeStep = EagerDecode(model, self.cache)
+        self.speculation = speculation
+        if capture is not None and speculation is not None and not verify_counts:
+            log.warning("no verify step is captured: speculative decoding is off with CUDA graphs")
+            self.speculation = None
         if capture is not None:
             spans = decode_spans(self.cache.max_seq_len)
             prefill = (
@@ -154,11 +162,12 @@ class Runner:
                 if prefill_buckets
                 else None
             )
-            self.decode = GraphDecode(model, self.cache, capture, prefill=prefill)
-        self.speculation = speculation
-        if capture is not None and speculation is not None:
-            log.warning("speculative decoding runs on the eager step only: off with CUDA graphs")
-            self.speculation = None
+            verify = (
+                GraphVerify(model, self.cache, capture, verify_counts, spans)
+                if self.speculation is not None
+                else None
+            )
+            self.decode = GraphDecode(model, self.cache, capture, prefill=prefill, verify=verify)
         self.prefill_chunk = prefill_chunk_tokens(model.device)
         self.prefix = prefix
         self.tokens_per_block = prefix.tokens_per_block if prefix else tokens_per_block
@@ -361,6 +370,7 @@ def build_runner(
     capture: Capture | None = None,
     prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
     speculation: Drafter | None = None,
+    verify_counts: Sequence[int] = (),
 ) -> Runner:
     """The runner a repository's KV-cache parameters ask for."""
     max_seq_len = working_seq_len(model.config, params)
@@ -400,4 +410,5 @@ def build_runner(
         capture,
         prefill_buckets,
         speculation,
+        verify_counts,
     )

@@ -188,8 +188,8 @@ def generate(
     guide's own end is left to its grammar). An `end_id` no token has (TensorRT-LLM's -1) never
     ends the generation. `logprobs`, when given, is extended with each yielded token's
     log-probability (Sampler.logprob) before the token is yielded.
-    `speculation` turns on speculative decoding with that drafter (`appliance.engine.speculative`)
-    on eager forward passes: same tokens when greedy, same distribution when sampled; a guided
+    `speculation` turns on speculative decoding with that drafter (`appliance.engine.speculative`),
+    verified by the decode step's `rows` (eager, or a captured graph): same tokens when greedy, same distribution when sampled; a guided
     request or one asking for log-probabilities runs without it. `spec_counts` counts its drafts,
     verify steps and switch-offs.
     """
@@ -327,7 +327,9 @@ def _steps(
         )
         if draft is not None and speculator is not None:
             masked = max(0, min_tokens - step - 1) if end_id is not None else 0
-            chosen = verify(model, cache, pos, token, draft, sampler, end_id, masked)
+            chosen = verify(
+                model, cache, pos, token, draft, sampler, end_id, masked, step_once.rows
+            )
             speculator.record(len(draft.tokens), len(chosen) - 1)
             history.append(token)
             pos += 1

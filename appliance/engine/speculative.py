@@ -26,7 +26,7 @@ drafting rests for `cooldown` tokens (doubled each time it switches off again in
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -190,27 +190,30 @@ def verify(
     sampler: Sampler,
     end_id: int | None,
     masked: int,
+    rows: Callable[[Sequence[int], int], torch.Tensor] | None = None,
 ) -> list[int]:
-    """Score `token` (at `pos`, not yet in the cache) and the drafts after it in one forward pass;
-    return the accepted drafts then the target's own next token.
+    """Score `token` (at `pos`, not yet in the cache) and the drafts after it in one forward pass
+    (by `rows`, a decode step's on `cache`, eager or a captured graph; by default the model's
+    `forward_rows`); return the accepted drafts then the target's own next token.
 
     The K/V of `token` and of every accepted draft is in the cache afterwards; the positions of
     rejected drafts hold values nothing reads before they are overwritten. `masked` rows (the
     steps still under min_tokens) have the end id masked out, as the single-token step masks it.
     """
     drafts = draft.tokens
-    rows = model.forward_rows([token, *drafts], cache, pos)
+    tokens = [token, *drafts]
+    logits = model.forward_rows(tokens, cache, pos) if rows is None else rows(tokens, pos)
     chosen: list[int] = []
     with torch.inference_mode():
         if masked and end_id is not None:
-            rows[:masked, end_id] = float("-inf")
+            logits[:masked, end_id] = float("-inf")
         for i, proposed in enumerate(drafts):
             q = None if draft.probs is None else draft.probs[i]
-            choice, accepted = sampler.choose(rows[i], proposed, q)
+            choice, accepted = sampler.choose(logits[i], proposed, q)
             chosen.append(choice)
             if not accepted:
                 return chosen
-        chosen.append(sampler(rows[len(drafts)]))
+        chosen.append(sampler(logits[len(drafts)]))
     return chosen
 
 

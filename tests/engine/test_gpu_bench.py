@@ -39,7 +39,15 @@ def test_gpu_decode_bench_runs_on_cpu_and_writes_json(
         # 62 full blocks of the 2,000-token prefix came from the pool.
         assert v["reused_tokens"] == [1984]
         assert v["cpu_ops_per_step"] > 0  # the profiler's count of the captured step's body
+        # The verify step of k drafts against the single-token step, both static bodies here.
+        assert v["verify_timing"] == "static bodies, eager" and v["verify_single_step_ms"] > 0
+        for k in gpu_decode.VERIFY_DRAFTS:
+            assert v[f"verify_{k}_over_step"] == v[f"verify_{k}_ms"] / v["verify_single_step_ms"]
+        # Its first row scores the single-token step's token at the same position (bf16).
+        assert v["verify_vs_step_logits_rel_err"] < 0.05
     skipped = {v["variant"] for v in report["variants"] if "skipped" in v}
     assert {"bf16 graph triton", "fp8 graph triton", "bf16 graph compile"} <= skipped
     table = capsys.readouterr().out
     assert "| bf16 eager |" in table and "skipped: CUDA graphs need cuda" in table
+    assert "| verify 1 / step | verify 2 / step | verify 4 / step | verify 8 / step |" in table
+    assert "| fp8 eager | static bodies, eager |" in table
