@@ -297,9 +297,7 @@ class Runner:
                 if finished:  # counted before the final response leaves, so statistics never lag it
                     self._count(completed=1)
                 job.emit(
-                    Emission(
-                        [token], finished, None, perf(), _copy(log_probs), _since(top, -1)
-                    )
+                    Emission([token], finished, None, perf(), _copy(log_probs), _since(top, -1))
                 )
                 if finished:
                     break
@@ -313,9 +311,7 @@ class Runner:
             finished = True
             self._count(completed=1)
             if not job.streaming:
-                job.emit(
-                    Emission(produced, True, None, perf(), _copy(log_probs), _since(top, 0))
-                )
+                job.emit(Emission(produced, True, None, perf(), _copy(log_probs), _since(top, 0)))
             else:
                 # Ended by the end id: a final response with no new tokens (not a null response).
                 job.emit(

@@ -807,7 +807,10 @@ def served_config(config: mc.ModelConfig) -> mc.ModelConfig:
         )
         t.reshape.SetInParent()
     outputs = {o.name for o in served.output}
-    for name, dtype in ((TOP_LOGPROB_IDS_OUTPUT, mc.TYPE_INT32), (TOP_LOGPROBS_OUTPUT, mc.TYPE_FP32)):
+    for name, dtype in (
+        (TOP_LOGPROB_IDS_OUTPUT, mc.TYPE_INT32),
+        (TOP_LOGPROBS_OUTPUT, mc.TYPE_FP32),
+    ):
         if name not in outputs:
             served.output.add(name=name, data_type=dtype, dims=[-1, -1, -1])
     return served
