@@ -86,6 +86,19 @@ SPECULATION_INPUT = "appliance_speculation"
 # `decoding_mode` values with which the backend speculates on every request.
 SPECULATIVE_DECODING_MODES = ("medusa", "eagle", "lookahead", "redrafter", "explicit_draft_tokens")
 
+# The most likely alternatives per generated token. The tensorrtllm backend has none (its
+# `output_log_probs` hold the chosen token's log-probability alone); the appliance engine server
+# declares them on every model it serves, and only there. TOP_LOGPROBS_INPUT (INT32 [1], 0 to
+# MAX_TOP_LOGPROBS; 0 or absent: none) asks for k alternatives; each response then carries, for
+# each generated token of its `output_ids`, the k token ids (TOP_LOGPROB_IDS_OUTPUT, INT32) and
+# their log-probabilities (TOP_LOGPROBS_OUTPUT, FP32), most likely first, [batch, beam, tokens, k].
+# The log-probabilities are those `output_log_probs` holds for the chosen token: the log-softmax
+# over the whole vocabulary of the logits the token was chosen from.
+TOP_LOGPROBS_INPUT = "appliance_top_logprobs"
+TOP_LOGPROB_IDS_OUTPUT = "appliance_top_logprob_ids"
+TOP_LOGPROBS_OUTPUT = "appliance_top_logprob_values"
+MAX_TOP_LOGPROBS = 20
+
 _OUTPUTS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("output_ids", mc.TYPE_INT32, (-1, -1)),
     ("sequence_length", mc.TYPE_INT32, (-1,)),

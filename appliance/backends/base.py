@@ -81,6 +81,20 @@ class Speculation:
 NO_SPECULATION = Speculation()
 
 
+def top_logprobs_refusal(model: str, limit: int, asked: int) -> str | None:
+    """Why `asked` alternatives per token cannot be served by `model`, which returns at most
+    `limit` (Backend.max_top_logprobs); None when they can."""
+    if asked <= limit:
+        return None
+    if limit == 0:
+        return (
+            f"model '{model}' returns no alternatives per token: its inference server gives the "
+            "chosen token's log-probability alone; ask for none (top_logprobs 0, or logprobs 0 "
+            "on /v1/completions)"
+        )
+    return f"model '{model}' returns at most {limit} alternatives per token, not {asked}"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation as a backend sees it: token ids in, token ids out.
@@ -106,15 +120,25 @@ class GenerationRequest:
     logprobs: bool = False
     # False: decode without drafts; True: with them; None: the model's default.
     speculation: bool | None = None
+    # The most likely alternatives per new token returned in Tokens.top (0: none; at most the
+    # backend's max_top_logprobs).
+    top_logprobs: int = 0
+
+
+# One alternative of a generated token: its id and log-probability.
+Alternative = tuple[int, float]
 
 
 class Tokens(list[int]):
     """The new token ids of one engine response; `logprobs` holds one log-probability per id when
     the request asked for them (GenerationRequest.logprobs), else None. `draft_tokens` and
     `accepted_draft_tokens`: the generation's speculative draft tokens so far, proposed and
-    accepted, when the model reports them (else None). A response may carry counts and no ids."""
+    accepted, when the model reports them (else None). A response may carry counts and no ids.
+    `top`: for each id, the request's top_logprobs most likely alternatives, most likely first,
+    when it asked for them (else None)."""
 
     logprobs: list[float] | None = None
+    top: list[list[Alternative]] | None = None
     draft_tokens: int | None = None
     accepted_draft_tokens: int | None = None
 
@@ -135,6 +159,12 @@ class Backend(Protocol):
     @property
     def speculation(self) -> Speculation:
         """What the model does with speculative decoding (NO_SPECULATION until it is known)."""
+        ...
+
+    @property
+    def max_top_logprobs(self) -> int:
+        """Most alternatives per generated token the model returns with log-probabilities (0: it
+        returns none, or that is not known yet)."""
         ...
 
     async def wait_ready(self, timeout_s: float) -> None:

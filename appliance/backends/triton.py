@@ -23,18 +23,24 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 from appliance.backends import wire
 from appliance.backends.base import (
     NO_SPECULATION,
+    Alternative,
     BackendError,
     GenerationRequest,
     Speculation,
     Tokens,
+    top_logprobs_refusal,
 )
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,
     GUIDED_DECODING_INPUTS,
+    MAX_TOP_LOGPROBS,
     PERF_METRICS_INPUT,
     SPECULATION_INPUT,
     SPECULATIVE_DECODING_MODES,
+    TOP_LOGPROB_IDS_OUTPUT,
+    TOP_LOGPROBS_INPUT,
+    TOP_LOGPROBS_OUTPUT,
 )
 
 if TYPE_CHECKING:
@@ -103,6 +109,10 @@ class InputNames:
     # total_accepted_draft_tokens.
     draft_counts: bool = False
     speculation: Speculation = NO_SPECULATION
+    # Most alternatives per token the model returns: MAX_TOP_LOGPROBS with the input
+    # TOP_LOGPROBS_INPUT and both outputs declared (the appliance engine server's models), else 0
+    # (the tensorrtllm backend returns the chosen token's log-probability alone).
+    top_logprobs: int = 0
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> InputNames:
@@ -128,6 +138,10 @@ class InputNames:
                 drafts=switchable or decoding_mode.lower() in SPECULATIVE_DECODING_MODES,
                 switchable=switchable,
             ),
+            top_logprobs=MAX_TOP_LOGPROBS
+            if TOP_LOGPROBS_INPUT in present
+            and {TOP_LOGPROB_IDS_OUTPUT, TOP_LOGPROBS_OUTPUT} <= outputs
+            else 0,
         )
 
 
@@ -205,6 +219,29 @@ def _output_log_probs(response: ts.ModelInferResponse, count: int) -> list[float
     return [float(v) for v in row[len(row) - count :]]
 
 
+def _output_top(response: ts.ModelInferResponse, count: int, k: int) -> list[list[Alternative]]:
+    """The alternatives of a response's `count` new tokens: the last `count` rows of
+    TOP_LOGPROB_IDS_OUTPUT and TOP_LOGPROBS_OUTPUT, [batch, beam, tokens, k]."""
+    try:
+        ids = wire.output_values(response, TOP_LOGPROB_IDS_OUTPUT) or []
+        values = wire.output_values(response, TOP_LOGPROBS_OUTPUT) or []
+    except wire.TensorError as exc:
+        raise BackendError(
+            grpc.StatusCode.UNAVAILABLE, f"inference server sent malformed alternatives: {exc}"
+        ) from exc
+    if len(ids) != len(values) or len(ids) < count * k:
+        raise BackendError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"inference server sent {len(ids)} alternative ids and {len(values)} log-probabilities "
+            f"for {count} new tokens of {k} alternatives each",
+        )
+    start = len(ids) - count * k
+    return [
+        [(int(ids[j]), float(values[j])) for j in range(start + i * k, start + (i + 1) * k)]
+        for i in range(count)
+    ]
+
+
 def _count(response: ts.ModelInferResponse, name: str) -> int | None:
     """A draft-count output's value (shape [1, 1]); None when the response carries none."""
     try:
@@ -250,6 +287,11 @@ class TritonBackend:
     def speculation(self) -> Speculation:
         """From the model's configuration as last read (NO_SPECULATION before)."""
         return self._names.speculation if self._names is not None else NO_SPECULATION
+
+    @property
+    def max_top_logprobs(self) -> int:
+        """From the model's configuration as last read (0 before)."""
+        return self._names.top_logprobs if self._names is not None else 0
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Waits for ServerReady and ModelReady, then reads and checks the model's configuration.
@@ -371,6 +413,11 @@ class TritonBackend:
                     "request without logprobs",
                 )
             t.flag(LOG_PROBS_INPUT, True)
+        if g.top_logprobs:
+            refused = top_logprobs_refusal(self.model, names.top_logprobs, g.top_logprobs)
+            if refused is not None:
+                raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, refused)
+            t.add(TOP_LOGPROBS_INPUT, "INT32", [g.top_logprobs])
         if names.draft_counts:
             t.flag(PERF_METRICS_INPUT, True)
         refusal = names.speculation.refusal(self.model, g.speculation)
@@ -425,6 +472,8 @@ class TritonBackend:
                 tokens = Tokens(_output_tokens(response))
                 if g.logprobs and tokens:
                     tokens.logprobs = _output_log_probs(response, len(tokens))
+                if g.top_logprobs and tokens:
+                    tokens.top = _output_top(response, len(tokens), g.top_logprobs)
                 counted = False
                 if counts:
                     tokens.draft_tokens = _count(response, DRAFT_TOKENS_OUTPUT)

@@ -33,7 +33,7 @@ from appliance.engine.llama import LlamaConfig, LlamaModel
 from appliance.engine.prefill import PREFILL_BUCKETS, GraphPrefill
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
 from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
-from appliance.engine.sampling import SamplingParams, generate
+from appliance.engine.sampling import SamplingParams, TopLogprobs, generate
 from appliance.engine.speculative import Drafter, SpecCounts
 from appliance.engine.verify import GraphVerify
 
@@ -82,6 +82,8 @@ class Emission:
     # The log-probabilities of every token generated so far (return_log_probs), as TensorRT-LLM's
     # executor returns them with each streamed result.
     log_probs: list[float] | None = None
+    # The most likely alternatives of this response's tokens only (not every token so far).
+    top_logprobs: TopLogprobs | None = None
 
 
 @dataclass(eq=False)  # identity: jobs live in sets and are compared by who they are
@@ -102,6 +104,8 @@ class Job:
     return_log_probs: bool = False
     # False: this request decodes without drafts whatever the runner's drafter.
     speculate: bool = True
+    # Alternatives returned per generated token (0: none).
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -252,6 +256,7 @@ class Runner:
         kv = self._reuse(job.prompt_ids)
         history: list[int] = []
         log_probs: list[float] | None = [] if job.return_log_probs else None
+        top = TopLogprobs(job.top_logprobs) if job.top_logprobs > 0 else None
         spec = SpecCounts()
         published = SpecCounts()
         tokens = generate(
@@ -271,6 +276,7 @@ class Runner:
             logprobs=log_probs,
             speculation=self.speculation if job.speculate else None,
             spec_counts=spec,
+            top_logprobs=top,
         )
         produced: list[int] = []
         first_token_ns = 0
@@ -299,7 +305,9 @@ class Runner:
                 finished = len(produced) == job.max_new_tokens
                 if finished:  # counted before the final response leaves, so statistics never lag it
                     self._count(completed=1)
-                job.emit(Emission([token], finished, None, perf(), _copy(log_probs)))
+                job.emit(
+                    Emission([token], finished, None, perf(), _copy(log_probs), _since(top, -1))
+                )
                 if finished:
                     break
         # A verify step whose first accepted token is the end id yields nothing: its counts are
@@ -312,10 +320,12 @@ class Runner:
             finished = True
             self._count(completed=1)
             if not job.streaming:
-                job.emit(Emission(produced, True, None, perf(), _copy(log_probs)))
+                job.emit(Emission(produced, True, None, perf(), _copy(log_probs), _since(top, 0)))
             else:
                 # Ended by the end id: a final response with no new tokens (not a null response).
-                job.emit(Emission([], True, None, perf(), _copy(log_probs)))
+                job.emit(
+                    Emission([], True, None, perf(), _copy(log_probs), _since(top, len(produced)))
+                )
         self._account(job, kv, produced, history if finished else None)
 
     def _publish(self, spec: SpecCounts, published: SpecCounts, tokens: int = 0) -> SpecCounts:
@@ -354,6 +364,11 @@ class Runner:
 
 def _copy(values: list[float] | None) -> list[float] | None:
     return None if values is None else values[:]
+
+
+def _since(top: TopLogprobs | None, start: int) -> TopLogprobs | None:
+    """The alternatives of the tokens from `start` on (negative: counted from the end)."""
+    return None if top is None else top.since(start)
 
 
 def working_seq_len(config: LlamaConfig, params: KvCacheParams) -> int:

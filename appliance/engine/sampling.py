@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,7 @@ from appliance.engine.guided import CompiledGuide, GuidedMatcher
 from appliance.engine.llama import KVCache, LlamaModel
 from appliance.engine.speculative import Drafter, SpecCounts, Speculator, accept_sampled, verify
 
-__all__ = ["Sampler", "SamplingParams", "generate"]
+__all__ = ["Sampler", "SamplingParams", "TopLogprobs", "generate"]
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,8 @@ class Sampler:
             choice = torch.multinomial(probs, 1, generator=self._generator_for(probs.device))
             return int(choice.item()), probs
 
-    def logprob(self, logits: torch.Tensor, token: int) -> float:
-        """The log-probability of `token` under the distribution it was chosen from: the
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The (vocab,) log-probabilities of the distribution a token is chosen from: the
         log-softmax over the whole vocabulary of the logits as masked (grammar, min_tokens), divided
         by the temperature when sampling; top-k and top-p truncation do not renormalize it (as a
         greedy answer's log-probabilities stay those of the model's distribution)."""
@@ -134,7 +134,33 @@ class Sampler:
             scaled = logits.float()
             if not self.params.greedy:
                 scaled = scaled / self.params.temperature
-            return float(torch.log_softmax(scaled, dim=-1)[token].item())
+            return torch.log_softmax(scaled, dim=-1)
+
+    def logprob(self, logits: torch.Tensor, token: int) -> float:
+        """The log-probability of `token` under the distribution it was chosen from (log_probs)."""
+        return float(self.log_probs(logits)[token].item())
+
+
+@dataclass
+class TopLogprobs:
+    """The `k` most likely tokens of each generated step, most likely first: `ids[i]` and
+    `logprobs[i]` belong to the i-th token generated. The log-probabilities are the chosen token's
+    kind (Sampler.log_probs); ties keep torch.topk's order."""
+
+    k: int
+    ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+
+    def add(self, log_probs: torch.Tensor) -> None:
+        """Appends the alternatives of one step's (vocab,) log-probabilities."""
+        with torch.inference_mode():
+            values, indices = torch.topk(log_probs, min(self.k, log_probs.shape[-1]))
+        self.ids.append(indices.tolist())
+        self.logprobs.append(values.tolist())
+
+    def since(self, start: int) -> TopLogprobs:
+        """A copy holding the steps from `start` on."""
+        return TopLogprobs(self.k, self.ids[start:], self.logprobs[start:])
 
 
 def nucleus_mask(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -164,6 +190,7 @@ def generate(
     logprobs: list[float] | None = None,
     speculation: Drafter | None = None,
     spec_counts: SpecCounts | None = None,
+    top_logprobs: TopLogprobs | None = None,
 ) -> Iterator[int]:
     """Stream new token ids for one request; nothing runs until the first token is requested.
 
@@ -187,10 +214,12 @@ def generate(
     `min_tokens`: the end id is masked out of the logits of the first `min_tokens` steps (a
     guide's own end is left to its grammar). An `end_id` no token has (TensorRT-LLM's -1) never
     ends the generation. `logprobs`, when given, is extended with each yielded token's
-    log-probability (Sampler.logprob) before the token is yielded.
+    log-probability (Sampler.logprob) before the token is yielded; `top_logprobs`, when given,
+    with each yielded token's step's most likely alternatives, from the same log-probabilities.
     `speculation` turns on speculative decoding with that drafter (`appliance.engine.speculative`),
-    verified by the decode step's `rows` (eager, or a captured graph): same tokens when greedy, same distribution when sampled; a guided
-    request or one asking for log-probabilities runs without it. `spec_counts` counts its drafts,
+    verified by the decode step's `rows` (eager, or a captured graph): same tokens when greedy,
+    same distribution when sampled; a guided request or one asking for log-probabilities or
+    alternatives runs without it. `spec_counts` counts its drafts,
     verify steps and switch-offs.
     """
     if not prompt_ids:
@@ -243,7 +272,10 @@ def generate(
         prefill_chunk or len(prompt_ids),
         min_tokens=min_tokens if ends and not guided else 0,
         logprobs=logprobs,
-        speculation=speculation if not guided and logprobs is None else None,
+        top_logprobs=top_logprobs,
+        speculation=(
+            speculation if not guided and logprobs is None and top_logprobs is None else None
+        ),
         spec_counts=spec_counts if spec_counts is not None else SpecCounts(),
     )
     return _with_matcher(guide, end_id if ends else None, steps)
@@ -280,6 +312,7 @@ def _steps(
     *,
     min_tokens: int,
     logprobs: list[float] | None,
+    top_logprobs: TopLogprobs | None,
     speculation: Drafter | None,
     spec_counts: SpecCounts,
 ) -> Iterator[int]:
@@ -311,8 +344,12 @@ def _steps(
             token = sampler(logits)
         if token == end_id or (guide is not None and token in guide.stop):
             return
-        if logprobs is not None:
-            logprobs.append(sampler.logprob(logits, token))
+        if logprobs is not None or top_logprobs is not None:
+            scores = sampler.log_probs(logits)
+            if logprobs is not None:
+                logprobs.append(float(scores[token].item()))
+            if top_logprobs is not None:
+                top_logprobs.add(scores)
         yield token
         if step == max_new_tokens - 1 or should_stop():
             return

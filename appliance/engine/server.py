@@ -57,14 +57,18 @@ from appliance.engine.repository import (
     read_repository,
 )
 from appliance.engine.runner import Emission, Job, RequestPerf, Runner
-from appliance.engine.sampling import SamplingParams
+from appliance.engine.sampling import SamplingParams, TopLogprobs
 from appliance.engine.statistics import ModelStatistics, RequestClock
 from appliance.listen import taken_address
 from engine_build.pbtxt import (
     ACCEPTANCE_RATE_OUTPUT,
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,
+    MAX_TOP_LOGPROBS,
     SPECULATION_INPUT,
+    TOP_LOGPROB_IDS_OUTPUT,
+    TOP_LOGPROBS_INPUT,
+    TOP_LOGPROBS_OUTPUT,
     declare_spec_metrics,
 )
 
@@ -133,6 +137,8 @@ class Decoded:
     return_log_probs: bool = False
     # False: decode without drafts (SPECULATION_INPUT); only a speculating model declares it.
     speculation: bool = True
+    # Alternatives returned per generated token (TOP_LOGPROBS_INPUT; 0: none).
+    top_logprobs: int = 0
 
 
 def _read_tensor(
@@ -221,6 +227,11 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
     min_tokens = int(scalar("min_tokens", scalar("min_length", 0)))
     if min_tokens < 0:
         raise InferError(f"min_tokens must be >= 0, got {min_tokens}")
+    top_logprobs = int(scalar(TOP_LOGPROBS_INPUT, 0))
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InferError(
+            f"{TOP_LOGPROBS_INPUT} must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}"
+        )
     exclude = model.entry.parameter("exclude_input_in_output", "false") == "true"
     guide = None if stop else _guide(tensors, model)
     return Decoded(
@@ -241,6 +252,7 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         min_tokens=min_tokens,
         return_log_probs=bool(scalar("return_log_probs", False)),
         speculation=bool(scalar(SPECULATION_INPUT, True)),
+        top_logprobs=top_logprobs,
     )
 
 
@@ -312,6 +324,7 @@ def _response(
     perf: RequestPerf | None = None,
     declared: frozenset[str] = frozenset(),
     log_probs: list[float] | None = None,
+    top: TopLogprobs | None = None,
 ) -> ts.ModelInferResponse:
     response = ts.ModelInferResponse(model_name=model_name, model_version="1", id=request.id)
     response.parameters["triton_final_response"].bool_param = final
@@ -330,6 +343,15 @@ def _response(
             wire.add_output(response, "output_log_probs", "FP32", log_probs, [1, 1, len(log_probs)])
         if "cum_log_probs" in declared and (not wanted or "cum_log_probs" in wanted):
             wire.add_output(response, "cum_log_probs", "FP32", [sum(log_probs)], [1, 1])
+    if top is not None:
+        # The alternatives of this response's generated tokens, [batch, beam, tokens, k].
+        shape = [1, 1, len(top.ids), top.k]
+        ids = [i for row in top.ids for i in row]
+        values = [v for row in top.logprobs for v in row]
+        if TOP_LOGPROB_IDS_OUTPUT in declared and (not wanted or TOP_LOGPROB_IDS_OUTPUT in wanted):
+            wire.add_output(response, TOP_LOGPROB_IDS_OUTPUT, "INT32", ids, shape)
+        if TOP_LOGPROBS_OUTPUT in declared and (not wanted or TOP_LOGPROBS_OUTPUT in wanted):
+            wire.add_output(response, TOP_LOGPROBS_OUTPUT, "FP32", values, shape)
     if perf is not None:
         # Only outputs the model config declares, as Triton allows a backend no others.
         for name, (datatype, value) in _perf_outputs(perf).items():
@@ -569,6 +591,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             emission.perf,
             model.output_names,
             emission.log_probs,
+            emission.top_logprobs,
         )
         statistics.finished(clock, ok=True)
         return response
@@ -595,6 +618,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             min_tokens=decoded.min_tokens,
             return_log_probs=decoded.return_log_probs,
             speculate=decoded.speculation,
+            top_logprobs=decoded.top_logprobs,
         )
         job.emit = functools.partial(emit, job)
         if request.id:
@@ -676,6 +700,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                         e.perf,
                         model.output_names,
                         e.log_probs,
+                        e.top_logprobs,
                     )
                     outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
                 if e.final:
@@ -755,8 +780,10 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
     except (RepositoryError, ValueError) as exc:
         runner.close()
         raise RepositoryError(f"model '{entry.name}': {exc}") from exc
+    config = served_config(entry.config)
     if runner.speculation is not None:
-        entry = dataclasses.replace(entry, config=speculative_config(entry.config))
+        config = speculative_config(config)
+    entry = dataclasses.replace(entry, config=config)
     return EngineModel(
         entry=entry,
         model=model,
@@ -766,6 +793,27 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
         output_names=frozenset(o.name for o in entry.config.output),
         grammars=grammars,
     )
+
+
+def served_config(config: mc.ModelConfig) -> mc.ModelConfig:
+    """The config every model is served with: the repository's, plus what only this server
+    computes, the most likely alternatives per token (TOP_LOGPROBS_INPUT, TOP_LOGPROB_IDS_OUTPUT,
+    TOP_LOGPROBS_OUTPUT), so a client sees from ModelConfig that it may ask for them."""
+    served = mc.ModelConfig()
+    served.CopyFrom(config)
+    if TOP_LOGPROBS_INPUT not in {i.name for i in served.input}:
+        t = served.input.add(
+            name=TOP_LOGPROBS_INPUT, data_type=mc.TYPE_INT32, dims=[1], optional=True
+        )
+        t.reshape.SetInParent()
+    outputs = {o.name for o in served.output}
+    for name, dtype in (
+        (TOP_LOGPROB_IDS_OUTPUT, mc.TYPE_INT32),
+        (TOP_LOGPROBS_OUTPUT, mc.TYPE_FP32),
+    ):
+        if name not in outputs:
+            served.output.add(name=name, data_type=dtype, dims=[-1, -1, -1])
+    return served
 
 
 def speculative_config(config: mc.ModelConfig) -> mc.ModelConfig:

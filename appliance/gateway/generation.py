@@ -18,12 +18,22 @@ from appliance.text.detokenize import IncrementalDecoder
 from appliance.text.stops import StopMatcher
 
 
-class TokenLogprob(NamedTuple):
-    """A completion token, its bytes (a token may hold part of a character) and log-probability."""
+class TopLogprob(NamedTuple):
+    """One of the most likely tokens at a completion token's step: id, bytes, log-probability."""
 
     token_id: int
     token: bytes
     logprob: float
+
+
+class TokenLogprob(NamedTuple):
+    """A completion token, its bytes (a token may hold part of a character) and log-probability;
+    `top`: the step's most likely tokens, most likely first, when the request asked for them."""
+
+    token_id: int
+    token: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(slots=True)
@@ -79,11 +89,13 @@ async def generate(
         async for step in tokens_stream:
             tokens: list[int] = step
             logprobs = step.logprobs
+            top = step.top
             if step.draft_tokens is not None:  # the generation's counts so far
                 drafts, accepted = step.draft_tokens, step.accepted_draft_tokens or 0
             if end_id is not None and end_id in tokens:
                 cut = tokens.index(end_id)
                 tokens, logprobs = tokens[:cut], logprobs[:cut] if logprobs else logprobs
+                top = top[:cut] if top else top
                 ended_by_stop = True
             entries = None
             if logprobs is not None:
@@ -91,6 +103,11 @@ async def generate(
                     TokenLogprob(t, table.bytes_of(t), p)
                     for t, p in zip(tokens, logprobs, strict=True)
                 ]
+                if top is not None:
+                    entries = [
+                        e._replace(top=tuple(TopLogprob(a, table.bytes_of(a), q) for a, q in alts))
+                        for e, alts in zip(entries, top, strict=True)
+                    ]
             pieces = [decoder.push(t) for t in tokens]
             if completion >= min_tokens:
                 text = matcher.feed("".join(pieces))

@@ -421,7 +421,7 @@ class HttpApi:
         )
 
     def _refused(self, http: wire.HttpRequest, exc: RequestError) -> web.Response:
-        err = wire.error_of(exc)
+        err = wire.error_of(exc, http.chat)
         return error_response(err, exc.retry_after_ms)
 
     async def _stream(

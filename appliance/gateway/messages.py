@@ -145,8 +145,10 @@ def delta(request_id: str, d: Delta) -> pb.GenerateResponse:
     message = pb.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids)
     if d.logprobs is not None:
         entries = message.logprobs
-        for token_id, token, logprob in d.logprobs:
-            entries.add(token_id=token_id, token=token, logprob=logprob)
+        for e in d.logprobs:
+            entry = entries.add(token_id=e.token_id, token=e.token, logprob=e.logprob)
+            for a in e.top:
+                entry.top.add(token_id=a.token_id, token=a.token, logprob=a.logprob)
     return message
 
 

@@ -29,7 +29,12 @@ from appliance.gateway import tool_calls
 from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.generation import TokenLogprob
 from appliance.gateway.reply import Final
-from appliance.gateway.request import GUIDE_KINDS, IncomingRequest, too_many_messages
+from appliance.gateway.request import (
+    GUIDE_KINDS,
+    MAX_TOP_LOGPROBS,
+    IncomingRequest,
+    too_many_messages,
+)
 from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry, parse_call
 
 INT32_MAX = 2**31 - 1
@@ -230,21 +235,15 @@ def _length(req: IncomingRequest, data: dict[str, Any]) -> None:
 
 def _logprobs(req: IncomingRequest, data: dict[str, Any], chat: bool) -> None:
     """Chat: `logprobs` (boolean) and `top_logprobs` (0 to 20). Completions: `logprobs` is the
-    number of alternatives per token (0: the chosen token's log-probability alone)."""
+    number of alternatives per token (0: the chosen token's log-probability alone; at most
+    MAX_TOP_LOGPROBS, as chat's `top_logprobs`)."""
     if chat:
         req.logprobs = bool(_field(data, "logprobs", bool) or False)
         req.top_logprobs = _int(data, "top_logprobs", -INT32_MAX, INT32_MAX)
         return
-    count = _int(data, "logprobs", 0, INT32_MAX)
+    count = _int(data, "logprobs", 0, MAX_TOP_LOGPROBS)
     if count is None:
         return
-    if count > 0:
-        raise invalid(
-            f"logprobs {count} asks for {count} alternatives per token, which this server does "
-            "not return (the inference engine gives the chosen token's log-probability alone); "
-            "send logprobs 0",
-            "logprobs",
-        )
     req.logprobs = True
     req.top_logprobs = count
 
@@ -550,12 +549,16 @@ STATUS = {
 MODEL_NOT_FOUND_KIND = "invalid_request_error"
 
 
-def error_of(exc: RequestError) -> HttpError:
-    """A pipeline refusal as its HTTP status, OpenAI error type, `param` and `code`."""
+def error_of(exc: RequestError, chat: bool = True) -> HttpError:
+    """A pipeline refusal as its HTTP status, OpenAI error type, `param` and `code`. The
+    alternatives per token are chat's `top_logprobs` and completions' `logprobs`."""
     status, kind = STATUS.get(exc.code, (502, "server_error"))
     if exc.reason == MODEL_NOT_FOUND:
         kind = MODEL_NOT_FOUND_KIND
-    return HttpError(status, kind, exc.message, exc.field, exc.reason)
+    param = exc.field
+    if not chat and param == "top_logprobs":
+        param = "logprobs"
+    return HttpError(status, kind, exc.message, param, exc.reason)
 
 
 def unknown_model(known: list[str]) -> HttpError:
@@ -629,6 +632,7 @@ class Answer:
         self.request_id = request_id
         self.created = created
         self.logprobs = http.request.logprobs
+        self.top_logprobs = http.request.top_logprobs or 0
         # Characters of completion text before the next token (completions' text_offset).
         self._offset = 0
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -664,12 +668,27 @@ class Answer:
         return self._chunk_of([choice])
 
     def render_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-        """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists.
-        No alternatives are returned (top_logprobs 0): chat's lists are empty, completions' null."""
+        """OpenAI's `logprobs` of a choice: chat's `content` list, each token with its
+        `top_logprobs` list ([] when none were asked for), or completions' parallel lists, whose
+        `top_logprobs` (null when none were asked for) maps each position's alternatives' text to
+        their log-probabilities and, as OpenAI's does, holds the chosen token too (so up to N + 1
+        entries; alternatives whose text is the same keep the most likely one's)."""
         tokens = [e.token.decode(errors="replace") for e in entries]
         if self.chat:
             content = [
-                {"token": t, "logprob": e.logprob, "bytes": list(e.token), "top_logprobs": []}
+                {
+                    "token": t,
+                    "logprob": e.logprob,
+                    "bytes": list(e.token),
+                    "top_logprobs": [
+                        {
+                            "token": a.token.decode(errors="replace"),
+                            "logprob": a.logprob,
+                            "bytes": list(a.token),
+                        }
+                        for a in e.top
+                    ],
+                }
                 for t, e in zip(tokens, entries, strict=True)
             ]
             return {"content": content, "refusal": None}
@@ -680,7 +699,9 @@ class Answer:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": None,
+            "top_logprobs": [_top_of(t, e) for t, e in zip(tokens, entries, strict=True)]
+            if self.top_logprobs
+            else None,
             "text_offset": offsets,
         }
 
@@ -748,6 +769,16 @@ class Answer:
             "usage": usage(final),
             "appliance": extension(self.request_id, final),
         }
+
+
+def _top_of(text: str, entry: TokenLogprob) -> dict[str, float]:
+    """Completions' alternatives of one position: text -> log-probability, most likely first,
+    with the chosen token's text added when none of them has it."""
+    top: dict[str, float] = {}
+    for a in entry.top:
+        top.setdefault(a.token.decode(errors="replace"), a.logprob)
+    top.setdefault(text, entry.logprob)
+    return top
 
 
 def stream_error(err: HttpError) -> bytes:

@@ -69,6 +69,7 @@ from appliance.gateway.request import (
     PreparedRequest,
     check,
     check_speculation,
+    check_top_logprobs,
     echo,
     tokenize,
     valid_request_id,
@@ -239,6 +240,7 @@ class Pipeline:
             checked = check(request, model.limits, grant.namespace)
             report.request_id = checked.request_id
             check_speculation(checked, model.name, model.backend.speculation)
+            check_top_logprobs(checked, model.name, model.backend.max_top_logprobs)
             budget = self.budget(model, checked, deadline_s)
             query = self.cache_query(model, checked)
             cache_plan = self.cache_plan(checked, query)
@@ -544,6 +546,7 @@ class Pipeline:
                 ignore_eos=prepared.ignore_eos,
                 logprobs=prepared.logprobs,
                 speculation=prepared.speculation,
+                top_logprobs=prepared.top_logprobs,
             )
             async for event in generate(model, request, prepared.stops):
                 if not first and (isinstance(event, Outcome) or event.token_ids):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import jsonschema
 
-from appliance.backends.base import GREEDY, Guide, Sampling, Speculation
+from appliance.backends.base import GREEDY, Guide, Sampling, Speculation, top_logprobs_refusal
 from appliance.cache.policy import CachePolicy
 from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, invalid
 from appliance.text.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
@@ -334,10 +334,18 @@ def _min_tokens(req: IncomingRequest, max_tokens: int) -> int:
     return min_tokens
 
 
+def check_top_logprobs(checked: CheckedRequest, model: str, limit: int) -> None:
+    """Refuses more alternatives per token than the model returns (`limit`, its backend's
+    max_top_logprobs: none from TensorRT-LLM's `tensorrt_llm` model). Asked before the cache, as
+    an answer with log-probabilities is never cached anyway."""
+    refusal = top_logprobs_refusal(model, limit, checked.top_logprobs)
+    if refusal is not None:
+        raise _invalid(refusal, field="top_logprobs")
+
+
 def _logprobs(req: IncomingRequest) -> tuple[bool, int]:
-    """Whether log-probabilities are returned, and how many alternatives per token. top_logprobs
-    is checked against OpenAI's range, then refused above 0: TensorRT-LLM's `tensorrt_llm` model
-    returns only the chosen token's log-probability, and both backends answer the same requests."""
+    """Whether log-probabilities are returned, and how many alternatives per token (OpenAI's
+    range; whether the model returns that many is `check_top_logprobs`'s question)."""
     top = req.top_logprobs
     if top is None:
         return req.logprobs, 0
@@ -348,12 +356,6 @@ def _logprobs(req: IncomingRequest) -> tuple[bool, int]:
         )
     if top and not req.logprobs:
         raise _invalid("top_logprobs needs logprobs: set logprobs to true", field="top_logprobs")
-    if top:
-        raise _invalid(
-            f"top_logprobs {top} is not supported: the inference engine returns only the chosen "
-            "token's log-probability; send top_logprobs 0 or leave it out",
-            field="top_logprobs",
-        )
     return req.logprobs, top
 
 

@@ -15,7 +15,7 @@ from appliance.engine.llama import KVCache, LlamaModel
 from appliance.engine.options import EngineOptions
 from appliance.engine.prefix_cache import PrefixCache
 from appliance.engine.runner import Emission, Job, Runner
-from appliance.engine.sampling import Sampler, SamplingParams, generate
+from appliance.engine.sampling import Sampler, SamplingParams, TopLogprobs, generate
 from appliance.engine.speculative import (
     NgramSpeculation,
     OffSwitch,
@@ -204,6 +204,11 @@ def test_logprobs_requests_run_without_speculation(model: LlamaModel) -> None:
     out = run(model, prompt, 60, SPEC, counts, logprobs=logprobs)
     assert out == run(model, prompt, 60, None)
     assert counts.proposed == 0 and len(logprobs) == len(out)
+    # Alternatives alone switch it off too: each step's come from that step's own logits.
+    top = TopLogprobs(3)
+    counts = SpecCounts()
+    assert run(model, prompt, 60, SPEC, counts, top_logprobs=top) == out
+    assert counts.proposed == 0 and len(top.ids) == len(out)
 
 
 def run_job(runner: Runner, prompt: list[int], n: int) -> list[int]:

@@ -159,7 +159,6 @@ async def test_ignore_eos_sends_end_id_minus_one_to_triton() -> None:
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"logprobs": True, "top_logprobs": 5}, "top_logprobs", "send top_logprobs 0"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
         ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "between 0 and max_tokens (8)"),
@@ -180,13 +179,6 @@ async def test_bad_chat_fields_are_400_naming_the_field(
         )
     assert err.value.body["param"] == param  # type: ignore[index]
     assert words in err.value.body["message"]  # type: ignore[index]
-
-
-async def test_completion_logprobs_above_zero_is_400(client: AsyncOpenAI) -> None:  # noqa: F811
-    with pytest.raises(openai.BadRequestError) as err:
-        await client.completions.create(model="tiny", prompt="hi", logprobs=3)
-    assert err.value.body["param"] == "logprobs"  # type: ignore[index]
-    assert "send logprobs 0" in err.value.body["message"]  # type: ignore[index]
 
 
 def test_logprob_values_are_finite_log_probabilities() -> None:

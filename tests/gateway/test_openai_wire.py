@@ -171,3 +171,48 @@ def test_statuses(code: grpc.StatusCode, status: int) -> None:
 def test_no_status_becomes_a_500(code: grpc.StatusCode) -> None:
     err = wire.error_of(RequestError(code, "why"))
     assert err.status != 500 and err.kind
+
+
+def test_alternatives_in_openai_shapes() -> None:
+    """Chat lists each token's alternatives; completions map their text to log-probabilities with
+    the chosen token added when none of them is it (OpenAI's up to N + 1), the most likely of two
+    alternatives with the same text kept."""
+    from appliance.gateway.generation import TokenLogprob, TopLogprob
+
+    top = (TopLogprob(7, b"a", -0.1), TopLogprob(8, b"b", -0.5), TopLogprob(9, b"a", -0.9))
+    entry = TokenLogprob(3, b"c", -2.0, top)
+    chat = wire.Answer(
+        wire.parse_request(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "q"}],
+                "logprobs": True,
+                "top_logprobs": 3,
+            },
+            True,
+        ),
+        "abc",
+        1,
+    )
+    rendered = chat.render_logprobs([entry])["content"][0]
+    assert rendered["top_logprobs"] == [
+        {"token": "a", "logprob": -0.1, "bytes": [97]},
+        {"token": "b", "logprob": -0.5, "bytes": [98]},
+        {"token": "a", "logprob": -0.9, "bytes": [97]},
+    ]
+    completion = wire.Answer(
+        wire.parse_request({"model": "m", "prompt": "q", "logprobs": 3}, False), "abc", 1
+    )
+    assert completion.render_logprobs([entry])["top_logprobs"] == [
+        {"a": -0.1, "b": -0.5, "c": -2.0}
+    ]
+    zero = wire.Answer(
+        wire.parse_request({"model": "m", "prompt": "q", "logprobs": 0}, False), "abc", 1
+    )
+    assert zero.render_logprobs([entry._replace(top=())])["top_logprobs"] is None
+    with pytest.raises(wire.HttpError) as refused:
+        wire.parse_request({"model": "m", "prompt": "q", "logprobs": 21}, False)
+    assert refused.value.param == "logprobs"
+    refusal = RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no", field="top_logprobs")
+    assert wire.error_of(refusal, chat=False).param == "logprobs"
+    assert wire.error_of(refusal).param == "top_logprobs"
