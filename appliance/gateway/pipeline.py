@@ -237,10 +237,7 @@ class Pipeline:
             model = self.route(request.model)
             report.model = model.name
             self.in_flight[model.name] += 1
-            checked = check(request, model.limits, grant.namespace)
-            report.request_id = checked.request_id
-            check_speculation(checked, model.name, model.backend.speculation)
-            check_top_logprobs(checked, model.name, model.backend.max_top_logprobs)
+            checked = self.check(request, model, grant.namespace, report)
             budget = self.budget(model, checked, deadline_s)
             query = self.cache_query(model, checked)
             cache_plan = self.cache_plan(checked, query)
@@ -307,6 +304,18 @@ class Pipeline:
                 field="model",
             )
         return model
+
+    @staticmethod
+    def check(
+        request: IncomingRequest, model: ServedModel, namespace: str, report: RequestReport
+    ) -> CheckedRequest:
+        """Every field valid and bounded (request.check), and nothing asked of the model's engine
+        that it cannot do (drafts, alternatives per token)."""
+        checked = check(request, model.limits, namespace)
+        report.request_id = checked.request_id
+        check_speculation(checked, model.name, model.backend.speculation)
+        check_top_logprobs(checked, model.name, model.backend.max_top_logprobs)
+        return checked
 
     @staticmethod
     def budget(model: ServedModel, checked: CheckedRequest, deadline_s: float | None) -> Budget:
