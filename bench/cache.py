@@ -40,6 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import grpc
@@ -49,7 +50,7 @@ import redis.asyncio as aredis
 import uvloop
 from redis.utils import HIREDIS_AVAILABLE
 
-from appliance.backends.base import Backend
+from appliance.backends.base import NO_SPECULATION, Backend
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, cache_key
 from appliance.cache.l1 import LruCache
@@ -365,7 +366,8 @@ async def hit_path(
         name=MODEL,
         text=text,
         limits=LIMITS,
-        backend=cast(Backend, None),  # a hit never reaches it
+        # A hit never reaches the backend; the check stage reads only what it can do.
+        backend=cast(Backend, SimpleNamespace(speculation=NO_SPECULATION, max_top_logprobs=0)),
         identity=identity_of(text, tokenizer_dir, fingerprint),
         policy=ModelPolicy(default_deadline_s=30.0, ttft_budget_s=None, fallback=None),
         health=ModelHealth(CircuitBreaker(5, 5.0)),
