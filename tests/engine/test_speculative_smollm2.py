@@ -25,7 +25,7 @@ import pytest
 from appliance.engine.draft_model import DraftModelDrafter, check_draft_model
 from appliance.engine.llama import LlamaModel
 from appliance.engine.prefix_cache import PrefixCache
-from appliance.engine.runner import Emission, Job, Runner
+from appliance.engine.runner import Emission, Job, Runner, prefill_chunk_tokens
 from appliance.engine.sampling import SamplingParams
 from appliance.engine.speculative import Drafter, NgramSpeculation, OffSwitch
 from bench.speculative import layer_skip_dir
@@ -246,7 +246,9 @@ def baseline(
 def draft_drafter(instruct: Instruct, target: LlamaModel, dest: Path) -> DraftModelDrafter:
     draft_dir = layer_skip_dir(instruct.model_dir, DRAFT_LAYERS, dest)
     check_draft_model(draft_dir, instruct.model_dir, target.config)
-    return DraftModelDrafter(LlamaModel.load(draft_dir), SEQ, DRAFT_TOKENS, 256, NEVER_OFF)
+    draft = LlamaModel.load(draft_dir)
+    chunk = prefill_chunk_tokens(draft.device)
+    return DraftModelDrafter(draft, SEQ, DRAFT_TOKENS, chunk, NEVER_OFF)
 
 
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
@@ -274,5 +276,6 @@ def test_greedy_output_with_speculation_is_the_output_without(
     ]
     shown = "\n".join(differ[:10])
     assert not differ, f"{len(differ)} of {len(cases)} outputs differ, the first:\n{shown}"
+    # Drafts were verified, and both accepted and rejected (the rollback of the caches ran).
     assert served.verify_steps > 0
-    assert 0 < served.accepted <= served.drafted
+    assert 0 < served.accepted < served.drafted
