@@ -4,6 +4,7 @@ GenerateRequest into an IncomingRequest, and the pipeline's replies into Generat
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from appliance.backends.base import Guide
 from appliance.gateway import tool_calls
@@ -44,13 +45,28 @@ TOOL_CHOICES = {
 }
 
 
+# GenerateRequest's fields that are not IncomingRequest's fields of the same name and value.
+_TRANSLATED = frozenset({"messages", "guide", "tools"})
+
+
 def request_of(m: pb.GenerateRequest) -> IncomingRequest:
     """The request in plain values; the client's request id, or a new one (every reply names
     it). A chat's message count is checked before any message is read; tools make the same plan
-    the HTTP API's do (a forced call becomes the answer's guide)."""
+    the HTTP API's do (a forced call becomes the answer's guide). The fields are read in one
+    ListFields call: only those the client set, whose absence the IncomingRequest's defaults
+    already say."""
+    fields: dict[str, Any] = {field.name: value for field, value in m.ListFields()}
+    if "request_id" not in fields:
+        fields["request_id"] = new_request_id()
+    if not _TRANSLATED.isdisjoint(fields):
+        _translate(m, fields)
+    return IncomingRequest(**fields)
+
+
+def _translate(m: pb.GenerateRequest, fields: dict[str, Any]) -> None:
+    """The messages, the guide and the tools as the IncomingRequest holds them."""
+    fields.pop("tools", None)
     which = m.WhichOneof("input")
-    messages = None
-    chat = None
     plan = _plan(m) if m.HasField("tools") else None
     if m.HasField("tools") and which != "messages":
         raise invalid("tools need a chat: send messages, not a prompt", field="tools")
@@ -62,9 +78,10 @@ def request_of(m: pb.GenerateRequest) -> IncomingRequest:
         turns = [_turn(c, i) for i, c in enumerate(listed)]
         if plan is not None or tool_calls.has_tool_parts(turns):
             chat = tool_calls.ToolChat(plan, tuple(turns))
-            messages = chat.fallback()
+            fields["messages"] = chat.fallback()
+            fields["tool_chat"] = chat
         else:
-            messages = [(t.role, t.content) for t in turns]
+            fields["messages"] = [(t.role, t.content) for t in turns]
     guide = None
     if m.HasField("guide"):
         guide = Guide(GUIDE_TYPES.get(m.guide.type, str(m.guide.type)), m.guide.guide)
@@ -76,29 +93,7 @@ def request_of(m: pb.GenerateRequest) -> IncomingRequest:
                 field="guide",
             )
         guide = Guide("json_schema", plan.guide_schema() or "")
-    return IncomingRequest(
-        model=m.model,
-        prompt=m.prompt if which == "prompt" else None,
-        messages=messages,
-        request_id=m.request_id or new_request_id(),
-        namespace=m.namespace,
-        max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
-        temperature=m.temperature if m.HasField("temperature") else None,
-        top_p=m.top_p if m.HasField("top_p") else None,
-        top_k=m.top_k if m.HasField("top_k") else None,
-        seed=m.seed if m.HasField("seed") else None,
-        stop=m.stop,
-        cache_policy=m.cache_policy,
-        semantic_cache=m.semantic_cache if m.HasField("semantic_cache") else None,
-        ttft_budget_ms=m.ttft_budget_ms if m.HasField("ttft_budget_ms") else None,
-        guide=guide,
-        min_tokens=m.min_tokens if m.HasField("min_tokens") else None,
-        ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs,
-        top_logprobs=m.top_logprobs if m.HasField("top_logprobs") else None,
-        speculation=m.speculation if m.HasField("speculation") else None,
-        tool_chat=chat,
-    )
+    fields["guide"] = guide
 
 
 def _plan(m: pb.GenerateRequest) -> tool_calls.ToolPlan | None:
