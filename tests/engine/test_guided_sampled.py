@@ -22,7 +22,7 @@ from appliance.engine.guided import Grammars, Guide
 from appliance.engine.sampling import SamplingParams, generate
 from appliance.engine.server import EngineModel, load_repository
 from engine_build.tokenizer_info import write_tokenizer_info
-from tests.engine.test_instruct_model import Instruct, instruct  # noqa: F401
+from tests.engine.conftest import Instruct
 
 # Samples per guide (sized for the suite on a 2-core CPU; GUIDED_SAMPLES asks for more), and a
 # token bound that fits every guide's longest valid answer: an answer cut at the bound is not a
@@ -118,7 +118,7 @@ MAX_PROMPT = 256
 
 
 @pytest.fixture(scope="module")
-def model(instruct: Instruct, tmp_path_factory: pytest.TempPathFactory) -> EngineModel:  # noqa: F811
+def model(instruct: Instruct, tmp_path_factory: pytest.TempPathFactory) -> EngineModel:
     models = load_repository(instruct.repo)
     for name, m in models.items():
         if name != "tensorrt_llm":
@@ -130,7 +130,7 @@ def model(instruct: Instruct, tmp_path_factory: pytest.TempPathFactory) -> Engin
 
 @pytest.fixture(scope="module")
 def grammars(
-    instruct: Instruct,  # noqa: F811
+    instruct: Instruct,
     model: EngineModel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Grammars:
@@ -146,7 +146,7 @@ def grammars(
 
 
 def test_every_sampled_answer_validates(
-    instruct: Instruct,  # noqa: F811
+    instruct: Instruct,
     model: EngineModel,
     grammars: Grammars,
 ) -> None:
