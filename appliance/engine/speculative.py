@@ -174,7 +174,7 @@ class NgramSpeculation:
 
     draft_tokens: int = 4
     ngram: int = 3
-    off_switch: OffSwitch = OffSwitch(min_accepted=0.5, probe_every=16)
+    off_switch: OffSwitch = OffSwitch(min_accepted=0.5, probe_every=32)
     memory: AcceptanceMemory = field(
         default_factory=AcceptanceMemory, compare=False, repr=False, hash=False
     )
