@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from appliance.engine.llama import CheckpointError, LlamaConfig, LlamaModel, load_config
-from appliance.engine.speculative import MAX_DRAFT_TOKENS, Draft, OffSwitch
+from appliance.engine.speculative import MAX_DRAFT_TOKENS, AcceptanceMemory, Draft, OffSwitch
 
 if TYPE_CHECKING:
     from appliance.engine.sampling import Sampler
@@ -40,10 +40,16 @@ VERIFY_OVERHEAD = 0.25
 
 def draft_off_switch(draft_tokens: int, draft: LlamaModel, target: LlamaModel) -> OffSwitch:
     """The switch at this pair's break-even: k draft steps, each costing the draft's share of the
-    target's weight bytes, plus the verify overhead, must be repaid by accepted drafts. A probe of
-    a costly drafter is short (4 verify steps) and rests long (64 tokens, doubling)."""
+    target's weight bytes, plus the verify overhead, must be repaid by accepted drafts (until the
+    drafter's memory has measured the break-even). A costly drafter's window is short (4 verify
+    steps) and it probes rarely (one verify step every 64 tokens)."""
     ratio = draft.weight_bytes / target.weight_bytes
-    return OffSwitch(window=4, min_accepted=VERIFY_OVERHEAD + draft_tokens * ratio, cooldown=64)
+    return OffSwitch(
+        window=4,
+        min_accepted=VERIFY_OVERHEAD + draft_tokens * ratio,
+        cooldown=64,
+        probe_every=64,
+    )
 
 
 class DraftModelDrafter:
@@ -67,6 +73,7 @@ class DraftModelDrafter:
         self.draft_tokens = draft_tokens
         self.prefill_chunk = prefill_chunk
         self.off_switch = off_switch or OffSwitch(min_accepted=VERIFY_OVERHEAD)
+        self.memory = AcceptanceMemory()
         # The tokens whose K/V the cache holds at positions 0..len-1.
         self._cached: list[int] = []
 

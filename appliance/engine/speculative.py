@@ -21,13 +21,21 @@ first of them and overwrites it, and attention reads only positions up to its ow
 Speculation switches itself off where it does not pay (`OffSwitch`): per request, when the drafts
 accepted per verify step over the last `window` verify steps fall below the drafter's break-even,
 drafting rests for `cooldown` tokens (doubled each time it switches off again in the request).
+With `probe_every` set, the drafter also remembers across requests (`AcceptanceMemory`): a request
+starts with drafting resting when the recent verify steps did not pay, and then drafts only one
+probe (a single verify step) every `probe_every` tokens until the remembered acceptance reaches
+break-even again; a switch-off within a request goes back to probing. The break-even is then
+measured rather than assumed: a verify step that costs c decode steps pays when it accepts more
+than c - 1 drafts, c being the ratio of the remembered wall time per verify step (its drafting
+included) to that per decode step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_DRAFT_TOKENS",
     "MAX_NGRAM",
+    "AcceptanceMemory",
     "Draft",
     "Drafter",
     "NgramSpeculation",
@@ -68,11 +77,70 @@ class Draft:
 class OffSwitch:
     """When a request stops drafting: the mean accepted drafts per verify step over the last
     `window` verify steps below `min_accepted` rests drafting for `cooldown` decode steps, doubled
-    at each further switch-off in the same request. `min_accepted` 0 never switches off."""
+    at each further switch-off in the same request. `min_accepted` 0 never switches off.
+
+    `probe_every` > 0 uses the drafter's `AcceptanceMemory`: `min_accepted` is the break-even
+    until the memory has measured one, a request whose drafter's recent verify steps did not pay
+    starts probing (one verify step, then `probe_every` - 1 decode steps resting), and a switch-off
+    goes back to probing instead of resting `cooldown` steps. 0: each request on its own."""
 
     window: int = 8
     min_accepted: float = 0.5
     cooldown: int = 32
+    probe_every: int = 0
+
+
+class AcceptanceMemory:
+    """A drafter's acceptance and step costs across requests: exponentially weighted means of the
+    drafts accepted per verify step and of the wall time per verify step and per decode step.
+
+    One instance per drafter (so per model); only the compute thread updates it.
+    """
+
+    ACCEPTED_WEIGHT = 0.25  # a probe that accepts every draft lifts a resting drafter at once
+    TIME_WEIGHT = 0.1
+    MIN_TIMED = 8  # steps of each kind timed before the measured break-even is used
+    BREAK_EVEN_RANGE = (0.1, float(MAX_DRAFT_TOKENS))
+
+    def __init__(self) -> None:
+        self.accepted: float | None = None
+        self.verify_s: float | None = None
+        self.decode_s: float | None = None
+        self.timed_verify = 0
+        self.timed_decode = 0
+
+    def observe(self, accepted: int) -> None:
+        """One verify step's accepted drafts."""
+        self.accepted = _ewma(self.accepted, float(accepted), self.ACCEPTED_WEIGHT)
+
+    def observe_step(self, verified: bool, seconds: float) -> None:
+        """The wall time of one verify step (its drafting included) or one decode step."""
+        if not seconds > 0.0:
+            return
+        if verified:
+            self.verify_s = _ewma(self.verify_s, seconds, self.TIME_WEIGHT)
+            self.timed_verify += 1
+        else:
+            self.decode_s = _ewma(self.decode_s, seconds, self.TIME_WEIGHT)
+            self.timed_decode += 1
+
+    def break_even(self, prior: float) -> float:
+        """Accepted drafts per verify step at which drafting pays: the measured verify cost in
+        decode steps less one (bounded), or `prior` until both kinds of step have been timed."""
+        if self.verify_s is None or self.decode_s is None:
+            return prior
+        if min(self.timed_verify, self.timed_decode) < self.MIN_TIMED:
+            return prior
+        low, high = self.BREAK_EVEN_RANGE
+        return min(high, max(low, self.verify_s / self.decode_s - 1.0))
+
+    def pays(self, prior: float) -> bool:
+        """Whether the remembered acceptance reaches break-even (unknown counts as paying)."""
+        return self.accepted is None or self.accepted >= self.break_even(prior)
+
+
+def _ewma(mean: float | None, value: float, weight: float) -> float:
+    return value if mean is None else mean + weight * (value - mean)
 
 
 class Drafter(Protocol):
@@ -82,6 +150,11 @@ class Drafter(Protocol):
     @property
     def off_switch(self) -> OffSwitch:
         """When a request stops asking this drafter (its break-even acceptance)."""
+        ...
+
+    @property
+    def memory(self) -> AcceptanceMemory:
+        """This drafter's acceptance across requests (read when off_switch.probe_every > 0)."""
         ...
 
     def propose(self, text: Sequence[int], limit: int, sampler: Sampler) -> Draft:
@@ -96,12 +169,15 @@ class NgramSpeculation:
     """Prompt lookup: how many draft tokens a verify step scores, and the longest n-gram looked up.
 
     A lookup costs nothing beside the verify step, whose k + 1 rows cost little more than one:
-    break-even is a fraction of a token per verify step.
+    break-even is a fraction of a token per verify step, and a probe costs that fraction.
     """
 
     draft_tokens: int = 4
     ngram: int = 3
-    off_switch: OffSwitch = OffSwitch(min_accepted=0.5)
+    off_switch: OffSwitch = OffSwitch(min_accepted=0.5, probe_every=32)
+    memory: AcceptanceMemory = field(
+        default_factory=AcceptanceMemory, compare=False, repr=False, hash=False
+    )
 
     def problem(self) -> tuple[str, str] | None:
         """(option, why) when a value is out of range; None when both are usable."""
@@ -130,16 +206,39 @@ class SpecCounts:
 class Speculator:
     """One request's speculation: its drafter, behind the request's off switch, and its counts."""
 
-    def __init__(self, drafter: Drafter, counts: SpecCounts) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        counts: SpecCounts,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.drafter = drafter
         self.counts = counts
         self.switch = drafter.off_switch
+        remembers = self.switch.probe_every > 0 and self.switch.min_accepted > 0.0
+        self.memory = drafter.memory if remembers else None
+        self._clock = clock
         self._recent: deque[int] = deque(maxlen=max(1, self.switch.window))
         self._resting = 0
         self._cooldown = self.switch.cooldown
+        # Probing: drafting rests but for one verify step every probe_every tokens.
+        self.probing = self.memory is not None and not self.memory.pays(self.switch.min_accepted)
+        # When the previous step began, and whether it was a verify step.
+        self._began: float | None = None
+        self._verified = False
 
     def propose(self, text: Sequence[int], limit: int, sampler: Sampler) -> Draft | None:
         """The drafter's drafts, or None while drafting rests or when it proposes nothing."""
+        draft = self._propose(text, limit, sampler)
+        if self.memory is not None:
+            # The previous step ran from its proposal to this one.
+            now = self._clock()
+            if self._began is not None:
+                self.memory.observe_step(self._verified, now - self._began)
+            self._began, self._verified = now, draft is not None
+        return draft
+
+    def _propose(self, text: Sequence[int], limit: int, sampler: Sampler) -> Draft | None:
         if self._resting > 0:
             self._resting -= 1
             return None
@@ -153,15 +252,27 @@ class Speculator:
         self.counts.proposed += proposed
         self.counts.accepted += accepted
         self.counts.verify_steps += 1
+        prior = self.switch.min_accepted
+        if self.memory is not None:
+            self.memory.observe(accepted)
+            if self.probing:
+                self.probing = not self.memory.pays(prior)
+                self._resting = self.switch.probe_every - 1 if self.probing else 0
+                return
         self._recent.append(accepted)
         window = self.switch.window
-        if len(self._recent) < window or window <= 0:
+        if len(self._recent) < window or window <= 0 or prior <= 0.0:
             return
-        if sum(self._recent) / window < self.switch.min_accepted:
+        break_even = prior if self.memory is None else self.memory.break_even(prior)
+        if sum(self._recent) / window < break_even:
             self.counts.switched_off += 1
+            self._recent.clear()
+            if self.memory is not None:
+                self.probing = True
+                self._resting = self.switch.probe_every - 1
+                return
             self._resting = self._cooldown
             self._cooldown *= 2
-            self._recent.clear()
 
 
 def propose(text: Sequence[int], k: int, ngram: int) -> list[int]:

@@ -22,6 +22,7 @@ from appliance.engine.runner import Emission, Job, Runner
 from appliance.engine.sampling import Sampler, SamplingParams, generate
 from appliance.engine.server import load_repository
 from appliance.engine.speculative import (
+    AcceptanceMemory,
     Draft,
     OffSwitch,
     SpecCounts,
@@ -267,6 +268,7 @@ class WrongDrafter:
         self.token = token
         self.calls = 0
         self.off_switch = OffSwitch(window=4, min_accepted=0.5, cooldown=8)
+        self.memory = AcceptanceMemory()
 
     def propose(self, text: Sequence[int], limit: int, sampler: Sampler) -> Draft:
         self.calls += 1
