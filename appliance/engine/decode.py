@@ -115,6 +115,17 @@ class EagerDecode:
         return self._logits
 
 
+def parse_counts(text: str, off: str, unit: str) -> tuple[int, ...] | None:
+    """A command-line list of the sizes to capture graphs of: comma-separated `unit`s, sorted and
+    without repeats; None for the word `off` (or nothing). ValueError says what was expected."""
+    if text.strip().lower() in ("", off):
+        return None
+    try:
+        return tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"expected comma-separated {unit} or {off}, got {text!r}") from None
+
+
 def decode_spans(max_seq_len: int, smallest: int = SMALLEST_SPAN) -> list[int]:
     """Attention spans to capture: smallest, 2x, 4x ... below max_seq_len, then max_seq_len."""
     spans = []

@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from appliance.engine.decode import Capture
+from appliance.engine.decode import Capture, parse_counts
 from appliance.engine.llama import KVCache, LlamaModel
 
 __all__ = [
@@ -51,12 +51,9 @@ def bucket_problem(buckets: Sequence[int]) -> str | None:
 
 def parse_buckets(text: str) -> tuple[int, ...]:
     """`--prefill-buckets`: comma-separated token counts, or `none` (no prefill captured)."""
-    if text.strip().lower() in ("", "none"):
+    buckets = parse_counts(text, "none", "token counts")
+    if buckets is None:
         return ()
-    try:
-        buckets = tuple(sorted({int(part) for part in text.split(",")}))
-    except ValueError:
-        raise ValueError(f"expected comma-separated token counts or none, got {text!r}") from None
     why = bucket_problem(buckets)
     if why:
         raise ValueError(why)

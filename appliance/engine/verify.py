@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from appliance.engine.decode import Capture
+from appliance.engine.decode import Capture, parse_counts
 from appliance.engine.llama import KVCache, LlamaModel
 from appliance.engine.speculative import MAX_DRAFT_TOKENS
 
@@ -55,12 +55,9 @@ def verify_counts_problem(counts: Sequence[int]) -> str | None:
 def parse_verify_graphs(text: str) -> tuple[int, ...] | None:
     """`--verify-graphs`: comma-separated draft counts, or `auto` (None: derived from
     --draft-tokens by `default_verify_counts`)."""
-    if text.strip().lower() in ("", "auto"):
+    counts = parse_counts(text, "auto", "draft counts")
+    if counts is None:
         return None
-    try:
-        counts = tuple(sorted({int(part) for part in text.split(",")}))
-    except ValueError:
-        raise ValueError(f"expected comma-separated draft counts or auto, got {text!r}") from None
     why = verify_counts_problem(counts)
     if why:
         raise ValueError(why)

@@ -100,14 +100,16 @@ async def generate(
             entries = None
             if logprobs is not None:
                 entries = [
-                    TokenLogprob(t, table.bytes_of(t), p)
-                    for t, p in zip(tokens, logprobs, strict=True)
+                    TokenLogprob(
+                        t,
+                        table.bytes_of(t),
+                        p,
+                        tuple(TopLogprob(a, table.bytes_of(a), q) for a, q in top[i])
+                        if top
+                        else (),
+                    )
+                    for i, (t, p) in enumerate(zip(tokens, logprobs, strict=True))
                 ]
-                if top is not None:
-                    entries = [
-                        e._replace(top=tuple(TopLogprob(a, table.bytes_of(a), q) for a, q in alts))
-                        for e, alts in zip(entries, top, strict=True)
-                    ]
             pieces = [decoder.push(t) for t in tokens]
             if completion >= min_tokens:
                 text = matcher.feed("".join(pieces))

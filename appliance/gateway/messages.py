@@ -139,12 +139,16 @@ def _turn(c: pb.ChatMessage, i: int) -> tool_calls.Turn:
 def delta(request_id: str, d: Delta) -> pb.GenerateResponse:
     message = pb.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids)
     if d.logprobs is not None:
-        entries = message.logprobs
-        for e in d.logprobs:
-            entry = entries.add(token_id=e.token_id, token=e.token, logprob=e.logprob)
-            for a in e.top:
-                entry.top.add(token_id=a.token_id, token=a.token, logprob=a.logprob)
+        add_logprobs(message.logprobs, d)
     return message
+
+
+def add_logprobs(entries: Any, d: Delta) -> None:
+    """The delta's log-probabilities appended to a message's repeated TokenLogprob field."""
+    for e in d.logprobs or ():
+        entry = entries.add(token_id=e.token_id, token=e.token, logprob=e.logprob)
+        for a in e.top:
+            entry.top.add(token_id=a.token_id, token=a.token, logprob=a.logprob)
 
 
 def tool_call(call: tool_calls.ToolCall, request_id: str) -> pb.ToolCall:

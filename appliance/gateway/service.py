@@ -72,15 +72,21 @@ def entry_key(request: pb.InvalidateRequest) -> bytes | None:
 class _Calls:
     """A streamed answer's text, kept when the request offered tools, to read the call it makes."""
 
-    def __init__(self, incoming: IncomingRequest) -> None:
-        chat = incoming.tool_chat
-        self.plan = chat.plan if chat is not None else None
-        self.request_id = incoming.request_id
+    def __init__(self, plan: tool_calls.ToolPlan, request_id: str) -> None:
+        self.plan = plan
+        self.request_id = request_id
         self.text: list[str] = []
 
+    @classmethod
+    def of(cls, incoming: IncomingRequest) -> _Calls | None:
+        """None when the request offered no tools (nothing is kept)."""
+        chat = incoming.tool_chat
+        if chat is None or chat.plan is None:
+            return None
+        return cls(chat.plan, incoming.request_id)
+
     def feed(self, text: str) -> None:
-        if self.plan is not None:
-            self.text.append(text)
+        self.text.append(text)
 
     def finish(self, last: pb.GenerateResponse) -> pb.GenerateResponse:
         call = self.call("".join(self.text))
@@ -89,9 +95,7 @@ class _Calls:
         return last
 
     def call(self, text: str) -> pb.ToolCall | None:
-        """The call the whole answer makes, if the request offered tools and it is one."""
-        if self.plan is None:
-            return None
+        """The call the whole answer makes, if it is one."""
         call = tool_calls.parse_call(text, self.plan)
         return None if call is None else messages.tool_call(call, self.request_id)
 
@@ -114,13 +118,15 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
                 incoming, context.time_remaining(), credentials(context, self.mutual_tls)
             )
             request_id = incoming.request_id
-            calls = _Calls(incoming)
+            calls = _Calls.of(incoming)
             async for reply in replies:
                 if isinstance(reply, Delta):
-                    calls.feed(reply.text)
+                    if calls is not None:
+                        calls.feed(reply.text)
                     yield messages.delta(request_id, reply)
                 else:
-                    yield calls.finish(messages.final(reply))
+                    last = messages.final(reply)
+                    yield last if calls is None else calls.finish(last)
         except RequestError as exc:
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
@@ -144,7 +150,7 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
                     text.append(part.text)
                     reply.token_ids.extend(part.token_ids)
                     if part.logprobs is not None:
-                        reply.logprobs.extend(messages.delta("", part).logprobs)
+                        messages.add_logprobs(reply.logprobs, part)
                 else:
                     reply.final.CopyFrom(messages.final(part).final)
         except RequestError as exc:
@@ -153,7 +159,8 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         finally:
             self._end()
         reply.text = "".join(text)
-        call = _Calls(incoming).call(reply.text)
+        calls = _Calls.of(incoming)
+        call = calls.call(reply.text) if calls is not None else None
         if call is not None:
             reply.final.tool_call.CopyFrom(call)
         return reply
