@@ -7,11 +7,19 @@ Workloads (chat-templated): input-grounded (rewrite a given text), free chat, co
 ngram (prompt lookup, with the off switch), ngram-always (switch disabled), draft (the target's
 first --draft-layers layers as a "layer-skip" draft model: no smaller SmolLM2 of this tokenizer
 is on the machine), draft-always. Greedy; every mode's output must equal the off output (asserted).
-Each workload runs the modes in turn, --reps times, alternating; the figure per mode is the median
-of its mean inter-token latency (first to last token / (n - 1)), and the ratio is to off's median
-in the same run; "per rep" lists each repetition's ratio to the off run just before it (the
-spread). Each drafter is one instance for the whole run, so what it remembers of acceptance
-carries over from request to request and from workload to workload, as in the server.
+Each workload runs the modes in turn, --reps times, the order reversed every other repetition;
+the figure per mode is the median of its mean inter-token latency (first to last token / (n - 1)),
+and the ratio is to off's median in the same run; "per rep" lists each repetition's ratio to the
+off run of the same repetition (the spread). Each drafter is one instance for the whole run, so
+what it remembers of acceptance carries over from request to request and from workload to
+workload, as in the server.
+
+Wall time on a shared machine varies by more than the few per cent a resting drafter costs, so
+the table also gives the "step-cost ratio": every forward pass of the target counted by its rows
+(a decode step is 1 row, a verify step of k drafts k + 1), each row count priced at its median
+wall time measured in the same run (interleaved, at the workload's middle position), summed and
+divided by the same for off. It counts the target only: a draft model's own steps are not in it
+(shown as "-" for the draft modes).
 """
 
 from __future__ import annotations
@@ -21,16 +29,20 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from appliance.engine.decode import EagerDecode
 from appliance.engine.draft_model import DraftModelDrafter, check_draft_model, draft_off_switch
 from appliance.engine.llama import LlamaModel
 from appliance.engine.sampling import SamplingParams, generate
 from appliance.engine.speculative import Drafter, NgramSpeculation, OffSwitch, SpecCounts
 from appliance.text.tokenizer import ModelText
+from bench import record
 
 GREEDY = SamplingParams(top_k=1)
 NEVER_OFF = OffSwitch(min_accepted=0.0)
@@ -57,6 +69,43 @@ class Result:
     tokens: list[int]
     itl_s: float
     counts: SpecCounts
+    passes: Counter[int] = field(default_factory=Counter)  # target forward passes by rows
+
+
+class CountingDecode:
+    """The eager decode step, counting the target's decode and verify passes by their rows."""
+
+    def __init__(self, model: LlamaModel, n: int) -> None:
+        self.cache = model.new_cache(n)
+        self._step = EagerDecode(model, self.cache)
+        self.passes: Counter[int] = Counter()
+
+    def prefill(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        return self._step.prefill(token_ids, start)
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        self.passes[1] += 1
+        return self._step(token, pos)
+
+    def rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        self.passes[len(token_ids)] += 1
+        return self._step.rows(token_ids, start)
+
+
+def row_costs(model: LlamaModel, prompt: list[int], pos: int, rows: set[int]) -> dict[int, float]:
+    """Median wall time of one target pass of each row count at `pos`, the counts interleaved."""
+    step = CountingDecode(model, pos + max(rows) + 1)
+    step.prefill(prompt[:1] * pos, 0)
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for _ in range(15):
+        for r in sorted(rows):
+            began = time.perf_counter()
+            if r == 1:
+                step(prompt[0], pos)
+            else:
+                step.rows(prompt[:1] * r, pos)
+            times[r].append(time.perf_counter() - began)
+    return {r: statistics.median(t) for r, t in times.items()}
 
 
 def layer_skip_dir(model_dir: Path, layers: int, dest: Path) -> Path:
@@ -77,14 +126,29 @@ def run(
     counts = SpecCounts()
     stamps: list[float] = []
     tokens: list[int] = []
-    for token in generate(model, prompt, n, end_id, GREEDY, speculation=spec, spec_counts=counts):
+    step = CountingDecode(model, len(prompt) + n)
+    for token in generate(
+        model,
+        prompt,
+        n,
+        end_id,
+        GREEDY,
+        cache=step.cache,
+        decode=step,
+        speculation=spec,
+        spec_counts=counts,
+    ):
         stamps.append(time.perf_counter())
         tokens.append(token)
     itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
-    return Result(tokens, itl, counts)
+    return Result(tokens, itl, counts, step.passes)
 
 
-def main() -> None:
+def step_cost(passes: Counter[int], costs: dict[int, float]) -> float:
+    return sum(count * costs[rows] for rows, count in passes.items())
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="var/smollm2/model")
     parser.add_argument("--tokens", type=int, default=96)
@@ -92,7 +156,24 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of: {', '.join(WORKLOADS)}",
+    )
+    record.add_flag(parser)
+    args = parser.parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads:
+        parser.error(f"--workloads: unknown {unknown}; known: {', '.join(WORKLOADS)}")
+    with record.recording(
+        "speculative", record.record_dir(args), None if argv is None else list(argv)
+    ):
+        measure(args, workloads)
+
+
+def measure(args: argparse.Namespace, workloads: list[str]) -> None:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model)
     text = ModelText.load(model_dir)
@@ -119,32 +200,48 @@ def main() -> None:
     )
     print(
         "| workload | mode | accepted/verify | acceptance | verify steps | switched off "
-        "| ITL ms | ratio to off | per rep |"
+        "| ITL ms | ratio to off | per rep | step-cost ratio, per rep |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for workload, message in WORKLOADS.items():
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    order = list(modes)
+    for workload in workloads:
+        message = WORKLOADS[workload]
         prompt = text.encode_chat([{"role": "user", "content": message}])
         itls: dict[str, list[float]] = {m: [] for m in modes}
-        last: dict[str, Result] = {}
+        results: dict[str, list[Result]] = {m: [] for m in modes}
         run(model, prompt, 8, text.end_id, None)  # warm-up: the first pass of a shape is slower
-        for _ in range(args.reps):
-            for mode, spec in modes.items():
-                result = run(model, prompt, args.tokens, text.end_id, spec)
+        for rep in range(args.reps):
+            for mode in order if rep % 2 == 0 else order[::-1]:
+                result = run(model, prompt, args.tokens, text.end_id, modes[mode])
                 itls[mode].append(result.itl_s)
-                last[mode] = result
-                assert result.tokens == last["off"].tokens, (workload, mode)
+                results[mode].append(result)
+            for mode in modes:
+                assert results[mode][rep].tokens == results["off"][rep].tokens, (workload, mode)
+        rows = {r for rs in results.values() for result in rs for r in result.passes}
+        costs = row_costs(model, prompt, len(prompt) + args.tokens // 2, rows)
         base = statistics.median(itls["off"])
         for mode in modes:
-            c = last[mode].counts
+            c = results[mode][-1].counts
             itl = statistics.median(itls[mode])
             per_step = f"{c.accepted / c.verify_steps:.2f}" if c.verify_steps else "-"
             rate = f"{c.accepted / c.proposed:.0%}" if c.proposed else "-"
             reps = " / ".join(f"{a / b:.2f}" for a, b in zip(itls[mode], itls["off"], strict=True))
+            modelled = "-"
+            if not mode.startswith("draft"):
+                ratios = [
+                    step_cost(r.passes, costs) / step_cost(o.passes, costs)
+                    for r, o in zip(results[mode], results["off"], strict=True)
+                ]
+                modelled = " / ".join(f"{x:.3f}" for x in ratios)
             print(
                 f"| {workload} | {mode} | {per_step} | {rate} | {c.verify_steps} | "
-                f"{c.switched_off} | {itl * 1e3:.1f} | {itl / base:.2f} | {reps} |"
+                f"{c.switched_off} | {itl * 1e3:.1f} | {itl / base:.2f} | {reps} | {modelled} |"
             )
-        print(f"<!-- {workload}: {len(last['off'].tokens)} tokens, prompt {len(prompt)} -->")
+        priced = ", ".join(f"{r} rows {costs[r] / costs[1]:.2f}" for r in sorted(costs))
+        print(
+            f"<!-- {workload}: {len(results['off'][-1].tokens)} tokens, prompt {len(prompt)}; "
+            f"pass cost in decode steps: {priced} -->"
+        )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ first of them and overwrites it, and attention reads only positions up to its ow
 Speculation switches itself off where it does not pay (`OffSwitch`): per request, when the drafts
 accepted per verify step over the last `window` verify steps fall below the drafter's break-even,
 drafting rests for `cooldown` tokens (doubled each time it switches off again in the request).
-With `probe_every` set, the drafter also remembers across requests (`AcceptanceMemory`): a request
-starts with drafting resting when the recent verify steps did not pay, and then drafts only one
-probe (a single verify step) every `probe_every` tokens until the remembered acceptance reaches
-break-even again; a switch-off within a request goes back to probing. The break-even is then
+With `probe_every` set, the drafter remembers across requests instead (`AcceptanceMemory`): a
+request starts with drafting resting when the recent verify steps did not pay, and then drafts only
+one probe (a single verify step) every `probe_every` tokens until the remembered acceptance reaches
+break-even again; a drafting request goes back to probing as soon as the remembered acceptance
+falls below break-even (after two verify steps of its own). The break-even is then
 measured rather than assumed: a verify step that costs c decode steps pays when it accepts more
 than c - 1 drafts, c being the ratio of the remembered wall time per verify step (its drafting
 included) to that per decode step.
@@ -79,10 +80,13 @@ class OffSwitch:
     `window` verify steps below `min_accepted` rests drafting for `cooldown` decode steps, doubled
     at each further switch-off in the same request. `min_accepted` 0 never switches off.
 
-    `probe_every` > 0 uses the drafter's `AcceptanceMemory`: `min_accepted` is the break-even
-    until the memory has measured one, a request whose drafter's recent verify steps did not pay
-    starts probing (one verify step, then `probe_every` - 1 decode steps resting), and a switch-off
-    goes back to probing instead of resting `cooldown` steps. 0: each request on its own."""
+    `probe_every` > 0 uses the drafter's `AcceptanceMemory` instead of the window: `min_accepted`
+    is the break-even until the memory has measured one, a request whose drafter's recent verify
+    steps did not pay starts probing (one verify step, then `probe_every` - 1 decode steps
+    resting), and a drafting request goes back to probing as soon as the remembered mean falls
+    below break-even (after `Speculator.SETTLE_STEPS` verify steps of its own), not after a
+    window: a window of unpaid verify steps after each paying probe is what a low-acceptance
+    workload would pay again and again. 0: each request on its own."""
 
     window: int = 8
     min_accepted: float = 0.5
@@ -206,6 +210,10 @@ class SpecCounts:
 class Speculator:
     """One request's speculation: its drafter, behind the request's off switch, and its counts."""
 
+    # Verify steps a request drafts before the remembered mean may send it back to probing: one
+    # rejected draft after a probe that paid does not.
+    SETTLE_STEPS = 2
+
     def __init__(
         self,
         drafter: Drafter,
@@ -223,6 +231,8 @@ class Speculator:
         self._cooldown = self.switch.cooldown
         # Probing: drafting rests but for one verify step every probe_every tokens.
         self.probing = self.memory is not None and not self.memory.pays(self.switch.min_accepted)
+        # Verify steps this request has drafted since it last probed.
+        self._drafted = 0
         # When the previous step began, and whether it was a verify step.
         self._began: float | None = None
         self._verified = False
@@ -248,31 +258,38 @@ class Speculator:
         return draft if draft.tokens else None
 
     def record(self, proposed: int, accepted: int) -> None:
-        """Count one verify step; switch drafting off when the window's acceptance is too low."""
+        """Count one verify step; switch drafting off (or to probing) when acceptance is too low."""
         self.counts.proposed += proposed
         self.counts.accepted += accepted
         self.counts.verify_steps += 1
-        prior = self.switch.min_accepted
         if self.memory is not None:
-            self.memory.observe(accepted)
-            if self.probing:
-                self.probing = not self.memory.pays(prior)
-                self._resting = self.switch.probe_every - 1 if self.probing else 0
-                return
+            self._remember(self.memory, accepted)
+            return
         self._recent.append(accepted)
         window = self.switch.window
-        if len(self._recent) < window or window <= 0 or prior <= 0.0:
+        if len(self._recent) < window or window <= 0 or self.switch.min_accepted <= 0.0:
             return
-        break_even = prior if self.memory is None else self.memory.break_even(prior)
-        if sum(self._recent) / window < break_even:
+        if sum(self._recent) / window < self.switch.min_accepted:
             self.counts.switched_off += 1
             self._recent.clear()
-            if self.memory is not None:
-                self.probing = True
-                self._resting = self.switch.probe_every - 1
-                return
             self._resting = self._cooldown
             self._cooldown *= 2
+
+    def _remember(self, memory: AcceptanceMemory, accepted: int) -> None:
+        """Probing ends when the remembered mean reaches break-even; drafting goes back to
+        probing when it falls below (after SETTLE_STEPS verify steps of this request)."""
+        memory.observe(accepted)
+        pays = memory.pays(self.switch.min_accepted)
+        if self.probing:
+            self.probing = not pays
+            self._drafted = 0
+        else:
+            self._drafted += 1
+            if pays or self._drafted < self.SETTLE_STEPS:
+                return
+            self.counts.switched_off += 1
+            self.probing = True
+        self._resting = self.switch.probe_every - 1 if self.probing else 0
 
 
 def propose(text: Sequence[int], k: int, ngram: int) -> list[int]:

@@ -92,8 +92,8 @@ def test_a_first_request_drafts_then_switches_to_probing() -> None:
     counts = SpecCounts()
     spec = speculator(drafter, counts)
     assert not spec.probing  # nothing remembered: drafting is presumed to pay
-    # A window of 8 rejected verify steps switches it off; then a probe every 16 tokens.
-    assert drive(spec, 60) == [*range(8), 23, 39, 55]
+    # Two rejected verify steps switch it off; then a probe every 16 tokens.
+    assert drive(spec, 60) == [0, 1, 17, 33, 49]
     assert counts.switched_off == 1
     # The next request of the same drafter starts probing at once.
     assert speculator(drafter).probing
@@ -111,8 +111,29 @@ def test_a_probe_that_accepts_every_draft_resumes_drafting_at_once() -> None:
 def test_probes_that_accept_little_resume_drafting_only_when_the_mean_reaches_break_even() -> None:
     spec = speculator(low(Drafter()))
     # One draft accepted per probe: the remembered mean climbs 0.25, 0.44, 0.58 (>= 0.5).
-    asked = drive(spec, 40, accepted={0: 1, 16: 1, 32: 1})
+    asked = drive(spec, 40, accepted={0: 1, 16: 1, **dict.fromkeys(range(32, 40), 1)})
     assert asked == [0, 16, *range(32, 40)]
+
+
+def test_a_request_after_a_paying_probe_drafts_only_until_the_mean_falls() -> None:
+    # A low-acceptance workload whose probe happened to accept every draft: the next request
+    # drafts, and goes back to probing after two rejected verify steps, not a window of eight.
+    drafter = low(Drafter())
+    assert not drafter.memory.pays(0.5)
+    drive(speculator(drafter), 1, accepted={0: 3})
+    assert drafter.memory.pays(0.5)
+    counts = SpecCounts()
+    spec = speculator(drafter, counts)
+    assert not spec.probing
+    assert drive(spec, 40) == [0, 1, 17, 33]
+    assert counts.switched_off == 1
+
+
+def test_one_rejected_step_does_not_stop_a_paying_drafter() -> None:
+    drafter = Drafter()
+    spec = speculator(drafter)
+    asked = drive(spec, 12, accepted={**dict.fromkeys(range(12), 3), 4: 0, 8: 0})
+    assert asked == list(range(12))
 
 
 def test_without_probe_every_a_request_forgets_other_requests() -> None:
