@@ -41,8 +41,8 @@ VERIFY_OVERHEAD = 0.25
 def draft_off_switch(draft_tokens: int, draft: LlamaModel, target: LlamaModel) -> OffSwitch:
     """The switch at this pair's break-even: k draft steps, each costing the draft's share of the
     target's weight bytes, plus the verify overhead, must be repaid by accepted drafts (until the
-    drafter's memory has measured the break-even). A costly drafter's window is short (4 verify
-    steps) and it probes rarely (one verify step every 64 tokens)."""
+    drafter's memory has measured the break-even). A costly drafter probes rarely (one verify
+    step every 64 tokens); its window (4 verify steps) applies only with `probe_every` 0."""
     ratio = draft.weight_bytes / target.weight_bytes
     return OffSwitch(
         window=4,

@@ -160,7 +160,7 @@ def test_break_even_is_the_measured_verify_cost_less_one() -> None:
     assert cheap.break_even(0.5) == AcceptanceMemory.BREAK_EVEN_RANGE[0]
 
 
-def test_the_window_switches_off_at_the_measured_break_even() -> None:
+def test_the_remembered_mean_switches_off_at_the_measured_break_even() -> None:
     # Verify steps cost 1.8 decode steps: break-even 0.8. The first window accepts 6 of 8
     # (0.75 per step: above the prior 0.5, below 0.8) while the steps are timed.
     clock = Clock()
