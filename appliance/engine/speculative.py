@@ -23,7 +23,8 @@ accepted per verify step over the last `window` verify steps fall below the draf
 drafting rests for `cooldown` tokens (doubled each time it switches off again in the request).
 With `probe_every` set, the drafter remembers across requests instead (`AcceptanceMemory`): a
 request starts with drafting resting when the recent verify steps did not pay, and then drafts only
-one probe (a single verify step) every `probe_every` tokens until the remembered acceptance reaches
+one probe (a single verify step) every `probe_every` tokens, or fewer where a probe costs more than
+a small share of the time between probes, until the remembered acceptance reaches
 break-even again; a drafting request goes back to probing as soon as the remembered acceptance
 falls below break-even (after two verify steps of its own). The break-even is then
 measured rather than assumed: a verify step that costs c decode steps pays when it accepts more
@@ -33,6 +34,7 @@ included) to that per decode step.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -82,8 +84,8 @@ class OffSwitch:
 
     `probe_every` > 0 uses the drafter's `AcceptanceMemory` instead of the window: `min_accepted`
     is the break-even until the memory has measured one, a request whose drafter's recent verify
-    steps did not pay starts probing (one verify step, then `probe_every` - 1 decode steps
-    resting), and a drafting request goes back to probing as soon as the remembered mean falls
+    steps did not pay starts probing (one verify step, then at least `probe_every` - 1 decode
+    steps resting: more where the measured probe cost asks, `AcceptanceMemory.probe_gap`), and a drafting request goes back to probing as soon as the remembered mean falls
     below break-even (after `Speculator.SETTLE_STEPS` verify steps of its own), not after a
     window: a window of unpaid verify steps after each paying probe is what a low-acceptance
     workload would pay again and again. 0: each request on its own."""
@@ -105,6 +107,8 @@ class AcceptanceMemory:
     TIME_WEIGHT = 0.1
     MIN_TIMED = 8  # steps of each kind timed before the measured break-even is used
     BREAK_EVEN_RANGE = (0.1, float(MAX_DRAFT_TOKENS))
+    PROBE_SHARE = 0.02  # the most a resting drafter's probes add to the decode time
+    MAX_PROBE_GAP = 1024
 
     def __init__(self) -> None:
         self.accepted: float | None = None
@@ -137,6 +141,17 @@ class AcceptanceMemory:
             return prior
         low, high = self.BREAK_EVEN_RANGE
         return min(high, max(low, self.verify_s / self.decode_s - 1.0))
+
+    def probe_gap(self, probe_every: int) -> int:
+        """Tokens from one probe to the next: `probe_every`, or more where a probe's measured
+        extra cost (verify cost in decode steps less one) would exceed PROBE_SHARE of the decode
+        steps between probes, so a resting drafter costs a bounded share whatever its cost."""
+        if self.verify_s is None or self.decode_s is None:
+            return probe_every
+        if min(self.timed_verify, self.timed_decode) < self.MIN_TIMED:
+            return probe_every
+        extra = self.verify_s / self.decode_s - 1.0
+        return max(probe_every, min(self.MAX_PROBE_GAP, math.ceil(extra / self.PROBE_SHARE)))
 
     def pays(self, prior: float) -> bool:
         """Whether the remembered acceptance reaches break-even (unknown counts as paying)."""
@@ -289,7 +304,7 @@ class Speculator:
                 return
             self.counts.switched_off += 1
             self.probing = True
-        self._resting = self.switch.probe_every - 1 if self.probing else 0
+        self._resting = memory.probe_gap(self.switch.probe_every) - 1 if self.probing else 0
 
 
 def propose(text: Sequence[int], k: int, ngram: int) -> list[int]:

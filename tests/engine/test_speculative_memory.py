@@ -176,6 +176,31 @@ def test_the_remembered_mean_switches_off_at_the_measured_break_even() -> None:
     assert counts.switched_off == 1
 
 
+def test_a_costly_probe_is_spaced_out_to_its_share_of_the_decode_time() -> None:
+    memory = AcceptanceMemory()
+    assert memory.probe_gap(16) == 16  # nothing timed yet
+    for _ in range(AcceptanceMemory.MIN_TIMED):
+        memory.observe_step(False, 0.040)
+        memory.observe_step(True, 0.048)  # 0.2 decode steps extra: 10 steps' share of 2 %
+    assert memory.probe_gap(16) == 16
+    for _ in range(40):
+        memory.observe_step(True, 0.120)  # 2 decode steps extra: 100 steps' share
+    assert memory.probe_gap(16) == pytest.approx(100, abs=2)
+    for _ in range(80):
+        memory.observe_step(True, 100.0)
+    assert memory.probe_gap(16) == AcceptanceMemory.MAX_PROBE_GAP
+
+
+def test_a_resting_request_probes_at_the_measured_gap() -> None:
+    # Verify steps cost 3 decode steps: a probe every 100 tokens keeps probes at 2 % of the time.
+    clock = Clock()
+    drafter = low(Drafter())
+    drive(Speculator(drafter, SpecCounts(), clock), 200, clock=clock, costs=(1.0, 3.0))
+    assert drafter.memory.probe_gap(16) == 100
+    spec = Speculator(drafter, SpecCounts(), clock)
+    assert drive(spec, 250, clock=clock, costs=(1.0, 3.0)) == [0, 100, 200]
+
+
 def test_each_drafter_instance_has_its_own_memory() -> None:
     a, b = NgramSpeculation(), NgramSpeculation()
     assert a == b and a.memory is not b.memory
