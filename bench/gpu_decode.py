@@ -729,6 +729,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
             progress.set("copy_bandwidth_gbps", copy_bandwidth(device, copy_bytes) / 1e9)
+            if device.type == "cuda":
+                # CUPTI set up after CUDA graphs exist has faulted profiling and later captures
+                # (pytorch#75504); one empty profiler session before the first capture avoids it.
+                with torch.profiler.profile():
+                    pass
             run_variants(args, variants, device, progress, started)
             progress.set("path", measure_path_isolated(args, device, started))
         finally:
