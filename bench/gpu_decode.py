@@ -38,10 +38,12 @@ from __future__ import annotations
 import argparse
 import bisect
 import gc
+import importlib.metadata
 import json
 import os
 import random
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -84,15 +86,15 @@ class Variant:
     compiled: bool = False
 
 
-VARIANTS = (
-    Variant("bf16 eager", None, False),
-    Variant("bf16 graph", None, True),
+VARIANTS = (  # in the order run: what a short time budget must not miss first, compile last
     Variant("bf16 graph triton", None, True, "triton"),
-    Variant("bf16 graph compile", None, True, compiled=True),
-    Variant("fp8 eager", "channel", False),
-    Variant("fp8 graph", "channel", True),
+    Variant("bf16 graph", None, True),
     Variant("fp8 graph triton", "channel", True, "triton"),
+    Variant("fp8 graph", "channel", True),
     Variant("fp8-tensor graph", "tensor", True),
+    Variant("bf16 eager", None, False),
+    Variant("fp8 eager", "channel", False),
+    Variant("bf16 graph compile", None, True, compiled=True),
     Variant("fp8-tensor graph compile", "tensor", True, compiled=True),
 )
 # Decode steps profiled for the kernel count, and graph replays timed back to back.
@@ -103,6 +105,10 @@ CPU_BACK_TO_BACK_STEPS = 10
 # Draft counts whose verify step is timed against the single-token step, at this position.
 VERIFY_DRAFTS = (1, 2, 4, 8)
 VERIFY_POS = 128
+# A recorded failure's message is cut to this many characters (one line of the table).
+ERROR_CHARS = 300
+# With --budget-s, the process stops itself this long after the budget (a hung variant).
+OVERRUN_GRACE_S = 60.0
 
 
 def _sync(device: torch.device) -> None:
@@ -165,8 +171,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 def measure_variant(
-    args: argparse.Namespace, variant: Variant, device: torch.device, rng: random.Random
-) -> dict[str, Any]:
+    args: argparse.Namespace,
+    variant: Variant,
+    device: torch.device,
+    rng: random.Random,
+    result: dict[str, Any],
+) -> None:
+    """Measure `variant` into `result` as each figure is taken, so a failure part-way leaves the
+    figures before it there."""
     config = random_config(args.shape)
     vocab = config.vocab_size
     max_seq_len = min(args.max_seq_len, config.max_position_embeddings)
@@ -197,14 +209,13 @@ def measure_variant(
     runner = build_runner(model, params, f"bench {args.shape}", capture)
     _sync(device)
     ready = time.perf_counter()
-    result: dict[str, Any] = {
-        "variant": variant.name,
-        "weight_bytes_per_step": model.weight_bytes,
-        "weights_s": weights_ready - started,
-        "startup_s": ready - started,
-        "graph_capture_s": getattr(runner.decode, "capture_seconds", None),
-        "graph_spans": getattr(runner.decode, "spans", None),
-    }
+    result.update(
+        weight_bytes_per_step=model.weight_bytes,
+        weights_s=weights_ready - started,
+        startup_s=ready - started,
+        graph_capture_s=getattr(runner.decode, "capture_seconds", None),
+        graph_spans=getattr(runner.decode, "spans", None),
+    )
     try:
         run_job(runner, prompt(128), 8)  # warm-up: kernels, cuBLAS handles, allocator
         decode = run_job(runner, prompt(128), args.tokens + args.warmup_tokens)
@@ -248,7 +259,6 @@ def measure_variant(
         runner.close()
         del runner, model
         gc.collect()
-    return result
 
 
 def dense_matmul_ms(model: LlamaModel, tokens: int, device: torch.device, runs: int = 3) -> float:
@@ -420,15 +430,18 @@ def measure_path(args: argparse.Namespace, device: torch.device) -> dict[str, An
         from bench import streaming
     except ImportError as exc:  # the GPU host's image may lack the appliance's dependencies
         return {"skipped": f"missing Python module {exc.name}; carry wheels (docs/PERFORMANCE.md)"}
-    path_args = argparse.Namespace(
-        requests=args.path_requests,
-        warmup=5,
-        prompt_tokens=128,
-        output_tokens=64,
-        model_root=str(Path(args.out) / "tiny"),
-    )
-    started = time.perf_counter()
-    results = uvloop.run(streaming.run(path_args, ("--device", str(device))))
+    # The tiny checkpoint goes to a temporary folder, not under --out: on a lent GPU host only a
+    # few files no more than two folders down come back from $OUT, and it would crowd them out.
+    with tempfile.TemporaryDirectory(prefix="gpu_decode_tiny_") as model_root:
+        path_args = argparse.Namespace(
+            requests=args.path_requests,
+            warmup=5,
+            prompt_tokens=128,
+            output_tokens=64,
+            model_root=model_root,
+        )
+        started = time.perf_counter()
+        results = uvloop.run(streaming.run(path_args, ("--device", str(device))))
     return {"seconds": time.perf_counter() - started, **results}
 
 
@@ -440,7 +453,7 @@ def verify_table(variants: list[dict[str, Any]]) -> str:
         "|---|---|" + "---:|" * (len(VERIFY_DRAFTS) + 2),
     ]
     for v in variants:
-        if "verify_single_step_ms" not in v:
+        if "verify_vs_step_logits_rel_err" not in v or "error" in v:
             continue
         ratios = " | ".join(f"{v[f'verify_{k}_over_step']:.2f}" for k in VERIFY_DRAFTS)
         lines.append(
@@ -453,7 +466,8 @@ def verify_table(variants: list[dict[str, Any]]) -> str:
 def table(report: dict[str, Any]) -> str:
     floor_bw = report["copy_bandwidth_gbps"]
     lines = [
-        f"GPU decode: {report['device_name']}, shape {report['shape']}, torch {report['torch']}; "
+        f"GPU decode: {report['device_name']} (capability {report['capability']}), shape "
+        f"{report['shape']}, torch {report['torch']}, triton {report['triton']}; "
         f"copy bandwidth (read+write) {floor_bw:.0f} GB/s",
         "| variant | weights GB/step | floor ms | decode P50 ms | P99 ms | P50/floor | "
         "graph step ms | kernels/step | TTFT 64 ms | TTFT 128 ms | TTFT 2048 ms | "
@@ -468,6 +482,9 @@ def table(report: dict[str, Any]) -> str:
     for v in report["variants"]:
         if "skipped" in v:
             lines.append(f"| {v['variant']} | skipped: {v['skipped']} |")
+            continue
+        if "error" in v:
+            lines.append(f"| {v['variant']} | error: {v['error']} |")
             continue
         floor_ms = v["weight_bytes_per_step"] / (floor_bw * 1e9) * 1e3
         lines.append(
@@ -485,6 +502,8 @@ def table(report: dict[str, Any]) -> str:
     path = report["path"]
     if "skipped" in path:
         lines.append(f"whole path: skipped ({path['skipped']})")
+    elif "error" in path:
+        lines.append(f"whole path: error: {path['error']}")
     else:
         keys = [
             "(a) TTFT via gateway",
@@ -496,6 +515,156 @@ def table(report: dict[str, Any]) -> str:
         lines.append("| whole path (µs) | P50 | P99 |\n|---|---:|---:|")
         lines += [f"| {k} | {path[k + ' P50']:.1f} | {path[k + ' P99']:.1f} |" for k in keys]
     return "\n".join(lines)
+
+
+def error_line(exc: BaseException) -> str:
+    """One line naming a failure: its type and the first line of its message, bounded."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return line[:ERROR_CHARS]
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What ran the measurement: device name and compute capability, torch, CUDA and Triton."""
+    try:
+        triton_version: str | None = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    on_cuda = device.type == "cuda"
+    capability = torch.cuda.get_device_capability(device) if on_cuda else None
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+        "capability": None if capability is None else f"{capability[0]}.{capability[1]}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+    }
+
+
+def cuda_context_problem(device: torch.device) -> str | None:
+    """Why `device` can take no more work after a failure (a sticky CUDA error: an illegal
+    address, a launch failure), None when it still synchronises."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        return error_line(exc)
+    return None
+
+
+class Progress:
+    """The report as it grows, written to `path` after every change (atomically: a reader or a
+    killed run never leaves half a file), so a run stopped at any point leaves what it measured.
+    The lock lets the overrun watchdog write it from its own thread."""
+
+    def __init__(self, path: Path, report: dict[str, Any]) -> None:
+        self.path = path
+        self.report = report
+        self.lock = threading.Lock()
+        self.write()
+
+    def set(self, key: str, value: Any) -> None:
+        with self.lock:
+            self.report[key] = value
+            self._write()
+
+    def add_variant(self, entry: dict[str, Any]) -> None:
+        with self.lock:
+            self.report["variants"].append(entry)
+            self._write()
+
+    def write(self) -> None:
+        with self.lock:
+            self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.report, indent=2, default=str))
+        os.replace(tmp, self.path)
+
+
+def start_watchdog(progress: Progress, seconds: float) -> threading.Timer:
+    """After `seconds`, record that the run overran and end the process (exit status 3): a
+    variant that hangs on the device cannot take the whole call's time, and what was measured
+    before it is on disk."""
+
+    def overrun() -> None:
+        now = progress.report.get("running") or "between variants"
+        progress.set("overrun", f"stopped at {seconds:.0f} s, running: {now}")
+        print(f"gpu_decode: stopped at {seconds:.0f} s (overran), running: {now}", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, overrun)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def skip_reason(variant: Variant, device: torch.device) -> str | None:
+    """Why `variant` cannot run on `device` at all (None: it can)."""
+    if variant.graph and device.type != "cuda":
+        return "CUDA graphs need cuda"
+    if variant.kernels == "triton":
+        return triton_problem(device)
+    return None
+
+
+def select_variants(names: str | None) -> list[Variant]:
+    """`--variants`: comma-separated variant names (all when None); ValueError names the known."""
+    if names is None:
+        return list(VARIANTS)
+    by_name = {v.name: v for v in VARIANTS}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown or not wanted:
+        known = ", ".join(by_name)
+        raise ValueError(f"unknown variant(s) {unknown or names!r}; known: {known}")
+    return [by_name[n] for n in wanted]
+
+
+def run_variants(
+    args: argparse.Namespace,
+    variants: list[Variant],
+    device: torch.device,
+    progress: Progress,
+    started: float,
+) -> None:
+    """Each variant isolated: a failure is recorded as one line (`error`, with the figures taken
+    before it) and the run goes on; a variant is skipped, saying so, when the time spent plus
+    the longest variant so far would pass `--budget-s`, or when an earlier failure left the CUDA
+    context unusable."""
+    rng = random.Random(args.seed)
+    longest = 0.0
+    dead: str | None = None
+    for variant in variants:
+        reason = skip_reason(variant, device)
+        spent = time.monotonic() - started
+        if reason is None and dead is not None:
+            reason = f"the CUDA context is unusable after an earlier failure ({dead})"
+        if reason is None and args.budget_s is not None and spent + longest > args.budget_s:
+            reason = (
+                f"time budget: {spent:.0f} s spent + {longest:.0f} s (the longest variant) "
+                f"> --budget-s {args.budget_s:g}"
+            )
+        if reason is not None:
+            progress.add_variant({"variant": variant.name, "skipped": reason})
+            continue
+        progress.set("running", variant.name)
+        entry: dict[str, Any] = {"variant": variant.name}
+        t0 = time.monotonic()
+        try:
+            measure_variant(args, variant, device, rng, entry)
+        except Exception as exc:
+            entry["error"] = error_line(exc)
+            dead = cuda_context_problem(device)
+        gc.collect()
+        entry["seconds"] = time.monotonic() - t0
+        longest = max(longest, entry["seconds"])
+        progress.add_variant(entry)
+        print(json.dumps(entry, default=str), flush=True)
+    progress.set("running", None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -513,45 +682,81 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--path-requests", type=int, default=200)
     parser.add_argument("--skip-path", action="store_true", help="skip the whole-path comparison")
+    parser.add_argument(
+        "--variants", default=None, help="comma-separated variant names to run (default: all)"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip the variants (and the whole path) that would run past this many seconds; "
+        f"the process stops itself {OVERRUN_GRACE_S:.0f} s after it (exit status 3)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT") or "var/bench")
     record.add_flag(parser)
     args = parser.parse_args(argv)
+    try:
+        variants = select_variants(args.variants)
+    except ValueError as exc:
+        parser.error(str(exc))
+    started = time.monotonic()
     with record.recording(
         "gpu_decode", record.record_dir(args), None if argv is None else list(argv)
     ) as run_record:
         device = enter_device(args.device)
+        env = environment(device)
+        print(
+            f"gpu_decode: {env['device_name']} (capability {env['capability']}), "
+            f"torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}",
+            flush=True,
+        )
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        rng = random.Random(args.seed)
-        copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
         report: dict[str, Any] = {
-            "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
+            **env,
             "shape": args.shape,
             "tokens": args.tokens,
-            "copy_bandwidth_gbps": copy_bandwidth(device, copy_bytes) / 1e9,
+            "budget_s": args.budget_s,
             "variants": [],
+            "path": {"skipped": "not run yet"},
         }
-        for variant in VARIANTS:
-            if variant.graph and device.type != "cuda":
-                report["variants"].append(
-                    {"variant": variant.name, "skipped": "CUDA graphs need cuda"}
-                )
-                continue
-            why = triton_problem(device) if variant.kernels == "triton" else None
-            if why:
-                report["variants"].append({"variant": variant.name, "skipped": why})
-                continue
-            report["variants"].append(measure_variant(args, variant, device, rng))
-            print(json.dumps(report["variants"][-1]), flush=True)
-        report["path"] = (
-            {"skipped": "--skip-path"} if args.skip_path else measure_path(args, device)
+        progress = Progress(Path(args.out) / "gpu_decode.json", report)
+        watchdog = (
+            None
+            if args.budget_s is None
+            else start_watchdog(progress, args.budget_s + OVERRUN_GRACE_S)
         )
-        (Path(args.out) / "gpu_decode.json").write_text(json.dumps(report, indent=2))
+        try:
+            copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
+            progress.set("copy_bandwidth_gbps", copy_bandwidth(device, copy_bytes) / 1e9)
+            if device.type == "cuda":
+                # CUPTI set up after CUDA graphs exist has faulted profiling and later captures
+                # (pytorch#75504); one empty profiler session before the first capture avoids it.
+                with torch.profiler.profile():
+                    pass
+            run_variants(args, variants, device, progress, started)
+            progress.set("path", measure_path_isolated(args, device, started))
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         run_record.results["report"] = report
         print(table(report))
         return 0
+
+
+def measure_path_isolated(
+    args: argparse.Namespace, device: torch.device, started: float
+) -> dict[str, Any]:
+    """The whole path, or why not: `--skip-path`, the time budget spent, or its failure."""
+    if args.skip_path:
+        return {"skipped": "--skip-path"}
+    spent = time.monotonic() - started
+    if args.budget_s is not None and spent > args.budget_s:
+        return {"skipped": f"time budget: {spent:.0f} s spent > --budget-s {args.budget_s:g}"}
+    try:
+        return measure_path(args, device)
+    except Exception as exc:
+        return {"error": error_line(exc)}
 
 
 if __name__ == "__main__":

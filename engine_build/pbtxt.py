@@ -59,8 +59,6 @@ REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
 GUIDE_TYPE_INPUT = "guided_decoding_guide_type"
 GUIDE_INPUT = "guided_decoding_guide"
 GUIDED_DECODING_INPUTS = (GUIDE_TYPE_INPUT, GUIDE_INPUT)
-# The guide types the tensorrtllm backend maps to a guide.
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 # The one `guided_decoding_backend` the backend's C++ runtime accepts.
 XGRAMMAR = "xgrammar"
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import grpc
 
 from appliance.plugins import PluginError, load_class
-from engine_build.pbtxt import GUIDE_TYPES as GUIDE_TYPES
+from engine_build.guides import GUIDE_TYPES as GUIDE_TYPES
 
 if TYPE_CHECKING:
     from appliance.config import ModelConfig

@@ -2,8 +2,8 @@
 
 A request names a guide with the `tensorrt_llm` model's inputs `guided_decoding_guide_type` (one of
 GUIDE_TYPES) and `guided_decoding_guide` (the schema, regex or grammar text; ignored for `json`,
-which is any JSON value); engine_build.pbtxt holds that contract. A model serves guides only when
-its config sets both `guided_decoding_backend` (`xgrammar`, the one backend the tensorrtllm
+which is any JSON value); engine_build.pbtxt holds that contract, its guide types
+engine_build.guides. A model serves guides only when its config sets both `guided_decoding_backend` (`xgrammar`, the one backend the tensorrtllm
 backend's C++ runtime takes) and `xgrammar_tokenizer_info_path` (the JSON file TensorRT-LLM reads:
 `encoded_vocab`, `tokenizer_str`, `stop_token_ids`; engine_build.tokenizer_info writes it).
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_build.pbtxt import GUIDE_TYPES
+from engine_build.guides import GUIDE_TYPES
 
 if TYPE_CHECKING:
     import xgrammar

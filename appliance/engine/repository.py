@@ -6,9 +6,12 @@ import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as mc
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2 as mc
 
 HF_MODEL_DIR = "hf_model_dir"
 # Optional: an AWQ checkpoint of the hf_model_dir model whose weights the engine serves.
@@ -171,6 +174,10 @@ class ModelEntry:
 
 
 def _load_entry(directory: Path) -> ModelEntry:
+    # Imported here, not at the top: the runner and the GPU benchmark take `KvCacheParams` from
+    # this module on hosts (a lent GPU's image) that have torch but not tritonclient.
+    from tritonclient.grpc import model_config_pb2 as mc
+
     path = directory / "config.pbtxt"
     try:
         config = text_format.Parse(path.read_text(), mc.ModelConfig())

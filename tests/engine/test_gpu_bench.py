@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,3 +55,149 @@ def test_gpu_decode_bench_runs_on_cpu_and_writes_json(
     assert "| bf16 eager |" in table and "skipped: CUDA graphs need cuda" in table
     assert "| verify 1 / step | verify 2 / step | verify 4 / step | verify 8 / step |" in table
     assert "| fp8 eager | static bodies, eager |" in table
+
+
+def _fast_argv(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--copy-bytes",
+        str(1 << 20),
+        "--skip-path",
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
+
+
+def test_a_failing_variant_is_recorded_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A variant that raises leaves one line (type + message) and what it measured before it;
+    the next variant still runs and the table names the failure."""
+    ran: list[str] = []
+
+    def measure(args: Any, variant: Any, device: Any, rng: Any, result: dict[str, Any]) -> None:
+        ran.append(variant.name)
+        result["weight_bytes_per_step"] = 1
+        if variant.name == "bf16 eager":
+            raise RuntimeError("CUDA error: an illegal memory access\nsecond line")
+        result.update(FAKE_FIGURES)
+
+    monkeypatch.setattr(gpu_decode, "measure_variant", measure)
+    argv = _fast_argv(tmp_path, "--variants", "bf16 eager,fp8 eager")
+    assert gpu_decode.main(argv) == 0
+    assert ran == ["bf16 eager", "fp8 eager"]
+    report = json.loads((tmp_path / "gpu_decode.json").read_text())
+    failed, ok = report["variants"]
+    assert failed["error"] == "RuntimeError: CUDA error: an illegal memory access"
+    assert failed["weight_bytes_per_step"] == 1  # measured before the failure, kept
+    assert "error" not in ok and ok["decode_ms_p50"] == FAKE_FIGURES["decode_ms_p50"]
+    out = capsys.readouterr().out
+    assert out.startswith("gpu_decode: cpu (capability None), torch ")
+    assert "| bf16 eager | error: RuntimeError: CUDA error: an illegal memory access |" in out
+    assert "| fp8 eager | 1e-09 |" in out
+
+
+def test_the_json_is_written_after_each_variant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed during its second variant still leaves the first one's figures on disk."""
+    seen: list[list[str]] = []
+
+    def measure(args: Any, variant: Any, device: Any, rng: Any, result: dict[str, Any]) -> None:
+        on_disk = json.loads((tmp_path / "gpu_decode.json").read_text())
+        seen.append([v["variant"] for v in on_disk["variants"]])
+        assert on_disk["running"] == variant.name
+        result.update(FAKE_FIGURES)
+
+    monkeypatch.setattr(gpu_decode, "measure_variant", measure)
+    assert gpu_decode.main(_fast_argv(tmp_path, "--variants", "bf16 eager,fp8 eager")) == 0
+    assert seen == [[], ["bf16 eager"]]
+    report = json.loads((tmp_path / "gpu_decode.json").read_text())
+    assert report["copy_bandwidth_gbps"] > 0 and report["running"] is None
+
+
+def test_the_time_budget_skips_what_would_pass_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --budget-s, a variant that would run past it is skipped and the reason recorded."""
+    ran: list[str] = []
+
+    def measure(args: Any, variant: Any, device: Any, rng: Any, result: dict[str, Any]) -> None:
+        ran.append(variant.name)
+        result.update(FAKE_FIGURES)
+
+    clock = iter(float(t) for t in (0, 0, 0, 50, 60, 60))  # the first variant takes 50 s
+    monkeypatch.setattr(gpu_decode.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(gpu_decode, "start_watchdog", lambda progress, seconds: None)
+    monkeypatch.setattr(gpu_decode, "measure_variant", measure)
+    argv = _fast_argv(tmp_path, "--variants", "bf16 eager,fp8 eager", "--budget-s", "100")
+    assert gpu_decode.main(argv) == 0
+    assert ran == ["bf16 eager"]
+    skipped = json.loads((tmp_path / "gpu_decode.json").read_text())["variants"][1]
+    assert skipped["variant"] == "fp8 eager"
+    assert skipped["skipped"].startswith("time budget: 60 s spent + 50 s (the longest variant)")
+
+
+def test_an_unknown_variant_is_one_line_and_a_non_zero_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        gpu_decode.main(_fast_argv(tmp_path, "--variants", "bf16 eagre"))
+    assert exited.value.code != 0
+    assert (
+        "unknown variant(s) ['bf16 eagre']; known: bf16 graph triton, " in capsys.readouterr().err
+    )
+
+
+FAKE_FIGURES: dict[str, Any] = {
+    "weight_bytes_per_step": 1,
+    "decode_ms_p50": 1.0,
+    "decode_ms_p99": 2.0,
+    "ttft_64_ms_p50": 1.0,
+    "ttft_128_ms_p50": 1.0,
+    "ttft_2048_ms_p50": 1.0,
+    "matmul_2048_ms": 1.0,
+    "ttft_2048_over_matmul": 1.0,
+    "ttft_reuse_ms_p50": 1.0,
+    "ttft_reuse_minus_ttft_64_ms": 0.0,
+    "graph_capture_s": None,
+    "startup_s": 1.0,
+}
+
+
+# Packages the appliance depends on that a lent GPU host's image lacks.
+NOT_ON_GPU_HOST = ("tritonclient", "rapidjson", "redis", "usearch", "pyroute2")
+_BLOCKED_RUN = """
+import sys
+blocked = set(sys.argv[1].split(","))
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+from bench import gpu_decode
+sys.exit(gpu_decode.main(sys.argv[2:]))
+"""
+
+
+def test_the_bench_runs_without_the_packages_a_gpu_host_lacks(tmp_path: Path) -> None:
+    """The GPU host's image has torch and Triton but not the serving stack's client packages:
+    the benchmark (the whole path aside) must import and run without them."""
+    argv = _fast_argv(tmp_path, "--variants", "bf16 eager", "--tokens", "4")
+    argv += ["--warmup-tokens", "1", "--ttft-runs", "1"]
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_RUN, ",".join(NOT_ON_GPU_HOST), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_decode.json").read_text())
+    (bf16,) = report["variants"]
+    assert "error" not in bf16 and bf16["decode_tokens"] == 4
