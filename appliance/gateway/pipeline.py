@@ -341,7 +341,8 @@ class Pipeline:
     def call_reader(checked: CheckedRequest, hold_text: bool) -> CallReader | None:
         """read call: the reader of the tool call the answer makes; None without tools (the
         replies pass untouched)."""
-        return CallReader.of(checked.tool_chat, checked.request_id, hold_text)
+        chat = checked.tool_chat
+        return None if chat is None else CallReader.of(chat, checked.request_id, hold_text)
 
     @staticmethod
     def budget(model: ServedModel, checked: CheckedRequest, deadline_s: float | None) -> Budget:
