@@ -42,7 +42,6 @@ from appliance.gateway.health import health_name
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.reply import Reply
 from appliance.gateway.request import echo, new_request_id, valid_request_id
-from appliance.gateway.tool_calls import HeldText
 from appliance.logline import Throttled
 from appliance.security.auth import Credentials, bearer_token
 from appliance.security.tls import ServerTls, peercert_names
@@ -321,8 +320,13 @@ class HttpApi:
             except wire.HttpError as err:
                 self._report_refusal(err, received)
                 return error_response(err)
+            # OpenAI's answer that is a tool call carries no text: the pipeline holds it back.
             replies = self.pipeline.run(
-                http.request, http.deadline_s, self._credentials(request), front_end="http"
+                http.request,
+                http.deadline_s,
+                self._credentials(request),
+                front_end="http",
+                hold_call_text=True,
             )
             assert isinstance(replies, AsyncGenerator)  # closed below, whatever happens
             try:
@@ -434,23 +438,17 @@ class HttpApi:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": answer.request_id})
         await response.prepare(request)
         out = answer.first_chunk()
-        held = HeldText(answer.tools) if answer.tools is not None else None
         try:
             while isinstance(reply, Delta):
-                text = held.feed(reply.text) if held is not None else reply.text
-                if text or reply.logprobs:
-                    out += answer.chunk(text, reply.logprobs or ())
+                if reply.text or reply.logprobs:
+                    out += answer.chunk(reply.text, reply.logprobs or ())
                 if out:
                     await self._write(request, response, out)
                     out = b""
                 reply = await anext(replies)
-            call = None
-            if held is not None:
-                rest, call = held.finish()
-                out += answer.chunk(rest) if rest else b""
-                out += answer.call_chunk(call) if call is not None else b""
-            last = answer.last_chunks(reply, called=call is not None)
-            await self._write(request, response, out + last)
+            if reply.tool_call is not None:
+                out += answer.call_chunk(reply.tool_call)
+            await self._write(request, response, out + answer.last_chunks(reply))
             await _finish(replies)
         except RequestError as exc:
             # The status line is gone: the error travels as an event (the SDKs raise it).

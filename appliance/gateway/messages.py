@@ -151,17 +151,17 @@ def add_logprobs(entries: Any, d: Delta) -> None:
             entry.top.add(token_id=a.token_id, token=a.token, logprob=a.logprob)
 
 
-def tool_call(call: tool_calls.ToolCall, request_id: str) -> pb.ToolCall:
+def tool_call(call: tool_calls.ToolCall) -> pb.ToolCall:
     """An answer's call as the Final carries it."""
     return pb.ToolCall(
         name=call.name,
         arguments=json.dumps(call.arguments, ensure_ascii=False),
-        id=tool_calls.call_id(request_id),
+        id=call.id,
     )
 
 
 def final(f: Final) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
+    message = pb.GenerateResponse(
         request_id=f.request_id,
         final=pb.Final(
             finish_reason=FINISH[f.finish_reason],
@@ -177,3 +177,6 @@ def final(f: Final) -> pb.GenerateResponse:
             accepted_draft_tokens=f.accepted_draft_tokens,
         ),
     )
+    if f.tool_call is not None:
+        message.final.tool_call.CopyFrom(tool_call(f.tool_call))
+    return message

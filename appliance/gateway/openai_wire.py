@@ -35,7 +35,7 @@ from appliance.gateway.request import (
     IncomingRequest,
     too_many_messages,
 )
-from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry, parse_call
+from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
@@ -616,8 +616,9 @@ def usage(final: Final) -> dict[str, int]:
 
 
 def finish_reason(final: Final) -> str:
-    """OpenAI's "stop" and "length"; "cancelled" when the gateway ended the answer early."""
-    return final.finish_reason
+    """OpenAI's "stop" and "length", "tool_calls" when the answer is a call; "cancelled" when the
+    gateway ended the answer early."""
+    return "tool_calls" if final.tool_call is not None else final.finish_reason
 
 
 class Answer:
@@ -625,7 +626,6 @@ class Answer:
 
     def __init__(self, http: HttpRequest, request_id: str, created: int) -> None:
         self.chat = http.chat
-        self.tools = http.tools
         self.include_usage = http.include_usage
         self.model = http.request.model
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
@@ -705,26 +705,23 @@ class Answer:
             "text_offset": offsets,
         }
 
-    def call_id(self) -> str:
-        return tool_calls.call_id(self.request_id)
-
     def call_chunk(self, call: ToolCall) -> bytes:
         """The streamed tool call: one delta with its name and whole arguments."""
         delta = {
             "role": "assistant",
             "content": None,
-            "tool_calls": [call_entry(call, self.call_id(), 0)],
+            "tool_calls": [call_entry(call, 0)],
         }
         return self._chunk_of(
             [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
         )
 
-    def last_chunks(self, final: Final, called: bool = False) -> bytes:
+    def last_chunks(self, final: Final) -> bytes:
         """The chunk with the finish reason and the extension, the usage chunk, then [DONE]."""
         choice: dict[str, Any] = {"index": 0}
         choice["delta" if self.chat else "text"] = {} if self.chat else ""
         choice["logprobs"] = None
-        choice["finish_reason"] = "tool_calls" if called else finish_reason(final)
+        choice["finish_reason"] = finish_reason(final)
         out = self._chunk_of([choice], appliance=extension(self.request_id, final))
         if self.include_usage:
             out += self._chunk_of([], usage=usage(final))
@@ -747,19 +744,19 @@ class Answer:
     ) -> dict[str, Any]:
         """The non-streaming answer."""
         choice: dict[str, Any] = {"index": 0}
-        call = parse_call(text, self.tools) if self.tools is not None else None
+        call = final.tool_call
         if call is not None:
             choice["message"] = {
                 "role": "assistant",
                 "content": None,
-                "tool_calls": [call_entry(call, self.call_id())],
+                "tool_calls": [call_entry(call)],
             }
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = self.render_logprobs(logprobs) if self.logprobs else None
-        choice["finish_reason"] = "tool_calls" if call is not None else finish_reason(final)
+        choice["finish_reason"] = finish_reason(final)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",

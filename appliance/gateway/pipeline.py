@@ -1,7 +1,7 @@
 """The gateway's request path, as named stages, for every front end (gRPC and the OpenAI HTTP API).
 
     authorize → route → check → cache lookup → failover → tokenize → single flight
-          → [admission → engine] → deliver → store
+          → [admission → engine] → deliver → read call → store
 
 Front ends translate their wire format into an IncomingRequest (messages.py, openai_wire.py) and
 the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows a wire format.
@@ -12,12 +12,12 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
 - route: the model the request names.
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
-  of a generated answer and never needs the engine, so nothing after this stage runs for it. A tier
-  that overlaps the engine (the semantic tier with `overlap_engine` on) is asked after the exact
-  tiers missed, while failover, tokenize and single flight start the generation: its miss finds the
-  generation under way, its hit leaves it (cancelled when nobody else follows it). The client sees
-  nothing of the generation before the tier's decision; a generation that failed meanwhile fails
-  the request only on a miss.
+  of a generated answer and never needs the engine, so of the stages after this one only read
+  call runs for it. A tier that overlaps the engine (the semantic tier with `overlap_engine` on)
+  is asked after the exact tiers missed, while failover, tokenize and single flight start the
+  generation: its miss finds the generation under way, its hit leaves it (cancelled when nobody
+  else follows it). The client sees nothing of the generation before the tier's decision; a
+  generation that failed meanwhile fails the request only on a miss.
 - failover: the model's engine if it is usable (reachable, breaker not open), else its fallback
   model (the answer says it is degraded), else UNAVAILABLE at once.
 - tokenize: prompt or chat → token ids with the generating model's tokenizer, checked against its
@@ -30,6 +30,9 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
   Backend, decodes them (generation.py) and tells the model's breaker how the engine did.
 - deliver: events become this client's replies with this client's timings, within its deadline
   (the client's, or the model's default when the client sets none).
+- read call: a request with tools has the tool call its answer makes read out of the replies
+  (generated or replayed) once, for every front end (call_reader.py): the Final carries it, and
+  text that may still be a call is held back where the front end asks.
 - store: after the Final is out, a complete answer is written to the cache once per flight,
   under the identity of the model that produced it.
 
@@ -58,6 +61,7 @@ from appliance.cache.policy import CachePlan, CachePolicy, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, Hit, TierCascade
 from appliance.gateway.admission import Admission
+from appliance.gateway.call_reader import CallReader
 from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.generation import Delta, Event, Outcome, Started, answer_of, generate
 from appliance.gateway.models import ServedModel
@@ -222,11 +226,14 @@ class Pipeline:
         deadline_s: float | None,
         credentials: Credentials = NO_CREDENTIALS,
         front_end: str = "grpc",
+        hold_call_text: bool = False,
     ) -> AsyncIterator[Reply]:
         """The request's replies: text deltas, then the Final; raises RequestError.
         `deadline_s`: seconds the client gives; `credentials`: what the client presented (none:
         refused when the gateway has keys); `front_end`: which one received it, for metrics and
-        the access log."""
+        the access log; `hold_call_text`: a request with tools gets no text of an answer that is
+        a tool call, only the call in its Final (else the text streams as generated and the
+        Final carries the call too; call_reader.py)."""
         received = time.monotonic_ns()
         # A request id the check would refuse (control characters, non-ASCII) is not logged.
         request_id = request.request_id if valid_request_id(request.request_id) else ""
@@ -238,6 +245,7 @@ class Pipeline:
             report.model = model.name
             self.in_flight[model.name] += 1
             checked = self.check(request, model, grant.namespace, report)
+            calls = self.call_reader(checked, hold_call_text)
             budget = self.budget(model, checked, deadline_s)
             query = self.cache_query(model, checked)
             cache_plan = self.cache_plan(checked, query)
@@ -249,19 +257,31 @@ class Pipeline:
                 found = await self.overlap(found, start, report)
             if isinstance(found, Hit):
                 for reply in self.replay(found, report, received):
-                    yield reply
+                    if calls is None:
+                        yield reply
+                    else:
+                        for shown in calls.read(reply):
+                            yield shown
                 return
             generation = found if isinstance(found, Generation) else await start()
             try:
                 async for reply in self.deliver(generation, report, received, budget, model):
-                    yield reply
+                    if calls is None:
+                        yield reply
+                    else:
+                        for shown in calls.read(reply):
+                            yield shown
             except RequestError as exc:
                 if not self.may_fall_back(model, generation.model, exc, report):
                     raise
-                # The engine failed before answering: the fallback answers.
+                # The engine failed before answering (nothing was read): the fallback answers.
                 generation = await start(skip_primary=True)
                 async for reply in self.deliver(generation, report, received, budget, model):
-                    yield reply
+                    if calls is None:
+                        yield reply
+                    else:
+                        for shown in calls.read(reply):
+                            yield shown
             self.store(generation)
         except RequestError as exc:
             report.status = exc.code.name
@@ -316,6 +336,13 @@ class Pipeline:
         check_speculation(checked, model.name, model.backend.speculation)
         check_top_logprobs(checked, model.name, model.backend.max_top_logprobs)
         return checked
+
+    @staticmethod
+    def call_reader(checked: CheckedRequest, hold_text: bool) -> CallReader | None:
+        """read call: the reader of the tool call the answer makes; None without tools (the
+        replies pass untouched)."""
+        chat = checked.tool_chat
+        return None if chat is None else CallReader.of(chat, checked.request_id, hold_text)
 
     @staticmethod
     def budget(model: ServedModel, checked: CheckedRequest, deadline_s: float | None) -> Budget:

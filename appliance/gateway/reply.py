@@ -1,5 +1,6 @@
 """What the pipeline answers a request with, whatever front end asked: text deltas as they decode
-(generation.Delta), then one Final. Front ends translate both into their wire format."""
+(generation.Delta), then one Final (with the tool call the answer makes, if it makes one). Front
+ends translate both into their wire format."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from appliance.gateway.generation import Delta
 from appliance.gateway.report import RequestReport
+from appliance.gateway.tool_calls import ToolCall
 
 
 @dataclass(slots=True)
@@ -36,6 +38,8 @@ class Final:
     # cached answer and a model without a drafter).
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # The request offered tools and the whole answer is one call of them (call_reader.py).
+    tool_call: ToolCall | None = None
 
 
 Reply = Delta | Final

@@ -2,7 +2,9 @@
 
 Thin on purpose: each RPC translates the request (messages.py), hands it with the caller's
 credentials (the `authorization` metadata, the client certificate's names under mutual TLS) to the
-pipeline, translates the replies back and turns a RequestError into the call's status; nothing about keys, caching, tokenizing or the engine is decided here.
+pipeline, translates the replies back and turns a RequestError into the call's status; nothing
+about keys, caching, tokenizing, the engine or reading a tool call out of an answer is decided
+here (the pipeline's Final carries the call; the text streams as generated).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from appliance.cache.tiers import TierCascade
-from appliance.gateway import messages, report, tool_calls
+from appliance.gateway import messages, report
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta
 from appliance.gateway.pipeline import Pipeline
@@ -69,37 +71,6 @@ def entry_key(request: pb.InvalidateRequest) -> bytes | None:
     return bytes.fromhex(request.entry)
 
 
-class _Calls:
-    """A streamed answer's text, kept when the request offered tools, to read the call it makes."""
-
-    def __init__(self, plan: tool_calls.ToolPlan, request_id: str) -> None:
-        self.plan = plan
-        self.request_id = request_id
-        self.text: list[str] = []
-
-    @classmethod
-    def of(cls, incoming: IncomingRequest) -> _Calls | None:
-        """None when the request offered no tools (nothing is kept)."""
-        chat = incoming.tool_chat
-        if chat is None or chat.plan is None:
-            return None
-        return cls(chat.plan, incoming.request_id)
-
-    def feed(self, text: str) -> None:
-        self.text.append(text)
-
-    def finish(self, last: pb.GenerateResponse) -> pb.GenerateResponse:
-        call = self.call("".join(self.text))
-        if call is not None:
-            last.final.tool_call.CopyFrom(call)
-        return last
-
-    def call(self, text: str) -> pb.ToolCall | None:
-        """The call the whole answer makes, if it is one."""
-        call = tool_calls.parse_call(text, self.plan)
-        return None if call is None else messages.tool_call(call, self.request_id)
-
-
 class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
     def __init__(self, pipeline: Pipeline, mutual_tls: bool = False) -> None:
         self.pipeline = pipeline
@@ -118,15 +89,11 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
                 incoming, context.time_remaining(), credentials(context, self.mutual_tls)
             )
             request_id = incoming.request_id
-            calls = _Calls.of(incoming)
             async for reply in replies:
                 if isinstance(reply, Delta):
-                    if calls is not None:
-                        calls.feed(reply.text)
                     yield messages.delta(request_id, reply)
                 else:
-                    last = messages.final(reply)
-                    yield last if calls is None else calls.finish(last)
+                    yield messages.final(reply)
         except RequestError as exc:
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
@@ -159,10 +126,6 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         finally:
             self._end()
         reply.text = "".join(text)
-        calls = _Calls.of(incoming)
-        call = calls.call(reply.text) if calls is not None else None
-        if call is not None:
-            reply.final.tool_call.CopyFrom(call)
         return reply
 
     def _incoming(self, request: pb.GenerateRequest) -> IncomingRequest:

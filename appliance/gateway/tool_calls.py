@@ -1,6 +1,7 @@
 """OpenAI tool calling over a model that answers in text. The front ends translate their tools into
 a ToolPlan and their messages into a ToolChat (both front ends through `plan` and `turn`); the
-answer becomes a tool call at the edge again. Behind the edges a tool chat is only a chat to render.
+answer is read back as a call once, in the pipeline. Behind the edges a tool chat is only a chat
+to render.
 
 - `tool_choice` "none" (or no tools): the tools are left out; the answer is text.
 - "required", or a named function: decoding is constrained (a `json_schema` guide) to one JSON
@@ -8,6 +9,11 @@ answer becomes a tool call at the edge again. Behind the edges a tool chat is on
   schema, so the answer is always one call of a listed tool (unless `max_tokens` cuts it short).
 - "auto": the model chooses; an answer that is one such object naming a listed tool is a tool
   call, any other answer is text.
+
+Reading (the pipeline's, for every front end: call_reader.py): an answer that is one call comes
+back in the Final with its id; text that may still be a call is held back (HeldText) for a front
+end whose wire format replaces a call's text (OpenAI's), and streams as generated for one that
+sends both (the gRPC API's).
 
 Rendering (at the tokenize stage, with the model that generates): a chat template that takes
 `tools` (its source names them, as Hugging Face templates with tool support do) gets the tools as
@@ -108,6 +114,8 @@ class ToolPlan:
 class ToolCall:
     name: str
     arguments: dict[str, Any]
+    # The id a later "tool" message names (call_id); "" until the answer's reader gives it one.
+    id: str = ""
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
@@ -354,12 +362,12 @@ def call_id(request_id: str) -> str:
     return f"call_{request_id}_0"
 
 
-def call_entry(call: ToolCall, call_id: str, index: int | None = None) -> dict[str, Any]:
+def call_entry(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     """The call in OpenAI's shape (`index` for a streamed delta)."""
     entry: dict[str, Any] = {} if index is None else {"index": index}
     entry.update(
         {
-            "id": call_id,
+            "id": call.id,
             "type": "function",
             "function": {
                 "name": call.name,

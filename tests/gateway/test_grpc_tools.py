@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import jsonschema
 import pytest
@@ -191,6 +192,82 @@ async def test_the_template_renders_tools_and_history(
         tools=[{"type": "function", "function": {**spec, "parameters": WEATHER_PARAMETERS}}],
     )
     assert reply.final.usage.prompt_tokens == len(expected)
+
+
+async def test_one_engine_answer_is_the_same_call_on_both_apis(
+    stub: pb_grpc.InferenceStub, gateway: RunningGateway
+) -> None:
+    """One seeded answer, generated and replayed from the cache, read as a call by the pipeline:
+    gRPC's Final.tool_call (text streamed as generated) and the HTTP API's tool_calls (no text),
+    whole and streamed, name the same call with the same arguments."""
+    question = "Weather in Bergen, once for each API?"
+    grpc_ask = pb.GenerateRequest(
+        model="tiny",
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=question)]),
+        tools=pb.Tools(tools=[WEATHER, TIME], function_name="get_weather"),
+        max_tokens=128,
+        temperature=1.0,
+        seed=5,
+    )
+    http_tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description}}
+        for t in (WEATHER, TIME)
+    ]
+    http_tools[0]["function"]["parameters"] = WEATHER_PARAMETERS
+    http_ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": question}],
+        "tools": http_tools,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 128,
+        "temperature": 1.0,
+        "seed": 5,
+    }
+    calls: list[tuple[str, Any]] = []
+    tiers: list[str] = []
+
+    generated = await stub.Complete(grpc_ask)
+    call = generated.final.tool_call
+    assert json.loads(generated.text) == {
+        "name": call.name,
+        "arguments": json.loads(call.arguments),
+    }
+    calls.append((call.name, json.loads(call.arguments)))
+    tiers.append(generated.final.cache_tier_name)
+    streamed = [r async for r in stub.Generate(grpc_ask)]
+    call = streamed[-1].final.tool_call
+    assert "".join(r.text for r in streamed) == generated.text
+    calls.append((call.name, json.loads(call.arguments)))
+    tiers.append(streamed[-1].final.cache_tier_name)
+
+    assert gateway.http is not None
+    url = f"http://127.0.0.1:{gateway.http.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        for policy in ("bypass", "default"):
+            body = {**http_ask, "appliance": {"cache_policy": policy}}
+            async with session.post(url, json=body) as r:
+                whole = await r.json()
+            choice = whole["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            (entry,) = choice["message"]["tool_calls"]
+            assert entry["id"] == f"call_{whole['appliance']['request_id']}_0"
+            calls.append((entry["function"]["name"], json.loads(entry["function"]["arguments"])))
+            tiers.append(whole["appliance"]["cache_tier"])
+        async with session.post(url, json={**http_ask, "stream": True}) as r:
+            events = [
+                json.loads(line[6:])
+                for line in (await r.text()).split("\n\n")
+                if line.startswith("data: {")
+            ]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert not "".join(d.get("content") or "" for d in deltas)  # the call's text is held back
+    (entry,) = [c for d in deltas for c in d.get("tool_calls") or ()]
+    calls.append((entry["function"]["name"], json.loads(entry["function"]["arguments"])))
+    tiers.append(events[-1]["appliance"]["cache_tier"])
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    assert tiers == ["miss", "l1", "miss", "l1", "l1"]
+    assert calls == [calls[0]] * 5 and calls[0][0] == "get_weather"
 
 
 BAD: list[tuple[pb.Tools, str]] = [

@@ -1,5 +1,6 @@
 """Tools at the HTTP edge: checked, turned into a guide and a system message, the history written
-for any chat template, and an answer read back as a call."""
+for any chat template; an answer read back as a call by the pipeline's reader, and that call in
+both front ends' wire formats."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from typing import Any
 
 import pytest
 
+from appliance.gateway import messages
 from appliance.gateway import openai_wire as wire
+from appliance.gateway.call_reader import CallReader
+from appliance.gateway.generation import Delta
+from appliance.gateway.reply import Final, Reply
 from appliance.gateway.tool_calls import HeldText, ToolCall, parse_call, plan
 
 WEATHER = {
@@ -157,3 +162,76 @@ def test_streamed_text_is_held_only_while_it_may_be_a_call() -> None:
     held = HeldText(auto)
     assert held.feed("{not a call") == ""
     assert held.finish() == ("{not a call", None)
+
+
+# -- the pipeline's reader, translated by both front ends ----------------------------------------
+
+CALL_TEXT = ['{"name": "get_', 'weather", "arguments": ', '{"city": "Oslo"}}']
+
+
+def _final(request_id: str = "r1") -> Final:
+    return Final(request_id, "stop", 5, 3, 1, 2, 3, "miss", "tiny", False, 0.0, "")
+
+
+def _read(reader: CallReader, texts: list[str]) -> list[Reply]:
+    out: list[Reply] = []
+    for i, text in enumerate(texts):
+        out += reader.read(Delta(text, [i]))
+    return out + list(reader.read(_final()))
+
+
+def _reader(hold: bool, choice: str = "auto", request_id: str = "r1") -> CallReader:
+    http = chat(tools=[WEATHER, TIME], tool_choice=choice)
+    assert http.request.tool_chat is not None
+    reader = CallReader.of(http.request.tool_chat, request_id, hold)
+    assert reader is not None
+    return reader
+
+
+def test_no_tools_no_reader() -> None:
+    assert CallReader.of(None, "r1", hold=True) is None
+    none = chat(tools=[WEATHER], tool_choice="none").request.tool_chat
+    assert CallReader.of(none, "r1", hold=True) is None
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_one_answer_is_the_same_call_in_both_wire_formats(hold: bool) -> None:
+    """The reader's Final, translated by the gRPC messages and by the HTTP answer, names the same
+    call with the same arguments and id; held or not, token ids all come through."""
+    replies = _read(_reader(hold), CALL_TEXT)
+    final = replies[-1]
+    assert isinstance(final, Final)
+    assert final.tool_call == ToolCall("get_weather", {"city": "Oslo"}, "call_r1_0")
+    deltas = [r for r in replies if isinstance(r, Delta)]
+    assert [t for d in deltas for t in d.token_ids] == [0, 1, 2]
+    text = "".join(d.text for d in deltas)
+    assert text == ("" if hold else "".join(CALL_TEXT))
+
+    grpc_call = messages.final(final).final.tool_call
+    answer = wire.Answer(chat(tools=[WEATHER]), "r1", 1).whole(text, final)
+    (http_call,) = answer["choices"][0]["message"]["tool_calls"]
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert answer["choices"][0]["message"]["content"] is None
+    assert (grpc_call.name, grpc_call.id) == (http_call["function"]["name"], http_call["id"])
+    assert json.loads(grpc_call.arguments) == json.loads(http_call["function"]["arguments"])
+
+
+def test_held_text_that_is_no_call_comes_before_the_final() -> None:
+    shared = Delta("{not", [0])
+    replies = _read(_reader(hold=True), ["  ", "It", " is"])
+    assert [r.text for r in replies if isinstance(r, Delta)] == ["", "  It", " is"]
+    reader = _reader(hold=True)
+    replies = [*reader.read(shared), *reader.read(Delta(" a call", [1])), *reader.read(_final())]
+    assert shared.text == "{not"  # a delta other clients follow is never changed
+    assert [r.text for r in replies if isinstance(r, Delta)] == ["", "", "{not a call"]
+    final = replies[-1]
+    assert isinstance(final, Final) and final.tool_call is None
+    assert not messages.final(final).final.HasField("tool_call")
+
+
+def test_a_forced_call_cut_short_is_text() -> None:
+    for hold in (False, True):
+        replies = _read(_reader(hold, "required"), CALL_TEXT[:2])
+        final = replies[-1]
+        assert isinstance(final, Final) and final.tool_call is None
+        assert "".join(r.text for r in replies if isinstance(r, Delta)) == "".join(CALL_TEXT[:2])
