@@ -315,7 +315,8 @@ def step_profile(model: LlamaModel, cache: Any, device: torch.device) -> dict[st
             _sync(device)
     events = prof.events()
     if device.type == "cuda":
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        cuda = torch.autograd.DeviceType.CUDA  # type: ignore[attr-defined]  # not re-exported
+        kernels = [e for e in events if e.device_type == cuda]
         kernel_us = sum(e.device_time_total for e in kernels) / PROFILED_STEPS
         return {
             "kernels_per_step": len(kernels) / PROFILED_STEPS,
@@ -361,7 +362,8 @@ def back_to_back_ms(run: Callable[[], None], device: torch.device) -> float:
             for _ in range(CPU_BACK_TO_BACK_STEPS):
                 run()
             return (time.perf_counter() - t0) * 1e3 / CPU_BACK_TO_BACK_STEPS
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         for _ in range(BACK_TO_BACK_STEPS):
             run()

@@ -18,6 +18,7 @@ Goal: HTTP TTFT P50 <= 1.3 x gRPC's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -106,8 +107,8 @@ async def run(args: argparse.Namespace) -> None:
             for workload in ("miss", "hit"):
                 request, body = bodies(prompt, args.output_tokens, workload == "hit")
                 front: dict[str, Callable[[], Awaitable[Sample]]] = {
-                    "gRPC": lambda r=request: via_grpc(stub, r),
-                    "HTTP": lambda b=body: via_http(session, url, b),
+                    "gRPC": functools.partial(via_grpc, stub, request),
+                    "HTTP": functools.partial(via_http, session, url, body),
                 }
                 for _ in range(args.warmup):
                     for call in front.values():

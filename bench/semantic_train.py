@@ -74,14 +74,14 @@ def train_network(u: Vector, v: Vector, x: Vector, y: np.ndarray, args: Any) -> 
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.05)
     for _ in range(args.epochs):
         net.train()
-        for idx in torch.randperm(len(yt)).split(256):
+        for idx in torch.randperm(len(yt)).split(256):  # type: ignore[no-untyped-call]
             # Either question may be the cached one: train on both orders.
             swap = (torch.rand(len(idx)) < 0.5)[:, None]
             a = torch.where(swap, vt[idx], ut[idx])
             b = torch.where(swap, ut[idx], vt[idx])
             opt.zero_grad()
             loss = torch.nn.functional.binary_cross_entropy_with_logits(net(a, b, xt[idx]), yt[idx])
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
     return {
         "proj": net.proj.weight.detach().numpy().T.copy(),
