@@ -65,8 +65,9 @@ class Hit:
     # False for an answer cached under another key (a paraphrase): never copied to exact tiers.
     exact: bool = True
     # The answering entry's key: the request's own for an exact hit, another request's for a
-    # semantic one, which also says the cosine similarity of the two questions.
-    similarity: float = 0.0
+    # semantic one, which also says the cosine similarity of the two questions (None: an exact
+    # tier, which judges no similarity).
+    similarity: float | None = None
     entry: bytes = b""
 
 

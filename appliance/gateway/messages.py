@@ -171,7 +171,7 @@ def final(f: Final) -> pb.GenerateResponse:
             cache_tier_name=f.tier,
             model=f.model,
             degraded=f.degraded,
-            similarity=f.similarity,
+            similarity=f.similarity or 0.0,
             cache_entry=f.cache_entry,
             draft_tokens=f.draft_tokens,
             accepted_draft_tokens=f.accepted_draft_tokens,

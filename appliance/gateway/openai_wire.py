@@ -600,7 +600,7 @@ def extension(request_id: str, final: Final) -> dict[str, Any]:
         "degraded": f.degraded,
         "timings": {"queue_us": f.queue_us, "ttft_us": f.ttft_us, "total_us": f.total_us},
     }
-    if f.tier == "semantic":
+    if final.similarity is not None:
         facts["similarity"] = round(final.similarity, 4)
     if final.cache_entry:
         facts["cache_entry"] = final.cache_entry

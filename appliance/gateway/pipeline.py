@@ -463,8 +463,7 @@ class Pipeline:
     def replay(self, hit: Hit, report: RequestReport, received: int) -> tuple[Delta, Final]:
         """A cached answer in the shape of a generated one: one delta, then the Final."""
         answer, report.tier, report.cache_entry = hit.answer, hit.tier, hit.entry.hex()
-        if not hit.exact:
-            report.similarity = hit.similarity
+        report.similarity = hit.similarity
         started = time.monotonic_ns()
         report.answered_by = report.model
         report.finish_reason = answer.finish_reason

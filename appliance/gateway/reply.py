@@ -30,8 +30,9 @@ class Final:
     # The model that answered, and whether it is not the one asked for (a fallback answered).
     model: str
     degraded: bool
-    # A semantic hit: the cosine similarity of this request's question and the cached one.
-    similarity: float
+    # A hit of a tier that judges similarity (semantic): the cosine similarity of this request's
+    # question and the cached one; None for every other answer.
+    similarity: float | None
     # The key (hex) the answer is cached under; "" when it is not.
     cache_entry: str
     # Speculative decoding of a generated answer: draft tokens proposed, and accepted (0 for a

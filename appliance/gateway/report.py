@@ -27,9 +27,9 @@ class RequestReport:
     # "miss" (generated), or the cache tier that answered ("l1", "l2", ...).
     tier: str = "miss"
     # The key (hex) the answer is cached under: of the answering entry for a hit (another request's
-    # for a semantic one, with the two questions' similarity), of this request's answer for a
-    # cacheable miss; "" when it is not cached.
-    similarity: float = 0.0
+    # for a semantic one, with the two questions' similarity: None where no tier judged one), of
+    # this request's answer for a cacheable miss; "" when it is not cached.
+    similarity: float | None = None
     cache_entry: str = ""
     # A lookup that overlapped the engine's start: "missed" (the generation answers); on a hit,
     # what became of the generation: "cancelled", "unstarted" (cancelled before its first step),
@@ -82,7 +82,7 @@ class AccessLog:
     def report(self, r: RequestReport) -> None:
         if not access.isEnabledFor(logging.INFO):
             return
-        semantic, named = r.tier == "semantic", bool(r.cache_entry)
+        semantic, named = r.similarity is not None, bool(r.cache_entry)
         args: tuple[object, ...] = (
             r.front_end,
             r.request_id,

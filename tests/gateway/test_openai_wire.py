@@ -100,7 +100,7 @@ def _final(**kw: object) -> Final:
         tier="l2",
         model="small",
         degraded=True,
-        similarity=0.0,
+        similarity=None,
         cache_entry="",
     )
     return Final(**{**fields, **kw})  # type: ignore[arg-type]
@@ -216,3 +216,10 @@ def test_alternatives_in_openai_shapes() -> None:
     refusal = RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no", field="top_logprobs")
     assert wire.error_of(refusal, chat=False).param == "logprobs"
     assert wire.error_of(refusal).param == "top_logprobs"
+
+
+def test_similarity_is_reported_for_any_tier_that_judged_one() -> None:
+    # A tier of one's own that answers paraphrases reports its similarity as the semantic tier does.
+    facts = wire.extension("abc", _final(tier="paraphrases", similarity=0.91234))
+    assert facts["similarity"] == 0.9123
+    assert "similarity" not in wire.extension("abc", _final(tier="l1", similarity=None))
