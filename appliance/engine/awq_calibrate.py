@@ -65,6 +65,7 @@ __all__ = [
     "LayerPlan",
     "Summary",
     "calibrate",
+    "calibration_samples",
     "fold",
     "pack_awq",
     "quantize_checkpoint",
@@ -141,10 +142,8 @@ def rtn_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 def _fake_quant(weight: torch.Tensor, group: int) -> torch.Tensor:
     """The float32 weight `rtn_int4` stands for."""
     q, z, s = rtn_int4(weight, group)
-    expand = group
-    return (q - z.repeat_interleave(expand, dim=1)).float() * s.float().repeat_interleave(
-        expand, dim=1
-    )
+    zeros = z.repeat_interleave(group, dim=1)
+    return (q - zeros).float() * s.float().repeat_interleave(group, dim=1)
 
 
 def pack_awq(values: torch.Tensor) -> torch.Tensor:
