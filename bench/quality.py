@@ -5,6 +5,9 @@
 Loads the repository's model once per format (float32 first: the reference), scores the text's
 perplexity and teacher-forced top-1 agreement with the reference, and greedy agreement over
 prompts cut from the same text (see appliance.engine.quality). CPU only; no server is started.
+
+`awq:DIR` and `awq-bf16:DIR` score the AWQ checkpoint in DIR (`appliance awq-quantize`) in the
+engine's INT4 layers, as `--weights int4` serves it; its group is the checkpoint's.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from appliance.engine.llama import CheckpointError, LlamaModel
+from appliance.engine.awq import load_awq_model, read_awq_format
+from appliance.engine.llama import CheckpointError, LlamaModel, load_config
 from appliance.engine.quality import FormatQuality, measure
 from appliance.engine.quantized import GROUP_SIZES, GroupQuant
 from appliance.engine.repository import RepositoryError, read_repository
@@ -34,6 +39,17 @@ FORMATS: dict[str, tuple[torch.dtype, int | None]] = {
     "int8-bf16": (torch.bfloat16, 8),
     "int4-bf16": (torch.bfloat16, 4),
 }
+# name -> compute dtype of an AWQ checkpoint's model (the name takes :DIR, the checkpoint).
+AWQ_FORMATS: dict[str, torch.dtype] = {"awq": torch.float32, "awq-bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Format:
+    """One row: a format name, its group, and the AWQ checkpoint for an AWQ format."""
+
+    name: str
+    group: int
+    awq_dir: Path | None = None
 
 
 class UsageError(Exception):
@@ -49,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         "--formats",
         default="float32,bfloat16,int8,int4",
         help=f"comma list, the first is the reference (known: {', '.join(FORMATS)}); "
-        "NAME:G gives an int format its own group size",
+        "NAME:G gives an int format its own group size; awq:DIR and awq-bf16:DIR score the "
+        "AWQ checkpoint in DIR",
     )
     p.add_argument("--weight-group", type=int, default=128, help="inputs per scale of int8/int4")
     p.add_argument("--tokens", type=int, default=4096, help="score at most this many tokens")
@@ -62,20 +79,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _format(item: str, default_group: int) -> tuple[str, int]:
-    name, _, group = item.partition(":")
+def _format(item: str, default_group: int) -> Format:
+    name, _, rest = item.partition(":")
+    if name in AWQ_FORMATS:
+        if not rest:
+            raise UsageError(f"--formats {item}: {name} takes the checkpoint, {name}:DIR")
+        awq_dir = Path(rest)
+        try:
+            fmt = read_awq_format(awq_dir)
+        except CheckpointError as err:
+            raise UsageError(f"--formats {item}: {err}") from err
+        if fmt is None:
+            raise UsageError(f"--formats {item}: {awq_dir} is not an AWQ checkpoint")
+        return Format(name, fmt.group_size, awq_dir)
     if name not in FORMATS:
-        raise UsageError(f"--formats: unknown {[name]}; known: {', '.join(FORMATS)}")
-    if not group:
-        return name, default_group
-    if FORMATS[name][1] is None or not group.isdigit() or int(group) not in GROUP_SIZES:
+        known = ", ".join([*FORMATS, *(f"{n}:DIR" for n in AWQ_FORMATS)])
+        raise UsageError(f"--formats: unknown {[name]}; known: {known}")
+    if not rest:
+        return Format(name, default_group)
+    if FORMATS[name][1] is None or not rest.isdigit() or int(rest) not in GROUP_SIZES:
         raise UsageError(
             f"--formats {item}: a group ({', '.join(map(str, GROUP_SIZES))}) goes with int formats"
         )
-    return name, int(group)
+    return Format(name, int(rest))
 
 
-def _check(args: argparse.Namespace) -> list[tuple[str, int]]:
+def _check(args: argparse.Namespace) -> list[Format]:
     items = [n.strip() for n in args.formats.split(",") if n.strip()]
     if not items:
         raise UsageError("--formats: empty list")
@@ -118,6 +147,18 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"--text {path}: {err}") from err
+
+
+def _load(fmt: Format, model_dir: Path) -> tuple[str, LlamaModel]:
+    """The row's name and model."""
+    if fmt.awq_dir is not None:
+        dtype = AWQ_FORMATS[fmt.name]
+        model = load_awq_model(fmt.awq_dir, load_config(model_dir), torch.device("cpu"), dtype)
+        return f"{fmt.name} g{fmt.group} ({fmt.awq_dir.name})", model
+    dtype, bits = FORMATS[fmt.name]
+    quant = GroupQuant(bits, fmt.group) if bits else None  # type: ignore[arg-type]
+    name = f"{fmt.name} g{fmt.group}" if bits else fmt.name
+    return name, LlamaModel.load(model_dir, "cpu", dtype, quant)
 
 
 def _table(rows: list[FormatQuality], reference_ppl: float) -> str:
@@ -167,15 +208,12 @@ def run(argv: list[str] | None = None) -> int:
         )
         rows: list[FormatQuality] = []
         reference = None
-        for fmt, group in names:
-            dtype, bits = FORMATS[fmt]
-            quant = GroupQuant(bits, group) if bits else None  # type: ignore[arg-type]
-            name = f"{fmt} g{group}" if bits else fmt
+        for fmt in names:
             started = time.perf_counter()
             try:
-                model = LlamaModel.load(model_dir, "cpu", dtype, quant)
+                name, model = _load(fmt, model_dir)
             except CheckpointError as err:
-                raise UsageError(f"{name}: {err}") from err
+                raise UsageError(f"{fmt.name}: {err}") from err
             loaded = time.perf_counter() - started
             quality, own = measure(name, model, ids, prompts, args.steps, args.window, reference)
             if reference is None:

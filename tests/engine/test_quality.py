@@ -11,6 +11,7 @@ from appliance.engine.quality import greedy, measure, token_logits
 from appliance.engine.quantized import GroupQuant
 from appliance.engine.random_weights import random_model
 from bench import quality as cli
+from tests.conftest import Tiny
 
 
 def test_token_logits_match_the_serving_path() -> None:
@@ -53,6 +54,8 @@ def test_greedy_is_deterministic_and_bounded() -> None:
         (["--tokens", "0"], "--tokens 0: expected 2..65536"),
         (["--formats", "float32,bfloat16:32"], "--formats bfloat16:32: a group"),
         (["--formats", "int4:48"], "--formats int4:48: a group (32, 64, 128, 256)"),
+        (["--formats", "float32,awq"], "--formats awq: awq takes the checkpoint, awq:DIR"),
+        (["--formats", "float32,awq-bf16:/nonexistent"], "--formats awq-bf16:/nonexistent: "),
     ],
 )
 def test_cli_refuses_bad_arguments_in_one_line(
@@ -71,3 +74,18 @@ def test_cli_refuses_a_missing_repository(
 ) -> None:
     assert cli.main(["--repository", str(tmp_path / "none"), "--text", "x"]) == 2
     assert "model repository directory not found" in capsys.readouterr().err
+
+
+def test_cli_scores_an_awq_checkpoint(
+    tiny: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from appliance.engine.awq_calibrate import quantize_checkpoint
+
+    text = Path(__file__).parents[2] / "appliance" / "data" / "calibration.txt"
+    awq_dir = tmp_path / "awq"
+    quantize_checkpoint(tiny.model_dir, text, awq_dir, group=32, samples=1, tokens=32, grid=2)
+    argv = ["--repository", str(tiny.repo), "--text", str(text), "--tokens", "48"]
+    argv += ["--window", "24", "--prompts", "1", "--prompt-tokens", "8", "--steps", "2"]
+    assert cli.main([*argv, "--formats", f"float32,awq:{awq_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "| awq g32 (awq) |" in out
