@@ -76,6 +76,14 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port)
 
+    def keys(self, pattern: str) -> list[bytes]:
+        """The keys matching `pattern`, as stored: the client does not decode responses."""
+        found: list[bytes] = []
+        for key in self.client().keys(pattern):
+            assert isinstance(key, bytes), key
+            found.append(key)
+        return found
+
 
 class SentinelGroup:
     """A primary, a replica and three Sentinels (quorum 2) watching them as service `name`, all

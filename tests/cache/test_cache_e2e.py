@@ -327,7 +327,7 @@ async def test_every_cached_answer_names_its_entry_and_one_can_be_dropped_alone(
     hit = await gw.stub.Complete(r)
     assert (hit.final.cache_tier, hit.final.cache_entry) == (L1, entry)
     await settle()
-    keys = {k.decode()[-32:] for k in redis_server.client().keys("appliance:audit:*")}
+    keys = {k.decode()[-32:] for k in redis_server.keys("appliance:audit:*")}
     assert entry in keys and len(keys) == 2
     for uncached in (req(temperature=0.9), req(cache_policy=pb.CACHE_POLICY_BYPASS)):
         assert (await gw.stub.Complete(uncached)).final.cache_entry == ""
@@ -356,7 +356,7 @@ async def test_an_invalidation_reaches_the_l1_of_every_gateway_on_the_redis(
         await counters_until(other, lambda c: c["l1_peer_invalidations"] == 1)
         assert (await other.stub.Complete(team)).final.cache_tier == MISS
         # One answer by its key (the hex that ends its Redis key), the rest of the namespace kept.
-        name = redis_server.client().keys("appliance:one:*")[0].decode()
+        name = redis_server.keys("appliance:one:*")[0].decode()
         await gw.admin.Invalidate(pb.InvalidateRequest(namespace="one", entry=name[-32:]))
         await counters_until(other, lambda c: c["l1_peer_invalidations"] == 2)
         tiers = [(await other.stub.Complete(r)).final.cache_tier for r in (single, kept)]
@@ -381,12 +381,12 @@ async def test_an_invalidation_whose_caller_gave_up_still_reaches_redis_and_the_
         await gw.stub.Complete(r)
         await settle()
         assert (await other.stub.Complete(r)).final.cache_tier == L2
-        redis_server.client().execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        redis_server.client().client_pause(1000, all=True)
         with pytest.raises(grpc.aio.AioRpcError) as gave_up:
             await gw.admin.Invalidate(pb.InvalidateRequest(namespace="slow"), timeout=0.2)
         assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await counters_until(other, lambda c: c["l1_peer_invalidations"] == 1)
-        assert redis_server.client().keys("appliance:slow:*") == []
+        assert redis_server.keys("appliance:slow:*") == []
         assert (await other.stub.Complete(r)).final.cache_tier == MISS
     finally:
         await other.close()
@@ -534,7 +534,9 @@ async def test_redis_killed_mid_load_and_restarted(
         down = await g.counters()
         assert down["l2_errors"] + down["l2_timeouts"] + down["l2_skipped_breaker_open"] > 0
         redis_server.start()
-        breaker = g.running.pipeline.cache.tiers[1].breaker  # type: ignore[union-attr, attr-defined]
+        cache = g.running.pipeline.cache
+        assert cache is not None and isinstance(cache.tiers[1], RedisTier)
+        breaker = cache.tiers[1].breaker
         while breaker.retry_in() > 0:  # the breaker's own clock: then the next call probes
             await asyncio.sleep(breaker.retry_in())
         await load(12)

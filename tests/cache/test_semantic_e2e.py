@@ -67,16 +67,16 @@ async def gw(
     await g.close()
 
 
-def ask(text: str, namespace: str = "sem", **kw: object) -> pb.GenerateRequest:
+def ask(text: str, namespace: str = "sem", **kw: Any) -> pb.GenerateRequest:
     kw.setdefault("temperature", 0)
     kw.setdefault("max_tokens", 8)
     kw.setdefault("semantic_cache", True)
     if "messages" not in kw:
         kw["prompt"] = text
-    return pb.GenerateRequest(model="tiny", namespace=namespace, **kw)  # type: ignore[arg-type]
+    return pb.GenerateRequest(model="tiny", namespace=namespace, **kw)
 
 
-def chat(*turns: tuple[str, str], **kw: object) -> pb.GenerateRequest:
+def chat(*turns: tuple[str, str], **kw: Any) -> pb.GenerateRequest:
     messages = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in turns])
     return ask("", messages=messages, **kw)
 
@@ -438,7 +438,7 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
     # message after that: removed before then, the entry would come back from the stream.
     async with asyncio.timeout(10):
         await applied.wait()
-    (name,) = client.keys("*:*:*:sem-*")
+    (name,) = redis_server.keys("*:*:*:sem-*")
     assert followed == [name]
     sealed = client.get(name)
     assert isinstance(sealed, bytes)

@@ -205,7 +205,7 @@ async def test_a_miss_answers_as_without_overlap_and_is_stored_in_every_tier(
         assert (await on.stub.Complete(request)).final.cache_tier == pb.CACHE_TIER_EXACT_L1
         await stored(on, 1)
         await settle()
-        keys = redis_server.client().keys("appliance:sem:*")
+        keys = redis_server.keys("appliance:sem:*")
         assert len(keys) == 2 and sum(b":sem-" in k for k in keys) == 1
         paraphrase = ask("What's the capital of Australia?", max_tokens=24)
         assert (await on.stub.Complete(paraphrase)).final.cache_tier == SEMANTIC

@@ -9,7 +9,7 @@ from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l1 import LruCache
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.semantic import decode_record, encode_record
-from appliance.cache.tiers import CacheQuery, Hit, L1Tier, TierCascade
+from appliance.cache.tiers import CacheQuery, CacheTier, Hit, L1Tier, TierCascade
 from appliance.cache.vectors import Entry, VectorIndex
 
 
@@ -123,29 +123,7 @@ def test_records_round_trip() -> None:
     assert np.array_equal(vector, unit(7))
 
 
-class StoreNothing:
-    """The tier methods these tests do not exercise: stores and invalidates nothing, always works."""
-
-    def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
-        return None
-
-    def forgo(self, query: CacheQuery) -> None:
-        return None
-
-    async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
-        return 0
-
-    def counters(self) -> dict[str, int]:
-        return {}
-
-    async def check(self) -> str:
-        return ""
-
-    async def close(self) -> None:
-        return None
-
-
-class ParaphraseTier(StoreNothing):
+class ParaphraseTier(CacheTier):
     """A tier that answers every query with another request's answer (a semantic hit)."""
 
     name = "semantic"
@@ -199,7 +177,7 @@ async def test_a_split_cascade_counts_one_miss_and_copies_exact_hits_as_a_whole_
     assert metrics.misses == 1
 
 
-class RoundTrip(StoreNothing):
+class RoundTrip(CacheTier):
     """A tier between L1 and the semantic one that notes what the semantic tier had been asked to
     prepare by the time it is asked itself (it stands for L2's round trip to Redis)."""
 

@@ -127,12 +127,12 @@ def test_an_invalidation_holds_back_puts_of_what_it_named_for_a_while() -> None:
 
 
 class Recorded(L1Tier):
-    def __init__(self, name: str, calls: list[str]) -> None:
+    def __init__(self, label: str, calls: list[str]) -> None:
         super().__init__(LruCache(10, 10**6, 60))
-        self.name, self.calls = name, calls
+        self.label, self.calls = label, calls
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
-        self.calls.append(self.name)
+        self.calls.append(self.label)
         return 0
 
 

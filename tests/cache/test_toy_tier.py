@@ -94,7 +94,10 @@ async def gateway(tiny: Tiny, engine: Engine, tmp_path: Path) -> AsyncIterator[R
     await running.drain(0.5)
 
 
-def scrape(port: int) -> dict[str, tuple[str, dict[tuple[str, ...], float]]]:
+Labels = tuple[tuple[str, str], ...]
+
+
+def scrape(port: int) -> dict[str, tuple[str, dict[Labels, float]]]:
     """Family name → (help, value by its sorted (label, value) pairs)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import array
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 import pytest
@@ -23,7 +23,9 @@ MODEL = "tensorrt_llm"
 PROMPT = [1, 300, 301, 302, 303, 304]
 
 
-def _tensor(req: ts.ModelInferRequest, name: str, dtype: str, code: str, values: list) -> None:
+def _tensor(
+    req: ts.ModelInferRequest, name: str, dtype: str, code: str, values: Sequence[float]
+) -> None:
     t = req.inputs.add(name=name, datatype=dtype, shape=[1, len(values)])
     del t
     req.raw_input_contents.append(array.array(code, values).tobytes())
@@ -50,7 +52,7 @@ def request(
     req = ts.ModelInferRequest(model_name=model, id=request_id)
     if empty_final:
         req.parameters["triton_enable_empty_final_response"].bool_param = True
-    fields = [
+    fields: list[tuple[str, str, str, Sequence[float]]] = [
         ("input_ids", "INT32", "i", prompt),
         ("input_lengths", "INT32", "i", [len(prompt)]),
         ("request_output_len", "INT32", "i", [max_tokens]),
@@ -84,11 +86,15 @@ def tokens_of(response: ts.ModelInferResponse) -> list[int]:
 
 
 def is_final(response: ts.ModelInferResponse) -> bool:
-    return response.parameters["triton_final_response"].bool_param
+    final = response.parameters["triton_final_response"].bool_param
+    assert isinstance(final, bool)
+    return final
 
 
 async def collect(
-    stub: ts_grpc.GRPCInferenceServiceStub, *requests: ts.ModelInferRequest, metadata: tuple = ()
+    stub: ts_grpc.GRPCInferenceServiceStub,
+    *requests: ts.ModelInferRequest,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> list[ts.ModelStreamInferResponse]:
     async def gen() -> AsyncIterator[ts.ModelInferRequest]:
         for r in requests:
@@ -227,8 +233,8 @@ async def test_seeded_sampling_is_reproducible_under_either_seed_name(
 
 async def _first_token_then(
     triton: ts_grpc.GRPCInferenceServiceStub, req: ts.ModelInferRequest
-) -> tuple[grpc.aio.StreamStreamCall, asyncio.Queue]:
-    outgoing: asyncio.Queue = asyncio.Queue()
+) -> tuple[grpc.aio.StreamStreamCall, asyncio.Queue[ts.ModelInferRequest | None]]:
+    outgoing: asyncio.Queue[ts.ModelInferRequest | None] = asyncio.Queue()
     await outgoing.put(req)
 
     async def gen() -> AsyncIterator[ts.ModelInferRequest]:

@@ -241,6 +241,7 @@ def test_runner_close_cancels_the_running_job_and_joins(micro_model: LlamaModel)
     class HeldStep:
         cache = runner.cache
         prefill = graph_step.prefill
+        rows = graph_step.rows
 
         def __call__(self, token: int, pos: int) -> torch.Tensor:
             release.wait(10)  # the job stays in its decode loop until close() has cancelled it

@@ -228,8 +228,9 @@ async def generated(
 async def refusal(stub: ts_grpc.GRPCInferenceServiceStub, req: ts.ModelInferRequest) -> str:
     responses = await collect(stub, req)
     assert len(responses) == 1, "a refused request must produce nothing else"
-    assert responses[0].error_message
-    return responses[0].error_message
+    message = responses[0].error_message
+    assert isinstance(message, str) and message
+    return message
 
 
 async def test_every_sampled_output_validates_against_its_json_schema(

@@ -152,7 +152,9 @@ def test_every_sampled_answer_validates(
 ) -> None:
     text = instruct.text
     end_id = text.end_id
-    guides = [(Guide("json_schema", json.dumps(s)), s) for s in SCHEMAS]
+    guides: list[tuple[Guide, dict[str, Any] | str]] = [
+        (Guide("json_schema", json.dumps(s)), s) for s in SCHEMAS
+    ]
     guides += [(Guide("regex", r), r) for r in REGEXES]
     checked = 0
     # The prompt names the format (the model then writes short answers, not runs of the

@@ -68,7 +68,7 @@ def test_rope_rotates_q_and_k_and_writes_k_and_v_at_the_position(
     q = kernels.rope_kv_write(
         qkv, cos, sin, torch.tensor([pos], device=DEVICE), k_cache, v_cache, heads
     )
-    q_ref, k_ref, v_ref = qkv.split([heads * d, kv * d, kv * d], dim=1)
+    q_ref, k_ref, v_ref = torch.split(qkv, [heads * d, kv * d, kv * d], dim=1)
     rope = LlamaModel._rope
     _close(q, rope(q_ref.view(heads, d), cos[pos], sin[pos]), dtype)
     _close(k_cache[:, pos], rope(k_ref.view(kv, d), cos[pos], sin[pos]), dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -170,20 +171,20 @@ def test_counters_mirror_kv_cache_stats(runners: tuple[Runner, Runner]) -> None:
     assert kv.hit_rate == pytest.approx(2 / 6)
 
 
-def test_no_cache_is_allocated_per_request(micro_model: LlamaModel) -> None:
+def test_no_cache_is_allocated_per_request(
+    micro_model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     runner = prefix_runner(micro_model)
     k_ptr = runner.cache.k.data_ptr()
-    original = micro_model.new_cache
 
-    def refuse(max_seq_len: int) -> object:
+    def refuse(max_seq_len: int) -> NoReturn:
         raise AssertionError("a request allocated a KV cache")
 
-    micro_model.new_cache = refuse  # type: ignore[method-assign]
+    monkeypatch.setattr(micro_model, "new_cache", refuse)
     try:
         run(runner, BASE)
         run(runner, BASE[:5])
     finally:
-        micro_model.new_cache = original  # type: ignore[method-assign]
         runner.close()
     assert runner.cache.k.data_ptr() == k_ptr
     assert runner.stats.completed == 2

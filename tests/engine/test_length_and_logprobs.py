@@ -4,6 +4,7 @@ model takes and returns them (built by hand with tritonclient's protos, like tes
 from __future__ import annotations
 
 import array
+from typing import Any
 
 import pytest
 import torch
@@ -38,15 +39,15 @@ def reference_logprobs(model: LlamaModel, prompt: list[int], tokens: list[int]) 
 
 
 async def greedy(
-    triton: ts_grpc.GRPCInferenceServiceStub, **kw: object
+    triton: ts_grpc.GRPCInferenceServiceStub, **kw: Any
 ) -> list[ts.ModelStreamInferResponse]:
-    req = request(top_k=1, **kw)  # type: ignore[arg-type]
+    req = request(top_k=1, **kw)
     responses = await collect(triton, req)
     assert all(not m.error_message for m in responses), responses[-1].error_message
     return responses
 
 
-def with_input(req: ts.ModelInferRequest, name: str, dtype: str, code: str, value: object) -> None:
+def with_input(req: ts.ModelInferRequest, name: str, dtype: str, code: str, value: float) -> None:
     _tensor(req, name, dtype, code, [value])
 
 

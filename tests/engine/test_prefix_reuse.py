@@ -117,6 +117,12 @@ def scalar(response: ts.ModelInferResponse, name: str) -> int | None:
     return None
 
 
+def present(response: ts.ModelInferResponse, name: str) -> int:
+    value = scalar(response, name)
+    assert value is not None, f"no output {name}"
+    return value
+
+
 async def generate(
     s: Server, model: str, prompt: list[int], n: int = 4
 ) -> tuple[list[int], list[ts.ModelInferResponse]]:
@@ -139,8 +145,8 @@ async def test_reused_blocks_are_reported_and_change_nothing(server: Server) -> 
     last = warm[-1]
     assert scalar(last, "kv_cache_alloc_total_blocks") == -(-(len(PROMPT) + 4) // BLOCK)
     assert scalar(last, "kv_cache_alloc_new_blocks") == 1
-    times = [scalar(last, f"{t}_time_ns") for t in ("arrival", "first_scheduled", "first_token")]
-    assert times == sorted(times) and times[0] and times[-1] <= scalar(last, "last_token_time_ns")
+    times = [present(last, f"{t}_time_ns") for t in ("arrival", "first_scheduled", "first_token")]
+    assert times == sorted(times) and times[0] and times[-1] <= present(last, "last_token_time_ns")
 
 
 async def test_diverging_prompt_reuses_only_whole_matching_blocks(server: Server) -> None:

@@ -6,11 +6,13 @@ import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import appliance.engine.sampling as sampling
+import appliance.engine.speculative as speculative
 from appliance.engine.llama import KVCache, LlamaModel
 from appliance.engine.options import EngineOptions
 from appliance.engine.prefix_cache import PrefixCache
@@ -94,12 +96,10 @@ def accepted_positions(
 ) -> list[int]:
     """Indices in the output of tokens that were accepted drafts."""
     found: list[int] = []
-    real = sampling.verify
+    real = speculative.verify  # what sampling calls, and the name patched there
 
-    def recording(
-        m: LlamaModel, cache: KVCache, pos: int, *args: object, **kwargs: object
-    ) -> list[int]:
-        chosen = real(m, cache, pos, *args, **kwargs)  # type: ignore[arg-type]
+    def recording(m: LlamaModel, cache: KVCache, pos: int, *args: Any, **kwargs: Any) -> list[int]:
+        chosen = real(m, cache, pos, *args, **kwargs)
         found.extend(pos + 1 + i - len(prompt) for i in range(len(chosen) - 1))
         return chosen
 

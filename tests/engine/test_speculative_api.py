@@ -82,6 +82,12 @@ def scalar(response: ts.ModelInferResponse, name: str) -> float | None:
     return None
 
 
+def present(response: ts.ModelInferResponse, name: str) -> float:
+    value = scalar(response, name)
+    assert value is not None, f"no output {name}"
+    return value
+
+
 # A repeated phrase: prompt lookup finds n-grams to copy from the first decode step.
 PROMPT = [300 + i % 7 for i in range(42)]
 
@@ -110,8 +116,8 @@ async def test_reported_counts_are_what_the_engine_counted(spec: Server) -> None
     drafted, accepted = spec.stats.spec_draft_tokens, spec.stats.spec_accepted_tokens
     tokens, responses = await generate(spec, None)
     assert tokens and is_final(responses[-1])
-    counts = [scalar(r, DRAFT_TOKENS_OUTPUT) for r in responses]
-    assert None not in counts and counts == sorted(counts)  # so far, on every response
+    counts = [present(r, DRAFT_TOKENS_OUTPUT) for r in responses]
+    assert counts == sorted(counts)  # so far, on every response
     last = responses[-1]
     draft_tokens = scalar(last, DRAFT_TOKENS_OUTPUT)
     accepted_tokens = scalar(last, ACCEPTED_DRAFT_TOKENS_OUTPUT)

@@ -8,11 +8,13 @@ import random
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import appliance.engine.sampling as sampling
+import appliance.engine.speculative as speculative
 from appliance.engine.draft_model import DraftModelDrafter, check_draft_model
 from appliance.engine.llama import CheckpointError, KVCache, LlamaModel
 from appliance.engine.options import EngineOptions
@@ -24,6 +26,7 @@ from appliance.engine.server import load_repository
 from appliance.engine.speculative import (
     AcceptanceMemory,
     Draft,
+    Drafter,
     OffSwitch,
     SpecCounts,
     Speculator,
@@ -79,14 +82,23 @@ def run(
     model: LlamaModel,
     prompt: list[int],
     n: int,
-    spec: DraftModelDrafter | None,
+    spec: Drafter | None,
     counts: SpecCounts | None = None,
     params: SamplingParams = GREEDY,
     end_id: int | None = END,
-    **kwargs: object,
+    min_tokens: int = 0,
 ) -> list[int]:
     return list(
-        generate(model, prompt, n, end_id, params, speculation=spec, spec_counts=counts, **kwargs)  # type: ignore[arg-type]
+        generate(
+            model,
+            prompt,
+            n,
+            end_id,
+            params,
+            min_tokens=min_tokens,
+            speculation=spec,
+            spec_counts=counts,
+        )
     )
 
 
@@ -232,15 +244,15 @@ def test_cancellation_mid_verify_leaves_the_caches_consistent(
     spec = Runner(model, SEQ, 4, prefix=pool, speculation=spec_drafter)
     fresh = Runner(model, SEQ, 4)
     cancel = threading.Event()
-    real = sampling.verify
+    real = speculative.verify  # what sampling calls, and the name patched there
     calls = 0
 
-    def cancelling(*args: object, **kwargs: object) -> list[int]:
+    def cancelling(*args: Any, **kwargs: Any) -> list[int]:
         nonlocal calls
         calls += 1
         if calls == 3:  # the request is cancelled while its third verify step runs
             cancel.set()
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+        return real(*args, **kwargs)
 
     try:
         prompt = [21, 22, 23, 24, 25, 26, 27]
@@ -281,7 +293,7 @@ def test_speculation_switches_itself_off_where_acceptance_is_low(model: LlamaMod
     never = next(t for t in range(3, model.config.vocab_size) if t not in plain)
     wrong = WrongDrafter(never)
     counts = SpecCounts()
-    assert run(model, prompt, 100, wrong, counts, end_id=None) == plain  # type: ignore[arg-type]
+    assert run(model, prompt, 100, wrong, counts, end_id=None) == plain
     # Off after every 4 verify steps, resting 8, 16, 32 and 64 decode steps: 76 steps in, the
     # fourth rest outlasts the request.
     assert counts.switched_off == 4
@@ -291,7 +303,7 @@ def test_speculation_switches_itself_off_where_acceptance_is_low(model: LlamaMod
 
 def test_off_switch_rests_and_doubles() -> None:
     counts = SpecCounts()
-    spec = Speculator(WrongDrafter(5), counts)  # type: ignore[arg-type]
+    spec = Speculator(WrongDrafter(5), counts)
     sampler = Sampler(GREEDY)
     asked = []
     for step in range(60):

@@ -75,7 +75,7 @@ def test_fit_check_int4_needs_fewer_bytes_and_says_so() -> None:
             8192,
             2048,
             0,
-            80 << 30,  # type: ignore[arg-type]
+            80 << 30,
         ).weight_bytes
         for w in ("dtype", "fp8", "int8", "int4")
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 DATA = Path(__file__).parent / "data" / "trtllm_1_2_cli.json"  # same layout in fake_support/
 _TYPES: dict[str, Any] = {"str": str, "int": int, "float": float}
@@ -21,7 +21,7 @@ class CliError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise CliError(message)
 
 

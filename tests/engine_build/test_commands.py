@@ -52,7 +52,7 @@ def spec(**kw: Any) -> BuildSpec:
     )
 
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "default fp8": {},
     "low latency gemm": {"gemm": "low_latency_gemm_plugin"},
     "gemm swiglu": {"gemm_swiglu": "gemm_swiglu_plugin"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,9 +28,9 @@ INS_PER_BLOCK = 4096 * 6 + 14336
 OTHER_8B = (2 * 128256 * 4096 + LAYERS * 2 * 4096 + 4096) * 2
 
 
-def spec(**kw: object) -> BuildSpec:
+def spec(**kw: Any) -> BuildSpec:
     kw.setdefault("trtllm", TrtllmInstall(Path("/opt/trtllm"), (), "/opt/src/quantize.py"))
-    return BuildSpec(source=Path("s.toml"), hf_model_dir=Path("/m"), work_dir=Path("/w"), **kw)  # type: ignore[arg-type]
+    return BuildSpec(source=Path("s.toml"), hf_model_dir=Path("/m"), work_dir=Path("/w"), **kw)
 
 
 def test_awq_passes_group_size_and_capped_calibration() -> None:

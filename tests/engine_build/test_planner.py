@@ -21,13 +21,14 @@ Llama-3.1-70B: H=8192, I=28672, L=80, heads 64, KV 8.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_build import planner
-from engine_build.checkpoint import read_shape, shape_from_config
+from engine_build.checkpoint import ModelShape, read_shape, shape_from_config
 from engine_build.errors import BuildError
 from engine_build.spec import BuildSpec
 
@@ -36,13 +37,12 @@ from .conftest import DATA
 GIB = 1 << 30
 
 
-def spec(**kw: object) -> BuildSpec:
-    tp = int(kw.get("tp_size", 1))  # type: ignore[call-overload]
-    kw.setdefault("gpu_ids", tuple(range(tp)))
-    return BuildSpec(source=Path("s.toml"), hf_model_dir=Path("m"), work_dir=Path("w"), **kw)  # type: ignore[arg-type]
+def spec(**kw: Any) -> BuildSpec:
+    kw.setdefault("gpu_ids", tuple(range(kw.get("tp_size", 1))))
+    return BuildSpec(source=Path("s.toml"), hf_model_dir=Path("m"), work_dir=Path("w"), **kw)
 
 
-def shape(name: str) -> planner.ModelShape:
+def shape(name: str) -> ModelShape:
     return read_shape(DATA / name)
 
 

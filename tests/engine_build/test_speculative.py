@@ -37,7 +37,7 @@ def spec(s: Speculative, **kw: Any) -> BuildSpec:
     )
 
 
-MODES = {
+MODES: dict[str, tuple[Speculative, dict[str, Any]]] = {
     "draft_target": (
         Speculative("draft_target", 4, draft_hf_model_dir=Path("/d")),
         {"enable_kv_cache_reuse": True},

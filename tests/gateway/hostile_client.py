@@ -133,9 +133,8 @@ async def attack_http(settings: dict[str, Any], out: dict[str, Any]) -> None:
             except aiohttp.ClientError as exc:  # a broken reply: the test shows which
                 out[name] = f"{type(exc).__name__}"
 
-        messages = {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 125_000}
-        messages["messages"][0] = {"role": "user", "content": marker}
-        big = json.dumps(messages).encode()
+        turns = [{"role": "user", "content": marker}] + [{"role": "user", "content": ""}] * 124_999
+        big = json.dumps({"model": "tiny", "messages": turns}).encode()
         digits = "1" + "0" * 400
         plain = json.dumps({"model": "tiny", "prompt": marker, "max_tokens": 2}).encode()
         await asyncio.gather(

@@ -17,11 +17,12 @@ class Clock:
         return self.now
 
 
-def _gate(clock: Clock, **estimate: float) -> ModelGate:
+def _gate(clock: Clock, token_fraction: float = 0.1) -> ModelGate:
     # 1 ms per prompt token, 10 ms per generated token; answers use a tenth of their limit.
-    fields = {"prefill_s_per_token": 0.001, "decode_s_per_token": 0.01, "token_fraction": 0.1}
-    fields.update(estimate)
-    return ModelGate("m", slots=1, max_queue=4, estimate=ServiceEstimate(**fields), clock=clock)
+    estimate = ServiceEstimate(
+        prefill_s_per_token=0.001, decode_s_per_token=0.01, token_fraction=token_fraction
+    )
+    return ModelGate("m", slots=1, max_queue=4, estimate=estimate, clock=clock)
 
 
 async def test_a_generation_that_outlived_the_average_still_holds_its_slot() -> None:

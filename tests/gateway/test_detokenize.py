@@ -154,11 +154,9 @@ def test_leading_space_token_keeps_its_space_after_the_first() -> None:
 
 def test_special_tokens_contribute_nothing() -> None:
     tok = TOKENIZERS["llama2"]
-    ids = [
-        tok.token_to_id("<s>"),
-        *tok.encode("hi", add_special_tokens=False).ids,
-        tok.token_to_id("</s>"),
-    ]
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    assert bos is not None and eos is not None
+    ids = [bos, *tok.encode("hi", add_special_tokens=False).ids, eos]
     assert decode_text(TABLES["llama2"], ids) == "hi"
 
 

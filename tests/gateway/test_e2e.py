@@ -6,6 +6,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -145,7 +146,11 @@ BAD = [
 @pytest.mark.parametrize(("fields", "code", "message"), BAD)
 @pytest.mark.parametrize("rpc", ["Generate", "Complete"])
 async def test_bad_input_gets_a_clear_status(
-    stub: pb_grpc.InferenceStub, rpc: str, fields: dict, code: grpc.StatusCode, message: str
+    stub: pb_grpc.InferenceStub,
+    rpc: str,
+    fields: dict[str, Any],
+    code: grpc.StatusCode,
+    message: str,
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         if rpc == "Generate":
@@ -179,8 +184,8 @@ def test_reflection_answers_under_its_v1_name_too(gateway_address: str) -> None:
 def test_health_and_reflection(gateway_address: str) -> None:
     with grpc.insecure_channel(gateway_address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "appliance.v1.Inference"):
-            reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+        for name in ("", "appliance.v1.Inference"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         db = ProtoReflectionDescriptorDatabase(channel)
         assert "appliance.v1.Inference" in db.get_services()

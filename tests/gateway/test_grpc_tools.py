@@ -209,7 +209,7 @@ async def test_one_engine_answer_is_the_same_call_on_both_apis(
         temperature=1.0,
         seed=5,
     )
-    http_tools = [
+    http_tools: list[dict[str, Any]] = [
         {"type": "function", "function": {"name": t.name, "description": t.description}}
         for t in (WEATHER, TIME)
     ]

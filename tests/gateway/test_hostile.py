@@ -153,7 +153,7 @@ def test_a_flood_of_one_warning_is_one_line_per_interval(
 ) -> None:
     throttled = Throttled(logging.getLogger("appliance.test"), interval_s=10.0)
     now = [1000.0]
-    monkeypatch.setattr(logline.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # logline calls time.monotonic()
     with caplog.at_level(logging.WARNING):
         for i in range(100):
             throttled.warning("bad body %d", i)

@@ -17,6 +17,7 @@ import grpc
 import openai
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from appliance.config import GatewayConfig, HttpConfig, ServerConfig
 from appliance.engine.runner import EngineStats
@@ -93,14 +94,27 @@ async def _post(running: RunningGateway, path: str, body: bytes) -> tuple[int, A
 # -- answers -----------------------------------------------------------------------------------
 
 
+def grpc_chat(chat: list[ChatCompletionMessageParam]) -> pb.ChatMessages:
+    """The same turns as the gateway's gRPC messages; every content here is plain text."""
+    turns = []
+    for m in chat:
+        content = m.get("content")
+        assert isinstance(content, str), content
+        turns.append(pb.ChatMessage(role=m["role"], content=content))
+    return pb.ChatMessages(messages=turns)
+
+
 async def test_chat_answers_and_a_cache_hit_matches_grpc(
     client: AsyncOpenAI, stub: pb_grpc.InferenceStub
 ) -> None:
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+    chat: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello?"},
+    ]
     grpc_reply = await stub.Complete(
         pb.GenerateRequest(
             model="tiny",
-            messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in chat]),
+            messages=grpc_chat(chat),
             max_tokens=12,
             temperature=0,
         )
@@ -109,7 +123,7 @@ async def test_chat_answers_and_a_cache_hit_matches_grpc(
         model="tiny",
         messages=chat,
         max_tokens=12,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     choice = reply.choices[0]
     assert choice.message.role == "assistant"
@@ -456,7 +470,7 @@ async def test_drain_ends_an_http_stream_as_cancelled(tiny: Tiny, engine: Engine
         drained = asyncio.ensure_future(running.drain(0.2))
         chunks += [c async for c in stream]
         await drained
-    assert chunks[-1].choices[0].finish_reason == "cancelled"  # type: ignore[comparison-overlap]
+    assert chunks[-1].choices[0].finish_reason == "cancelled"
 
 
 async def test_slow_and_silent_clients_are_cut_off(tiny: Tiny, engine: Engine) -> None:

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from appliance.client import generate
 from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
+from tests.gateway.test_http_api import grpc_chat
 
 MODEL = "tiny"
 
@@ -63,10 +65,10 @@ async def test_sdk_curl_and_grpc_agree(gateway: Gateway) -> None:
     import grpc
 
     client = openai.OpenAI(base_url=gateway.http + "/v1", api_key="unused", max_retries=0)
-    chat = [{"role": "user", "content": "Hello from HTTP"}]
+    chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello from HTTP"}]
     reply = client.chat.completions.create(
         model=MODEL,
-        messages=chat,  # type: ignore[arg-type]
+        messages=chat,
         max_tokens=10,
         temperature=0,
     )
@@ -78,7 +80,7 @@ async def test_sdk_curl_and_grpc_agree(gateway: Gateway) -> None:
             pb_grpc.InferenceStub(channel),
             pb.GenerateRequest(
                 model=MODEL,
-                messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in chat]),
+                messages=grpc_chat(chat),
                 max_tokens=10,
                 temperature=0,
             ),

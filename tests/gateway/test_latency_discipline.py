@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -125,14 +126,14 @@ async def health_becomes(channel: grpc.aio.Channel, service: str, status: int) -
                 return
 
 
-def req(model: str = "primary", **kw: object) -> pb.GenerateRequest:
+def req(model: str = "primary", **kw: Any) -> pb.GenerateRequest:
     kw.setdefault("prompt", "The appliance answers")
     kw.setdefault("max_tokens", 8)
-    return pb.GenerateRequest(model=model, **kw)  # type: ignore[arg-type]
+    return pb.GenerateRequest(model=model, **kw)
 
 
 # Greedy: the tiny model's answer to this prompt runs all 1500 tokens (a sampled one may end early).
-LONG = dict(
+LONG: dict[str, Any] = dict(
     prompt="Tell me everything",
     max_tokens=1500,
     temperature=0.0,

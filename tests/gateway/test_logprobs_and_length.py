@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionTokenLogprob
 
 from appliance.backends import wire
 from appliance.backends.base import GREEDY, GenerationRequest
@@ -54,28 +55,40 @@ async def test_chat_logprobs_whole_and_streamed(
     client: AsyncOpenAI,  # noqa: F811
     stub: pb_grpc.InferenceStub,  # noqa: F811
 ) -> None:
-    args: dict[str, Any] = dict(
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
+    whole = await client.chat.completions.create(
         model="tiny",
-        messages=[{"role": "user", "content": PROMPT}],
+        messages=messages,
         max_tokens=6,
         temperature=0,
         logprobs=True,
         top_logprobs=0,
         extra_body=BYPASS,
     )
-    whole = await client.chat.completions.create(**args)
-    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
-    assert content is not None and len(content) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert whole.choices[0].logprobs is not None and whole.usage is not None
+    content = whole.choices[0].logprobs.content
+    assert content is not None and len(content) == whole.usage.completion_tokens
     assert all(e.logprob <= 0 and e.top_logprobs == [] for e in content)
     assert "".join(bytes(e.bytes or []).decode(errors="replace") for e in content).strip()
-    streamed = []
-    async for chunk in await client.chat.completions.create(stream=True, **args):
+    streamed: list[ChatCompletionTokenLogprob] = []
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=0,
+        extra_body=BYPASS,
+        stream=True,
+    )
+    async for chunk in stream:
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content or []
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     # Without logprobs the answer says null, as OpenAI's does.
-    args.pop("logprobs"), args.pop("top_logprobs")
-    plain = await client.chat.completions.create(**args)
+    plain = await client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body=BYPASS
+    )
     assert plain.choices[0].logprobs is None
 
 

@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import jsonschema
 import openai
 import pydantic
 import pytest
+from openai import omit
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageParam,
+)
+from openai.types.shared_params import ResponseFormatJSONSchema
 
 from appliance.config import HttpConfig, ServerConfig
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from engine_build.repo import write_hf_repository
-from tests.conftest import Tiny
+from tests.conftest import Engine, Tiny
 from tests.support import gateway_config
 
 SCHEMA = {
@@ -30,20 +36,21 @@ SCHEMA = {
     "required": ["city", "rank"],
     "additionalProperties": False,
 }
-WEATHER = {
+WEATHER_PARAMETERS: dict[str, object] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "get_weather",
         "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_PARAMETERS,
     },
 }
-CHAT = [{"role": "user", "content": "Answer in JSON."}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Answer in JSON."}]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +69,7 @@ async def served(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> AsyncI
 
 
 @pytest.fixture(scope="module")
-async def gateway(tiny: Tiny, served: str, engine: Any) -> AsyncIterator[RunningGateway]:
+async def gateway(tiny: Tiny, served: str, engine: Engine) -> AsyncIterator[RunningGateway]:
     """`tiny` decodes under guides; `plain` is the shared engine's model, without them."""
     config = gateway_config(
         tiny.tokenizer_dir,
@@ -86,7 +93,7 @@ def client(gateway: RunningGateway) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
 
 
-def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+def _schema_format(schema: dict[str, object]) -> ResponseFormatJSONSchema:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
@@ -94,11 +101,11 @@ async def test_every_sampled_answer_under_a_schema_validates(client: openai.Asyn
     for seed in range(8):
         reply = await client.chat.completions.create(
             model="tiny",
-            messages=CHAT,  # type: ignore[arg-type]
+            messages=CHAT,
             max_tokens=256,
             temperature=1.0,
             seed=seed,
-            response_format=_schema_format(SCHEMA),  # type: ignore[arg-type]
+            response_format=_schema_format(SCHEMA),
         )
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice
@@ -112,7 +119,7 @@ async def test_json_object_and_a_streamed_schema(client: openai.AsyncOpenAI) -> 
     for seed in range(8):
         reply = await client.chat.completions.create(
             model="tiny",
-            messages=CHAT,  # type: ignore[arg-type]
+            messages=CHAT,
             max_tokens=256,
             temperature=1.0,
             seed=seed,
@@ -125,12 +132,12 @@ async def test_json_object_and_a_streamed_schema(client: openai.AsyncOpenAI) -> 
     assert finishes.count("stop") >= 4, finishes
     stream = await client.chat.completions.create(
         model="tiny",
-        messages=CHAT,  # type: ignore[arg-type]
+        messages=CHAT,
         max_tokens=256,
         temperature=0.7,
         seed=3,
         stream=True,
-        response_format=_schema_format(SCHEMA),  # type: ignore[arg-type]
+        response_format=_schema_format(SCHEMA),
     )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     jsonschema.validate(json.loads(text), SCHEMA)
@@ -144,7 +151,7 @@ class City(pydantic.BaseModel):
 async def test_the_sdks_parse_helper_gets_its_model(client: openai.AsyncOpenAI) -> None:
     reply = await client.beta.chat.completions.parse(
         model="tiny",
-        messages=CHAT,  # type: ignore[arg-type]
+        messages=CHAT,
         max_tokens=256,
         temperature=0,
         response_format=City,
@@ -157,17 +164,18 @@ async def test_the_sdks_parse_helper_gets_its_model(client: openai.AsyncOpenAI) 
 async def test_a_required_tool_choice_is_always_a_call(
     client: openai.AsyncOpenAI, stream: bool
 ) -> None:
-    ask: dict[str, Any] = dict(
-        model="tiny",
-        messages=[{"role": "user", "content": "Weather?"}],
-        max_tokens=128,
-        temperature=1.0,
-        seed=11,
-        tools=[WEATHER],
-        tool_choice="required",
-    )
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather?"}]
     if stream:
-        chunks = await client.chat.completions.create(**ask, stream=True)
+        chunks = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=128,
+            temperature=1.0,
+            seed=11,
+            tools=[WEATHER],
+            tool_choice="required",
+            stream=True,
+        )
         calls: dict[int, dict[str, str]] = {}
         finish = None
         async for chunk in chunks:
@@ -180,14 +188,23 @@ async def test_a_required_tool_choice_is_always_a_call(
         assert finish == "tool_calls" and len(calls) == 1
         name, arguments = calls[0]["name"], calls[0]["arguments"]
     else:
-        reply = await client.chat.completions.create(**ask)
+        reply = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=128,
+            temperature=1.0,
+            seed=11,
+            tools=[WEATHER],
+            tool_choice="required",
+        )
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
         call = choice.message.tool_calls[0]
-        name, arguments = call.function.name, call.function.arguments  # type: ignore[union-attr]
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall), call
+        name, arguments = call.function.name, call.function.arguments
     assert name == "get_weather"
-    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])  # type: ignore[index]
+    jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
 
 
 async def test_a_guide_for_a_model_without_guided_decoding_is_400(
@@ -196,20 +213,25 @@ async def test_a_guide_for_a_model_without_guided_decoding_is_400(
     with pytest.raises(openai.BadRequestError, match="has no guided decoding"):
         await client.chat.completions.create(
             model="plain",
-            messages=CHAT,  # type: ignore[arg-type]
+            messages=CHAT,
             max_tokens=8,
             response_format={"type": "json_object"},
         )
 
 
 async def test_a_guided_answer_is_cached_under_its_guide(client: openai.AsyncOpenAI) -> None:
-    ask: dict[str, Any] = dict(model="tiny", messages=CHAT, max_tokens=64, temperature=0)
-    free = await client.chat.completions.create(**ask)
-    guided = await client.chat.completions.create(**ask, response_format=_schema_format(SCHEMA))
-    again = await client.chat.completions.create(**ask, response_format=_schema_format(SCHEMA))
-    tiers = [r.model_extra["appliance"]["cache_tier"] for r in (free, guided, again)]  # type: ignore[index]
+    replies = [
+        await client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=64, temperature=0, response_format=guide
+        )
+        for guide in (omit, _schema_format(SCHEMA), _schema_format(SCHEMA))
+    ]
+    tiers = []
+    for reply in replies:
+        assert reply.model_extra is not None
+        tiers.append(reply.model_extra["appliance"]["cache_tier"])
     assert tiers == ["miss", "miss", "l1"]
-    jsonschema.validate(json.loads(again.choices[0].message.content or ""), SCHEMA)
+    jsonschema.validate(json.loads(replies[2].choices[0].message.content or ""), SCHEMA)
 
 
 async def test_langchain_structured_output_and_tools(gateway: RunningGateway) -> None:
@@ -219,12 +241,12 @@ async def test_langchain_structured_output_and_tools(gateway: RunningGateway) ->
     llm = ChatOpenAI(
         model="tiny",
         base_url=f"http://127.0.0.1:{gateway.http.port}/v1",
-        api_key="unused",  # type: ignore[arg-type]
+        api_key=pydantic.SecretStr("unused"),
         max_retries=0,
         temperature=0,
         max_completion_tokens=256,
     )
     city = await llm.with_structured_output(City).ainvoke("A city?")
     assert isinstance(city, City)
-    message = await llm.bind_tools([WEATHER], tool_choice="required").ainvoke("Weather?")
-    assert [c["name"] for c in message.tool_calls] == ["get_weather"]  # type: ignore[attr-defined]
+    message = await llm.bind_tools([dict(WEATHER)], tool_choice="required").ainvoke("Weather?")
+    assert [c["name"] for c in message.tool_calls] == ["get_weather"]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -30,14 +31,14 @@ def cache(redis_server: RedisServer) -> CacheConfig:
     return CacheConfig(redis=RedisSettings(url=redis_server.url, timeout_ms=500.0, mac_key=MAC_KEY))
 
 
-def req(namespace: str = "", prompt: str | None = None, **kw: object) -> pb.GenerateRequest:
+def req(namespace: str = "", prompt: str | None = None, **kw: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         model="tiny",
         prompt=prompt or f"auth question {next(prompts)}",
         max_tokens=4,
         temperature=0,
         namespace=namespace,
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 
@@ -50,18 +51,22 @@ class Client:
 
     async def complete(self, request: pb.GenerateRequest, token: str | None) -> pb.CompleteResponse:
         metadata = bearer(token) if token else ()
-        return await self.stub.Complete(request, timeout=30, metadata=metadata)
+        reply: pb.CompleteResponse = await self.stub.Complete(
+            request, timeout=30, metadata=metadata
+        )
+        return reply
 
     async def refused(self, request: pb.GenerateRequest, token: str | None) -> grpc.aio.AioRpcError:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await self.complete(request, token)
         return err.value
 
-    async def invalidate(self, token: str | None, **kw: object) -> pb.InvalidateResponse:
+    async def invalidate(self, token: str | None, **kw: Any) -> pb.InvalidateResponse:
         metadata = bearer(token) if token else ()
-        return await self.admin.Invalidate(
+        reply: pb.InvalidateResponse = await self.admin.Invalidate(
             pb.InvalidateRequest(**kw), timeout=30, metadata=metadata
-        )  # type: ignore[arg-type]
+        )
+        return reply
 
 
 @pytest.fixture
@@ -168,7 +173,7 @@ async def test_invalidate_needs_admin_and_refused_calls_remove_nothing(
     before = await _entries(gateway.gw, redis_server)
     assert before == (2, 2)
     caplog.set_level(logging.INFO, logger="appliance.access")
-    refusals = [
+    refusals: list[tuple[str | None, dict[str, Any], grpc.StatusCode]] = [
         (None, {"all": True}, grpc.StatusCode.UNAUTHENTICATED),
         ("ak_000000000000_nonsense", {"all": True}, grpc.StatusCode.UNAUTHENTICATED),
         (user, {"namespace": "a"}, grpc.StatusCode.PERMISSION_DENIED),
@@ -294,8 +299,8 @@ async def test_a_forged_or_moved_redis_entry_is_never_served(
         await _entries(gw, redis_server)
         await client.channel.close()
     r = redis_server.client()
-    (key_a,) = r.keys("appliance:tenant-a:*")
-    (key_b,) = r.keys("appliance:tenant-b:*")
+    (key_a,) = redis_server.keys("appliance:tenant-a:*")
+    (key_b,) = redis_server.keys("appliance:tenant-b:*")
     value_a = r.get(key_a)
     assert isinstance(value_a, bytes)
     foreign_key = RedisSettings(url=redis_server.url, mac_key=b"another-appliance-key-0123456789")

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import ssl
+from collections.abc import Awaitable
 from pathlib import Path
 
 import grpc
@@ -42,7 +43,10 @@ def server_cert(ca: CA) -> Issued:
 
 
 async def _complete(channel: grpc.aio.Channel, **kw: object) -> pb.CompleteResponse:
-    return await pb_grpc.InferenceStub(channel).Complete(hit_request(), timeout=10, **kw)
+    reply: pb.CompleteResponse = await pb_grpc.InferenceStub(channel).Complete(
+        hit_request(), timeout=10, **kw
+    )
+    return reply
 
 
 async def _refused(channel: grpc.aio.Channel) -> grpc.StatusCode:
@@ -189,7 +193,7 @@ async def test_a_renewed_certificate_is_used_without_failing_a_stream(
             assert final is not None and final.HasField("final")
             done["streams"] += 1
 
-    async def guarded(work: asyncio.Future[None] | asyncio.Task[None]) -> None:
+    async def guarded(work: Awaitable[None]) -> None:
         try:
             await work
         except BaseException as exc:  # every failure is the test's failure

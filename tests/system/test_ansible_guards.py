@@ -18,7 +18,7 @@ ANSIBLE = REPO / "ansible"
 ANSIBLE_BIN = REPO / ".venv-ansible" / "bin"
 
 # Every required variable of the GPU profile's roles, with a value that passes validation.
-GPU_REQUIRED = {
+GPU_REQUIRED: dict[str, object] = {
     "appliance_wheelhouse": {"dir": "/srv/wheelhouse"},
     "host_tuning_profile_src": "/srv/profile.toml",
     "engine_build_spec_src": "/srv/spec.toml",

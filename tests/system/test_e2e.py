@@ -90,7 +90,7 @@ def inventory(machine: Machine, embedder_dir: Path) -> Callable[..., Path]:
     directory this test session exported, on the controller)."""
 
     def write(**extra: object) -> Path:
-        return machine.inventory(appliance_semantic_embedder_src=str(embedder_dir), **extra)
+        return machine.inventory("cpu", appliance_semantic_embedder_src=str(embedder_dir), **extra)
 
     return write
 
@@ -266,7 +266,11 @@ def test_stop_target_drains_and_stops_cleanly(machine: Machine) -> None:
     # `systemctl stop` returns once the target's own job is done; the services it consists of (PartOf=)
     # are stopped by jobs of the same transaction that may still be draining.
     for unit in ["appliance.target", *UNITS]:
-        machine.wait_for(f"{unit} to stop", lambda u=unit: machine.is_active(u) == "inactive", 60)
+
+        def inactive(u: str = unit) -> bool:
+            return machine.is_active(u) == "inactive"
+
+        machine.wait_for(f"{unit} to stop", inactive, 60)
     for unit in UNITS:
         assert machine.show(unit, "Result") == "success", machine.journal(unit)[-2000:]
     journal = machine.journal("appliance-gateway.service")

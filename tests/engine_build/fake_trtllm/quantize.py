@@ -9,9 +9,14 @@ Every call is appended to $FAKE_TRTLLM_CALLS.
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, os.path.join(sys.prefix, "fake_support"))
-from recorded_cli import parse
+if TYPE_CHECKING:
+    # The installation copies tests/engine_build/recorded_cli.py into fake_support/.
+    from tests.engine_build.recorded_cli import parse
+else:
+    sys.path.insert(0, os.path.join(sys.prefix, "fake_support"))
+    from recorded_cli import parse
 
 args = parse("quantize.py", sys.argv[1:])
 calls = os.environ.get("FAKE_TRTLLM_CALLS")

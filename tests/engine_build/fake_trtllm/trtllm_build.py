@@ -10,9 +10,14 @@ makes it fail after partial output; FAKE_TRTLLM_FAIL=no-engine makes it exit 0 w
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, os.path.join(sys.prefix, "fake_support"))
-from recorded_cli import parse
+if TYPE_CHECKING:
+    # The installation copies tests/engine_build/recorded_cli.py into fake_support/.
+    from tests.engine_build.recorded_cli import parse
+else:
+    sys.path.insert(0, os.path.join(sys.prefix, "fake_support"))
+    from recorded_cli import parse
 
 args = parse("trtllm-build", sys.argv[1:])
 calls = os.environ.get("FAKE_TRTLLM_CALLS")
