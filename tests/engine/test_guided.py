@@ -480,8 +480,9 @@ async def test_a_guide_on_a_model_without_guided_decoding_is_refused_as_the_back
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub, req, metadata=(("triton_grpc_error", "true"),))
     assert err.value.code() == grpc.StatusCode.INTERNAL
-    # Without a guide type the model generates as usual (a guide text alone is ignored).
-    ids, _ = await generated(stub, guided(None, "ignored", model=PLAIN, max_tokens=4))
+    # Without a guide type the model generates as usual (a guide text alone is ignored); no end
+    # id, so a sampled end token cannot cut the answer short.
+    ids, _ = await generated(stub, guided(None, "ignored", model=PLAIN, max_tokens=4, end_id=None))
     assert len(ids) == 4
 
 
