@@ -18,8 +18,8 @@ Wall time on a shared machine varies by more than the few per cent a resting dra
 the table also gives the "step-cost ratio": every forward pass of the target counted by its rows
 (a decode step is 1 row, a verify step of k drafts k + 1), each row count priced at its median
 wall time measured in the same run (interleaved, at the workload's middle position), summed and
-divided by the same for off. It counts the target only: a draft model's own steps are not in it
-(shown as "-" for the draft modes).
+divided by the same for off; a draft model's own passes (its catch-up over the text and its
+draft steps) are counted and priced the same way, on the draft model.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,6 +71,19 @@ class Result:
     itl_s: float
     counts: SpecCounts
     passes: Counter[int] = field(default_factory=Counter)  # target forward passes by rows
+    draft_passes: Counter[int] = field(default_factory=Counter)  # the draft model's, by rows
+
+
+class CountingDraftModel(DraftModelDrafter):
+    """The draft-model drafter, counting its own forward passes by rows."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.passes: Counter[int] = Counter()
+
+    def _run(self, tokens: list[int], start: int) -> torch.Tensor:
+        self.passes[len(tokens)] += 1
+        return super()._run(tokens, start)
 
 
 class CountingDecode:
@@ -92,8 +106,13 @@ class CountingDecode:
         return self._step.rows(token_ids, start)
 
 
-def row_costs(model: LlamaModel, prompt: list[int], pos: int, rows: set[int]) -> dict[int, float]:
-    """Median wall time of one target pass of each row count at `pos`, the counts interleaved."""
+def row_costs(
+    model: LlamaModel, prompt: list[int], pos: int, rows: set[int], every_row: bool = True
+) -> dict[int, float]:
+    """Median wall time of one pass of each row count at `pos`, the counts interleaved: logits
+    of every row (a verify step) or, with `every_row` False, of the last (a draft's catch-up)."""
+    if not rows:
+        return {}
     step = CountingDecode(model, pos + max(rows) + 1)
     step.prefill(prompt[:1] * pos, 0)
     times: dict[int, list[float]] = {r: [] for r in rows}
@@ -102,8 +121,10 @@ def row_costs(model: LlamaModel, prompt: list[int], pos: int, rows: set[int]) ->
             began = time.perf_counter()
             if r == 1:
                 step(prompt[0], pos)
-            else:
+            elif every_row:
                 step.rows(prompt[:1] * r, pos)
+            else:
+                step.prefill(prompt[:1] * r, pos)
             times[r].append(time.perf_counter() - began)
     return {r: statistics.median(t) for r, t in times.items()}
 
@@ -127,6 +148,9 @@ def run(
     stamps: list[float] = []
     tokens: list[int] = []
     step = CountingDecode(model, len(prompt) + n)
+    drafter = spec if isinstance(spec, CountingDraftModel) else None
+    if drafter is not None:
+        drafter.passes = Counter()
     for token in generate(
         model,
         prompt,
@@ -141,7 +165,7 @@ def run(
         stamps.append(time.perf_counter())
         tokens.append(token)
     itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
-    return Result(tokens, itl, counts, step.passes)
+    return Result(tokens, itl, counts, step.passes, drafter.passes if drafter else Counter())
 
 
 def step_cost(passes: Counter[int], costs: dict[int, float]) -> float:
@@ -189,8 +213,8 @@ def measure(args: argparse.Namespace, workloads: list[str]) -> None:
         "off": None,
         "ngram": NgramSpeculation(k, 3),
         "ngram-always": NgramSpeculation(k, 3, NEVER_OFF),
-        "draft": DraftModelDrafter(draft, seq, k, 256, switch),
-        "draft-always": DraftModelDrafter(draft, seq, k, 256, NEVER_OFF),
+        "draft": CountingDraftModel(draft, seq, k, 256, switch),
+        "draft-always": CountingDraftModel(draft, seq, k, 256, NEVER_OFF),
     }
     print(
         f"SmolLM2-135M float32, {args.threads} thread(s), greedy, {args.tokens} new tokens, "
@@ -218,7 +242,10 @@ def measure(args: argparse.Namespace, workloads: list[str]) -> None:
             for mode in modes:
                 assert results[mode][rep].tokens == results["off"][rep].tokens, (workload, mode)
         rows = {r for rs in results.values() for result in rs for r in result.passes}
-        costs = row_costs(model, prompt, len(prompt) + args.tokens // 2, rows)
+        middle = len(prompt) + args.tokens // 2
+        costs = row_costs(model, prompt, middle, rows)
+        draft_rows = {r for rs in results.values() for result in rs for r in result.draft_passes}
+        draft_costs = row_costs(draft, prompt, middle, draft_rows, every_row=False)
         base = statistics.median(itls["off"])
         for mode in modes:
             c = results[mode][-1].counts
@@ -226,13 +253,12 @@ def measure(args: argparse.Namespace, workloads: list[str]) -> None:
             per_step = f"{c.accepted / c.verify_steps:.2f}" if c.verify_steps else "-"
             rate = f"{c.accepted / c.proposed:.0%}" if c.proposed else "-"
             reps = " / ".join(f"{a / b:.2f}" for a, b in zip(itls[mode], itls["off"], strict=True))
-            modelled = "-"
-            if not mode.startswith("draft"):
-                ratios = [
-                    step_cost(r.passes, costs) / step_cost(o.passes, costs)
-                    for r, o in zip(results[mode], results["off"], strict=True)
-                ]
-                modelled = " / ".join(f"{x:.3f}" for x in ratios)
+            ratios = [
+                (step_cost(r.passes, costs) + step_cost(r.draft_passes, draft_costs))
+                / step_cost(o.passes, costs)
+                for r, o in zip(results[mode], results["off"], strict=True)
+            ]
+            modelled = " / ".join(f"{x:.3f}" for x in ratios)
             print(
                 f"| {workload} | {mode} | {per_step} | {rate} | {c.verify_steps} | "
                 f"{c.switched_off} | {itl * 1e3:.1f} | {itl / base:.2f} | {reps} | {modelled} |"

@@ -23,8 +23,9 @@ accepted per verify step over the last `window` verify steps fall below the draf
 drafting rests for `cooldown` tokens (doubled each time it switches off again in the request).
 With `probe_every` set, the drafter remembers across requests instead (`AcceptanceMemory`): a
 request starts with drafting resting when the recent verify steps did not pay, and then drafts only
-one probe (a single verify step) every `probe_every` tokens, or fewer where a probe costs more than
-a small share of the time between probes, until the remembered acceptance reaches
+one probe (a single verify step) every `probe_every` tokens of the drafter's traffic (the spacing
+carries from request to request), or fewer where a probe costs more than a small share of the time
+between probes, until the remembered acceptance reaches
 break-even again; a drafting request goes back to probing as soon as the remembered acceptance
 falls below break-even (after two verify steps of its own). The break-even is then
 measured rather than assumed: a verify step that costs c decode steps pays when it accepts more
@@ -84,8 +85,9 @@ class OffSwitch:
 
     `probe_every` > 0 uses the drafter's `AcceptanceMemory` instead of the window: `min_accepted`
     is the break-even until the memory has measured one, a request whose drafter's recent verify
-    steps did not pay starts probing (one verify step, then at least `probe_every` - 1 decode
-    steps resting: more where the measured probe cost asks, `AcceptanceMemory.probe_gap`), and a drafting request goes back to probing as soon as the remembered mean falls
+    steps did not pay probes (one verify step, then at least `probe_every` - 1 decode steps
+    resting, counted along the drafter's requests: more where the measured probe cost asks,
+    `AcceptanceMemory.probe_gap`), and a drafting request goes back to probing as soon as the remembered mean falls
     below break-even (after `Speculator.SETTLE_STEPS` verify steps of its own), not after a
     window: a window of unpaid verify steps after each paying probe is what a low-acceptance
     workload would pay again and again. 0: each request on its own."""
@@ -111,6 +113,10 @@ class AcceptanceMemory:
     MAX_PROBE_GAP = 1024
 
     def __init__(self) -> None:
+        # Tokens the drafter still rests before its next probe, carried from request to request:
+        # probes are spaced along the drafter's traffic, so a short request is not probed at its
+        # first token every time.
+        self.rest = 0
         self.accepted: float | None = None
         self.verify_s: float | None = None
         self.decode_s: float | None = None
@@ -244,7 +250,7 @@ class Speculator:
         self._recent: deque[int] = deque(maxlen=max(1, self.switch.window))
         self._resting = 0
         self._cooldown = self.switch.cooldown
-        # Probing: drafting rests but for one verify step every probe_every tokens.
+        # Probing: drafting rests but for one verify step every probe gap (AcceptanceMemory.rest).
         self.probing = self.memory is not None and not self.memory.pays(self.switch.min_accepted)
         # Verify steps this request has drafted since it last probed.
         self._drafted = 0
@@ -266,6 +272,9 @@ class Speculator:
     def _propose(self, text: Sequence[int], limit: int, sampler: Sampler) -> Draft | None:
         if self._resting > 0:
             self._resting -= 1
+            return None
+        if self.probing and self.memory is not None and self.memory.rest > 0:
+            self.memory.rest -= 1
             return None
         if limit <= 0:
             return None
@@ -304,7 +313,7 @@ class Speculator:
                 return
             self.counts.switched_off += 1
             self.probing = True
-        self._resting = memory.probe_gap(self.switch.probe_every) - 1 if self.probing else 0
+        memory.rest = memory.probe_gap(self.switch.probe_every) - 1 if self.probing else 0
 
 
 def propose(text: Sequence[int], k: int, ngram: int) -> list[int]:

@@ -197,8 +197,17 @@ def test_a_resting_request_probes_at_the_measured_gap() -> None:
     drafter = low(Drafter())
     drive(Speculator(drafter, SpecCounts(), clock), 200, clock=clock, costs=(1.0, 3.0))
     assert drafter.memory.probe_gap(16) == 100
+    drafter.memory.rest = 0
     spec = Speculator(drafter, SpecCounts(), clock)
     assert drive(spec, 250, clock=clock, costs=(1.0, 3.0)) == [0, 100, 200]
+
+
+def test_probes_are_spaced_along_the_drafters_traffic_not_per_request() -> None:
+    # Requests of 10 tokens, a probe every 16 tokens: the first request probes at its first
+    # token, the next 6 tokens into it (16 after the last probe), the third not at all.
+    drafter = low(Drafter())
+    asked = [drive(speculator(drafter), 10) for _ in range(4)]
+    assert asked == [[0], [6], [], [2]]
 
 
 def test_each_drafter_instance_has_its_own_memory() -> None:
