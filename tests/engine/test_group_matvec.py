@@ -149,3 +149,17 @@ def test_decode_steps_on_triton_kernels_use_the_matvec_and_prefill_does_not(
     assert calls == []
     # The eager step rounds each dequantised weight to bf16; the kernel keeps it in float32.
     assert float((got - ref).norm() / ref.norm()) < 0.01
+
+
+def test_auto_kernels_are_triton_only_on_cuda_where_triton_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The condition of the tests above: the decode step runs on the Triton kernels (and so INT8
+    and INT4 on the matvec) by default only on a CUDA device where Triton imports."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kernels.resolve_kernels("auto", cpu) == "torch"  # even under the interpreter
+    monkeypatch.setattr(kernels, "triton_problem", lambda device: None)
+    assert kernels.resolve_kernels("auto", cuda) == "triton"
+    monkeypatch.setattr(kernels, "triton_problem", lambda device: "no triton")
+    assert kernels.resolve_kernels("auto", cuda) == "torch"
+    assert kernels.resolve_kernels("torch", cuda) == "torch"
