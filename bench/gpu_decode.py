@@ -7,8 +7,9 @@ device (`--shape llama-3.1-8b`: 32 layers, 4096 hidden, 14336 intermediate, 32/8
 - the floor: a device-to-device copy's bandwidth (bytes read + bytes written over time, best of
   several) measured in this run, and per variant the weight bytes a batch-1 decode step must read
   divided by it: no decoder can step faster than that;
-- per variant (bf16 or FP8 weights; eager or CUDA-graph decode; the captured step on eager torch
-  kernels, on the fused Triton kernels (`--kernels triton`), or torch.compile'd as an anchor):
+- per variant (bf16, FP8, or INT8/INT4 group-128 weights; eager or CUDA-graph decode; the
+  captured step on eager torch kernels, on the fused Triton kernels (`--kernels triton`), or
+  torch.compile'd as an anchor):
   decode latency per token at batch 1, P50/P99 over `--tokens` tokens (256 by default) after a
   warm-up; the captured step's device time from replays enqueued back to back between two CUDA
   events (no host loop in the timing); kernels per decode step (torch.profiler; on a CPU, aten
@@ -58,8 +59,9 @@ import torch
 from appliance.engine.decode import Capture, GraphDecode, cuda_graph_capture, decode_spans
 from appliance.engine.device import enter_device
 from appliance.engine.kernels import triton_problem
-from appliance.engine.linear import Scaling
+from appliance.engine.linear import WeightQuant
 from appliance.engine.llama import LlamaModel
+from appliance.engine.quantized import GroupQuant
 from appliance.engine.random_weights import random_config, random_model
 from appliance.engine.repository import KvCacheParams
 from appliance.engine.runner import Emission, Job, Runner, build_runner
@@ -76,11 +78,12 @@ REUSED_PREFIX = 2000
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of running the decode step: weights, graph capture, and the captured step's body
+    """One way of running the decode step: weights (`fp8`: the model dtype when None, else FP8
+    with that scaling or INT8/INT4 group-wise), graph capture, and the captured step's body
     (`kernels` "torch" or "triton"; `compiled`: torch.compile of the eager torch step, an anchor)."""
 
     name: str
-    fp8: Scaling | None
+    fp8: WeightQuant | None
     graph: bool
     kernels: Literal["torch", "triton"] = "torch"
     compiled: bool = False
@@ -92,6 +95,10 @@ VARIANTS = (  # in the order run: what a short time budget must not miss first, 
     Variant("fp8 graph triton", "channel", True, "triton"),
     Variant("fp8 graph", "channel", True),
     Variant("fp8-tensor graph", "tensor", True),
+    # Weight-only INT8/INT4 (group 128): the fused step's matrix-vector kernels dequantise in
+    # registers; the floor counts the packed weights with their scales and zero points.
+    Variant("int8 graph triton", GroupQuant(8, 128), True, "triton"),
+    Variant("int4 graph triton", GroupQuant(4, 128), True, "triton"),
     Variant("bf16 eager", None, False),
     Variant("fp8 eager", "channel", False),
     Variant("bf16 graph compile", None, True, compiled=True),
@@ -263,8 +270,8 @@ def measure_variant(
 
 def dense_matmul_ms(model: LlamaModel, tokens: int, device: torch.device, runs: int = 3) -> float:
     """Device time of a prefill's dense matrix products alone: every block's linear layers (as
-    the model holds them: bf16 or FP8) applied to `tokens` rows, best of `runs`. The compute a
-    prefill of that many tokens cannot avoid, measured in the same run as its TTFT."""
+    the model holds them: bf16, FP8, INT8 or INT4) applied to `tokens` rows, best of `runs`. The
+    compute a prefill of that many tokens cannot avoid, measured in the same run as its TTFT."""
     c = model.config
     gen = torch.Generator(device=device).manual_seed(0)
 

@@ -3,8 +3,9 @@
 The same step as `LlamaModel.decode_static` (its reference), fused: per block one launch each for
 RMSNorm with the residual add before it, RoPE of q and k with the KV-cache write, attention over
 the live positions (two: the splits and their combination), SiLU(gate) * up, and the four matrix
-products. FP8 weights are multiplied by a weight-only (W8A16) matrix-vector kernel that widens
-them in registers, so a step quantises no activation. Every shape is fixed by the span and every
+products. FP8, INT8 and INT4 weights are multiplied by weight-only matrix-vector kernels that
+dequantise them in registers, so a step quantises no activation and writes no widened weight (the
+layers' own INT8/INT4 call dequantises the whole weight; prefill keeps it). Every shape is fixed by the span and every
 position is read on the device, so a CUDA graph replays it.
 """
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from appliance.engine import kernels
 from appliance.engine.linear import Fp8Linear, Linear
+from appliance.engine.quantized import Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from appliance.engine.llama import KVCache, LlamaModel
@@ -25,9 +27,14 @@ __all__ = ["decode_step", "matvec"]
 
 
 def matvec(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """One token through a linear layer: FP8 weights by the W8A16 kernel, others by F.linear."""
+    """One token through a linear layer: FP8, INT8 and INT4 (its "dequantize" layout) weights by
+    the weight-only matrix-vector kernels, others by the layer itself."""
     if isinstance(layer, Fp8Linear):
         return kernels.fp8_matvec(x, layer.weight, layer.scale, layer.out_dtype)
+    if isinstance(layer, Int8Linear):
+        return kernels.int8_matvec(x, layer.weight, layer.scale)
+    if isinstance(layer, Int4Linear) and layer.kernel == "dequantize":
+        return kernels.int4_matvec(x, layer.packed, layer.scales_and_zeros, layer.group_size)
     return layer(x)
 
 

@@ -2,8 +2,8 @@
 
 Each function takes and returns torch tensors and does what a few eager torch calls of
 `LlamaModel` do, in one launch (two for attention): RMSNorm with the residual add before it, RoPE
-on q and k with the KV-cache write, SiLU(gate) * up, a weight-only FP8 matrix-vector product, and
-attention over the live cache positions split across programs. The eager torch step stays the
+on q and k with the KV-cache write, SiLU(gate) * up, weight-only FP8, INT8 and INT4 matrix-vector
+products, and attention over the live cache positions split across programs. The eager torch step stays the
 reference they are tested against.
 
 Triton is imported only when a kernel is first launched, so hosts without it (CPU hosts) never
@@ -24,6 +24,8 @@ __all__ = [
     "KernelChoice",
     "decode_attention",
     "fp8_matvec",
+    "int4_matvec",
+    "int8_matvec",
     "interpreting",
     "resolve_kernels",
     "rms_norm",
@@ -37,7 +39,8 @@ KernelChoice = Literal["auto", "triton", "torch"]
 ATTENTION_SPLITS = 16
 # Cache positions one attention program loads at a time.
 ATTENTION_BLOCK = 64
-# Output rows and input columns of one FP8 matrix-vector tile.
+# Output rows and input columns of one matrix-vector tile (FP8, INT8, INT4); an INT8/INT4 tile
+# holds whole groups, so it is at least one group wide.
 MATVEC_ROWS = 16
 MATVEC_COLS = 256
 
@@ -146,6 +149,67 @@ def fp8_matvec(
         PER_CHANNEL=scale.dim() > 0,
         BLOCK_N=MATVEC_ROWS,
         BLOCK_K=min(MATVEC_COLS, _pow2(n_in)),
+    )
+    return out
+
+
+def _group_matvec_launch(
+    x: torch.Tensor, n_out: int, weight_in: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], int]:
+    """(x contiguous, output (tokens, n_out) in x's dtype, grid, BLOCK_K) of a group-wise launch;
+    ValueError unless x's width is the weight's `weight_in` inputs, a multiple of the group."""
+    x = x.contiguous()
+    tokens, n_in = x.shape
+    if n_in != weight_in or n_in % group_size:
+        raise ValueError(
+            f"{n_in} inputs for a weight of {weight_in} inputs in groups of {group_size}"
+        )
+    out = torch.empty(tokens, n_out, dtype=x.dtype, device=x.device)
+    block_k = max(group_size, min(MATVEC_COLS, _pow2(n_in)))
+    return x, out, (-(-n_out // MATVEC_ROWS), tokens), block_k
+
+
+def int8_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for a few tokens x (tokens, in) and an INT8 weight (out, in) with model-dtype
+    scales (out, in / group) per group (W = q * scale, `Int8Linear`'s layout), dequantised in
+    registers; the result is in x's dtype. One program per MATVEC_ROWS rows per token, so each
+    token reads the weight again: meant for one token."""
+    n_out, n_in = weight.shape
+    group_size = n_in // scale.shape[1]
+    x, out, grid, block_k = _group_matvec_launch(x, n_out, n_in, group_size)
+    _tk().int8_matvec_kernel[grid](
+        x,
+        weight,
+        scale,
+        out,
+        n_out,
+        n_in,
+        GROUP=group_size,
+        BLOCK_N=MATVEC_ROWS,
+        BLOCK_K=block_k,
+    )
+    return out
+
+
+def int4_matvec(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x @ W.T for a few tokens x (tokens, in) and an INT4 weight in `Int4Linear`'s "dequantize"
+    layout: uint8 (out, in / 2), input 2j in byte j's high nibble and 2j + 1 in its low one, and
+    (in / group, out, 2) model-dtype scales and zero points (W = (q - 8) * scale + zero),
+    dequantised in registers; the result is in x's dtype. Meant for one token, as `int8_matvec`."""
+    n_out = packed.shape[0]
+    x, out, grid, block_k = _group_matvec_launch(x, n_out, 2 * packed.shape[1], group_size)
+    _tk().int4_matvec_kernel[grid](
+        x,
+        packed,
+        scales_and_zeros,
+        out,
+        n_out,
+        x.shape[1],
+        GROUP=group_size,
+        BLOCK_N=MATVEC_ROWS,
+        BLOCK_K=block_k,
     )
     return out
 

@@ -12,7 +12,9 @@ group. Quantization is round-to-nearest from the checkpoint's float weights:
 Scales and zero points are kept in the model dtype. The INT4 product runs on torch's CPU kernel
 ``_weight_int4pack_mm_for_cpu`` where it applies (CPU, output rows divisible by 16); everywhere else,
 and for INT8, each call dequantizes the weight and multiplies (`F.linear`): correct on any device,
-but it writes a full-width copy of the weight per call, so it saves memory, not time. The CPU
+but it writes a full-width copy of the weight per call, so it saves memory, not time (a decode
+step on the fused Triton kernels multiplies one token by the INT8 weight or the "dequantize"
+INT4 layout in registers instead: `kernels.int8_matvec`, `kernels.int4_matvec`). The CPU
 kernel in float32 is fast for one token but far slower than `F.linear` for a 512-token prefill
 chunk (bench.weight_kernels, docs/PERFORMANCE.md#weight-formats), so a float32 call with more than `_F32_KERNEL_ROWS` rows
 runs the kernel in bfloat16 (activations cast, bfloat16 copies of the scales) and casts back.

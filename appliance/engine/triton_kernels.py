@@ -145,6 +145,97 @@ def fp8_matvec_kernel(
 
 
 @triton.jit
+def int8_matvec_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    n_out,
+    n_in,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[t] = x[t] @ W.T for token row t = program_id(1) of x (tokens, n_in) and an INT8 weight
+    W = q * scale: q (n_out, n_in), scale (n_out, n_in / GROUP) in the model dtype.
+
+    A tile is BLOCK_N rows by BLOCK_K // GROUP whole groups (n_in is a multiple of GROUP; the
+    groups past n_in are masked). Each weight is dequantised to float32 in registers and the sum
+    is float32, so the weight's bytes and its scales are read once and nothing is written but out.
+    """
+    NG: tl.constexpr = BLOCK_K // GROUP
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = tl.program_id(1)
+    row_live = rows < n_out
+    n_groups = n_in // GROUP
+    lanes = tl.arange(0, GROUP)
+    x_row = x_ptr + token * n_in
+    # int64 row offsets: a (128256, 4096) head is 5.3e8 bytes, within int32 today, not by much.
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * n_in
+    s_rows = scale_ptr + rows.to(tl.int64)[:, None] * n_groups
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g0 in range(0, n_groups, NG):
+        g = g0 + tl.arange(0, NG)
+        g_live = g < n_groups
+        cols = g[:, None] * GROUP + lanes[None, :]  # (NG, GROUP)
+        x = tl.load(x_row + cols, mask=g_live[:, None], other=0.0).to(tl.float32)
+        live = row_live[:, None] & g_live[None, :]
+        q = tl.load(w_rows + cols[None, :, :], mask=live[:, :, None], other=0).to(tl.float32)
+        s = tl.load(s_rows + g[None, :], mask=live, other=0.0).to(tl.float32)
+        w = q * s[:, :, None]
+        acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+    tl.store(out_ptr + token * n_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
+
+
+@triton.jit
+def int4_matvec_kernel(
+    x_ptr,
+    w_ptr,
+    sz_ptr,
+    out_ptr,
+    n_out,
+    n_in,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[t] = x[t] @ W.T for token row t = program_id(1) of x (tokens, n_in) and an INT4 weight
+    W = (q - 8) * scale + zero per group of GROUP inputs.
+
+    q is packed two per byte, uint8 (n_out, n_in / 2): byte j of a row holds input 2j in its high
+    nibble and input 2j + 1 in its low one. sz is (n_in / GROUP, n_out, 2) in the model dtype: the
+    scale then the zero point of each group of each row. Tiles, masking and float32 arithmetic as
+    in `int8_matvec_kernel`; the nibbles are dequantised in registers.
+    """
+    NG: tl.constexpr = BLOCK_K // GROUP
+    HALF: tl.constexpr = GROUP // 2
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = tl.program_id(1)
+    row_live = rows < n_out
+    n_groups = n_in // GROUP
+    pairs = tl.arange(0, HALF)
+    x_row = x_ptr + token * n_in
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (n_in // 2)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g0 in range(0, n_groups, NG):
+        g = g0 + tl.arange(0, NG)
+        g_live = g < n_groups
+        byte = g[:, None] * HALF + pairs[None, :]  # (NG, HALF)
+        x_even = tl.load(x_row + 2 * byte, mask=g_live[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * byte + 1, mask=g_live[:, None], other=0.0).to(tl.float32)
+        live = row_live[:, None] & g_live[None, :]
+        p = tl.load(w_rows + byte[None, :, :], mask=live[:, :, None], other=0).to(tl.int32)
+        sz = sz_ptr + (g[None, :].to(tl.int64) * n_out + rows[:, None]) * 2  # (BLOCK_N, NG)
+        s = tl.load(sz, mask=live, other=0.0).to(tl.float32)[:, :, None]
+        z = tl.load(sz + 1, mask=live, other=0.0).to(tl.float32)[:, :, None]
+        w_even = ((p >> 4) - 8).to(tl.float32) * s + z
+        w_odd = ((p & 15) - 8).to(tl.float32) * s + z
+        part = w_even * x_even[None, :, :] + w_odd * x_odd[None, :, :]
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    tl.store(out_ptr + token * n_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
+
+
+@triton.jit
 def decode_attention_split_kernel(
     q_ptr,
     k_ptr,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench import gpu_decode
 
@@ -52,6 +53,7 @@ def test_gpu_decode_bench_runs_on_cpu_and_writes_json(
         assert v["verify_vs_step_logits_rel_err"] < 0.05
     skipped = {v["variant"] for v in report["variants"] if "skipped" in v}
     assert {"bf16 graph triton", "fp8 graph triton", "bf16 graph compile"} <= skipped
+    assert {"int8 graph triton", "int4 graph triton"} <= skipped
     table = capsys.readouterr().out
     assert "| bf16 eager |" in table and "skipped: CUDA graphs need cuda" in table
     assert "| verify 1 / step | verify 2 / step | verify 4 / step | verify 8 / step |" in table
@@ -202,3 +204,29 @@ def test_the_bench_runs_without_the_packages_a_gpu_host_lacks(tmp_path: Path) ->
     report = json.loads((tmp_path / "gpu_decode.json").read_text())
     (bf16,) = report["variants"]
     assert "error" not in bf16 and bf16["decode_tokens"] == 4
+
+
+def test_the_int_variants_floor_counts_packed_weights_with_scales_and_zeros() -> None:
+    """Their floor is the bytes a step reads: the packed weights plus the model-dtype scales (and
+    INT4's zero points), below bf16's. (The variants themselves capture graphs: CUDA only.)"""
+    by_name = {v.name: v for v in gpu_decode.VARIANTS}
+    names = [v.name for v in gpu_decode.VARIANTS]
+    assert names.index("int8 graph triton") > names.index("fp8-tensor graph")
+    bf16 = gpu_decode.random_model("tiny", "cpu", torch.bfloat16).weight_bytes
+    int8, int4 = (
+        gpu_decode.random_model("tiny", "cpu", torch.bfloat16, by_name[n].fp8).weight_bytes
+        for n in ("int8 graph triton", "int4 graph triton")
+    )
+    c = gpu_decode.random_config("tiny")
+    linear = (
+        c.num_hidden_layers
+        * c.hidden_size
+        * (
+            (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim  # wqkv
+            + c.num_attention_heads * c.head_dim  # wo (in x out, same count)
+            + 3 * c.intermediate_size  # w13 and w2
+        )
+    )
+    rest = bf16 - 2 * linear  # embedding head, norms: in bf16 for every format
+    assert int8 == rest + linear + 2 * linear // 128  # 1 byte + one bf16 scale per 128
+    assert int4 == rest + linear // 2 + 4 * linear // 128  # half a byte + bf16 scale and zero
