@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from appliance.engine.random_weights import random_config, random_model
 from bench import gpu_decode
 
 
@@ -212,12 +213,12 @@ def test_the_int_variants_floor_counts_packed_weights_with_scales_and_zeros() ->
     by_name = {v.name: v for v in gpu_decode.VARIANTS}
     names = [v.name for v in gpu_decode.VARIANTS]
     assert names.index("int8 graph triton") > names.index("fp8-tensor graph")
-    bf16 = gpu_decode.random_model("tiny", "cpu", torch.bfloat16).weight_bytes
+    bf16 = random_model("tiny", "cpu", torch.bfloat16).weight_bytes
     int8, int4 = (
-        gpu_decode.random_model("tiny", "cpu", torch.bfloat16, by_name[n].fp8).weight_bytes
+        random_model("tiny", "cpu", torch.bfloat16, by_name[n].fp8).weight_bytes
         for n in ("int8 graph triton", "int4 graph triton")
     )
-    c = gpu_decode.random_config("tiny")
+    c = random_config("tiny")
     linear = (
         c.num_hidden_layers
         * c.hidden_size
