@@ -125,11 +125,13 @@ def write_record(
     directory: Path = RUNS_DIR,
     argv: list[str] | None = None,
     now: dt.datetime | None = None,
+    commit: str | None = None,
 ) -> Path:
     """Writes <directory>/<date>-<name>.json (and .md beside it); returns the JSON's path.
 
     `results` must be JSON-serializable (anything else is written as its str); `markdown` is the
-    run's printed output, quoted as is in the Markdown page.
+    run's printed output, quoted as is in the Markdown page. `commit`: the code that ran (read
+    when the run began); by default the checkout's commit now.
     """
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"record name {name!r} must be a plain file name")
@@ -141,7 +143,7 @@ def write_record(
         "date": moment.strftime("%Y-%m-%d"),
         "time_utc": moment.strftime("%H:%M:%S"),
         "command": shlex.join(["python", "-m", f"bench.{name}", *(argv or sys.argv[1:])]),
-        "commit": _commit(),
+        "commit": commit or _commit(),
         "machine": machine(),
         "results": results,
     }
@@ -187,6 +189,7 @@ def recording(name: str, directory: Path | None, argv: list[str] | None = None) 
     if directory is None:
         yield run
         return
+    commit = _commit()  # the code that runs: a commit made during a long run is not it
     tee = _Tee(sys.stdout)
     sys.stdout = tee
     try:
@@ -195,6 +198,11 @@ def recording(name: str, directory: Path | None, argv: list[str] | None = None) 
         sys.stdout = tee.stream
     output = tee.copy.getvalue()
     path = write_record(
-        name, {"output": output, **run.results}, output, directory=directory, argv=argv
+        name,
+        {"output": output, **run.results},
+        output,
+        directory=directory,
+        argv=argv,
+        commit=commit,
     )
     print(f"run record: {path}", file=sys.stderr)

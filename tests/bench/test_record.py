@@ -74,6 +74,18 @@ def test_recording_keeps_the_printed_output_and_the_results(
     assert "| gateway | load |" in path.with_suffix(".md").read_text()
 
 
+def test_the_record_names_the_commit_the_run_began_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head = ["aaaaaaa"]
+    monkeypatch.setattr(record, "_commit", lambda: head[0])
+    with record.recording("speculative", tmp_path):
+        print("a long run, committed on meanwhile")
+        head[0] = "bbbbbbb"
+    (path,) = tmp_path.glob("*-speculative.json")
+    assert json.loads(path.read_text())["commit"] == "aaaaaaa"
+
+
 def test_a_run_that_fails_writes_no_record(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), record.recording("guided", tmp_path):
         print("half a table")
