@@ -47,6 +47,7 @@ __all__ = [
     "awq_source",
     "check_same_model",
     "load_awq_model",
+    "quantization_config",
     "read_awq_format",
     "unpack_awq",
 ]
@@ -79,6 +80,15 @@ class AwqFormat:
         return GroupQuant(4, self.group_size)
 
 
+# The quantization_config fields of the one AWQ variant the engine loads (besides group_size).
+LOADABLE: dict[str, object] = {"bits": 4, "zero_point": True, "version": "gemm"}
+
+
+def quantization_config(group: int) -> dict[str, object]:
+    """config.json's quantization_config of an AWQ checkpoint this module loads."""
+    return {"quant_method": "awq", **LOADABLE, "group_size": group}
+
+
 def read_awq_format(model_dir: Path) -> AwqFormat | None:
     """The checkpoint's AWQ format; None when config.json has no quantization_config; a
     CheckpointError (one line) for an AWQ variant the engine cannot load."""
@@ -94,8 +104,7 @@ def read_awq_format(model_dir: Path) -> AwqFormat | None:
             f"{path}: quantization_config quant_method {method!r} is not supported; the engine "
             "loads float checkpoints and AWQ (quant_method 'awq') only"
         )
-    expected = {"bits": 4, "zero_point": True, "version": "gemm"}
-    for key, want in expected.items():
+    for key, want in LOADABLE.items():
         got = raw.get(key, "gemm" if key == "version" else None)
         if isinstance(got, str):
             got = got.lower()

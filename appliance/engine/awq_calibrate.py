@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from appliance.engine.awq import AWQ_ORDER
+from appliance.engine.awq import AWQ_ORDER, quantization_config
 from appliance.engine.llama import (
     LlamaConfig,
     LlamaModel,
@@ -410,15 +410,7 @@ def write_checkpoint(
     for name in _SIDE_FILES:
         if model_dir is not None and (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out_dir / name)
-    config = dict(raw_config) | {
-        "quantization_config": {
-            "quant_method": "awq",
-            "bits": 4,
-            "group_size": group,
-            "zero_point": True,
-            "version": "gemm",
-        }
-    }
+    config = dict(raw_config) | {"quantization_config": quantization_config(group)}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
