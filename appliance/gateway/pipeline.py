@@ -257,31 +257,22 @@ class Pipeline:
                 found = await self.overlap(found, start, report)
             if isinstance(found, Hit):
                 for reply in self.replay(found, report, received):
-                    if calls is None:
-                        yield reply
-                    else:
-                        for shown in calls.read(reply):
-                            yield shown
+                    for shown in self.shown(calls, reply):
+                        yield shown
                 return
             generation = found if isinstance(found, Generation) else await start()
             try:
                 async for reply in self.deliver(generation, report, received, budget, model):
-                    if calls is None:
-                        yield reply
-                    else:
-                        for shown in calls.read(reply):
-                            yield shown
+                    for shown in self.shown(calls, reply):
+                        yield shown
             except RequestError as exc:
                 if not self.may_fall_back(model, generation.model, exc, report):
                     raise
                 # The engine failed before answering (nothing was read): the fallback answers.
                 generation = await start(skip_primary=True)
                 async for reply in self.deliver(generation, report, received, budget, model):
-                    if calls is None:
-                        yield reply
-                    else:
-                        for shown in calls.read(reply):
-                            yield shown
+                    for shown in self.shown(calls, reply):
+                        yield shown
             self.store(generation)
         except RequestError as exc:
             report.status = exc.code.name
@@ -343,6 +334,12 @@ class Pipeline:
         replies pass untouched)."""
         chat = checked.tool_chat
         return None if chat is None else CallReader.of(chat, checked.request_id, hold_text)
+
+    @staticmethod
+    def shown(calls: CallReader | None, reply: Reply) -> tuple[Reply, ...]:
+        """read call: what the client is sent for one of the pipeline's replies (the reply
+        itself for a request without tools)."""
+        return (reply,) if calls is None else calls.read(reply)
 
     @staticmethod
     def budget(model: ServedModel, checked: CheckedRequest, deadline_s: float | None) -> Budget:
