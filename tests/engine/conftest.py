@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from appliance.engine.llama import LlamaModel, load_config
+from appliance.engine.llama import LlamaConfig, LlamaModel, load_config
 from appliance.text.tokenizer import ModelText
 
 torch.set_num_threads(1)
@@ -51,19 +51,25 @@ def write_micro_checkpoint(
     dest.mkdir(parents=True, exist_ok=True)
     raw = {**MICRO_CONFIG, **(overrides or {})}
     (dest / "config.json").write_text(json.dumps(raw), encoding="utf-8")
-    config = load_config(dest)
-    gen = torch.Generator().manual_seed(0)
-    tensors = {
+    tensors = random_tensors(load_config(dest), drop=drop)
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+def random_tensors(
+    config: LlamaConfig, scale: float = 0.2, seed: int = 0, drop: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Seeded tensors of every weight `config` names: norms near 1, matrices N(0, scale²)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
         name: (
             1.0 + 0.1 * torch.randn(shape, generator=gen)
             if len(shape) == 1
-            else 0.2 * torch.randn(shape, generator=gen)
+            else scale * torch.randn(shape, generator=gen)
         )
         for name, shape in LlamaModel.expected_shapes(config).items()
         if name not in drop
     }
-    save_file(tensors, str(dest / "model.safetensors"))
-    return dest
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from appliance.engine.quantized import GroupQuant, Int4Linear
 from appliance.tools.tiny_model import TINY_CONFIG
 from engine_build.hf_config import parse_config
 from tests.conftest import Tiny
+from tests.engine.conftest import random_tensors
 
 CPU = torch.device("cpu")
 GROUP = 32
@@ -34,15 +35,7 @@ SCALE = 30.0
 
 
 def float_tensors(config: LlamaConfig, outliers: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: (
-            1.0 + 0.1 * torch.randn(shape, generator=gen)
-            if len(shape) == 1
-            else 0.05 * torch.randn(shape, generator=gen)
-        )
-        for name, shape in LlamaModel.expected_shapes(config).items()
-    }
+    tensors = random_tensors(config, scale=0.05, seed=seed)
     if outliers:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
