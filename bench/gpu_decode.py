@@ -56,6 +56,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from appliance.engine import fused
 from appliance.engine.decode import Capture, GraphDecode, cuda_graph_capture, decode_spans
 from appliance.engine.device import enter_device
 from appliance.engine.kernels import triton_problem
@@ -80,17 +81,21 @@ REUSED_PREFIX = 2000
 class Variant:
     """One way of running the decode step: weights (`fp8`: the model dtype when None, else FP8
     with that scaling or INT8/INT4 group-wise), graph capture, and the captured step's body
-    (`kernels` "torch" or "triton"; `compiled`: torch.compile of the eager torch step, an anchor)."""
+    (`kernels` "torch" or "triton"; `compiled`: torch.compile of the eager torch step, an anchor;
+    `dense`: who multiplies the model-dtype weights in the fused step, `fused.DENSE_PRODUCTS`)."""
 
     name: str
     fp8: WeightQuant | None
     graph: bool
     kernels: Literal["torch", "triton"] = "torch"
     compiled: bool = False
+    dense: Literal["triton", "torch"] = "triton"
 
 
 VARIANTS = (  # in the order run: what a short time budget must not miss first, compile last
     Variant("bf16 graph triton", None, True, "triton"),
+    # The same fused step with cuBLAS products (32 launches more a token, on the 8B shape).
+    Variant("bf16 graph triton cublas", None, True, "triton", dense="torch"),
     Variant("bf16 graph", None, True),
     Variant("fp8 graph triton", "channel", True, "triton"),
     Variant("fp8 graph", "channel", True),
@@ -663,11 +668,14 @@ def run_variants(
         progress.set("running", variant.name)
         entry: dict[str, Any] = {"variant": variant.name}
         t0 = time.monotonic()
+        fused.DENSE_PRODUCTS = variant.dense
         try:
             measure_variant(args, variant, device, rng, entry)
         except Exception as exc:
             entry["error"] = error_line(exc)
             dead = cuda_context_problem(device)
+        finally:
+            fused.DENSE_PRODUCTS = "triton"
         gc.collect()
         entry["seconds"] = time.monotonic() - t0
         longest = max(longest, entry["seconds"])

@@ -1,9 +1,10 @@
 """Typed launches of the fused decode step's Triton kernels (`triton_kernels`), and when they apply.
 
 Each function takes and returns torch tensors and does what a few eager torch calls of
-`LlamaModel` do, in one launch (two for attention): RMSNorm with the residual add before it, RoPE
-on q and k with the KV-cache write, SiLU(gate) * up, weight-only FP8, INT8 and INT4 matrix-vector
-products, and attention over the live cache positions split across programs. The eager torch step stays the
+`LlamaModel` do, in one launch (two for attention): RMSNorm with the residual add before it (or the embedding
+lookup), RoPE
+on q and k with the KV-cache write, SiLU(gate) * up, matrix-vector products of dense (model dtype)
+and weight-only FP8, INT8 and INT4 weights (each can take SiLU(gate) * up as its input), and attention over the live cache positions split across programs. The eager torch step stays the
 reference they are tested against.
 
 Triton is imported only when a kernel is first launched, so hosts without it (CPU hosts) never
@@ -23,10 +24,11 @@ import torch
 __all__ = [
     "KernelChoice",
     "decode_attention",
-    "fp8_matvec",
+    "embed_rms_norm",
     "int4_matvec",
     "int8_matvec",
     "interpreting",
+    "matvec",
     "resolve_kernels",
     "rms_norm",
     "rope_kv_write",
@@ -39,7 +41,7 @@ KernelChoice = Literal["auto", "triton", "torch"]
 ATTENTION_SPLITS = 16
 # Cache positions one attention program loads at a time.
 ATTENTION_BLOCK = 64
-# Output rows and input columns of one matrix-vector tile (FP8, INT8, INT4); an INT8/INT4 tile
+# Output rows and input columns of one matrix-vector tile; an INT8/INT4 tile
 # holds whole groups, so it is at least one group wide.
 MATVEC_ROWS = 16
 MATVEC_COLS = 256
@@ -86,9 +88,44 @@ def rms_norm(
     total = torch.empty_like(x) if residual is not None else x
     res = residual.contiguous() if residual is not None else x
     _tk().rms_norm_kernel[(n,)](
-        x, res, weight, out, total, hidden, eps, HAS_RES=residual is not None, BLOCK=_pow2(hidden)
+        x,
+        res,
+        weight,
+        out,
+        total,
+        hidden,
+        eps,
+        x,  # no gather
+        HAS_RES=residual is not None,
+        GATHER=False,
+        BLOCK=_pow2(hidden),
     )
     return out, total
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(e) * weight, e) for the rows e = table[ids] (ids a (n,) long tensor on the
+    device): an embedding lookup and the first norm in one launch. Ids are not checked here: the
+    caller has bounded them by the table's rows."""
+    n, hidden = ids.shape[0], table.shape[1]
+    out = torch.empty(n, hidden, dtype=table.dtype, device=table.device)
+    rows = torch.empty_like(out)
+    _tk().rms_norm_kernel[(n,)](
+        table,
+        table,  # no residual
+        weight,
+        out,
+        rows,
+        hidden,
+        eps,
+        ids,
+        HAS_RES=False,
+        GATHER=True,
+        BLOCK=_pow2(hidden),
+    )
+    return out, rows
 
 
 def rope_kv_write(
@@ -132,51 +169,73 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out
 
 
-def fp8_matvec(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+def matvec(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """(x @ W.T) * scale for one token x (1, in) and an E4M3 weight (out, in) with float32 scales
-    (out, 1) per output row or () per tensor; the weight is dequantised in registers (W8A16)."""
+    """(x @ W.T) * scale for one token x (1, in) and a weight (out, in) in a float dtype (the
+    model's, or E4M3 with float32 scales (out, 1) per output row or () per tensor), widened in
+    registers (FP8: W8A16); `out` (1, out) receives the result in its own dtype (default: a new
+    tensor in x's dtype). `gated`: x is (1, 2 * in), gate then up, and the product takes
+    SiLU(gate) * up (`silu_mul`) without a launch of its own."""
     n_out, n_in = weight.shape
-    out = torch.empty(1, n_out, dtype=out_dtype, device=x.device)
-    _tk().fp8_matvec_kernel[(-(-n_out // MATVEC_ROWS),)](
+    _check_width(x, n_in, gated)
+    if out is None:
+        out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    _tk().matvec_kernel[(-(-n_out // MATVEC_ROWS),)](
         x.contiguous(),
         weight,
-        scale,
+        scale if scale is not None else weight,  # not read without a scale
         out,
         n_out,
         n_in,
-        PER_CHANNEL=scale.dim() > 0,
+        SCALE=0 if scale is None else 2 if scale.dim() > 0 else 1,
+        GATED=gated,
         BLOCK_N=MATVEC_ROWS,
         BLOCK_K=min(MATVEC_COLS, _pow2(n_in)),
     )
     return out
 
 
+def _check_width(x: torch.Tensor, n_in: int, gated: bool) -> None:
+    """ValueError unless x's rows hold the weight's `n_in` inputs (gate and up: twice that)."""
+    width = 2 * n_in if gated else n_in
+    if x.dim() != 2 or x.shape[1] != width:
+        what = f"gate and up rows of {width}" if gated else f"rows of {width}"
+        raise ValueError(
+            f"input of shape {tuple(x.shape)} for a weight of {n_in} inputs: needs {what}"
+        )
+
+
 def _group_matvec_launch(
-    x: torch.Tensor, n_out: int, weight_in: int, group_size: int
+    x: torch.Tensor, n_out: int, weight_in: int, group_size: int, gated: bool
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], int]:
     """(x contiguous, output (tokens, n_out) in x's dtype, grid, BLOCK_K) of a group-wise launch;
-    ValueError unless x's width is the weight's `weight_in` inputs, a multiple of the group."""
+    ValueError unless x's width is the weight's `weight_in` inputs (twice that when `gated`),
+    a multiple of the group."""
+    _check_width(x, weight_in, gated)
+    if weight_in % group_size:
+        raise ValueError(f"{weight_in} inputs do not split into groups of {group_size}")
     x = x.contiguous()
-    tokens, n_in = x.shape
-    if n_in != weight_in or n_in % group_size:
-        raise ValueError(
-            f"{n_in} inputs for a weight of {weight_in} inputs in groups of {group_size}"
-        )
+    tokens = x.shape[0]
     out = torch.empty(tokens, n_out, dtype=x.dtype, device=x.device)
-    block_k = max(group_size, min(MATVEC_COLS, _pow2(n_in)))
+    block_k = max(group_size, min(MATVEC_COLS, _pow2(weight_in)))
     return x, out, (-(-n_out // MATVEC_ROWS), tokens), block_k
 
 
-def int8_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_matvec(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gated: bool = False
+) -> torch.Tensor:
     """x @ W.T for a few tokens x (tokens, in) and an INT8 weight (out, in) with model-dtype
     scales (out, in / group) per group (W = q * scale, `Int8Linear`'s layout), dequantised in
-    registers; the result is in x's dtype. One program per MATVEC_ROWS rows per token, so each
-    token reads the weight again: meant for one token."""
+    registers; the result is in x's dtype; `gated` as in `matvec`. One program per MATVEC_ROWS
+    rows per token, so each token reads the weight again: meant for one token."""
     n_out, n_in = weight.shape
     group_size = n_in // scale.shape[1]
-    x, out, grid, block_k = _group_matvec_launch(x, n_out, n_in, group_size)
+    x, out, grid, block_k = _group_matvec_launch(x, n_out, n_in, group_size, gated)
     _tk().int8_matvec_kernel[grid](
         x,
         weight,
@@ -185,6 +244,7 @@ def int8_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
         n_out,
         n_in,
         GROUP=group_size,
+        GATED=gated,
         BLOCK_N=MATVEC_ROWS,
         BLOCK_K=block_k,
     )
@@ -192,22 +252,28 @@ def int8_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 
 
 def int4_matvec(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x @ W.T for a few tokens x (tokens, in) and an INT4 weight in `Int4Linear`'s "dequantize"
     layout: uint8 (out, in / 2), input 2j in byte j's high nibble and 2j + 1 in its low one, and
     (in / group, out, 2) model-dtype scales and zero points (W = (q - 8) * scale + zero),
-    dequantised in registers; the result is in x's dtype. Meant for one token, as `int8_matvec`."""
-    n_out = packed.shape[0]
-    x, out, grid, block_k = _group_matvec_launch(x, n_out, 2 * packed.shape[1], group_size)
+    dequantised in registers; the result is in x's dtype; `gated` as in `matvec`. Meant for one
+    token, as `int8_matvec`."""
+    n_out, n_in = packed.shape[0], 2 * packed.shape[1]
+    x, out, grid, block_k = _group_matvec_launch(x, n_out, n_in, group_size, gated)
     _tk().int4_matvec_kernel[grid](
         x,
         packed,
         scales_and_zeros,
         out,
         n_out,
-        x.shape[1],
+        n_in,
         GROUP=group_size,
+        GATED=gated,
         BLOCK_N=MATVEC_ROWS,
         BLOCK_K=block_k,
     )

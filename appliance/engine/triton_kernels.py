@@ -27,18 +27,23 @@ def rms_norm_kernel(
     sum_ptr,
     n_cols,
     eps,
+    idx_ptr,
     HAS_RES: tl.constexpr,
+    GATHER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One row: s = x (+ res), rounded to the dtype and stored in sum_ptr when HAS_RES;
-    out = w * (s * rsqrt(mean(s^2) + eps)) with the normalised value rounded before the product."""
+    out = w * (s * rsqrt(mean(s^2) + eps)) with the normalised value rounded before the product.
+    GATHER: output row r reads row idx[r] of x (an embedding table) and stores it in sum_ptr."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     live = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=live, other=0.0)
+    src = tl.load(idx_ptr + row).to(tl.int64) if GATHER else row
+    x = tl.load(x_ptr + src * n_cols + cols, mask=live, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * n_cols + cols, mask=live, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    if HAS_RES or GATHER:
         tl.store(sum_ptr + row * n_cols + cols, x, mask=live)
     s = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(s * s, axis=0) / n_cols + eps)
@@ -108,40 +113,57 @@ def silu_mul_kernel(gate_up_ptr, out_ptr, n_inner, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def fp8_matvec_kernel(
+def _input(x_ptr, offs, mask, n_in, GATED: tl.constexpr):
+    """The float32 inputs of a matrix-vector product at `offs` of a row at x_ptr: the row's own
+    values, or SiLU(gate) * up of a row holding gate then up (n_in each) when GATED, rounded to
+    the dtype where `silu_mul_kernel` rounds, so a gated product equals the two launches'."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if GATED:
+        u = tl.load(x_ptr + n_in + offs, mask=mask, other=0.0)
+        g32 = x.to(tl.float32)
+        act = (g32 / (1.0 + tl.exp(-g32))).to(x.dtype)
+        x = (act.to(tl.float32) * u.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def matvec_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,
     out_ptr,
     n_out,
     n_in,
-    PER_CHANNEL: tl.constexpr,
+    SCALE: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out = (x @ W.T) * scale for one token x (n_in,) and an E4M3 weight W (n_out, n_in).
+    """out = (x @ W.T) * scale for one token x (n_in,) and a weight W (n_out, n_in) of any float
+    dtype (the model dtype, or E4M3 with its scales).
 
     The weight is widened to float32 in registers, so its bytes are read once and nothing is
-    quantised per call; scale is one per output row (PER_CHANNEL) or one for the tensor.
+    quantised per call. SCALE: 0 none, 1 one for the tensor, 2 one per output row. GATED: x is a
+    row of gate then up (2 * n_in) and the input is SiLU(gate) * up (`_input`).
     """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_live = rows < n_out
+    # int64 row offsets: an output head (128256, 4096) holds 5.3e8 elements.
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * n_in
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_live = cols < n_in
-        x = tl.load(x_ptr + cols, mask=col_live, other=0.0).to(tl.float32)
+        x = _input(x_ptr, cols, col_live, n_in, GATED)
         w = tl.load(
-            w_ptr + rows[:, None] * n_in + cols[None, :],
-            mask=row_live[:, None] & col_live[None, :],
-            other=0.0,
+            w_rows + cols[None, :], mask=row_live[:, None] & col_live[None, :], other=0.0
         ).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
-    if PER_CHANNEL:
-        scale = tl.load(scale_ptr + rows, mask=row_live, other=0.0)
-    else:
-        scale = tl.load(scale_ptr)
-    tl.store(out_ptr + rows, (acc * scale).to(out_ptr.dtype.element_ty), mask=row_live)
+    if SCALE == 2:
+        acc = acc * tl.load(scale_ptr + rows, mask=row_live, other=0.0)
+    elif SCALE == 1:
+        acc = acc * tl.load(scale_ptr)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
 
 
 @triton.jit
@@ -153,11 +175,13 @@ def int8_matvec_kernel(
     n_out,
     n_in,
     GROUP: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[t] = x[t] @ W.T for token row t = program_id(1) of x (tokens, n_in) and an INT8 weight
-    W = q * scale: q (n_out, n_in), scale (n_out, n_in / GROUP) in the model dtype.
+    W = q * scale: q (n_out, n_in), scale (n_out, n_in / GROUP) in the model dtype. GATED: x's
+    rows are gate then up (tokens, 2 * n_in) and the input is SiLU(gate) * up (`_input`).
 
     A tile is BLOCK_N rows by BLOCK_K // GROUP whole groups (n_in is a multiple of GROUP; the
     groups past n_in are masked). Each weight is dequantised to float32 in registers and the sum
@@ -169,7 +193,7 @@ def int8_matvec_kernel(
     row_live = rows < n_out
     n_groups = n_in // GROUP
     lanes = tl.arange(0, GROUP)
-    x_row = x_ptr + token * n_in
+    x_row = x_ptr + token * (2 * n_in if GATED else n_in)
     # int64 row offsets: a (128256, 4096) head is 5.3e8 bytes, within int32 today, not by much.
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * n_in
     s_rows = scale_ptr + rows.to(tl.int64)[:, None] * n_groups
@@ -178,7 +202,7 @@ def int8_matvec_kernel(
         g = g0 + tl.arange(0, NG)
         g_live = g < n_groups
         cols = g[:, None] * GROUP + lanes[None, :]  # (NG, GROUP)
-        x = tl.load(x_row + cols, mask=g_live[:, None], other=0.0).to(tl.float32)
+        x = _input(x_row, cols, g_live[:, None], n_in, GATED)
         live = row_live[:, None] & g_live[None, :]
         q = tl.load(w_rows + cols[None, :, :], mask=live[:, :, None], other=0).to(tl.float32)
         s = tl.load(s_rows + g[None, :], mask=live, other=0.0).to(tl.float32)
@@ -196,11 +220,12 @@ def int4_matvec_kernel(
     n_out,
     n_in,
     GROUP: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[t] = x[t] @ W.T for token row t = program_id(1) of x (tokens, n_in) and an INT4 weight
-    W = (q - 8) * scale + zero per group of GROUP inputs.
+    W = (q - 8) * scale + zero per group of GROUP inputs; GATED as in `int8_matvec_kernel`.
 
     q is packed two per byte, uint8 (n_out, n_in / 2): byte j of a row holds input 2j in its high
     nibble and input 2j + 1 in its low one. sz is (n_in / GROUP, n_out, 2) in the model dtype: the
@@ -214,15 +239,15 @@ def int4_matvec_kernel(
     row_live = rows < n_out
     n_groups = n_in // GROUP
     pairs = tl.arange(0, HALF)
-    x_row = x_ptr + token * n_in
+    x_row = x_ptr + token * (2 * n_in if GATED else n_in)
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (n_in // 2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g0 in range(0, n_groups, NG):
         g = g0 + tl.arange(0, NG)
         g_live = g < n_groups
         byte = g[:, None] * HALF + pairs[None, :]  # (NG, HALF)
-        x_even = tl.load(x_row + 2 * byte, mask=g_live[:, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + 2 * byte + 1, mask=g_live[:, None], other=0.0).to(tl.float32)
+        x_even = _input(x_row, 2 * byte, g_live[:, None], n_in, GATED)
+        x_odd = _input(x_row, 2 * byte + 1, g_live[:, None], n_in, GATED)
         live = row_live[:, None] & g_live[None, :]
         p = tl.load(w_rows + byte[None, :, :], mask=live[:, :, None], other=0).to(tl.int32)
         sz = sz_ptr + (g[None, :].to(tl.int64) * n_out + rows[:, None]) * 2  # (BLOCK_N, NG)

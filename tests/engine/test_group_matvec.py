@@ -80,12 +80,36 @@ def test_the_matvec_equals_the_dequantized_product(
 def test_a_bad_width_is_refused_before_the_launch() -> None:
     layer = _layer(4, (16, 128, 32), torch.float32)
     assert isinstance(layer, Int4Linear)
-    with pytest.raises(ValueError, match="96 inputs for a weight of 128 inputs"):
+    with pytest.raises(
+        ValueError, match=r"shape \(1, 96\) for a weight of 128 inputs: needs rows of 128"
+    ):
         kernels.int4_matvec(_tokens(1, 96, torch.float32), layer.packed, layer.scales_and_zeros, 32)
     layer8 = _layer(8, (16, 128, 32), torch.float32)
     assert isinstance(layer8, Int8Linear)
-    with pytest.raises(ValueError, match="160 inputs for a weight of 128 inputs"):
+    with pytest.raises(ValueError, match=r"shape \(1, 160\) for a weight of 128 inputs"):
         kernels.int8_matvec(_tokens(1, 160, torch.float32), layer8.weight, layer8.scale)
+
+
+@DTYPES
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_gated_matvec_equals_silu_mul_then_the_matvec(
+    bits: int, dtype: torch.dtype, tokens: int
+) -> None:
+    """SiLU(gate) * up taken while loading the input: the same rounding as the two launches, so
+    the same result up to summation order."""
+    layer = _layer(bits, (40, 384, 128), dtype)
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(layer, Int8Linear):
+            return kernels.int8_matvec(x, layer.weight, layer.scale, gated=True)
+        return kernels.int4_matvec(x, layer.packed, layer.scales_and_zeros, 128, gated=True)
+
+    gate_up = 3 * _tokens(tokens, 2 * 384, dtype)
+    got = gated(gate_up)
+    torch.testing.assert_close(got, _run(layer, kernels.silu_mul(gate_up)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs gate and up rows of 768"):
+        gated(_tokens(1, 384, dtype))
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
@@ -93,9 +117,9 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
     calls: list[tuple[int, ...]] = []
     real: Callable[..., torch.Tensor] = getattr(kernels, name)
 
-    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(tuple(x.shape))
-        return real(x, *args)
+        return real(x, *args, **kwargs)
 
     monkeypatch.setattr(kernels, name, spy)
     return calls

@@ -4,14 +4,18 @@ program in numpy."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from appliance.engine import kernels
+from appliance.engine import fused, kernels, quantized
 from appliance.engine.decode import EagerDecode, GraphDecode
-from appliance.engine.linear import dequantize, quantize
+from appliance.engine.linear import WeightQuant, dequantize, quantize
 from appliance.engine.llama import LlamaModel
+from appliance.engine.quantized import GroupQuant
 from appliance.engine.random_weights import random_model
 from appliance.engine.sampling import SamplingParams, generate
 
@@ -55,6 +59,18 @@ def test_rms_norm_with_and_without_the_residual_add(tiny32: LlamaModel, dtype: t
 
 
 @DTYPES
+def test_embed_rms_norm_gathers_the_rows_and_norms_them(
+    tiny32: LlamaModel, dtype: torch.dtype
+) -> None:
+    table = torch.randn(50, 96, generator=_gen(11)).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=_gen(3))).to(DEVICE, dtype)
+    ids = torch.tensor([49, 0, 7], device=DEVICE)
+    out, rows = kernels.embed_rms_norm(ids, table, w, tiny32.config.rms_norm_eps)
+    assert torch.equal(rows, table[ids])
+    _close(out, tiny32._rms_norm(table[ids], w), dtype)
+
+
+@DTYPES
 def test_rope_rotates_q_and_k_and_writes_k_and_v_at_the_position(
     tiny32: LlamaModel, dtype: torch.dtype
 ) -> None:
@@ -89,12 +105,29 @@ def test_fp8_matvec_equals_the_dequantized_product(scaling: str) -> None:
     w = torch.randn(40, 96, generator=_gen(6)) * torch.logspace(-2, 1, 40).unsqueeze(1)
     q, scale = quantize(w, scaling)  # type: ignore[arg-type]
     x = torch.randn(1, 96, generator=_gen(7)).to(torch.bfloat16)
-    got = kernels.fp8_matvec(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), torch.bfloat16)
+    got = kernels.matvec(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE))
     assert got.shape == (1, 40) and got.dtype == torch.bfloat16
     ref = x.float() @ dequantize(q, scale).t()  # weight-only: x is not quantised
     # float32 accumulation of exact products; the only rounding is the bf16 output's: half a unit
     # in the last place (2^-8) compiled, one (2^-7) in the interpreter, which rounds toward zero.
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2**-7, atol=1e-3)
+
+
+@DTYPES
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_a_dense_matvec_equals_f_linear(dtype: torch.dtype, gated: bool) -> None:
+    w = (torch.randn(40, 96, generator=_gen(12)) / 10).to(DEVICE, dtype)
+    x = torch.randn(1, 2 * 96 if gated else 96, generator=_gen(13)).to(DEVICE, dtype)
+    got = kernels.matvec(x, w, gated=gated)
+    assert got.shape == (1, 40) and got.dtype == dtype
+    act = kernels.silu_mul(x) if gated else x
+    torch.testing.assert_close(got.float(), F.linear(act.float(), w.float()), rtol=2**-7, atol=1e-3)
+    # A float32 result written in place, from model-dtype inputs (the output head's logits).
+    logits = torch.full((1, 40), float("nan"), device=DEVICE)
+    assert kernels.matvec(act, w, out=logits) is logits
+    torch.testing.assert_close(logits, F.linear(act.float(), w.float()), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"shape \(1, 95\) for a weight of 96 inputs"):
+        kernels.matvec(x[:, :95], w)
 
 
 @DTYPES
@@ -195,3 +228,90 @@ def test_without_graphs_the_decode_step_also_runs_on_the_fused_kernels(
         step(1, 600)
     with pytest.raises(ValueError, match="token id"):
         step(fused.config.vocab_size, 3)
+
+
+class _Launches(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the Triton kernels launched through `kernels` and the torch operators called
+    outside them; allocations and views launch no kernel on a GPU and are not counted."""
+
+    FREE = frozenset({"empty", "empty_like", "view", "slice", "select", "alias", "as_strided"})
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.triton: list[str] = []
+        self.torch: list[str] = []
+        self.inside = False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        name = func.overloadpacket.__name__
+        if not self.inside and name not in self.FREE:
+            self.torch.append(name)
+        return func(*args, **(kwargs or {}))
+
+    def module(self) -> Any:
+        """A stand-in for `triton_kernels` whose kernels count their launches."""
+        from appliance.engine import triton_kernels
+
+        counter = self
+
+        class Kernel:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def __getitem__(self, grid: Any) -> Any:
+                def launch(*args: Any, **kwargs: Any) -> Any:
+                    counter.triton.append(self.name)
+                    counter.inside = True
+                    try:
+                        return getattr(triton_kernels, self.name)[grid](*args, **kwargs)
+                    finally:
+                        counter.inside = False
+
+                return launch
+
+        class Module:
+            def __getattr__(self, name: str) -> Kernel:
+                return Kernel(name)
+
+        return Module()
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [None, "channel", GroupQuant(8, 32), GroupQuant(4, 32)],
+    ids=["bf16", "fp8", "int8", "int4"],
+)
+def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
+    weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every format: 2 + 9 * layers launches a token, all of them Triton kernels. With the
+    model-dtype products on cuBLAS: 1 + 6 * layers Triton kernels, 4 * layers + 1 products and
+    the copy of the logits into float32."""
+    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
+    model = _fused(random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5))
+    layers = model.config.num_hidden_layers
+    cache = model.new_cache(64)
+    model.forward([7, 300, 42], cache, 0)
+    step_in = torch.tensor([9, 3], device=DEVICE)
+    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=DEVICE)
+    counter = _Launches()
+    monkeypatch.setattr(kernels, "_tk", counter.module)
+    with torch.inference_mode(), counter:
+        model.decode_static(step_in, cache, 16, logits)
+    assert len(counter.triton) == 2 + 9 * layers and counter.torch == []
+    per_block = counter.triton[1:10]
+    assert per_block.count("rms_norm_kernel") == 2 and "silu_mul_kernel" not in per_block
+    if weights is None:
+        monkeypatch.setattr(fused, "DENSE_PRODUCTS", "torch")
+        counter.triton.clear()
+        with torch.inference_mode(), counter:
+            model.decode_static(step_in, cache, 16, torch.empty_like(logits))
+        assert len(counter.triton) == 1 + 6 * layers
+        products = ["mm" if op in ("linear", "addmm") else op for op in counter.torch]
+        assert products == ["mm"] * (4 * layers + 1) + ["copy_"], counter.torch
