@@ -311,9 +311,13 @@ def decode_attention(
         N_SPLITS=n_splits,
         SPLIT=split,
         GROUP=group,
-        GROUP_P2=_pow2(group),
+        ROWS=max(16, _pow2(group)),
         D=head_dim,
         BLOCK=ATTENTION_BLOCK,
+        # float32 products exact ("ieee", not TF32); bfloat16 on tensor cores, except under the
+        # interpreter, which multiplies bfloat16 dot operands as their raw bits (WIDEN).
+        PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
+        WIDEN=interpreting() and q.dtype != torch.float32,
     )
     out = torch.empty_like(q)
     tk.decode_attention_combine_kernel[(heads,)](

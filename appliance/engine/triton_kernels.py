@@ -261,6 +261,15 @@ def int4_matvec_kernel(
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """a @ b accumulated in float32; WIDEN: the operands as float32 first (the same values)."""
+    if WIDEN:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def decode_attention_split_kernel(
     q_ptr,
     k_ptr,
@@ -274,9 +283,11 @@ def decode_attention_split_kernel(
     N_SPLITS: tl.constexpr,
     SPLIT: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
+    ROWS: tl.constexpr,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """One KV head's query group over one split of SPLIT cache positions (flash-decoding).
 
@@ -284,21 +295,28 @@ def decode_attention_split_kernel(
     nothing), so what an unwritten position holds never enters the result. Writes the split's
     unnormalised output (GROUP, D), running max and exp-sum (GROUP,) in float32; a split wholly
     after the position writes max -inf, sum 0 and output 0.
+
+    Both products are `tl.dot`s over ROWS query rows (GROUP padded with zero rows to tl.dot's
+    least M, 16): a broadcast product of (rows, BLOCK, D) would hold BLOCK * D values per row in
+    registers and spill. Scores accumulate in float32; the softmax weights enter the second
+    product in the cache's dtype (flash attention's rounding; float32 stays float32 with
+    PRECISION "ieee"). WIDEN multiplies the operands as float32 holding the same values: Triton's
+    interpreter multiplies bfloat16 dot operands as their raw bits.
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     pos = tl.load(pos_ptr)
-    rows = tl.arange(0, GROUP_P2)  # GROUP rounded up to a power of two; the rest masked
+    rows = tl.arange(0, ROWS)
     row_live = rows < GROUP
     dims = tl.arange(0, D)
     q = tl.load(
         q_ptr + (kv_head * GROUP + rows)[:, None] * D + dims[None, :],
         mask=row_live[:, None],
         other=0.0,
-    ).to(tl.float32)
-    m = tl.full((GROUP_P2,), float("-inf"), dtype=tl.float32)
-    total = tl.zeros((GROUP_P2,), dtype=tl.float32)
-    acc = tl.zeros((GROUP_P2, D), dtype=tl.float32)
+    )
+    m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, D), dtype=tl.float32)
     start = split * SPLIT
     stop = tl.minimum(start + SPLIT, pos + 1)
     head_k = k_ptr + kv_head * cache_head_stride
@@ -308,13 +326,13 @@ def decode_attention_split_kernel(
         live = offs < stop
         k = tl.load(head_k + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
         v = tl.load(head_v + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+        scores = _dot(q, tl.trans(k), PRECISION, WIDEN) * scale  # (ROWS, BLOCK)
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
         m = m_new
     out = (kv_head * GROUP + rows) * N_SPLITS + split
     tl.store(acc_ptr + out[:, None] * D + dims[None, :], acc, mask=row_live[:, None])

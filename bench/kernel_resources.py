@@ -1,0 +1,227 @@
+"""What the fused decode step's Triton kernels compile to on a GPU, without the GPU.
+
+Triton compiles for any NVIDIA target on a host without one (its wheel carries ptxas and
+cuobjdump), so each kernel configuration the fused step launches on a model's shape is compiled
+here for the chosen architecture and read back: registers per thread, the stack frame (where
+registers spill: a spilling matrix-vector or attention kernel reads local memory beside the
+weights), shared memory and the widest global load in its PTX. The configurations are recorded
+from `fused.decode_step` itself, run on a meta-device model of one block (blocks are alike) in
+every weight format at a few attention spans, so the list follows the step.
+
+    python -m bench.kernel_resources --shape llama-3.1-8b --arch 90
+
+Exits 1 when a kernel spills (a stack frame) unless --allow-spills; the CPU suite runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Compiling needs the real triton.jit; the CPU suite interprets kernels (TRITON_INTERPRET=1).
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said aloud
+
+import torch
+
+from appliance.engine import fused, kernels, quantized
+from appliance.engine.linear import WeightQuant
+from appliance.engine.llama import LlamaModel
+from appliance.engine.quantized import GroupQuant
+from appliance.engine.random_weights import SHAPES, random_config
+
+FORMATS: dict[str, WeightQuant | None] = {
+    "bf16": None,
+    "fp8": "channel",
+    "fp8-tensor": "tensor",
+    "int8": GroupQuant(8, 128),
+    "int4": GroupQuant(4, 128),
+}
+# Spans of the attention kernels: one split, the most splits, and long splits.
+SPANS = (64, 2048, 8192)
+_TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel configuration: its name, argument types and constexprs."""
+
+    kernel: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    divisible: tuple[int, ...]  # arguments 16-divisible (pointers, and ints that are)
+
+
+def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...]) -> list[Launch]:
+    """The distinct launches of the fused decode step on a meta-device model of `shape`'s
+    dimensions (one block), in weight format `fmt`, at each attention span."""
+    from triton.runtime.jit import JITFunction
+
+    from appliance.engine import triton_kernels
+
+    launches: list[Launch] = []
+
+    def kernel(name: str) -> Any:
+        fn = getattr(triton_kernels, name)
+        assert isinstance(fn, JITFunction), f"{name} is not compiled Triton (TRITON_INTERPRET?)"
+
+        def launch(*args: Any, **constexprs: Any) -> None:
+            signature, divisible = [], []
+            for i, (arg_name, value) in enumerate(zip(fn.arg_names, args, strict=False)):
+                if isinstance(value, torch.Tensor):
+                    signature.append((arg_name, "*" + _TRITON_TYPES[value.dtype]))
+                    divisible.append(i)
+                elif isinstance(value, float):
+                    signature.append((arg_name, "fp32"))
+                else:
+                    signature.append((arg_name, "i32" if abs(value) < 2**31 else "i64"))
+                    if value % 16 == 0:
+                        divisible.append(i)
+            signature += [(k, "constexpr") for k in constexprs]
+            found = Launch(name, tuple(signature), tuple(constexprs.items()), tuple(divisible))
+            if found not in launches:
+                launches.append(found)
+
+        return launch
+
+    class Grid:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            return kernel(self.name)  # type: ignore[no-any-return]
+
+    class Recorder:
+        def __getattr__(self, name: str) -> Grid:
+            return Grid(name)
+
+    config = dataclasses.replace(random_config(shape), num_hidden_layers=1)
+    meta = torch.device("meta")
+    tensors = {
+        n: torch.empty(s, device=meta) for n, s in LlamaModel.expected_shapes(config).items()
+    }
+    real_tk, real_int4 = kernels._tk, quantized._int4_kernel
+    kernels._tk = Recorder  # type: ignore[assignment]
+    quantized._int4_kernel = lambda weight: "dequantize"  # the layout a CUDA device gets
+    try:
+        model = LlamaModel(config, tensors, meta, torch.bfloat16, fmt)
+        model.kernels = "triton"
+        cache = model.new_cache(max(spans))
+        step_in = torch.empty(2, dtype=torch.long, device=meta)
+        logits = torch.empty(config.vocab_size, device=meta)
+        for span in spans:
+            fused.decode_step(model, step_in, cache, span, logits)
+    finally:
+        kernels._tk, quantized._int4_kernel = real_tk, real_int4
+    return launches
+
+
+@dataclasses.dataclass
+class Resources:
+    registers: int
+    stack: int  # bytes of stack frame per thread: spilled registers live there
+    local: int
+    shared: int
+    widest_load: str
+    seconds: float
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compile_launch(launch: Launch, arch: int) -> Resources:
+    """Compile one configuration for sm_`arch` and read its resources from the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from appliance.engine import triton_kernels
+
+    started = time.perf_counter()
+    source = ASTSource(
+        getattr(triton_kernels, launch.kernel),
+        dict(launch.signature),
+        constexprs=dict(launch.constexprs),
+        attrs={(i,): [["tt.divisibility", 16]] for i in launch.divisible},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    seconds = time.perf_counter() - started
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", cubin.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage for {launch.kernel}")
+    registers, stack, shared, local = map(int, found.groups())
+    widths = re.findall(r"ld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)", compiled.asm["ptx"])
+    widest = max((int(v or 1) * int(bits) for v, bits in widths), default=0)
+    return Resources(registers, stack, local, shared, f"{widest // 8} B", seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
+    parser.add_argument("--allow-spills", action="store_true")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.formats.split(",")) - set(FORMATS))
+    if unknown:
+        parser.error(f"unknown format(s) {unknown}; known: {', '.join(FORMATS)}")
+    launches: list[Launch] = []
+    for name in args.formats.split(","):
+        for found in record_launches(args.shape, FORMATS[name], SPANS):
+            if found not in launches:
+                launches.append(found)
+    print(f"{args.shape}, sm_{args.arch}: {len(launches)} kernel configurations", flush=True)
+    print(
+        "| kernel | pointers | constexprs | registers | stack B | shared B | widest load | compile s |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    spills = []
+    for launch in launches:
+        r = compile_launch(launch, args.arch)
+        shown = ", ".join(f"{k}={v}" for k, v in launch.constexprs)
+        pointers = ",".join(t[1:] for _, t in launch.signature if t.startswith("*"))
+        print(
+            f"| {launch.kernel} | {pointers} | {shown} | {r.registers} | {r.stack} | {r.shared} | "
+            f"{r.widest_load} | {r.seconds:.1f} |",
+            flush=True,
+        )
+        if r.stack or r.local:
+            spills.append(launch.kernel)
+    if spills and not args.allow_spills:
+        print(f"spilling: {', '.join(sorted(set(spills)))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
