@@ -1,0 +1,233 @@
+"""The fused step's matrix-vector kernels at each tile shape: which reads the weights fastest.
+
+At one token a matrix-vector product is a read of its weight, so its speed is bytes per second
+against the device's copy bandwidth. The tile (output rows x input columns a program loads per
+iteration: `kernels.MATVEC_ROWS`, `kernels.MATVEC_COLS`) sets how many programs share the GPU and
+how many bytes each keeps in flight; it is chosen by this sweep on the GPU, not by reasoning.
+Every format (model dtype, FP8 per channel, INT8 and INT4 group 128) runs on the four products of
+a block of the model's shape (qkv, o, gate-up, and down with SiLU(gate) * up as its input), each
+tile checked against the first tile's output before it is timed. On CUDA, a captured graph of
+back-to-back launches is timed with events (a Python launch costs more than a small product).
+
+    python -m bench.matvec_tiles --device cuda --shape llama-3.1-8b
+
+Prints one table per format (GB/s per product and tile, the current tile marked) and the best
+tile by total time of the block's four products; `--record` keeps it under docs/runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from appliance.engine import fused, kernels
+from appliance.engine.device import enter_device
+from appliance.engine.linear import Linear, PlainLinear, WeightQuant, quantize_linear
+from appliance.engine.quantized import GroupQuant, quantize_group_linear
+from appliance.engine.random_weights import SHAPES, random_config
+from bench import record
+
+FORMATS: dict[str, WeightQuant | None] = {
+    "bf16": None,
+    "fp8": "channel",
+    "int8": GroupQuant(8, 128),
+    "int4": GroupQuant(4, 128),
+}
+ROWS = (8, 16, 32, 64)
+COLS = (256, 512, 1024)
+# Larger tiles hold more values per thread than registers do (they spill: bench.kernel_resources).
+MAX_TILE = 16384
+# Launches per timed graph, and timed replays (the best is kept).
+LAUNCHES = 20
+REPLAYS = 5
+
+
+@contextmanager
+def tile(rows: int, cols: int) -> Iterator[None]:
+    """The matvec kernels' tile for the body (module constants, read at each launch)."""
+    saved = kernels.MATVEC_ROWS, kernels.MATVEC_COLS
+    kernels.MATVEC_ROWS, kernels.MATVEC_COLS = rows, cols
+    try:
+        yield
+    finally:
+        kernels.MATVEC_ROWS, kernels.MATVEC_COLS = saved
+
+
+def block_products(shape: str) -> list[tuple[str, int, int, bool]]:
+    """(name, out, in, gated) of one block's four products at `shape`."""
+    c = random_config(shape)
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    hidden, inner = c.hidden_size, c.intermediate_size
+    return [
+        ("qkv", qkv, hidden, False),
+        ("o", hidden, c.num_attention_heads * c.head_dim, False),
+        ("gate-up", 2 * inner, hidden, False),
+        ("down", hidden, inner, True),
+    ]
+
+
+def seconds_per_call(run: Callable[[], Any], device: torch.device) -> float:
+    """Best time of one call: on CUDA from a graph of LAUNCHES back-to-back calls timed by
+    events; elsewhere (the interpreter, in tests) the best of a few calls by the clock."""
+    run()  # compiles the kernel before any capture
+    if device.type != "cuda":
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+        return best
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAUNCHES):
+            run()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    best = float("inf")
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000 / LAUNCHES)
+    return best
+
+
+def make_layer(name: str, weight: torch.Tensor, fmt: WeightQuant | None) -> Linear:
+    """`weight` in format `fmt`, INT4 in the layout the Triton kernel reads (a CUDA device's)."""
+    if fmt is None:
+        return PlainLinear(weight)
+    if isinstance(fmt, GroupQuant):
+        return quantize_group_linear(name, weight, fmt, weight.dtype, int4_kernel="dequantize")
+    return quantize_linear(name, weight, fmt, weight.dtype)
+
+
+def sweep_format(
+    fmt: WeightQuant | None,
+    products: list[tuple[str, int, int, bool]],
+    tiles: list[tuple[int, int]],
+    device: torch.device,
+    seed: int = 0,
+) -> dict[str, tuple[int, dict[tuple[int, int], float]]]:
+    """Per product: its weight bytes and the seconds per call at each tile; AssertionError
+    when a tile's output differs from the first tile's beyond float32 summation order."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    times: dict[str, tuple[int, dict[tuple[int, int], float]]] = {}
+    for name, n_out, n_in, gated in products:
+        bound = n_in**-0.5
+        weight = (torch.rand(n_out, n_in, generator=gen, device=device) * 2 - 1) * bound
+        layer = make_layer(name, weight.to(torch.bfloat16), fmt)
+        del weight
+        times[name] = (layer.nbytes, {})
+        width = 2 * n_in if gated else n_in
+        x = torch.randn(1, width, generator=gen, device=device).to(torch.bfloat16)
+        reference: torch.Tensor | None = None
+        for rows, cols in tiles:
+            with tile(rows, cols):
+
+                def run(layer: Linear = layer, x: torch.Tensor = x, gated: bool = gated) -> Any:
+                    return fused.matvec(layer, x, gated)
+
+                out = run().float()
+                if reference is None:
+                    reference = out
+                else:
+                    torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-2)
+                times[name][1][(rows, cols)] = seconds_per_call(run, device)
+        del layer
+    return times
+
+
+def table(
+    label: str,
+    tiles: list[tuple[int, int]],
+    times: dict[str, tuple[int, dict[tuple[int, int], float]]],
+    current: tuple[int, int],
+) -> tuple[str, tuple[int, int]]:
+    """A Markdown table of GB/s (weight bytes / time) per tile and product, and the tile with
+    the least total time of the block's products."""
+    names = list(times)
+    lines = [
+        f"{label}: GB/s of weight read",
+        "| tile (rows x cols) | " + " | ".join(names) + " | block µs |",
+        "|---|" + "---:|" * (len(names) + 1),
+    ]
+    totals = {}
+    for t in tiles:
+        cells = []
+        total = 0.0
+        for name in names:
+            nbytes, seconds = times[name][0], times[name][1][t]
+            total += seconds
+            cells.append(f"{nbytes / seconds / 1e9:,.0f}")
+        totals[t] = total
+        mark = " (current)" if t == current else ""
+        lines.append(f"| {t[0]} x {t[1]}{mark} | " + " | ".join(cells) + f" | {total * 1e6:,.1f} |")
+    best = min(totals, key=lambda t: totals[t])
+    lines.append(
+        f"best: {best[0]} x {best[1]}, {totals[best] * 1e6:,.1f} µs a block "
+        f"({totals[current] / totals[best]:.2f}x faster than the current tile)"
+        if current in totals
+        else f"best: {best[0]} x {best[1]}"
+    )
+    return "\n".join(lines), best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated")
+    parser.add_argument("--cols", default=",".join(map(str, COLS)), help="comma-separated")
+    record.add_flag(parser)
+    args = parser.parse_args(argv)
+    names = args.formats.split(",")
+    unknown = sorted(set(names) - set(FORMATS))
+    if unknown:
+        parser.error(f"unknown format(s) {unknown}; known: {', '.join(FORMATS)}")
+    try:
+        rows = [int(v) for v in args.rows.split(",")]
+        cols = [int(v) for v in args.cols.split(",")]
+    except ValueError:
+        parser.error("--rows and --cols take comma-separated integers")
+    if any(v <= 0 or v & (v - 1) for v in rows + cols):
+        parser.error("--rows and --cols take powers of two")
+    try:
+        device = enter_device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        print(f"bench.matvec_tiles: {exc}", file=sys.stderr)
+        return 2
+    problem = kernels.triton_problem(device)
+    if problem is not None:
+        print(f"bench.matvec_tiles: {problem}", file=sys.stderr)
+        return 2
+    products = block_products(args.shape)
+    tiles = [t for t in itertools.product(rows, cols) if t[0] * t[1] <= MAX_TILE]
+    if not tiles:
+        parser.error(f"no tile of --rows x --cols holds at most {MAX_TILE} values")
+    current = (kernels.MATVEC_ROWS, kernels.MATVEC_COLS)
+    with record.recording(
+        "matvec_tiles", record.record_dir(args), None if argv is None else list(argv)
+    ) as run:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        print(f"{args.shape} block products on {name}; {len(tiles)} tiles", flush=True)
+        for label in names:
+            fmt = FORMATS[label]
+            times = sweep_format(fmt, products, tiles, device)
+            text, best = table(label, tiles, times, current)
+            print(text + "\n", flush=True)
+            run.results[label] = {"best": list(best), "current": list(current)}
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""bench.matvec_tiles on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py): every tile of every format gives the first tile's products (checked inside the
+sweep), and the tables name the current tile and the best."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import matvec_tiles
+
+
+def test_the_sweep_runs_every_format_and_tile_on_the_tiny_shape(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--device", "cpu", "--shape", "tiny", "--rows", "16", "--cols", "128,256"]
+    assert matvec_tiles.main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("bf16", "fp8", "int8", "int4"):
+        assert f"{label}: GB/s of weight read" in out
+    assert out.count("| 16 x 256 (current) |") == 4
+    assert out.count("| 16 x 128 |") == 4
+    assert out.count("best: ") == 4
+    assert "| tile (rows x cols) | qkv | o | gate-up | down | block µs |" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--formats", "bf16,int3"], "unknown format(s) ['int3']; known: bf16, fp8, int8, int4"),
+        (["--rows", "12"], "--rows and --cols take powers of two"),
+        (["--cols", "a"], "--rows and --cols take comma-separated integers"),
+        (["--rows", "64", "--cols", "1024"], "no tile of --rows x --cols holds at most 16384"),
+    ],
+)
+def test_bad_arguments_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        matvec_tiles.main(["--device", "cpu", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
