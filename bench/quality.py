@@ -27,6 +27,7 @@ from appliance.engine.llama import CheckpointError, LlamaModel, load_config
 from appliance.engine.quality import FormatQuality, measure
 from appliance.engine.quantized import GROUP_SIZES, GroupQuant
 from appliance.engine.repository import RepositoryError, read_repository
+from appliance.textfile import TextFileError, read_text
 from bench import record
 
 MAX_TEXT_BYTES = 4 << 20
@@ -141,12 +142,9 @@ def _model_dir(repository: Path, name: str | None) -> Path:
 
 def _read_text(path: Path) -> str:
     try:
-        size = path.stat().st_size
-        if size > MAX_TEXT_BYTES:
-            raise UsageError(f"--text {path}: {size} bytes, at most {MAX_TEXT_BYTES}")
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"--text {path}: {err}") from err
+        return read_text(path, MAX_TEXT_BYTES)
+    except TextFileError as err:
+        raise UsageError(f"--text {path}: {err}") from None
 
 
 def _load(fmt: Format, model_dir: Path) -> tuple[str, LlamaModel]:

@@ -57,6 +57,7 @@ from appliance.engine.llama import (
     rope_inv_freq,
 )
 from appliance.engine.quantized import GROUP_SIZES
+from appliance.textfile import TextFileError, read_text
 from engine_build.hf_config import CheckpointError, read_json
 
 __all__ = [
@@ -489,12 +490,9 @@ def quantize_checkpoint(
             f"--tokens {tokens}: the model takes at most {config.max_position_embeddings}"
         )
     try:
-        size = text.stat().st_size
-        if size > MAX_TEXT_BYTES:
-            raise AwqError(f"--text {text}: {size} bytes, at most {MAX_TEXT_BYTES}")
-        content = text.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise AwqError(f"--text {text}: {err}") from err
+        content = read_text(text, MAX_TEXT_BYTES)
+    except TextFileError as err:
+        raise AwqError(f"--text {text}: {err}") from None
     tokenizer_file = model_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise AwqError(f"--model {model_dir}: no tokenizer.json to tokenize the calibration text")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.loadgen.options import BenchInputError, Lengths, Settings
+from appliance.textfile import TextFileError, read_text
 from appliance.v1 import inference_pb2 as pb
 
 COMMON_WORDS = (
@@ -89,13 +90,9 @@ def load_prompts(path: Path) -> list[Prompt]:
     """One prompt per non-blank line, or JSONL (when the first non-blank line starts with `{`):
     objects with "prompt" or "messages" ([{"role", "content"}]) and optionally "max_tokens"."""
     try:
-        size = path.stat().st_size
-        if size > MAX_PROMPT_FILE_BYTES:
-            raise BenchInputError(f"--prompts {path}: {size} bytes; the limit is 256 MiB")
-        content = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise BenchInputError(f"--prompts {path}: {reason}") from None
+        content = read_text(path, MAX_PROMPT_FILE_BYTES)
+    except TextFileError as exc:
+        raise BenchInputError(f"--prompts {path}: {exc}") from None
     lines = [(n, line) for n, line in enumerate(content.splitlines(), 1) if line.strip()]
     if not lines:
         raise BenchInputError(f"--prompts {path}: no prompts (the file is empty)")

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from appliance.textfile import TextFileError, read_text
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -59,13 +60,9 @@ def read_prompts(path: Path, model: str, max_tokens: int | None) -> list[pb.Gene
     """The requests of a prompts file: a JSON object a line (GenerateRequest fields, as in the
     proto's JSON form) or a plain prompt a line; blank lines are skipped."""
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise WarmInputError(f"{path}: larger than {MAX_FILE_BYTES // 2**20} MiB")
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise WarmInputError(f"{path}: cannot read: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise WarmInputError(f"{path}: not UTF-8 text") from None
+        text = read_text(path, MAX_FILE_BYTES)
+    except TextFileError as exc:
+        raise WarmInputError(f"{path}: {exc}") from None
     requests = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

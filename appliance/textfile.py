@@ -1,0 +1,32 @@
+"""Reading a text file a user names (prompts, calibration or evaluation text) whole, bounded.
+
+At most `max_bytes` + 1 bytes are read whatever the file is (a pipe, /dev/zero or a file that
+grows after its size was looked at), so a wrong path costs a bounded read and one line. Each
+caller puts its own option or path before the reason and raises its own CLI error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["TextFileError", "read_text"]
+
+
+class TextFileError(ValueError):
+    """Why the file cannot be read, in one line that does not repeat its path."""
+
+
+def read_text(path: Path, max_bytes: int) -> str:
+    """The file's UTF-8 text; TextFileError when it cannot be read, holds more than
+    `max_bytes` bytes, or is not UTF-8."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(max_bytes + 1)
+    except OSError as exc:
+        raise TextFileError(exc.strerror or type(exc).__name__) from None
+    if len(data) > max_bytes:
+        raise TextFileError(f"more than {max_bytes:,} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TextFileError(f"not UTF-8 text (byte {exc.start:,})") from None
