@@ -114,6 +114,7 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
             return Grid(name)
 
     config = dataclasses.replace(random_config(shape), num_hidden_layers=1)
+    spans = tuple(sorted({min(span, config.max_position_embeddings) for span in spans}))
     meta = torch.device("meta")
     tensors = {
         n: torch.empty(s, device=meta) for n, s in LlamaModel.expected_shapes(config).items()
