@@ -94,7 +94,8 @@ class Variant:
 
 VARIANTS = (  # in the order run: what a short time budget must not miss first, compile last
     Variant("bf16 graph triton", None, True, "triton"),
-    # The same fused step with cuBLAS products (32 launches more a token, on the 8B shape).
+    # The same fused step with cuBLAS products (33 launches more a token on the 8B shape: SiLU * up
+    # in each block, the logits' float32 copy; more where cuBLAS splits a product).
     Variant("bf16 graph triton cublas", None, True, "triton", dense="torch"),
     Variant("bf16 graph", None, True),
     Variant("fp8 graph triton", "channel", True, "triton"),

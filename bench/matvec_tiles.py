@@ -7,7 +7,8 @@ how many bytes each keeps in flight; it is chosen by this sweep on the GPU, not 
 Every format (model dtype, FP8 per channel, INT8 and INT4 group 128) runs on the four products of
 a block of the model's shape (qkv, o, gate-up, and down with SiLU(gate) * up as its input), each
 tile checked against the first tile's output before it is timed. On CUDA, a captured graph of
-back-to-back launches is timed with events (a Python launch costs more than a small product).
+back-to-back launches is timed with events (a Python launch costs more than a small product),
+cycling through copies of the weight larger together than the L2 (`CYCLE_BYTES`).
 
     python -m bench.matvec_tiles --device cuda --shape llama-3.1-8b
 
@@ -18,10 +19,12 @@ tile by total time of the block's four products; `--record` keeps it under docs/
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import itertools
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,9 +48,14 @@ COLS = (256, 512, 1024, 2048)
 # Values a tile holds, at most: compiled for sm_90, tiles of 32,768 values spill (a stack frame
 # of 8 to 9,192 bytes in every format but bf16 at 32 x 2048), tiles of 16,384 do not.
 MAX_TILE = 16384
-# Launches per timed graph, and timed replays (the best is kept).
+# Launches per timed graph (at least), and timed replays (the best is kept).
 LAUNCHES = 20
 REPLAYS = 5
+# On CUDA the timed launches cycle through copies of a weight that together hold at least this
+# many bytes, several times an H100's or H200's L2 (50 or 60 MB): each launch reads its weight
+# from memory, as each block's product does in a decode step, never from the L2 the launch
+# before it filled.
+CYCLE_BYTES = 256 << 20
 
 
 @contextmanager
@@ -74,22 +82,25 @@ def block_products(shape: str) -> list[tuple[str, int, int, bool]]:
     ]
 
 
-def seconds_per_call(run: Callable[[], Any], device: torch.device) -> float:
-    """Best time of one call: on CUDA from a graph of LAUNCHES back-to-back calls timed by
-    events; elsewhere (the interpreter, in tests) the best of a few calls by the clock."""
-    run()  # compiles the kernel before any capture
+def seconds_per_call(calls: Sequence[Callable[[], Any]], device: torch.device) -> float:
+    """Best time of one call: on CUDA from a graph of at least LAUNCHES back-to-back calls,
+    cycling through `calls` (each over its own copy of the weight), timed by events; elsewhere
+    (the interpreter, in tests) the best of two runs of the first call by the clock."""
+    for call in calls:
+        call()  # compiles the kernel before any capture
     if device.type != "cuda":
         best = float("inf")
         for _ in range(2):
             t0 = time.perf_counter()
-            run()
+            calls[0]()
             best = min(best, time.perf_counter() - t0)
         return best
     torch.cuda.synchronize(device)
+    launches = len(calls) * -(-LAUNCHES // len(calls))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES):
-            run()
+        for i in range(launches):
+            calls[i % len(calls)]()
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     best = float("inf")
@@ -98,7 +109,7 @@ def seconds_per_call(run: Callable[[], Any], device: torch.device) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000 / LAUNCHES)
+        best = min(best, start.elapsed_time(end) / 1000 / launches)
     return best
 
 
@@ -128,22 +139,21 @@ def sweep_format(
         layer = make_layer(name, weight.to(torch.bfloat16), fmt)
         del weight
         times[name] = (layer.nbytes, {})
+        n_copies = -(-CYCLE_BYTES // layer.nbytes) if device.type == "cuda" else 1
+        layers = [layer] + [copy.deepcopy(layer) for _ in range(n_copies - 1)]
         width = 2 * n_in if gated else n_in
         x = torch.randn(1, width, generator=gen, device=device).to(torch.bfloat16)
         reference: torch.Tensor | None = None
         for rows, cols in tiles:
             with tile(rows, cols):
-
-                def run(layer: Linear = layer, x: torch.Tensor = x, gated: bool = gated) -> Any:
-                    return fused.matvec(layer, x, gated)
-
-                out = run().float()
+                calls = [functools.partial(fused.matvec, each, x, gated) for each in layers]
+                out = calls[0]().float()
                 if reference is None:
                     reference = out
                 else:
                     torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-2)
-                times[name][1][(rows, cols)] = seconds_per_call(run, device)
-        del layer
+                times[name][1][(rows, cols)] = seconds_per_call(calls, device)
+        del layer, layers
     return times
 
 

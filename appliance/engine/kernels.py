@@ -29,6 +29,7 @@ __all__ = [
     "int8_matvec",
     "interpreting",
     "matvec",
+    "model_problem",
     "resolve_kernels",
     "rms_norm",
     "rope_kv_write",
@@ -58,6 +59,14 @@ def triton_problem(device: torch.device) -> str | None:
         return "the triton package is not installed; use --kernels torch"
     if device.type != "cuda" and not interpreting():
         return "Triton kernels need a CUDA device; use --kernels torch"
+    return None
+
+
+def model_problem(head_dim: int) -> str | None:
+    """Why the kernels cannot run a model whose heads are `head_dim` wide (None: they can): a
+    head is one power-of-two tile, and a GPU's tl.dot takes at least 16 values per product."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim}: the Triton kernels take a power of two of at least 16"
     return None
 
 
@@ -178,13 +187,16 @@ def matvec(
 ) -> torch.Tensor:
     """(x @ W.T) * scale for one token x (1, in) and a weight (out, in) in a float dtype (the
     model's, or E4M3 with float32 scales (out, 1) per output row or () per tensor), widened in
-    registers (FP8: W8A16); `out` (1, out) receives the result in its own dtype (default: a new
-    tensor in x's dtype). `gated`: x is (1, 2 * in), gate then up, and the product takes
-    SiLU(gate) * up (`silu_mul`) without a launch of its own."""
+    registers (FP8: W8A16). `out` (1, out), contiguous, receives the result rounded to x's dtype
+    and stored in its own (float32 logits hold the model-dtype values the eager output head
+    gives); default: a new tensor in x's dtype. `gated`: x is (1, 2 * in), gate then up, and the
+    product takes SiLU(gate) * up (`silu_mul`) without a launch of its own."""
     n_out, n_in = weight.shape
     _check_width(x, n_in, gated)
     if out is None:
         out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n_out) or not out.is_contiguous():
+        raise ValueError(f"out of shape {tuple(out.shape)}: needs a contiguous (1, {n_out})")
     _tk().matvec_kernel[(-(-n_out // MATVEC_ROWS),)](
         x.contiguous(),
         weight,

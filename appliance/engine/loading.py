@@ -16,12 +16,13 @@ from pathlib import Path
 from appliance.engine.awq import awq_options, awq_source, load_awq_model
 from appliance.engine.decode import cuda_graph_capture, decode_spans
 from appliance.engine.draft_model import DraftModelDrafter, check_draft_model, draft_off_switch
+from appliance.engine.kernels import model_problem
 from appliance.engine.llama import LlamaModel, load_config
 from appliance.engine.options import EngineOptions, check_fit
 from appliance.engine.prefill import prefill_graph_count
 from appliance.engine.prefix_cache import free_device_bytes
 from appliance.engine.random_weights import random_config, random_model
-from appliance.engine.repository import ModelEntry
+from appliance.engine.repository import ModelEntry, RepositoryError
 from appliance.engine.runner import Runner, build_runner, prefill_chunk_tokens, working_seq_len
 from appliance.engine.speculative import Drafter
 from appliance.engine.verify import verify_graph_count
@@ -37,6 +38,13 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     started = time.monotonic()
     shape = options.random_weights
     config = random_config(shape) if shape else load_config(entry.hf_model_dir)
+    kernel_path = options.kernel_path
+    why = model_problem(config.head_dim) if kernel_path == "triton" else None
+    if why is not None and options.kernels == "triton":
+        raise RepositoryError(f"--kernels triton: {why}; use --kernels torch")
+    if why is not None:
+        log.info("decode on torch kernels: %s", why)
+        kernel_path = "torch"
     awq_dir = None if shape else awq_source(entry)
     if awq_dir is not None:
         options = awq_options(awq_dir, options)
@@ -77,7 +85,7 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
             entry.hf_model_dir, device, options.torch_dtype, options.weight_quant
         )
         fingerprint = entry.fingerprint
-    model.kernels = options.kernel_path
+    model.kernels = kernel_path
     speculation: Drafter | None = options.speculation
     if draft_config is not None and options.draft_model:
         draft = LlamaModel.load(

@@ -139,8 +139,8 @@ def matvec_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out = (x @ W.T) * scale for one token x (n_in,) and a weight W (n_out, n_in) of any float
-    dtype (the model dtype, or E4M3 with its scales).
+    """out = (x @ W.T) * scale, rounded to x's dtype, for one token x (n_in,) and a weight W
+    (n_out, n_in) of any float dtype (the model dtype, or E4M3 with its scales).
 
     The weight is widened to float32 in registers, so its bytes are read once and nothing is
     quantised per call. SCALE: 0 none, 1 one for the tensor, 2 one per output row. GATED: x is a
@@ -163,7 +163,9 @@ def matvec_kernel(
         acc = acc * tl.load(scale_ptr + rows, mask=row_live, other=0.0)
     elif SCALE == 1:
         acc = acc * tl.load(scale_ptr)
-    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
+    # Rounded to x's dtype first: a float32 out holds the values a model-dtype product gives.
+    out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows, out, mask=row_live)
 
 
 @triton.jit
@@ -296,8 +298,8 @@ def decode_attention_split_kernel(
     unnormalised output (GROUP, D), running max and exp-sum (GROUP,) in float32; a split wholly
     after the position writes max -inf, sum 0 and output 0.
 
-    Both products are `tl.dot`s over ROWS query rows (GROUP padded with zero rows to tl.dot's
-    least M, 16): a broadcast product of (rows, BLOCK, D) would hold BLOCK * D values per row in
+    Both products are `tl.dot`s over ROWS query rows (GROUP padded with zero rows to at least
+    16, the least M of older Triton releases' tl.dot): a broadcast product of (rows, BLOCK, D) would hold BLOCK * D values per row in
     registers and spill. Scores accumulate in float32; the softmax weights enter the second
     product in the cache's dtype (flash attention's rounding; float32 stays float32 with
     PRECISION "ieee"). WIDEN multiplies the operands as float32 holding the same values: Triton's

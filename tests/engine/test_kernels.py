@@ -4,19 +4,24 @@ program in numpy."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from tritonclient.grpc import model_config_pb2 as mc
 
-from appliance.engine import fused, kernels, quantized
+from appliance.engine import fused, kernels, options, quantized
 from appliance.engine.decode import EagerDecode, GraphDecode
 from appliance.engine.linear import WeightQuant, dequantize, quantize
 from appliance.engine.llama import LlamaModel
+from appliance.engine.loading import load_model
+from appliance.engine.options import EngineOptions
 from appliance.engine.quantized import GroupQuant
 from appliance.engine.random_weights import random_model
+from appliance.engine.repository import ModelEntry, RepositoryError
 from appliance.engine.sampling import SamplingParams, generate
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,10 +127,10 @@ def test_a_dense_matvec_equals_f_linear(dtype: torch.dtype, gated: bool) -> None
     assert got.shape == (1, 40) and got.dtype == dtype
     act = kernels.silu_mul(x) if gated else x
     torch.testing.assert_close(got.float(), F.linear(act.float(), w.float()), rtol=2**-7, atol=1e-3)
-    # A float32 result written in place, from model-dtype inputs (the output head's logits).
+    # A float32 result written in place (the output head's logits): the same values as `got`.
     logits = torch.full((1, 40), float("nan"), device=DEVICE)
     assert kernels.matvec(act, w, out=logits) is logits
-    torch.testing.assert_close(logits, F.linear(act.float(), w.float()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits, kernels.matvec(act, w).float())
     with pytest.raises(ValueError, match=r"shape \(1, 95\) for a weight of 96 inputs"):
         kernels.matvec(x[:, :95], w)
 
@@ -315,3 +320,45 @@ def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
         assert len(counter.triton) == 1 + 6 * layers
         products = ["mm" if op in ("linear", "addmm") else op for op in counter.torch]
         assert products == ["mm"] * (4 * layers + 1) + ["copy_"], counter.torch
+
+
+def test_a_head_the_kernels_cannot_tile_is_refused_or_decoded_on_torch(
+    micro_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's tl.dot takes at least 16 values a product and a head is one power-of-two tile:
+    `--kernels triton` refuses such a model before its weights load, `auto` decodes it on torch."""
+    assert kernels.model_problem(128) is None and kernels.model_problem(16) is None
+    assert (
+        kernels.model_problem(80)
+        == "head_dim 80: the Triton kernels take a power of two of at least 16"
+    )
+    config = mc.ModelConfig(name="m", max_batch_size=1)
+    config.parameters["hf_model_dir"].string_value = str(micro_dir)
+    entry = ModelEntry("m", tmp_path, config, micro_dir)  # the micro model's heads are 8 wide
+    with pytest.raises(RepositoryError) as refused:
+        load_model(entry, EngineOptions(kernels="triton", cuda_graph="off"))
+    assert str(refused.value) == (
+        "--kernels triton: head_dim 8: the Triton kernels take a power of two of at least 16; "
+        "use --kernels torch"
+    )
+    monkeypatch.setattr(options, "resolve_kernels", lambda choice, device: "triton")
+    model, runner = load_model(entry, EngineOptions(cuda_graph="off"))
+    try:
+        assert model.kernels == "torch"
+    finally:
+        runner.close()
+
+
+def test_the_output_head_writes_the_model_dtype_logits_widened() -> None:
+    """Greedy decoding reads these logits: they hold what the eager bf16 output head gives (each
+    a bf16 value), so near-ties break as in the eager and verify steps."""
+    w = (torch.randn(300, 64, generator=_gen(14)) / 8).to(DEVICE, torch.bfloat16)
+    h = torch.randn(1, 64, generator=_gen(15)).to(DEVICE, torch.bfloat16)
+    logits = torch.empty(1, 300, device=DEVICE)
+    kernels.matvec(h, w, out=logits)
+    assert torch.equal(logits, logits.bfloat16().float())
+    ref = F.linear(h, w).float()
+    # Summation order may move a value by one bf16 unit in the last place, no more.
+    assert float(((logits - ref).abs() / ref.abs().clamp(min=1e-3)).max()) <= 2**-7
+    with pytest.raises(ValueError, match=r"out of shape \(300,\): needs a contiguous \(1, 300\)"):
+        kernels.matvec(h, w, out=torch.empty(300, device=DEVICE))

@@ -9,7 +9,7 @@ import pytest
 from bench import matvec_tiles
 
 
-def test_the_sweep_runs_every_format_and_tile_on_the_tiny_shape(
+def test_the_sweep_checks_and_tabulates_every_format_on_the_tiny_shape(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["--device", "cpu", "--shape", "tiny", "--rows", "16", "--cols", "128,256"]
