@@ -222,20 +222,39 @@ def _check_width(x: torch.Tensor, n_in: int, gated: bool) -> None:
         )
 
 
-def _group_matvec_launch(
-    x: torch.Tensor, n_out: int, weight_in: int, group_size: int, gated: bool
-) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], int]:
-    """(x contiguous, output (tokens, n_out) in x's dtype, grid, BLOCK_K) of a group-wise launch;
-    ValueError unless x's width is the weight's `weight_in` inputs (twice that when `gated`),
-    a multiple of the group."""
-    _check_width(x, weight_in, gated)
-    if weight_in % group_size:
-        raise ValueError(f"{weight_in} inputs do not split into groups of {group_size}")
+def _group_matvec(
+    kernel: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    n_out: int,
+    n_in: int,
+    group_size: int,
+    gated: bool,
+) -> torch.Tensor:
+    """Launches a group-wise kernel (`int8_matvec_kernel`, `int4_matvec_kernel`): one program
+    per MATVEC_ROWS output rows per token; the output (tokens, n_out) is in x's dtype.
+    ValueError unless x's width is the weight's `n_in` inputs (twice that when `gated`), a
+    multiple of the group."""
+    _check_width(x, n_in, gated)
+    if n_in % group_size:
+        raise ValueError(f"{n_in} inputs do not split into groups of {group_size}")
     x = x.contiguous()
     tokens = x.shape[0]
     out = torch.empty(tokens, n_out, dtype=x.dtype, device=x.device)
-    block_k = max(group_size, min(MATVEC_COLS, _pow2(weight_in)))
-    return x, out, (-(-n_out // MATVEC_ROWS), tokens), block_k
+    getattr(_tk(), kernel)[(-(-n_out // MATVEC_ROWS), tokens)](
+        x,
+        weight,
+        scales,
+        out,
+        n_out,
+        n_in,
+        GROUP=group_size,
+        GATED=gated,
+        BLOCK_N=MATVEC_ROWS,
+        BLOCK_K=max(group_size, min(MATVEC_COLS, _pow2(n_in))),
+    )
+    return out
 
 
 def int8_matvec(
@@ -243,24 +262,12 @@ def int8_matvec(
 ) -> torch.Tensor:
     """x @ W.T for a few tokens x (tokens, in) and an INT8 weight (out, in) with model-dtype
     scales (out, in / group) per group (W = q * scale, `Int8Linear`'s layout), dequantised in
-    registers; the result is in x's dtype; `gated` as in `matvec`. One program per MATVEC_ROWS
-    rows per token, so each token reads the weight again: meant for one token."""
+    registers; the result is in x's dtype; `gated` as in `matvec`. Each token reads the weight
+    again: meant for one token."""
     n_out, n_in = weight.shape
-    group_size = n_in // scale.shape[1]
-    x, out, grid, block_k = _group_matvec_launch(x, n_out, n_in, group_size, gated)
-    _tk().int8_matvec_kernel[grid](
-        x,
-        weight,
-        scale,
-        out,
-        n_out,
-        n_in,
-        GROUP=group_size,
-        GATED=gated,
-        BLOCK_N=MATVEC_ROWS,
-        BLOCK_K=block_k,
+    return _group_matvec(
+        "int8_matvec_kernel", x, weight, scale, n_out, n_in, n_in // scale.shape[1], gated
     )
-    return out
 
 
 def int4_matvec(
@@ -276,20 +283,9 @@ def int4_matvec(
     dequantised in registers; the result is in x's dtype; `gated` as in `matvec`. Meant for one
     token, as `int8_matvec`."""
     n_out, n_in = packed.shape[0], 2 * packed.shape[1]
-    x, out, grid, block_k = _group_matvec_launch(x, n_out, n_in, group_size, gated)
-    _tk().int4_matvec_kernel[grid](
-        x,
-        packed,
-        scales_and_zeros,
-        out,
-        n_out,
-        n_in,
-        GROUP=group_size,
-        GATED=gated,
-        BLOCK_N=MATVEC_ROWS,
-        BLOCK_K=block_k,
+    return _group_matvec(
+        "int4_matvec_kernel", x, packed, scales_and_zeros, n_out, n_in, group_size, gated
     )
-    return out
 
 
 def decode_attention(
