@@ -103,7 +103,7 @@ def tiny_stack(
         stack.callback(processes.stop, engine)
         gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
         stack.callback(processes.stop, gateway)
-        processes.wait_serving(gateway_addr, gateway)
+        processes.wait_serving(gateway_addr, gateway, log=work / "gateway.log")
         yield TinyStack(
             work, repo, ModelText.load(tok_dir), engine_addr, gateway_addr, http_addr, gateway
         )

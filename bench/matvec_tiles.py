@@ -2,7 +2,7 @@
 
 At one token a matrix-vector product is a read of its weight, so its speed is bytes per second
 against the device's copy bandwidth. The tile (output rows x input columns a program loads per
-iteration: `kernels.MATVEC_ROWS`, `kernels.MATVEC_COLS`) sets how many programs share the GPU and
+iteration: `kernels.MATVEC_TILES`, one per kernel) sets how many programs share the GPU and
 how many bytes each keeps in flight; it is chosen by this sweep on the GPU, not by reasoning.
 Every format (model dtype, FP8 per channel, INT8 and INT4 group 128) runs on the four products of
 a block of the model's shape (qkv, o, gate-up, and down with SiLU(gate) * up as its input), each
@@ -37,11 +37,12 @@ from appliance.engine.quantized import GroupQuant, quantize_group_linear
 from appliance.engine.random_weights import SHAPES, random_config
 from bench import record
 
-FORMATS: dict[str, WeightQuant | None] = {
-    "bf16": None,
-    "fp8": "channel",
-    "int8": GroupQuant(8, 128),
-    "int4": GroupQuant(4, 128),
+# Format label: (weight format, the kernel of `kernels.MATVEC_TILES` that reads it).
+FORMATS: dict[str, tuple[WeightQuant | None, str]] = {
+    "bf16": (None, "matvec"),
+    "fp8": ("channel", "matvec"),
+    "int8": (GroupQuant(8, 128), "int8"),
+    "int4": (GroupQuant(4, 128), "int4"),
 }
 ROWS = (8, 16, 32, 64)
 COLS = (256, 512, 1024, 2048)
@@ -59,14 +60,14 @@ CYCLE_BYTES = 256 << 20
 
 
 @contextmanager
-def tile(rows: int, cols: int) -> Iterator[None]:
-    """The matvec kernels' tile for the body (module constants, read at each launch)."""
-    saved = kernels.MATVEC_ROWS, kernels.MATVEC_COLS
-    kernels.MATVEC_ROWS, kernels.MATVEC_COLS = rows, cols
+def tile(kernel: str, rows: int, cols: int) -> Iterator[None]:
+    """`kernel`'s tile for the body (`kernels.MATVEC_TILES`, read at each launch)."""
+    saved = kernels.MATVEC_TILES[kernel]
+    kernels.MATVEC_TILES[kernel] = (rows, cols)
     try:
         yield
     finally:
-        kernels.MATVEC_ROWS, kernels.MATVEC_COLS = saved
+        kernels.MATVEC_TILES[kernel] = saved
 
 
 def block_products(shape: str) -> list[tuple[str, int, int, bool]]:
@@ -124,6 +125,7 @@ def make_layer(name: str, weight: torch.Tensor, fmt: WeightQuant | None) -> Line
 
 def sweep_format(
     fmt: WeightQuant | None,
+    kernel: str,
     products: list[tuple[str, int, int, bool]],
     tiles: list[tuple[int, int]],
     device: torch.device,
@@ -145,7 +147,7 @@ def sweep_format(
         x = torch.randn(1, width, generator=gen, device=device).to(torch.bfloat16)
         reference: torch.Tensor | None = None
         for rows, cols in tiles:
-            with tile(rows, cols):
+            with tile(kernel, rows, cols):
                 calls = [functools.partial(fused.matvec, each, x, gated) for each in layers]
                 out = calls[0]().float()
                 if reference is None:
@@ -225,15 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     tiles = [t for t in itertools.product(rows, cols) if t[0] * t[1] <= MAX_TILE]
     if not tiles:
         parser.error(f"no tile of --rows x --cols holds at most {MAX_TILE} values")
-    current = (kernels.MATVEC_ROWS, kernels.MATVEC_COLS)
     with record.recording(
         "matvec_tiles", record.record_dir(args), None if argv is None else list(argv)
     ) as run:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
         print(f"{args.shape} block products on {name}; {len(tiles)} tiles", flush=True)
         for label in names:
-            fmt = FORMATS[label]
-            times = sweep_format(fmt, products, tiles, device)
+            fmt, kernel = FORMATS[label]
+            current = kernels.MATVEC_TILES[kernel]
+            times = sweep_format(fmt, kernel, products, tiles, device)
             text, best = table(label, tiles, times, current)
             print(text + "\n", flush=True)
             run.results[label] = {"best": list(best), "current": list(current)}

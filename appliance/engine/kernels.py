@@ -42,10 +42,16 @@ KernelChoice = Literal["auto", "triton", "torch"]
 ATTENTION_SPLITS = 16
 # Cache positions one attention program loads at a time.
 ATTENTION_BLOCK = 64
-# Output rows and input columns of one matrix-vector tile; an INT8/INT4 tile
-# holds whole groups, so it is at least one group wide.
-MATVEC_ROWS = 16
-MATVEC_COLS = 256
+# Output rows x input columns of one matrix-vector tile, per kernel: "matvec" (model dtype and
+# FP8), "int8" and "int4" (a tile holds whole groups, so it is at least one group wide). Each is
+# the fastest tile of `bench.matvec_tiles` on an H100 (docs/runs/2026-11-26-matvec_tiles.md);
+# at one token a product is a read of its weight, and the tile sets the bytes each program keeps
+# in flight.
+MATVEC_TILES: dict[str, tuple[int, int]] = {
+    "matvec": (8, 2048),
+    "int8": (8, 1024),
+    "int4": (16, 1024),
+}
 
 
 def interpreting() -> bool:
@@ -197,7 +203,8 @@ def matvec(
         out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     elif out.shape != (1, n_out) or not out.is_contiguous():
         raise ValueError(f"out of shape {tuple(out.shape)}: needs a contiguous (1, {n_out})")
-    _tk().matvec_kernel[(-(-n_out // MATVEC_ROWS),)](
+    rows, cols = MATVEC_TILES["matvec"]
+    _tk().matvec_kernel[(-(-n_out // rows),)](
         x.contiguous(),
         weight,
         scale if scale is not None else weight,  # not read without a scale
@@ -206,8 +213,8 @@ def matvec(
         n_in,
         SCALE=0 if scale is None else 2 if scale.dim() > 0 else 1,
         GATED=gated,
-        BLOCK_N=MATVEC_ROWS,
-        BLOCK_K=min(MATVEC_COLS, _pow2(n_in)),
+        BLOCK_N=rows,
+        BLOCK_K=min(cols, _pow2(n_in)),
     )
     return out
 
@@ -223,7 +230,7 @@ def _check_width(x: torch.Tensor, n_in: int, gated: bool) -> None:
 
 
 def _group_matvec(
-    kernel: str,
+    kind: str,
     x: torch.Tensor,
     weight: torch.Tensor,
     scales: torch.Tensor,
@@ -232,8 +239,9 @@ def _group_matvec(
     group_size: int,
     gated: bool,
 ) -> torch.Tensor:
-    """Launches a group-wise kernel (`int8_matvec_kernel`, `int4_matvec_kernel`): one program
-    per MATVEC_ROWS output rows per token; the output (tokens, n_out) is in x's dtype.
+    """Launches the group-wise kernel of `kind` ("int8": `int8_matvec_kernel`, "int4":
+    `int4_matvec_kernel`): one program per tile of output rows (`MATVEC_TILES`) per token;
+    the output (tokens, n_out) is in x's dtype.
     ValueError unless x's width is the weight's `n_in` inputs (twice that when `gated`), a
     multiple of the group."""
     _check_width(x, n_in, gated)
@@ -242,7 +250,8 @@ def _group_matvec(
     x = x.contiguous()
     tokens = x.shape[0]
     out = torch.empty(tokens, n_out, dtype=x.dtype, device=x.device)
-    getattr(_tk(), kernel)[(-(-n_out // MATVEC_ROWS), tokens)](
+    rows, cols = MATVEC_TILES[kind]
+    getattr(_tk(), f"{kind}_matvec_kernel")[(-(-n_out // rows), tokens)](
         x,
         weight,
         scales,
@@ -251,8 +260,8 @@ def _group_matvec(
         n_in,
         GROUP=group_size,
         GATED=gated,
-        BLOCK_N=MATVEC_ROWS,
-        BLOCK_K=max(group_size, min(MATVEC_COLS, _pow2(n_in))),
+        BLOCK_N=rows,
+        BLOCK_K=max(group_size, min(cols, _pow2(n_in))),
     )
     return out
 
@@ -265,9 +274,7 @@ def int8_matvec(
     registers; the result is in x's dtype; `gated` as in `matvec`. Each token reads the weight
     again: meant for one token."""
     n_out, n_in = weight.shape
-    return _group_matvec(
-        "int8_matvec_kernel", x, weight, scale, n_out, n_in, n_in // scale.shape[1], gated
-    )
+    return _group_matvec("int8", x, weight, scale, n_out, n_in, n_in // scale.shape[1], gated)
 
 
 def int4_matvec(
@@ -283,9 +290,7 @@ def int4_matvec(
     dequantised in registers; the result is in x's dtype; `gated` as in `matvec`. Meant for one
     token, as `int8_matvec`."""
     n_out, n_in = packed.shape[0], 2 * packed.shape[1]
-    return _group_matvec(
-        "int4_matvec_kernel", x, packed, scales_and_zeros, n_out, n_in, group_size, gated
-    )
+    return _group_matvec("int4", x, packed, scales_and_zeros, n_out, n_in, group_size, gated)
 
 
 def decode_attention(

@@ -95,6 +95,9 @@ class GraphPrefill:
         self.spans = list(spans)
         device = model.device
         self.prefill_in = torch.zeros(2 + self.buckets[-1], dtype=torch.long, device=device)
+        # A valid request before any arrives: the capture's warm-up runs the body on these
+        # values (start 0, one live token), and a count of 0 would index row -1.
+        self.prefill_in[1] = 1
         self.logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=device)
         meta = self.prefill_in[:2]
         with torch.inference_mode():

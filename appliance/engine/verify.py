@@ -100,6 +100,9 @@ class GraphVerify:
         rows = self.draft_counts[-1] + 1
         device = model.device
         self.verify_in = torch.zeros(2 + rows, dtype=torch.long, device=device)
+        # A valid request before any arrives: the capture's warm-up runs the body on these
+        # values (start 0, one live token), and a count of 0 would index row -1.
+        self.verify_in[1] = 1
         vocab = model.config.vocab_size
         self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         meta = self.verify_in[:2]

@@ -127,7 +127,7 @@ def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
         _say(f"engine server ready after {took:.1f} s")
         _say(f"starting the gateway on {gateway_addr} (log: {workdir / 'gateway.log'})")
         gateway = processes.spawn(["serve", "--config", str(config)], workdir / "gateway.log")
-        processes.wait_serving(gateway_addr, gateway)
+        processes.wait_serving(gateway_addr, gateway, log=workdir / "gateway.log")
         _say("gateway serving; asking:")
         results = asyncio.run(_run_requests(gateway_addr, _requests(n, max_tokens)))
         _report(results)

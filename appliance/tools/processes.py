@@ -60,21 +60,36 @@ ready_timeout_s = {ready_timeout_s}
     return path
 
 
+def last_words(log: Path | None) -> str:
+    """The last non-empty line of a process's log (its error, when it failed)."""
+    if log is None:
+        return "see its log"
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError as exc:
+        return f"its log {log} unreadable: {exc.strerror}"
+    return lines[-1] if lines else "no output"
+
+
 def wait_serving(
     address: str,
     proc: subprocess.Popen[bytes] | None = None,
     timeout_s: float = 90.0,
     service: str = "",
+    log: Path | None = None,
 ) -> None:
     """Waits until the gRPC health service says SERVING for `service` ("": the whole server);
-    fails early if `proc` exits. RuntimeError says what was last seen."""
+    fails early if `proc` exits, with the last line of its `log`. RuntimeError says what was
+    last seen."""
     deadline = time.monotonic() + timeout_s
     seen = "no answer"
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:  # at least one check, even with no time to wait
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+                raise RuntimeError(
+                    f"process {proc.args!r} exited with {proc.returncode}: {last_words(log)}"
+                )
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -101,9 +116,9 @@ def wait_engine(
         stub = ts_grpc.GRPCInferenceServiceStub(channel)
         while time.monotonic() - started < timeout_s:
             if proc.poll() is not None:
-                lines = log.read_text(errors="replace").strip().splitlines()
-                last = lines[-1] if lines else "no output"
-                raise RuntimeError(f"engine server exited with {proc.returncode}: {last}")
+                raise RuntimeError(
+                    f"engine server exited with {proc.returncode}: {last_words(log)}"
+                )
             try:
                 if stub.ModelReady(ts.ModelReadyRequest(name="tensorrt_llm"), timeout=1.0).ready:
                     return time.monotonic() - started

@@ -6,19 +6,31 @@ from __future__ import annotations
 
 import pytest
 
+from appliance.engine import kernels
 from bench import matvec_tiles
 
 
 def test_the_sweep_checks_and_tabulates_every_format_on_the_tiny_shape(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["--device", "cpu", "--shape", "tiny", "--rows", "16", "--cols", "128,256"]
+    argv = ["--device", "cpu", "--shape", "tiny", "--rows", "8,16", "--cols", "1024,2048"]
     assert matvec_tiles.main(argv) == 0
     out = capsys.readouterr().out
+    tables = {}
     for label in ("bf16", "fp8", "int8", "int4"):
         assert f"{label}: GB/s of weight read" in out
-    assert out.count("| 16 x 256 (current) |") == 4
-    assert out.count("| 16 x 128 |") == 4
+        tables[label] = out.split(f"{label}: GB/s of weight read")[1].split("best: ")[0]
+    # Each format's table marks its own kernel's tile (kernels.MATVEC_TILES).
+    for label, kernel in (
+        ("bf16", "matvec"),
+        ("fp8", "matvec"),
+        ("int8", "int8"),
+        ("int4", "int4"),
+    ):
+        rows, cols = kernels.MATVEC_TILES[kernel]
+        assert tables[label].count("(current)") == 1
+        assert f"| {rows} x {cols} (current) |" in tables[label]
+    assert out.count("| 16 x 2048 |") == 0  # over MAX_TILE values: not swept
     assert out.count("best: ") == 4
     assert "| tile (rows x cols) | qkv | o | gate-up | down | block µs |" in out
 

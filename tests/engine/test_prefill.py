@@ -30,6 +30,7 @@ from appliance.engine.random_weights import random_model
 from appliance.engine.repository import KvCacheParams
 from appliance.engine.runner import Emission, Job, build_runner
 from appliance.engine.sampling import SamplingParams, generate
+from appliance.engine.verify import GraphVerify
 
 GREEDY = SamplingParams(top_k=1)
 BUCKETS = (4, 8, 16)
@@ -178,6 +179,25 @@ def test_padded_rows_stay_exactly_zero_into_every_linear_layer() -> None:
         (x,) = spy.inputs
         assert x.shape[0] == 16 and torch.isfinite(x[:5]).all() and x[:5].abs().sum() > 0
         assert torch.equal(x[5:], torch.zeros_like(x[5:]))
+
+
+def run_at_capture(body: Callable[[], None]) -> Callable[[], None]:
+    """A capture that runs the body once as it captures, as the CUDA capture's warm-up does, on
+    whatever the static buffers hold before any request."""
+    body()
+    return body
+
+
+def test_the_captured_bodies_run_on_the_buffers_as_they_stand_before_any_request(
+    tiny32: LlamaModel,
+) -> None:
+    """The CUDA capture runs each body before a request has filled its buffers; a count of 0
+    live tokens there made the prefill index row -1 (a device-side assert on a GPU, an
+    IndexError here)."""
+    cache = tiny32.new_cache(64)
+    spans = decode_spans(64, 16)
+    GraphPrefill(tiny32, cache, run_at_capture, BUCKETS, spans)
+    GraphVerify(tiny32, cache, run_at_capture, (1, 4), spans)
 
 
 def test_the_prefill_is_captured_once_per_bucket_and_span_with_fixed_buffers(
