@@ -187,3 +187,45 @@ def test_auto_kernels_are_triton_only_on_cuda_where_triton_runs(
     monkeypatch.setattr(kernels, "triton_problem", lambda device: "no triton")
     assert kernels.resolve_kernels("auto", cuda) == "torch"
     assert kernels.resolve_kernels("torch", cuda) == "torch"
+
+
+@DTYPES
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_dequantize_kernels_give_the_torch_weight_exactly(
+    bits: int, shape: tuple[int, int, int], dtype: torch.dtype
+) -> None:
+    """Rounded where torch's dequantisation rounds (INT4: the product, then the sum), so a
+    prefill on a CUDA device gives the logits torch's dequantisation gives. float32 is exact; a
+    bfloat16 value may differ by a unit in the last place here, where the interpreter rounds
+    toward zero (compiled, it rounds to nearest, as torch does)."""
+    layer = _layer(bits, shape, dtype)
+    if isinstance(layer, Int8Linear):
+        got = kernels.int8_dequantize(layer.weight, layer.scale, dtype)
+        expected = dequantize_int8(layer.weight, layer.scale, dtype)
+    else:
+        got = kernels.int4_dequantize(layer.packed, layer.scales_and_zeros, shape[2], dtype)
+        expected = layer.dequantized(dtype)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, expected)
+    else:
+        # INT4 rounds twice: a sum that cancels keeps the unit of its larger term.
+        unit = float(expected.abs().max()) * 2**-7 if bits == 4 else 0.0
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=unit)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_layer_on_a_triton_device_multiplies_by_the_kernel_dequantised_weight(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernels run compiled (a CUDA device), a layer's call takes the one-pass
+    dequantisation; here the interpreter runs it, standing in for the device."""
+    layer = _layer(bits, SHAPES[0], torch.bfloat16)
+    x = _tokens(5, SHAPES[0][1], torch.bfloat16)
+    expected = layer(x)  # a CPU device: torch's dequantisation
+    assert not kernels.triton_runs_on(x.device)
+    calls = _spy(monkeypatch, f"int{bits}_dequantize")
+    monkeypatch.setattr(kernels, "triton_runs_on", lambda device: True)
+    torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
+    assert len(calls) == 1
