@@ -25,10 +25,7 @@ __all__ = [
     "KernelChoice",
     "decode_attention",
     "embed_rms_norm",
-    "fp8_matmul",
-    "int4_dequantize",
     "int4_matvec",
-    "int8_dequantize",
     "int8_matvec",
     "interpreting",
     "matvec",
@@ -38,7 +35,6 @@ __all__ = [
     "rope_kv_write",
     "silu_mul",
     "triton_problem",
-    "triton_runs_on",
 ]
 
 KernelChoice = Literal["auto", "triton", "torch"]
@@ -56,12 +52,6 @@ MATVEC_TILES: dict[str, tuple[int, int]] = {
     "int8": (8, 1024),
     "int4": (16, 1024),
 }
-# Output rows of one program of the INT8/INT4 dequantize kernels (one group of columns each).
-DEQUANTIZE_ROWS = 32
-# Rows of x up to which an FP8 layer multiplies by `fp8_matmul` (weight-only) on a CUDA device:
-# a short prefill, a verify step. Above it, `torch._scaled_mm` (activations quantised) on the
-# FP8 tensor cores, where compute rather than the weight's read is the cost.
-FP8_MATMUL_MAX_ROWS = 128
 
 
 def interpreting() -> bool:
@@ -301,76 +291,6 @@ def int4_matvec(
     token, as `int8_matvec`."""
     n_out, n_in = packed.shape[0], 2 * packed.shape[1]
     return _group_matvec("int4", x, packed, scales_and_zeros, n_out, n_in, group_size, gated)
-
-
-def triton_runs_on(device: torch.device) -> bool:
-    """True when the Triton kernels run on `device` compiled: a CUDA device with triton
-    installed (the interpreter does not count: the caller's torch path is faster there)."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
-
-
-def fp8_matmul(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """(x @ W.T) * scale in `out_dtype` for rows x (m, in) in the model dtype and an E4M3 weight
-    (out, in) with float32 scales (out, 1) per row or () per tensor, weight-only: the weight is
-    widened in registers and x is not quantised. Meant for a few rows (a short prefill, the
-    verify step), where the product is a read of the weight; `FP8_MATMUL_MAX_ROWS` says how few."""
-    m, n_in = x.shape
-    n_out = weight.shape[0]
-    if weight.shape[1] != n_in:
-        raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {n_in} inputs")
-    x = x.contiguous()
-    out = torch.empty(m, n_out, dtype=out_dtype, device=x.device)
-    # Tiles compiled for sm_90 without spills (bench.kernel_resources' method): up to 64 x 64
-    # with 8 warps and 64 inputs a step; 32 output rows when the output has few rows, so that
-    # the programs still outnumber the multiprocessors.
-    block_m = min(64, max(16, _pow2(m)))
-    block_n = 64 if n_out >= 64 * 256 else 32
-    _tk().fp8_matmul_kernel[(-(-m // block_m), -(-n_out // block_n))](
-        x,
-        weight,
-        scale,
-        out,
-        m,
-        n_out,
-        n_in,
-        SCALE=2 if scale.dim() > 0 else 1,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=64,
-        PRECISION="ieee" if x.dtype == torch.float32 or interpreting() else "tf32",
-        WIDEN=interpreting() and x.dtype != torch.float32,
-        num_warps=8,
-    )
-    return out
-
-
-def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The (out, in) weight q * scale in `dtype` of an INT8 weight (out, in) with scales
-    (out, in / group): one launch, the values `quantized.dequantize_int8` gives."""
-    n_out, n_in = q.shape
-    group = n_in // scale.shape[1]
-    out = torch.empty(n_out, n_in, dtype=dtype, device=q.device)
-    rows = DEQUANTIZE_ROWS
-    _tk().int8_dequantize_kernel[(-(-n_out // rows), n_in // group)](
-        q, scale, out, n_out, n_in, GROUP=group, BLOCK_N=rows
-    )
-    return out
-
-
-def int4_dequantize(
-    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The (out, in) weight in `dtype` of an INT4 weight in `int4_matvec`'s layout: one launch,
-    the values `quantized.dequantize_int4` gives."""
-    n_out, n_in = packed.shape[0], 2 * packed.shape[1]
-    out = torch.empty(n_out, n_in, dtype=dtype, device=packed.device)
-    rows = DEQUANTIZE_ROWS
-    _tk().int4_dequantize_kernel[(-(-n_out // rows), n_in // group_size)](
-        packed, scales_and_zeros, out, n_out, n_in, GROUP=group_size, BLOCK_N=rows
-    )
-    return out
 
 
 def decode_attention(

@@ -26,7 +26,6 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from appliance.engine import kernels
 from appliance.engine.quantized import GroupQuant, quantize_group_linear
 
 __all__ = [
@@ -99,9 +98,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Fp8Linear:
-    """An E4M3 weight with float32 scales. Activations are quantized per call, except for a few
-    rows on a CUDA device with Triton: those multiply by the widened weight (W8A16,
-    `kernels.fp8_matmul`), which reads the weight once and quantizes nothing."""
+    """An E4M3 weight with float32 scales; activations are quantized per call."""
 
     weight: torch.Tensor  # (out, in), float8_e4m3fn, row-major
     scale: torch.Tensor  # (out, 1) for "channel", () for "tensor"; float32
@@ -113,10 +110,6 @@ class Fp8Linear:
         return self.weight.numel() + self.scale.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= kernels.FP8_MATMUL_MAX_ROWS and kernels.triton_runs_on(x.device):
-            y = kernels.fp8_matmul(rows, self.weight, self.scale, self.out_dtype)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
         xq, x_scale = quantize(x, self.scaling)
         # Rowwise scaling takes scale_a as (tokens, 1) and scale_b as (1, out).
         scale_b = self.scale.view(1, -1) if self.scaling == "channel" else self.scale

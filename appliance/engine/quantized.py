@@ -12,9 +12,7 @@ group. Quantization is round-to-nearest from the checkpoint's float weights:
 Scales and zero points are kept in the model dtype. The INT4 product runs on torch's CPU kernel
 ``_weight_int4pack_mm_for_cpu`` where it applies (CPU, output rows divisible by 16); everywhere else,
 and for INT8, each call dequantizes the weight and multiplies (`F.linear`): correct on any device,
-but it writes a full-width copy of the weight per call, so it saves memory, not time (on a CUDA
-device with Triton the copy is one kernel's pass, `kernels.int8_dequantize` and
-`kernels.int4_dequantize`, instead of torch's several; a decode
+but it writes a full-width copy of the weight per call, so it saves memory, not time (a decode
 step on the fused Triton kernels multiplies one token by the INT8 weight or the "dequantize"
 INT4 layout in registers instead: `kernels.int8_matvec`, `kernels.int4_matvec`). The CPU
 kernel in float32 is fast for one token but far slower than `F.linear` for a 512-token prefill
@@ -29,8 +27,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-
-from appliance.engine import kernels
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
@@ -123,8 +119,6 @@ class Int8Linear:
         return self.weight.numel() + self.scale.numel() * self.scale.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.triton_runs_on(x.device):
-            return F.linear(x, kernels.int8_dequantize(self.weight, self.scale, x.dtype))
         return F.linear(x, dequantize_int8(self.weight, self.scale, x.dtype))
 
 
@@ -174,11 +168,6 @@ class Int4Linear:
                     flat, self.packed, self.group_size, self.scales_and_zeros
                 )
             return y.reshape(*x.shape[:-1], self.out_features)
-        if kernels.triton_runs_on(x.device):
-            w = kernels.int4_dequantize(
-                self.packed, self.scales_and_zeros, self.group_size, x.dtype
-            )
-            return F.linear(x, w)
         return F.linear(x, self.dequantized(x.dtype))
 
 

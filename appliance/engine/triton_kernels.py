@@ -186,10 +186,8 @@ def int8_matvec_kernel(
     rows are gate then up (tokens, 2 * n_in) and the input is SiLU(gate) * up (`_input`).
 
     A tile is BLOCK_N rows by BLOCK_K // GROUP whole groups (n_in is a multiple of GROUP; the
-    groups past n_in are masked). Each group's sum of q * x is taken in float32 and scaled once
-    (sum(q * s * x) = s * sum(q * x)): at one token the kernel is a read of the weight, and
-    the fewer operations per weight, the closer it runs to the memory's speed. The weight's
-    bytes and scales are read once and nothing is written but out.
+    groups past n_in are masked). Each weight is dequantised to float32 in registers and the sum
+    is float32, so the weight's bytes and its scales are read once and nothing is written but out.
     """
     NG: tl.constexpr = BLOCK_K // GROUP
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -210,7 +208,8 @@ def int8_matvec_kernel(
         live = row_live[:, None] & g_live[None, :]
         q = tl.load(w_rows + cols[None, :, :], mask=live[:, :, None], other=0).to(tl.float32)
         s = tl.load(s_rows + g[None, :], mask=live, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * s, axis=1)
+        w = q * s[:, :, None]
+        acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
     tl.store(out_ptr + token * n_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
 
 
@@ -232,140 +231,35 @@ def int4_matvec_kernel(
 
     q is packed two per byte, uint8 (n_out, n_in / 2): byte j of a row holds input 2j in its high
     nibble and input 2j + 1 in its low one. sz is (n_in / GROUP, n_out, 2) in the model dtype: the
-    scale then the zero point of each group of each row. Tiles and masking as in
-    `int8_matvec_kernel`; the arithmetic is float32.
-
-    At one token this kernel is bound by its instructions per weight, not by memory, unless they
-    are few. So the bytes are read as 32-bit words (8 weights; rows are 16-byte aligned, n_in
-    being a multiple of GROUP), each nibble becomes a float with an integer OR into the mantissa
-    of 2^23 and one subtraction (full-rate operations, where an int-to-float conversion is not),
-    and per group sum(((q - 8) * s + z) * x) is taken as s * sum(q * x) + (z - 8 * s) * sum(x):
-    per weight a shift, a mask, a subtraction and a multiply-add.
+    scale then the zero point of each group of each row. Tiles, masking and float32 arithmetic as
+    in `int8_matvec_kernel`; the nibbles are dequantised in registers.
     """
     NG: tl.constexpr = BLOCK_K // GROUP
-    WORDS: tl.constexpr = GROUP // 8  # 32-bit words of a group's row
+    HALF: tl.constexpr = GROUP // 2
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     token = tl.program_id(1)
     row_live = rows < n_out
     n_groups = n_in // GROUP
-    words = tl.arange(0, WORDS)
+    pairs = tl.arange(0, HALF)
     x_row = x_ptr + token * (2 * n_in if GATED else n_in)
-    w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None, None] * (n_in // 8)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (n_in // 2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g0 in range(0, n_groups, NG):
         g = g0 + tl.arange(0, NG)
         g_live = g < n_groups
-        word = g[:, None] * WORDS + words[None, :]  # (NG, WORDS)
+        byte = g[:, None] * HALF + pairs[None, :]  # (NG, HALF)
+        x_even = _input(x_row, 2 * byte, g_live[:, None], n_in, GATED)
+        x_odd = _input(x_row, 2 * byte + 1, g_live[:, None], n_in, GATED)
         live = row_live[:, None] & g_live[None, :]
-        packed = tl.load(w_rows + word[None, :, :], mask=live[:, :, None], other=0)
-        # Per-lane sums over the word's 8 weights; reduced across lanes once per group.
-        part = tl.zeros((BLOCK_N, NG, WORDS), dtype=tl.float32)
-        x_part = tl.zeros((NG, WORDS), dtype=tl.float32)
-        for k in tl.static_range(8):
-            # Nibble k of a little-endian word: byte k // 2, its low nibble (input 2j + 1) when k
-            # is even, its high one (input 2j) when odd.
-            x = _input(x_row, 8 * word + (k // 2) * 2 + 1 - k % 2, g_live[:, None], n_in, GATED)
-            bits = ((packed >> (4 * k)) & 15) | 0x4B000000
-            q = bits.to(tl.float32, bitcast=True) - 8388608.0
-            part += q * x[None, :, :]
-            x_part += x
-        dot = tl.sum(part, axis=2)
-        x_sum = tl.sum(x_part, axis=1)
+        p = tl.load(w_rows + byte[None, :, :], mask=live[:, :, None], other=0).to(tl.int32)
         sz = sz_ptr + (g[None, :].to(tl.int64) * n_out + rows[:, None]) * 2  # (BLOCK_N, NG)
-        s = tl.load(sz, mask=live, other=0.0).to(tl.float32)
-        z = tl.load(sz + 1, mask=live, other=0.0).to(tl.float32)
-        acc += tl.sum(s * dot + (z - 8.0 * s) * x_sum[None, :], axis=1)
+        s = tl.load(sz, mask=live, other=0.0).to(tl.float32)[:, :, None]
+        z = tl.load(sz + 1, mask=live, other=0.0).to(tl.float32)[:, :, None]
+        w_even = ((p >> 4) - 8).to(tl.float32) * s + z
+        w_odd = ((p & 15) - 8).to(tl.float32) * s + z
+        part = w_even * x_even[None, :, :] + w_odd * x_odd[None, :, :]
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
     tl.store(out_ptr + token * n_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
-
-
-@triton.jit
-def fp8_matmul_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    out_ptr,
-    m,
-    n_out,
-    n_in,
-    SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    WIDEN: tl.constexpr,
-):
-    """out = (x @ W.T) * scale for a few rows x (m, n_in) and an E4M3 weight W (n_out, n_in)
-    with float32 scales (SCALE 1: one per tensor, 2: one per output row), weight-only (W8A16):
-    each weight tile is widened to x's dtype in registers (exactly: every E4M3 value is a
-    bfloat16 value) and multiplied on the tensor cores, accumulated in float32. A program owns a
-    BLOCK_M x BLOCK_N tile of out (grid: x-row tiles, output-row tiles: the programs that read
-    the same weight tile run next to each other, so all but the first find it in the L2)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    row_live = rows < m
-    col_live = cols < n_out
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * n_in
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * n_in
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        k = k0 + ks
-        k_live = k < n_in
-        a = tl.load(x_rows + k[None, :], mask=row_live[:, None] & k_live[None, :], other=0.0)
-        b = tl.load(w_rows + k[None, :], mask=col_live[:, None] & k_live[None, :], other=0.0)
-        acc += _dot(a, tl.trans(b.to(a.dtype)), PRECISION, WIDEN)
-    if SCALE == 2:
-        acc *= tl.load(scale_ptr + cols, mask=col_live, other=0.0)[None, :]
-    else:
-        acc *= tl.load(scale_ptr)
-    out = out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
-
-
-@triton.jit
-def int8_dequantize_kernel(
-    w_ptr, scale_ptr, out_ptr, n_out, n_in, GROUP: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """out = q * scale in out's dtype for the INT8 weight of `int8_matvec_kernel`, one group of
-    BLOCK_N rows per program (grid: row tiles, groups), rounded as torch's `dequantize_int8`
-    rounds (q is exact in the model dtype; the product is rounded once)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(1)
-    live = rows < n_out
-    cols = g * GROUP + tl.arange(0, GROUP)
-    at = rows.to(tl.int64)[:, None] * n_in + cols[None, :]
-    q = tl.load(w_ptr + at, mask=live[:, None], other=0).to(tl.float32)
-    s = tl.load(scale_ptr + rows.to(tl.int64) * (n_in // GROUP) + g, mask=live, other=0.0)
-    w = q * s.to(tl.float32)[:, None]
-    tl.store(out_ptr + at, w.to(out_ptr.dtype.element_ty), mask=live[:, None])
-
-
-@triton.jit
-def int4_dequantize_kernel(
-    w_ptr, sz_ptr, out_ptr, n_out, n_in, GROUP: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """out = (q - 8) * scale + zero in out's dtype for the INT4 weight of `int4_matvec_kernel`,
-    one group of BLOCK_N rows per program (grid: row tiles, groups), rounded as torch's
-    `dequantize_int4` rounds: the product, then the sum, each to out's dtype."""
-    HALF: tl.constexpr = GROUP // 2
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(1)
-    live = rows < n_out
-    byte = g * HALF + tl.arange(0, HALF)
-    p = tl.load(
-        w_ptr + rows.to(tl.int64)[:, None] * (n_in // 2) + byte[None, :],
-        mask=live[:, None],
-        other=0,
-    ).to(tl.int32)
-    sz = sz_ptr + (g.to(tl.int64) * n_out + rows) * 2
-    s = tl.load(sz, mask=live, other=0.0).to(tl.float32)[:, None]
-    z = tl.load(sz + 1, mask=live, other=0.0).to(tl.float32)[:, None]
-    dtype = out_ptr.dtype.element_ty
-    even = (((p >> 4) - 8).to(tl.float32) * s).to(dtype).to(tl.float32) + z
-    odd = (((p & 15) - 8).to(tl.float32) * s).to(dtype).to(tl.float32) + z
-    out_rows = out_ptr + rows.to(tl.int64)[:, None] * n_in
-    tl.store(out_rows + 2 * byte[None, :], even.to(dtype), mask=live[:, None])
-    tl.store(out_rows + 2 * byte[None, :] + 1, odd.to(dtype), mask=live[:, None])
 
 
 @triton.jit
