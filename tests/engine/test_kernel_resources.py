@@ -44,7 +44,8 @@ def test_every_kernel_of_the_8b_step_compiles_for_sm90_without_spilling() -> Non
         "int4_matvec_kernel",
     }
     assert all(row[column["stack B"]] == "0" for row in rows), run.stdout
-    assert all(int(row[column["registers"]]) <= 128 for row in rows), run.stdout
+    # Below the ceiling of 255 a thread can address: a kernel at it is one change from spilling.
+    assert all(int(row[column["registers"]]) < 255 for row in rows), run.stdout
     assert len(rows) >= 19
 
 
