@@ -38,7 +38,7 @@ from appliance.engine.random_weights import SHAPES, random_config
 from bench import record
 
 # Format label: (weight format, the kernel of `kernels.MATVEC_TILES` that reads it).
-FORMATS: dict[str, tuple[WeightQuant | None, str]] = {
+FORMATS: dict[str, tuple[WeightQuant | None, kernels.MatvecKernel]] = {
     "bf16": (None, "matvec"),
     "fp8": ("channel", "matvec"),
     "int8": (GroupQuant(8, 128), "int8"),
@@ -60,7 +60,7 @@ CYCLE_BYTES = 256 << 20
 
 
 @contextmanager
-def tile(kernel: str, rows: int, cols: int) -> Iterator[None]:
+def tile(kernel: kernels.MatvecKernel, rows: int, cols: int) -> Iterator[None]:
     """`kernel`'s tile for the body (`kernels.MATVEC_TILES`, read at each launch)."""
     saved = kernels.MATVEC_TILES[kernel]
     kernels.MATVEC_TILES[kernel] = (rows, cols)
@@ -125,7 +125,7 @@ def make_layer(name: str, weight: torch.Tensor, fmt: WeightQuant | None) -> Line
 
 def sweep_format(
     fmt: WeightQuant | None,
-    kernel: str,
+    kernel: kernels.MatvecKernel,
     products: list[tuple[str, int, int, bool]],
     tiles: list[tuple[int, int]],
     device: torch.device,

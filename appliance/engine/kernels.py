@@ -1,11 +1,11 @@
 """Typed launches of the fused decode step's Triton kernels (`triton_kernels`), and when they apply.
 
 Each function takes and returns torch tensors and does what a few eager torch calls of
-`LlamaModel` do, in one launch (two for attention): RMSNorm with the residual add before it (or the embedding
-lookup), RoPE
-on q and k with the KV-cache write, SiLU(gate) * up, matrix-vector products of dense (model dtype)
-and weight-only FP8, INT8 and INT4 weights (each can take SiLU(gate) * up as its input), and attention over the live cache positions split across programs. The eager torch step stays the
-reference they are tested against.
+`LlamaModel` do, in one launch (two for attention): RMSNorm with the residual add before it (or
+the embedding lookup), RoPE on q and k with the KV-cache write, SiLU(gate) * up, matrix-vector
+products of dense (model dtype) and weight-only FP8, INT8 and INT4 weights (each can take
+SiLU(gate) * up as its input), and attention over the live cache positions split across
+programs. The eager torch step stays the reference they are tested against.
 
 Triton is imported only when a kernel is first launched, so hosts without it (CPU hosts) never
 import it. The kernels run on CUDA devices; under TRITON_INTERPRET=1 they also run on the CPU (the
@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "KernelChoice",
+    "MatvecKernel",
     "decode_attention",
     "embed_rms_norm",
     "int4_matvec",
@@ -44,10 +45,11 @@ ATTENTION_SPLITS = 16
 ATTENTION_BLOCK = 64
 # Output rows x input columns of one matrix-vector tile, per kernel: "matvec" (model dtype and
 # FP8), "int8" and "int4" (a tile holds whole groups, so it is at least one group wide). Each is
-# the fastest tile of `bench.matvec_tiles` on an H100 (docs/runs/2026-11-26-matvec_tiles.md);
+# the fastest tile of `bench.matvec_tiles` on an H100 (docs/runs/2026-11-26-h100-matvec_tiles.md);
 # at one token a product is a read of its weight, and the tile sets the bytes each program keeps
 # in flight.
-MATVEC_TILES: dict[str, tuple[int, int]] = {
+MatvecKernel = Literal["matvec", "int8", "int4"]
+MATVEC_TILES: dict[MatvecKernel, tuple[int, int]] = {
     "matvec": (8, 2048),
     "int8": (8, 1024),
     "int4": (16, 1024),
@@ -230,7 +232,7 @@ def _check_width(x: torch.Tensor, n_in: int, gated: bool) -> None:
 
 
 def _group_matvec(
-    kind: str,
+    kind: Literal["int8", "int4"],
     x: torch.Tensor,
     weight: torch.Tensor,
     scales: torch.Tensor,

@@ -299,8 +299,8 @@ def decode_attention_split_kernel(
     after the position writes max -inf, sum 0 and output 0.
 
     Both products are `tl.dot`s over ROWS query rows (GROUP padded with zero rows to at least
-    16, the least M of older Triton releases' tl.dot): a broadcast product of (rows, BLOCK, D) would hold BLOCK * D values per row in
-    registers and spill. Scores accumulate in float32; the softmax weights enter the second
+    16, the least M of older Triton releases' tl.dot): a broadcast product of (rows, BLOCK, D)
+    would hold BLOCK * D values per row in registers and spill. Scores accumulate in float32; the softmax weights enter the second
     product in the cache's dtype (flash attention's rounding; float32 stays float32 with
     PRECISION "ieee"). WIDEN multiplies the operands as float32 holding the same values: Triton's
     interpreter multiplies bfloat16 dot operands as their raw bits.

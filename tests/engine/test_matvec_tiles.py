@@ -21,12 +21,13 @@ def test_the_sweep_checks_and_tabulates_every_format_on_the_tiny_shape(
         assert f"{label}: GB/s of weight read" in out
         tables[label] = out.split(f"{label}: GB/s of weight read")[1].split("best: ")[0]
     # Each format's table marks its own kernel's tile (kernels.MATVEC_TILES).
-    for label, kernel in (
+    read_by: tuple[tuple[str, kernels.MatvecKernel], ...] = (
         ("bf16", "matvec"),
         ("fp8", "matvec"),
         ("int8", "int8"),
         ("int4", "int4"),
-    ):
+    )
+    for label, kernel in read_by:
         rows, cols = kernels.MATVEC_TILES[kernel]
         assert tables[label].count("(current)") == 1
         assert f"| {rows} x {cols} (current) |" in tables[label]
