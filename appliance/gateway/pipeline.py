@@ -86,9 +86,8 @@ from appliance.security.auth import (
     Credentials,
     Grant,
 )
+from appliance.text.tokenizer import INLINE_CHARS
 
-# Inputs longer than this are tokenized on a worker thread (the tokenizer releases the GIL).
-TOKENIZE_INLINE_CHARS = 8192
 # Engine failures that say the engine is unwell (the others are the request's or the client's).
 ENGINE_FAULTS = frozenset(
     {
@@ -521,7 +520,7 @@ class Pipeline:
 
     async def tokenize(self, model: ServedModel, checked: CheckedRequest) -> PreparedRequest:
         chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
-        if chars <= TOKENIZE_INLINE_CHARS:
+        if chars <= INLINE_CHARS:
             return tokenize(checked, model.text, model.limits)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(

@@ -20,6 +20,11 @@ from tokenizers import Tokenizer
 from appliance.text.detokenize import TokenTable, build_token_table
 
 CHAT_ROLES = ("system", "user", "assistant")
+# Texts up to this many characters are encoded with `encode`, which holds the GIL but runs on the
+# calling thread; longer ones with `encode_batch`, which releases the GIL but hands the text to the
+# tokenizer's thread pool, a wake-up that costs as much as encoding a short prompt and far more at
+# the tail. The gateway tokenizes texts up to this size on its event loop, longer ones on a worker.
+INLINE_CHARS = 8192
 
 
 class TokenizerLoadError(ValueError):
@@ -133,8 +138,13 @@ class ModelText:
         return self._encode(prompt, add_special_tokens=True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """The text's token ids. `encode_batch` releases the GIL while it tokenizes (`encode`
-        holds it), so a long text on a worker thread leaves the event loop running."""
+        """The text's token ids: `encode` for a text of at most INLINE_CHARS, `encode_batch`
+        (the GIL released while it tokenizes) for a longer one."""
+        if len(text) <= INLINE_CHARS:
+            short: list[int] = self.tokenizer.encode(
+                text, add_special_tokens=add_special_tokens
+            ).ids
+            return short
         ids: list[int] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[
             0
         ].ids
