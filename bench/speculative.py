@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,10 @@ class CountingDecode:
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         self.passes[1] += 1
         return self._step(token, pos)
+
+    def launch(self, pos: int, token: int | None = None) -> Callable[[], int]:
+        self.passes[1] += 1
+        return self._step.launch(pos, token)
 
     def rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
         self.passes[len(token_ids)] += 1

@@ -7,6 +7,12 @@ call. That needs every shape and every device address fixed: the step reads its 
 from one static input buffer, writes its logits into one static output buffer, and attends over a
 fixed number of cache positions, selecting out those after its own (`LlamaModel.decode_static`).
 
+A greedy request's steps are chained: each captured step also writes its argmax and the next
+position back into its input buffer, so the next step can be queued on the device before the host
+has read this step's token (`DecodeStep.launch`). The device then never waits for the host between
+tokens as long as the host takes less than a step to read a token and queue the next one; the price
+is one step computed in vain when a token turns out to be the end id.
+
 The attention span is not one fixed length: a step attends over the smallest of a few "spans"
 (powers of two from 256 up to the cache size) that covers its position, each captured as its own
 graph at start-up, so a short request does not read a 128k-token cache every step.
@@ -43,7 +49,9 @@ __all__ = [
     "EagerDecode",
     "GraphDecode",
     "cuda_graph_capture",
+    "decode_and_choose",
     "decode_spans",
+    "read_later",
 ]
 
 # The shortest attention span captured; shorter contexts attend (masked) over this many positions.
@@ -75,6 +83,13 @@ class DecodeStep(Protocol):
         step of speculative decoding); valid until the next call."""
         ...
 
+    def launch(self, pos: int, token: int | None = None) -> Callable[[], int]:
+        """Queues the step of `token` at `pos`, or, when None, of the token the previous launch
+        chose (at the position after it); returns a read of this step's greedy choice (the
+        argmax of its logits), which waits for the step. A later launch may be queued before
+        the read: it runs after this step."""
+        ...
+
 
 class EagerDecode:
     """The step launched call by call, no graph: on the model's fused Triton kernels when it runs
@@ -85,6 +100,7 @@ class EagerDecode:
     def __init__(self, model: LlamaModel, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
+        self._chosen = 0  # the last launch's choice
         self._spans: list[int] = []
         if model.kernels == "triton":
             self._spans = decode_spans(cache.max_seq_len)
@@ -98,6 +114,12 @@ class EagerDecode:
 
     def rows(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
         return self.model.forward_rows(token_ids, self.cache, start)
+
+    def launch(self, pos: int, token: int | None = None) -> Callable[[], int]:
+        """Runs the step now (an eager step has nothing to overlap with)."""
+        logits = self(self._chosen if token is None else token, pos)
+        chosen = self._chosen = int(torch.argmax(logits).item())
+        return lambda: chosen
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         if not self._spans:
@@ -172,7 +194,7 @@ class GraphDecode:
         started = time.perf_counter()
         with torch.inference_mode():
             self._replays = [
-                capture(partial(model.decode_static, self.step_in, cache, span, self.logits))
+                capture(partial(decode_and_choose, model, self.step_in, cache, span, self.logits))
                 for span in self.spans
             ]
         self.capture_seconds = time.perf_counter() - started
@@ -199,9 +221,47 @@ class GraphDecode:
             self.replay_for(pos)()
         return self.logits
 
+    def launch(self, pos: int, token: int | None = None) -> Callable[[], int]:
+        if not 0 <= pos < self.cache.max_seq_len:
+            raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
+        with torch.inference_mode():
+            if token is not None:
+                self.step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
+            self.replay_for(pos)()
+            return read_later(self.step_in[:1])
+
     def replay_for(self, pos: int) -> Callable[[], None]:
         """The captured step of the smallest span above `pos` (it reads `step_in` when replayed)."""
         return self._replays[bisect.bisect_right(self.spans, pos)]
+
+
+def decode_and_choose(
+    model: LlamaModel, step_in: torch.Tensor, cache: KVCache, span: int, logits: torch.Tensor
+) -> None:
+    """`LlamaModel.decode_static`, then its greedy choice written back as the next step's input:
+    `step_in` becomes (argmax of the logits, position + 1). A step whose token is chosen on the
+    host overwrites both before it runs."""
+    model.decode_static(step_in, cache, span, logits)
+    torch.argmax(logits, dim=0, keepdim=True, out=step_in[:1])
+    step_in[1:].add_(1)
+
+
+def read_later(value: torch.Tensor) -> Callable[[], int]:
+    """A read of the one-element `value` as the work queued so far leaves it. On a GPU the copy
+    to the host is queued now (into pinned memory, behind that work) and waited for at the read,
+    so work queued after this call does not delay the read; elsewhere it is read now."""
+    if value.device.type != "cuda":
+        now = int(value.item())
+        return lambda: now
+    host = value.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    copied.record(torch.cuda.current_stream(value.device))
+
+    def read() -> int:
+        copied.synchronize()
+        return int(host.item())
+
+    return read
 
 
 def cuda_graph_capture(device: torch.device) -> Capture:

@@ -330,6 +330,17 @@ def _steps(
         guide.fill()  # while the prefill's last chunk runs
     history.extend(prompt_ids)
     pos = len(prompt_ids)
+    plain_greedy = sampler.params.greedy and guide is None and speculator is None
+    if plain_greedy and not min_tokens and logprobs is None and top_logprobs is None:
+        token = sampler(logits)
+        if token == end_id:
+            return
+        yield token
+        if max_new_tokens > 1 and not should_stop():
+            yield from _chained(
+                step_once, token, pos, max_new_tokens - 1, end_id, should_stop, history
+            )
+        return
     # Tokens a verify step chose, emitted one per step; all but the last have their K/V written.
     chosen: list[int] = []
     for step in range(max_new_tokens):
@@ -376,3 +387,33 @@ def _steps(
             guide.advance(token)  # while the decode step runs
         history.append(token)
         pos += 1
+
+
+def _chained(
+    step: DecodeStep,
+    token: int,
+    pos: int,
+    remaining: int,
+    end_id: int | None,
+    should_stop: Callable[[], bool],
+    history: list[int],
+) -> Iterator[int]:
+    """Greedy tokens after `token` (at `pos`, yielded already), at most `remaining` of them, each
+    step queued before the previous step's token is read (`DecodeStep.launch`). `should_stop` is
+    polled before each step is queued: once it says stop, no token is yielded any more, as on
+    the step-by-step path. The step queued before the stop, or for a token that turns out to be
+    the end id, ran in vain; its K/V write lands after the positions `history` names."""
+    chosen = step.launch(pos, token)
+    while True:
+        stop = should_stop()
+        following = step.launch(pos + 1) if remaining > 1 and not stop else None
+        token_next = chosen()
+        history.append(token)
+        pos += 1
+        if token_next == end_id or stop:
+            return
+        yield token_next
+        remaining -= 1
+        if following is None:
+            return
+        token, chosen = token_next, following

@@ -161,7 +161,8 @@ def test_graph_decode_keeps_its_static_buffers_and_matches_eager(micro_model: Ll
     for pos in range(1, len(seq)):
         got = step(seq[pos], pos)
         assert got is step.logits  # the output is read from the static buffer
-        assert step.step_in.tolist() == [seq[pos], pos]  # inputs were copied into the buffer
+        # The inputs were copied into the buffer; the step wrote its greedy choice back.
+        assert step.step_in.tolist() == [int(got.argmax()), pos + 1]
         assert (step.step_in.data_ptr(), step.logits.data_ptr()) == (inputs, outputs)
         expected = micro_model.forward([seq[pos]], eager_cache, pos)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
@@ -202,6 +203,101 @@ def test_generate_with_the_graph_step_gives_the_eager_tokens(micro_model: LlamaM
     assert graph == eager and len(graph) == 20
     with pytest.raises(ValueError, match="its own cache"):
         generate(micro_model, TOKENS, 2, None, GREEDY_PARAMS, decode=step)
+
+
+class LoggedStep:
+    """A graph step that logs its launches and the reads of their tokens, in order."""
+
+    def __init__(self, step: GraphDecode) -> None:
+        self.step, self.cache = step, step.cache
+        self.prefill, self.rows = step.prefill, step.rows
+        self.log: list[str] = []
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        self.log.append(f"call {pos}")
+        return self.step(token, pos)
+
+    def launch(self, pos: int, token: int | None = None) -> Callable[[], int]:
+        self.log.append(f"launch {pos}")
+        read = self.step.launch(pos, token)
+
+        def logged() -> int:
+            self.log.append(f"read {pos}")
+            return read()
+
+        return logged
+
+
+def test_greedy_steps_are_queued_before_the_previous_token_is_read(
+    micro_model: LlamaModel,
+) -> None:
+    cache = micro_model.new_cache(64)
+    step = LoggedStep(GraphDecode(micro_model, cache, RecordingCapture(), smallest_span=8))
+    history: list[int] = []
+    n = len(TOKENS)
+    chained = list(
+        generate(
+            micro_model, TOKENS, 6, None, GREEDY_PARAMS, cache=cache, decode=step, history=history
+        )
+    )
+    assert step.log == [
+        f"launch {n}",
+        f"launch {n + 1}",
+        f"read {n}",
+        f"launch {n + 2}",
+        f"read {n + 1}",
+        f"launch {n + 3}",
+        f"read {n + 2}",
+        f"launch {n + 4}",
+        f"read {n + 3}",
+        f"read {n + 4}",
+    ]  # five steps for six tokens; each read after the next step was queued
+    assert history == TOKENS + chained[:5]  # the last token's K/V is never written
+    # Asking for log-probabilities takes the step-by-step path: the same tokens.
+    step.log.clear()
+    one_by_one = list(
+        generate(micro_model, TOKENS, 6, None, GREEDY_PARAMS, cache=cache, decode=step, logprobs=[])
+    )
+    assert one_by_one == chained and step.log == [f"call {p}" for p in range(n, n + 5)]
+
+
+def test_a_chain_that_reaches_the_end_id_stops_there(micro_model: LlamaModel) -> None:
+    cache = micro_model.new_cache(64)
+    step = LoggedStep(GraphDecode(micro_model, cache, RecordingCapture(), smallest_span=8))
+    free = list(generate(micro_model, TOKENS, 8, None, GREEDY_PARAMS, cache=cache, decode=step))
+    end = free[3]
+    cut = free.index(end)
+    step.log.clear()
+    history: list[int] = []
+    got = generate(
+        micro_model, TOKENS, 8, end, GREEDY_PARAMS, cache=cache, decode=step, history=history
+    )
+    assert list(got) == free[:cut]
+    assert history == TOKENS + free[:cut]  # the end id's own step never ran
+    # The step after the end id's was queued before the end id was read: computed in vain.
+    assert step.log[-2:] == [f"launch {len(TOKENS) + cut}", f"read {len(TOKENS) + cut - 1}"]
+
+
+def test_a_cancelled_chain_queues_no_further_step(micro_model: LlamaModel) -> None:
+    cache = micro_model.new_cache(64)
+    step = LoggedStep(GraphDecode(micro_model, cache, RecordingCapture(), smallest_span=8))
+    cancel = threading.Event()
+    out = generate(
+        micro_model,
+        TOKENS,
+        20,
+        None,
+        GREEDY_PARAMS,
+        should_stop=cancel.is_set,
+        cache=cache,
+        decode=step,
+    )
+    got = [next(out), next(out)]
+    cancel.set()
+    got += list(out)
+    # No token after the cancel; the step queued before it ran in vain, none was queued after.
+    assert len(got) == 2
+    assert sum(line.startswith("launch") for line in step.log) == 2
 
 
 def test_chunked_prefill_gives_the_same_tokens_and_stops_between_chunks(
@@ -246,6 +342,10 @@ def test_runner_close_cancels_the_running_job_and_joins(micro_model: LlamaModel)
         def __call__(self, token: int, pos: int) -> torch.Tensor:
             release.wait(10)  # the job stays in its decode loop until close() has cancelled it
             return graph_step(token, pos)
+
+        def launch(self, pos: int, token: int | None = None) -> Callable[[], int]:
+            release.wait(10)
+            return graph_step.launch(pos, token)
 
     runner.decode = HeldStep()
 
