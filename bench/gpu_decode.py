@@ -57,7 +57,13 @@ import numpy as np
 import torch
 
 from appliance.engine import fused
-from appliance.engine.decode import Capture, GraphDecode, cuda_graph_capture, decode_spans
+from appliance.engine.decode import (
+    Capture,
+    DecodeStep,
+    GraphDecode,
+    cuda_graph_capture,
+    decode_spans,
+)
 from appliance.engine.device import enter_device
 from appliance.engine.kernels import triton_problem
 from appliance.engine.linear import WeightQuant
@@ -265,6 +271,8 @@ def measure_variant(
             result["triton_vs_torch_logits_rel_err"] = kernel_agreement(model, runner.cache)
         if isinstance(runner.decode, GraphDecode):
             result["graph_step_ms_back_to_back"] = graph_step_ms(runner.decode, 128)
+        steps = BACK_TO_BACK_STEPS if device.type == "cuda" else CPU_BACK_TO_BACK_STEPS
+        result.update(host_loop_ms(runner.decode, 128, steps))
         result.update(verify_step_ratios(model, runner, capture, device))
         if device.type == "cuda":
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -362,6 +370,30 @@ def graph_step_ms(step: GraphDecode, pos: int) -> float:
     with torch.inference_mode():
         step.step_in.copy_(torch.tensor((5, pos), dtype=torch.long))
     return back_to_back_ms(step.replay_for(pos), torch.device("cuda"))
+
+
+def host_loop_ms(step: DecodeStep, pos: int, tokens: int) -> dict[str, float]:
+    """Per-token wall time of `tokens` greedy steps from `pos`, driven by the host two ways in
+    the same process: step by step (the step, then its argmax read before the next step is
+    queued) and chained (`DecodeStep.launch`: the next step queued before the token is read)."""
+    with torch.inference_mode():
+        token = 5
+        t0 = time.perf_counter()
+        for p in range(pos, pos + tokens):
+            token = int(torch.argmax(step(token, p)).item())
+        stepwise = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        read = step.launch(pos, 5)
+        for p in range(pos + 1, pos + tokens):
+            following = step.launch(p)
+            read()
+            read = following
+        read()
+        chained = time.perf_counter() - t0
+    return {
+        "host_loop_stepwise_ms": stepwise * 1e3 / tokens,
+        "host_loop_chained_ms": chained * 1e3 / tokens,
+    }
 
 
 def back_to_back_ms(run: Callable[[], None], device: torch.device) -> float:
@@ -478,6 +510,24 @@ def verify_table(variants: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def host_loop_table(variants: list[dict[str, Any]]) -> str:
+    """Per token: the graph replayed back to back, and the host driving greedy steps one by one
+    and chained, per measured variant."""
+    lines = [
+        "| variant | graph step ms | host loop, step by step ms | host loop, chained ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for v in variants:
+        if "host_loop_chained_ms" not in v:
+            continue
+        graph = v.get("graph_step_ms_back_to_back")
+        lines.append(
+            f"| {v['variant']} | {'n/a' if graph is None else format(graph, '.3f')} "
+            f"| {v['host_loop_stepwise_ms']:.3f} | {v['host_loop_chained_ms']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(report: dict[str, Any]) -> str:
     floor_bw = report["copy_bandwidth_gbps"]
     lines = [
@@ -514,6 +564,7 @@ def table(report: dict[str, Any]) -> str:
             f"| {f(v.get('peak_memory_gib'))} | {f(v['graph_capture_s'])} | {v['startup_s']:.1f} |"
         )
     lines.append(verify_table(report["variants"]))
+    lines.append(host_loop_table(report["variants"]))
     path = report["path"]
     if "skipped" in path:
         lines.append(f"whole path: skipped ({path['skipped']})")

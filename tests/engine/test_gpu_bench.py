@@ -52,6 +52,7 @@ def test_gpu_decode_bench_runs_on_cpu_and_writes_json(
             assert v[f"verify_{k}_over_step"] == v[f"verify_{k}_ms"] / v["verify_single_step_ms"]
         # Its first row scores the single-token step's token at the same position (bf16).
         assert v["verify_vs_step_logits_rel_err"] < 0.05
+        assert v["host_loop_stepwise_ms"] > 0 and v["host_loop_chained_ms"] > 0
     skipped = {v["variant"] for v in report["variants"] if "skipped" in v}
     assert {"bf16 graph triton", "fp8 graph triton", "bf16 graph compile"} <= skipped
     assert {"int8 graph triton", "int4 graph triton"} <= skipped
@@ -59,6 +60,7 @@ def test_gpu_decode_bench_runs_on_cpu_and_writes_json(
     assert "| bf16 eager |" in table and "skipped: CUDA graphs need cuda" in table
     assert "| verify 1 / step | verify 2 / step | verify 4 / step | verify 8 / step |" in table
     assert "| fp8 eager | static bodies, eager |" in table
+    assert "| bf16 eager | n/a |" in table  # the host loops' table: no graph to replay
 
 
 def _fast_argv(tmp_path: Path, *extra: str) -> list[str]:
