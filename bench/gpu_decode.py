@@ -22,9 +22,11 @@ device (`--shape llama-3.1-8b`: 32 layers, 4096 hidden, 14336 intermediate, 32/8
   at the same position, as ratios: captured graphs replayed back to back between CUDA events for a
   graph variant (`appliance.engine.verify`), else the same static bodies run back to back
   (on a CPU, timed by the host clock), with the verify step's first row checked against the
-  single-token step's logits. The variants run through the engine's own Runner
+  single-token step's logits; per token, greedy steps driven by the host one by one and chained
+  (the next step queued before a token is read). The variants run through the engine's own Runner
   (prefix reuse, chunked prefill, the decode step), timed at the runner's emissions, so gRPC is
-  not in these numbers;
+  not in these numbers. A failure is one line in the table; one that leaves the CUDA context
+  unusable hands the variants after it to a fresh process;
 - the whole path, on the host's cores: client -> gateway -> engine server vs client -> engine
   server vs a bare gRPC echo (bench/streaming.py), with the engine on this device.
 
@@ -44,6 +46,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -126,6 +130,8 @@ VERIFY_DRAFTS = (1, 2, 4, 8)
 VERIFY_POS = 128
 # A recorded failure's message is cut to this many characters (one line of the table).
 ERROR_CHARS = 300
+# Bytes the copy-bandwidth measure of a fresh process moves (the first process measured it).
+FRESH_PROCESS_COPY_BYTES = 1 << 20
 # With --budget-s, the process stops itself this long after the budget (a hung variant).
 OVERRUN_GRACE_S = 60.0
 
@@ -699,16 +705,13 @@ def run_variants(
 ) -> None:
     """Each variant isolated: a failure is recorded as one line (`error`, with the figures taken
     before it) and the run goes on; a variant is skipped, saying so, when the time spent plus
-    the longest variant so far would pass `--budget-s`, or when an earlier failure left the CUDA
-    context unusable."""
+    the longest variant so far would pass `--budget-s`. A failure that leaves the CUDA context
+    unusable (a device-side assert) hands the variants after it to a fresh process."""
     rng = random.Random(args.seed)
     longest = 0.0
-    dead: str | None = None
-    for variant in variants:
+    for index, variant in enumerate(variants):
         reason = skip_reason(variant, device)
         spent = time.monotonic() - started
-        if reason is None and dead is not None:
-            reason = f"the CUDA context is unusable after an earlier failure ({dead})"
         if reason is None and args.budget_s is not None and spent + longest > args.budget_s:
             reason = (
                 f"time budget: {spent:.0f} s spent + {longest:.0f} s (the longest variant) "
@@ -721,6 +724,7 @@ def run_variants(
         entry: dict[str, Any] = {"variant": variant.name}
         t0 = time.monotonic()
         fused.DENSE_PRODUCTS = variant.dense
+        dead: str | None = None
         try:
             measure_variant(args, variant, device, rng, entry)
         except Exception as exc:
@@ -733,7 +737,48 @@ def run_variants(
         longest = max(longest, entry["seconds"])
         progress.add_variant(entry)
         print(json.dumps(entry, default=str), flush=True)
+        rest = variants[index + 1 :]
+        if dead is not None and rest:
+            run_in_fresh_process(args, rest, progress, started, dead)
+            break
     progress.set("running", None)
+
+
+def run_in_fresh_process(
+    args: argparse.Namespace,
+    variants: list[Variant],
+    progress: Progress,
+    started: float,
+    why: str,
+) -> None:
+    """Runs `variants` in a new process (a CUDA context of its own) with this run's settings and
+    the budget left, and adds what it measured to `progress`; a variant it could not report is
+    recorded as an error."""
+    print(f"gpu_decode: the CUDA context is unusable ({why}); the rest runs in a fresh process")
+    progress.set("running", f"fresh process: {', '.join(v.name for v in variants)}")
+    with tempfile.TemporaryDirectory(prefix="gpu-decode-") as out:
+        argv = [
+            *("--device", args.device, "--shape", args.shape, "--seed", str(args.seed)),
+            *("--tokens", str(args.tokens), "--warmup-tokens", str(args.warmup_tokens)),
+            *("--ttft-runs", str(args.ttft_runs), "--max-seq-len", str(args.max_seq_len)),
+            *("--copy-bytes", str(FRESH_PROCESS_COPY_BYTES), "--skip-path", "--out", out),
+            *("--variants", ",".join(v.name for v in variants)),
+        ]
+        if args.budget_s is not None:
+            argv += ["--budget-s", f"{max(0.0, args.budget_s - (time.monotonic() - started)):.0f}"]
+        child = subprocess.run([sys.executable, "-m", "bench.gpu_decode", *argv], check=False)
+        try:
+            measured = json.loads((Path(out) / "gpu_decode.json").read_text())["variants"]
+        except (OSError, ValueError, KeyError):
+            measured = []
+    reported = {entry["variant"] for entry in measured}
+    for entry in measured:
+        progress.add_variant(entry)
+    for variant in variants:
+        if variant.name not in reported:
+            progress.add_variant(
+                {"variant": variant.name, "error": f"fresh process exited {child.returncode}"}
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,6 +107,31 @@ def test_a_failing_variant_is_recorded_and_the_run_goes_on(
     assert "| fp8 eager | 1e-09 |" in out
 
 
+def test_after_a_failure_that_kills_the_cuda_context_the_rest_runs_in_a_fresh_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A device-side assert leaves this process's CUDA context unusable: the variants after it
+    are measured by a new process (here really, on the CPU) and land in this run's report."""
+
+    def measure(args: Any, variant: Any, device: Any, rng: Any, result: dict[str, Any]) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(gpu_decode, "measure_variant", measure)
+    monkeypatch.setattr(gpu_decode, "cuda_context_problem", lambda device: "AcceleratorError")
+    argv = _fast_argv(tmp_path, "--variants", "bf16 eager,fp8 eager", "--tokens", "4")
+    argv += ["--warmup-tokens", "1", "--ttft-runs", "1"]
+    assert gpu_decode.main(argv) == 0
+    failed, fresh = json.loads((tmp_path / "gpu_decode.json").read_text())["variants"]
+    assert failed == {
+        **failed,
+        "variant": "bf16 eager",
+        "error": "RuntimeError: CUDA error: device-side assert triggered",
+    }
+    assert fresh["variant"] == "fp8 eager" and "error" not in fresh
+    assert fresh["decode_tokens"] == 4 and fresh["decode_ms_p50"] > 0
+    assert "the rest runs in a fresh process" in capsys.readouterr().out
+
+
 def test_the_json_is_written_after_each_variant(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
