@@ -372,9 +372,15 @@ def kernel_agreement(model: LlamaModel, cache: Any) -> float:
 
 def graph_step_ms(step: GraphDecode, pos: int) -> float:
     """Device time of one captured step, from BACK_TO_BACK_STEPS replays enqueued back to back
-    between two CUDA events: the host enqueues without waiting, so no host gap is timed."""
+    between two CUDA events: the host enqueues without waiting, so no host gap is timed. Each
+    replay writes its greedy choice and the next position into the step's input, so the replays
+    run over positions centred on `pos`, all below the span of `pos`'s graph."""
+    start = pos - BACK_TO_BACK_STEPS // 2 - 1  # back_to_back_ms runs once more, to warm up
+    span = step.spans[bisect.bisect_right(step.spans, pos)]
+    if start < 0 or start + BACK_TO_BACK_STEPS + 1 > span:
+        raise ValueError(f"{BACK_TO_BACK_STEPS} replays around {pos} do not fit below {span}")
     with torch.inference_mode():
-        step.step_in.copy_(torch.tensor((5, pos), dtype=torch.long))
+        step.step_in.copy_(torch.tensor((5, start), dtype=torch.long))
     return back_to_back_ms(step.replay_for(pos), torch.device("cuda"))
 
 
@@ -438,19 +444,18 @@ def verify_step_ratios(
     vocab = model.config.vocab_size
     step_in = torch.tensor((tokens[0], VERIFY_POS), dtype=torch.long, device=device)
     step_logits = torch.empty(vocab, dtype=torch.float32, device=device)
-    if isinstance(runner.decode, GraphDecode) and capture is not None:
-        with torch.inference_mode():
-            runner.decode.step_in.copy_(step_in)
-        step: Callable[[], None] = runner.decode.replay_for(VERIFY_POS)
-        step_logits = runner.decode.logits
+    graph = runner.decode if isinstance(runner.decode, GraphDecode) else None
+    if graph is not None and capture is not None:
+        step: Callable[[], None] = graph.replay_for(VERIFY_POS)
+        step_logits = graph.logits
         verify = GraphVerify(model, cache, capture, VERIFY_DRAFTS, [span])
         timing = "graph replays"
+        step_ms = graph_step_ms(graph, VERIFY_POS)
     else:
         step = partial(model.decode_static, step_in, cache, span, step_logits)
         timing = "static bodies, eager"
-    result: dict[str, Any] = {"verify_timing": timing}
-    step_ms = back_to_back_ms(step, device)
-    result["verify_single_step_ms"] = step_ms
+        step_ms = back_to_back_ms(step, device)
+    result: dict[str, Any] = {"verify_timing": timing, "verify_single_step_ms": step_ms}
     verify_logits = torch.empty(0)
     for k in VERIFY_DRAFTS:
         if timing == "graph replays":
@@ -467,6 +472,8 @@ def verify_step_ratios(
         result[f"verify_{k}_ms"] = ms
         result[f"verify_{k}_over_step"] = ms / step_ms
     with torch.inference_mode():
+        if timing == "graph replays" and graph is not None:  # its replays moved its input on
+            graph.step_in.copy_(step_in)
         step()  # the single-token step of tokens[0] at VERIFY_POS, as the verify's first row
         _sync(device)
         first = verify_logits[0].clone()
