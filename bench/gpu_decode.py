@@ -66,6 +66,7 @@ from appliance.engine.decode import (
     DecodeStep,
     GraphDecode,
     cuda_graph_capture,
+    decode_and_choose,
     decode_spans,
 )
 from appliance.engine.device import enter_device
@@ -334,11 +335,11 @@ def step_profile(model: LlamaModel, cache: Any, device: torch.device) -> dict[st
     span = min(256, cache.max_seq_len)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
-        model.decode_static(step_in, cache, span, logits)  # warm: nothing compiles in the window
+        decode_and_choose(model, step_in, cache, span, logits)  # warm: nothing compiles later
         _sync(device)
         with profile(activities=activities) as prof:
-            for _ in range(PROFILED_STEPS):
-                model.decode_static(step_in, cache, span, logits)
+            for _ in range(PROFILED_STEPS):  # positions 129.., as each step chains the next
+                decode_and_choose(model, step_in, cache, span, logits)
             _sync(device)
     events = prof.events()
     if device.type == "cuda":

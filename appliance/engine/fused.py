@@ -4,7 +4,9 @@ The same step as `LlamaModel.decode_static` (its reference), fused. Per block on
 RoPE of q and k with the KV-cache write, the attention splits and their combination, the four
 matrix products (the last takes SiLU(gate) * up as its input) and the two RMSNorms with the
 residual add before each: nine. The first norm gathers the token's embedding row and the output
-head writes float32 logits, so Llama-3.1-8B's 32 blocks launch 2 + 32 * 9 = 290 kernels a token.
+head writes float32 logits, so Llama-3.1-8B's 32 blocks launch 2 + 32 * 9 = 290 kernels a token;
+the captured step adds its greedy choice, the argmax and the next position
+(`appliance.engine.decode.decode_and_choose`).
 
 FP8, INT8 and INT4 weights are multiplied by weight-only matrix-vector kernels that dequantise
 them in registers, so a step quantises no activation and writes no widened weight (the layers'
