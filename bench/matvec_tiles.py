@@ -86,16 +86,13 @@ def block_products(shape: str) -> list[tuple[str, int, int, bool]]:
 def seconds_per_call(calls: Sequence[Callable[[], Any]], device: torch.device) -> float:
     """Best time of one call: on CUDA from a graph of at least LAUNCHES back-to-back calls,
     cycling through `calls` (each over its own copy of the weight), timed by events; elsewhere
-    (the interpreter, in tests) the best of two runs of the first call by the clock."""
+    (the interpreter, in tests, where a time only fills the table) one call by the clock."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        calls[0]()
+        return time.perf_counter() - t0
     for call in calls:
         call()  # compiles the kernel before any capture
-    if device.type != "cuda":
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            calls[0]()
-            best = min(best, time.perf_counter() - t0)
-        return best
     torch.cuda.synchronize(device)
     launches = len(calls) * -(-LAUNCHES // len(calls))
     graph = torch.cuda.CUDAGraph()
