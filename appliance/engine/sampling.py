@@ -203,7 +203,9 @@ def generate(
     prefix): only the rest is prefilled. `history`, when given, is extended with each token once
     its K/V is in the cache, so afterwards it names exactly the cache's valid positions.
     `decode` runs the decode steps (a CUDA-graph step, say) on `cache`; by default they are eager
-    forward passes. `prefill_chunk` splits the prefill into forward passes of at most that many
+    forward passes. A greedy request without a guide, drafts, `min_tokens`, log-probabilities or
+    alternatives chains them (`DecodeStep.launch`): each step is queued before the token of the
+    one before is read. `prefill_chunk` splits the prefill into forward passes of at most that many
     tokens, which bounds the activations and lets a cancellation stop a long prompt between chunks.
     `guide` constrains every step to its grammar: disallowed tokens are masked out of the logits
     before sampling, and a step with no allowed token, or a sampled stop token of the grammar, ends
