@@ -22,8 +22,8 @@ from appliance.text.detokenize import TokenTable, build_token_table
 CHAT_ROLES = ("system", "user", "assistant")
 # Texts up to this many characters are encoded with `encode`, which holds the GIL but runs on the
 # calling thread; longer ones with `encode_batch`, which releases the GIL but hands the text to the
-# tokenizer's thread pool, a wake-up that costs as much as encoding a short prompt and far more at
-# the tail. The gateway tokenizes texts up to this size on its event loop, longer ones on a worker.
+# tokenizer's thread pool, whose wake-up lengthens the tail when the cores are busy. The gateway
+# tokenizes texts up to this size on its event loop, longer ones on a worker thread.
 INLINE_CHARS = 8192
 
 
