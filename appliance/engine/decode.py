@@ -214,21 +214,23 @@ class GraphDecode:
         return self.model.forward_rows(token_ids, self.cache, start)
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
-        if not 0 <= pos < self.cache.max_seq_len:
-            raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
-        with torch.inference_mode():
-            self.step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
-            self.replay_for(pos)()
+        self._replay(pos, token)
         return self.logits
 
     def launch(self, pos: int, token: int | None = None) -> Callable[[], int]:
+        self._replay(pos, token)
+        with torch.inference_mode():
+            return read_later(self.step_in[:1])
+
+    def _replay(self, pos: int, token: int | None) -> None:
+        """Replays the step of `pos` on `token`, copied into `step_in` first, or when None on the
+        token `step_in` holds (the previous step's choice)."""
         if not 0 <= pos < self.cache.max_seq_len:
             raise ValueError(f"position {pos} is outside the cache of {self.cache.max_seq_len}")
         with torch.inference_mode():
             if token is not None:
                 self.step_in.copy_(torch.tensor((token, pos), dtype=torch.long))
             self.replay_for(pos)()
-            return read_later(self.step_in[:1])
 
     def replay_for(self, pos: int) -> Callable[[], None]:
         """The captured step of the smallest span above `pos` (it reads `step_in` when replayed)."""

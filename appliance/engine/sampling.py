@@ -332,8 +332,9 @@ def _steps(
         guide.fill()  # while the prefill's last chunk runs
     history.extend(prompt_ids)
     pos = len(prompt_ids)
-    plain_greedy = sampler.params.greedy and guide is None and speculator is None
-    if plain_greedy and not min_tokens and logprobs is None and top_logprobs is None:
+    scored = logprobs is not None or top_logprobs is not None
+    plain = guide is None and speculator is None and not min_tokens and not scored
+    if plain and sampler.params.greedy:
         token = sampler(logits)
         if token == end_id:
             return
