@@ -1,12 +1,13 @@
-"""What the fused decode step's Triton kernels compile to on a GPU, without the GPU.
+"""What the fused decode and prefill steps' Triton kernels compile to on a GPU, without the GPU.
 
 Triton compiles for any NVIDIA target on a host without one (its wheel carries ptxas and
 cuobjdump), so each kernel configuration the fused step launches on a model's shape is compiled
 here for the chosen architecture and read back: registers per thread, the stack frame (where
 registers spill: a spilling matrix-vector or attention kernel reads local memory beside the
 weights), shared memory and the widest global load in its PTX. The configurations are recorded
-from `fused.decode_step` itself, run on a meta-device model of one block (blocks are alike) in
-every weight format at a few attention spans, so the list follows the step.
+from `fused.decode_step` and `fused.static_rows` themselves, run on a meta-device model of one
+block (blocks are alike) in every weight format at a few attention spans and row counts, so the
+list follows the steps.
 
     python -m bench.kernel_resources --shape llama-3.1-8b --arch 90
 
@@ -48,6 +49,9 @@ FORMATS: dict[str, WeightQuant | None] = {
 }
 # Spans of the attention kernels: one split, the most splits, and long splits.
 SPANS = (64, 2048, 8192)
+# Row counts of the fixed-shape prefill and verify steps: one row tile of each height
+# (`kernels.ROWS_TILE`), and several.
+ROWS = (16, 32, 64, 128)
 _TRITON_TYPES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -130,6 +134,11 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
         logits = torch.empty(config.vocab_size, device=meta)
         for span in spans:
             fused.decode_step(model, step_in, cache, span, logits)
+        meta_in = torch.empty(2, dtype=torch.long, device=meta)
+        for rows in ROWS:
+            ids = torch.empty(rows, dtype=torch.long, device=meta)
+            h = fused.static_rows(model, ids, meta_in, cache)
+            fused.rows_logits(model, h, torch.empty(rows, config.vocab_size, device=meta))
     finally:
         kernels._tk, quantized._int4_kernel = real_tk, real_int4
     return launches

@@ -10,8 +10,14 @@ the captured step adds its greedy choice, the argmax and the next position
 
 FP8, INT8 and INT4 weights are multiplied by weight-only matrix-vector kernels that dequantise
 them in registers, so a step quantises no activation and writes no widened weight (the layers'
-own INT8/INT4 call dequantises the whole weight; prefill keeps it). Every shape is fixed by the
-span and every position is read on the device, so a CUDA graph replays it.
+own INT8/INT4 call dequantises the whole weight; an eager prefill keeps it). Every shape is fixed
+by the span and every position is read on the device, so a CUDA graph replays it.
+
+`static_rows` is the same step for a few token rows: the fixed-shape prefill of a short prompt
+and the verify step of speculative decoding (`LlamaModel.prefill_static`, `verify_static`). Its
+products share each weight read across a tile of rows (`kernels.rows_matmul`, weight-only in
+every format) and its attention is causal over the cache (`kernels.prefill_attention`), so a
+128-token prefill launches about as many kernels as a decode step.
 """
 
 from __future__ import annotations
@@ -28,13 +34,25 @@ from appliance.engine.quantized import Int4Linear, Int8Linear
 if TYPE_CHECKING:
     from appliance.engine.llama import KVCache, LlamaModel
 
-__all__ = ["DENSE_PRODUCTS", "decode_step", "matvec"]
+__all__ = [
+    "DENSE_PRODUCTS",
+    "FUSED_ROWS",
+    "decode_step",
+    "matvec",
+    "rows_logits",
+    "rows_product",
+    "static_rows",
+]
 
 # Who multiplies the model-dtype weights (bf16 checkpoints, and the output head in every format):
 # "triton" (`kernels.matvec`, which also takes SiLU(gate) * up and writes float32 logits, two
 # launches a step fewer per block) or "torch" (cuBLAS through F.linear). bench.gpu_decode
 # measures both; the quantized formats always take the Triton kernels.
 DENSE_PRODUCTS: Literal["triton", "torch"] = "triton"
+# The most token rows a fixed-shape prefill or verify step runs on these kernels (`static_rows`):
+# past it a prefill's products are bound by arithmetic, not by the weight's bytes, and torch's
+# tuned products (cuBLAS, `torch._scaled_mm` on FP8 tensor cores) are the better fit.
+FUSED_ROWS = 128
 
 
 def matvec(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
@@ -53,6 +71,60 @@ def matvec(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
     return layer(kernels.silu_mul(x) if gated else x)
 
 
+def rows_product(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """A few token rows x (rows, in) through a linear layer: `matvec`'s choice of kernel, with
+    each row tile sharing a read of the weight (`kernels.rows_matmul`)."""
+    if isinstance(layer, Fp8Linear):
+        out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=layer.out_dtype, device=x.device)
+        return kernels.rows_matmul(x, layer.weight, layer.scale, out, gated)
+    if isinstance(layer, Int8Linear):
+        return kernels.int8_rows_matmul(x, layer.weight, layer.scale, gated)
+    if isinstance(layer, Int4Linear) and layer.kernel == "dequantize":
+        return kernels.int4_rows_matmul(
+            x, layer.packed, layer.scales_and_zeros, layer.group_size, gated
+        )
+    if isinstance(layer, PlainLinear) and DENSE_PRODUCTS == "triton":
+        return kernels.rows_matmul(x, layer.weight, gated=gated)
+    return layer(kernels.silu_mul(x) if gated else x)
+
+
+def static_rows(
+    model: LlamaModel, ids: torch.Tensor, meta: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    """The final-normed hidden states (bucket, hidden) of `LlamaModel.prefill_static`'s rows (at
+    most FUSED_ROWS), whose contract this is, on the fused kernels: per block one launch each for
+    the two norms, RoPE with the KV write, attention and the four products.
+
+    A padded row runs its padding id like a live token, one position after the other: its K/V
+    land after the live rows' and no live row attends to them (attention is causal).
+    """
+    c = model.config
+    eps = c.rms_norm_eps
+    heads, start = c.num_attention_heads, meta[0:1]
+    rows = ids.shape[0]
+    h, x = kernels.embed_rms_norm(ids, model.embed, model.layers[0].attn_norm, eps)
+    norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+    for li, (layer, next_norm) in enumerate(zip(model.layers, norms, strict=True)):
+        qkv = rows_product(layer.wqkv, h)
+        q = kernels.rope_kv_write(qkv, model.cos, model.sin, start, cache.k[li], cache.v[li], heads)
+        attn = kernels.prefill_attention(q, cache.k[li], cache.v[li], start)
+        h, x = kernels.rms_norm(rows_product(layer.wo, attn.view(rows, -1)), layer.mlp_norm, eps, x)
+        gate_up = rows_product(layer.w13, h)
+        h, x = kernels.rms_norm(rows_product(layer.w2, gate_up, gated=True), next_norm, eps, x)
+    return h
+
+
+def rows_logits(model: LlamaModel, h: torch.Tensor, logits_out: torch.Tensor) -> None:
+    """Float32 logits (rows, vocab) of final-normed rows h into `logits_out`, values rounded to
+    the model dtype as the eager output head's are."""
+    if DENSE_PRODUCTS == "triton" and h.shape[0] == 1:
+        kernels.matvec(h, model.lm_head, out=logits_out)
+    elif DENSE_PRODUCTS == "triton":
+        kernels.rows_matmul(h, model.lm_head, out=logits_out)
+    else:
+        logits_out.copy_(F.linear(h, model.lm_head))
+
+
 def decode_step(
     model: LlamaModel, step_in: torch.Tensor, cache: KVCache, span: int, logits_out: torch.Tensor
 ) -> None:
@@ -67,7 +139,7 @@ def decode_step(
     for li, (layer, next_norm) in enumerate(zip(model.layers, norms, strict=True)):
         qkv = matvec(layer.wqkv, h)
         q = kernels.rope_kv_write(qkv, model.cos, model.sin, pos, cache.k[li], cache.v[li], heads)
-        attn = kernels.decode_attention(q, cache.k[li], cache.v[li], pos, span)
+        attn = kernels.decode_attention(q[0], cache.k[li], cache.v[li], pos, span)
         h, x = kernels.rms_norm(matvec(layer.wo, attn.view(1, -1)), layer.mlp_norm, eps, x)
         gate_up = matvec(layer.w13, h)
         h, x = kernels.rms_norm(matvec(layer.w2, gate_up, gated=True), next_norm, eps, x)

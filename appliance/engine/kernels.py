@@ -1,11 +1,13 @@
-"""Typed launches of the fused decode step's Triton kernels (`triton_kernels`), and when they apply.
+"""Typed launches of the fused decode and prefill steps' Triton kernels (`triton_kernels`), and
+when they apply.
 
 Each function takes and returns torch tensors and does what a few eager torch calls of
-`LlamaModel` do, in one launch (two for attention): RMSNorm with the residual add before it (or
-the embedding lookup), RoPE on q and k with the KV-cache write, SiLU(gate) * up, matrix-vector
-products of dense (model dtype) and weight-only FP8, INT8 and INT4 weights (each can take
-SiLU(gate) * up as its input), and attention over the live cache positions split across
-programs. The eager torch step stays the reference they are tested against.
+`LlamaModel` do, in one launch (two for decode attention): RMSNorm with the residual add before
+it (or the embedding lookup), RoPE on q and k with the KV-cache write, SiLU(gate) * up,
+matrix-vector products (one token) and tiled products (a few token rows) of dense (model dtype)
+and weight-only FP8, INT8 and INT4 weights (each can take SiLU(gate) * up as its input),
+attention of one query over the live cache positions split across programs, and causal
+attention of a few query rows. The eager torch step stays the reference they are tested against.
 
 Triton is imported only when a kernel is first launched, so hosts without it (CPU hosts) never
 import it. The kernels run on CUDA devices; under TRITON_INTERPRET=1 they also run on the CPU (the
@@ -27,13 +29,17 @@ __all__ = [
     "decode_attention",
     "embed_rms_norm",
     "int4_matvec",
+    "int4_rows_matmul",
     "int8_matvec",
+    "int8_rows_matmul",
     "interpreting",
     "matvec",
     "model_problem",
+    "prefill_attention",
     "resolve_kernels",
     "rms_norm",
     "rope_kv_write",
+    "rows_matmul",
     "silu_mul",
     "triton_problem",
 ]
@@ -54,6 +60,12 @@ MATVEC_TILES: dict[MatvecKernel, tuple[int, int]] = {
     "int8": (8, 1024),
     "int4": (16, 1024),
 }
+# Rows (at most) x outputs x inputs of one `rows_matmul` tile: a tile's rows share each weight
+# load, so a prefill of up to 64 rows reads its weight once; the group formats narrow the inputs
+# to one group. Not yet swept on a GPU.
+ROWS_TILE = (64, 64, 64)
+# Query rows of one `prefill_attention` program (tl.dot takes at least 16).
+PREFILL_ATTENTION_ROWS = 16
 
 
 def interpreting() -> bool:
@@ -154,12 +166,13 @@ def rope_kv_write(
     v_cache: torch.Tensor,
     heads: int,
 ) -> torch.Tensor:
-    """Rotated q (heads, head_dim) of one token's fused qkv row (1, (heads + 2 kv) * head_dim);
-    its rotated k and its v are written into the layer's cache (kv_heads, max_seq_len, head_dim)
-    at the position `pos` (a (1,) long tensor on the device)."""
+    """Rotated q (rows, heads, head_dim) of fused qkv rows (rows, (heads + 2 kv) * head_dim) of
+    tokens at positions pos, pos + 1, ... (`pos` a (1,) long tensor on the device); their rotated
+    k and their v are written into the layer's cache (kv_heads, max_seq_len, head_dim) there."""
     kv_heads, _, head_dim = k_cache.shape
-    q = torch.empty(heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _tk().rope_kv_write_kernel[(heads + 2 * kv_heads,)](
+    rows = qkv.shape[0]
+    q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _tk().rope_kv_write_kernel[(heads + 2 * kv_heads, rows)](
         qkv.contiguous(),
         cos,
         sin,
@@ -295,6 +308,134 @@ def int4_matvec(
     return _group_matvec("int4", x, packed, scales_and_zeros, n_out, n_in, group_size, gated)
 
 
+def _dot_settings(dtype: torch.dtype) -> dict[str, object]:
+    """`_dot`'s constexprs for operands of `dtype`: float32 products exact ("ieee", not TF32);
+    bfloat16 on tensor cores, except under the interpreter, which multiplies bfloat16 dot
+    operands as their raw bits (WIDEN)."""
+    return {
+        "PRECISION": "ieee" if dtype == torch.float32 or interpreting() else "tf32",
+        "WIDEN": interpreting() and dtype != torch.float32,
+    }
+
+
+def _rows_matmul(
+    fmt: Literal[0, 1, 2],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    n_out: int,
+    n_in: int,
+    group_size: int,
+    gated: bool,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Launches `rows_matmul_kernel` (format `fmt`) over tiles of `ROWS_TILE`; see `rows_matmul`."""
+    _check_width(x, n_in, gated)
+    x = x.contiguous()
+    n_rows = x.shape[0]
+    if out is None:
+        out = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
+    elif out.shape != (n_rows, n_out) or not out.is_contiguous():
+        raise ValueError(f"out of shape {tuple(out.shape)}: needs a contiguous ({n_rows}, {n_out})")
+    max_m, block_n, block_k = ROWS_TILE
+    block_m = min(max_m, max(16, _pow2(n_rows)))
+    if fmt:
+        if n_in % group_size:
+            raise ValueError(f"{n_in} inputs do not split into groups of {group_size}")
+        block_k = min(block_k, group_size)  # a K tile within one group
+    else:
+        block_k = min(block_k, max(16, _pow2(n_in)))
+    _tk().rows_matmul_kernel[(-(-n_out // block_n), -(-n_rows // block_m))](
+        x,
+        weight,
+        scale if scale is not None else weight,  # not read without a scale
+        out,
+        n_rows,
+        n_out,
+        n_in,
+        FORMAT=fmt,
+        SCALE=0 if fmt or scale is None else 2 if scale.dim() > 0 else 1,
+        GROUP=group_size,
+        GATED=gated,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **_dot_settings(x.dtype),
+    )
+    return out
+
+
+def rows_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """`matvec` for a few token rows x (rows, in): (x @ W.T) * scale with the weight (out, in) in
+    the model dtype or E4M3 (float32 scales (out, 1) or ()) widened to x's dtype in registers
+    and multiplied on tensor cores; `out` (rows, out) or a new tensor in x's dtype; `gated` as
+    in `matvec`. Meant for a short prefill or a verify step, where the weight's bytes, not the
+    arithmetic, set the time."""
+    n_out, n_in = weight.shape
+    return _rows_matmul(0, x, weight, scale, n_out, n_in, 1, gated, out)
+
+
+def int8_rows_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gated: bool = False
+) -> torch.Tensor:
+    """`int8_matvec` for a few token rows, each dequantised weight rounded to x's dtype as
+    `Int8Linear` rounds it; the rows share one read of the weight (`rows_matmul`)."""
+    n_out, n_in = weight.shape
+    group = n_in // scale.shape[1]
+    return _rows_matmul(1, x, weight, scale, n_out, n_in, group, gated, None)
+
+
+def int4_rows_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    gated: bool = False,
+) -> torch.Tensor:
+    """`int4_matvec` for a few token rows, dequantised with `Int4Linear`'s rounding; the rows
+    share one read of the weight (`rows_matmul`)."""
+    n_out, n_in = packed.shape[0], 2 * packed.shape[1]
+    return _rows_matmul(2, x, packed, scales_and_zeros, n_out, n_in, group_size, gated, None)
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention output (rows, heads, head_dim) of query rows q (rows, heads, head_dim) at
+    positions start, start + 1, ... (`start` a (1,) long tensor on the device) over the layer's
+    cache (kv_heads, max_seq_len, head_dim), which holds their K/V and everything before them.
+
+    The launch grid depends on the row count only, so the same launch serves every start (a CUDA
+    graph replays it); positions after a row's own are never loaded.
+    """
+    rows, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    out = torch.empty_like(q)
+    _tk().prefill_attention_kernel[(heads, -(-rows // PREFILL_ATTENTION_ROWS))](
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        start,
+        out,
+        rows,
+        k_cache.stride(0),
+        head_dim**-0.5,
+        HEADS=heads,
+        GROUP=heads // kv_heads,
+        D=head_dim,
+        BLOCK_M=PREFILL_ATTENTION_ROWS,
+        BLOCK=ATTENTION_BLOCK,
+        **_dot_settings(q.dtype),
+    )
+    return out
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, span: int
 ) -> torch.Tensor:
@@ -329,10 +470,7 @@ def decode_attention(
         ROWS=max(16, _pow2(group)),
         D=head_dim,
         BLOCK=ATTENTION_BLOCK,
-        # float32 products exact ("ieee", not TF32); bfloat16 on tensor cores, except under the
-        # interpreter, which multiplies bfloat16 dot operands as their raw bits (WIDEN).
-        PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
-        WIDEN=interpreting() and q.dtype != torch.float32,
+        **_dot_settings(q.dtype),
     )
     out = torch.empty_like(q)
     tk.decode_attention_combine_kernel[(heads,)](

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from appliance.engine import fused
 from appliance.engine.device import resolve_device
 from appliance.engine.linear import Linear, PlainLinear, WeightQuant, quantize_linear
 from engine_build.hf_config import CheckpointError, Llama3RopeScaling, LlamaConfig, read_config
@@ -482,9 +483,7 @@ class LlamaModel:
         additive -inf mask or a zero weight leaves NaN (NaN - inf and 0 * NaN are NaN).
         """
         if self.kernels == "triton":
-            from appliance.engine.fused import decode_step
-
-            decode_step(self, step_in, cache, span, logits_out)
+            fused.decode_step(self, step_in, cache, span, logits_out)
             return
         c = self.config
         token, pos = step_in[0:1], step_in[1:2]
@@ -532,7 +531,15 @@ class LlamaModel:
         ones; no live query sees them, and every later step writes a position before reading it.
         Positions from start+bucket on are not written here and may hold anything, NaN included:
         they are selected out (`torch.where`) before attention, never masked arithmetically.
+
+        On the Triton kernels (`kernels` "triton", at most `fused.FUSED_ROWS` rows) the step is
+        `fused.static_rows`: a padded row runs its padding id as a token, so its K/V at those
+        positions are finite but not zero; no live query sees them either way.
         """
+        if self._fused_rows(ids):
+            last = fused.static_rows(self, ids, meta, cache).index_select(0, meta[1:2] - 1)
+            fused.rows_logits(self, last, logits_out.view(1, -1))
+            return
         x = self._static_rows(ids, meta, cache, span)
         logits_out.copy_(self._logits(x.index_select(0, meta[1:2] - 1)[0]))
 
@@ -552,7 +559,14 @@ class LlamaModel:
         token after `ids[i]`. A padded row's logits are those of a zero hidden state and mean
         nothing; `forward_rows` is the eager reference for the live ones.
         """
+        if self._fused_rows(ids):
+            fused.rows_logits(self, fused.static_rows(self, ids, meta, cache), logits_out)
+            return
         logits_out.copy_(self._logits(self._static_rows(ids, meta, cache, span)))
+
+    def _fused_rows(self, ids: torch.Tensor) -> bool:
+        """Whether a fixed-shape step of these rows runs on the fused Triton kernels."""
+        return self.kernels == "triton" and ids.shape[0] <= fused.FUSED_ROWS
 
     def _static_rows(
         self, ids: torch.Tensor, meta: torch.Tensor, cache: KVCache, span: int

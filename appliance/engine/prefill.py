@@ -9,6 +9,10 @@ tokens being computed, not the prompt: a prompt continuing a reused prefix (or t
 long prompt) pays for its new tokens only, attending to the cached positions before them over the
 smallest span that covers them.
 
+On the Triton kernels a bucket of at most `fused.FUSED_ROWS` tokens is captured from the fused
+step (`fused.static_rows`: eight launches a block, a decode step nine); a larger one from the torch
+step, whose products are bound by arithmetic there.
+
 A prefill with more new tokens than the largest bucket, or one whose padded bucket would run past
 the end of the cache, runs eager (`LlamaModel.forward`); that is a fallback, not an error.
 """

@@ -1,4 +1,5 @@
-"""The Triton kernels of the fused decode step; typed wrappers that launch them are in `kernels`.
+"""The Triton kernels of the fused decode and prefill steps; typed wrappers that launch them are
+in `kernels`.
 
 Each kernel rounds where the eager torch step rounds (a sum stored in the model dtype is rounded to
 it before it is read again), and accumulates in float32, so its output stays within a few units
@@ -66,16 +67,18 @@ def rope_kv_write_kernel(
     KV_HEADS: tl.constexpr,
     D: tl.constexpr,
 ):
-    """One head of one token's fused qkv row (q heads, then k heads, then v heads).
+    """One head (program_id(0)) of token row r = program_id(1) of fused qkv rows (q heads, then
+    k heads, then v heads), at position pos + r, pos read from pos_ptr.
 
-    A q head is rotated into q_out (HEADS, D); a k head is rotated and a v head copied into the
-    layer's cache (KV_HEADS, max_seq_len, D) at the position read from pos_ptr. RoPE follows the
-    rotate-half convention: the two halves of a head are the real and imaginary parts.
+    A q head is rotated into row r of q_out (rows, HEADS, D); a k head is rotated and a v head
+    copied into the layer's cache (KV_HEADS, max_seq_len, D) at the row's position. RoPE follows
+    the rotate-half convention: the two halves of a head are the real and imaginary parts.
     """
     head = tl.program_id(0)
+    row = tl.program_id(1)
     half = tl.arange(0, D // 2)
-    pos = tl.load(pos_ptr)
-    base = qkv_ptr + head * D
+    pos = tl.load(pos_ptr) + row
+    base = qkv_ptr + (row * (HEADS + 2 * KV_HEADS) + head) * D
     x1 = tl.load(base + half)
     x2 = tl.load(base + D // 2 + half)
     if head < HEADS + KV_HEADS:
@@ -86,8 +89,9 @@ def rope_kv_write_kernel(
         y1 = (a * cos - b * sin).to(x1.dtype)
         y2 = (b * cos + a * sin).to(x1.dtype)
         if head < HEADS:
-            tl.store(q_out_ptr + head * D + half, y1)
-            tl.store(q_out_ptr + head * D + D // 2 + half, y2)
+            q_row = q_out_ptr + (row * HEADS + head) * D
+            tl.store(q_row + half, y1)
+            tl.store(q_row + D // 2 + half, y2)
         else:
             dst = k_cache_ptr + (head - HEADS) * cache_head_stride + pos * D
             tl.store(dst + half, y1)
@@ -269,6 +273,147 @@ def _dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def rows_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    n_rows,
+    n_out,
+    n_in,
+    FORMAT: tl.constexpr,
+    SCALE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """out = x @ W.T for a few token rows x (n_rows, n_in) in the model dtype: one tile of BLOCK_M
+    rows by BLOCK_N outputs, the weight dequantised to x's dtype in registers and multiplied on
+    tensor cores (`tl.dot`, float32 accumulation), so its bytes are read once per row tile and
+    nothing is quantised or widened in memory.
+
+    FORMAT 0: W (n_out, n_in) in a float dtype (the model's, or E4M3), times a float32 scale per
+    output (SCALE 2), per tensor (SCALE 1) or none (0) applied to the sum. FORMAT 1: INT8, W = q *
+    scale with scale (n_out, n_in / GROUP) in the model dtype (`Int8Linear`). FORMAT 2: INT4 in
+    `int4_matvec_kernel`'s layout, W = (q - 8) * scale + zero. A dequantised weight is rounded to
+    the model dtype where the eager layer's dequantisation rounds; for the group formats a K tile
+    lies within one group (GROUP is a multiple of BLOCK_K). GATED: x's rows are gate then up and
+    the input is SiLU(gate) * up (`_input`). The result is rounded to x's dtype, then stored in
+    out's (n_rows, n_out).
+    """
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_live = outs < n_out
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_live = rows < n_rows
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * (2 * n_in if GATED else n_in)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FORMAT == 2:
+        HALF: tl.constexpr = BLOCK_K // 2
+        w_rows = w_ptr + outs.to(tl.int64)[:, None] * (n_in // 2)
+        for k0 in range(0, n_in, BLOCK_K):
+            byte = k0 // 2 + tl.arange(0, HALF)
+            p = tl.load(w_rows + byte[None, :], mask=out_live[:, None], other=0).to(tl.int32)
+            sz = scale_ptr + ((k0 // GROUP) * n_out + outs.to(tl.int64)) * 2
+            s = tl.load(sz, mask=out_live, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(sz + 1, mask=out_live, other=0.0).to(tl.float32)[:, None]
+            w_even = ((((p >> 4) - 8).to(tl.float32) * s).to(dtype).to(tl.float32) + z).to(dtype)
+            w_odd = ((((p & 15) - 8).to(tl.float32) * s).to(dtype).to(tl.float32) + z).to(dtype)
+            x_even = _input(x_rows, 2 * byte[None, :], row_live[:, None], n_in, GATED).to(dtype)
+            x_odd = _input(x_rows, 2 * byte[None, :] + 1, row_live[:, None], n_in, GATED).to(dtype)
+            acc += _dot(x_even, tl.trans(w_even), PRECISION, WIDEN)
+            acc += _dot(x_odd, tl.trans(w_odd), PRECISION, WIDEN)
+    else:
+        w_rows = w_ptr + outs.to(tl.int64)[:, None] * n_in
+        for k0 in range(0, n_in, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_live = cols < n_in
+            w_live = out_live[:, None] & col_live[None, :]
+            if FORMAT == 1:
+                q = tl.load(w_rows + cols[None, :], mask=w_live, other=0)
+                s_at = scale_ptr + outs.to(tl.int64) * (n_in // GROUP) + k0 // GROUP
+                s = tl.load(s_at, mask=out_live, other=0.0).to(tl.float32)
+                w = (q.to(tl.float32) * s[:, None]).to(dtype)
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=w_live, other=0.0).to(tl.float32).to(dtype)
+            live = row_live[:, None] & col_live[None, :]
+            x = _input(x_rows, cols[None, :], live, n_in, GATED).to(dtype)
+            acc += _dot(x, tl.trans(w), PRECISION, WIDEN)
+    if SCALE == 2:
+        acc = acc * tl.load(scale_ptr + outs, mask=out_live, other=0.0)[None, :]
+    elif SCALE == 1:
+        acc = acc * tl.load(scale_ptr)
+    out = acc.to(dtype).to(out_ptr.dtype.element_ty)
+    at = out_ptr + rows.to(tl.int64)[:, None] * n_out + outs[None, :]
+    tl.store(at, out, mask=row_live[:, None] & out_live[None, :])
+
+
+@triton.jit
+def prefill_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    start_ptr,
+    out_ptr,
+    n_rows,
+    cache_head_stride,
+    scale,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """Causal attention of BLOCK_M query rows of one query head (program_id(0)) over the layer's
+    cache (flash attention): q and out are (n_rows, HEADS, D), row r at position start + r (start
+    read from start_ptr), whose K/V the cache already holds at every position up to the last row's.
+
+    Row r sees the cache positions 0..start + r. Only positions up to the tile's last row are
+    loaded (masked loads read nothing past them), so what an unwritten position holds never enters
+    the result. Rounding as in `decode_attention_split_kernel`.
+    """
+    head = tl.program_id(0)
+    kv_head = head // GROUP
+    first = tl.program_id(1) * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    row_live = rows < n_rows
+    dims = tl.arange(0, D)
+    at = (rows[:, None] * HEADS + head) * D + dims[None, :]
+    q = tl.load(q_ptr + at, mask=row_live[:, None], other=0.0)
+    start = tl.load(start_ptr)
+    q_pos = start + rows
+    stop = start + tl.minimum(first + BLOCK_M, n_rows)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    head_k = k_ptr + kv_head * cache_head_stride
+    head_v = v_ptr + kv_head * cache_head_stride
+    for block in range(0, stop, BLOCK):
+        offs = block + tl.arange(0, BLOCK)
+        live = offs < stop
+        k = tl.load(head_k + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(head_v + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        scores = _dot(q, tl.trans(k), PRECISION, WIDEN) * scale  # (BLOCK_M, BLOCK)
+        # Position 0 is in the first block and every row sees it, so each row's max is finite.
+        seen = live[None, :] & (offs[None, :] <= q_pos[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
+        m = m_new
+    out = acc / total[:, None]
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
 
 
 @triton.jit

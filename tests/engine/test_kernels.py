@@ -86,7 +86,7 @@ def test_rope_rotates_q_and_k_and_writes_k_and_v_at_the_position(
     v_cache = torch.full((kv, 16, d), float("nan"), dtype=dtype, device=DEVICE)
     pos = 11
     cos, sin = tiny32.cos.to(dtype), tiny32.sin.to(dtype)
-    q = kernels.rope_kv_write(
+    (q,) = kernels.rope_kv_write(
         qkv, cos, sin, torch.tensor([pos], device=DEVICE), k_cache, v_cache, heads
     )
     q_ref, k_ref, v_ref = torch.split(qkv, [heads * d, kv * d, kv * d], dim=1)
