@@ -126,6 +126,8 @@ PROFILED_STEPS = 4
 BACK_TO_BACK_STEPS = 200
 # Back-to-back runs of each timed step on a CPU, where each is a whole forward pass on the host.
 CPU_BACK_TO_BACK_STEPS = 10
+# Prompt lengths whose fixed-shape prefill is timed on the fused kernels and the torch step.
+PREFILL_ROWS = (64, 128)
 # Draft counts whose verify step is timed against the single-token step, at this position.
 VERIFY_DRAFTS = (1, 2, 4, 8)
 VERIFY_POS = 128
@@ -281,6 +283,8 @@ def measure_variant(
         steps = BACK_TO_BACK_STEPS if device.type == "cuda" else CPU_BACK_TO_BACK_STEPS
         result.update(host_loop_ms(runner.decode, 128, steps))
         result.update(verify_step_ratios(model, runner, capture, device))
+        if variant.kernels == "triton":
+            result.update(prefill_comparison(model, runner.cache, capture, device))
         if device.type == "cuda":
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     finally:
@@ -324,34 +328,74 @@ def dense_matmul_ms(model: LlamaModel, tokens: int, device: torch.device, runs: 
     return best * 1e3
 
 
-def step_profile(model: LlamaModel, cache: Any, device: torch.device) -> dict[str, Any]:
-    """Kernels (on CUDA) or operators (on a CPU) per decode step, from torch.profiler over
-    PROFILED_STEPS runs of the step body the graph captures (kernels in a replayed graph are the
-    same launches), at position 128 over the smallest span."""
+def profiled(run: Callable[[], None], device: torch.device, calls: int) -> dict[str, float]:
+    """Kernels and their device ms (on CUDA) or aten operators (on a CPU) per call of `run`,
+    from torch.profiler over `calls` calls after one warm call (nothing compiles inside)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step_in = torch.tensor((5, 128), dtype=torch.long, device=device)
-    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=device)
-    span = min(256, cache.max_seq_len)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
-        decode_and_choose(model, step_in, cache, span, logits)  # warm: nothing compiles later
+        run()
         _sync(device)
         with profile(activities=activities) as prof:
-            for _ in range(PROFILED_STEPS):  # positions 129.., as each step chains the next
-                decode_and_choose(model, step_in, cache, span, logits)
+            for _ in range(calls):
+                run()
             _sync(device)
     events = prof.events()
     if device.type == "cuda":
         cuda = torch.autograd.DeviceType.CUDA  # type: ignore[attr-defined]  # not re-exported
-        kernels = [e for e in events if e.device_type == cuda]
-        kernel_us = sum(e.device_time_total for e in kernels) / PROFILED_STEPS
+        found = [e for e in events if e.device_type == cuda]
         return {
-            "kernels_per_step": len(kernels) / PROFILED_STEPS,
-            "kernel_ms_per_step": kernel_us / 1e3,
+            "kernels": len(found) / calls,
+            "kernel_ms": sum(e.device_time_total for e in found) / calls / 1e3,
         }
-    ops = [e for e in events if e.name.startswith("aten::")]
-    return {"cpu_ops_per_step": len(ops) / PROFILED_STEPS}
+    return {"cpu_ops": len([e for e in events if e.name.startswith("aten::")]) / calls}
+
+
+def step_profile(model: LlamaModel, cache: Any, device: torch.device) -> dict[str, Any]:
+    """Kernels (on CUDA) or operators (on a CPU) per decode step, from torch.profiler over
+    PROFILED_STEPS runs of the step body the graph captures (kernels in a replayed graph are the
+    same launches), at position 128 over the smallest span; each run chains the next position."""
+    step_in = torch.tensor((5, 128), dtype=torch.long, device=device)
+    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=device)
+    span = min(256, cache.max_seq_len)
+    run = partial(decode_and_choose, model, step_in, cache, span, logits)
+    return {f"{k}_per_step": v for k, v in profiled(run, device, PROFILED_STEPS).items()}
+
+
+def prefill_comparison(
+    model: LlamaModel, cache: Any, capture: Capture | None, device: torch.device
+) -> dict[str, Any]:
+    """The fixed-shape prefill of PREFILL_ROWS tokens from position 0 on the fused kernels
+    (`fused.static_rows`) against the torch step, in the same process on the same cache: device
+    ms per prefill (captured graphs replayed back to back when `capture`, else the bodies),
+    kernels per prefill (CUDA) and the relative L2 distance of their logits."""
+    vocab = model.config.vocab_size
+    spans = decode_spans(cache.max_seq_len)
+    result: dict[str, Any] = {}
+    fused_rows = fused.FUSED_ROWS
+    for rows in PREFILL_ROWS:
+        span = spans[bisect.bisect_left(spans, rows)]
+        ids = torch.arange(5, 5 + rows, dtype=torch.long, device=device)
+        meta = torch.tensor((0, rows), dtype=torch.long, device=device)
+        logits: dict[str, torch.Tensor] = {}
+        for body in ("fused", "torch"):
+            out = torch.empty(vocab, dtype=torch.float32, device=device)
+            run: Callable[[], None] = partial(model.prefill_static, ids, meta, cache, span, out)
+            fused.FUSED_ROWS = fused_rows if body == "fused" else 0
+            try:
+                counted = profiled(run, device, 2)
+                if capture is not None:
+                    with torch.inference_mode():
+                        run = capture(run)
+                result[f"prefill_{rows}_{body}_ms"] = back_to_back_ms(run, device)
+            finally:
+                fused.FUSED_ROWS = fused_rows
+            result.update({f"prefill_{rows}_{body}_{k}": v for k, v in counted.items()})
+            logits[body] = out.clone()
+        got, ref = logits["fused"], logits["torch"]
+        result[f"prefill_{rows}_fused_vs_torch_rel_err"] = float((got - ref).norm() / ref.norm())
+    return result
 
 
 def kernel_agreement(model: LlamaModel, cache: Any) -> float:
@@ -524,6 +568,29 @@ def verify_table(variants: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def prefill_table(variants: list[dict[str, Any]]) -> str:
+    """The fixed-shape prefill on the fused kernels against the torch step, per variant that
+    measured both."""
+    lines = [
+        "| variant | tokens | fused ms | torch ms | torch / fused | fused kernels | "
+        "torch kernels | logits rel err |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v in variants:
+        for rows in PREFILL_ROWS:
+            key = f"prefill_{rows}"
+            if f"{key}_fused_vs_torch_rel_err" not in v:
+                continue
+            mine, theirs = v[f"{key}_fused_ms"], v[f"{key}_torch_ms"]
+            counts = [v.get(f"{key}_{body}_kernels") for body in ("fused", "torch")]
+            cells = " | ".join("n/a" if c is None else f"{c:.0f}" for c in counts)
+            lines.append(
+                f"| {v['variant']} | {rows} | {mine:.3f} | {theirs:.3f} | {theirs / mine:.2f} "
+                f"| {cells} | {v[f'{key}_fused_vs_torch_rel_err']:.1e} |"
+            )
+    return "\n".join(lines)
+
+
 def host_loop_table(variants: list[dict[str, Any]]) -> str:
     """Per token: the graph replayed back to back, and the host driving greedy steps one by one
     and chained, per measured variant."""
@@ -579,6 +646,7 @@ def table(report: dict[str, Any]) -> str:
         )
     lines.append(verify_table(report["variants"]))
     lines.append(host_loop_table(report["variants"]))
+    lines.append(prefill_table(report["variants"]))
     path = report["path"]
     if "skipped" in path:
         lines.append(f"whole path: skipped ({path['skipped']})")

@@ -258,3 +258,31 @@ def test_the_int_variants_floor_counts_packed_weights_with_scales_and_zeros() ->
     rest = bf16 - 2 * linear  # embedding head, norms: in bf16 for every format
     assert int8 == rest + linear + 2 * linear // 128  # 1 byte + one bf16 scale per 128
     assert int4 == rest + linear // 2 + 4 * linear // 128  # half a byte + bf16 scale and zero
+
+
+def test_the_prefill_comparison_times_both_bodies_and_compares_their_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused prefill against the torch step, as a Triton variant measures it on the GPU:
+    here under Triton's interpreter with a capture that records each body and replays it."""
+    from appliance.engine import fused
+
+    monkeypatch.setattr(gpu_decode, "PREFILL_ROWS", (16,))
+    monkeypatch.setattr(gpu_decode, "CPU_BACK_TO_BACK_STEPS", 1)
+    model = random_model("tiny", "cpu", torch.float32, seed=5)
+    model.kernels = "triton"
+    captured: list[int] = []
+
+    def capture(body: Any) -> Any:
+        captured.append(fused.FUSED_ROWS)  # the body is fixed when captured
+        return body
+
+    result = gpu_decode.prefill_comparison(
+        model, model.new_cache(256), capture, torch.device("cpu")
+    )
+    assert captured == [fused.FUSED_ROWS, 0]  # fused, then the torch step
+    assert result["prefill_16_fused_vs_torch_rel_err"] < 1e-5
+    assert result["prefill_16_fused_ms"] > 0 and result["prefill_16_torch_ms"] > 0
+    assert {"prefill_16_fused_cpu_ops", "prefill_16_torch_cpu_ops"} <= set(result)
+    text = gpu_decode.prefill_table([{"variant": "f32 triton", **result}])
+    assert "| f32 triton | 16 |" in text and "| n/a | n/a |" in text
