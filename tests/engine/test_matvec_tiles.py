@@ -36,6 +36,20 @@ def test_the_sweep_checks_and_tabulates_every_format_on_the_tiny_shape(
     assert "| tile (rows x cols) | qkv | o | gate-up | down | block µs |" in out
 
 
+def test_with_tokens_the_row_tile_kernel_is_swept_beside_torchs_product(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--device", "cpu", "--shape", "tiny", "--formats", "fp8,int4", "--tokens", "16"]
+    assert matvec_tiles.main([*argv, "--rows", "64", "--cols", "64"]) == 0
+    out = capsys.readouterr().out
+    _, outs, ins = kernels.ROWS_TILE
+    for label in ("fp8", "int4"):
+        table = out.split(f"{label}: GB/s of weight read")[1].split("best: ")[0]
+        assert f"| {outs} x {ins} (current) |" in table
+        assert "| torch's own product |" in table
+    assert out.count("; torch's own product / best: ") == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -43,6 +57,8 @@ def test_the_sweep_checks_and_tabulates_every_format_on_the_tiny_shape(
         (["--rows", "12"], "--rows and --cols take powers of two"),
         (["--cols", "a"], "--rows and --cols take comma-separated integers"),
         (["--rows", "64", "--cols", "1024"], "no tile of --rows x --cols holds at most 16384"),
+        (["--tokens", "2", "--rows", "8"], "--rows take at least 16 and --cols at least 32"),
+        (["--tokens", "129"], "--tokens takes 1 to 128 (the most rows of a fused step)"),
     ],
 )
 def test_bad_arguments_are_one_line(
