@@ -47,7 +47,7 @@ from appliance.cache.semantic_eval import Pair, decide_all, read_pairs, render, 
 from appliance.cache.tiers import CacheQuery, L1Tier, TierCascade
 from appliance.cache.vectors import Entry
 from appliance.config import SemanticConfig
-from appliance.gateway.server import freeze_heap
+from appliance.heap import freeze_heap
 from bench import record
 from bench.common import pct
 

@@ -208,7 +208,7 @@ class SemanticTier(CacheTier):
         self.last_rebuild: tuple[int, float] | None = None  # (entries, seconds)
         # Called after each rebuild: the process that owns the heap decides what to do with a
         # hundred thousand new long-lived objects (the gateway freezes them, see server.py).
-        self.on_rebuilt: Callable[[], None] = lambda: None
+        self.on_rebuilt: Callable[[], object] = lambda: None
         self._stream = ""
         self._own: StreamClient | None = None
         self._client: redis.Redis | None = None

@@ -59,6 +59,7 @@ from appliance.engine.repository import (
 from appliance.engine.runner import Emission, Job, RequestPerf, Runner
 from appliance.engine.sampling import SamplingParams, TopLogprobs
 from appliance.engine.statistics import ModelStatistics, RequestClock
+from appliance.heap import freeze_heap
 from appliance.listen import taken_address
 from engine_build.pbtxt import (
     ACCEPTANCE_RATE_OUTPUT,
@@ -885,11 +886,15 @@ async def run_engine(
             for model in models.values():
                 model.runner.close()
             return 1
+    # Models loaded, graphs captured, compute threads running: what is alive now lives as long
+    # as the process, and a full collection walking it would stall the compute thread.
+    frozen = freeze_heap()
     log.info(
-        "engine serving %s on %s (loaded in %.1f s)",
+        "engine serving %s on %s (loaded in %.1f s; %d objects frozen out of the collector)",
         ", ".join(models),
         listen,
         time.monotonic() - started,
+        frozen,
     )
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {listen}")
     await server.stop(grace=1.0)

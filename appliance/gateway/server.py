@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.quiesce import quiesce
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
+from appliance.heap import freeze_heap
 from appliance.listen import taken_address
 from appliance.security.api_keys import KeyRing, KeysFileError
 from appliance.security.auth import AccessControl
@@ -283,17 +283,6 @@ async def warm_up(models: dict[str, ServedModel]) -> None:
             ) from exc
         finally:
             await stream.aclose()
-
-
-def freeze_heap() -> None:
-    """A full collection, then every object alive moved out of the collector's sight
-    (`gc.freeze`). Python collects all generations once the objects that survived into the oldest
-    grow by a quarter, and that collection walks every tracked object: with the gateway's modules
-    and a full semantic index loaded it is a stall every request in flight waits out
-    (docs/PERFORMANCE.md#semantic-cache-tier). Frozen objects are still freed by reference counting (the index's entries hold
-    no cycles); only cycles among them are never collected."""
-    gc.collect()
-    gc.freeze()
 
 
 def keep_long_lived_from_gc(running: RunningGateway) -> None:

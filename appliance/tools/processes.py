@@ -128,6 +128,24 @@ def wait_engine(
     raise RuntimeError(f"engine server at {address} not ready after {timeout_s:g} s (log: {log})")
 
 
+def wait_for_line(
+    log: Path, text: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0
+) -> str:
+    """The first line of a process's log that contains `text`, once written; fails with the
+    process's last words if it exits first."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        for line in log.read_text(errors="replace").splitlines():
+            if text in line:
+                return line
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"exited with {proc.returncode} before logging {text!r}: {last_words(log)}"
+            )
+        time.sleep(0.05)
+    raise RuntimeError(f"no line with {text!r} in {log} after {timeout_s:g} s")
+
+
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:
     """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
     if proc.poll() is None:

@@ -20,7 +20,8 @@ from appliance.cache.embedder import EmbeddingCancelled, EmbedRun, Vector
 from appliance.cache.keys import SamplingKey, cache_key
 from appliance.cache.semantic import SemanticTier, encode_record
 from appliance.config import CacheConfig, HttpConfig, SemanticConfig
-from appliance.gateway.server import freeze_heap, keep_long_lived_from_gc
+from appliance.gateway.server import keep_long_lived_from_gc
+from appliance.heap import freeze_heap
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
 from tests.cache.test_cache_e2e import (

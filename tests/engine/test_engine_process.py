@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.engine.repository import RepositoryError, lock_repository
+from appliance.tools import processes
 from engine_build.repo import write_hf_repository
 from tests.conftest import Tiny
 
@@ -82,3 +84,19 @@ def test_a_second_engine_on_one_repository_fails_at_start(tiny: Tiny, tmp_path: 
     finally:
         os.close(held)
     os.close(lock_repository(repo))  # released with its descriptor: free again
+
+
+def test_a_serving_engine_has_frozen_its_heap(tiny: Tiny, tmp_path: Path) -> None:
+    """After loading, the engine moves its long-lived objects out of the cyclic collector's
+    sight, so no full collection walks them on the compute thread (bench.heap)."""
+    address = f"127.0.0.1:{processes.free_port()}"
+    log = tmp_path / "engine.log"
+    engine = processes.spawn(["engine", "--repository", str(tiny.repo), "--listen", address], log)
+    try:
+        processes.wait_engine(address, engine, log)
+        serving = processes.wait_for_line(log, "engine serving", engine)
+    finally:
+        assert processes.stop(engine) == 0, processes.last_words(log)
+    frozen = re.search(r"; ([\d,]+) objects frozen out of the collector\)", serving)
+    assert frozen is not None, serving
+    assert int(frozen.group(1).replace(",", "")) > 10_000  # torch and the model, at least
