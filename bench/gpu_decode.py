@@ -79,6 +79,7 @@ from appliance.engine.repository import KvCacheParams
 from appliance.engine.runner import Emission, Job, Runner, build_runner
 from appliance.engine.sampling import SamplingParams
 from appliance.engine.verify import GraphVerify
+from appliance.heap import freeze_heap
 from bench import record
 
 GREEDY = SamplingParams(top_k=1)
@@ -237,6 +238,7 @@ def measure_variant(
     runner = build_runner(model, params, f"bench {args.shape}", capture)
     _sync(device)
     ready = time.perf_counter()
+    freeze_heap()  # as the engine server does once serving; undone below
     result.update(
         weight_bytes_per_step=model.weight_bytes,
         weights_s=weights_ready - started,
@@ -290,6 +292,7 @@ def measure_variant(
     finally:
         runner.close()
         del runner, model
+        gc.unfreeze()  # frozen cycles are never collected: the model's memory would stay
         gc.collect()
 
 
