@@ -214,10 +214,7 @@ def matvec(
     product takes SiLU(gate) * up (`silu_mul`) without a launch of its own."""
     n_out, n_in = weight.shape
     _check_width(x, n_in, gated)
-    if out is None:
-        out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n_out) or not out.is_contiguous():
-        raise ValueError(f"out of shape {tuple(out.shape)}: needs a contiguous (1, {n_out})")
+    out = _output(out, x, 1, n_out)
     rows, cols = MATVEC_TILES["matvec"]
     _tk().matvec_kernel[(-(-n_out // rows),)](
         x.contiguous(),
@@ -231,6 +228,16 @@ def matvec(
         BLOCK_N=rows,
         BLOCK_K=min(cols, _pow2(n_in)),
     )
+    return out
+
+
+def _output(out: torch.Tensor | None, x: torch.Tensor, rows: int, n_out: int) -> torch.Tensor:
+    """`out` when it is a contiguous (rows, n_out), else ValueError; None: a new one in x's
+    dtype."""
+    if out is None:
+        return torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    if out.shape != (rows, n_out) or not out.is_contiguous():
+        raise ValueError(f"out of shape {tuple(out.shape)}: needs a contiguous ({rows}, {n_out})")
     return out
 
 
@@ -333,10 +340,7 @@ def _rows_matmul(
     _check_width(x, n_in, gated)
     x = x.contiguous()
     n_rows = x.shape[0]
-    if out is None:
-        out = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
-    elif out.shape != (n_rows, n_out) or not out.is_contiguous():
-        raise ValueError(f"out of shape {tuple(out.shape)}: needs a contiguous ({n_rows}, {n_out})")
+    out = _output(out, x, n_rows, n_out)
     max_m, block_n, block_k = ROWS_TILE
     block_m = min(max_m, max(16, _pow2(n_rows)))
     if fmt:

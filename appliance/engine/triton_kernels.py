@@ -400,20 +400,34 @@ def prefill_attention_kernel(
     for block in range(0, stop, BLOCK):
         offs = block + tl.arange(0, BLOCK)
         live = offs < stop
-        k = tl.load(head_k + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(head_v + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        scores = _dot(q, tl.trans(k), PRECISION, WIDEN) * scale  # (BLOCK_M, BLOCK)
         # Position 0 is in the first block and every row sees it, so each row's max is finite.
         seen = live[None, :] & (offs[None, :] <= q_pos[:, None])
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
-        m = m_new
+        m, total, acc = _attend_block(
+            q, head_k, head_v, offs, live, seen, m, total, acc, scale, D, PRECISION, WIDEN
+        )
     out = acc / total[:, None]
     tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+
+
+@triton.jit
+def _attend_block(
+    q, head_k, head_v, offs, live, seen, m, total, acc, scale, D: tl.constexpr, PRECISION, WIDEN
+):
+    """One block of cache positions `offs` of a head's K and V through flash attention's online
+    softmax: (running max, exp-sum, unnormalised output) of the query rows q after it. Only the
+    `live` positions are loaded (the others read nothing); `seen` (rows, positions), within
+    them, says which positions each row attends to."""
+    dims = tl.arange(0, D)
+    k = tl.load(head_k + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+    v = tl.load(head_v + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+    scores = _dot(q, tl.trans(k), PRECISION, WIDEN) * scale  # (rows, positions)
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
+    return m_new, total, acc
 
 
 @triton.jit
@@ -471,16 +485,9 @@ def decode_attention_split_kernel(
     for block in range(start, stop, BLOCK):
         offs = block + tl.arange(0, BLOCK)
         live = offs < stop
-        k = tl.load(head_k + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(head_v + offs[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        scores = _dot(q, tl.trans(k), PRECISION, WIDEN) * scale  # (ROWS, BLOCK)
-        scores = tl.where(live[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
-        m = m_new
+        m, total, acc = _attend_block(
+            q, head_k, head_v, offs, live, live[None, :], m, total, acc, scale, D, PRECISION, WIDEN
+        )
     out = (kv_head * GROUP + rows) * N_SPLITS + split
     tl.store(acc_ptr + out[:, None] * D + dims[None, :], acc, mask=row_live[:, None])
     tl.store(max_ptr + out, m, mask=row_live)
