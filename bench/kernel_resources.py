@@ -4,7 +4,9 @@ Triton compiles for any NVIDIA target on a host without one (its wheel carries p
 cuobjdump), so each kernel configuration the fused step launches on a model's shape is compiled
 here for the chosen architecture and read back: registers per thread, the stack frame (where
 registers spill: a spilling matrix-vector or attention kernel reads local memory beside the
-weights), shared memory and the widest global load in its PTX. The configurations are recorded
+weights), shared memory, the widest global load in its PTX and its integer-to-float conversions
+(16 a clock per SM on a GPU, a quarter of the integer rate: a product that converts each weight
+is bound by them, not by its bytes). The configurations are recorded
 from `fused.decode_step` and `fused.static_rows` themselves, run on a meta-device model of one
 block (blocks are alike) in every weight format at a few attention spans and row counts, so the
 list follows the steps.
@@ -151,6 +153,7 @@ class Resources:
     local: int
     shared: int
     widest_load: str
+    int_to_float: int  # cvt instructions from an integer to a float type in the PTX
     seconds: float
 
 
@@ -192,7 +195,8 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
     registers, stack, shared, local = map(int, found.groups())
     widths = re.findall(r"ld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)", compiled.asm["ptx"])
     widest = max((int(v or 1) * int(bits) for v, bits in widths), default=0)
-    return Resources(registers, stack, local, shared, f"{widest // 8} B", seconds)
+    conversions = len(re.findall(r"\bcvt\.\w+\.f(?:16|32|64)\.[su]\d+\b", compiled.asm["ptx"]))
+    return Resources(registers, stack, local, shared, f"{widest // 8} B", conversions, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                 launches.append(found)
     print(f"{args.shape}, sm_{args.arch}: {len(launches)} kernel configurations", flush=True)
     print(
-        "| kernel | pointers | constexprs | registers | stack B | shared B | widest load | compile s |"
+        "| kernel | pointers | constexprs | registers | stack B | shared B | widest load | "
+        "int→float cvt | compile s |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     spills = []
     for launch in launches:
         r = compile_launch(launch, args.arch)
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         pointers = ",".join(t[1:] for _, t in launch.signature if t.startswith("*"))
         print(
             f"| {launch.kernel} | {pointers} | {shown} | {r.registers} | {r.stack} | {r.shared} | "
-            f"{r.widest_load} | {r.seconds:.1f} |",
+            f"{r.widest_load} | {r.int_to_float} | {r.seconds:.1f} |",
             flush=True,
         )
         if r.stack or r.local:

@@ -34,7 +34,9 @@ def test_every_kernel_of_the_8b_step_compiles_for_sm90_without_spilling() -> Non
         if line.startswith("| ")
     ]
     header, rows = table[0], table[1:]
-    column = {name: header.index(name) for name in ("kernel", "stack B", "registers")}
+    column = {
+        name: header.index(name) for name in ("kernel", "stack B", "registers", "int→float cvt")
+    }
     assert {row[column["kernel"]] for row in rows} == {
         "rms_norm_kernel",
         "rope_kv_write_kernel",
@@ -50,6 +52,10 @@ def test_every_kernel_of_the_8b_step_compiles_for_sm90_without_spilling() -> Non
     # Below the ceiling of 255 a thread can address: a kernel at it is one change from spilling.
     assert all(int(row[column["registers"]]) < 255 for row in rows), run.stdout
     assert len(rows) >= 19
+    # A weight product converts no integer to a float: at 16 a clock per SM, one conversion per
+    # INT4 weight made the step convert-bound (a bit trick takes an OR and a subtraction).
+    products = [row for row in rows if "matvec" in row[0] or "matmul" in row[0]]
+    assert products and all(row[column["int→float cvt"]] == "0" for row in products), run.stdout
 
 
 def test_an_unknown_format_is_one_line() -> None:
