@@ -211,13 +211,22 @@ class PrefixCache:
         self._touch(keys)
         return slots
 
-    def load(self, slots: Sequence[int], cache: KVCache) -> None:
-        """Copy pool blocks into positions 0.. of the working cache."""
+    def _positions(self, cache: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """The working cache's blocks first..first+count-1 as (layers, kv_heads, count, block,
+        head_dim): the layout of `count` pool slots, permuted."""
         b = self.tokens_per_block
+        layers, heads, _, head_dim = cache.shape
+        return cache[:, :, first * b : (first + count) * b].view(layers, heads, count, b, head_dim)
+
+    def load(self, slots: Sequence[int], cache: KVCache) -> None:
+        """Copy pool blocks into positions 0.. of the working cache: one copy of K and one of V
+        per run of consecutive slots (a chain stored at once is one run), since on a GPU each
+        copy costs the host a launch, ten times the device time of a block's copy."""
         with torch.inference_mode():
-            for i, slot in enumerate(slots):
-                cache.k[:, :, i * b : (i + 1) * b].copy_(self.k[slot])
-                cache.v[:, :, i * b : (i + 1) * b].copy_(self.v[slot])
+            for first, slot, count in _runs(list(enumerate(slots))):
+                for pool, working in ((self.k, cache.k), (self.v, cache.v)):
+                    blocks = pool[slot : slot + count].permute(1, 2, 0, 3, 4)
+                    self._positions(working, first, count).copy_(blocks)
 
     def store(self, tokens: Sequence[int], cache: KVCache) -> int:
         """Keep the full blocks of `tokens`, whose K/V the working cache holds at 0..len(tokens).
@@ -225,23 +234,25 @@ class PrefixCache:
         Blocks already pooled are only refreshed; new ones take a free slot or evict the least
         recently used block of another chain. Returns how many blocks were newly stored.
         """
-        b = self.tokens_per_block
-        count = min(len(tokens) // b, self.stats.max_blocks)
+        count = min(len(tokens) // self.tokens_per_block, self.stats.max_blocks)
         keys: list[bytes] = []
-        stored = 0
+        new: list[tuple[int, int]] = []  # (block of the working cache, its slot)
         parent = self.root
+        for i, block in enumerate(self._blocks(tokens, count)):
+            key = self._key(parent, block)
+            if key not in self._index:
+                slot = self._take_slot()
+                self._index[key] = _Entry(slot, parent, block)
+                new.append((i, slot))
+            keys.append(key)
+            parent = key
         with torch.inference_mode():
-            for i, block in enumerate(self._blocks(tokens, count)):
-                key = self._key(parent, block)
-                if key not in self._index:
-                    slot = self._take_slot()
-                    self.k[slot].copy_(cache.k[:, :, i * b : (i + 1) * b])
-                    self.v[slot].copy_(cache.v[:, :, i * b : (i + 1) * b])
-                    self._index[key] = _Entry(slot, parent, block)
-                    stored += 1
-                keys.append(key)
-                parent = key
+            for first, slot, run in _runs(new):
+                for pool, working in ((self.k, cache.k), (self.v, cache.v)):
+                    blocks = self._positions(working, first, run).permute(2, 0, 1, 3, 4)
+                    pool[slot : slot + run].copy_(blocks)
         self._touch(keys)
+        stored = len(new)
         self.stats.stored_blocks += stored
         self.stats.used_blocks = len(self._index)
         return stored
@@ -254,3 +265,17 @@ class PrefixCache:
         _, victim = self._index.popitem(last=False)
         self.stats.evicted_blocks += 1
         return victim.slot
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first block, first slot, count) of each run of (block, slot) pairs in which both go up by
+    one from pair to pair."""
+    runs: list[tuple[int, int, int]] = []
+    for block, slot in pairs:
+        if runs:
+            first, start, count = runs[-1]
+            if block == first + count and slot == start + count:
+                runs[-1] = (first, start, count + 1)
+                continue
+        runs.append((block, slot, 1))
+    return runs

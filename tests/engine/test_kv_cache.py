@@ -9,11 +9,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 import torch
 from google.protobuf import text_format
+from torch.utils._python_dispatch import TorchDispatchMode
 from tritonclient.grpc import model_config_pb2 as mc
 
 from appliance.engine.llama import LlamaModel
@@ -115,6 +116,44 @@ def test_reused_blocks_give_the_logits_of_a_full_prefill(micro_model: LlamaModel
     reused = micro_model.forward(prompt[8:], fresh, 8)
     full = micro_model.forward(prompt, micro_model.new_cache(32), 0)
     torch.testing.assert_close(reused, full, rtol=1e-4, atol=1e-5)
+
+
+class CountCopies(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the copies (aten.copy_) torch runs inside it: on a GPU each is a launch."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.copies = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.copies += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_run_of_consecutive_slots_moves_in_one_copy_of_k_and_one_of_v(
+    micro_model: LlamaModel,
+) -> None:
+    pool = PrefixCache(micro_model.config, 8, B, "fp", micro_model.device, micro_model.dtype)
+    cache = micro_model.new_cache(32)
+    micro_model.forward(BASE, cache, 0)
+    with CountCopies() as stored:
+        assert pool.store(BASE, cache) == 3  # three new blocks, slots 0, 1, 2
+    loaded = micro_model.new_cache(32)
+    slots = pool.match(BASE)
+    with CountCopies() as moved:
+        pool.load(slots, loaded)
+    assert (stored.copies, moved.copies) == (2, 2)
+    assert slots == [0, 1, 2]  # slot i holds block i
+    # Out of order, the slots 2, 0, 1 are two runs: slot 2 alone, slots 0 and 1 together.
+    scattered = micro_model.new_cache(32)
+    with CountCopies() as moved:
+        pool.load([2, 0, 1], scattered)
+    assert moved.copies == 4
+    for at, block in enumerate([2, 0, 1]):
+        for got, want in ((scattered.k, cache.k), (scattered.v, cache.v)):
+            assert torch.equal(
+                got[:, :, at * B : (at + 1) * B], want[:, :, block * B : (block + 1) * B]
+            )
 
 
 def test_block_n_matches_only_after_blocks_0_to_n_minus_1(micro_model: LlamaModel) -> None:
