@@ -556,8 +556,8 @@ class LlamaModel:
 
         `prefill_static`'s contract (the same `ids`, `meta`, padding and cache writes), but the
         float32 logits of every row are written into `logits_out` (rows, vocab): row i scores the
-        token after `ids[i]`. A padded row's logits are those of a zero hidden state and mean
-        nothing; `forward_rows` is the eager reference for the live ones.
+        token after `ids[i]`. A padded row's logits mean nothing (on the torch step they are
+        those of a zero hidden state); `forward_rows` is the eager reference for the live ones.
         """
         if self._fused_rows(ids):
             fused.rows_logits(self, fused.static_rows(self, ids, meta, cache), logits_out)

@@ -221,7 +221,7 @@ class PrefixCache:
     def load(self, slots: Sequence[int], cache: KVCache) -> None:
         """Copy pool blocks into positions 0.. of the working cache: one copy of K and one of V
         per run of consecutive slots (a chain stored at once is one run), since on a GPU each
-        copy costs the host a launch, ten times the device time of a block's copy."""
+        copy costs the host a launch, longer than the device takes to copy a block."""
         with torch.inference_mode():
             for first, slot, count in _runs(list(enumerate(slots))):
                 for pool, working in ((self.k, cache.k), (self.v, cache.v)):
