@@ -25,6 +25,7 @@ from appliance.engine.quantized import (
 )
 from appliance.engine.random_weights import random_model
 from appliance.engine.sampling import SamplingParams, generate
+from tests.engine.test_kernels import _Launches
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -285,3 +286,31 @@ def test_captured_prefill_on_the_kernels_gives_the_eager_tokens() -> None:
     greedy = SamplingParams(top_k=1)
     got = list(generate(model, prompt, 6, None, greedy, cache=cache, decode=step))
     assert got == list(generate(eager, prompt, 6, None, greedy))
+
+
+@pytest.mark.usefixtures("few_programs")
+def test_a_fused_prefill_launches_eight_kernels_a_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 + 8 * layers Triton launches (the embedding with the first norm; per block the qkv
+    product, RoPE with the KV write, attention, the o product, a norm, gate-up, down and a norm;
+    the output head) and two torch operators to pick the last live row; a verify step the same
+    launches and no torch operator."""
+    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
+    model = random_model("tiny", DEVICE, torch.bfloat16, GroupQuant(4, 64), seed=5)
+    model.kernels = "triton"
+    layers = model.config.num_hidden_layers
+    ids = torch.tensor([7, 300, 42] + [0] * 13, device=DEVICE)
+    meta = torch.tensor([0, 3], device=DEVICE)
+    vocab = model.config.vocab_size
+    counter = _Launches()
+    monkeypatch.setattr(kernels, "_tk", counter.module)
+    with torch.inference_mode(), counter:
+        model.prefill_static(ids, meta, model.new_cache(64), 64, torch.empty(vocab, device=DEVICE))
+    assert len(counter.triton) == 2 + 8 * layers
+    assert counter.triton[1:9].count("rows_matmul_kernel") == 4
+    assert counter.torch == ["sub", "index_select"]
+    counter.triton.clear()
+    counter.torch.clear()
+    rows = torch.empty(16, vocab, device=DEVICE)
+    with torch.inference_mode(), counter:
+        model.verify_static(ids, meta, model.new_cache(64), 64, rows)
+    assert len(counter.triton) == 2 + 8 * layers and counter.torch == []
