@@ -239,7 +239,8 @@ def test_the_int_variants_floor_counts_packed_weights_with_scales_and_zeros() ->
     INT4's zero points), below bf16's. (The variants themselves capture graphs: CUDA only.)"""
     by_name = {v.name: v for v in gpu_decode.VARIANTS}
     names = [v.name for v in gpu_decode.VARIANTS]
-    assert names.index("int8 graph triton") > names.index("fp8-tensor graph")
+    # A short budget runs the formats on the fused step first: three fit the documented one.
+    assert names[:3] == ["bf16 graph triton", "fp8 graph triton", "int4 graph triton"]
     bf16 = random_model("tiny", "cpu", torch.bfloat16).weight_bytes
     int8, int4 = (
         random_model("tiny", "cpu", torch.bfloat16, by_name[n].fp8).weight_bytes
