@@ -10,18 +10,20 @@ the captured step adds its greedy choice, the argmax and the next position
 
 FP8, INT8 and INT4 weights are multiplied by weight-only matrix-vector kernels that dequantise
 them in registers, so a step quantises no activation and writes no widened weight (the layers'
-own INT8/INT4 call dequantises the whole weight; an eager prefill keeps it). Every shape is fixed
+own INT8/INT4 call dequantises the whole weight; a long prefill keeps it). Every shape is fixed
 by the span and every position is read on the device, so a CUDA graph replays it.
 
 `static_rows` is the same step for a few token rows: the fixed-shape prefill of a short prompt
 and the verify step of speculative decoding (`LlamaModel.prefill_static`, `verify_static`). Its
 products share each weight read across a tile of rows (`kernels.rows_matmul`, weight-only in
 every format) and its attention is causal over the cache (`kernels.prefill_attention`), so a
-128-token prefill launches about as many kernels as a decode step.
+128-token prefill launches about as many kernels as a decode step. `prefill` runs an eager
+prefill on it, or past FUSED_ROWS tokens on the fused small steps between torch's products.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -39,6 +41,7 @@ __all__ = [
     "FUSED_ROWS",
     "decode_step",
     "matvec",
+    "prefill",
     "rows_logits",
     "rows_product",
     "static_rows",
@@ -112,6 +115,55 @@ def static_rows(
         gate_up = rows_product(layer.w13, h)
         h, x = kernels.rms_norm(rows_product(layer.w2, gate_up, gated=True), next_norm, eps, x)
     return h
+
+
+def prefill(
+    model: LlamaModel, token_ids: Sequence[int], cache: KVCache, start: int
+) -> torch.Tensor:
+    """`LlamaModel.forward`'s contract for several tokens (an eager prefill, or a chunk of one):
+    float32 logits (vocab,) of the last of `token_ids` at positions start.., the cache holding
+    their K/V afterwards; the caller has checked the ids and positions.
+
+    At most FUSED_ROWS tokens run `static_rows` as they are. More run the same small steps on
+    the fused kernels (a norm with the residual add, RoPE writing K and V into the cache) with
+    the layers' own products and torch's fused attention (flash attention on a GPU from position
+    0): at a long prompt's width the products are bound by arithmetic, and the norms, RoPE and
+    SiLU * up in eager torch move several times the activations' bytes through float32 copies.
+    """
+    c = model.config
+    n = len(token_ids)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
+    logits = torch.empty(1, c.vocab_size, dtype=torch.float32, device=model.device)
+    if n <= FUSED_ROWS:
+        meta = torch.tensor((start, n), dtype=torch.long, device=model.device)
+        rows_logits(model, static_rows(model, ids, meta, cache)[-1:], logits)
+        return logits[0]
+    eps, heads = c.rms_norm_eps, c.num_attention_heads
+    kv_heads, end = c.num_key_value_heads, start + n
+    start_at = torch.tensor((start,), dtype=torch.long, device=model.device)
+    mask: torch.Tensor | None = None
+    if start > 0:  # SDPA's causal mask aligns top-left: right only from position 0
+        mask = model.positions[:end][None, :] <= model.positions[start:end][:, None]
+    h, x = kernels.embed_rms_norm(ids, model.embed, model.layers[0].attn_norm, eps)
+    norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+    for li, (layer, next_norm) in enumerate(zip(model.layers, norms, strict=True)):
+        q = kernels.rope_kv_write(
+            layer.wqkv(h), model.cos, model.sin, start_at, cache.k[li], cache.v[li], heads
+        )
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            cache.k[li, :, :end].unsqueeze(0),
+            cache.v[li, :, :end].unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=kv_heads < heads,
+        )
+        h, x = kernels.rms_norm(
+            layer.wo(attn[0].transpose(0, 1).reshape(n, -1)), layer.mlp_norm, eps, x
+        )
+        h, x = kernels.rms_norm(layer.w2(kernels.silu_mul(layer.w13(h))), next_norm, eps, x)
+    rows_logits(model, h[-1:], logits)
+    return logits[0]
 
 
 def rows_logits(model: LlamaModel, h: torch.Tensor, logits_out: torch.Tensor) -> None:

@@ -389,9 +389,12 @@ class LlamaModel:
 
         Positions before start_pos must already be in `cache` (from earlier calls); a call with
         several tokens is a prefill (or a chunk of one), a call with one token is a decode step.
+        On the Triton kernels a prefill runs `fused.prefill`.
         """
         self._check_run(token_ids, cache, start_pos)
         with torch.inference_mode():
+            if self.kernels == "triton" and len(token_ids) > 1:
+                return fused.prefill(self, token_ids, cache, start_pos)
             return self._logits(self._forward(token_ids, cache, start_pos)[-1])
 
     def _check_run(self, token_ids: Sequence[int], cache: KVCache, start_pos: int) -> None:

@@ -255,6 +255,44 @@ def test_fused_prefill_and_verify_follow_the_eager_steps(
     assert len(calls) == 2 * len(cases)
 
 
+@pytest.mark.parametrize(("fmt", "dtype", "most"), [FORMATS[0], FORMATS[2]], ids=["f32", "fp8"])
+@pytest.mark.usefixtures("few_programs")
+def test_an_eager_prefill_on_the_kernels_follows_the_torch_one(
+    fmt: WeightQuant | None, dtype: torch.dtype, most: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LlamaModel.forward` of several tokens on the Triton kernels: up to FUSED_ROWS tokens the
+    fused rows (the row-tile products), past it the fused small steps with the layers' own
+    products and torch's attention; from position 0 and after a cached prefix, with NaN in every
+    unwritten position."""
+    model = random_model("tiny", DEVICE, dtype, fmt, seed=5)
+    row_tiles: list[int] = []
+    real = kernels.rows_matmul
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        row_tiles.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "rows_matmul", spy)
+    for prefix, tokens in (([], [7, 300, 42, 11, 5, 9]), ([7, 300, 42], [11, 5, 9, 8, 100])):
+        end = len(prefix) + len(tokens)
+        model.kernels = "torch"
+        ref_cache = _nan_cache(model, prefix)
+        ref = model.forward(tokens, ref_cache, len(prefix))
+        for most_rows, row_tile_products in ((4, False), (16, True)):
+            monkeypatch.setattr(fused, "FUSED_ROWS", most_rows)
+            model.kernels = "torch"
+            cache = _nan_cache(model, prefix)
+            model.kernels = "triton"
+            row_tiles.clear()
+            got = model.forward(tokens, cache, len(prefix))
+            assert bool(row_tiles) == row_tile_products
+            assert torch.isfinite(got).all() and torch.equal(got.argmax(), ref.argmax())
+            assert float((got - ref).norm() / ref.norm()) < most
+            for mine, theirs in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+                a, b = mine[:, :, :end].float(), theirs[:, :, :end].float()
+                assert float((a - b).norm() / b.norm()) < most
+
+
 def test_rows_past_fused_rows_take_the_torch_step(monkeypatch: pytest.MonkeyPatch) -> None:
     model = random_model("tiny", DEVICE, torch.float32, seed=5)
     model.kernels = "triton"

@@ -150,7 +150,8 @@ def test_decode_steps_on_triton_kernels_use_the_matvec_and_prefill_does_not(
 ) -> None:
     """With the fused Triton step (`kernels` "triton": auto on a CUDA device where Triton imports)
     each of a block's four linear layers takes the kernel once per decode step, at one token; a
-    prefill and the eager torch step keep the layers' own dequantising call."""
+    prefill takes the row-tile kernel instead (`test_fused_rows`), and the eager torch step the
+    layers' own dequantising call."""
     # The layout a CUDA device gets; on the CPU torch's own int4 kernel would be chosen.
     monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
     model = random_model("tiny", DEVICE, torch.bfloat16, GroupQuant(bits, 32), seed=5)  # type: ignore[arg-type]
