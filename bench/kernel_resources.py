@@ -6,10 +6,10 @@ here for the chosen architecture and read back: registers per thread, the stack 
 registers spill: a spilling matrix-vector or attention kernel reads local memory beside the
 weights), shared memory, the widest global load in its PTX and its integer-to-float conversions
 (16 a clock per SM on a GPU, a quarter of the integer rate: a product that converts each weight
-is bound by them, not by its bytes). The configurations are recorded
-from `fused.decode_step` and `fused.static_rows` themselves, run on a meta-device model of one
-block (blocks are alike) in every weight format at a few attention spans and row counts, so the
-list follows the steps.
+is bound by them, not by its bytes). The configurations are recorded from `fused.decode_step`,
+`fused.static_rows` and `fused.prefill` themselves, run on a meta-device model of one block
+(blocks are alike) in every weight format at a few attention spans and row counts, so the list
+follows the steps.
 
     python -m bench.kernel_resources --shape llama-3.1-8b --arch 90
 
@@ -141,6 +141,7 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
             ids = torch.empty(rows, dtype=torch.long, device=meta)
             h = fused.static_rows(model, ids, meta_in, cache)
             fused.rows_logits(model, h, torch.empty(rows, config.vocab_size, device=meta))
+        fused.prefill(model, [0] * (fused.FUSED_ROWS + 1), cache, 0)  # a long prefill's steps
     finally:
         kernels._tk, quantized._int4_kernel = real_tk, real_int4
     return launches
