@@ -99,7 +99,8 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
                     signature.append((arg_name, "fp32"))
                 else:
                     signature.append((arg_name, "i32" if abs(value) < 2**31 else "i64"))
-                    if value % 16 == 0:
+                    # As Triton's launcher: no divisibility for an unspecialised argument.
+                    if value % 16 == 0 and not fn.params[i].do_not_specialize:
                         divisible.append(i)
             signature += [(k, "constexpr") for k in constexprs]
             found = Launch(name, tuple(signature), tuple(constexprs.items()), tuple(divisible))

@@ -291,7 +291,9 @@ def _dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit
+# The row count takes no specialisation (divisible by 16, equal to 1): a prefill of any length
+# runs the kernels its bucket's capture compiled, and none compiles at request time.
+@triton.jit(do_not_specialize=["n_rows"])
 def rows_matmul_kernel(
     x_ptr,
     w_ptr,
@@ -371,7 +373,7 @@ def rows_matmul_kernel(
     tl.store(at, out, mask=row_live[:, None] & out_live[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # as `rows_matmul_kernel`
 def prefill_attention_kernel(
     q_ptr,
     k_ptr,
