@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sysconfig
+from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
@@ -26,6 +29,7 @@ import torch
 __all__ = [
     "KernelChoice",
     "MatvecKernel",
+    "build_problem",
     "decode_attention",
     "embed_rms_norm",
     "int4_matvec",
@@ -79,6 +83,27 @@ def triton_problem(device: torch.device) -> str | None:
         return "the triton package is not installed; use --kernels torch"
     if device.type != "cuda" and not interpreting():
         return "Triton kernels need a CUDA device; use --kernels torch"
+    if device.type == "cuda":
+        return build_problem()
+    return None
+
+
+def build_problem() -> str | None:
+    """Why Triton could not build its launchers here (None: it can). On an NVIDIA GPU Triton
+    compiles a small C module per kernel signature at its first launch: it needs a C compiler
+    (CC, else gcc or clang on the PATH) and Python's headers."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return (
+            "Triton builds its kernel launchers with a C compiler and found none (CC, gcc, "
+            "clang): install gcc, or use --kernels torch"
+        )
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.is_file():
+        return (
+            f"Triton builds its kernel launchers against Python's headers and {headers} is "
+            "missing: install python3-dev, or use --kernels torch"
+        )
     return None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from appliance.engine.awq import awq_options, awq_source, load_awq_model
 from appliance.engine.decode import cuda_graph_capture, decode_spans
 from appliance.engine.draft_model import DraftModelDrafter, check_draft_model, draft_off_switch
-from appliance.engine.kernels import model_problem
+from appliance.engine.kernels import model_problem, triton_problem
 from appliance.engine.llama import LlamaModel, load_config
 from appliance.engine.options import EngineOptions, check_fit
 from appliance.engine.prefill import prefill_graph_count
@@ -39,6 +39,8 @@ def load_model(entry: ModelEntry, options: EngineOptions) -> tuple[LlamaModel, R
     shape = options.random_weights
     config = random_config(shape) if shape else load_config(entry.hf_model_dir)
     kernel_path = options.kernel_path
+    if options.kernels == "auto" and options.device_type == "cuda" and kernel_path == "torch":
+        log.info("decode on torch kernels: %s", triton_problem(options.torch_device))
     why = model_problem(config.head_dim) if kernel_path == "triton" else None
     if why is not None and options.kernels == "triton":
         raise RepositoryError(f"--kernels triton: {why}; use --kernels torch")

@@ -374,3 +374,29 @@ def test_the_output_head_writes_the_model_dtype_logits_widened() -> None:
     assert float(((logits - ref).abs() / ref.abs().clamp(min=1e-3)).max()) <= 2**-7
     with pytest.raises(ValueError, match=r"out of shape \(300,\): needs a contiguous \(1, 300\)"):
         kernels.matvec(h, w, out=torch.empty(300, device=DEVICE))
+
+
+def test_without_a_c_compiler_or_pythons_headers_auto_takes_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a GPU Triton compiles a C launcher per kernel signature at its first launch: a host
+    without gcc (or clang, or CC) or Python.h would fail there, in the capture at start-up. Such
+    a host decodes on torch under `auto` and is told what to install under `triton`."""
+    import shutil
+    import sysconfig
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    why = kernels.triton_problem(cuda)
+    assert why is not None and "install gcc, or use --kernels torch" in why
+    assert kernels.resolve_kernels("auto", cuda) == "torch"
+    monkeypatch.setenv("CC", "/usr/bin/cc")
+    real_paths = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**real_paths(), "include": str(tmp_path)})
+    why = kernels.triton_problem(cuda)
+    assert why is not None and f"{tmp_path / 'Python.h'} is missing: install python3-dev" in why
+    (tmp_path / "Python.h").touch()
+    assert kernels.triton_problem(cuda) is None
+    assert kernels.resolve_kernels("auto", cuda) == "triton"
