@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from appliance.engine import fused
 from appliance.engine.decode import Capture, DecodeStep, EagerDecode, GraphDecode, decode_spans
 from appliance.engine.device import enter_device
 from appliance.engine.guided import CompiledGuide
@@ -172,6 +173,7 @@ class Runner:
                 else None
             )
             self.decode = GraphDecode(model, self.cache, capture, prefill=prefill, verify=verify)
+            self._warm_long_prefill()
         self.prefill_chunk = prefill_chunk_tokens(model.device)
         self.prefix = prefix
         self.tokens_per_block = prefix.tokens_per_block if prefix else tokens_per_block
@@ -183,6 +185,15 @@ class Runner:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine-compute", daemon=True)
         self._thread.start()
+
+    def _warm_long_prefill(self) -> None:
+        """Runs one prefill longer than the captured steps' rows on the working cache, so the
+        kernels only a long prefill launches (`fused.prefill`) are compiled now, not at the first
+        long prompt (on a GPU, Triton also builds each one's C launcher). Its K/V are overwritten
+        by the first request, as every request overwrites a position before reading it."""
+        tokens = fused.FUSED_ROWS + 1
+        if self.model.kernels == "triton" and tokens <= self.cache.max_seq_len:
+            self.model.forward([0] * tokens, self.cache, 0)
 
     def submit(self, job: Job) -> None:
         if self._closed:

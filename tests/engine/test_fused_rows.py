@@ -24,6 +24,7 @@ from appliance.engine.quantized import (
     quantize_group_linear,
 )
 from appliance.engine.random_weights import random_model
+from appliance.engine.runner import Runner
 from appliance.engine.sampling import SamplingParams, generate
 from tests.engine.test_kernels import _Launches
 
@@ -352,3 +353,28 @@ def test_a_fused_prefill_launches_eight_kernels_a_block(monkeypatch: pytest.Monk
     with torch.inference_mode(), counter:
         model.verify_static(ids, meta, model.new_cache(64), 64, rows)
     assert len(counter.triton) == 2 + 8 * layers and counter.torch == []
+
+
+@pytest.mark.parametrize("kernel_path", ["triton", "torch"])
+def test_a_runner_on_the_kernels_compiles_the_long_prefill_at_start(
+    kernel_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With graphs on the Triton kernels, the runner runs one prefill past FUSED_ROWS at start-up,
+    so the kernel no capture launches (SiLU * up) compiles then, not at the first long prompt."""
+    monkeypatch.setattr(fused, "FUSED_ROWS", 4)
+    launched: list[int] = []
+    real = kernels.silu_mul
+
+    def spy(gate_up: torch.Tensor, *args: Any) -> torch.Tensor:
+        launched.append(gate_up.shape[0])
+        return real(gate_up, *args)
+
+    monkeypatch.setattr(kernels, "silu_mul", spy)
+    model = random_model("tiny", DEVICE, torch.float32, seed=5)
+    model.kernels = kernel_path  # type: ignore[assignment]
+    runner = Runner(model, 64, capture=Replay(), prefill_buckets=(16,))
+    try:  # one launch a block, of five rows
+        layers = model.config.num_hidden_layers
+        assert launched == ([5] * layers if kernel_path == "triton" else [])
+    finally:
+        runner.close()
