@@ -62,32 +62,30 @@ def matvec(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """One token through a linear layer: FP8, INT8 and INT4 (its "dequantize" layout) weights by
     the weight-only matrix-vector kernels, model-dtype weights as DENSE_PRODUCTS says, others by
     the layer itself. `gated`: x is gate then up and the layer takes SiLU(gate) * up."""
-    if isinstance(layer, Fp8Linear):
-        out = torch.empty(1, layer.weight.shape[0], dtype=layer.out_dtype, device=x.device)
-        return kernels.matvec(x, layer.weight, layer.scale, out, gated)
-    if isinstance(layer, Int8Linear):
-        return kernels.int8_matvec(x, layer.weight, layer.scale, gated)
-    if isinstance(layer, Int4Linear) and layer.kernel == "dequantize":
-        return kernels.int4_matvec(x, layer.packed, layer.scales_and_zeros, layer.group_size, gated)
-    if isinstance(layer, PlainLinear) and DENSE_PRODUCTS == "triton":
-        return kernels.matvec(x, layer.weight, gated=gated)
-    return layer(kernels.silu_mul(x) if gated else x)
+    return _product(layer, x, gated, rows=False)
 
 
 def rows_product(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """A few token rows x (rows, in) through a linear layer: `matvec`'s choice of kernel, with
     each row tile sharing a read of the weight (`kernels.rows_matmul`)."""
+    return _product(layer, x, gated, rows=True)
+
+
+def _product(layer: Linear, x: torch.Tensor, gated: bool, rows: bool) -> torch.Tensor:
+    """`matvec` (rows False) or `rows_product` (rows True): the same choice of kernel by the
+    layer's format, the one-token or the row-tile family of it."""
     if isinstance(layer, Fp8Linear):
         out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=layer.out_dtype, device=x.device)
-        return kernels.rows_matmul(x, layer.weight, layer.scale, out, gated)
+        dense = kernels.rows_matmul if rows else kernels.matvec
+        return dense(x, layer.weight, layer.scale, out, gated)
     if isinstance(layer, Int8Linear):
-        return kernels.int8_rows_matmul(x, layer.weight, layer.scale, gated)
+        int8 = kernels.int8_rows_matmul if rows else kernels.int8_matvec
+        return int8(x, layer.weight, layer.scale, gated)
     if isinstance(layer, Int4Linear) and layer.kernel == "dequantize":
-        return kernels.int4_rows_matmul(
-            x, layer.packed, layer.scales_and_zeros, layer.group_size, gated
-        )
+        int4 = kernels.int4_rows_matmul if rows else kernels.int4_matvec
+        return int4(x, layer.packed, layer.scales_and_zeros, layer.group_size, gated)
     if isinstance(layer, PlainLinear) and DENSE_PRODUCTS == "triton":
-        return kernels.rows_matmul(x, layer.weight, gated=gated)
+        return (kernels.rows_matmul if rows else kernels.matvec)(x, layer.weight, gated=gated)
     return layer(kernels.silu_mul(x) if gated else x)
 
 
@@ -138,28 +136,20 @@ def prefill(
         meta = torch.tensor((start, n), dtype=torch.long, device=model.device)
         rows_logits(model, static_rows(model, ids, meta, cache)[-1:], logits)
         return logits[0]
-    eps, heads = c.rms_norm_eps, c.num_attention_heads
-    kv_heads, end = c.num_key_value_heads, start + n
+    eps, heads, end = c.rms_norm_eps, c.num_attention_heads, start + n
     start_at = torch.tensor((start,), dtype=torch.long, device=model.device)
-    mask: torch.Tensor | None = None
-    if start > 0:  # SDPA's causal mask aligns top-left: right only from position 0
-        mask = model.positions[:end][None, :] <= model.positions[start:end][:, None]
+    mask = model.prefill_mask(start, end)
     h, x = kernels.embed_rms_norm(ids, model.embed, model.layers[0].attn_norm, eps)
     norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
     for li, (layer, next_norm) in enumerate(zip(model.layers, norms, strict=True)):
         q = kernels.rope_kv_write(
             layer.wqkv(h), model.cos, model.sin, start_at, cache.k[li], cache.v[li], heads
         )
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            cache.k[li, :, :end].unsqueeze(0),
-            cache.v[li, :, :end].unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            enable_gqa=kv_heads < heads,
+        attn = model.attend_prefill(
+            q.transpose(0, 1), cache.k[li, :, :end], cache.v[li, :, :end], mask
         )
         h, x = kernels.rms_norm(
-            layer.wo(attn[0].transpose(0, 1).reshape(n, -1)), layer.mlp_norm, eps, x
+            layer.wo(attn.transpose(0, 1).reshape(n, -1)), layer.mlp_norm, eps, x
         )
         h, x = kernels.rms_norm(layer.w2(kernels.silu_mul(layer.w13(h))), next_norm, eps, x)
     rows_logits(model, h[-1:], logits)

@@ -436,13 +436,7 @@ class LlamaModel:
         n = ids.shape[0]
         end = start_pos + n
         group = c.num_attention_heads // c.num_key_value_heads
-        mask: torch.Tensor | None = None
-        if n > 1 and start_pos > 0:
-            # Causal mask aligned to absolute positions, so a prefill after a reused prefix (or a
-            # later chunk of one) is also correct: SDPA's is_causal aligns top-left, which is right
-            # only when the queries start at position 0.
-            q_pos = self.positions[start_pos:end]
-            mask = self.positions[:end][None, :] <= q_pos[:, None]
+        mask = self.prefill_mask(start_pos, end) if n > 1 else None
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.k[li, :, start_pos:end] = k
@@ -457,19 +451,36 @@ class LlamaModel:
                     q.reshape(c.num_key_value_heads, group, c.head_dim), keys, values
                 )
                 return attn.view(c.num_attention_heads, 1, c.head_dim)
-            # A prefill: 4-D inputs take the fused flash kernels (CPU and CUDA), which do GQA; with
-            # no mask (queries from position 0) CUDA's flash attention qualifies.
-            attn = F.scaled_dot_product_attention(
-                q.unsqueeze(0),
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=group > 1,
-            )
-            return attn.squeeze(0)
+            return self.attend_prefill(q, keys, values, mask)
 
         return self._blocks(F.embedding(ids, self.embed), start_pos, end, attend)
+
+    @staticmethod
+    def attend_prefill(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention (heads, rows, d) of a prefill's queries q (heads, rows, d) over keys and
+        values (kv_heads, positions, d), masked by `prefill_mask`. 4-D inputs take the fused
+        flash kernels (CPU and CUDA), which do GQA; with no mask (queries from position 0)
+        CUDA's flash attention qualifies."""
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=keys.shape[0] < q.shape[0],
+        )
+        return attn.squeeze(0)
+
+    def prefill_mask(self, start: int, end: int) -> torch.Tensor | None:
+        """The causal mask (rows, end) of a prefill's rows at positions start..end-1 over the
+        cache's first `end` positions, aligned to absolute positions, so a prefill after a reused
+        prefix (or a later chunk of one) is also correct; None from position 0, where SDPA's
+        is_causal, which aligns top-left, is right (and lets CUDA take flash attention)."""
+        if start == 0:
+            return None
+        return self.positions[:end][None, :] <= self.positions[start:end][:, None]
 
     def decode_static(
         self, step_in: torch.Tensor, cache: KVCache, span: int, logits_out: torch.Tensor
