@@ -897,9 +897,14 @@ async def run_engine(
         frozen,
     )
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {listen}")
+    stopping = time.monotonic()
     await server.stop(grace=1.0)
     # Cancel and join every compute thread before the interpreter exits (Runner.close).
-    for model in models.values():
-        model.runner.close()
+    joined = all([model.runner.close() for model in models.values()])
     os.close(lock)
+    log.info(
+        "engine stopped in %.1f s%s",
+        time.monotonic() - stopping,
+        "" if joined else " (a compute thread was still running)",
+    )
     return 0

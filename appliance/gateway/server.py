@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -332,5 +333,7 @@ async def serve(config: GatewayConfig) -> int:
     for task in quiescing:
         task.cancel()
     log.info("draining for up to %.1f s", config.server.drain_seconds)
+    draining = time.monotonic()
     await running.drain(config.server.drain_seconds)
+    log.info("gateway stopped (drained and closed in %.1f s)", time.monotonic() - draining)
     return 0

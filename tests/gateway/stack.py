@@ -45,4 +45,11 @@ def engine_and_gateway(
         yield Stack(gateway_addr, config, work / "gateway.log", gateway.pid)
     finally:
         codes = processes.stop(gateway), processes.stop(engine)
-        assert codes == (0, 0), (work / "gateway.log").read_text()[-2000:]
+        assert codes == (0, 0), "\n".join(
+            (
+                f"exit statuses (gateway, engine): {codes}",
+                (work / "gateway.log").read_text(errors="replace")[-2000:],
+                "engine:",
+                (work / "engine.log").read_text(errors="replace")[-2000:],
+            )
+        )
