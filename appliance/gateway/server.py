@@ -36,6 +36,7 @@ from appliance.listen import taken_address
 from appliance.security.api_keys import KeyRing, KeysFileError
 from appliance.security.auth import AccessControl
 from appliance.security.tls import ServerTls, TlsError
+from appliance.text.tokenizer import tokenize_on_calling_thread
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -298,6 +299,7 @@ def keep_long_lived_from_gc(running: RunningGateway) -> None:
 
 async def serve(config: GatewayConfig) -> int:
     """Runs the gateway until SIGTERM or SIGINT. Returns the process exit status."""
+    tokenize_on_calling_thread()
     try:
         models = await load_models(config)
         await warm_up(models)

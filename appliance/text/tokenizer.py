@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,16 @@ from tokenizers import Tokenizer
 from appliance.text.detokenize import TokenTable, build_token_table
 
 CHAT_ROLES = ("system", "user", "assistant")
-# Texts up to this many characters are encoded with `encode`, which holds the GIL but runs on the
-# calling thread; longer ones with `encode_batch`, which releases the GIL but hands the text to the
-# tokenizer's thread pool, whose wake-up lengthens the tail when the cores are busy. The gateway
-# tokenizes texts up to this size on its event loop, longer ones on a worker thread.
+# Texts up to this many characters are tokenized on the gateway's event loop, longer ones on a
+# worker thread (the tokenizer releases the GIL while it runs).
 INLINE_CHARS = 8192
+
+
+def tokenize_on_calling_thread() -> None:
+    """Turns the tokenizers' thread pool off for this process. The gateway encodes one text per
+    call, so the pool parallelises nothing: it hands the text to a worker whose wake-up lands in
+    the request's TTFT tail when the cores are busy. The library reads the variable at each call."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 class TokenizerLoadError(ValueError):
@@ -138,16 +144,12 @@ class ModelText:
         return self._encode(prompt, add_special_tokens=True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """The text's token ids: `encode` for a text of at most INLINE_CHARS, `encode_batch`
-        (the GIL released while it tokenizes) for a longer one."""
-        if len(text) <= INLINE_CHARS:
-            short: list[int] = self.tokenizer.encode(
-                text, add_special_tokens=add_special_tokens
-            ).ids
-            return short
-        ids: list[int] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[
-            0
-        ].ids
+        """The text's token ids. `encode_batch_fast` computes no offsets (nothing here reads
+        them) and releases the GIL; with the tokenizers' parallelism off
+        (`tokenize_on_calling_thread`) a batch of one runs on the calling thread."""
+        ids: list[int] = self.tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )[0].ids
         return ids
 
     def encode_chat(

@@ -1,11 +1,14 @@
-"""The two ways a text is encoded (on the calling thread up to INLINE_CHARS, through the
-tokenizer's pool above) give the same token ids, prompts and chats alike."""
+"""A text's token ids are the tokenizer's own, on both sides of INLINE_CHARS (on the event loop
+below it, on a worker thread above), prompts and chats alike, with the tokenizers' pool on or
+off."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from appliance.text.tokenizer import INLINE_CHARS, ModelText
+from appliance.text.tokenizer import INLINE_CHARS, ModelText, tokenize_on_calling_thread
 from tests.conftest import Tiny
 
 
@@ -22,12 +25,21 @@ def _sized(chars: int) -> str:
 @pytest.mark.parametrize(
     "chars", [1, INLINE_CHARS - 1, INLINE_CHARS, INLINE_CHARS + 1, 3 * INLINE_CHARS]
 )
+@pytest.mark.parametrize("parallelism", ["true", "false"])
 def test_a_prompt_encodes_alike_on_both_sides_of_the_inline_size(
-    text: ModelText, chars: int
+    text: ModelText, chars: int, parallelism: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", parallelism)
     prompt = _sized(chars)
+    assert text.encode_prompt(prompt) == text.tokenizer.encode(prompt).ids
     pooled = text.tokenizer.encode_batch([prompt], add_special_tokens=True)[0].ids
     assert text.encode_prompt(prompt) == pooled
+
+
+def test_the_gateway_turns_the_tokenizers_pool_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    tokenize_on_calling_thread()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
 
 
 def test_a_long_chat_encodes_alike_through_the_pool(text: ModelText) -> None:
