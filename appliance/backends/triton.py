@@ -3,7 +3,7 @@
 Builds `ModelInferRequest` itself (tritonclient's stream helper refuses `triton_*` parameters, and
 `triton_enable_empty_final_response` is what lets a stream end on a flag-only final response), streams
 over `ModelStreamInfer`, and turns in-band errors into gRPC statuses. One persistent channel per model;
-one HTTP/2 stream per request.
+one request at a time per HTTP/2 stream, streams kept open between requests (stream_pool.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
 from tritonclient.grpc import model_config_pb2 as mc
@@ -30,6 +30,7 @@ from appliance.backends.base import (
     Tokens,
     top_logprobs_refusal,
 )
+from appliance.backends.stream_pool import StreamPool
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+StreamCall: TypeAlias = (
+    "grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse]"
+)
+
 # Reconnect quickly after the inference server restarts, instead of gRPC's default backoff of up to
 # two minutes; keepalive stays off (Triton's defaults GOAWAY clients that ping idle connections).
 CHANNEL_OPTIONS = (
@@ -57,6 +62,9 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 )
 STOP_REQUEST_TIMEOUT_S = 2.0
+# Streams kept open between requests (stream_pool.py): at most this many, each for this long idle.
+KEPT_STREAMS = 4
+KEPT_STREAM_IDLE_S = 30.0
 # While waiting for the inference server at start-up, a line this often says so.
 WAIT_NOTE_S = 5.0
 
@@ -66,6 +74,8 @@ _INBAND_CODES = (
     # A guide for a model whose config sets up no guided decoder: the request's fault, not the
     # engine's (the executor reports it as an assertion).
     ("guideddecoder is not setup", grpc.StatusCode.INVALID_ARGUMENT),
+    # Sent on a stream that was open when the server began to stop.
+    ("shutting down", grpc.StatusCode.UNAVAILABLE),
     ("cancel", grpc.StatusCode.CANCELLED),
     ("unknown model", grpc.StatusCode.UNAVAILABLE),
     ("not found", grpc.StatusCode.UNAVAILABLE),
@@ -274,9 +284,11 @@ class TritonBackend:
         self._stub = ts_grpc.GRPCInferenceServiceStub(self._channel)
         self._names: InputNames | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._calls: set[
-            grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse]
-        ] = set()
+        # Streams carrying a request now (cancel_all ends them), and those kept between requests.
+        self._calls: set[StreamCall] = set()
+        self._streams: StreamPool[StreamCall] = StreamPool(
+            self._stub.ModelStreamInfer, KEPT_STREAMS, KEPT_STREAM_IDLE_S
+        )
         # cancel_all was called: every generation, running or starting, ends CANCELLED.
         self._shutting_down = False
         self._closed = False
@@ -333,6 +345,7 @@ class TritonBackend:
         try:
             server = await self._stub.ServerReady(ts.ServerReadyRequest(), timeout=timeout_s)
             if not server.ready:
+                self._streams.close_idle()  # a stopping server waits for its streams to close
                 return False, "server not ready"
             ready = await self._stub.ModelReady(
                 ts.ModelReadyRequest(name=self.model), timeout=timeout_s
@@ -347,6 +360,7 @@ class TritonBackend:
                 self.max_batch_size = max(1, reply.config.max_batch_size)
         except grpc.aio.AioRpcError as exc:
             self._names = None if exc.code() == grpc.StatusCode.UNAVAILABLE else self._names
+            self._streams.close_idle()
             return False, f"{exc.code().name}: {exc.details()}"
         except BackendError as exc:
             return False, exc.message
@@ -441,7 +455,9 @@ class TritonBackend:
     async def stream(self, g: GenerationRequest) -> AsyncGenerator[Tokens, None]:
         """Yields the new token ids of each response until the final one.
 
-        Leaving early (the caller stopped iterating, was cancelled, or hit a stop string) cancels
+        The request goes out on a kept stream when there is one (stream_pool.py), which carries no
+        deadline of its own: `g.timeout_s` bounds each wait for a response here. Leaving early
+        (the caller stopped iterating, was cancelled, hit a stop string or the deadline) cancels
         the HTTP/2 stream and also sends `stop=true` with the same request id, so the engine stops
         generating even where stream cancellation is not propagated.
         """
@@ -449,15 +465,23 @@ class TritonBackend:
             raise BackendError(grpc.StatusCode.CANCELLED, "gateway shutting down")
         request = self._request(g)
         counts = self._names is not None and self._names.draft_counts
-        call = self._stub.ModelStreamInfer(timeout=g.timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = None if g.timeout_s is None else loop.time() + g.timeout_s
+        call, kept = self._streams.take()
         self._calls.add(call)
-        finished = False
+        # The final response arrived (the stream may carry the next request), or an in-band error
+        # did (the engine ended the request; the stream is closed, as more may follow the error).
+        finished = reusable = False
         try:
-            await call.write(request)
-            await call.done_writing()
+            message = await self._first(call, request, deadline, kept)
+            if message is None:  # the kept stream had ended while idle: once more, on a new one
+                self._calls.discard(call)
+                call.cancel()
+                call = self._streams.new()
+                self._calls.add(call)
+                message = await self._first(call, request, deadline, False)
             while True:
-                message = await call.read()
-                if message is grpc.aio.EOF:
+                if not isinstance(message, ts.ModelStreamInferResponse):  # EOF
                     raise BackendError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"inference server at {self.address} closed the stream before the end",
@@ -480,12 +504,13 @@ class TritonBackend:
                     tokens.accepted_draft_tokens = _count(response, ACCEPTED_DRAFT_TOKENS_OUTPUT)
                     counted = tokens.draft_tokens is not None
                 if _is_final(response):
-                    finished = True
+                    finished = reusable = True
                     if tokens or counted:
                         yield tokens
                     return
                 if tokens:
                     yield tokens
+                message = await self._read(call, deadline)
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from exc
         except asyncio.CancelledError:
@@ -494,9 +519,44 @@ class TritonBackend:
             raise
         finally:
             self._calls.discard(call)
-            if not finished:
+            if reusable and not self._shutting_down and not self._closed:
+                self._streams.give_back(call)
+            else:
                 call.cancel()
-                self._spawn(self._send_stop(g.request_id, g.prompt_ids[:1]))
+                if not finished:
+                    self._spawn(self._send_stop(g.request_id, g.prompt_ids[:1]))
+
+    async def _first(
+        self, call: StreamCall, request: ts.ModelInferRequest, deadline: float | None, kept: bool
+    ) -> object:
+        """Sends the request and reads the first response (or EOF). None: the kept stream had
+        ended while idle (the server restarted or stopped; a server ends a stream only once
+        nothing runs on it), so the request was not taken."""
+        try:
+            await call.write(request)
+            message = await self._read(call, deadline)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            if kept and not self._shutting_down:
+                return None
+            if isinstance(exc, asyncio.InvalidStateError):  # written to a stream already ended
+                raise BackendError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"inference server at {self.address} closed the stream before the end",
+                ) from None
+            raise
+        return None if kept and message is grpc.aio.EOF else message
+
+    @staticmethod
+    async def _read(call: StreamCall, deadline: float | None) -> object:
+        if deadline is None:
+            return await call.read()
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await call.read()
+        except TimeoutError:
+            raise BackendError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline_exceeded while generating"
+            ) from None
 
     def _rpc_error(self, exc: grpc.aio.AioRpcError) -> BackendError:
         code = exc.code()
@@ -548,6 +608,7 @@ class TritonBackend:
         """Ends every request in flight (the drain period is over), and every one that starts
         from now on, before it reaches the server."""
         self._shutting_down = True
+        self._streams.close_idle()
         for call in list(self._calls):
             call.cancel()
 
@@ -555,6 +616,7 @@ class TritonBackend:
         """Ends the stop requests under way, then closes the channel: a generation that ends
         later (its task was cancelled and has yet to run) sends none on the closed channel."""
         self._closed = True
+        self._streams.close_idle()
         tasks = list(self._background)
         for task in tasks:
             task.cancel()

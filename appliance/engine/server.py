@@ -81,6 +81,8 @@ SERVER_VERSION = "1"
 # request and response parameters. perf_analyzer reads server-side statistics only when
 # "statistics" is listed.
 EXTENSIONS = ("model_configuration", "statistics", "parameters")
+# Triton's in-band answer to a request sent on an open stream once the server is stopping.
+STOPPING = "GRPC server is shutting down and has stopped accepting new requests."
 
 
 class InferError(Exception):
@@ -90,6 +92,9 @@ class InferError(Exception):
         super().__init__(message)
         self.message = message
         self.code = code
+        # The id of the request it answers: an in-band error carries it, as Triton's do for a
+        # request that could not be issued, so a client with several requests on a stream knows.
+        self.request_id = ""
 
 
 # Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes
@@ -387,6 +392,19 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         # Every job queued or running, with its model (jobs compare by identity).
         self._live: dict[Job, str] = {}
         self.statistics = {name: ModelStatistics() for name in models}
+        # Set by stop_streams: the server is stopping.
+        self.stopping = False
+        # Each open ModelStreamInfer stream's way to end once nothing runs on it.
+        self._winding_down: set[Callable[[], None]] = set()
+
+    def stop_streams(self) -> None:
+        """The server is stopping: a request sent on an open stream from now on is refused
+        in-band, as Triton refuses it; a stream with nothing running ends now (a client may keep
+        streams open between requests, and the server's stop would wait for them), and the others
+        once their requests end."""
+        self.stopping = True
+        for wind_down in list(self._winding_down):
+            wind_down()
 
     # --- health and metadata -------------------------------------------------------------------
 
@@ -668,6 +686,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
         async def start(request: ts.ModelInferRequest) -> None:
             clock = RequestClock()
+            if self.stopping:
+                raise InferError(STOPPING, grpc.StatusCode.UNAVAILABLE)
             model = self.models.get(request.model_name)
             if model is None or request.model_version not in ("", "1"):
                 raise InferError(
@@ -727,7 +747,11 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         def finish(job: Job) -> None:
             jobs.discard(job)
             self._forget(job)
-            if not reading and not jobs:
+            if (not reading or self.stopping) and not jobs:
+                outbox.put_nowait(None)
+
+        def wind_down() -> None:
+            if not jobs:
                 outbox.put_nowait(None)
 
         async def read_requests() -> None:
@@ -737,6 +761,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     try:
                         await start(request)
                     except InferError as exc:
+                        exc.request_id = request.id
                         outbox.put_nowait(exc)
             finally:
                 reading = False
@@ -745,14 +770,19 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
         reader = asyncio.ensure_future(read_requests())
         reader.add_done_callback(_log_failure)
+        self._winding_down.add(wind_down)
         try:
             while (item := await outbox.get()) is not None:
                 if isinstance(item, InferError):
                     if errors_out_of_band:
                         await context.abort(item.code, item.message)
-                    item = ts.ModelStreamInferResponse(error_message=item.message)
+                    item = ts.ModelStreamInferResponse(
+                        error_message=item.message,
+                        infer_response=ts.ModelInferResponse(id=item.request_id),
+                    )
                 yield item
         finally:
+            self._winding_down.discard(wind_down)
             # The client closed or cancelled the stream: whatever is in flight on it is cancelled.
             for job in list(jobs):
                 job.cancel.set()
@@ -898,6 +928,7 @@ async def run_engine(
     )
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {listen}")
     stopping = time.monotonic()
+    service.stop_streams()
     await server.stop(grace=1.0)
     # Cancel and join every compute thread before the interpreter exits (Runner.close).
     joined = all([model.runner.close() for model in models.values()])

@@ -168,6 +168,8 @@ async def test_in_band_error_leaves_the_stream_open(
 ) -> None:
     responses = await collect(triton, request("bad", model="nope"), request("good", max_tokens=2))
     assert "Request for unknown model: 'nope' is not found" in responses[0].error_message
+    # Like Triton's for a request it could not issue, the error names the request it answers.
+    assert responses[0].infer_response.id == "bad"
     good = [m.infer_response for m in responses[1:]]
     assert [r.id for r in good] == ["good", "good"] and is_final(good[-1])
 

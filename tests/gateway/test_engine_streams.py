@@ -1,0 +1,179 @@
+"""The gateway's Triton client keeps its streams open between requests, against a real engine server:
+requests one after another share one stream and get exactly their own tokens; a request that ends
+early, fails or runs out of time takes its stream down; a kept stream the server ended is replaced
+without the request failing; a stopping server refuses new requests in-band and ends idle streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2_grpc as ts_grpc
+
+from appliance.backends.base import GREEDY, BackendError, GenerationRequest
+from appliance.backends.triton import TritonBackend
+from appliance.engine.server import STOPPING, EngineService, load_repository, start_engine
+from tests.conftest import Engine
+from tests.engine.test_conformance import is_final, request
+from tests.support import until_async, until_engine
+
+MODEL = "tensorrt_llm"
+
+
+def generation(
+    rid: str, prompt: list[int], max_tokens: int = 6, timeout_s: float = 30.0
+) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, max_tokens, None, None, GREEDY, timeout_s)
+
+
+async def tokens(backend: TritonBackend, g: GenerationRequest) -> list[int]:
+    return [t async for step in backend.stream(g) for t in step]
+
+
+class Counted:
+    """Counts the streams the backend opens."""
+
+    def __init__(self, backend: TritonBackend) -> None:
+        self.opened = 0
+        pool = backend._streams
+        open_stream: Callable[[], object] = pool._open
+
+        def counted() -> object:
+            self.opened += 1
+            return open_stream()
+
+        pool._open = counted
+
+
+@pytest.fixture
+async def backend(engine: Engine) -> AsyncIterator[TritonBackend]:
+    b = TritonBackend(engine.address, MODEL)
+    await b.wait_ready(30)
+    yield b
+    await b.close()
+
+
+async def test_requests_one_after_another_share_one_stream_and_get_their_own_tokens(
+    backend: TritonBackend, engine: Engine
+) -> None:
+    a, b = [1, 300, 301, 302], [1, 410, 411, 412, 413]
+    fresh = TritonBackend(engine.address, MODEL)
+    await fresh.wait_ready(30)
+    expected_a, expected_b = (
+        await tokens(fresh, generation("fa", a)),
+        await tokens(fresh, generation("fb", b)),
+    )
+    await fresh.close()
+    counted = Counted(backend)
+    assert await tokens(backend, generation("a1", a)) == expected_a
+    assert await tokens(backend, generation("b1", b)) == expected_b
+    assert await tokens(backend, generation("a2", a)) == expected_a
+    assert counted.opened == 1 and len(backend._streams) == 1
+
+
+async def test_a_request_left_early_takes_its_stream_down(
+    backend: TritonBackend, engine: Engine
+) -> None:
+    prompt = [1, 500, 501]
+    expected = await tokens(backend, generation("whole", prompt))
+    counted = Counted(backend)
+    cancelled = engine.stats().cancelled
+    steps = backend.stream(generation("left", [1, 600, 601], max_tokens=2000))
+    await anext(steps)
+    await steps.aclose()
+    await until_engine(engine.stats(), lambda: engine.stats().cancelled > cancelled)
+    # Nothing of the left request reaches the next one: it runs on a new stream.
+    assert await tokens(backend, generation("next", prompt)) == expected
+    assert counted.opened == 1
+
+
+async def test_the_deadline_bounds_a_request_on_a_kept_stream(
+    backend: TritonBackend, engine: Engine
+) -> None:
+    await tokens(backend, generation("keep", [1, 700]))
+    assert len(backend._streams) == 1
+    cancelled = engine.stats().cancelled
+    with pytest.raises(BackendError) as err:
+        await tokens(backend, generation("late", [1, 701], max_tokens=2000, timeout_s=0.05))
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    await until_engine(engine.stats(), lambda: engine.stats().cancelled > cancelled)
+    assert len(backend._streams) == 0
+
+
+async def test_an_in_band_error_takes_its_stream_down(backend: TritonBackend) -> None:
+    await tokens(backend, generation("keep", [1, 800]))
+    with pytest.raises(BackendError) as err:
+        await tokens(backend, generation("too-long", [1] * 100_000))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(backend._streams) == 0
+    assert len(await tokens(backend, generation("after", [1, 801]))) == 6
+
+
+async def test_a_kept_stream_the_server_ended_is_replaced(engine_repo: Path) -> None:
+    models = load_repository(engine_repo)
+    server, _, port = await start_engine({MODEL: models[MODEL]}, "127.0.0.1:0")
+    backend = TritonBackend(f"127.0.0.1:{port}", MODEL)
+    try:
+        await backend.wait_ready(30)
+        expected = await tokens(backend, generation("before", [1, 900, 901]))
+        assert len(backend._streams) == 1
+        await server.stop(grace=None)  # the engine restarts: its streams end
+        server, _, _ = await start_engine({MODEL: models[MODEL]}, f"127.0.0.1:{port}")
+        counted = Counted(backend)
+        assert await tokens(backend, generation("after", [1, 900, 901])) == expected
+        assert counted.opened == 1
+    finally:
+        await backend.close()
+        await server.stop(grace=None)
+        models[MODEL].runner.close()
+
+
+async def test_kept_streams_close_when_the_server_stops_answering(engine_repo: Path) -> None:
+    models = load_repository(engine_repo)
+    server, _, port = await start_engine({MODEL: models[MODEL]}, "127.0.0.1:0")
+    backend = TritonBackend(f"127.0.0.1:{port}", MODEL)
+    try:
+        await backend.wait_ready(30)
+        await tokens(backend, generation("kept", [1, 950]))
+        assert len(backend._streams) == 1
+        await server.stop(grace=None)
+        ready, _ = await backend.readiness(1.0)
+        assert not ready and len(backend._streams) == 0
+    finally:
+        await backend.close()
+        models[MODEL].runner.close()
+
+
+async def test_a_stopping_engine_refuses_new_requests_in_band_and_ends_idle_streams(
+    engine_repo: Path,
+) -> None:
+    models = load_repository(engine_repo)
+    server, service, port = await start_engine({MODEL: models[MODEL]}, "127.0.0.1:0")
+    assert isinstance(service, EngineService)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ts_grpc.GRPCInferenceServiceStub(channel)
+            idle, busy = stub.ModelStreamInfer(), stub.ModelStreamInfer()
+            await idle.write(request("done", max_tokens=2))
+            while not is_final((await idle.read()).infer_response):
+                pass
+            await busy.write(request("running", max_tokens=400))
+            first = await busy.read()
+            assert first.infer_response.id == "running"
+            service.stop_streams()
+            assert await idle.read() is grpc.aio.EOF  # nothing ran on it: it ends at once
+            await busy.write(request("late", max_tokens=2))
+            seen = []
+            while (message := await busy.read()) is not grpc.aio.EOF:
+                seen.append(message)
+            refused = [m for m in seen if m.error_message]
+            assert [(m.error_message, m.infer_response.id) for m in refused] == [(STOPPING, "late")]
+            running = [m.infer_response for m in seen if not m.error_message]
+            assert running and all(r.id == "running" for r in running) and is_final(running[-1])
+            await until_async(lambda: idle.done() and busy.done(), "streams did not end")
+    finally:
+        await server.stop(grace=None)
+        models[MODEL].runner.close()
