@@ -32,6 +32,7 @@ __all__ = [
     "encode",
     "input_tensor",
     "output_values",
+    "read_input",
 ]
 
 Value = int | float | bool | bytes
@@ -191,26 +192,38 @@ def add_output(
 
 def input_tensor(request: ts.ModelInferRequest, index: int) -> Tensor:
     """The request's ``index``-th input, from raw contents when the request uses them."""
+    raw = request.raw_input_contents
     meta = request.inputs[index]
-    shape = list(meta.shape)
+    if raw and index >= len(raw):
+        raise TensorError(f"input {meta.name!r} has no raw_input_contents entry")
+    return read_input(meta, raw[index] if raw else None)
+
+
+def read_input(
+    meta: ts.ModelInferRequest.InferInputTensor,
+    raw: bytes | None,
+    shape: list[int] | None = None,
+) -> Tensor:
+    """One input from its raw contents (None: the request sends typed contents instead).
+    ``shape``: the input's shape when the caller has read it already."""
+    name, datatype = meta.name, meta.datatype
+    shape = list(meta.shape) if shape is None else shape
     if any(d < 0 for d in shape):
-        raise TensorError(f"input {meta.name!r}: negative dimension in shape {shape}")
+        raise TensorError(f"input {name!r}: negative dimension in shape {shape}")
     count = prod(shape)
-    if request.raw_input_contents:
-        if index >= len(request.raw_input_contents):
-            raise TensorError(f"input {meta.name!r} has no raw_input_contents entry")
-        values = decode(meta.datatype, request.raw_input_contents[index], count)
+    if raw is not None:
+        values = decode(datatype, raw, count)
     else:
-        field = _CONTENTS_FIELD.get(meta.datatype)
+        field = _CONTENTS_FIELD.get(datatype)
         if field is None:
-            _typecode(meta.datatype)  # raises the unsupported-datatype error
+            _typecode(datatype)  # raises the unsupported-datatype error
             raise AssertionError("unreachable")
         values = list(getattr(meta.contents, field))
         if len(values) != count:
             raise TensorError(
-                f"input {meta.name!r}: {len(values)} element(s) where shape {shape} holds {count}"
+                f"input {name!r}: {len(values)} element(s) where shape {shape} holds {count}"
             )
-    return Tensor(meta.name, meta.datatype, shape, values)
+    return Tensor(name, datatype, shape, values)
 
 
 def output_values(response: ts.ModelInferResponse, name: str) -> list[Any] | None:
