@@ -7,6 +7,7 @@ without the request failing; a stopping server refuses new requests in-band and 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
@@ -48,25 +49,29 @@ class Counted:
         pool._open = counted
 
 
+@asynccontextmanager
+async def ready_backend(address: str) -> AsyncIterator[TritonBackend]:
+    b = TritonBackend(address, MODEL)
+    await b.wait_ready(30)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
 @pytest.fixture
 async def backend(engine: Engine) -> AsyncIterator[TritonBackend]:
-    b = TritonBackend(engine.address, MODEL)
-    await b.wait_ready(30)
-    yield b
-    await b.close()
+    async with ready_backend(engine.address) as b:
+        yield b
 
 
 async def test_requests_one_after_another_share_one_stream_and_get_their_own_tokens(
     backend: TritonBackend, engine: Engine
 ) -> None:
     a, b = [1, 300, 301, 302], [1, 410, 411, 412, 413]
-    fresh = TritonBackend(engine.address, MODEL)
-    await fresh.wait_ready(30)
-    expected_a, expected_b = (
-        await tokens(fresh, generation("fa", a)),
-        await tokens(fresh, generation("fb", b)),
-    )
-    await fresh.close()
+    async with ready_backend(engine.address) as fresh:
+        expected_a = await tokens(fresh, generation("fa", a))
+        expected_b = await tokens(fresh, generation("fb", b))
     counted = Counted(backend)
     assert await tokens(backend, generation("a1", a)) == expected_a
     assert await tokens(backend, generation("b1", b)) == expected_b
@@ -112,68 +117,89 @@ async def test_an_in_band_error_takes_its_stream_down(backend: TritonBackend) ->
     assert len(await tokens(backend, generation("after", [1, 801]))) == 6
 
 
-async def test_a_kept_stream_the_server_ended_is_replaced(engine_repo: Path) -> None:
-    models = load_repository(engine_repo)
-    server, _, port = await start_engine({MODEL: models[MODEL]}, "127.0.0.1:0")
-    backend = TritonBackend(f"127.0.0.1:{port}", MODEL)
-    try:
-        await backend.wait_ready(30)
-        expected = await tokens(backend, generation("before", [1, 900, 901]))
-        assert len(backend._streams) == 1
-        await server.stop(grace=None)  # the engine restarts: its streams end
-        server, _, _ = await start_engine({MODEL: models[MODEL]}, f"127.0.0.1:{port}")
-        counted = Counted(backend)
-        assert await tokens(backend, generation("after", [1, 900, 901])) == expected
-        assert counted.opened == 1
-    finally:
-        await backend.close()
-        await server.stop(grace=None)
-        models[MODEL].runner.close()
+class PrivateEngine:
+    """An engine server of this test's own, which it may stop and start again on its port."""
+
+    def __init__(self, engine_repo: Path) -> None:
+        self.models = load_repository(engine_repo)
+        self.port = 0
+        self.server: grpc.aio.Server | None = None
+        self.service: EngineService | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.server, self.service, self.port = await start_engine(
+            {MODEL: self.models[MODEL]}, self.address
+        )
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+            self.server = None
 
 
-async def test_kept_streams_close_when_the_server_stops_answering(engine_repo: Path) -> None:
-    models = load_repository(engine_repo)
-    server, _, port = await start_engine({MODEL: models[MODEL]}, "127.0.0.1:0")
-    backend = TritonBackend(f"127.0.0.1:{port}", MODEL)
-    try:
-        await backend.wait_ready(30)
-        await tokens(backend, generation("kept", [1, 950]))
-        assert len(backend._streams) == 1
-        await server.stop(grace=None)
-        ready, _ = await backend.readiness(1.0)
-        assert not ready and len(backend._streams) == 0
-    finally:
-        await backend.close()
-        models[MODEL].runner.close()
+@pytest.fixture
+async def private(engine_repo: Path) -> AsyncIterator[PrivateEngine]:
+    engine = PrivateEngine(engine_repo)
+    await engine.start()
+    yield engine
+    await engine.stop()
+    engine.models[MODEL].runner.close()
+
+
+@pytest.fixture
+async def private_backend(private: PrivateEngine) -> AsyncIterator[TritonBackend]:
+    async with ready_backend(private.address) as b:
+        yield b
+
+
+async def test_a_kept_stream_the_server_ended_is_replaced(
+    private: PrivateEngine, private_backend: TritonBackend
+) -> None:
+    expected = await tokens(private_backend, generation("before", [1, 900, 901]))
+    assert len(private_backend._streams) == 1
+    await private.stop()  # the engine restarts: its streams end
+    await private.start()
+    counted = Counted(private_backend)
+    assert await tokens(private_backend, generation("after", [1, 900, 901])) == expected
+    assert counted.opened == 1
+
+
+async def test_kept_streams_close_when_the_server_stops_answering(
+    private: PrivateEngine, private_backend: TritonBackend
+) -> None:
+    await tokens(private_backend, generation("kept", [1, 950]))
+    assert len(private_backend._streams) == 1
+    await private.stop()
+    ready, _ = await private_backend.readiness(1.0)
+    assert not ready and len(private_backend._streams) == 0
 
 
 async def test_a_stopping_engine_refuses_new_requests_in_band_and_ends_idle_streams(
-    engine_repo: Path,
+    private: PrivateEngine,
 ) -> None:
-    models = load_repository(engine_repo)
-    server, service, port = await start_engine({MODEL: models[MODEL]}, "127.0.0.1:0")
-    assert isinstance(service, EngineService)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = ts_grpc.GRPCInferenceServiceStub(channel)
-            idle, busy = stub.ModelStreamInfer(), stub.ModelStreamInfer()
-            await idle.write(request("done", max_tokens=2))
-            while not is_final((await idle.read()).infer_response):
-                pass
-            await busy.write(request("running", max_tokens=400))
-            first = await busy.read()
-            assert first.infer_response.id == "running"
-            service.stop_streams()
-            assert await idle.read() is grpc.aio.EOF  # nothing ran on it: it ends at once
-            await busy.write(request("late", max_tokens=2))
-            seen = []
-            while (message := await busy.read()) is not grpc.aio.EOF:
-                seen.append(message)
-            refused = [m for m in seen if m.error_message]
-            assert [(m.error_message, m.infer_response.id) for m in refused] == [(STOPPING, "late")]
-            running = [m.infer_response for m in seen if not m.error_message]
-            assert running and all(r.id == "running" for r in running) and is_final(running[-1])
-            await until_async(lambda: idle.done() and busy.done(), "streams did not end")
-    finally:
-        await server.stop(grace=None)
-        models[MODEL].runner.close()
+    service = private.service
+    assert service is not None
+    async with grpc.aio.insecure_channel(private.address) as channel:
+        stub = ts_grpc.GRPCInferenceServiceStub(channel)
+        idle, busy = stub.ModelStreamInfer(), stub.ModelStreamInfer()
+        await idle.write(request("done", max_tokens=2))
+        while not is_final((await idle.read()).infer_response):
+            pass
+        await busy.write(request("running", max_tokens=400))
+        first = await busy.read()
+        assert first.infer_response.id == "running"
+        service.stop_streams()
+        assert await idle.read() is grpc.aio.EOF  # nothing ran on it: it ends at once
+        await busy.write(request("late", max_tokens=2))
+        seen = []
+        while (message := await busy.read()) is not grpc.aio.EOF:
+            seen.append(message)
+        refused = [m for m in seen if m.error_message]
+        assert [(m.error_message, m.infer_response.id) for m in refused] == [(STOPPING, "late")]
+        running = [m.infer_response for m in seen if not m.error_message]
+        assert running and all(r.id == "running" for r in running) and is_final(running[-1])
+        await until_async(lambda: idle.done() and busy.done(), "streams did not end")
