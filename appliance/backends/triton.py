@@ -465,8 +465,7 @@ class TritonBackend:
             raise BackendError(grpc.StatusCode.CANCELLED, "gateway shutting down")
         request = self._request(g)
         counts = self._names is not None and self._names.draft_counts
-        loop = asyncio.get_running_loop()
-        deadline = None if g.timeout_s is None else loop.time() + g.timeout_s
+        deadline = None if g.timeout_s is None else asyncio.get_running_loop().time() + g.timeout_s
         call, kept = self._streams.take()
         self._calls.add(call)
         # The final response arrived (the stream may carry the next request), or an in-band error

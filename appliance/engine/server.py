@@ -127,23 +127,20 @@ class EngineModel:
     entry: ModelEntry
     model: LlamaModel
     runner: Runner
-    inputs: dict[str, mc.ModelInput]
     max_len: int
     output_names: frozenset[str] = frozenset()
     grammars: Grammars | None = None  # None: the model has no guided decoder
-    # What every request is checked against, read once from `inputs` and the config: protobuf
-    # field reads cost about a microsecond each, and a request has ten inputs or so.
+    # What every request is checked against, read once from the config: protobuf field reads
+    # cost about a microsecond each, and a request has ten inputs or so.
     specs: dict[str, InputSpec] = field(init=False)
     required: tuple[str, ...] = field(init=False)
     batch_dim: bool = field(init=False)
     exclude_input_default: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.specs = {
-            name: InputSpec(_dtype_name(spec.data_type), tuple(spec.dims))
-            for name, spec in self.inputs.items()
-        }
-        self.required = tuple(n for n, spec in self.inputs.items() if not spec.optional)
+        declared = self.entry.config.input
+        self.specs = {i.name: InputSpec(_dtype_name(i.data_type), tuple(i.dims)) for i in declared}
+        self.required = tuple(i.name for i in declared if not i.optional)
         self.batch_dim = self.entry.config.max_batch_size > 0
         self.exclude_input_default = (
             self.entry.parameter("exclude_input_in_output", "false") == "true"
@@ -851,7 +848,6 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
         entry=entry,
         model=model,
         runner=runner,
-        inputs={i.name: i for i in entry.config.input},
         max_len=runner.cache.max_seq_len,
         output_names=frozenset(o.name for o in entry.config.output),
         grammars=grammars,
