@@ -35,8 +35,11 @@ deps:
 demo: $(STAMP)
 	$(PY) -m appliance demo
 
+# Two workers: the system tests (booted containers) beside the rest, then the tests that measure
+# wall time with nothing beside them (tests/conftest.py).
 test: deps $(STAMP) $(ANSIBLE_STAMP) lint typecheck
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 -m "not alone"
+	$(PY) -m pytest -m alone
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -30,6 +30,24 @@ if TYPE_CHECKING:
     from tests.cache.redis_server import RedisServer
 
 
+def _xdist_scope(nodeid: str) -> str:
+    return "system" if nodeid.startswith("tests/system/") else "rest"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`pytest -n 2` (make test): the system tests, which boot containers and drive them with
+    ansible-playbook (about half the suite's time, one core's worth), run in their written order on
+    one worker, and everything else in its order on the other: two scopes of xdist's scope
+    scheduling. Its `xdist_group` marks are not used: they group by renaming a test's id, which
+    pytest 9.2 no longer allows."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    scheduler = LoadScopeScheduling(config, log)
+    scheduler._split_scope = _xdist_scope
+    return scheduler
+
+
 def _one_torch_thread() -> None:
     import torch
 

@@ -112,6 +112,7 @@ async def hostile_round(settings: dict[str, str]) -> dict[str, object]:
     return results
 
 
+@pytest.mark.alone
 async def test_hostile_shapes_neither_stall_the_loop_nor_reach_the_log(
     tiny: Tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
