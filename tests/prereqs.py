@@ -102,13 +102,26 @@ def missing(tests: set[str]) -> list[str]:
     return problems
 
 
+def _stop_if_missing(tests: set[str]) -> None:
+    problems = missing(tests)
+    if problems:
+        pytest.exit("; ".join(problems), returncode=EXIT_MISSING)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: its controller checks
+        return
     tests = set()
     for item in session.items:
         try:
             tests.add(item.path.resolve().relative_to(REPO).as_posix())
         except ValueError:
             continue
-    problems = missing(tests)
-    if problems:
-        pytest.exit("; ".join(problems), returncode=EXIT_MISSING)
+    _stop_if_missing(tests)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """Under xdist the controller collects nothing itself: it checks what a worker collected
+    (test ids are paths relative to the repository, where pytest runs)."""
+    _stop_if_missing({nodeid.split("::", 1)[0] for nodeid in ids})

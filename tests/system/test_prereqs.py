@@ -24,7 +24,8 @@ def test_every_listed_test_path_exists() -> None:
             )
 
 
-def test_missing_program_fails_with_the_install_command(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_missing_program_fails_with_the_install_command(tmp_path: Path, workers: list[str]) -> None:
     # A PATH that has this Python but no redis-server.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -38,6 +39,7 @@ def test_missing_program_fails_with_the_install_command(tmp_path: Path) -> None:
             "-q",
             "-p",
             "no:cacheprovider",
+            *workers,
             "tests/cache/test_cache_e2e.py",
         ],
         cwd=REPO,
