@@ -132,8 +132,9 @@ async def test_hostile_shapes_neither_stall_the_loop_nor_reach_the_log(
             # decoder's process); the second is measured.
             results = await hostile_round(settings)
             # The gateway freezes its heap once serving (keep_long_lived_from_gc); this one runs
-            # in the test process, whose heap holds the whole suite's leftovers: frozen too, a
-            # full collection of it does not land in the lag the gateway is measured by.
+            # in the test process, whose heap may hold the leftovers of every test before it (a
+            # plain `pytest` run): frozen too, a full collection of it does not land in the lag
+            # the gateway is measured by.
             freeze_heap()
             try:
                 rss_before = psutil.Process().memory_info().rss
