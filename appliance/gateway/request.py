@@ -468,5 +468,9 @@ def _encode_chat(checked: CheckedRequest, text: ModelText) -> list[int]:
     else (and every other chat) its (role, content) messages."""
     chat = checked.tool_chat
     if chat is not None and text.takes_tools:
-        return text.encode_chat(chat.template_messages(), tools=chat.tool_specs())
-    return text.encode_chat([{"role": r, "content": c} for r, c in checked.messages])
+        return text.encode_chat(
+            chat.template_messages(), tools=chat.tool_specs(), namespace=checked.namespace
+        )
+    return text.encode_chat(
+        [{"role": r, "content": c} for r, c in checked.messages], namespace=checked.namespace
+    )

@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from appliance.text.detokenize import TokenTable, build_token_table
+from appliance.text.segments import SegmentCache
 
 CHAT_ROLES = ("system", "user", "assistant")
 # Texts up to this many characters are tokenized on the gateway's event loop, longer ones on a
@@ -70,6 +71,20 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _render(
+    template: jinja2.Template,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    bos: str,
+    eos: str,
+) -> str:
+    """The text the model reads for these messages, as Hugging Face's apply_chat_template renders
+    it with a generation prompt."""
+    return template.render(
+        messages=messages, tools=tools, add_generation_prompt=True, bos_token=bos, eos_token=eos
+    )
+
+
 @dataclass(frozen=True)
 class ModelText:
     tokenizer: Tokenizer
@@ -85,6 +100,9 @@ class ModelText:
     # The chat template renders `tools` (Hugging Face templates with tool support take them as
     # `tools=[...]`); a chat with tools is otherwise rendered without them (the gateway's fallback).
     takes_tools: bool = False
+    # The ids of chat pieces tokenized before (segments.py); None where cutting a chat into pieces
+    # could change its ids: its chats are encoded whole.
+    segments: SegmentCache | None = None
 
     @classmethod
     def load(cls, directory: Path) -> ModelText:
@@ -124,6 +142,10 @@ class ModelText:
         pad = _token_text(tok_config.get("pad_token"))
         pad_id = tokenizer.token_to_id(pad) if pad else None
         context = model_config.get("max_position_embeddings")
+        segments = None
+        if template is not None:
+            chat = template
+            segments = SegmentCache.of(tokenizer, lambda m: _render(chat, m, None, bos, eos))
         return cls(
             tokenizer=tokenizer,
             table=build_token_table(tokenizer),
@@ -137,6 +159,7 @@ class ModelText:
                 str(template_source or "").encode(), digest_size=8
             ).hexdigest(),
             takes_tools=takes_tools,
+            segments=segments,
         )
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -153,21 +176,21 @@ class ModelText:
         return ids
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        namespace: str = "",
     ) -> list[int]:
         """Chat templates write BOS themselves, so the rendered text is encoded without extras.
         `tools` (OpenAI's function tools) are passed to the template as Hugging Face's
-        apply_chat_template passes them; only for a template that `takes_tools`."""
+        apply_chat_template passes them; only for a template that `takes_tools`. The pieces of
+        the chat this namespace sent before come from the segment cache."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a prompt instead")
         try:
-            text = self.chat_template.render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
+            text = _render(self.chat_template, messages, tools, self.bos_token, self.eos_token)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if self.segments is not None:
+            return self.segments.encode(text, namespace)
         return self._encode(text, add_special_tokens=False)

@@ -3,6 +3,7 @@ by the engine server exactly as transformers runs the same checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -80,6 +81,20 @@ def test_chat_template_renders_and_ends_on_im_end(instruct: Instruct) -> None:
         "<|im_start|>system\nYou answer in one word.<|im_end|>\n"
         "<|im_start|>user\nCapital of Italy?<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_its_chats_encode_through_the_segment_cache_as_whole_texts(instruct: Instruct) -> None:
+    """A byte-level BPE with <|im_start|>/<|im_end|> pieces: the cache is on, and a conversation
+    that grows turn by turn encodes as its whole rendered text, pieces cached or not."""
+    text = instruct.text
+    assert text.segments is not None
+    whole = dataclasses.replace(text, segments=None)
+    messages: list[dict[str, str]] = [{"role": "system", "content": " Be brief.\n"}]
+    for turn, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": f"{question}  (turn {turn}) Grüße 🚀"})
+        assert text.encode_chat(messages, namespace="n") == whole.encode_chat(messages)
+        assert text.encode_chat(messages, namespace="n") == whole.encode_chat(messages)
+        messages.append({"role": "assistant", "content": f"\n Answer {turn}.<|im_end|> "})
 
 
 async def test_greedy_generation_and_logits_match_transformers(
