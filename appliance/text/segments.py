@@ -16,7 +16,7 @@ timing what another sent.
 
 from __future__ import annotations
 
-import re
+import itertools
 import threading
 from array import array
 from collections import OrderedDict
@@ -56,8 +56,7 @@ class SegmentCache:
         capacity_pieces: int = CAPACITY_PIECES,
     ):
         self._tokenizer = tokenizer
-        alternatives = "|".join(re.escape(m) for m in sorted(marks, key=len, reverse=True))
-        self._cut = re.compile(f"(?={alternatives})")
+        self._marks = tuple(dict.fromkeys(m for m in marks if m))
         self._capacity = capacity_ids
         self._pieces = capacity_pieces
         self._largest = capacity_ids // KEPT_SHARE
@@ -98,9 +97,27 @@ class SegmentCache:
             self._ids.clear()
             self._held = 0
 
+    def pieces_of(self, text: str) -> list[str]:
+        """The text cut before each special token, as the tokenizer finds them: leftmost first,
+        the longest where several start at one place, none inside another."""
+        found = []
+        for mark in self._marks:
+            at = text.find(mark)
+            while at != -1:
+                found.append((at, -len(mark)))
+                at = text.find(mark, at + 1)
+        cuts = [0]
+        end = 0
+        for at, minus_length in sorted(found):
+            if at >= end:
+                cuts.append(at)
+                end = at - minus_length
+        cuts.append(len(text))
+        return [text[a:b] for a, b in itertools.pairwise(cuts) if b > a]
+
     def encode(self, text: str, namespace: str) -> list[int]:
         """The ids of a rendered chat, as the tokenizer gives them for the whole text."""
-        pieces = [p for p in self._cut.split(text) if p]
+        pieces = self.pieces_of(text)
         keys = [(namespace, p) for p in pieces]
         with self._lock:
             found = [self._ids.get(k) for k in keys]
@@ -108,25 +125,24 @@ class SegmentCache:
                 if ids is not None:
                     self._ids.move_to_end(key)
         new = list(dict.fromkeys(k for k, ids in zip(keys, found, strict=True) if ids is None))
+        fresh: dict[tuple[str, str], list[int]] = {}
         if new:
             encoded = self._tokenizer.encode_batch_fast(
                 [p for _, p in new], add_special_tokens=False
             )
-            fresh = {k: array("i", e.ids) for k, e in zip(new, encoded, strict=True)}
+            fresh = {k: e.ids for k, e in zip(new, encoded, strict=True)}
             self._keep(fresh)
-            found = [fresh[k] if ids is None else ids for k, ids in zip(keys, found, strict=True)]
         out: list[int] = []
-        for ids in found:
-            assert ids is not None
-            out.extend(ids)
+        for key, ids in zip(keys, found, strict=True):
+            out.extend(fresh[key] if ids is None else ids)
         return out
 
-    def _keep(self, fresh: dict[tuple[str, str], array[int]]) -> None:
+    def _keep(self, fresh: dict[tuple[str, str], list[int]]) -> None:
         with self._lock:
             for key, ids in fresh.items():
                 if len(ids) > self._largest or key in self._ids:
                     continue
-                self._ids[key] = ids
+                self._ids[key] = array("i", ids)
                 self._held += len(ids)
             while self._held > self._capacity or len(self._ids) > self._pieces:
                 _, dropped = self._ids.popitem(last=False)

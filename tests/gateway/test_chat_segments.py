@@ -42,6 +42,16 @@ CONTENT = st.lists(
 ).map("".join)
 
 
+def test_cuts_fall_before_each_token_leftmost_and_longest_never_inside_one(
+    text: ModelText,
+) -> None:
+    cache = SegmentCache(text.tokenizer, ["<s>", "</s>", "<s>x", "s>"])
+    assert cache.pieces_of("a<s>xb</s>c<s>") == ["a", "<s>xb", "</s>c", "<s>"]
+    assert cache.pieces_of("") == []
+    assert cache.pieces_of("<s>") == ["<s>"]
+    assert cache.pieces_of("plain") == ["plain"]
+
+
 def test_the_tiny_models_tokenizer_gets_a_cache(text: ModelText) -> None:
     assert text.segments is not None
 
