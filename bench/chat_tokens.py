@@ -5,7 +5,8 @@ A chat client sends the whole history with each turn. At turn t the conversation
 questions and t - 1 answers; the gateway renders it with the model's chat template and encodes it.
 With the cache, only the pieces it has not seen (the last answer and the new question) are
 encoded. Each repetition is a new namespace, so its pieces are new to the cache as a new
-conversation's would be; a turn's time is its first encode in that conversation.
+conversation's would be; a turn's time is its first encode in that conversation. The two ways
+alternate turn by turn, so each meets the caches the other left as often.
 
     python -m bench.chat_tokens                          # the tiny model's tokenizer
     python -m bench.chat_tokens --tokenizer var/smollm2/repo/tensorrt_llm/tokenizer
@@ -39,17 +40,10 @@ def conversation(turns: int, words_per_message: int) -> list[dict[str, Any]]:
     return messages
 
 
-def turn_times(
-    text: ModelText, messages: list[dict[str, Any]], turns: int, namespace: str
-) -> list[tuple[int, float]]:
-    """(tokens, µs) of each turn's encode: turn t sends messages up to its t-th question."""
-    out = []
-    for t in range(1, turns + 1):
-        sent = messages[: 2 * t]  # the system prompt, t questions, t - 1 answers
-        started = time.perf_counter_ns()
-        ids = text.encode_chat(sent, namespace=namespace)
-        out.append((len(ids), (time.perf_counter_ns() - started) / 1000))
-    return out
+def timed(text: ModelText, sent: list[dict[str, Any]], namespace: str) -> tuple[int, float]:
+    started = time.perf_counter_ns()
+    ids = text.encode_chat(sent, namespace=namespace)
+    return len(ids), (time.perf_counter_ns() - started) / 1000
 
 
 def run(tokenizer_dir: Path, turns: int, words: int, reps: int) -> list[dict[str, float]]:
@@ -63,21 +57,29 @@ def run(tokenizer_dir: Path, turns: int, words: int, reps: int) -> list[dict[str
         assert cached.encode_chat(messages[: 2 * t]) == whole.encode_chat(messages[: 2 * t])
     per_turn: list[list[tuple[float, float]]] = [[] for _ in range(turns)]
     tokens = [0] * turns
-    for rep in range(reps):  # alternating, each conversation new to the cache
-        a = turn_times(whole, messages, turns, "")
-        b = turn_times(cached, messages, turns, f"rep{rep}")
-        for t in range(turns):
-            tokens[t] = a[t][0]
-            per_turn[t].append((a[t][1], b[t][1]))
-    rows = []
+    for rep in range(reps):  # each conversation new to the cache
+        for t in range(turns):  # turn t + 1 sends t + 1 questions and t answers
+            sent = messages[: 2 * t + 2]
+            if rep % 2:  # which goes first alternates: each follows the other as often
+                c, w = timed(cached, sent, f"rep{rep}"), timed(whole, sent, "")
+            else:
+                w, c = timed(whole, sent, ""), timed(cached, sent, f"rep{rep}")
+            tokens[t] = w[0]
+            per_turn[t].append((w[1], c[1]))
+    rows: list[dict[str, float]] = []
     print(f"\n{reps} conversations of {turns} turns, {words} words a message, {tokenizer_dir}")
     print("| turn | prompt tokens | whole P50 µs | cached P50 µs | whole ÷ cached |")
     print("|---:|---:|---:|---:|---:|")
     for t in range(turns):
-        w = statistics.median(x for x, _ in per_turn[t])
-        c = statistics.median(y for _, y in per_turn[t])
-        rows.append({"turn": t + 1, "tokens": tokens[t], "whole_us": w, "cached_us": c})
-        print(f"| {t + 1} | {tokens[t]:,} | {w:,.0f} | {c:,.0f} | {w / c:.1f} |")
+        whole_us = statistics.median(x for x, _ in per_turn[t])
+        cached_us = statistics.median(y for _, y in per_turn[t])
+        rows.append(
+            {"turn": t + 1, "tokens": tokens[t], "whole_us": whole_us, "cached_us": cached_us}
+        )
+        print(
+            f"| {t + 1} | {tokens[t]:,} | {whole_us:,.0f} | {cached_us:,.0f} "
+            f"| {whole_us / cached_us:.1f} |"
+        )
     return rows
 
 

@@ -30,6 +30,9 @@ from tokenizers import Tokenizer
 # otherwise make the larger part.
 CAPACITY_IDS = 1 << 20
 CAPACITY_PIECES = 1 << 16
+# A rendered chat shorter than this is encoded whole and nothing of it kept: cutting, looking up and
+# keeping its pieces cost about what encoding it does (a single question, the first turns).
+WHOLE_BELOW_CHARS = 2048
 # A piece longer than this share of the capacity is encoded but not kept (one document pasted into
 # a chat must not push out every conversation's history).
 KEPT_SHARE = 16
@@ -54,32 +57,37 @@ class SegmentCache:
         marks: list[str],
         capacity_ids: int = CAPACITY_IDS,
         capacity_pieces: int = CAPACITY_PIECES,
+        whole_below_chars: int = WHOLE_BELOW_CHARS,
     ):
         self._tokenizer = tokenizer
         self._marks = tuple(dict.fromkeys(m for m in marks if m))
         self._capacity = capacity_ids
         self._pieces = capacity_pieces
+        self._whole_below = whole_below_chars
         self._largest = capacity_ids // KEPT_SHARE
         self._held = 0
         self._ids: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
         self._lock = threading.Lock()  # long chats are tokenized on worker threads
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer, render: Render) -> SegmentCache | None:
+    def of(
+        cls, tokenizer: Tokenizer, render: Render, whole_below_chars: int = WHOLE_BELOW_CHARS
+    ) -> SegmentCache | None:
         """The cache for this tokenizer and template, or None where cutting could change ids."""
         special = [t for t in tokenizer.get_added_tokens_decoder().values() if t.special]
         if not special or any(
             t.lstrip or t.rstrip or t.single_word or t.normalized for t in special
         ):
             return None
-        cache = cls(tokenizer, [t.content for t in special])
+        marks = [t.content for t in special]
+        cache = cls(tokenizer, marks, whole_below_chars=whole_below_chars)
         for probe in PROBES:
             try:
                 text = render([{"role": role, "content": content} for role, content in probe])
             except Exception:  # a template that refuses the probe's roles: not proven, not used
                 return None
             whole = tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
-            if cache.encode(text, "") != whole:
+            if cache.by_pieces(text, "") != whole:
                 return None
         cache.clear()
         return cache
@@ -117,6 +125,13 @@ class SegmentCache:
 
     def encode(self, text: str, namespace: str) -> list[int]:
         """The ids of a rendered chat, as the tokenizer gives them for the whole text."""
+        if len(text) >= self._whole_below:
+            return self.by_pieces(text, namespace)
+        ids: list[int] = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        return ids
+
+    def by_pieces(self, text: str, namespace: str) -> list[int]:
+        """The ids of each piece, from the cache or encoded (and kept), concatenated."""
         pieces = self.pieces_of(text)
         keys = [(namespace, p) for p in pieces]
         with self._lock:

@@ -71,7 +71,7 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _render(
+def render_chat(
     template: jinja2.Template,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
@@ -145,7 +145,7 @@ class ModelText:
         segments = None
         if template is not None:
             chat = template
-            segments = SegmentCache.of(tokenizer, lambda m: _render(chat, m, None, bos, eos))
+            segments = SegmentCache.of(tokenizer, lambda m: render_chat(chat, m, None, bos, eos))
         return cls(
             tokenizer=tokenizer,
             table=build_token_table(tokenizer),
@@ -188,7 +188,7 @@ class ModelText:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a prompt instead")
         try:
-            text = _render(self.chat_template, messages, tools, self.bos_token, self.eos_token)
+            text = render_chat(self.chat_template, messages, tools, self.bos_token, self.eos_token)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         if self.segments is not None:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -16,6 +17,8 @@ import torch
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.server import EngineModel, load_repository, start_engine
+from appliance.text.segments import SegmentCache
+from appliance.text.tokenizer import render_chat
 from appliance.tools.instruct_model import default_gguf, ensure_instruct_model
 from tests.engine.conftest import Instruct
 from tests.engine.test_conformance import collect, request, tokens_of
@@ -87,14 +90,22 @@ def test_its_chats_encode_through_the_segment_cache_as_whole_texts(instruct: Ins
     """A byte-level BPE with <|im_start|>/<|im_end|> pieces: the cache is on, and a conversation
     that grows turn by turn encodes as its whole rendered text, pieces cached or not."""
     text = instruct.text
-    assert text.segments is not None
+    assert text.segments is not None and text.chat_template is not None
+    template = text.chat_template
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return render_chat(template, messages, None, text.bos_token, text.eos_token)
+
+    pieces = SegmentCache.of(text.tokenizer, render, whole_below_chars=0)  # short chats too
+    cached = dataclasses.replace(text, segments=pieces)
     whole = dataclasses.replace(text, segments=None)
-    messages: list[dict[str, str]] = [{"role": "system", "content": " Be brief.\n"}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": " Be brief.\n"}]
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": f"{question}  (turn {turn}) Grüße 🚀"})
-        assert text.encode_chat(messages, namespace="n") == whole.encode_chat(messages)
-        assert text.encode_chat(messages, namespace="n") == whole.encode_chat(messages)
+        assert cached.encode_chat(messages, namespace="n") == whole.encode_chat(messages)
+        assert cached.encode_chat(messages, namespace="n") == whole.encode_chat(messages)
         messages.append({"role": "assistant", "content": f"\n Answer {turn}.<|im_end|> "})
+    assert pieces is not None and pieces.held_ids > 0
 
 
 async def test_greedy_generation_and_logits_match_transformers(

@@ -19,8 +19,18 @@ from tests.conftest import Tiny
 
 
 @pytest.fixture(scope="module")
-def text(tiny: Tiny) -> ModelText:
+def loaded(tiny: Tiny) -> ModelText:
     return ModelText.load(tiny.tokenizer_dir)
+
+
+@pytest.fixture
+def text(loaded: ModelText) -> ModelText:
+    """The tiny model's text with a fresh cache that takes every chat in pieces, short ones too."""
+    return dataclasses.replace(loaded, segments=pieces_always(loaded))
+
+
+def pieces_always(text: ModelText, **bounds: int) -> SegmentCache:
+    return SegmentCache(text.tokenizer, ["<s>", "</s>"], whole_below_chars=0, **bounds)
 
 
 def whole_ids(text: ModelText, messages: list[dict[str, Any]]) -> list[int]:
@@ -52,8 +62,19 @@ def test_cuts_fall_before_each_token_leftmost_and_longest_never_inside_one(
     assert cache.pieces_of("plain") == ["plain"]
 
 
-def test_the_tiny_models_tokenizer_gets_a_cache(text: ModelText) -> None:
+def test_the_tiny_models_tokenizer_gets_a_cache(loaded: ModelText) -> None:
+    assert loaded.segments is not None
+
+
+def test_a_short_chat_is_encoded_whole_and_nothing_kept(tiny: Tiny) -> None:
+    text = ModelText.load(tiny.tokenizer_dir)
     assert text.segments is not None
+    short = chat("a short question", "an answer", "another one")
+    assert text.encode_chat(short) == whole_ids(text, short)
+    assert text.segments.held_ids == 0
+    long = chat("a long question " * 200, "an answer", "another one")
+    assert text.encode_chat(long) == whole_ids(text, long)
+    assert text.segments.held_ids > 0
 
 
 @settings(
@@ -77,8 +98,7 @@ def test_a_growing_conversation_encodes_as_its_whole_text_at_every_turn(text: Mo
         assert text.encode_chat(messages, namespace="grow") == whole_ids(text, messages)
 
 
-def test_pieces_are_kept_per_namespace(tiny: Tiny) -> None:
-    text = ModelText.load(tiny.tokenizer_dir)
+def test_pieces_are_kept_per_namespace(text: ModelText) -> None:
     assert text.segments is not None
     messages = chat("a question asked in two namespaces")
     text.encode_chat(messages, namespace="a")
@@ -90,7 +110,7 @@ def test_pieces_are_kept_per_namespace(tiny: Tiny) -> None:
 
 
 def test_a_full_cache_stays_within_its_bound_and_still_encodes_right(text: ModelText) -> None:
-    small = SegmentCache(text.tokenizer, ["<s>", "</s>"], capacity_ids=320)
+    small = pieces_always(text, capacity_ids=320)
     limited = dataclasses.replace(text, segments=small)
     for i in range(60):
         messages = chat(f"message {i}", "an answer", f"and {i} again")
@@ -100,7 +120,7 @@ def test_a_full_cache_stays_within_its_bound_and_still_encodes_right(text: Model
 
 
 def test_the_number_of_pieces_is_bounded_too(text: ModelText) -> None:
-    small = SegmentCache(text.tokenizer, ["<s>", "</s>"], capacity_pieces=5)
+    small = pieces_always(text, capacity_pieces=5)
     limited = dataclasses.replace(text, segments=small)
     messages = chat(*(f"{i}" for i in range(30)))
     assert limited.encode_chat(messages) == whole_ids(text, messages)
@@ -108,7 +128,7 @@ def test_the_number_of_pieces_is_bounded_too(text: ModelText) -> None:
 
 
 def test_a_piece_longer_than_a_sixteenth_of_the_cache_is_not_kept(text: ModelText) -> None:
-    small = SegmentCache(text.tokenizer, ["<s>", "</s>"], capacity_ids=160)
+    small = pieces_always(text, capacity_ids=160)
     limited = dataclasses.replace(text, segments=small)
     messages = chat("word " * 100)
     assert limited.encode_chat(messages) == whole_ids(text, messages)
@@ -132,7 +152,7 @@ def test_special_tokens_that_strip_whitespace_get_no_cache(tiny: Tiny) -> None:
     forced = SegmentCache(tokenizer, ["<sep>"])
     rendered = render_with_sep(chat("hello", "hi"))
     whole = tokenizer.encode_batch_fast([rendered], add_special_tokens=False)[0].ids
-    assert forced.encode(rendered, "") != whole
+    assert forced.by_pieces(rendered, "") != whole
 
 
 def test_a_template_that_refuses_the_probes_gets_no_cache(text: ModelText) -> None:
