@@ -5,10 +5,10 @@ the same way each time: only the newest messages are text the gateway has not to
 tokenizer cuts its input at its added tokens before anything else runs, and the normalizer, the
 pre-tokenizer and the model then see one piece at a time; so a text cut just before each special
 token encodes to the ids of its pieces, concatenated. That holds where the special tokens strip no
-whitespace, match the text as written, and the tokenizer treats every piece alike (SentencePiece's
-`prepend_scheme: first` does not). `SegmentCache.of` checks the tokens' flags, then encodes probe
-chats rendered with the model's own template both ways, and gives None unless every probe agrees:
-that model's chats are then encoded whole, as before.
+whitespace and match the text as written, and where a piece encodes alone as it does inside the
+whole text. `SegmentCache.of` checks the tokens' flags, then encodes probe chats rendered with the
+model's own template both ways, and gives None unless every probe agrees: that model's chats are
+then encoded whole, as before.
 
 Pieces are cached per namespace: a hit is faster than a miss, and one tenant must not learn by
 timing what another sent.
