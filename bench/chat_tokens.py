@@ -98,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--turns, --words and --reps must be at least 1")
     with record.recording(
         "chat_tokens", record.record_dir(args), None if argv is None else list(argv)
-    ):
+    ) as run_record:
         directory = args.tokenizer
         if directory is None:
             from appliance.tools.tiny_model import ensure_tiny_model
 
             _, repo = ensure_tiny_model(Path(args.model_root))
             directory = repo / "tensorrt_llm" / "tokenizer"
-        run(directory, args.turns, args.words, args.reps)
+        run_record.results["turns"] = run(directory, args.turns, args.words, args.reps)
     return 0
 
 

@@ -123,12 +123,9 @@ class SegmentCache:
         cuts.append(len(text))
         return [text[a:b] for a, b in itertools.pairwise(cuts) if b > a]
 
-    def encode(self, text: str, namespace: str) -> list[int]:
-        """The ids of a rendered chat, as the tokenizer gives them for the whole text."""
-        if len(text) >= self._whole_below:
-            return self.by_pieces(text, namespace)
-        ids: list[int] = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        return ids
+    def takes(self, text: str) -> bool:
+        """Whether this rendered chat is encoded in pieces (else whole, and nothing kept)."""
+        return len(text) >= self._whole_below
 
     def by_pieces(self, text: str, namespace: str) -> list[int]:
         """The ids of each piece, from the cache or encoded (and kept), concatenated."""

@@ -191,6 +191,6 @@ class ModelText:
             text = render_chat(self.chat_template, messages, tools, self.bos_token, self.eos_token)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
-        if self.segments is not None:
-            return self.segments.encode(text, namespace)
+        if self.segments is not None and self.segments.takes(text):
+            return self.segments.by_pieces(text, namespace)
         return self._encode(text, add_special_tokens=False)
