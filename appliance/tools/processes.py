@@ -146,10 +146,12 @@ def wait_for_line(
     raise RuntimeError(f"no line with {text!r} in {log} after {timeout_s:g} s")
 
 
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:
-    """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0, signalled: bool = False) -> int:
+    """SIGTERM (unless `signalled`: it was sent already), then SIGKILL after timeout_s; returns
+    the exit status."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        if not signalled:
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

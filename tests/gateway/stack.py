@@ -3,9 +3,11 @@ that both exited cleanly."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.tools import processes
@@ -14,15 +16,26 @@ from tests.conftest import Tiny
 MODEL = "tiny"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Stack:
     address: str  # the gateway's
     config: Path
     log: Path  # the gateway's output
-    gateway_pid: int = 0
+    gateway: subprocess.Popen[bytes] = field(repr=False)
+    terminated: bool = False  # the test sent SIGTERM: teardown waits instead of sending another
+
+    @property
+    def gateway_pid(self) -> int:
+        return self.gateway.pid
 
     def log_lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
+
+    def terminate(self) -> None:
+        """SIGTERM to the gateway, once. A second SIGTERM that lands after the gateway's loop
+        has closed, while the interpreter exits, ends it by the signal's default action."""
+        self.terminated = True
+        self.gateway.send_signal(signal.SIGTERM)
 
 
 @contextmanager
@@ -40,11 +53,12 @@ def engine_and_gateway(
         ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], work / "engine.log"
     )
     gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
+    stack = Stack(gateway_addr, config, work / "gateway.log", gateway)
     try:
         processes.wait_serving(gateway_addr, gateway)
-        yield Stack(gateway_addr, config, work / "gateway.log", gateway.pid)
+        yield stack
     finally:
-        codes = processes.stop(gateway), processes.stop(engine)
+        codes = processes.stop(gateway, signalled=stack.terminated), processes.stop(engine)
         assert codes == (0, 0), "\n".join(
             (
                 f"exit statuses (gateway, engine): {codes}",

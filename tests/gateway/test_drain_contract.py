@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,7 +142,7 @@ async def test_sigterm_ends_running_and_queued_grpc_streams_cleanly(
         ]
         reading = [asyncio.ensure_future(q.read_all()) for q in queued]
         await until_gauge(ports, "appliance_requests_waiting", QUEUED)
-        os.kill(gateway.gateway_pid, signal.SIGTERM)
+        gateway.terminate()
         await running.read_all()
         await asyncio.gather(*reading)
     assert running.final is not None, running.error
@@ -208,7 +206,7 @@ async def test_sigterm_ends_running_and_queued_http_streams_cleanly(
         for k in range(QUEUED)
     ]
     await until_gauge(ports, "appliance_requests_waiting", QUEUED)
-    os.kill(gateway.gateway_pid, signal.SIGTERM)
+    gateway.terminate()
     status, headers, events = await first
     assert status == 200
     assert_sse_ended_cleanly(status, headers, events)
