@@ -11,11 +11,11 @@ import jinja2
 import pytest
 import torch
 from google.protobuf import text_format
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from tritonclient.grpc import model_config_pb2 as mc
 
 from appliance.engine.llama import LlamaModel
+from appliance.text.tokenizer import chat_environment
 from appliance.tools.model_store import ensure_model
 from appliance.tools.tiny_model import (
     CHAT_TEMPLATE,
@@ -107,12 +107,7 @@ def test_chat_template_ends_with_assistant_prompt(pair: tuple[Path, Path]) -> No
         2048,
     )
 
-    def fail(message: str) -> None:
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = fail
-    template = env.from_string(config["chat_template"])
+    template = chat_environment().from_string(config["chat_template"])
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},

@@ -71,6 +71,14 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def chat_environment() -> jinja2.Environment:
+    """Where chat templates compile: sandboxed, with Hugging Face's whitespace settings and its
+    `raise_exception`."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
 def render_chat(
     template: jinja2.Template,
     messages: list[dict[str, Any]],
@@ -124,8 +132,7 @@ class ModelText:
         template = None
         takes_tools = False
         if isinstance(template_source, str):
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
+            env = chat_environment()
             try:
                 template = env.from_string(template_source)
                 takes_tools = _reads_tools(env, template_source)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
 from appliance.text.segments import SegmentCache
-from appliance.text.tokenizer import ModelText
+from appliance.text.tokenizer import ModelText, chat_environment, render_chat
 from tests.conftest import Tiny
 
 
@@ -160,3 +160,43 @@ def test_a_template_that_refuses_the_probes_gets_no_cache(text: ModelText) -> No
         raise ValueError("roles must alternate user/assistant")
 
     assert SegmentCache.of(text.tokenizer, refuses) is None
+
+
+# Gemma's chat template as published: it refuses a system message, and alternates user/model turns.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+def test_a_template_that_refuses_system_messages_still_gets_the_cache(
+    loaded: ModelText, tiny: Tiny
+) -> None:
+    tokenizer = Tokenizer.from_file(str(tiny.tokenizer_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
+    gemma = dataclasses.replace(
+        loaded,
+        tokenizer=tokenizer,
+        chat_template=chat_environment().from_string(GEMMA_TEMPLATE),
+    )
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        assert gemma.chat_template is not None
+        return render_chat(gemma.chat_template, messages, None, "<s>", "</s>")
+
+    with pytest.raises(ValueError, match="System role"):
+        render([{"role": "system", "content": "terse"}, *chat("hi")])
+    cache = SegmentCache.of(tokenizer, render, whole_below_chars=0)
+    assert cache is not None
+    gemma = dataclasses.replace(gemma, segments=cache)
+    history = chat("What is 6 × 7?", " 42. ", "And <end_of_turn> then?", "x" * 300, "ok")
+    assert gemma.encode_chat(history) == whole_ids(gemma, history)
+    assert gemma.encode_chat(history) == whole_ids(gemma, history)  # every piece cached
+    assert cache.pieces > 0
