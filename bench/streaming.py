@@ -3,8 +3,10 @@
 In one run, with the engine server and the gateway as real processes:
   (a) N streamed requests through the gateway (public API),
   (b) the same token ids straight to the engine server with the gateway's own Triton-protocol client,
-  (c) a bare grpc.aio unary echo (separate process) of a payload the size of the request, as the floor.
-(a) and (b) alternate request by request so drift on the machine hits both alike. Client-side TTFT and
+  (c) a bare grpc.aio unary echo (separate process) of a payload the size of the request, as the floor,
+  (d) the same echo through a bare grpc.aio relay (another process that only forwards the call): what
+      any Python gRPC gateway adds, (d) - (c), before it does any work of its own.
+(a), (b), (c) and (d) alternate request by request so drift on the machine hits both alike. Client-side TTFT and
 inter-token latency use genai-perf's definitions (TTFT = first non-empty response - request sent;
 inter-token = (latency - TTFT) / (tokens - 1) per request); "gap" is vLLM's pooled ITL.
 Targets: added TTFT P99 <= echo P99; added inter-token P50 <= 50 µs.
@@ -64,7 +66,10 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
     `engine_args` are extra `appliance engine` options (bench/gpu_decode.py adds --device cuda).
     """
     echo_port = processes.free_port()
-    echo = subprocess.Popen([sys.executable, "-m", "bench.echo_server", "--port", str(echo_port)])
+    relay_port = processes.free_port()
+    command = [sys.executable, "-m", "bench.echo_server", "--port"]
+    echo = subprocess.Popen([*command, str(echo_port)])
+    relay = subprocess.Popen([*command, str(relay_port), "--relay-to", str(echo_port)])
     try:
         with tiny_stack(args.model_root, engine_args=engine_args) as stack:
             prompt = prompt_of(stack.text, args.prompt_tokens)
@@ -82,13 +87,17 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
             async with (
                 grpc.aio.insecure_channel(stack.gateway_addr) as gch,
                 grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as ech,
+                grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}") as rch,
             ):
                 stub = pb_grpc.InferenceStub(gch)
                 echo_call = ech.unary_unary(METHOD)
+                relay_call = rch.unary_unary(METHOD)
                 for _ in range(args.warmup):
                     await generate(stub, request)
                     await direct(backend, ids, args.output_tokens, "warm")
                     await echo_call(payload, wait_for_ready=True)
+                    await relay_call(payload, wait_for_ready=True)
+                relayed_s: list[float] = []
                 a_ttft, a_itl, a_gaps, b_ttft, b_itl, b_gaps, echo_s = [], [], [], [], [], [], []
                 a_queue, a_server_ttft = [], []
                 lengths = set()
@@ -108,10 +117,14 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
                     t0 = time.perf_counter()
                     await echo_call(payload)
                     echo_s.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    await relay_call(payload)
+                    relayed_s.append(time.perf_counter() - t0)
             await backend.close()
     finally:
-        echo.terminate()
-        echo.wait()
+        for server in (relay, echo):
+            server.terminate()
+            server.wait()
 
     us = 1e6
     results: dict[str, float] = {}
@@ -136,14 +149,22 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
     print(row("(a) chunk gap via gateway (pooled)", a_gaps))
     print(row("(b) chunk gap direct (pooled)", b_gaps))
     print(row("(c) bare grpc.aio unary echo", echo_s))
+    print(row("(d) the echo through a bare grpc.aio relay", relayed_s))
     print(row("(a) gateway-side: arrival → engine request sent", a_queue))
     print(row("(a) gateway-side: arrival → first token sent", a_server_ttft))
     added_ttft_p99 = (pct(a_ttft, 0.99) - pct(b_ttft, 0.99)) * us
     added_itl_p50 = (pct(a_itl, 0.5) - pct(b_itl, 0.5)) * us
     echo_p99 = pct(echo_s, 0.99) * us
+    relay_added_p99 = (pct(relayed_s, 0.99) - pct(echo_s, 0.99)) * us
+    results["relay added P99"] = relay_added_p99
     print(
         f"\nadded TTFT P99 (a-b): {added_ttft_p99:.1f} µs vs echo P99 {echo_p99:.1f} µs "
         f"-> ratio {added_ttft_p99 / echo_p99:.2f} (target <= 1.00)"
+    )
+    print(
+        f"a bare relay adds at P99 (d-c): {relay_added_p99:.1f} µs "
+        f"({relay_added_p99 / echo_p99:.2f} × the echo's P99); the gateway adds "
+        f"{added_ttft_p99 - relay_added_p99:.1f} µs more"
     )
     print(f"added inter-token P50 (a-b): {added_itl_p50:.1f} µs (target <= 50 µs)")
     return results
