@@ -135,8 +135,6 @@ class HttpRequest:
     include_usage: bool
     # Seconds the client gives the request (appliance.deadline_ms); None: the model's default.
     deadline_s: float | None
-    # What the request's tools ask of the answer; None: a text answer.
-    tools: ToolPlan | None = None
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -223,7 +221,7 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     stream = bool(_field(data, "stream", bool) or False)
     include_usage = _include_usage(data, stream)
     deadline_s = _extension(req, data)
-    return HttpRequest(req, chat, stream, include_usage, deadline_s, tools)
+    return HttpRequest(req, chat, stream, include_usage, deadline_s)
 
 
 def _length(req: IncomingRequest, data: dict[str, Any]) -> None:

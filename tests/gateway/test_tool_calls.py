@@ -38,7 +38,9 @@ def chat(**fields: Any) -> wire.HttpRequest:
 
 def test_auto_adds_a_system_message_and_no_guide() -> None:
     http = chat(tools=[WEATHER, TIME])
-    assert http.tools is not None and http.tools.choice == "auto"
+    tool_chat = http.request.tool_chat
+    assert tool_chat is not None and tool_chat.plan is not None
+    assert tool_chat.plan.choice == "auto"
     assert http.request.messages is not None
     role, content = http.request.messages[0]
     assert role == "system" and '"name": "get_weather"' in content
@@ -70,7 +72,7 @@ def test_an_existing_system_message_keeps_its_text_after_the_tools() -> None:
 
 def test_none_leaves_the_tools_out() -> None:
     http = chat(tools=[WEATHER], tool_choice="none")
-    assert http.tools is None and http.request.messages is not None
+    assert http.request.tool_chat is None and http.request.messages is not None
     assert len(http.request.messages) == 1
 
 
