@@ -8,16 +8,27 @@ but each is indented, so only a record's first line starts at column 0.
 A fault a client can cause at will (an undecodable body, say) is logged at most once per interval
 with the count of the ones not logged, so a flood of bad requests is one line every few seconds,
 not one line each.
+
+Nor can the log stall the process. Under systemd stderr is the journal's socket, and a write to it
+blocks while the journal falls behind; a gateway writing its access lines on the event loop would
+stop answering with it. A line is formatted on the thread that logs it and written by a thread of
+its own (`LineWriter`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
+import os
+import queue
+import sys
+import threading
 import time
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from logging import _SysExcInfoType
@@ -102,16 +113,133 @@ class JsonFormatter(_SecondFormatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
+# Lines formatted and not yet written: at a few hundred bytes an access line, tens of seconds of a
+# busy gateway's lines while stderr is not read. Past it a line is dropped and counted.
+QUEUED_LINES = 65_536
+# Lines taken off the queue for one write.
+WRITE_BATCH = 256
+# At exit the writer gets this long to write what is queued: a stderr nobody reads must not keep
+# the process from ending.
+EXIT_FLUSH_S = 5.0
+
+
+class LineWriter(logging.Handler):
+    """Formats each record on the thread that logs it; writes the lines to `stream` on a thread of
+    its own, in order. When `capacity` lines wait, a new one is dropped and counted, and the next
+    write says how many were."""
+
+    def __init__(self, stream: TextIO, capacity: int = QUEUED_LINES) -> None:
+        super().__init__()
+        self.stream = stream
+        self._capacity = capacity
+        self._start()
+        # A thread does not survive a fork: the child starts its own writer.
+        os.register_at_fork(after_in_child=functools.partial(_restart, weakref.ref(self)))
+
+    def _start(self) -> None:
+        # A line, an Event set once every line before it is written (flush), or None (close).
+        self._lines: queue.Queue[str | threading.Event | None] = queue.Queue(self._capacity)
+        self._dropped = 0
+        # Not the handler's lock: logging.shutdown holds that while it flushes, which waits on the
+        # writer.
+        self._counting = threading.Lock()
+        self._writer = threading.Thread(target=self._write, name="log-writer", daemon=True)
+        self._writer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        try:
+            self._lines.put_nowait(line)
+        except queue.Full:
+            with self._counting:
+                self._dropped += 1
+
+    def _write(self) -> None:
+        while True:
+            items = [self._lines.get()]
+            while len(items) < WRITE_BATCH:
+                try:
+                    items.append(self._lines.get_nowait())
+                except queue.Empty:
+                    break
+            lines = [item for item in items if isinstance(item, str)]
+            with self._counting:
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                lines.append(self.format(_dropped_record(dropped, self._capacity)))
+            with contextlib.suppress(OSError, ValueError):  # stderr closed: nowhere to say so
+                self.stream.write("".join(line + "\n" for line in lines))
+                self.stream.flush()
+            for item in items:
+                if isinstance(item, threading.Event):
+                    item.set()
+            if None in items:
+                return
+
+    def flush(self, timeout_s: float = EXIT_FLUSH_S) -> None:
+        """Returns once every line logged before the call is written, or after `timeout_s`."""
+        if not self._writer.is_alive():
+            return
+        written = threading.Event()
+        try:
+            self._lines.put(written, timeout=timeout_s)
+        except queue.Full:
+            return
+        written.wait(timeout_s)
+
+    def close(self) -> None:
+        """Writes what is queued (for `EXIT_FLUSH_S` at most), then ends the writer."""
+        if self._writer.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._lines.put(None, timeout=EXIT_FLUSH_S)
+            self._writer.join(EXIT_FLUSH_S)
+        super().close()
+
+
+def _restart(writer: weakref.ref[LineWriter]) -> None:
+    alive = writer()
+    if alive is not None:
+        alive._start()
+
+
+def _dropped_record(count: int, capacity: int) -> logging.LogRecord:
+    return logging.LogRecord(
+        __name__,
+        logging.WARNING,
+        __file__,
+        0,
+        "%d log lines dropped: %d lines were already waiting for stderr to be read",
+        (count, capacity),
+        None,
+    )
+
+
+def flush() -> None:
+    """Returns once every line logged so far is written."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
+def last_line(text: str) -> None:
+    """A process's last words on stderr (why it stops), after every line it logged before."""
+    flush()
+    print(text, file=sys.stderr, flush=True)
+
+
 def configure(level: str, log_format: str = "text") -> None:
-    """The process's root logger: stderr (the journal under systemd), one line a record, escaped
-    text or JSON. Called again (the configuration file is read after the command line), it
+    """The process's root logger: stderr (the journal under systemd) through a `LineWriter`, one
+    line a record, escaped text or JSON. Called again (the configuration file is read after the command line), it
     replaces the handler's formatter and the level."""
     root = logging.getLogger()
     formatter: logging.Formatter = (
         JsonFormatter() if log_format == "json" else OneLineFormatter(FORMAT)
     )
     if not root.handlers:
-        root.addHandler(logging.StreamHandler())
+        root.addHandler(LineWriter(sys.stderr))
     for handler in root.handlers:
         handler.setFormatter(formatter)
     root.setLevel(level.upper())

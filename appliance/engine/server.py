@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance import sdnotify
+from appliance import logline, sdnotify
 from appliance.backends import wire
 from appliance.engine.guided import (
     NOT_SETUP_MESSAGE,
@@ -928,17 +927,14 @@ async def run_engine(
         models = load_repository(repository, options)
         server, service, _ = await start_engine(models, listen)
     except RepositoryError as exc:
-        print(f"appliance engine: {exc}", file=sys.stderr, flush=True)
+        logline.last_line(f"appliance engine: {exc}")
         return 2
     if metrics_listen is not None:
         try:
             serve_metrics(service, models, metrics_listen)
         except OSError as exc:
-            print(
-                f"appliance engine: cannot serve metrics on {metrics_listen}: "
-                f"{exc.strerror or exc}",
-                file=sys.stderr,
-                flush=True,
+            logline.last_line(
+                f"appliance engine: cannot serve metrics on {metrics_listen}: {exc.strerror or exc}"
             )
             await server.stop(grace=None)
             for model in models.values():

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
@@ -14,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from appliance import sdnotify
+from appliance import logline, sdnotify
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.metrics import CacheMetrics
@@ -305,7 +304,7 @@ async def serve(config: GatewayConfig) -> int:
         await warm_up(models)
         running = await start_server(config, models)
     except StartupError as exc:
-        print(f"appliance serve: {exc}", file=sys.stderr, flush=True)
+        logline.last_line(f"appliance serve: {exc}")
         return exc.exit_status
     keep_long_lived_from_gc(running)
     log.info(
