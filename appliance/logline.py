@@ -114,10 +114,12 @@ class JsonFormatter(_SecondFormatter):
 
 
 # Lines formatted and not yet written: at a few hundred bytes an access line, tens of seconds of a
-# busy gateway's lines while stderr is not read. Past it a line is dropped and counted.
+# busy gateway's lines (tens of MB at most) while stderr is not read. Past it a line is dropped
+# and counted.
 QUEUED_LINES = 65_536
-# Lines taken off the queue for one write.
-WRITE_BATCH = 256
+# After the first line of a write the writer waits this long for more: one wake-up of its thread
+# per write, not per line, so it takes the interpreter's lock from the event loop rarely.
+GATHER_S = 0.01
 # At exit the writer gets this long to write what is queued: a stderr nobody reads must not keep
 # the process from ending.
 EXIT_FLUSH_S = 5.0
@@ -125,8 +127,8 @@ EXIT_FLUSH_S = 5.0
 
 class LineWriter(logging.Handler):
     """Formats each record on the thread that logs it; writes the lines to `stream` on a thread of
-    its own, in order. When `capacity` lines wait, a new one is dropped and counted, and the next
-    write says how many were."""
+    its own, in order, within `GATHER_S` of being logged. When `capacity` lines wait, a new one is
+    dropped and counted, and the next write says how many were."""
 
     def __init__(self, stream: TextIO, capacity: int = QUEUED_LINES) -> None:
         super().__init__()
@@ -138,7 +140,8 @@ class LineWriter(logging.Handler):
 
     def _start(self) -> None:
         # A line, an Event set once every line before it is written (flush), or None (close).
-        self._lines: queue.Queue[str | threading.Event | None] = queue.Queue(self._capacity)
+        self._lines: queue.SimpleQueue[str | threading.Event | None] = queue.SimpleQueue()
+        self._waiting = 0  # lines queued, not yet taken by the writer
         self._dropped = 0
         # Not the handler's lock: logging.shutdown holds that while it flushes, which waits on the
         # writer.
@@ -152,22 +155,26 @@ class LineWriter(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        try:
-            self._lines.put_nowait(line)
-        except queue.Full:
-            with self._counting:
+        with self._counting:
+            if self._waiting >= self._capacity:
                 self._dropped += 1
+                return
+            self._waiting += 1
+        self._lines.put(line)
 
     def _write(self) -> None:
         while True:
             items = [self._lines.get()]
-            while len(items) < WRITE_BATCH:
+            if isinstance(items[0], str):
+                time.sleep(GATHER_S)
+            while True:
                 try:
                     items.append(self._lines.get_nowait())
                 except queue.Empty:
                     break
             lines = [item for item in items if isinstance(item, str)]
             with self._counting:
+                self._waiting -= len(lines)
                 dropped, self._dropped = self._dropped, 0
             if dropped:
                 lines.append(self.format(_dropped_record(dropped, self._capacity)))
@@ -182,20 +189,15 @@ class LineWriter(logging.Handler):
 
     def flush(self, timeout_s: float = EXIT_FLUSH_S) -> None:
         """Returns once every line logged before the call is written, or after `timeout_s`."""
-        if not self._writer.is_alive():
-            return
-        written = threading.Event()
-        try:
-            self._lines.put(written, timeout=timeout_s)
-        except queue.Full:
-            return
-        written.wait(timeout_s)
+        if self._writer.is_alive():
+            written = threading.Event()
+            self._lines.put(written)
+            written.wait(timeout_s)
 
     def close(self) -> None:
         """Writes what is queued (for `EXIT_FLUSH_S` at most), then ends the writer."""
         if self._writer.is_alive():
-            with contextlib.suppress(queue.Full):
-                self._lines.put(None, timeout=EXIT_FLUSH_S)
+            self._lines.put(None)
             self._writer.join(EXIT_FLUSH_S)
         super().close()
 
