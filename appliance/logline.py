@@ -120,8 +120,8 @@ QUEUED_LINES = 65_536
 # After the first line of a write the writer waits this long for more: one wake-up of its thread
 # per write, not per line, so it takes the interpreter's lock from the event loop rarely.
 GATHER_S = 0.01
-# At exit the writer gets this long to write what is queued: a stderr nobody reads must not keep
-# the process from ending.
+# At exit (logging.shutdown flushes, then closes) each waits this long at most for the writer: a
+# stderr nobody reads must not keep the process from ending.
 EXIT_FLUSH_S = 5.0
 
 
