@@ -12,6 +12,7 @@ from pathlib import Path
 
 from appliance.tools import processes
 from tests.conftest import Tiny
+from tests.support import until
 
 MODEL = "tiny"
 
@@ -30,6 +31,16 @@ class Stack:
 
     def log_lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
+
+    def log_through(self, request_id: str) -> list[str]:
+        """The gateway's log once it holds the access line of `request_id`. A writer thread
+        writes the lines in the order they were logged, so every line before it is there too."""
+
+        def written() -> list[str] | None:
+            lines = self.log_lines()
+            return lines if any(f"request_id={request_id!r}" in line for line in lines) else None
+
+        return until(written, f"no access line for request {request_id!r} in {self.log}")
 
     def terminate(self) -> None:
         """SIGTERM to the gateway, once. A second SIGTERM that lands after the gateway's loop

@@ -85,7 +85,11 @@ async def test_a_draining_gateway_gets_no_new_requests(fleet: list[Stack]) -> No
     a, b = fleet
     addresses = [a.address, b.address]
     assert await send(addresses, 8) == []
-    assert answered(a) > 0 and answered(b) > 0  # round-robin over both
+    await asyncio.to_thread(  # round-robin over both
+        until,
+        lambda: answered(a) > 0 and answered(b) > 0,
+        "timed out waiting for both gateways' access lines",
+    )
 
     os.kill(a.gateway_pid, signal.SIGUSR1)
     await asyncio.to_thread(

@@ -189,9 +189,12 @@ async def test_fuzzed_requests_never_end_internal_or_unknown(gateway: Stack) -> 
         assert codes[grpc.StatusCode.INVALID_ARGUMENT] > REQUESTS // 4, codes
         assert codes[grpc.StatusCode.OK] > REQUESTS // 20, codes
         reply = await pb_grpc.InferenceStub(channel).Complete(
-            pb.GenerateRequest(model=MODEL, prompt="after the fuzz", max_tokens=4), timeout=60
+            pb.GenerateRequest(
+                model=MODEL, prompt="after the fuzz", max_tokens=4, request_id="after-the-fuzz"
+            ),
+            timeout=60,
         )
         assert reply.final.usage.completion_tokens > 0
-    log = gateway.log_lines()
+    log = await asyncio.to_thread(gateway.log_through, "after-the-fuzz")
     assert not [line for line in log if " ERROR " in line or line.startswith("Traceback")]
     assert not [line for line in log if line.startswith("FORGED")]

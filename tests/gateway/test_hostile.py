@@ -98,11 +98,14 @@ def test_undecodable_bodies_are_invalid_argument_and_logged_once(gateway: Stack)
                 )
         # The gateway still answers, and no decoded request was harmed.
         reply = pb_grpc.InferenceStub(channel).Complete(
-            pb.GenerateRequest(model=MODEL, prompt="still here", max_tokens=2), timeout=60
+            pb.GenerateRequest(
+                model=MODEL, prompt="still here", max_tokens=2, request_id="still-here"
+            ),
+            timeout=60,
         )
         assert reply.final.usage.completion_tokens > 0
     elapsed = time.monotonic() - started
-    lines = gateway.log_lines()
+    lines = gateway.log_through("still-here")
     assert not [line for line in lines if " ERROR " in line or line.startswith("Traceback")]
     refusals = [line for line in lines if "refused an undecodable body" in line]
     # One line per 10 s interval at most (the run is usually well inside the first).
@@ -125,7 +128,9 @@ def test_client_values_never_start_a_log_line(gateway: Stack) -> None:
                 stub.Complete(pb.GenerateRequest(**fields), timeout=60)  # type: ignore[arg-type]
         admin = pb_grpc.CacheAdminStub(channel)
         admin.Invalidate(pb.InvalidateRequest(namespace="n\nFORGED", model=forged), timeout=30)
-    lines = gateway.log_lines()
+        last = pb.GenerateRequest(model=MODEL, prompt="p", max_tokens=2, request_id="last")
+        stub.Complete(last, timeout=60)
+    lines = gateway.log_through("last")
     assert any("x\\nFORGED" in line for line in lines)  # the debug request line was written
     assert not [line for line in lines if line.startswith("FORGED") or "\x1b" in line]
 
