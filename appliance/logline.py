@@ -234,8 +234,8 @@ def last_line(text: str) -> None:
 
 def configure(level: str, log_format: str = "text") -> None:
     """The process's root logger: stderr (the journal under systemd) through a `LineWriter`, one
-    line a record, escaped text or JSON. Called again (the configuration file is read after the command line), it
-    replaces the handler's formatter and the level."""
+    line a record, escaped text or JSON. Called again (the configuration file is read after the
+    command line), it replaces the handler's formatter and the level."""
     root = logging.getLogger()
     formatter: logging.Formatter = (
         JsonFormatter() if log_format == "json" else OneLineFormatter(FORMAT)
