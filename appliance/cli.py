@@ -4,6 +4,7 @@ bench (a load generator for any deployment)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ def _engine(args: argparse.Namespace) -> int:
     import torch
     import uvloop
 
+    from appliance.backends.stream_socket import UNIX_PATH_MAX
     from appliance.engine.options import EngineOptions
     from appliance.engine.prefill import parse_buckets
     from appliance.engine.server import run_engine
@@ -69,8 +71,18 @@ def _engine(args: argparse.Namespace) -> int:
         option, why = problem
         print(f"appliance engine: {option}: {why}", file=sys.stderr)
         return 2
+    stream_socket = None if args.stream_socket is None else Path(args.stream_socket).absolute()
+    if stream_socket is not None and len(os.fsencode(stream_socket)) > UNIX_PATH_MAX:
+        print(
+            f"appliance engine: --stream-socket {stream_socket}: longer than a Unix socket's "
+            f"path may be ({UNIX_PATH_MAX} bytes)",
+            file=sys.stderr,
+        )
+        return 2
     torch.set_num_threads(args.threads)
-    return uvloop.run(run_engine(Path(args.repository), args.listen, options, args.metrics))
+    return uvloop.run(
+        run_engine(Path(args.repository), args.listen, options, args.metrics, stream_socket)
+    )
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -293,6 +305,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HOST:PORT",
         help="serve Prometheus /metrics in Triton's names (nv_inference_*) here (default: off)",
+    )
+    e.add_argument(
+        "--stream-socket",
+        default=None,
+        metavar="PATH",
+        help="also serve streams on this Unix socket, which a gateway's stream_socket names: "
+        "no HTTP/2 per message (default: off)",
     )
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     e.add_argument(

@@ -6,11 +6,13 @@ The README's "Configuration" section documents each key; keep the two in step.
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import tomlcheck
 from appliance.backends.base import backend_kind
+from appliance.backends.stream_socket import UNIX_PATH_MAX
 from appliance.cache.l2 import RedisSettings
 from appliance.cache.tiers import CacheTier, tier_class
 from appliance.security.api_keys import RateLimits
@@ -74,6 +76,10 @@ class ModelConfig:
     # Which backend class talks to `backend`: a name of BACKEND_KINDS, or package.module:Class.
     backend_kind: str = "triton"
     triton_model: str = "tensorrt_llm"
+    # The engine server's stream socket (`appliance engine --stream-socket`): generations go there
+    # instead of over gRPC, which costs each message HTTP/2 and grpc.aio's call machinery at both
+    # ends; readiness, configuration and stop requests stay on gRPC at `backend`. Triton has none.
+    stream_socket: Path | None = None
     # None: derived from the model's config.json (max_position_embeddings) at start-up.
     max_input_tokens: int | None = None
     max_output_tokens: int = 1024
@@ -254,6 +260,7 @@ def load_config(path: Path) -> GatewayConfig:
             tokenizer_dir=tokenizer_dir,
             backend_kind=_backend_kind(r),
             triton_model=r.get("triton_model", str, ModelConfig.triton_model),
+            stream_socket=_stream_socket(r, path.parent),
             max_input_tokens=r.positive("max_input_tokens", int, None),
             max_output_tokens=r.positive("max_output_tokens", int, ModelConfig.max_output_tokens),
             default_max_tokens=r.positive(
@@ -379,6 +386,20 @@ def _auth(r: _Reader, path: Path) -> AuthConfig:
             max_streams=int(m) if (m := limit("max_streams", int, d.max_streams)) else None,
         ),
     )
+
+
+def _stream_socket(r: _Reader, base: Path) -> Path | None:
+    socket = r.file_path("stream_socket", base)
+    if socket is None:
+        return None
+    if r.data.get("backend_kind", "triton") != "triton":
+        r.fail("stream_socket", 'needs backend_kind = "triton" (the engine server is one)')
+    if len(os.fsencode(socket)) > UNIX_PATH_MAX:
+        r.fail(
+            "stream_socket",
+            f"{socket} is longer than a Unix socket's path may be ({UNIX_PATH_MAX} bytes)",
+        )
+    return socket
 
 
 def _backend_kind(r: _Reader) -> str:

@@ -70,6 +70,13 @@ class TinyStack:
     gateway_addr: str
     http_addr: str | None
     gateway: subprocess.Popen[bytes]
+    # A second gateway on the same engine that sends its generations to the engine's stream
+    # socket (tiny_stack's `stream_socket`).
+    socket_gateway_addr: str | None = None
+
+
+def _no_access_log(config: Path) -> None:
+    config.write_text(config.read_text().replace("[server]\n", "[server]\naccess_log = false\n"))
 
 
 @contextmanager
@@ -79,9 +86,11 @@ def tiny_stack(
     http: bool = False,
     access_log: bool = True,
     engine_args: Sequence[str] = (),
+    stream_socket: bool = False,
 ) -> Iterator[TinyStack]:
     """Starts both processes, waits until the gateway serves, and stops both on the way out (their
-    logs stay in the temporary `work` directory)."""
+    logs stay in the temporary `work` directory). With `stream_socket` the engine also serves
+    its stream socket, and a second gateway sends its generations there."""
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     _, repo = ensure_tiny_model(Path(model_root))
     tok_dir = (repo / "tensorrt_llm" / "tokenizer").resolve()
@@ -92,20 +101,55 @@ def tiny_stack(
         work / "g.toml", gateway_addr, MODEL, engine_addr, tok_dir, http_listen=http_addr
     )
     if not access_log:
-        config.write_text(
-            config.read_text().replace("[server]\n", "[server]\naccess_log = false\n")
-        )
+        _no_access_log(config)
+    socket = work / "engine.sock"
+    socket_args = ["--stream-socket", str(socket)] if stream_socket else []
     with ExitStack() as stack:
         engine = processes.spawn(
-            ["engine", "--repository", str(repo), "--listen", engine_addr, *engine_args],
+            [
+                "engine",
+                "--repository",
+                str(repo),
+                "--listen",
+                engine_addr,
+                *socket_args,
+                *engine_args,
+            ],
             work / "engine.log",
         )
         stack.callback(processes.stop, engine)
         gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
         stack.callback(processes.stop, gateway)
+        socket_gateway_addr = None
+        if stream_socket:
+            socket_gateway_addr = f"127.0.0.1:{processes.free_port()}"
+            socket_config = processes.write_gateway_config(
+                work / "g-socket.toml",
+                socket_gateway_addr,
+                MODEL,
+                engine_addr,
+                tok_dir,
+                stream_socket=socket,
+            )
+            if not access_log:
+                _no_access_log(socket_config)
+            socket_gateway = processes.spawn(
+                ["serve", "--config", str(socket_config)], work / "gateway-socket.log"
+            )
+            stack.callback(processes.stop, socket_gateway)
+            processes.wait_serving(
+                socket_gateway_addr, socket_gateway, log=work / "gateway-socket.log"
+            )
         processes.wait_serving(gateway_addr, gateway, log=work / "gateway.log")
         yield TinyStack(
-            work, repo, ModelText.load(tok_dir), engine_addr, gateway_addr, http_addr, gateway
+            work,
+            repo,
+            ModelText.load(tok_dir),
+            engine_addr,
+            gateway_addr,
+            http_addr,
+            gateway,
+            socket_gateway_addr,
         )
 
 

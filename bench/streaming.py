@@ -5,8 +5,10 @@ In one run, with the engine server and the gateway as real processes:
   (b) the same token ids straight to the engine server with the gateway's own Triton-protocol client,
   (c) a bare grpc.aio unary echo (separate process) of a payload the size of the request, as the floor,
   (d) the same echo through a bare grpc.aio relay (another process that only forwards the call): what
-      any Python gRPC gateway adds, (d) - (c), before it does any work of its own.
-(a), (b), (c) and (d) alternate request by request so drift on the machine hits both alike. Client-side TTFT and
+      any Python gRPC gateway adds, (d) - (c), before it does any work of its own,
+  (e) the requests of (a) through a second gateway that sends them to the engine's stream socket
+      (appliance/backends/stream_socket.py) instead of over gRPC.
+(a) to (e) alternate request by request so drift on the machine hits all alike. Client-side TTFT and
 inter-token latency use genai-perf's definitions (TTFT = first non-empty response - request sent;
 inter-token = (latency - TTFT) / (tokens - 1) per request); "gap" is vLLM's pooled ITL.
 Targets: added TTFT P99 <= echo P99; added inter-token P50 <= 50 µs.
@@ -71,7 +73,8 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
     echo = subprocess.Popen([*command, str(echo_port)])
     relay = subprocess.Popen([*command, str(relay_port), "--relay-to", str(echo_port)])
     try:
-        with tiny_stack(args.model_root, engine_args=engine_args) as stack:
+        with tiny_stack(args.model_root, engine_args=engine_args, stream_socket=True) as stack:
+            assert stack.socket_gateway_addr is not None
             prompt = prompt_of(stack.text, args.prompt_tokens)
             ids = stack.text.encode_prompt(prompt)
             request = pb.GenerateRequest(
@@ -86,20 +89,24 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
             await backend.wait_ready(30)
             async with (
                 grpc.aio.insecure_channel(stack.gateway_addr) as gch,
+                grpc.aio.insecure_channel(stack.socket_gateway_addr) as sch,
                 grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as ech,
                 grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}") as rch,
             ):
                 stub = pb_grpc.InferenceStub(gch)
+                socket_stub = pb_grpc.InferenceStub(sch)
                 echo_call = ech.unary_unary(METHOD)
                 relay_call = rch.unary_unary(METHOD)
                 for _ in range(args.warmup):
                     await generate(stub, request)
+                    await generate(socket_stub, request)
                     await direct(backend, ids, args.output_tokens, "warm")
                     await echo_call(payload, wait_for_ready=True)
                     await relay_call(payload, wait_for_ready=True)
                 relayed_s: list[float] = []
                 a_ttft, a_itl, a_gaps, b_ttft, b_itl, b_gaps, echo_s = [], [], [], [], [], [], []
                 a_queue, a_server_ttft = [], []
+                e_ttft, e_itl, e_queue = [], [], []
                 lengths = set()
                 for i in range(args.requests):
                     r = await generate(stub, request)
@@ -109,6 +116,11 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
                     a_gaps.extend(r.gaps_s)
                     a_queue.append(r.final.timings.queue_us / 1e6)
                     a_server_ttft.append(r.final.timings.ttft_us / 1e6)
+                    r = await generate(socket_stub, request)
+                    lengths.add(len(r.token_ids))
+                    e_ttft.append(r.ttft_s)
+                    e_itl.append(r.inter_token_s)
+                    e_queue.append(r.final.timings.queue_us / 1e6)
                     ttft, itl, gaps, count = await direct(backend, ids, args.output_tokens, f"b{i}")
                     lengths.add(count)
                     b_ttft.append(ttft)
@@ -144,14 +156,17 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
     print("| measure (µs) | P50 | P99 | mean |\n|---|---:|---:|---:|")
     print(row("(a) TTFT via gateway", a_ttft))
     print(row("(b) TTFT direct to engine", b_ttft))
+    print(row("(e) TTFT via gateway, stream socket", e_ttft))
     print(row("(a) inter-token via gateway", a_itl))
     print(row("(b) inter-token direct", b_itl))
+    print(row("(e) inter-token via gateway, stream socket", e_itl))
     print(row("(a) chunk gap via gateway (pooled)", a_gaps))
     print(row("(b) chunk gap direct (pooled)", b_gaps))
     print(row("(c) bare grpc.aio unary echo", echo_s))
     print(row("(d) the echo through a bare grpc.aio relay", relayed_s))
     print(row("(a) gateway-side: arrival → engine request sent", a_queue))
     print(row("(a) gateway-side: arrival → first token sent", a_server_ttft))
+    print(row("(e) gateway-side: arrival → engine request sent", e_queue))
     added_ttft_p99 = (pct(a_ttft, 0.99) - pct(b_ttft, 0.99)) * us
     added_itl_p50 = (pct(a_itl, 0.5) - pct(b_itl, 0.5)) * us
     echo_p99 = pct(echo_s, 0.99) * us
@@ -167,6 +182,14 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
         f"{added_ttft_p99 - relay_added_p99:.1f} µs more"
     )
     print(f"added inter-token P50 (a-b): {added_itl_p50:.1f} µs (target <= 50 µs)")
+    socket_ttft_p99 = (pct(e_ttft, 0.99) - pct(b_ttft, 0.99)) * us
+    socket_itl_p50 = (pct(e_itl, 0.5) - pct(b_itl, 0.5)) * us
+    results["socket added TTFT P99"] = socket_ttft_p99
+    results["socket added inter-token P50"] = socket_itl_p50
+    print(
+        f"over the stream socket: added TTFT P99 (e-b) {socket_ttft_p99:.1f} µs -> ratio "
+        f"{socket_ttft_p99 / echo_p99:.2f}; added inter-token P50 (e-b) {socket_itl_p50:.1f} µs"
+    )
     return results
 
 

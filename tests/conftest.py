@@ -127,20 +127,25 @@ class Engine:
     service: EngineService
     models: dict[str, EngineModel]
     server: grpc.aio.Server
+    # The same service's stream socket (None where a test's own engine serves none).
+    stream_socket: Path | None = None
 
     def stats(self, model: str = "tensorrt_llm") -> EngineStats:
         return self.models[model].runner.stats
 
 
 @pytest.fixture(scope="session")
-async def engine(engine_repo: Path) -> AsyncIterator[Engine]:
-    from appliance.engine.server import load_repository, start_engine
+async def engine(
+    engine_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Engine]:
+    from appliance.engine.server import load_repository, start_engine, stop_engine
 
     _one_torch_thread()
     models = load_repository(engine_repo)
-    server, service, port = await start_engine(models, "127.0.0.1:0")
-    yield Engine(f"127.0.0.1:{port}", service, models, server)
-    await server.stop(grace=None)
+    socket = tmp_path_factory.mktemp("engine") / "s.sock"
+    server, service, port = await start_engine(models, "127.0.0.1:0", socket)
+    yield Engine(f"127.0.0.1:{port}", service, models, server, socket)
+    await stop_engine(server, service, 0.0)
     for m in models.values():
         m.runner.close()
 

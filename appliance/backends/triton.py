@@ -3,16 +3,19 @@
 Builds `ModelInferRequest` itself (tritonclient's stream helper refuses `triton_*` parameters, and
 `triton_enable_empty_final_response` is what lets a stream end on a flag-only final response), streams
 over `ModelStreamInfer`, and turns in-band errors into gRPC statuses. One persistent channel per model;
-one request at a time per HTTP/2 stream, streams kept open between requests (stream_pool.py).
+one request at a time per HTTP/2 stream, streams kept open between requests (stream_pool.py). With
+the engine server's stream socket (stream_socket.py) the streams go there, the rest over gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
@@ -31,6 +34,7 @@ from appliance.backends.base import (
     top_logprobs_refusal,
 )
 from appliance.backends.stream_pool import StreamPool
+from appliance.backends.stream_socket import SocketStream
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,
@@ -50,16 +54,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 StreamCall: TypeAlias = (
-    "grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse]"
+    "grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse] | SocketStream"
 )
 
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Reconnect quickly after the inference server restarts, instead of gRPC's default backoff of up to
 # two minutes; keepalive stays off (Triton's defaults GOAWAY clients that ping idle connections).
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
 )
 STOP_REQUEST_TIMEOUT_S = 2.0
 # Streams kept open between requests (stream_pool.py): at most this many, each for this long idle.
@@ -275,9 +280,11 @@ class TritonBackend:
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> TritonBackend:
-        return cls(config.backend, config.triton_model)
+        return cls(config.backend, config.triton_model, config.stream_socket)
 
-    def __init__(self, address: str, model: str) -> None:
+    def __init__(self, address: str, model: str, stream_socket: Path | None = None) -> None:
+        """stream_socket: the engine server's (stream_socket.py), which then carries every
+        generation; gRPC at `address` carries the rest."""
         self.address = address
         self.model = model
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -286,8 +293,13 @@ class TritonBackend:
         self._background: set[asyncio.Task[None]] = set()
         # Streams carrying a request now (cancel_all ends them), and those kept between requests.
         self._calls: set[StreamCall] = set()
+        open_stream: Callable[[], StreamCall] = (
+            functools.partial(SocketStream, str(stream_socket), MAX_RESPONSE_BYTES)
+            if stream_socket is not None
+            else self._stub.ModelStreamInfer
+        )
         self._streams: StreamPool[StreamCall] = StreamPool(
-            self._stub.ModelStreamInfer, KEPT_STREAMS, KEPT_STREAM_IDLE_S
+            open_stream, KEPT_STREAMS, KEPT_STREAM_IDLE_S
         )
         # cancel_all was called: every generation, running or starting, ends CANCELLED.
         self._shutting_down = False

@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance import logline, sdnotify
 from appliance.backends import wire
+from appliance.backends.stream_socket import SocketInUse, StreamSocketServer
 from appliance.engine.guided import (
     NOT_SETUP_MESSAGE,
     CompiledGuide,
@@ -82,6 +83,10 @@ SERVER_VERSION = "1"
 EXTENSIONS = ("model_configuration", "statistics", "parameters")
 # Triton's in-band answer to a request sent on an open stream once the server is stopping.
 STOPPING = "GRPC server is shutting down and has stopped accepting new requests."
+# Largest request either transport takes: gRPC's default receive limit, which the gRPC server keeps.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# On SIGTERM, streams still running after this long are cancelled.
+STOP_GRACE_S = 1.0
 
 
 class InferError(Exception):
@@ -424,6 +429,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self.stopping = False
         # Each open ModelStreamInfer stream's way to end once nothing runs on it.
         self._winding_down: set[Callable[[], None]] = set()
+        # Where the streams are also served (start_engine's stream_socket), if anywhere.
+        self.stream_socket: StreamSocketServer | None = None
 
     def stop_streams(self) -> None:
         """The server is stopping: a request sent on an open stream from now on is refused
@@ -707,6 +714,20 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ts.ModelStreamInferResponse]:
         metadata = dict(context.invocation_metadata() or ())
         errors_out_of_band = str(metadata.get("triton_grpc_error", "")).lower() == "true"
+        async for response in self.stream(
+            request_iterator, context.abort if errors_out_of_band else None
+        ):
+            yield response
+
+    async def stream(
+        self,
+        request_iterator: AsyncIterator[ts.ModelInferRequest],
+        abort: Callable[[grpc.StatusCode, str], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[ts.ModelStreamInferResponse]:
+        """One stream's responses to its requests, whatever carries them (a gRPC
+        `ModelStreamInfer` call or the stream socket). An error goes in-band, or to `abort`
+        (Triton's `triton_grpc_error` header: the stream ends with the error's status). Leaving
+        early (the client closed or cancelled the stream) cancels whatever runs on it."""
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue[ts.ModelStreamInferResponse | InferError | None] = asyncio.Queue()
         jobs: set[Job] = set()
@@ -802,8 +823,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         try:
             while (item := await outbox.get()) is not None:
                 if isinstance(item, InferError):
-                    if errors_out_of_band:
-                        await context.abort(item.code, item.message)
+                    if abort is not None:
+                        await abort(item.code, item.message)
                     item = ts.ModelStreamInferResponse(
                         error_message=item.message,
                         infer_response=ts.ModelInferResponse(id=item.request_id),
@@ -898,9 +919,11 @@ def load_repository(
 
 
 async def start_engine(
-    models: dict[str, EngineModel], listen: str
+    models: dict[str, EngineModel], listen: str, stream_socket: Path | None = None
 ) -> tuple[grpc.aio.Server, EngineService, int]:
-    """Starts serving; returns the bound port (listen may end in :0 for a free port)."""
+    """Starts serving; returns the bound port (listen may end in :0 for a free port). With
+    `stream_socket` the service's streams are served there too (stream_socket.py), from before
+    the gRPC server answers ServerReady; `stop_engine` stops both."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service = EngineService(models)
     ts_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
@@ -908,8 +931,28 @@ async def start_engine(
         port = server.add_insecure_port(listen)
     except RuntimeError as exc:
         raise RepositoryError(f"cannot listen on {listen}: {exc}") from exc
+    if stream_socket is not None:
+        sockets = StreamSocketServer(stream_socket, service.stream, MAX_REQUEST_BYTES)
+        try:
+            await sockets.start()
+        except (SocketInUse, OSError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            await server.stop(grace=None)
+            raise RepositoryError(
+                f"cannot serve the stream socket {stream_socket}: {why}"
+            ) from None
+        service.stream_socket = sockets
     await server.start()
     return server, service, port
+
+
+async def stop_engine(server: grpc.aio.Server, service: EngineService, grace_s: float) -> None:
+    """Stops the gRPC server and the stream socket; streams still open after `grace_s` are
+    cancelled."""
+    if service.stream_socket is None:
+        await server.stop(grace=grace_s)
+        return
+    await asyncio.gather(server.stop(grace=grace_s), service.stream_socket.close(grace_s))
 
 
 async def run_engine(
@@ -917,6 +960,7 @@ async def run_engine(
     listen: str,
     options: EngineOptions | None = None,
     metrics_listen: str | None = None,
+    stream_socket: Path | None = None,
 ) -> int:
     """The `appliance engine` process: serve until SIGTERM/SIGINT."""
     started = time.monotonic()
@@ -925,7 +969,12 @@ async def run_engine(
         if (taken := taken_address(listen)) is not None:
             raise RepositoryError(taken)
         models = load_repository(repository, options)
-        server, service, _ = await start_engine(models, listen)
+        try:
+            server, service, _ = await start_engine(models, listen, stream_socket)
+        except RepositoryError:
+            for model in models.values():
+                model.runner.close()
+            raise
     except RepositoryError as exc:
         logline.last_line(f"appliance engine: {exc}")
         return 2
@@ -936,24 +985,25 @@ async def run_engine(
             logline.last_line(
                 f"appliance engine: cannot serve metrics on {metrics_listen}: {exc.strerror or exc}"
             )
-            await server.stop(grace=None)
+            await stop_engine(server, service, 0.0)
             for model in models.values():
                 model.runner.close()
             return 1
     # Models loaded, graphs captured, compute threads running: what is alive now lives as long
     # as the process, and a full collection walking it would stall the compute thread.
     frozen = freeze_heap()
+    served_on = listen if stream_socket is None else f"{listen} and {stream_socket}"
     log.info(
         "engine serving %s on %s (loaded in %.1f s; %d objects frozen out of the collector)",
         ", ".join(models),
-        listen,
+        served_on,
         time.monotonic() - started,
         frozen,
     )
-    await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {listen}")
+    await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {served_on}")
     stopping = time.monotonic()
     service.stop_streams()
-    await server.stop(grace=1.0)
+    await stop_engine(server, service, STOP_GRACE_S)
     # Cancel and join every compute thread before the interpreter exits (Runner.close).
     joined = all([model.runner.close() for model in models.values()])
     os.close(lock)

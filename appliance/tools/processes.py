@@ -41,8 +41,10 @@ def write_gateway_config(
     tokenizer_dir: Path,
     ready_timeout_s: float = 60.0,
     http_listen: str | None = None,
+    stream_socket: Path | None = None,
 ) -> Path:
     http = f'\n[http]\nlisten = "{http_listen}"\n' if http_listen else ""
+    socket = f'stream_socket = "{stream_socket}"\n' if stream_socket else ""
     path.write_text(
         f"""# Written by the appliance for a local run.
 [server]
@@ -55,7 +57,7 @@ tokenizer_dir = "{tokenizer_dir}"
 max_output_tokens = 512
 default_max_tokens = 64
 ready_timeout_s = {ready_timeout_s}
-"""
+{socket}"""
     )
     return path
 

@@ -51,17 +51,29 @@ class Stack:
 
 @contextmanager
 def engine_and_gateway(
-    tiny: Tiny, work: Path, edit_config: Callable[[str], str] = lambda text: text
+    tiny: Tiny,
+    work: Path,
+    edit_config: Callable[[str], str] = lambda text: text,
+    stream_socket: bool = False,
 ) -> Iterator[Stack]:
-    """`edit_config` rewrites the gateway's TOML (processes.write_gateway_config's) first."""
+    """`edit_config` rewrites the gateway's TOML (processes.write_gateway_config's) first. With
+    `stream_socket` the gateway sends its generations to the engine's stream socket."""
     engine_addr = f"127.0.0.1:{processes.free_port()}"
     gateway_addr = f"127.0.0.1:{processes.free_port()}"
+    socket = work / "engine.sock" if stream_socket else None
     config = processes.write_gateway_config(
-        work / "gateway.toml", gateway_addr, MODEL, engine_addr, tiny.tokenizer_dir
+        work / "gateway.toml",
+        gateway_addr,
+        MODEL,
+        engine_addr,
+        tiny.tokenizer_dir,
+        stream_socket=socket,
     )
     config.write_text(edit_config(config.read_text()))
+    socket_args = [] if socket is None else ["--stream-socket", str(socket)]
     engine = processes.spawn(
-        ["engine", "--repository", str(tiny.repo), "--listen", engine_addr], work / "engine.log"
+        ["engine", "--repository", str(tiny.repo), "--listen", engine_addr, *socket_args],
+        work / "engine.log",
     )
     gateway = processes.spawn(["serve", "--config", str(config)], work / "gateway.log")
     stack = Stack(gateway_addr, config, work / "gateway.log", gateway)

@@ -48,10 +48,14 @@ class Ports:
         )
 
 
-@pytest.fixture
-def stack(tiny: Tiny, tmp_path: Path) -> Iterator[tuple[Stack, Ports]]:
+@pytest.fixture(params=["grpc", "stream socket"])
+def stack(
+    tiny: Tiny, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Stack, Ports]]:
+    """The gateway reaches the engine over gRPC, or over the engine's stream socket."""
     ports = Ports()
-    with engine_and_gateway(tiny, tmp_path, ports.edit) as s:
+    over_socket = request.param == "stream socket"
+    with engine_and_gateway(tiny, tmp_path, ports.edit, stream_socket=over_socket) as s:
         yield s, ports
     # The gateway has exited (teardown checked its status): its whole log is there.
     lines = s.log_lines()

@@ -2,6 +2,7 @@
 requests one after another share one stream and get exactly their own tokens; a request that ends
 early, fails or runs out of time takes its stream down; a kept stream the server ended is replaced
 without the request failing; a stopping server refuses new requests in-band and ends idle streams.
+Each holds over gRPC and over the engine's stream socket.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.backends.triton import TritonBackend
-from appliance.engine.server import STOPPING, EngineService, load_repository, start_engine
+from appliance.engine.server import (
+    STOPPING,
+    EngineService,
+    load_repository,
+    start_engine,
+    stop_engine,
+)
 from tests.conftest import Engine
 from tests.engine.test_conformance import is_final, request
 from tests.support import until_async, until_engine
@@ -50,8 +57,10 @@ class Counted:
 
 
 @asynccontextmanager
-async def ready_backend(address: str) -> AsyncIterator[TritonBackend]:
-    b = TritonBackend(address, MODEL)
+async def ready_backend(
+    address: str, stream_socket: Path | None = None
+) -> AsyncIterator[TritonBackend]:
+    b = TritonBackend(address, MODEL, stream_socket)
     await b.wait_ready(30)
     try:
         yield b
@@ -59,9 +68,13 @@ async def ready_backend(address: str) -> AsyncIterator[TritonBackend]:
         await b.close()
 
 
-@pytest.fixture
-async def backend(engine: Engine) -> AsyncIterator[TritonBackend]:
-    async with ready_backend(engine.address) as b:
+TRANSPORTS = ["grpc", "stream socket"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def backend(engine: Engine, request: pytest.FixtureRequest) -> AsyncIterator[TritonBackend]:
+    socket = engine.stream_socket if request.param == "stream socket" else None
+    async with ready_backend(engine.address, socket) as b:
         yield b
 
 
@@ -120,11 +133,12 @@ async def test_an_in_band_error_takes_its_stream_down(backend: TritonBackend) ->
 class PrivateEngine:
     """An engine server of this test's own, which it may stop and start again on its port."""
 
-    def __init__(self, engine_repo: Path) -> None:
+    def __init__(self, engine_repo: Path, socket: Path) -> None:
         self.models = load_repository(engine_repo)
         self.port = 0
         self.server: grpc.aio.Server | None = None
         self.service: EngineService | None = None
+        self.socket = socket
 
     @property
     def address(self) -> str:
@@ -132,27 +146,30 @@ class PrivateEngine:
 
     async def start(self) -> None:
         self.server, self.service, self.port = await start_engine(
-            {MODEL: self.models[MODEL]}, self.address
+            {MODEL: self.models[MODEL]}, self.address, self.socket
         )
 
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=None)
+        if self.server is not None and self.service is not None:
+            await stop_engine(self.server, self.service, 0.0)
             self.server = None
 
 
 @pytest.fixture
-async def private(engine_repo: Path) -> AsyncIterator[PrivateEngine]:
-    engine = PrivateEngine(engine_repo)
+async def private(engine_repo: Path, tmp_path: Path) -> AsyncIterator[PrivateEngine]:
+    engine = PrivateEngine(engine_repo, tmp_path / "s.sock")
     await engine.start()
     yield engine
     await engine.stop()
     engine.models[MODEL].runner.close()
 
 
-@pytest.fixture
-async def private_backend(private: PrivateEngine) -> AsyncIterator[TritonBackend]:
-    async with ready_backend(private.address) as b:
+@pytest.fixture(params=TRANSPORTS)
+async def private_backend(
+    private: PrivateEngine, request: pytest.FixtureRequest
+) -> AsyncIterator[TritonBackend]:
+    socket = private.socket if request.param == "stream socket" else None
+    async with ready_backend(private.address, socket) as b:
         yield b
 
 

@@ -36,7 +36,10 @@ def _small_limits(config: str) -> str:
 
 @pytest.fixture(scope="module")
 def gateway(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with engine_and_gateway(tiny, tmp_path_factory.mktemp("fuzz"), _small_limits) as stack:
+    # Over the engine's stream socket: the other gateway stacks reach the engine over gRPC.
+    with engine_and_gateway(
+        tiny, tmp_path_factory.mktemp("fuzz"), _small_limits, stream_socket=True
+    ) as stack:
         yield stack
 
 

@@ -1,0 +1,331 @@
+"""`ModelStreamInfer` over a Unix socket: the engine server's stream socket, both ends.
+
+A gRPC hop costs each end HTTP/2 framing and grpc.aio's call machinery for every message: a bare
+grpc.aio relay adds about as much to a call as the call itself costs, a relay over a Unix socket with
+length-prefixed messages a small part of that (`bench/streaming.py`). So the engine server can also
+serve its streams here (`appliance engine --stream-socket PATH`), and the gateway sends its
+generations there (`stream_socket` of a model) while readiness, configuration and `stop=true` stay
+on gRPC. Triton has no such socket.
+
+The protocol carries Triton's messages unchanged:
+- the client opens with `PREAMBLE`; then every message, either way, is its length as 4 bytes
+  little-endian and a serialized protobuf: `ModelInferRequest` from the client,
+  `ModelStreamInferResponse` from the server;
+- one connection is one stream, with a gRPC stream's semantics: requests one after another,
+  responses in-band, and closing the connection cancels whatever runs on it;
+- a message over the receiving end's limit, a bad preamble or bytes that do not parse close the
+  connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as ts
+
+from appliance.backends.base import BackendError
+
+log = logging.getLogger(__name__)
+
+PREAMBLE = b"appliance-stream-socket/1\n"
+_LENGTH = struct.Struct("<I")
+# Responses read ahead of the reader, at most; past that the socket is read no further.
+INBOX_FRAMES = 256
+# A connection that sends no complete preamble in this long is dropped.
+PREAMBLE_TIMEOUT_S = 5.0
+# Bytes of a Unix socket's path (sun_path holds 108 with the terminating NUL).
+UNIX_PATH_MAX = 107
+
+
+def frame(message: Any) -> bytes:
+    payload: bytes = message.SerializeToString()
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class FrameError(Exception):
+    """The peer sent what this protocol does not allow; the connection is closed."""
+
+
+class FrameParser:
+    """Splits received bytes into message payloads, refusing one over `max_bytes` by its length
+    prefix (before its bytes arrive)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        payloads: list[bytes] = []
+        start = 0
+        while len(buffer) - start >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(buffer, start)
+            if size > self._max:
+                raise FrameError(f"a message of {size} bytes (at most {self._max})")
+            end = start + _LENGTH.size + size
+            if len(buffer) < end:
+                break
+            payloads.append(bytes(buffer[start + _LENGTH.size : end]))
+            start = end
+        del buffer[:start]
+        return payloads
+
+
+# --- the client: one stream, as much of grpc.aio's StreamStreamCall as TritonBackend uses ------
+
+
+class SocketStream(asyncio.Protocol):
+    """One stream on the socket at `path`; connects on its first write."""
+
+    def __init__(self, path: str, max_bytes: int) -> None:
+        self._path = path
+        self._parser = FrameParser(max_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._inbox: collections.deque[bytes] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._ended = False
+        self._cancelled = False
+        self._fault: str | None = None
+
+    async def write(self, request: ts.ModelInferRequest) -> None:
+        if self._ended:
+            raise asyncio.InvalidStateError("the stream has ended")
+        if self._transport is None:
+            transport = await self._connect()
+            transport.write(PREAMBLE + frame(request))
+            return
+        self._transport.write(frame(request))
+
+    async def _connect(self) -> asyncio.Transport:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_unix_connection(lambda: self, self._path)
+        except OSError as exc:
+            self._ended = True
+            raise BackendError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"engine stream socket {self._path} unavailable: {exc.strerror or exc}",
+            ) from None
+        self._transport = transport
+        if self._cancelled:  # cancelled while connecting
+            self._close()
+            raise asyncio.InvalidStateError("the stream was cancelled")
+        return transport
+
+    async def read(self) -> object:
+        """The next response; grpc.aio.EOF once the server closed the connection; as grpc.aio's
+        call, CancelledError once `cancel` was called."""
+        while not self._inbox or self._cancelled:
+            if self._cancelled:
+                raise asyncio.CancelledError()
+            if self._ended:
+                if self._fault is not None:
+                    raise BackendError(grpc.StatusCode.UNAVAILABLE, self._fault)
+                return grpc.aio.EOF
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        payload = self._inbox.popleft()
+        if self._paused and len(self._inbox) < INBOX_FRAMES // 2 and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        try:
+            return ts.ModelStreamInferResponse.FromString(payload)
+        except DecodeError:
+            self._close()
+            raise BackendError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"engine stream socket {self._path} sent a message that is not a "
+                "ModelStreamInferResponse",
+            ) from None
+
+    def cancel(self) -> bool:
+        if self._ended:
+            return False
+        self._cancelled = True
+        self._close()
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._ended
+
+    def _close(self) -> None:
+        self._ended = True
+        if self._transport is not None:
+            self._transport.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # asyncio.Protocol
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            payloads = self._parser.feed(data)
+        except FrameError as exc:
+            self._fault = f"engine stream socket {self._path} sent {exc}"
+            self._close()
+            return
+        self._inbox.extend(payloads)
+        if len(self._inbox) >= INBOX_FRAMES and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        if payloads:
+            self._wake()
+
+    def eof_received(self) -> bool:
+        self._close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended = True
+        self._wake()
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+Streamer = Callable[
+    [AsyncIterator[ts.ModelInferRequest]], AsyncIterator[ts.ModelStreamInferResponse]
+]
+
+
+class SocketInUse(Exception):
+    pass
+
+
+def _claim(path: Path) -> None:
+    """Removes a socket file that nothing listens on (a server that died left it); refuses a
+    path another server listens on, or that is not a socket."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise SocketInUse(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                path.unlink(missing_ok=True)
+                return
+            raise SocketInUse(f"{path}: {exc.strerror}") from None
+    raise SocketInUse(f"another process serves {path}")
+
+
+class StreamSocketServer:
+    """Serves `streamer` (one call per connection) on a Unix socket at `path`, readable and
+    writable by the owner and group only."""
+
+    def __init__(self, path: Path, streamer: Streamer, max_bytes: int) -> None:
+        self.path = path
+        self._streamer = streamer
+        self._max = max_bytes
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Raises SocketInUse (or OSError) when the path cannot be served."""
+        _claim(self.path)
+        old = os.umask(0o117)
+        try:
+            self._server = await asyncio.start_unix_server(self._accept, str(self.path))
+        finally:
+            os.umask(old)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except FrameError as exc:
+            log.warning("stream socket: closed a connection that sent %s", exc)
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(PREAMBLE_TIMEOUT_S):
+                preamble = await reader.readexactly(len(PREAMBLE))
+        except TimeoutError:
+            raise FrameError(f"no preamble in {PREAMBLE_TIMEOUT_S:g} s") from None
+        if preamble != PREAMBLE:
+            raise FrameError("a preamble of another protocol")
+        pump = asyncio.current_task()
+        assert pump is not None
+        closed = False
+
+        async def requests() -> AsyncIterator[ts.ModelInferRequest]:
+            """The connection's requests; at its end (the client closed it, or sent what does
+            not parse) whatever runs on it is cancelled, as a cancelled gRPC stream's is."""
+            nonlocal closed
+            try:
+                while True:
+                    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+                    if size > self._max:
+                        log.warning(
+                            "stream socket: closed a connection that sent a message of %d "
+                            "bytes (at most %d)",
+                            size,
+                            self._max,
+                        )
+                        return
+                    try:
+                        yield ts.ModelInferRequest.FromString(await reader.readexactly(size))
+                    except DecodeError:
+                        log.warning(
+                            "stream socket: closed a connection that sent a message that is "
+                            "not a ModelInferRequest"
+                        )
+                        return
+            except (ConnectionError, asyncio.IncompleteReadError):
+                return
+            finally:
+                closed = True
+                pump.cancel()
+
+        try:
+            async for response in self._streamer(requests()):
+                writer.write(frame(response))
+                await writer.drain()
+        except asyncio.CancelledError:
+            if not closed:
+                raise
+
+    async def close(self, grace_s: float) -> None:
+        """Stops accepting; streams still open after `grace_s` are cancelled."""
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        if self._connections:
+            _, pending = await asyncio.wait(list(self._connections), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,267 @@
+"""The engine's stream socket (appliance/backends/stream_socket.py) against what a client may send
+it: frames cut anywhere, a message over the limit refused by its length before its bytes, a
+preamble of another protocol, bytes that do not parse, silence; a socket file left by a dead server
+is taken over and a live one is not; and a gateway that names the socket serves through it, and
+says which socket is missing when the engine is not there.
+
+The same streams over gRPC and over the socket are compared in test_engine_streams.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2 as ts
+
+from appliance.backends import stream_socket
+from appliance.backends.base import GREEDY, BackendError, GenerationRequest
+from appliance.backends.stream_socket import (
+    PREAMBLE,
+    FrameError,
+    FrameParser,
+    SocketInUse,
+    StreamSocketServer,
+    frame,
+)
+from appliance.backends.triton import TritonBackend
+from appliance.client import generate
+from appliance.config import ConfigError, load_config
+from appliance.engine.server import MAX_REQUEST_BYTES
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Engine, Tiny
+from tests.engine.test_conformance import is_final, request
+from tests.gateway.stack import MODEL, engine_and_gateway
+from tests.support import until_async, until_engine
+
+
+def test_frames_cut_anywhere_come_out_whole() -> None:
+    messages = [request(f"r{k}", max_tokens=k + 1) for k in range(3)]
+    data = b"".join(frame(m) for m in messages)
+    for cut in (1, 3, 4, 5, 17, len(data) - 1):
+        parser = FrameParser(1 << 20)
+        payloads = parser.feed(data[:cut]) + parser.feed(data[cut:])
+        assert [ts.ModelInferRequest.FromString(p) for p in payloads] == messages
+
+
+def test_a_message_over_the_limit_is_refused_by_its_length_alone() -> None:
+    parser = FrameParser(100)
+    assert parser.feed(struct.pack("<I", 100) + b"x" * 100) == [b"x" * 100]
+    with pytest.raises(FrameError, match="101 bytes"):
+        parser.feed(struct.pack("<I", 101))  # none of its bytes sent
+
+
+async def _raw(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_unix_connection(str(path))
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    async with asyncio.timeout(10):
+        return await reader.read() == b""
+
+
+async def _stream_over_raw_socket(path: Path, rid: str) -> list[ts.ModelStreamInferResponse]:
+    reader, writer = await _raw(path)
+    writer.write(PREAMBLE + frame(request(rid, max_tokens=3)))
+    parser = FrameParser(1 << 20)
+    seen: list[ts.ModelStreamInferResponse] = []
+    async with asyncio.timeout(30):
+        while not seen or not is_final(seen[-1].infer_response):
+            for payload in parser.feed(await reader.read(65536)):
+                seen.append(ts.ModelStreamInferResponse.FromString(payload))
+    writer.close()
+    return seen
+
+
+async def test_a_raw_client_gets_triton_responses(engine: Engine) -> None:
+    assert engine.stream_socket is not None
+    seen = await _stream_over_raw_socket(engine.stream_socket, "raw")
+    assert all(m.infer_response.id == "raw" and not m.error_message for m in seen)
+    assert is_final(seen[-1].infer_response)
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", id="another protocol"),
+        pytest.param(PREAMBLE + struct.pack("<I", MAX_REQUEST_BYTES + 1), id="over the limit"),
+        pytest.param(PREAMBLE + struct.pack("<I", 3) + b"\xff\xff\xff", id="not a request"),
+    ],
+)
+async def test_what_the_protocol_does_not_allow_closes_the_connection(
+    engine: Engine, sent: bytes
+) -> None:
+    assert engine.stream_socket is not None
+    reader, writer = await _raw(engine.stream_socket)
+    writer.write(sent)
+    assert await _closed_by_server(reader)
+    writer.close()
+    # ... and the server serves the next client.
+    assert is_final(
+        (await _stream_over_raw_socket(engine.stream_socket, "next"))[-1].infer_response
+    )
+
+
+async def test_a_silent_client_is_dropped(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine.stream_socket is not None
+    monkeypatch.setattr(stream_socket, "PREAMBLE_TIMEOUT_S", 0.1)
+    reader, writer = await _raw(engine.stream_socket)
+    writer.write(PREAMBLE[:5])
+    assert await _closed_by_server(reader)
+    writer.close()
+
+
+async def test_closing_the_connection_cancels_its_request(engine: Engine) -> None:
+    assert engine.stream_socket is not None
+    cancelled = engine.stats().cancelled
+    reader, writer = await _raw(engine.stream_socket)
+    writer.write(PREAMBLE + frame(request("left", max_tokens=2000)))
+    await reader.read(1)  # the first response has begun
+    writer.close()
+    await until_engine(engine.stats(), lambda: engine.stats().cancelled > cancelled)
+
+
+async def test_closing_the_connection_cancels_a_request_still_queued(engine: Engine) -> None:
+    """Nothing is written to a queued request's connection, so only reading notices the close."""
+    assert engine.stream_socket is not None
+    running_reader, running = await _raw(engine.stream_socket)
+    running.write(PREAMBLE + frame(request("running", max_tokens=2000)))
+    await running_reader.read(1)
+    _, queued = await _raw(engine.stream_socket)
+    queued.write(PREAMBLE + frame(request("queued", max_tokens=4)))
+    await until_async(lambda: set(engine.service._by_id) == {"running", "queued"})
+    queued.close()
+    await until_async(lambda: set(engine.service._by_id) == {"running"})
+    running.close()
+    await until_async(lambda: not engine.service._by_id)
+
+
+async def _nothing(
+    _: AsyncIterator[ts.ModelInferRequest],
+) -> AsyncIterator[ts.ModelStreamInferResponse]:
+    return
+    yield
+
+
+async def test_a_socket_left_by_a_dead_server_is_taken_over(tmp_path: Path) -> None:
+    path = tmp_path / "s.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))  # bound, never listening: what a killed server leaves
+    dead.close()
+    server = StreamSocketServer(path, _nothing, 1024)
+    await server.start()
+    try:
+        assert path.is_socket() and path.stat().st_mode & 0o777 == 0o660
+        with pytest.raises(SocketInUse, match="another process serves"):
+            await StreamSocketServer(path, _nothing, 1024).start()
+    finally:
+        await server.close(0.0)
+    assert not path.exists()
+
+
+async def test_a_path_that_is_not_a_socket_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    with pytest.raises(SocketInUse, match="not a socket"):
+        await StreamSocketServer(path, _nothing, 1024).start()
+    assert path.read_text() == "keep me"
+
+
+async def test_a_missing_socket_is_unavailable_and_named(engine: Engine, tmp_path: Path) -> None:
+    backend = TritonBackend(engine.address, "tensorrt_llm", tmp_path / "absent.sock")
+    await backend.wait_ready(30)
+    try:
+        with pytest.raises(BackendError) as err:
+            async for _ in backend.stream(
+                GenerationRequest("x", [1, 2, 3], 2, None, None, GREEDY, 10.0)
+            ):
+                pass
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert f"engine stream socket {tmp_path / 'absent.sock'} unavailable" in err.value.message
+    finally:
+        await backend.close()
+
+
+def _config(tmp_path: Path, line: str) -> Path:
+    path = tmp_path / "g.toml"
+    path.write_text(
+        f'[server]\nlisten = "127.0.0.1:1"\n[models.m]\nbackend = "127.0.0.1:2"\n'
+        f'tokenizer_dir = "tok"\n{line}\n'
+    )
+    return path
+
+
+def test_the_gateway_reads_the_socket_relative_to_its_configuration(tmp_path: Path) -> None:
+    config = load_config(_config(tmp_path, 'stream_socket = "run/engine.sock"'))
+    assert config.models["m"].stream_socket == tmp_path / "run" / "engine.sock"
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        (f'stream_socket = "/{"x" * 120}"', "longer than a Unix socket's path"),
+        (
+            'stream_socket = "/run/e.sock"\nbackend_kind = "appliance.backends.triton:TritonBackend"',
+            'needs backend_kind = "triton"',
+        ),
+    ],
+)
+def test_a_socket_the_gateway_cannot_use_is_refused(tmp_path: Path, line: str, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(_config(tmp_path, line))
+    assert "stream_socket" in str(err.value) and says in str(err.value)
+
+
+def test_the_engine_refuses_a_socket_path_too_long_in_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "appliance",
+            "engine",
+            "--repository",
+            str(tmp_path),
+            "--stream-socket",
+            "/" + "x" * 120,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "longer than a Unix socket's path" in lines[0], done.stderr
+
+
+def _unix_sockets_named(path: Path) -> int:
+    """Sockets on this host bound to `path`: a listener and every connection it accepted."""
+    return sum(line.rstrip().endswith(" " + str(path)) for line in open("/proc/net/unix"))
+
+
+async def test_a_gateway_serves_through_the_socket(
+    tiny: Tiny, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ask = pb.GenerateRequest(
+        model=MODEL,
+        prompt="The gateway streams tokens",
+        max_tokens=8,
+        temperature=0,
+        cache_policy=pb.CACHE_POLICY_BYPASS,
+    )
+    answers = []
+    for over_socket in (False, True):
+        work = tmp_path_factory.mktemp("socket-gateway")
+        with engine_and_gateway(tiny, work, stream_socket=over_socket) as stack:
+            async with grpc.aio.insecure_channel(stack.address) as channel:
+                answers.append((await generate(pb_grpc.InferenceStub(channel), ask)).token_ids)
+            if over_socket:  # the listener, and the gateway's stream kept open on it
+                assert _unix_sockets_named(work / "engine.sock") == 2
+    assert answers[0] and answers[0] == answers[1]
