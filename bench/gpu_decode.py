@@ -660,9 +660,12 @@ def table(report: dict[str, Any]) -> str:
         keys = [
             "(a) TTFT via gateway",
             "(b) TTFT direct to engine",
+            "(e) TTFT via gateway, stream socket",
             "(c) bare grpc.aio unary echo",
+            "(d) the echo through a bare grpc.aio relay",
             "(a) inter-token via gateway",
             "(b) inter-token direct",
+            "(e) inter-token via gateway, stream socket",
         ]
         lines.append("| whole path (µs) | P50 | P99 |\n|---|---:|---:|")
         lines += [f"| {k} | {path[k + ' P50']:.1f} | {path[k + ' P99']:.1f} |" for k in keys]

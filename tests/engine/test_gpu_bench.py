@@ -287,3 +287,23 @@ def test_the_prefill_comparison_times_both_bodies_and_compares_their_logits(
     assert {"prefill_16_fused_cpu_ops", "prefill_16_torch_cpu_ops"} <= set(result)
     text = gpu_decode.prefill_table([{"variant": "f32 triton", **result}])
     assert "| f32 triton | 16 |" in text and "| n/a | n/a |" in text
+
+
+def test_the_whole_path_runs_on_cpu_and_lands_in_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole-path part (bench/streaming.py: gateways over gRPC and over the engine's stream
+    socket, the engine alone, the echoes) for real with a few requests, so its table is proven
+    before a GPU run prints it."""
+
+    def measure(args: Any, variant: Any, device: Any, rng: Any, result: dict[str, Any]) -> None:
+        result.update(FAKE_FIGURES)
+
+    monkeypatch.setattr(gpu_decode, "measure_variant", measure)
+    argv = [a for a in _fast_argv(tmp_path, "--variants", "bf16 eager") if a != "--skip-path"]
+    assert gpu_decode.main([*argv, "--path-requests", "3"]) == 0
+    path = json.loads((tmp_path / "gpu_decode.json").read_text())["path"]
+    for row in ("(a) TTFT via gateway", "(e) TTFT via gateway, stream socket"):
+        assert 0 < path[f"{row} P50"] <= path[f"{row} P99"], path
+    out = capsys.readouterr().out
+    assert "| (e) inter-token via gateway, stream socket |" in out, out[-3000:]

@@ -164,6 +164,11 @@ def test_streamed_generate_returns_tokens(machine: Machine) -> None:
     assert int(answer["messages"]) > 1, answer  # streamed, not one message
     assert answer["finish_reason"] == "FINISH_REASON_LENGTH", answer
     assert answer["text"]
+    # It went over the engine's stream socket: its listener and the gateway's stream kept open
+    # there (the hardened gateway reaches the engine's runtime directory).
+    unix = machine.sh("cat", "/proc/net/unix").stdout.splitlines()
+    named = [line for line in unix if line.endswith(" /run/appliance-engine/streams.sock")]
+    assert len(named) == 2, unix
 
 
 def test_a_paraphrase_is_answered_by_the_semantic_tier(machine: Machine) -> None:
