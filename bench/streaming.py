@@ -106,7 +106,7 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
                 relayed_s: list[float] = []
                 a_ttft, a_itl, a_gaps, b_ttft, b_itl, b_gaps, echo_s = [], [], [], [], [], [], []
                 a_queue, a_server_ttft = [], []
-                e_ttft, e_itl, e_queue = [], [], []
+                e_ttft, e_itl, e_queue, e_server_ttft = [], [], [], []
                 lengths = set()
                 for i in range(args.requests):
                     r = await generate(stub, request)
@@ -121,6 +121,7 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
                     e_ttft.append(r.ttft_s)
                     e_itl.append(r.inter_token_s)
                     e_queue.append(r.final.timings.queue_us / 1e6)
+                    e_server_ttft.append(r.final.timings.ttft_us / 1e6)
                     ttft, itl, gaps, count = await direct(backend, ids, args.output_tokens, f"b{i}")
                     lengths.add(count)
                     b_ttft.append(ttft)
@@ -167,6 +168,7 @@ async def run(args: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> di
     print(row("(a) gateway-side: arrival → engine request sent", a_queue))
     print(row("(a) gateway-side: arrival → first token sent", a_server_ttft))
     print(row("(e) gateway-side: arrival → engine request sent", e_queue))
+    print(row("(e) gateway-side: arrival → first token sent", e_server_ttft))
     added_ttft_p99 = (pct(a_ttft, 0.99) - pct(b_ttft, 0.99)) * us
     added_itl_p50 = (pct(a_itl, 0.5) - pct(b_itl, 0.5)) * us
     echo_p99 = pct(echo_s, 0.99) * us
