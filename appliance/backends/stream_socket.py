@@ -28,7 +28,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,9 @@ _LENGTH = struct.Struct("<I")
 INBOX_FRAMES = 256
 # A connection that sends no complete preamble in this long is dropped.
 PREAMBLE_TIMEOUT_S = 5.0
+# Connecting while the server's backlog is full: tries, and the wait before the n-th retry (n ×).
+CONNECT_TRIES = 5
+CONNECT_BACKOFF_S = 0.002
 # Bytes of a Unix socket's path (sun_path holds 108 with the terminating NUL).
 UNIX_PATH_MAX = 107
 
@@ -113,18 +116,27 @@ class SocketStream(asyncio.Protocol):
 
     async def _connect(self) -> asyncio.Transport:
         loop = asyncio.get_running_loop()
-        try:
-            transport, _ = await loop.create_unix_connection(lambda: self, self._path)
-        except OSError as exc:
-            self._ended = True
-            raise BackendError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"engine stream socket {self._path} unavailable: {exc.strerror or exc}",
-            ) from None
+        for attempt in range(1, CONNECT_TRIES + 1):
+            try:
+                transport, _ = await loop.create_unix_connection(lambda: self, self._path)
+                break
+            except OSError as exc:
+                # EAGAIN: the server's backlog is full (a burst of new streams); nothing was
+                # sent yet, so trying again is safe.
+                if exc.errno == errno.EAGAIN and attempt < CONNECT_TRIES and not self._cancelled:
+                    await asyncio.sleep(CONNECT_BACKOFF_S * attempt)
+                    continue
+                self._ended = True
+                if self._cancelled:
+                    raise asyncio.CancelledError() from None
+                raise BackendError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"engine stream socket {self._path} unavailable: {exc.strerror or exc}",
+                ) from None
         self._transport = transport
-        if self._cancelled:  # cancelled while connecting
+        if self._cancelled:  # cancelled while connecting: as grpc.aio's write of a cancelled call
             self._close()
-            raise asyncio.InvalidStateError("the stream was cancelled")
+            raise asyncio.CancelledError()
         return transport
 
     async def read(self) -> object:
@@ -207,7 +219,7 @@ class SocketStream(asyncio.Protocol):
 # --- the server ----------------------------------------------------------------------------------
 
 Streamer = Callable[
-    [AsyncIterator[ts.ModelInferRequest]], AsyncIterator[ts.ModelStreamInferResponse]
+    [AsyncIterator[ts.ModelInferRequest]], AsyncGenerator[ts.ModelStreamInferResponse, None]
 ]
 
 
@@ -215,24 +227,23 @@ class SocketInUse(Exception):
     pass
 
 
-def _claim(path: Path) -> None:
-    """Removes a socket file that nothing listens on (a server that died left it); refuses a
-    path another server listens on, or that is not a socket."""
+def serving_problem(path: Path) -> str | None:
+    """Why a server cannot take `path`: another process serves it, or it is not a socket. None
+    when it is free or holds the socket of a server that died, which `start` replaces."""
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
-        return
+        return None
     if not stat.S_ISSOCK(mode):
-        raise SocketInUse(f"{path} exists and is not a socket")
+        return "it exists and is not a socket"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(str(path))
         except OSError as exc:
             if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-                path.unlink(missing_ok=True)
-                return
-            raise SocketInUse(f"{path}: {exc.strerror}") from None
-    raise SocketInUse(f"another process serves {path}")
+                return None
+            return exc.strerror or str(exc)
+    return "another process serves it"
 
 
 class StreamSocketServer:
@@ -244,18 +255,27 @@ class StreamSocketServer:
         self._streamer = streamer
         self._max = max_bytes
         self._server: asyncio.AbstractServer | None = None
+        self._inode: int | None = None  # of the socket file this server made
+        self._closing = False
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Raises SocketInUse (or OSError) when the path cannot be served."""
-        _claim(self.path)
-        old = os.umask(0o117)
-        try:
-            self._server = await asyncio.start_unix_server(self._accept, str(self.path))
-        finally:
-            os.umask(old)
+        problem = serving_problem(self.path)
+        if problem is not None:
+            raise SocketInUse(problem)
+        self.path.unlink(missing_ok=True)  # a dead server's socket, if anything
+        # A full backlog refuses a connect at once (EAGAIN): a burst of new streams waits here.
+        self._server = await asyncio.start_unix_server(
+            self._accept, str(self.path), backlog=socket.SOMAXCONN
+        )
+        os.chmod(self.path, 0o660)
+        self._inode = self.path.lstat().st_ino
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:  # accepted before `close`, first run after it: never served
+            writer.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
@@ -265,6 +285,10 @@ class StreamSocketServer:
             pass
         except FrameError as exc:
             log.warning("stream socket: closed a connection that sent %s", exc)
+        except asyncio.CancelledError:
+            # `close` cancelled it past its grace. The server owns this task and nothing awaits
+            # it; ended cancelled, Python 3.11's streams would log it as an error.
+            pass
         finally:
             self._connections.discard(task)
             writer.close()
@@ -310,20 +334,33 @@ class StreamSocketServer:
                 closed = True
                 pump.cancel()
 
+        responses = self._streamer(requests())
+        awaitable = True
         try:
-            async for response in self._streamer(requests()):
+            async for response in responses:
                 writer.write(frame(response))
                 await writer.drain()
         except asyncio.CancelledError:
             if not closed:
                 raise
+            pump.uncancel()  # the connection's own end cancelled it, not its owner
+        except GeneratorExit:  # this coroutine is being collected: nothing may be awaited
+            awaitable = False
+            raise
+        finally:
+            # The streamer's clean-up (cancelling what runs on the connection) runs now, not
+            # when the collector finds it; a no-op where it ended by itself.
+            if awaitable:
+                await responses.aclose()
 
     async def close(self, grace_s: float) -> None:
         """Stops accepting; streams still open after `grace_s` are cancelled."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            if self.path.lstat().st_ino == self._inode:  # not another server's since
+                self.path.unlink()
         if self._connections:
             _, pending = await asyncio.wait(list(self._connections), timeout=grace_s)
             for task in pending:

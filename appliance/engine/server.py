@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance import logline, sdnotify
 from appliance.backends import wire
-from appliance.backends.stream_socket import SocketInUse, StreamSocketServer
+from appliance.backends.stream_socket import SocketInUse, StreamSocketServer, serving_problem
 from appliance.engine.guided import (
     NOT_SETUP_MESSAGE,
     CompiledGuide,
@@ -723,7 +723,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self,
         request_iterator: AsyncIterator[ts.ModelInferRequest],
         abort: Callable[[grpc.StatusCode, str], Awaitable[None]] | None = None,
-    ) -> AsyncIterator[ts.ModelStreamInferResponse]:
+    ) -> AsyncGenerator[ts.ModelStreamInferResponse, None]:
         """One stream's responses to its requests, whatever carries them (a gRPC
         `ModelStreamInfer` call or the stream socket). An error goes in-band, or to `abort`
         (Triton's `triton_grpc_error` header: the stream ends with the error's status). Leaving
@@ -935,7 +935,7 @@ async def start_engine(
         sockets = StreamSocketServer(stream_socket, service.stream, MAX_REQUEST_BYTES)
         try:
             await sockets.start()
-        except (SocketInUse, OSError) as exc:
+        except (SocketInUse, OSError) as exc:  # taken since the check before loading
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             await server.stop(grace=None)
             raise RepositoryError(
@@ -968,6 +968,8 @@ async def run_engine(
         lock = lock_repository(repository)  # before loading: a second server fails in ms
         if (taken := taken_address(listen)) is not None:
             raise RepositoryError(taken)
+        if stream_socket is not None and (problem := serving_problem(stream_socket)) is not None:
+            raise RepositoryError(f"cannot serve the stream socket {stream_socket}: {problem}")
         models = load_repository(repository, options)
         try:
             server, service, _ = await start_engine(models, listen, stream_socket)

@@ -14,7 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -28,6 +28,7 @@ from appliance.backends.stream_socket import (
     FrameError,
     FrameParser,
     SocketInUse,
+    SocketStream,
     StreamSocketServer,
     frame,
 )
@@ -35,6 +36,7 @@ from appliance.backends.triton import TritonBackend
 from appliance.client import generate
 from appliance.config import ConfigError, load_config
 from appliance.engine.server import MAX_REQUEST_BYTES
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
@@ -146,9 +148,71 @@ async def test_closing_the_connection_cancels_a_request_still_queued(engine: Eng
 
 async def _nothing(
     _: AsyncIterator[ts.ModelInferRequest],
-) -> AsyncIterator[ts.ModelStreamInferResponse]:
+) -> AsyncGenerator[ts.ModelStreamInferResponse, None]:
     return
     yield
+
+
+async def _forever(
+    requests: AsyncIterator[ts.ModelInferRequest],
+) -> AsyncGenerator[ts.ModelStreamInferResponse, None]:
+    """Takes one request and never answers it."""
+    await anext(requests)
+    await asyncio.Event().wait()
+    yield ts.ModelStreamInferResponse()
+
+
+async def test_a_burst_of_new_streams_all_connect(tmp_path: Path) -> None:
+    """Connects that outrun the server's accepts wait in its backlog, and one that finds the
+    backlog full tries again, instead of failing the request."""
+    server = StreamSocketServer(tmp_path / "s.sock", _forever, 1024)
+    await server.start()
+    streams = [SocketStream(str(server.path), 1024) for _ in range(600)]
+    try:
+        await asyncio.gather(*(s.write(request(f"b{k}")) for k, s in enumerate(streams)))
+        assert not any(s.done() for s in streams)
+    finally:
+        for s in streams:
+            s.cancel()
+        await server.close(0.0)
+
+
+async def test_streams_cut_at_shutdown_end_quietly(tmp_path: Path) -> None:
+    """A stream still running when the server closes is cancelled, and nothing is left for the
+    event loop to report (on Python 3.11 a connection task ended cancelled logs a traceback)."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        server = StreamSocketServer(tmp_path / "s.sock", _forever, 1024)
+        await server.start()
+        reader, writer = await _raw(server.path)
+        writer.write(PREAMBLE + frame(request("cut")))
+        await until_async(lambda: len(server._connections) == 1)
+        await server.close(0.0)
+        assert await _closed_by_server(reader)
+        writer.close()
+        await asyncio.sleep(0)  # callbacks of the closed connection run
+        assert not server._connections and not server.path.exists()
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []
+
+
+async def test_cancelled_while_connecting_is_cancelled(tmp_path: Path) -> None:
+    """As grpc.aio's write of a call cancelled meanwhile: CancelledError, which the backend turns
+    into CANCELLED while the gateway drains (not UNAVAILABLE)."""
+    server = StreamSocketServer(tmp_path / "s.sock", _forever, 1024)
+    await server.start()
+    stream = SocketStream(str(server.path), 1024)
+    writing = asyncio.ensure_future(stream.write(request("late")))
+    await asyncio.sleep(0)  # the connect is under way
+    stream.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+    assert stream.cancelled()
+    await server.close(0.0)
 
 
 async def test_a_socket_left_by_a_dead_server_is_taken_over(tmp_path: Path) -> None:
@@ -218,6 +282,37 @@ def test_a_socket_the_gateway_cannot_use_is_refused(tmp_path: Path, line: str, s
     with pytest.raises(ConfigError) as err:
         load_config(_config(tmp_path, line))
     assert "stream_socket" in str(err.value) and says in str(err.value)
+
+
+def test_the_engine_refuses_a_socket_another_process_serves_before_loading(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    path = tmp_path / "taken.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+        other.bind(str(path))
+        other.listen()
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "appliance",
+                "engine",
+                "--repository",
+                str(tiny.repo),
+                "--listen",
+                f"127.0.0.1:{processes.free_port()}",
+                "--stream-socket",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"appliance engine: cannot serve the stream socket {path}: another process serves it"
+    ], done.stderr
+    assert path.is_socket()  # left to its owner
 
 
 def test_the_engine_refuses_a_socket_path_too_long_in_one_line(tmp_path: Path) -> None:
