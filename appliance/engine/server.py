@@ -12,6 +12,9 @@ final flag, so its stream ends whether or not the client set `triton_enable_empt
 only drops a *null* final response). The `stop=true` request itself is answered at once with a response
 without outputs carrying the final flag.
 
+Its streams can also be served on a Unix socket (`--stream-socket`; appliance/backends/stream_socket.py),
+with the same semantics and none of gRPC's per-message cost; Triton has no such socket.
+
 The RPCs Triton has and this server does not (shared memory, trace, log settings, model load/unload)
 answer with the status and wording Triton uses when the feature is absent; ServerMetadata lists only the
 extensions served here.
@@ -938,12 +941,14 @@ async def start_engine(
         except (SocketInUse, OSError) as exc:  # taken since the check before loading
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             await server.stop(grace=None)
-            raise RepositoryError(
-                f"cannot serve the stream socket {stream_socket}: {why}"
-            ) from None
+            raise _socket_refused(stream_socket, why) from None
         service.stream_socket = sockets
     await server.start()
     return server, service, port
+
+
+def _socket_refused(path: Path, why: str) -> RepositoryError:
+    return RepositoryError(f"cannot serve the stream socket {path}: {why}")
 
 
 async def stop_engine(server: grpc.aio.Server, service: EngineService, grace_s: float) -> None:
@@ -969,7 +974,7 @@ async def run_engine(
         if (taken := taken_address(listen)) is not None:
             raise RepositoryError(taken)
         if stream_socket is not None and (problem := serving_problem(stream_socket)) is not None:
-            raise RepositoryError(f"cannot serve the stream socket {stream_socket}: {problem}")
+            raise _socket_refused(stream_socket, problem)
         models = load_repository(repository, options)
         try:
             server, service, _ = await start_engine(models, listen, stream_socket)
