@@ -33,11 +33,11 @@ def _engine(args: argparse.Namespace) -> int:
     import torch
     import uvloop
 
-    from appliance.backends.stream_socket import UNIX_PATH_MAX
     from appliance.engine.options import EngineOptions
     from appliance.engine.prefill import parse_buckets
     from appliance.engine.server import run_engine
     from appliance.engine.verify import parse_verify_graphs
+    from appliance.listen import socket_path_problem
 
     try:
         prefill_buckets = parse_buckets(args.prefill_buckets)
@@ -72,12 +72,8 @@ def _engine(args: argparse.Namespace) -> int:
         print(f"appliance engine: {option}: {why}", file=sys.stderr)
         return 2
     stream_socket = None if args.stream_socket is None else Path(args.stream_socket).absolute()
-    if stream_socket is not None and len(os.fsencode(stream_socket)) > UNIX_PATH_MAX:
-        print(
-            f"appliance engine: --stream-socket {stream_socket}: longer than a Unix socket's "
-            f"path may be ({UNIX_PATH_MAX} bytes)",
-            file=sys.stderr,
-        )
+    if stream_socket is not None and (unusable := socket_path_problem(stream_socket)):
+        print(f"appliance engine: --stream-socket: {unusable}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     return uvloop.run(
@@ -223,7 +219,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _admin_channel(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str], ...]]:
     """The channel to the gateway (TLS when --ca-file is given) and the key's metadata. The key
     comes from $APPLIANCE_API_KEY or --api-key-file, never the command line (which `ps` shows)."""
-    import os
 
     import grpc
 

@@ -6,15 +6,14 @@ The README's "Configuration" section documents each key; keep the two in step.
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import tomlcheck
 from appliance.backends.base import backend_kind
-from appliance.backends.stream_socket import UNIX_PATH_MAX
 from appliance.cache.l2 import RedisSettings
 from appliance.cache.tiers import CacheTier, tier_class
+from appliance.listen import socket_path_problem
 from appliance.security.api_keys import RateLimits
 from appliance.security.secretfile import MAC_PURPOSE, PEPPER_PURPOSE, SecretFileError, read_secret
 from appliance.security.tls import ServerTls, TlsError, TlsSettings
@@ -394,11 +393,8 @@ def _stream_socket(r: _Reader, base: Path) -> Path | None:
         return None
     if r.data.get("backend_kind", "triton") != "triton":
         r.fail("stream_socket", 'needs backend_kind = "triton" (the engine server is one)')
-    if len(os.fsencode(socket)) > UNIX_PATH_MAX:
-        r.fail(
-            "stream_socket",
-            f"{socket} is longer than a Unix socket's path may be ({UNIX_PATH_MAX} bytes)",
-        )
+    if (problem := socket_path_problem(socket)) is not None:
+        r.fail("stream_socket", problem)
     return socket
 
 

@@ -8,7 +8,12 @@ finds out only after the load.
 from __future__ import annotations
 
 import errno
+import os
 import socket
+from pathlib import Path
+
+# Bytes of a Unix socket's path (sun_path holds 108 with the terminating NUL).
+UNIX_PATH_MAX = 107
 
 
 def taken_address(listen: str) -> str | None:
@@ -30,4 +35,11 @@ def taken_address(listen: str) -> str | None:
             except OSError as exc:
                 if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                     return f"cannot listen on {listen}: {exc.strerror}"
+    return None
+
+
+def socket_path_problem(path: Path) -> str | None:
+    """Why `path` cannot name a Unix socket (too long for sun_path), or None."""
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        return f"{path} is longer than a Unix socket's path may be ({UNIX_PATH_MAX} bytes)"
     return None

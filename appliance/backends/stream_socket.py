@@ -49,8 +49,6 @@ PREAMBLE_TIMEOUT_S = 5.0
 # Connecting while the server's backlog is full: tries, and the wait before the n-th retry (n ×).
 CONNECT_TRIES = 5
 CONNECT_BACKOFF_S = 0.002
-# Bytes of a Unix socket's path (sun_path holds 108 with the terminating NUL).
-UNIX_PATH_MAX = 107
 
 
 def frame(message: Any) -> bytes:
