@@ -471,7 +471,8 @@ class TritonBackend:
         deadline of its own: `g.timeout_s` bounds each wait for a response here. Leaving early
         (the caller stopped iterating, was cancelled, hit a stop string or the deadline) cancels
         the HTTP/2 stream and also sends `stop=true` with the same request id, so the engine stops
-        generating even where stream cancellation is not propagated.
+        generating even where stream cancellation is not propagated; on the engine server's stream
+        socket closing the connection is that cancellation.
         """
         if self._shutting_down or self._closed:
             raise BackendError(grpc.StatusCode.CANCELLED, "gateway shutting down")
@@ -534,7 +535,9 @@ class TritonBackend:
                 self._streams.give_back(call)
             else:
                 call.cancel()
-                if not finished:
+                # Closing a socket stream cancels what runs on it (the engine server's own
+                # contract); a gRPC stream's cancellation may not reach the engine (Triton).
+                if not finished and not isinstance(call, SocketStream):
                     self._spawn(self._send_stop(g.request_id, g.prompt_ids[:1]))
 
     async def _first(
