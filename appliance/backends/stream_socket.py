@@ -226,8 +226,13 @@ class SocketInUse(Exception):
 
 
 def serving_problem(path: Path) -> str | None:
-    """Why a server cannot take `path`: another process serves it, or it is not a socket. None
-    when it is free or holds the socket of a server that died, which `start` replaces."""
+    """Why a server cannot take `path`: its folder is missing or not writable, another process
+    serves it, or it is not a socket. None when it is free or holds the socket of a server that
+    died, which `start` replaces."""
+    if not path.parent.is_dir():
+        return f"its folder {path.parent} does not exist"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"this user cannot create files in {path.parent}"
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:

@@ -284,6 +284,26 @@ def test_a_socket_the_gateway_cannot_use_is_refused(tmp_path: Path, line: str, s
     assert "stream_socket" in str(err.value) and says in str(err.value)
 
 
+def _engine_on(tiny: Tiny, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "appliance",
+            "engine",
+            "--repository",
+            str(tiny.repo),
+            "--listen",
+            f"127.0.0.1:{processes.free_port()}",
+            "--stream-socket",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_the_engine_refuses_a_socket_another_process_serves_before_loading(
     tiny: Tiny, tmp_path: Path
 ) -> None:
@@ -291,28 +311,24 @@ def test_the_engine_refuses_a_socket_another_process_serves_before_loading(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
         other.bind(str(path))
         other.listen()
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "appliance",
-                "engine",
-                "--repository",
-                str(tiny.repo),
-                "--listen",
-                f"127.0.0.1:{processes.free_port()}",
-                "--stream-socket",
-                str(path),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = _engine_on(tiny, path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"appliance engine: cannot serve the stream socket {path}: another process serves it"
     ], done.stderr
     assert path.is_socket()  # left to its owner
+
+
+def test_the_engine_refuses_a_socket_in_a_missing_folder_before_loading(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    path = tmp_path / "absent" / "s.sock"
+    done = _engine_on(tiny, path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"appliance engine: cannot serve the stream socket {path}: its folder "
+        f"{path.parent} does not exist"
+    ], done.stderr
 
 
 def test_the_engine_refuses_a_socket_path_too_long_in_one_line(tmp_path: Path) -> None:
