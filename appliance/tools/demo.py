@@ -9,6 +9,8 @@ random-weight tiny model stays for tests and overhead benchmarks, where answers 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,16 +111,33 @@ def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
     _say(f"model ready in {time.monotonic() - started:.1f} s: {repo}")
     engine_addr = f"127.0.0.1:{processes.free_port()}"
     gateway_addr = f"127.0.0.1:{processes.free_port()}"
+    # As the ansible role deploys them: generations over the engine's stream socket, in a
+    # folder of its own whose path is short enough for a socket wherever the checkout is.
+    sockets = Path(tempfile.mkdtemp(prefix="appliance-demo-"))
+    stream_socket = sockets / "engine.sock"
     config = processes.write_gateway_config(
         workdir / "gateway.toml",
         gateway_addr,
         MODEL,
         engine_addr,
         (repo / "tensorrt_llm" / "tokenizer").resolve(),
+        stream_socket=stream_socket,
     )
-    _say(f"starting the engine server on {engine_addr} (log: {workdir / 'engine.log'})")
+    _say(
+        f"starting the engine server on {engine_addr} and {stream_socket} "
+        f"(log: {workdir / 'engine.log'})"
+    )
     engine = processes.spawn(
-        ["engine", "--repository", str(repo), "--listen", engine_addr], workdir / "engine.log"
+        [
+            "engine",
+            "--repository",
+            str(repo),
+            "--listen",
+            engine_addr,
+            "--stream-socket",
+            str(stream_socket),
+        ],
+        workdir / "engine.log",
     )
     gateway = None
     failure = None
@@ -136,6 +155,7 @@ def run_demo(workdir: Path, n: int, max_tokens: int) -> int:
     finally:
         gateway_code = processes.stop(gateway) if gateway is not None else 0
         codes = gateway_code, processes.stop(engine)
+        shutil.rmtree(sockets, ignore_errors=True)
     if failure is not None:
         print(f"appliance demo: {failure}", flush=True)
         return 1
