@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,13 +41,13 @@ def test_the_demo_answers_and_cleans_up(
         instruct_model, "ensure_instruct_model", lambda *_, **__: (tiny.model_dir, tiny.repo)
     )
     made: list[str] = []
-    mkdtemp = demo.tempfile.mkdtemp
+    mkdtemp = tempfile.mkdtemp
 
     def recorded(**kwargs: str) -> str:
         made.append(mkdtemp(**kwargs))
         return made[-1]
 
-    monkeypatch.setattr(demo.tempfile, "mkdtemp", recorded)
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)
     assert demo.run_demo(tmp_path, 2, 4) == 0
     out = capsys.readouterr().out
     assert f"and {made[0]}/engine.sock" in out and "Traceback" not in out
