@@ -17,7 +17,8 @@ from engine_build.repo import write_hf_repository
 from tests.conftest import Tiny
 
 
-def _engine(repo: Path) -> subprocess.CompletedProcess[str]:
+def engine_cli(repo: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """`appliance engine` on `repo` with `options`, to its exit."""
     return subprocess.run(
         [
             sys.executable,
@@ -28,6 +29,7 @@ def _engine(repo: Path) -> subprocess.CompletedProcess[str]:
             str(repo),
             "--listen",
             "127.0.0.1:0",
+            *options,
         ],
         capture_output=True,
         text=True,
@@ -54,7 +56,7 @@ def test_half_written_checkpoint_is_refused_naming_the_file(tiny: Tiny, tmp_path
     weights = model_dir / "model.safetensors"
     with weights.open("r+b") as f:  # a copy that stopped half way
         f.truncate(weights.stat().st_size // 2)
-    done = _engine(repo)
+    done = engine_cli(repo)
     assert done.returncode == 2
     line = _one_line(done.stderr)
     assert str(weights) in line and "not a readable safetensors file" in line
@@ -65,7 +67,7 @@ def test_missing_checkpoint_is_refused_naming_the_directory(tiny: Tiny, tmp_path
     shutil.copytree(tiny.model_dir, model_dir)
     repo = _repo_for(model_dir, tmp_path)
     shutil.rmtree(model_dir)
-    done = _engine(repo)
+    done = engine_cli(repo)
     assert done.returncode == 2
     line = _one_line(done.stderr)
     assert "checkpoint directory missing" in line and str(model_dir) in line
@@ -78,7 +80,7 @@ def test_a_second_engine_on_one_repository_fails_at_start(tiny: Tiny, tmp_path: 
     try:
         with pytest.raises(RepositoryError, match="another engine server is already serving"):
             lock_repository(repo)
-        done = _engine(repo)
+        done = engine_cli(repo)
         assert done.returncode == 2
         assert "another engine server is already serving this repository" in _one_line(done.stderr)
     finally:

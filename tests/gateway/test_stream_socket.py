@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import subprocess
-import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
@@ -36,11 +34,11 @@ from appliance.backends.triton import TritonBackend
 from appliance.client import generate
 from appliance.config import ConfigError, load_config
 from appliance.engine.server import MAX_REQUEST_BYTES
-from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
 from tests.engine.test_conformance import is_final, request
+from tests.engine.test_engine_process import engine_cli
 from tests.gateway.stack import MODEL, engine_and_gateway
 from tests.support import until_async, until_engine
 
@@ -284,26 +282,6 @@ def test_a_socket_the_gateway_cannot_use_is_refused(tmp_path: Path, line: str, s
     assert "stream_socket" in str(err.value) and says in str(err.value)
 
 
-def _engine_on(tiny: Tiny, path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "appliance",
-            "engine",
-            "--repository",
-            str(tiny.repo),
-            "--listen",
-            f"127.0.0.1:{processes.free_port()}",
-            "--stream-socket",
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_the_engine_refuses_a_socket_another_process_serves_before_loading(
     tiny: Tiny, tmp_path: Path
 ) -> None:
@@ -311,7 +289,7 @@ def test_the_engine_refuses_a_socket_another_process_serves_before_loading(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
         other.bind(str(path))
         other.listen()
-        done = _engine_on(tiny, path)
+        done = engine_cli(tiny.repo, "--stream-socket", str(path))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"appliance engine: cannot serve the stream socket {path}: another process serves it"
@@ -323,7 +301,7 @@ def test_the_engine_refuses_a_socket_in_a_missing_folder_before_loading(
     tiny: Tiny, tmp_path: Path
 ) -> None:
     path = tmp_path / "absent" / "s.sock"
-    done = _engine_on(tiny, path)
+    done = engine_cli(tiny.repo, "--stream-socket", str(path))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"appliance engine: cannot serve the stream socket {path}: its folder "
@@ -332,21 +310,7 @@ def test_the_engine_refuses_a_socket_in_a_missing_folder_before_loading(
 
 
 def test_the_engine_refuses_a_socket_path_too_long_in_one_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "appliance",
-            "engine",
-            "--repository",
-            str(tmp_path),
-            "--stream-socket",
-            "/" + "x" * 120,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = engine_cli(tmp_path, "--stream-socket", "/" + "x" * 120)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "longer than a Unix socket's path" in lines[0], done.stderr
