@@ -57,6 +57,7 @@ StreamCall: TypeAlias = (
     "grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse] | SocketStream"
 )
 
+# Largest message read from the inference server, over gRPC or the stream socket.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Reconnect quickly after the inference server restarts, instead of gRPC's default backoff of up to
 # two minutes; keepalive stays off (Triton's defaults GOAWAY clients that ping idle connections).
