@@ -193,7 +193,8 @@ def test_health_and_reflection(gateway_address: str) -> None:
         assert {m.name for m in service.methods} == {"Generate", "Complete"}
 
 
-def _serve(config: Path) -> subprocess.CompletedProcess[str]:
+def serve_to_exit(config: Path) -> subprocess.CompletedProcess[str]:
+    """`appliance serve` on `config`, to its exit (a start-up that fails)."""
     return subprocess.run(
         [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
         capture_output=True,
@@ -212,7 +213,7 @@ def test_engine_unreachable_at_start_up_exits_with_one_line(tiny: Tiny, tmp_path
         tiny.tokenizer_dir,
         1.0,
     )
-    done = _serve(config)
+    done = serve_to_exit(config)
     assert done.returncode == 1  # failed at run time: the configuration is fine
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1
@@ -226,7 +227,7 @@ def test_malformed_config_names_line_and_key(tmp_path: Path) -> None:
     config.write_text(
         '[server]\nlisten = "127.0.0.1:1"\n\n[models.x]\ntokenizer_dir = "t"\nbackend = 12\n'
     )
-    done = _serve(config)
+    done = serve_to_exit(config)
     assert done.returncode == 2
     assert done.stderr.strip() == (
         f"appliance serve: {config}:6: key 'models.x.backend': expected str, got int 12"

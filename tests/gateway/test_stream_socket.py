@@ -34,12 +34,14 @@ from appliance.backends.triton import TritonBackend
 from appliance.client import generate
 from appliance.config import ConfigError, load_config
 from appliance.engine.server import MAX_REQUEST_BYTES
+from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
 from tests.engine.test_conformance import is_final, request
 from tests.engine.test_engine_process import engine_cli
 from tests.gateway.stack import MODEL, engine_and_gateway
+from tests.gateway.test_e2e import serve_to_exit
 from tests.support import until_async, until_engine
 
 
@@ -340,3 +342,25 @@ async def test_a_gateway_serves_through_the_socket(
             if over_socket:  # the listener, and the gateway's stream kept open on it
                 assert _unix_sockets_named(work / "engine.sock") == 2
     assert answers[0] and answers[0] == answers[1]
+
+
+async def test_a_gateway_whose_socket_is_missing_stops_at_start_in_one_line(
+    engine: Engine, tiny: Tiny, tmp_path: Path
+) -> None:
+    """Readiness is asked over gRPC, so the socket is first tried by the warm-up request: a
+    wrong path ends the start, naming the socket, instead of failing the first client."""
+    absent = tmp_path / "absent.sock"
+    config = processes.write_gateway_config(
+        tmp_path / "g.toml",
+        f"127.0.0.1:{processes.free_port()}",
+        MODEL,
+        engine.address,
+        tiny.tokenizer_dir,
+        stream_socket=absent,
+    )
+    done = await asyncio.to_thread(serve_to_exit, config)
+    assert done.returncode == 1
+    assert (done.stdout + done.stderr).strip().splitlines() == [
+        f"appliance serve: model '{MODEL}': warm-up request failed: engine stream socket "
+        f"{absent} unavailable: No such file or directory"
+    ]
