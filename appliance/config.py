@@ -77,7 +77,7 @@ class ModelConfig:
     triton_model: str = "tensorrt_llm"
     # The engine server's stream socket (`appliance engine --stream-socket`): generations go there
     # instead of over gRPC, which costs each message HTTP/2 and grpc.aio's call machinery at both
-    # ends; readiness, configuration and stop requests stay on gRPC at `backend`. Triton has none.
+    # ends; readiness and configuration stay on gRPC at `backend`. Triton has none.
     stream_socket: Path | None = None
     # None: derived from the model's config.json (max_position_embeddings) at start-up.
     max_input_tokens: int | None = None

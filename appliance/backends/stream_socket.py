@@ -4,8 +4,9 @@ A gRPC hop costs each end HTTP/2 framing and grpc.aio's call machinery for every
 grpc.aio relay adds about as much to a call as the call itself costs, a relay over a Unix socket with
 length-prefixed messages a small part of that (`bench/streaming.py`). So the engine server can also
 serve its streams here (`appliance engine --stream-socket PATH`), and the gateway sends its
-generations there (`stream_socket` of a model) while readiness, configuration and `stop=true` stay
-on gRPC. Triton has no such socket.
+generations there (`stream_socket` of a model) while readiness and configuration stay on gRPC.
+Closing a connection is a stream's cancellation, so no `stop=true` request follows it. Triton has no
+such socket.
 
 The protocol carries Triton's messages unchanged:
 - the client opens with `PREAMBLE`; then every message, either way, is its length as 4 bytes
