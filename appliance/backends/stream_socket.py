@@ -61,6 +61,22 @@ class FrameError(Exception):
     """The peer sent what this protocol does not allow; the connection is closed."""
 
 
+def _checked_size(size: int, max_bytes: int) -> int:
+    if size > max_bytes:
+        raise FrameError(f"a message of {size} bytes (at most {max_bytes})")
+    return size
+
+
+async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    """The next message's payload, refused by its length prefix before its bytes are read."""
+    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    return await reader.readexactly(_checked_size(size, max_bytes))
+
+
+def _log_refusal(exc: FrameError) -> None:
+    log.warning("stream socket: closed a connection that sent %s", exc)
+
+
 class FrameParser:
     """Splits received bytes into message payloads, refusing one over `max_bytes` by its length
     prefix (before its bytes arrive)."""
@@ -76,9 +92,7 @@ class FrameParser:
         start = 0
         while len(buffer) - start >= _LENGTH.size:
             (size,) = _LENGTH.unpack_from(buffer, start)
-            if size > self._max:
-                raise FrameError(f"a message of {size} bytes (at most {self._max})")
-            end = start + _LENGTH.size + size
+            end = start + _LENGTH.size + _checked_size(size, self._max)
             if len(buffer) < end:
                 break
             payloads.append(bytes(buffer[start + _LENGTH.size : end]))
@@ -141,9 +155,11 @@ class SocketStream(asyncio.Protocol):
     async def read(self) -> object:
         """The next response; grpc.aio.EOF once the server closed the connection; as grpc.aio's
         call, CancelledError once `cancel` was called."""
-        while not self._inbox or self._cancelled:
+        while True:
             if self._cancelled:
                 raise asyncio.CancelledError()
+            if self._inbox:
+                break
             if self._ended:
                 if self._fault is not None:
                     raise BackendError(grpc.StatusCode.UNAVAILABLE, self._fault)
@@ -288,7 +304,7 @@ class StreamSocketServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except FrameError as exc:
-            log.warning("stream socket: closed a connection that sent %s", exc)
+            _log_refusal(exc)
         except asyncio.CancelledError:
             # `close` cancelled it past its grace. The server owns this task and nothing awaits
             # it; ended cancelled, Python 3.11's streams would log it as an error.
@@ -315,25 +331,16 @@ class StreamSocketServer:
             nonlocal closed
             try:
                 while True:
-                    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-                    if size > self._max:
-                        log.warning(
-                            "stream socket: closed a connection that sent a message of %d "
-                            "bytes (at most %d)",
-                            size,
-                            self._max,
-                        )
-                        return
+                    payload = await _read_frame(reader, self._max)
                     try:
-                        yield ts.ModelInferRequest.FromString(await reader.readexactly(size))
+                        request = ts.ModelInferRequest.FromString(payload)
                     except DecodeError:
-                        log.warning(
-                            "stream socket: closed a connection that sent a message that is "
-                            "not a ModelInferRequest"
-                        )
-                        return
+                        raise FrameError("a message that is not a ModelInferRequest") from None
+                    yield request
+            except FrameError as exc:  # raised here, it would fail the streamer's reader
+                _log_refusal(exc)
             except (ConnectionError, asyncio.IncompleteReadError):
-                return
+                pass
             finally:
                 closed = True
                 pump.cancel()
