@@ -94,7 +94,8 @@ class Variant:
     """One way of running the decode step: weights (`fp8`: the model dtype when None, else FP8
     with that scaling or INT8/INT4 group-wise), graph capture, and the captured step's body
     (`kernels` "torch" or "triton"; `compiled`: torch.compile of the eager torch step, an anchor;
-    `dense`: who multiplies the model-dtype weights in the fused step, `fused.DENSE_PRODUCTS`)."""
+    `dense`: who multiplies the model-dtype weights in the fused step, `fused.DENSE_PRODUCTS`;
+    `folded`: the fused step with its norms and RoPE inside the products, `fused.FOLDED`)."""
 
     name: str
     fp8: WeightQuant | None
@@ -102,12 +103,17 @@ class Variant:
     kernels: Literal["torch", "triton"] = "torch"
     compiled: bool = False
     dense: Literal["triton", "torch"] = "triton"
+    folded: bool = False
 
 
 VARIANTS = (  # in the order run: what a short time budget must not miss first, compile last
     # The formats on the fused step: each also times its prefill against the torch step's.
     Variant("bf16 graph triton", None, True, "triton"),
     Variant("fp8 graph triton", "channel", True, "triton"),
+    # The same steps with six launches a block instead of nine (`fused.FOLDED`): which is faster
+    # decides the default.
+    Variant("fp8 graph triton folded", "channel", True, "triton", folded=True),
+    Variant("bf16 graph triton folded", None, True, "triton", folded=True),
     # Weight-only INT4 (group 128): the fused step's kernels dequantise in registers; the floor
     # counts the packed weights with their scales and zero points.
     Variant("int4 graph triton", GroupQuant(4, 128), True, "triton"),
@@ -806,7 +812,7 @@ def run_variants(
         progress.set("running", variant.name)
         entry: dict[str, Any] = {"variant": variant.name}
         t0 = time.monotonic()
-        fused.DENSE_PRODUCTS = variant.dense
+        fused.DENSE_PRODUCTS, fused.FOLDED = variant.dense, variant.folded
         dead: str | None = None
         try:
             measure_variant(args, variant, device, rng, entry)
@@ -814,7 +820,7 @@ def run_variants(
             entry["error"] = error_line(exc)
             dead = cuda_context_problem(device)
         finally:
-            fused.DENSE_PRODUCTS = "triton"
+            fused.DENSE_PRODUCTS, fused.FOLDED = "triton", False
         gc.collect()
         entry["seconds"] = time.monotonic() - t0
         longest = max(longest, entry["seconds"])

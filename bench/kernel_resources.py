@@ -7,9 +7,9 @@ registers spill: a spilling matrix-vector or attention kernel reads local memory
 weights), shared memory, the widest global load in its PTX and its integer-to-float conversions
 (16 a clock per SM on a GPU, a quarter of the integer rate: a product that converts each weight
 is bound by them, not by its bytes). The configurations are recorded from `fused.decode_step`,
-`fused.static_rows` and `fused.prefill` themselves, run on a meta-device model of one block
-(blocks are alike) in every weight format at a few attention spans and row counts, so the list
-follows the steps.
+`fused.folded_step`, `fused.static_rows` and `fused.prefill` themselves, run on a meta-device
+model of one block (blocks are alike) in every weight format at a few attention spans and row
+counts, so the list follows the steps.
 
     python -m bench.kernel_resources --shape llama-3.1-8b --arch 90
 
@@ -137,6 +137,7 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
         logits = torch.empty(config.vocab_size, device=meta)
         for span in spans:
             fused.decode_step(model, step_in, cache, span, logits)
+            fused.folded_step(model, step_in, cache, span, logits)
         meta_in = torch.empty(2, dtype=torch.long, device=meta)
         for rows in ROWS:
             ids = torch.empty(rows, dtype=torch.long, device=meta)

@@ -6,7 +6,9 @@ matrix products (the last takes SiLU(gate) * up as its input) and the two RMSNor
 residual add before each: nine. The first norm gathers the token's embedding row and the output
 head writes float32 logits, so Llama-3.1-8B's 32 blocks launch 2 + 32 * 9 = 290 kernels a token;
 the captured step adds its greedy choice, the argmax and the next position
-(`appliance.engine.decode.decode_and_choose`).
+(`appliance.engine.decode.decode_and_choose`). `folded_step` (while FOLDED) runs the same block in
+six: each norm and residual add inside the products beside it, RoPE and the KV write in the qkv
+product's epilogue (2 + 32 * 6 = 194).
 
 FP8, INT8 and INT4 weights are multiplied by weight-only matrix-vector kernels that dequantise
 them in registers, so a step quantises no activation and writes no widened weight (the layers'
@@ -38,8 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DENSE_PRODUCTS",
+    "FOLDED",
     "FUSED_ROWS",
     "decode_step",
+    "folded_step",
     "matvec",
     "prefill",
     "rows_logits",
@@ -56,6 +60,10 @@ DENSE_PRODUCTS: Literal["triton", "torch"] = "triton"
 # past it a prefill's products are bound by arithmetic, not by the weight's bytes, and torch's
 # tuned products (cuBLAS, `torch._scaled_mm` on FP8 tensor cores) are the better fit.
 FUSED_ROWS = 128
+# The decode step with its small launches folded into the products (`folded_step`): six launches
+# a block instead of nine. Off until a GPU run has measured it against the unfolded step:
+# bench.gpu_decode runs both.
+FOLDED = False
 
 
 def matvec(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
@@ -71,21 +79,39 @@ def rows_product(layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.T
     return _product(layer, x, gated, rows=True)
 
 
+def _token_weight(layer: Linear) -> kernels.TokenWeight | None:
+    """The layer's weight as a one-token Triton kernel takes it; None where the layer multiplies
+    for itself (model-dtype weights with DENSE_PRODUCTS "torch", INT4 in the tinygemm layout)."""
+    if isinstance(layer, Fp8Linear):
+        return kernels.TokenWeight.dense(layer.weight, layer.scale)
+    if isinstance(layer, Int8Linear):
+        return kernels.TokenWeight.int8(layer.weight, layer.scale)
+    if isinstance(layer, Int4Linear) and layer.kernel == "dequantize":
+        return kernels.TokenWeight.int4(layer.packed, layer.scales_and_zeros, layer.group_size)
+    if isinstance(layer, PlainLinear) and DENSE_PRODUCTS == "triton":
+        return kernels.TokenWeight.dense(layer.weight)
+    return None
+
+
 def _product(layer: Linear, x: torch.Tensor, gated: bool, rows: bool) -> torch.Tensor:
     """`matvec` (rows False) or `rows_product` (rows True): the same choice of kernel by the
     layer's format, the one-token or the row-tile family of it."""
+    if not rows:
+        weight = _token_weight(layer)
+        if weight is None:
+            return layer(kernels.silu_mul(x) if gated else x)
+        return kernels.token_product(x, weight, gated=gated)
     if isinstance(layer, Fp8Linear):
         out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=layer.out_dtype, device=x.device)
-        dense = kernels.rows_matmul if rows else kernels.matvec
-        return dense(x, layer.weight, layer.scale, out, gated)
+        return kernels.rows_matmul(x, layer.weight, layer.scale, out, gated)
     if isinstance(layer, Int8Linear):
-        int8 = kernels.int8_rows_matmul if rows else kernels.int8_matvec
-        return int8(x, layer.weight, layer.scale, gated)
+        return kernels.int8_rows_matmul(x, layer.weight, layer.scale, gated)
     if isinstance(layer, Int4Linear) and layer.kernel == "dequantize":
-        int4 = kernels.int4_rows_matmul if rows else kernels.int4_matvec
-        return int4(x, layer.packed, layer.scales_and_zeros, layer.group_size, gated)
+        return kernels.int4_rows_matmul(
+            x, layer.packed, layer.scales_and_zeros, layer.group_size, gated
+        )
     if isinstance(layer, PlainLinear) and DENSE_PRODUCTS == "triton":
-        return (kernels.rows_matmul if rows else kernels.matvec)(x, layer.weight, gated=gated)
+        return kernels.rows_matmul(x, layer.weight, gated=gated)
     return layer(kernels.silu_mul(x) if gated else x)
 
 
@@ -172,6 +198,8 @@ def decode_step(
 ) -> None:
     """`LlamaModel.decode_static`'s contract: token and position from `step_in` (2,), attention
     over the cache's first `span` positions (span > position), logits into `logits_out`."""
+    if FOLDED and folded_step(model, step_in, cache, span, logits_out):
+        return
     c = model.config
     eps = c.rms_norm_eps
     heads, pos = c.num_attention_heads, step_in[1:2]
@@ -189,3 +217,52 @@ def decode_step(
         kernels.matvec(h, model.lm_head, out=logits_out.view(1, -1))
     else:
         logits_out.copy_(F.linear(h[0], model.lm_head))
+
+
+def folded_step(
+    model: LlamaModel, step_in: torch.Tensor, cache: KVCache, span: int, logits_out: torch.Tensor
+) -> bool:
+    """`decode_step` with each block's small launches folded into its products: RMSNorm and the
+    residual add before it (the add in the product that ends the sum, `kernels.Residual`; the
+    norm in the product that reads it, `kernels.Norm`) and RoPE with the KV write (the qkv
+    product's epilogue, `kernels.Rope`). Per block: the qkv product, attention's two launches,
+    then the output, gate-up and down products; 2 + 6 * layers launches a token.
+
+    False, having run nothing, where a product is not a Triton kernel (`_token_weight`)."""
+    products = [(layer.wqkv, layer.wo, layer.w13, layer.w2) for layer in model.layers]
+    weights = _token_weights(
+        [w for block in products for w in block] + [PlainLinear(model.lm_head)]
+    )
+    if weights is None:
+        return False
+    c = model.config
+    eps = c.rms_norm_eps
+    pos = step_in[1:2]
+    h: torch.Tensor | kernels.Norm
+    h, x = kernels.embed_rms_norm(step_in[0:1], model.embed, model.layers[0].attn_norm, eps)
+    residual: torch.Tensor | kernels.Residual = x
+    norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+    for li, (layer, next_norm) in enumerate(zip(model.layers, norms, strict=True)):
+        qkv, wo, w13, w2 = weights[4 * li : 4 * li + 4]
+        rope = kernels.Rope(
+            model.cos, model.sin, pos, cache.k[li], cache.v[li], c.num_attention_heads
+        )
+        q = kernels.token_product(h, qkv, rope=rope)
+        attn = kernels.decode_attention(q[0], cache.k[li], cache.v[li], pos, span)
+        residual = kernels.token_product_add(attn.view(1, -1), wo, residual)
+        gate_up = kernels.token_product(kernels.Norm(residual, layer.mlp_norm, eps), w13)
+        residual = kernels.token_product_add(gate_up, w2, residual, gated=True)
+        h = kernels.Norm(residual, next_norm, eps)
+    kernels.token_product(h, weights[-1], out=logits_out.view(1, -1))
+    return True
+
+
+def _token_weights(layers: Sequence[Linear]) -> list[kernels.TokenWeight] | None:
+    """Each layer's `_token_weight`; None if any has none."""
+    found = []
+    for layer in layers:
+        weight = _token_weight(layer)
+        if weight is None:
+            return None
+        found.append(weight)
+    return found

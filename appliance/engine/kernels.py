@@ -7,7 +7,9 @@ it (or the embedding lookup), RoPE on q and k with the KV-cache write, SiLU(gate
 matrix-vector products (one token) and tiled products (a few token rows) of dense (model dtype)
 and weight-only FP8, INT8 and INT4 weights (each can take SiLU(gate) * up as its input),
 attention of one query over the live cache positions split across programs, and causal
-attention of a few query rows. The eager torch step stays the reference they are tested against.
+attention of a few query rows. A one-token product also takes the folded decode step's extra work
+(`token_product`, `token_product_add`): its input normed as it loads, the residual add after it,
+or RoPE with the KV write. The eager torch step stays the reference they are tested against.
 
 Triton is imported only when a kernel is first launched, so hosts without it (CPU hosts) never
 import it. The kernels run on CUDA devices; under TRITON_INTERPRET=1 they also run on the CPU (the
@@ -20,6 +22,7 @@ import importlib.util
 import os
 import shutil
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
@@ -29,6 +32,10 @@ import torch
 __all__ = [
     "KernelChoice",
     "MatvecKernel",
+    "Norm",
+    "Residual",
+    "Rope",
+    "TokenWeight",
     "build_problem",
     "decode_attention",
     "embed_rms_norm",
@@ -45,6 +52,8 @@ __all__ = [
     "rope_kv_write",
     "rows_matmul",
     "silu_mul",
+    "token_product",
+    "token_product_add",
     "triton_problem",
 ]
 
@@ -237,22 +246,192 @@ def matvec(
     and stored in its own (float32 logits hold the model-dtype values the eager output head
     gives); default: a new tensor in x's dtype. `gated`: x is (1, 2 * in), gate then up, and the
     product takes SiLU(gate) * up (`silu_mul`) without a launch of its own."""
-    n_out, n_in = weight.shape
-    _check_width(x, n_in, gated)
-    out = _output(out, x, 1, n_out)
-    rows, cols = MATVEC_TILES["matvec"]
-    _tk().matvec_kernel[(-(-n_out // rows),)](
-        x.contiguous(),
-        weight,
-        scale if scale is not None else weight,  # not read without a scale
-        out,
-        n_out,
-        n_in,
-        SCALE=0 if scale is None else 2 if scale.dim() > 0 else 1,
-        GATED=gated,
-        BLOCK_N=rows,
-        BLOCK_K=min(cols, _pow2(n_in)),
+    return token_product(x, TokenWeight.dense(weight, scale), gated=gated, out=out)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenWeight:
+    """A weight as the one-token product kernels take it: `kind` names the kernel ("matvec":
+    the model dtype or E4M3 with `scales` per output row or per tensor, or none; "int8": q with
+    model-dtype `scales` per group; "int4": the packed nibbles with scales and zero points per
+    group, `int4_matvec`'s layout) and `group` its inputs per group (0: none)."""
+
+    kind: MatvecKernel
+    weight: torch.Tensor
+    scales: torch.Tensor | None
+    n_out: int
+    n_in: int
+    group: int = 0
+
+    @staticmethod
+    def dense(weight: torch.Tensor, scale: torch.Tensor | None = None) -> TokenWeight:
+        return TokenWeight("matvec", weight, scale, weight.shape[0], weight.shape[1])
+
+    @staticmethod
+    def int8(weight: torch.Tensor, scale: torch.Tensor) -> TokenWeight:
+        n_out, n_in = weight.shape
+        return TokenWeight("int8", weight, scale, n_out, n_in, n_in // scale.shape[1])
+
+    @staticmethod
+    def int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> TokenWeight:
+        n_out, n_in = packed.shape[0], 2 * packed.shape[1]
+        return TokenWeight("int4", packed, scales_and_zeros, n_out, n_in, group)
+
+    def tiles(self) -> int:
+        """Programs of one token's product: one per tile of output rows."""
+        return -(-self.n_out // MATVEC_TILES[self.kind][0])
+
+
+@dataclass(frozen=True, slots=True)
+class Residual:
+    """A token's residual-stream row (1, hidden) as a product's residual add wrote it, with the
+    float32 sums of its squares by that product's output tile: the statistic of the RMSNorm that
+    follows, so the norm runs inside the next product (`Norm`), not in a launch of its own."""
+
+    values: torch.Tensor
+    squares: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Norm:
+    """A product's input RMSNorm(residual) * weight, normed as the product loads it."""
+
+    residual: Residual
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """`rope_kv_write` as the epilogue of the fused qkv product of one token at `pos` (a (1,)
+    long tensor on the device): q rotated into the product's output, k rotated and v copied
+    into the layer's cache (kv_heads, max_seq_len, head_dim)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    heads: int
+
+
+def token_product(
+    x: torch.Tensor | Norm,
+    weight: TokenWeight,
+    *,
+    gated: bool = False,
+    out: torch.Tensor | None = None,
+    rope: Rope | None = None,
+) -> torch.Tensor:
+    """x @ W.T for one token: x a row (1, in), or `Norm` of a residual row; `gated` as in
+    `matvec`; `out` as in `matvec`. With `rope`: W is the fused qkv projection, and the result
+    is q (1, heads, head_dim), rotated, with k and v written into the cache."""
+    if rope is not None:
+        kv_heads, _, head_dim = rope.k_cache.shape
+        if weight.n_out != (rope.heads + 2 * kv_heads) * head_dim:
+            raise ValueError(
+                f"a qkv weight of {weight.n_out} outputs for {rope.heads} heads and "
+                f"{kv_heads} KV heads of {head_dim}"
+            )
+        row = x.residual.values if isinstance(x, Norm) else x
+        out = torch.empty(1, rope.heads, head_dim, dtype=row.dtype, device=row.device)
+    return _launch(x, weight, gated, out, None, rope)
+
+
+def token_product_add(
+    x: torch.Tensor | Norm,
+    weight: TokenWeight,
+    add_to: torch.Tensor | Residual,
+    *,
+    gated: bool = False,
+) -> Residual:
+    """The residual stream after a product: add_to + x @ W.T (rounded to the dtype, as the eager
+    add), with its squares summed by tile for the next `Norm`."""
+    base = add_to.values if isinstance(add_to, Residual) else add_to
+    if base.shape != (1, weight.n_out):
+        raise ValueError(f"a residual row of shape {tuple(base.shape)} for {weight.n_out} outputs")
+    squares = torch.empty(weight.tiles(), dtype=torch.float32, device=base.device)
+    return Residual(_launch(x, weight, gated, None, (base.contiguous(), squares), None), squares)
+
+
+def _launch(
+    x: torch.Tensor | Norm,
+    weight: TokenWeight,
+    gated: bool,
+    out: torch.Tensor | None,
+    add: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: Rope | None,
+) -> torch.Tensor:
+    """Launches `weight`'s one-token kernel with its folds: the input normed (`Norm`), the
+    residual add (`add`: the row added to, the squares' buffer) or RoPE (`rope`; `out` is q).
+    Returns the output: `out`, else a new row in the input's dtype."""
+    norm, row = (x, x.residual.values) if isinstance(x, Norm) else (None, x)
+    row = row.contiguous()
+    _check_width(row, weight.n_in, gated)
+    if weight.group and weight.n_in % weight.group:
+        raise ValueError(f"{weight.n_in} inputs do not split into groups of {weight.group}")
+    tokens = row.shape[0]
+    if tokens != 1 and (weight.kind == "matvec" or norm or add or rope):
+        raise ValueError(f"{tokens} token rows: this product takes one")
+    if rope is None:
+        out = _output(out, row, tokens, weight.n_out)
+    assert out is not None
+    rows, cols = MATVEC_TILES[weight.kind]
+    tk = _tk()
+    # The folds' arguments (`matvec_kernel`'s, after n_in): the norm's weight, squares, their
+    # count, the row's width and eps; the row added to and the squares written; RoPE's tables,
+    # position and cache.
+    n_sq = norm.residual.squares.shape[0] if norm is not None else 0
+    norm_args = (
+        (norm.weight, norm.residual.squares, n_sq, float(weight.n_in), norm.eps)
+        if norm is not None
+        else (row, row, 0, 1.0, 0.0)
     )
+    add_args = add if add is not None else (row, row)
+    rope_args: tuple[object, ...] = (row, row, row, row, row, 0)
+    consts: dict[str, object] = {
+        "NORM": norm is not None, "RESIDUAL": add is not None, "ROPE": rope is not None,
+        "HEADS": 1, "KV_HEADS": 1, "D": 2, "SQ_BLOCK": _pow2(n_sq),
+    }  # fmt: skip
+    if rope is not None:
+        kv_heads, _, head_dim = rope.k_cache.shape
+        rows = min(rows, head_dim)  # a tile holds pairs of one head's rows
+        rope_args = (rope.cos, rope.sin, rope.pos, rope.k_cache, rope.v_cache)
+        rope_args += (rope.k_cache.stride(0),)
+        consts |= {"HEADS": rope.heads, "KV_HEADS": kv_heads, "D": head_dim}
+    folds = (*norm_args, *add_args, *rope_args)
+    grid = (-(-weight.n_out // rows), tokens)
+    scales = weight.scales if weight.scales is not None else weight.weight  # not read without
+    if weight.kind == "matvec":
+        tk.matvec_kernel[grid[:1]](
+            row,
+            weight.weight,
+            scales,
+            out,
+            weight.n_out,
+            weight.n_in,
+            *folds,
+            SCALE=0 if weight.scales is None else 2 if weight.scales.dim() > 0 else 1,
+            GATED=gated,
+            BLOCK_N=rows,
+            BLOCK_K=min(cols, _pow2(weight.n_in)),
+            **consts,
+        )
+    else:
+        getattr(tk, f"{weight.kind}_matvec_kernel")[grid](
+            row,
+            weight.weight,
+            scales,
+            out,
+            weight.n_out,
+            weight.n_in,
+            *folds,
+            GROUP=weight.group,
+            GATED=gated,
+            BLOCK_N=rows,
+            BLOCK_K=max(weight.group, min(cols, _pow2(weight.n_in))),
+            **consts,
+        )
     return out
 
 
@@ -276,43 +455,6 @@ def _check_width(x: torch.Tensor, n_in: int, gated: bool) -> None:
         )
 
 
-def _group_matvec(
-    kind: Literal["int8", "int4"],
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    n_out: int,
-    n_in: int,
-    group_size: int,
-    gated: bool,
-) -> torch.Tensor:
-    """Launches the group-wise kernel of `kind` ("int8": `int8_matvec_kernel`, "int4":
-    `int4_matvec_kernel`): one program per tile of output rows (`MATVEC_TILES`) per token;
-    the output (tokens, n_out) is in x's dtype.
-    ValueError unless x's width is the weight's `n_in` inputs (twice that when `gated`), a
-    multiple of the group."""
-    _check_width(x, n_in, gated)
-    if n_in % group_size:
-        raise ValueError(f"{n_in} inputs do not split into groups of {group_size}")
-    x = x.contiguous()
-    tokens = x.shape[0]
-    out = torch.empty(tokens, n_out, dtype=x.dtype, device=x.device)
-    rows, cols = MATVEC_TILES[kind]
-    getattr(_tk(), f"{kind}_matvec_kernel")[(-(-n_out // rows), tokens)](
-        x,
-        weight,
-        scales,
-        out,
-        n_out,
-        n_in,
-        GROUP=group_size,
-        GATED=gated,
-        BLOCK_N=rows,
-        BLOCK_K=max(group_size, min(cols, _pow2(n_in))),
-    )
-    return out
-
-
 def int8_matvec(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gated: bool = False
 ) -> torch.Tensor:
@@ -320,8 +462,7 @@ def int8_matvec(
     scales (out, in / group) per group (W = q * scale, `Int8Linear`'s layout), dequantised in
     registers; the result is in x's dtype; `gated` as in `matvec`. Each token reads the weight
     again: meant for one token."""
-    n_out, n_in = weight.shape
-    return _group_matvec("int8", x, weight, scale, n_out, n_in, n_in // scale.shape[1], gated)
+    return token_product(x, TokenWeight.int8(weight, scale), gated=gated)
 
 
 def int4_matvec(
@@ -336,8 +477,7 @@ def int4_matvec(
     (in / group, out, 2) model-dtype scales and zero points (W = (q - 8) * scale + zero),
     dequantised in registers; the result is in x's dtype; `gated` as in `matvec`. Meant for one
     token, as `int8_matvec`."""
-    n_out, n_in = packed.shape[0], 2 * packed.shape[1]
-    return _group_matvec("int4", x, packed, scales_and_zeros, n_out, n_in, group_size, gated)
+    return token_product(x, TokenWeight.int4(packed, scales_and_zeros, group_size), gated=gated)
 
 
 def _dot_settings(dtype: torch.dtype) -> dict[str, object]:

@@ -131,6 +131,157 @@ def _input(x_ptr, offs, mask, n_in, GATED: tl.constexpr):
 
 
 @triton.jit
+def _norm_scale(sq_ptr, n_sq, width, eps, NORM: tl.constexpr, SQ_BLOCK: tl.constexpr):
+    """1 / RMS of a residual row of `width` values (a float: no conversion on the device) from
+    the float32 sums of its squares by the tile of the product that wrote it (`_store_sum`);
+    1.0 without NORM."""
+    inv = 1.0
+    if NORM:
+        i = tl.arange(0, SQ_BLOCK)
+        total = tl.sum(tl.load(sq_ptr + i, mask=i < n_sq, other=0.0), axis=0)
+        inv = tl.rsqrt(total / width + eps)
+    return inv
+
+
+@triton.jit
+def _normed_input(x_ptr, offs, mask, g_ptr, inv):
+    """The float32 inputs at `offs` of RMSNorm(x) * g for a residual row x whose 1 / RMS is
+    `inv`, rounded to the dtype where `rms_norm_kernel` rounds, so a product of it equals the
+    norm's launch followed by the product's."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    y = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return (g * y).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _product_input(x_ptr, offs, mask, n_in, g_ptr, inv, GATED: tl.constexpr, NORM: tl.constexpr):
+    """A one-token product's float32 inputs at `offs`: RMSNorm(x) * g (NORM), SiLU(gate) * up
+    (GATED) or x itself."""
+    if NORM:
+        x = _normed_input(x_ptr, offs, mask, g_ptr, inv)
+    else:
+        x = _input(x_ptr, offs, mask, n_in, GATED)
+    return x
+
+
+@triton.jit
+def _tile_rows(pid, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr):
+    """The output rows of product tile `pid`: BLOCK_N consecutive rows, or with ROPE pairs of a
+    head's rows i and i + D / 2 side by side (BLOCK_N / 2 pairs; BLOCK_N divides D), so that the
+    epilogue rotates them (`_store_rope`)."""
+    j = tl.arange(0, BLOCK_N)
+    if ROPE:
+        TILES: tl.constexpr = D // BLOCK_N
+        rows = (pid // TILES) * D + (pid % TILES) * (BLOCK_N // 2) + j // 2 + (j % 2) * (D // 2)
+    else:
+        rows = pid * BLOCK_N + j
+    return rows
+
+
+@triton.jit
+def _store_sum(out, rows, row_live, out_ptr, res_ptr, sq_ptr, pid):
+    """The residual add after a product: s = res + out, rounded to the dtype as the eager add is,
+    stored at `rows` of out_ptr, and the float32 sum of s^2 over the tile at sq_ptr[pid], which
+    the next product's norm reads (`_norm_scale`)."""
+    r = tl.load(res_ptr + rows, mask=row_live, other=0.0)
+    s = (out.to(tl.float32) + r.to(tl.float32)).to(out.dtype)
+    tl.store(out_ptr + rows, s, mask=row_live)
+    s32 = s.to(tl.float32)
+    tl.store(sq_ptr + pid, tl.sum(s32 * s32, axis=0))
+
+
+@triton.jit
+def _store_rope(
+    out,
+    pid,
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cache_head_stride,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """`rope_kv_write_kernel` for the rows of qkv product tile `pid` (`_tile_rows` with ROPE):
+    a q head's pairs rotated into q_ptr (HEADS, D), a k head's rotated and a v head's copied
+    into the layer's cache at the token's position."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    TILES: tl.constexpr = D // BLOCK_N
+    head = pid // TILES
+    at = (pid % TILES) * PAIRS + tl.arange(0, PAIRS)
+    x1, x2 = tl.split(tl.reshape(out, (PAIRS, 2)))
+    pos = tl.load(pos_ptr)
+    if head < HEADS + KV_HEADS:
+        cos = tl.load(cos_ptr + pos * D + at).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + at).to(tl.float32)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        y1 = (a * cos - b * sin).to(x1.dtype)
+        y2 = (b * cos + a * sin).to(x1.dtype)
+        if head < HEADS:
+            dst = q_ptr + head * D
+        else:
+            dst = k_cache_ptr + (head - HEADS) * cache_head_stride + pos * D
+        tl.store(dst + at, y1)
+        tl.store(dst + D // 2 + at, y2)
+    else:
+        dst = v_cache_ptr + (head - HEADS - KV_HEADS) * cache_head_stride + pos * D
+        tl.store(dst + at, x1)
+        tl.store(dst + D // 2 + at, x2)
+
+
+@triton.jit
+def _store_product(
+    out,
+    rows,
+    row_live,
+    pid,
+    out_ptr,
+    res_ptr,
+    sq_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cache_head_stride,
+    RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A one-token product's epilogue for its rows' values `out` (rounded to the model dtype):
+    RoPE with the KV write (ROPE), the residual add (RESIDUAL), or a store in out's dtype."""
+    if ROPE:
+        _store_rope(
+            out,
+            pid,
+            out_ptr,
+            cos_ptr,
+            sin_ptr,
+            pos_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            cache_head_stride,
+            HEADS,
+            KV_HEADS,
+            D,
+            BLOCK_N,
+        )
+    elif RESIDUAL:
+        _store_sum(out, rows, row_live, out_ptr, res_ptr, sq_out_ptr, pid)
+    else:
+        tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_live)
+
+
+@triton.jit
 def _int4_minus_8(v):
     """v - 8 as float32 for int32 values v in [0, 15], with no int-to-float conversion (a GPU
     converts 16 values a clock per SM, a quarter of its integer rate and an eighth of its FMA
@@ -154,8 +305,28 @@ def matvec_kernel(
     out_ptr,
     n_out,
     n_in,
+    g_ptr,
+    sq_in_ptr,
+    n_sq,
+    width,
+    eps,
+    res_ptr,
+    sq_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cache_head_stride,
     SCALE: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    SQ_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -165,16 +336,24 @@ def matvec_kernel(
     The weight is widened to float32 in registers, so its bytes are read once and nothing is
     quantised per call. SCALE: 0 none, 1 one for the tensor, 2 one per output row. GATED: x is a
     row of gate then up (2 * n_in) and the input is SiLU(gate) * up (`_input`).
+
+    The folds of the decode step, here and in the group-wise kernels (one token): NORM, the input
+    is RMSNorm(x) * g for a residual row x of `width` values whose squares a product summed by
+    tile (n_sq sums at sq_in_ptr, `_normed_input`); RESIDUAL, out is res + the product and each
+    tile's sum of squares goes to sq_out_ptr (`_store_sum`); ROPE, the weight is the fused qkv
+    projection and q goes to out_ptr, k and v into the layer's cache (`_store_rope`).
     """
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = _tile_rows(pid, BLOCK_N, ROPE, D)
     row_live = rows < n_out
+    inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
     # int64 row offsets: an output head (128256, 4096) holds 5.3e8 elements.
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * n_in
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_live = cols < n_in
-        x = _input(x_ptr, cols, col_live, n_in, GATED)
+        x = _product_input(x_ptr, cols, col_live, n_in, g_ptr, inv, GATED, NORM)
         w = tl.load(
             w_rows + cols[None, :], mask=row_live[:, None] & col_live[None, :], other=0.0
         ).to(tl.float32)
@@ -184,8 +363,28 @@ def matvec_kernel(
     elif SCALE == 1:
         acc = acc * tl.load(scale_ptr)
     # Rounded to x's dtype first: a float32 out holds the values a model-dtype product gives.
-    out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows, out, mask=row_live)
+    out = acc.to(x_ptr.dtype.element_ty)
+    _store_product(
+        out,
+        rows,
+        row_live,
+        pid,
+        out_ptr,
+        res_ptr,
+        sq_out_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        cache_head_stride,
+        RESIDUAL,
+        ROPE,
+        HEADS,
+        KV_HEADS,
+        D,
+        BLOCK_N,
+    )
 
 
 @triton.jit
@@ -196,8 +395,28 @@ def int8_matvec_kernel(
     out_ptr,
     n_out,
     n_in,
+    g_ptr,
+    sq_in_ptr,
+    n_sq,
+    width,
+    eps,
+    res_ptr,
+    sq_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cache_head_stride,
     GROUP: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    SQ_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -210,7 +429,8 @@ def int8_matvec_kernel(
     is float32, so the weight's bytes and its scales are read once and nothing is written but out.
     """
     NG: tl.constexpr = BLOCK_K // GROUP
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = _tile_rows(pid, BLOCK_N, ROPE, D)
     token = tl.program_id(1)
     row_live = rows < n_out
     n_groups = n_in // GROUP
@@ -219,18 +439,40 @@ def int8_matvec_kernel(
     # int64 row offsets: a (128256, 4096) head is 5.3e8 bytes, within int32 today, not by much.
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * n_in
     s_rows = scale_ptr + rows.to(tl.int64)[:, None] * n_groups
+    inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g0 in range(0, n_groups, NG):
         g = g0 + tl.arange(0, NG)
         g_live = g < n_groups
         cols = g[:, None] * GROUP + lanes[None, :]  # (NG, GROUP)
-        x = _input(x_row, cols, g_live[:, None], n_in, GATED)
+        x = _product_input(x_row, cols, g_live[:, None], n_in, g_ptr, inv, GATED, NORM)
         live = row_live[:, None] & g_live[None, :]
         q = _int8_value(tl.load(w_rows + cols[None, :, :], mask=live[:, :, None], other=0))
         s = tl.load(s_rows + g[None, :], mask=live, other=0.0).to(tl.float32)
         w = q * s[:, :, None]
         acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
-    tl.store(out_ptr + token * n_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
+    out = acc.to(out_ptr.dtype.element_ty)
+    _store_product(
+        out,
+        rows,
+        row_live,
+        pid,
+        out_ptr + token * n_out,
+        res_ptr,
+        sq_out_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        cache_head_stride,
+        RESIDUAL,
+        ROPE,
+        HEADS,
+        KV_HEADS,
+        D,
+        BLOCK_N,
+    )
 
 
 @triton.jit
@@ -241,8 +483,28 @@ def int4_matvec_kernel(
     out_ptr,
     n_out,
     n_in,
+    g_ptr,
+    sq_in_ptr,
+    n_sq,
+    width,
+    eps,
+    res_ptr,
+    sq_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cache_head_stride,
     GROUP: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    SQ_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -256,20 +518,22 @@ def int4_matvec_kernel(
     """
     NG: tl.constexpr = BLOCK_K // GROUP
     HALF: tl.constexpr = GROUP // 2
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = _tile_rows(pid, BLOCK_N, ROPE, D)
     token = tl.program_id(1)
     row_live = rows < n_out
     n_groups = n_in // GROUP
     pairs = tl.arange(0, HALF)
     x_row = x_ptr + token * (2 * n_in if GATED else n_in)
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (n_in // 2)
+    inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g0 in range(0, n_groups, NG):
         g = g0 + tl.arange(0, NG)
         g_live = g < n_groups
         byte = g[:, None] * HALF + pairs[None, :]  # (NG, HALF)
-        x_even = _input(x_row, 2 * byte, g_live[:, None], n_in, GATED)
-        x_odd = _input(x_row, 2 * byte + 1, g_live[:, None], n_in, GATED)
+        x_even = _product_input(x_row, 2 * byte, g_live[:, None], n_in, g_ptr, inv, GATED, NORM)
+        x_odd = _product_input(x_row, 2 * byte + 1, g_live[:, None], n_in, g_ptr, inv, GATED, NORM)
         live = row_live[:, None] & g_live[None, :]
         p = tl.load(w_rows + byte[None, :, :], mask=live[:, :, None], other=0).to(tl.int32)
         sz = sz_ptr + (g[None, :].to(tl.int64) * n_out + rows[:, None]) * 2  # (BLOCK_N, NG)
@@ -279,7 +543,28 @@ def int4_matvec_kernel(
         w_odd = _int4_minus_8(p & 15) * s + z
         part = w_even * x_even[None, :, :] + w_odd * x_odd[None, :, :]
         acc += tl.sum(tl.sum(part, axis=2), axis=1)
-    tl.store(out_ptr + token * n_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_live)
+    out = acc.to(out_ptr.dtype.element_ty)
+    _store_product(
+        out,
+        rows,
+        row_live,
+        pid,
+        out_ptr + token * n_out,
+        res_ptr,
+        sq_out_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        cache_head_stride,
+        RESIDUAL,
+        ROPE,
+        HEADS,
+        KV_HEADS,
+        D,
+        BLOCK_N,
+    )
 
 
 @triton.jit

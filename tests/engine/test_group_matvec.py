@@ -112,24 +112,26 @@ def test_a_gated_matvec_equals_silu_mul_then_the_matvec(
         gated(_tokens(1, 384, dtype))
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
-    """Record the x shape of each call of `kernels.<name>`, which still runs."""
+def _spy(monkeypatch: pytest.MonkeyPatch, kind: str) -> list[tuple[int, ...]]:
+    """Record the x shape of each one-token product of weight kind `kind` ("int8", "int4"),
+    which still runs."""
     calls: list[tuple[int, ...]] = []
-    real: Callable[..., torch.Tensor] = getattr(kernels, name)
+    real: Callable[..., torch.Tensor] = kernels.token_product
 
-    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(tuple(x.shape))
-        return real(x, *args, **kwargs)
+    def spy(x: torch.Tensor, weight: kernels.TokenWeight, **kwargs: Any) -> torch.Tensor:
+        if weight.kind == kind:
+            calls.append(tuple(x.shape))
+        return real(x, weight, **kwargs)
 
-    monkeypatch.setattr(kernels, name, spy)
+    monkeypatch.setattr(kernels, "token_product", spy)
     return calls
 
 
 def test_the_step_matvec_takes_the_kernel_for_int8_and_int4_dequantize_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    int8 = _spy(monkeypatch, "int8_matvec")
-    int4 = _spy(monkeypatch, "int4_matvec")
+    int8 = _spy(monkeypatch, "int8")
+    int4 = _spy(monkeypatch, "int4")
     x = _tokens(1, 128, torch.float32)
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     fused.matvec(quantize_group_linear("w", w, GroupQuant(8, 32), torch.float32), x)
@@ -155,7 +157,7 @@ def test_decode_steps_on_triton_kernels_use_the_matvec_and_prefill_does_not(
     # The layout a CUDA device gets; on the CPU torch's own int4 kernel would be chosen.
     monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
     model = random_model("tiny", DEVICE, torch.bfloat16, GroupQuant(bits, 32), seed=5)  # type: ignore[arg-type]
-    calls = _spy(monkeypatch, f"int{bits}_matvec")
+    calls = _spy(monkeypatch, f"int{bits}")
     model.kernels = "triton"
     prompt = [7, 300, 42, 11, 5]
     cache = model.new_cache(64)

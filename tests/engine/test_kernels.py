@@ -154,6 +154,82 @@ def test_decode_attention_reads_only_the_live_positions(
     _close(got, ref, dtype)
 
 
+FORMATS = pytest.mark.parametrize(
+    "weights",
+    [None, "channel", GroupQuant(8, 32), GroupQuant(4, 32)],
+    ids=["bf16", "fp8", "int8", "int4"],
+)
+
+
+@FORMATS
+def test_a_folded_product_equals_its_launches_one_after_the_other(
+    weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode step's folds against the unfolded launches, each format's kernel: the residual
+    add in a product (with the squares by tile), RMSNorm in the product after it, and RoPE with
+    the KV write in the qkv product."""
+    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
+    model = random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5)
+    c, layer = model.config, model.layers[1]
+    eps, heads, pos = c.rms_norm_eps, c.num_attention_heads, 13
+    wqkv, wo, w13 = (fused._token_weight(w) for w in (layer.wqkv, layer.wo, layer.w13))
+    assert wqkv is not None and wo is not None and w13 is not None
+    attn = torch.randn(1, heads * c.head_dim, generator=_gen(21)).to(DEVICE, torch.bfloat16)
+    x = torch.randn(1, c.hidden_size, generator=_gen(22)).to(DEVICE, torch.bfloat16)
+
+    residual = kernels.token_product_add(attn, wo, x)
+    # s = x + attn @ Wo.T, rounded as the eager add (one unit in the last place in the
+    # interpreter, which rounds bf16 toward zero).
+    product = fused.matvec(layer.wo, attn)
+    torch.testing.assert_close(residual.values, x + product, rtol=2**-7, atol=0)
+    assert residual.squares.shape == (wo.tiles(),)
+    torch.testing.assert_close(
+        residual.squares.sum(), residual.values.float().square().sum(), rtol=1e-5, atol=0
+    )
+
+    normed, _ = kernels.rms_norm(residual.values, layer.mlp_norm, eps)
+    got = kernels.token_product(kernels.Norm(residual, layer.mlp_norm, eps), w13)
+    torch.testing.assert_close(got, fused.matvec(layer.w13, normed), rtol=2**-7, atol=1e-3)
+
+    caches = [torch.full((2, c.num_key_value_heads, 32, c.head_dim), float("nan"),
+                         dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]  # fmt: skip
+    at = torch.tensor([pos], device=DEVICE)
+    q = kernels.token_product(
+        kernels.Norm(residual, layer.attn_norm, eps),
+        wqkv,
+        rope=kernels.Rope(model.cos, model.sin, at, caches[0][0], caches[0][1], heads),
+    )
+    normed, _ = kernels.rms_norm(residual.values, layer.attn_norm, eps)
+    q_ref = kernels.rope_kv_write(
+        fused.matvec(layer.wqkv, normed),
+        model.cos,
+        model.sin,
+        at,
+        caches[1][0],
+        caches[1][1],
+        heads,
+    )
+    torch.testing.assert_close(q, q_ref, rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(caches[0], caches[1], rtol=2**-7, atol=1e-3, equal_nan=True)
+    assert not caches[0][:, :, pos].isnan().any()  # the position was written, nothing else
+    assert caches[0][:, :, :pos].isnan().all() and caches[0][:, :, pos + 1 :].isnan().all()
+
+
+def test_a_folded_product_refuses_shapes_it_cannot_take(tiny32: LlamaModel) -> None:
+    layer = tiny32.layers[0]
+    wo, wqkv = fused._token_weight(layer.wo), fused._token_weight(layer.wqkv)
+    assert wo is not None and wqkv is not None
+    rows = torch.zeros(2, wo.n_in, device=DEVICE)
+    with pytest.raises(ValueError, match="2 token rows: this product takes one"):
+        kernels.token_product_add(rows, wo, torch.zeros(1, wo.n_out, device=DEVICE))
+    with pytest.raises(ValueError, match=r"a residual row of shape \(1, 7\) for 128 outputs"):
+        kernels.token_product_add(rows[:1], wo, torch.zeros(1, 7, device=DEVICE))
+    cache = torch.zeros(1, 8, 32, device=DEVICE)  # one KV head where the weight has two
+    rope = kernels.Rope(tiny32.cos, tiny32.sin, torch.tensor([0]), cache, cache, 4)
+    with pytest.raises(ValueError, match="a qkv weight of 256 outputs for 4 heads and 1 KV heads"):
+        kernels.token_product(torch.zeros(1, 128, device=DEVICE), wqkv, rope=rope)
+
+
 def _fused(model: LlamaModel) -> LlamaModel:
     model.kernels = "triton"
     return model
@@ -176,15 +252,22 @@ def few_programs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(kernels.MATVEC_TILES, "matvec", (64, cols))
 
 
+FOLDED = pytest.mark.parametrize("folded", [False, True], ids=["nine", "folded"])
+
+
+@FOLDED
 @pytest.mark.usefixtures("few_programs")
-def test_the_fused_step_gives_the_eager_tokens_over_64_steps_in_float32() -> None:
+def test_the_fused_step_gives_the_eager_tokens_over_64_steps_in_float32(
+    folded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fused, "FOLDED", folded)
     eager = random_model("tiny", DEVICE, torch.float32, seed=5)
-    fused = _fused(random_model("tiny", DEVICE, torch.float32, seed=5))
+    stepped = _fused(random_model("tiny", DEVICE, torch.float32, seed=5))
     prompt = [7, 300, 42, 11, 5]
-    cache = fused.new_cache(128)
-    step = GraphDecode(fused, cache, Replay(), smallest_span=32)  # type: ignore[arg-type]
+    cache = stepped.new_cache(128)
+    step = GraphDecode(stepped, cache, Replay(), smallest_span=32)  # type: ignore[arg-type]
     greedy = SamplingParams(top_k=1)
-    got = list(generate(fused, prompt, 64, None, greedy, cache=cache, decode=step))
+    got = list(generate(stepped, prompt, 64, None, greedy, cache=cache, decode=step))
     assert got == list(generate(eager, prompt, 64, None, greedy))
     # Logits along the same tokens, step by step.
     ref_cache = eager.new_cache(128)
@@ -195,14 +278,18 @@ def test_the_fused_step_gives_the_eager_tokens_over_64_steps_in_float32() -> Non
         torch.testing.assert_close(step(seq[pos], pos), expected, rtol=1e-4, atol=1e-4)
 
 
+@FOLDED
 @pytest.mark.parametrize("fp8", [None, "channel"], ids=["bf16", "fp8-w8a16"])
-def test_the_fused_step_stays_close_to_eager_in_bf16(fp8: str | None) -> None:
+def test_the_fused_step_stays_close_to_eager_in_bf16(
+    fp8: str | None, folded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fused, "FOLDED", folded)
     reference = random_model("tiny", DEVICE, torch.float32, seed=5)
-    fused = _fused(random_model("tiny", DEVICE, torch.bfloat16, fp8=fp8, seed=5))  # type: ignore[arg-type]
+    stepped = _fused(random_model("tiny", DEVICE, torch.bfloat16, fp8=fp8, seed=5))  # type: ignore[arg-type]
     prompt = [7, 300, 42, 11, 5, 9, 100]
-    cache, ref_cache = fused.new_cache(64), reference.new_cache(64)
-    step = GraphDecode(fused, cache, Replay(), smallest_span=16)  # type: ignore[arg-type]
-    fused.forward(prompt[:3], cache, 0)
+    cache, ref_cache = stepped.new_cache(64), reference.new_cache(64)
+    step = GraphDecode(stepped, cache, Replay(), smallest_span=16)  # type: ignore[arg-type]
+    stepped.forward(prompt[:3], cache, 0)
     reference.forward(prompt[:3], ref_cache, 0)
     for pos in range(3, len(prompt)):
         got = step(prompt[pos], pos)
@@ -299,11 +386,7 @@ class _Launches(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return Module()
 
 
-@pytest.mark.parametrize(
-    "weights",
-    [None, "channel", GroupQuant(8, 32), GroupQuant(4, 32)],
-    ids=["bf16", "fp8", "int8", "int4"],
-)
+@FORMATS
 def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
     weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -332,6 +415,42 @@ def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
         assert len(counter.triton) == 1 + 6 * layers
         products = ["mm" if op in ("linear", "addmm") else op for op in counter.torch]
         assert products == ["mm"] * (4 * layers + 1) + ["copy_"], counter.torch
+
+
+@FORMATS
+def test_a_folded_step_launches_six_kernels_a_block_and_nothing_else(
+    weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every format: 2 + 6 * layers launches a token (the norms and RoPE inside the products),
+    and the same logits as the nine-launch step. With the model-dtype products on cuBLAS
+    nothing folds: the nine-launch step runs."""
+    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
+    model = _fused(random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5))
+    layers = model.config.num_hidden_layers
+    cache = model.new_cache(64)
+    model.forward([7, 300, 42], cache, 0)
+    step_in = torch.tensor([9, 3], device=DEVICE)
+    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=DEVICE)
+    model.decode_static(step_in, cache, 16, logits)
+    monkeypatch.setattr(fused, "FOLDED", True)
+    counter = _Launches()
+    monkeypatch.setattr(kernels, "_tk", counter.module)
+    folded = torch.empty_like(logits)
+    with torch.inference_mode(), counter:
+        model.decode_static(step_in, cache, 16, folded)
+    assert len(counter.triton) == 2 + 6 * layers and counter.torch == []
+    per_block = counter.triton[1:7]
+    assert "rms_norm_kernel" not in per_block and "rope_kv_write_kernel" not in per_block
+    # bf16 logits of the same step: a norm's statistic summed in another order may move a
+    # rounding by one unit in the last place.
+    torch.testing.assert_close(folded, logits, rtol=2e-2, atol=2e-2)
+    if weights is None:
+        monkeypatch.setattr(fused, "DENSE_PRODUCTS", "torch")
+        counter.triton.clear()
+        with torch.inference_mode(), counter:
+            model.decode_static(step_in, cache, 16, torch.empty_like(logits))
+        assert len(counter.triton) == 1 + 6 * layers
+        assert "rope_kv_write_kernel" in counter.triton
 
 
 def test_a_head_the_kernels_cannot_tile_is_refused_or_decoded_on_torch(
