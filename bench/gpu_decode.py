@@ -60,7 +60,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from appliance.engine import fused
+from appliance.engine import fused, kernels
 from appliance.engine.decode import (
     Capture,
     DecodeStep,
@@ -95,7 +95,8 @@ class Variant:
     with that scaling or INT8/INT4 group-wise), graph capture, and the captured step's body
     (`kernels` "torch" or "triton"; `compiled`: torch.compile of the eager torch step, an anchor;
     `dense`: who multiplies the model-dtype weights in the fused step, `fused.DENSE_PRODUCTS`;
-    `folded`: the fused step with its norms and RoPE inside the products, `fused.FOLDED`)."""
+    `folded`: the fused step with its norms and RoPE inside the products, `fused.FOLDED`; `pdl`:
+    its kernels launched with programmatic dependent launch, `kernels.PDL`)."""
 
     name: str
     fp8: WeightQuant | None
@@ -104,15 +105,18 @@ class Variant:
     compiled: bool = False
     dense: Literal["triton", "torch"] = "triton"
     folded: bool = False
+    pdl: bool = False
 
 
 VARIANTS = (  # in the order run: what a short time budget must not miss first, compile last
     # The formats on the fused step: each also times its prefill against the torch step's.
     Variant("bf16 graph triton", None, True, "triton"),
     Variant("fp8 graph triton", "channel", True, "triton"),
-    # The same steps with six launches a block instead of nine (`fused.FOLDED`): which is faster
-    # decides the default.
+    # The same steps with six launches a block instead of nine (`fused.FOLDED`), then also each
+    # launch overlapping the kernel before it (`kernels.PDL`): what is faster decides the defaults.
     Variant("fp8 graph triton folded", "channel", True, "triton", folded=True),
+    Variant("fp8 graph triton folded pdl", "channel", True, "triton", folded=True, pdl=True),
+    Variant("bf16 graph triton folded pdl", None, True, "triton", folded=True, pdl=True),
     Variant("bf16 graph triton folded", None, True, "triton", folded=True),
     # Weight-only INT4 (group 128): the fused step's kernels dequantise in registers; the floor
     # counts the packed weights with their scales and zero points.
@@ -767,6 +771,8 @@ def skip_reason(variant: Variant, device: torch.device) -> str | None:
     """Why `variant` cannot run on `device` at all (None: it can)."""
     if variant.graph and device.type != "cuda":
         return "CUDA graphs need cuda"
+    if variant.pdl and torch.cuda.get_device_capability(device) < (9, 0):
+        return "programmatic dependent launch needs compute capability 9.0 or later"
     if variant.kernels == "triton":
         return triton_problem(device)
     return None
@@ -813,6 +819,7 @@ def run_variants(
         entry: dict[str, Any] = {"variant": variant.name}
         t0 = time.monotonic()
         fused.DENSE_PRODUCTS, fused.FOLDED = variant.dense, variant.folded
+        kernels.PDL = variant.pdl
         dead: str | None = None
         try:
             measure_variant(args, variant, device, rng, entry)
@@ -820,7 +827,7 @@ def run_variants(
             entry["error"] = error_line(exc)
             dead = cuda_context_problem(device)
         finally:
-            fused.DENSE_PRODUCTS, fused.FOLDED = "triton", False
+            fused.DENSE_PRODUCTS, fused.FOLDED, kernels.PDL = "triton", False, False
         gc.collect()
         entry["seconds"] = time.monotonic() - t0
         longest = max(longest, entry["seconds"])

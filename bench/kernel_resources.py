@@ -54,6 +54,8 @@ SPANS = (64, 2048, 8192)
 # Row counts of the fixed-shape prefill and verify steps: one row tile of each height
 # (`kernels.ROWS_TILE`), and several.
 ROWS = (16, 32, 64, 128)
+# Launch keywords that are Triton compile options, not the kernel's constexprs.
+OPTIONS = ("launch_pdl",)
 _TRITON_TYPES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -74,6 +76,7 @@ class Launch:
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, Any], ...]
     divisible: tuple[int, ...]  # arguments 16-divisible (pointers, and ints that are)
+    options: tuple[tuple[str, Any], ...] = ()  # Triton's compile options among the launch's
 
 
 def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...]) -> list[Launch]:
@@ -90,6 +93,7 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
         assert isinstance(fn, JITFunction), f"{name} is not compiled Triton (TRITON_INTERPRET?)"
 
         def launch(*args: Any, **constexprs: Any) -> None:
+            options = tuple((k, constexprs.pop(k)) for k in OPTIONS if k in constexprs)
             signature, divisible = [], []
             for i, (arg_name, value) in enumerate(zip(fn.arg_names, args, strict=False)):
                 if isinstance(value, torch.Tensor):
@@ -103,7 +107,9 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
                     if value % 16 == 0 and not fn.params[i].do_not_specialize:
                         divisible.append(i)
             signature += [(k, "constexpr") for k in constexprs]
-            found = Launch(name, tuple(signature), tuple(constexprs.items()), tuple(divisible))
+            found = Launch(
+                name, tuple(signature), tuple(constexprs.items()), tuple(divisible), options
+            )
             if found not in launches:
                 launches.append(found)
 
@@ -126,7 +132,7 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
     tensors = {
         n: torch.empty(s, device=meta) for n, s in LlamaModel.expected_shapes(config).items()
     }
-    real_tk, real_int4 = kernels._tk, quantized._int4_kernel
+    real_tk, real_int4, real_pdl = kernels._tk, quantized._int4_kernel, kernels.PDL
     kernels._tk = Recorder  # type: ignore[assignment]
     quantized._int4_kernel = lambda weight: "dequantize"  # the layout a CUDA device gets
     try:
@@ -138,6 +144,9 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
         for span in spans:
             fused.decode_step(model, step_in, cache, span, logits)
             fused.folded_step(model, step_in, cache, span, logits)
+            kernels.PDL = True  # the same step with programmatic dependent launch
+            fused.folded_step(model, step_in, cache, span, logits)
+            kernels.PDL = real_pdl
         meta_in = torch.empty(2, dtype=torch.long, device=meta)
         for rows in ROWS:
             ids = torch.empty(rows, dtype=torch.long, device=meta)
@@ -145,7 +154,7 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
             fused.rows_logits(model, h, torch.empty(rows, config.vocab_size, device=meta))
         fused.prefill(model, [0] * (fused.FUSED_ROWS + 1), cache, 0)  # a long prefill's steps
     finally:
-        kernels._tk, quantized._int4_kernel = real_tk, real_int4
+        kernels._tk, quantized._int4_kernel, kernels.PDL = real_tk, real_int4, real_pdl
     return launches
 
 
@@ -157,6 +166,7 @@ class Resources:
     shared: int
     widest_load: str
     int_to_float: int  # cvt instructions from an integer to a float type in the PTX
+    waits: bool  # the PTX waits on the kernel before it (programmatic dependent launch)
     seconds: float
 
 
@@ -181,7 +191,9 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
         constexprs=dict(launch.constexprs),
         attrs={(i,): [["tt.divisibility", 16]] for i in launch.divisible},
     )
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options=dict(launch.options)
+    )
     seconds = time.perf_counter() - started
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -199,7 +211,10 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
     widths = re.findall(r"ld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)", compiled.asm["ptx"])
     widest = max((int(v or 1) * int(bits) for v, bits in widths), default=0)
     conversions = len(re.findall(r"\bcvt\.\w+\.f(?:16|32|64)\.[su]\d+\b", compiled.asm["ptx"]))
-    return Resources(registers, stack, local, shared, f"{widest // 8} B", conversions, seconds)
+    waits = "griddepcontrol.wait" in compiled.asm["ptx"]
+    return Resources(
+        registers, stack, local, shared, f"{widest // 8} B", conversions, waits, seconds
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.shape}, sm_{args.arch}: {len(launches)} kernel configurations", flush=True)
     print(
         "| kernel | pointers | constexprs | registers | stack B | shared B | widest load | "
-        "int→float cvt | compile s |"
+        "int→float cvt | waits | compile s |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|")
     spills = []
     for launch in launches:
         r = compile_launch(launch, args.arch)
@@ -230,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         pointers = ",".join(t[1:] for _, t in launch.signature if t.startswith("*"))
         print(
             f"| {launch.kernel} | {pointers} | {shown} | {r.registers} | {r.stack} | {r.shared} | "
-            f"{r.widest_load} | {r.int_to_float} | {r.seconds:.1f} |",
+            f"{r.widest_load} | {r.int_to_float} | {'yes' if r.waits else 'no'} | "
+            f"{r.seconds:.1f} |",
             flush=True,
         )
         if r.stack or r.local:

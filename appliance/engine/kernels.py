@@ -79,6 +79,11 @@ MATVEC_TILES: dict[MatvecKernel, tuple[int, int]] = {
 ROWS_TILE = (64, 64, 64)
 # Query rows of one `prefill_attention` program (tl.dot takes at least 16).
 PREFILL_ATTENTION_ROWS = 16
+# Programmatic dependent launch (compute capability 9.0 on) for the decode step's kernels: each
+# starts while the one before it ends and waits on the device for its results, so a launch's
+# latency overlaps the kernel before it. Off until a GPU run has measured it; the interpreter
+# never takes it.
+PDL = False
 
 
 def interpreting() -> bool:
@@ -131,6 +136,13 @@ def resolve_kernels(choice: KernelChoice, device: torch.device) -> Literal["trit
     return choice
 
 
+def _pdl() -> dict[str, bool]:
+    """The PDL constexpr of a kernel that takes it, and Triton's launch option with it."""
+    if PDL and not interpreting():
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
 def _tk() -> ModuleType:
     from appliance.engine import triton_kernels
 
@@ -162,6 +174,7 @@ def rms_norm(
         HAS_RES=residual is not None,
         GATHER=False,
         BLOCK=_pow2(hidden),
+        **_pdl(),
     )
     return out, total
 
@@ -187,6 +200,7 @@ def embed_rms_norm(
         HAS_RES=False,
         GATHER=True,
         BLOCK=_pow2(hidden),
+        **_pdl(),
     )
     return out, rows
 
@@ -218,6 +232,7 @@ def rope_kv_write(
         HEADS=heads,
         KV_HEADS=kv_heads,
         D=head_dim,
+        **_pdl(),
     )
     return q
 
@@ -416,6 +431,7 @@ def _launch(
             BLOCK_N=rows,
             BLOCK_K=min(cols, _pow2(weight.n_in)),
             **consts,
+            **_pdl(),
         )
     else:
         getattr(tk, f"{weight.kind}_matvec_kernel")[grid](
@@ -431,6 +447,7 @@ def _launch(
             BLOCK_N=rows,
             BLOCK_K=max(weight.group, min(cols, _pow2(weight.n_in))),
             **consts,
+            **_pdl(),
         )
     return out
 
@@ -640,9 +657,17 @@ def decode_attention(
         D=head_dim,
         BLOCK=ATTENTION_BLOCK,
         **_dot_settings(q.dtype),
+        **_pdl(),
     )
     out = torch.empty_like(q)
     tk.decode_attention_combine_kernel[(heads,)](
-        acc, best, total, out, N_SPLITS=n_splits, SPLITS_P2=_pow2(n_splits), D=head_dim
+        acc,
+        best,
+        total,
+        out,
+        N_SPLITS=n_splits,
+        SPLITS_P2=_pow2(n_splits),
+        D=head_dim,
+        **_pdl(),
     )
     return out

@@ -20,6 +20,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _enter(PDL: tl.constexpr):
+    """A kernel's first step. With PDL (programmatic dependent launch, Hopper on): wait until the
+    kernel launched before it has finished and its writes are visible (it may still be running
+    when this one starts), then let the kernel after this one launch, so that its programs are
+    resident and waiting when this one ends instead of launched after it. Every kernel so launched
+    calls this before it reads or writes memory another kernel writes or reads."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -32,10 +44,12 @@ def rms_norm_kernel(
     HAS_RES: tl.constexpr,
     GATHER: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row: s = x (+ res), rounded to the dtype and stored in sum_ptr when HAS_RES;
     out = w * (s * rsqrt(mean(s^2) + eps)) with the normalised value rounded before the product.
     GATHER: output row r reads row idx[r] of x (an embedding table) and stores it in sum_ptr."""
+    _enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     live = cols < n_cols
@@ -66,6 +80,7 @@ def rope_kv_write_kernel(
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One head (program_id(0)) of token row r = program_id(1) of fused qkv rows (q heads, then
     k heads, then v heads), at position pos + r, pos read from pos_ptr.
@@ -74,6 +89,7 @@ def rope_kv_write_kernel(
     copied into the layer's cache (KV_HEADS, max_seq_len, D) at the row's position. RoPE follows
     the rotate-half convention: the two halves of a head are the real and imaginary parts.
     """
+    _enter(PDL)
     head = tl.program_id(0)
     row = tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -329,6 +345,7 @@ def matvec_kernel(
     SQ_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = (x @ W.T) * scale, rounded to x's dtype, for one token x (n_in,) and a weight W
     (n_out, n_in) of any float dtype (the model dtype, or E4M3 with its scales).
@@ -343,6 +360,7 @@ def matvec_kernel(
     tile's sum of squares goes to sq_out_ptr (`_store_sum`); ROPE, the weight is the fused qkv
     projection and q goes to out_ptr, k and v into the layer's cache (`_store_rope`).
     """
+    _enter(PDL)
     pid = tl.program_id(0)
     rows = _tile_rows(pid, BLOCK_N, ROPE, D)
     row_live = rows < n_out
@@ -419,6 +437,7 @@ def int8_matvec_kernel(
     SQ_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = x[t] @ W.T for token row t = program_id(1) of x (tokens, n_in) and an INT8 weight
     W = q * scale: q (n_out, n_in), scale (n_out, n_in / GROUP) in the model dtype. GATED: x's
@@ -428,6 +447,7 @@ def int8_matvec_kernel(
     groups past n_in are masked). Each weight is dequantised to float32 in registers and the sum
     is float32, so the weight's bytes and its scales are read once and nothing is written but out.
     """
+    _enter(PDL)
     NG: tl.constexpr = BLOCK_K // GROUP
     pid = tl.program_id(0)
     rows = _tile_rows(pid, BLOCK_N, ROPE, D)
@@ -507,6 +527,7 @@ def int4_matvec_kernel(
     SQ_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = x[t] @ W.T for token row t = program_id(1) of x (tokens, n_in) and an INT4 weight
     W = (q - 8) * scale + zero per group of GROUP inputs; GATED as in `int8_matvec_kernel`.
@@ -516,6 +537,7 @@ def int4_matvec_kernel(
     scale then the zero point of each group of each row. Tiles, masking and float32 arithmetic as
     in `int8_matvec_kernel`; the nibbles are dequantised in registers.
     """
+    _enter(PDL)
     NG: tl.constexpr = BLOCK_K // GROUP
     HALF: tl.constexpr = GROUP // 2
     pid = tl.program_id(0)
@@ -752,6 +774,7 @@ def decode_attention_split_kernel(
     BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
     WIDEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One KV head's query group over one split of SPLIT cache positions (flash-decoding).
 
@@ -767,6 +790,7 @@ def decode_attention_split_kernel(
     PRECISION "ieee"). WIDEN multiplies the operands as float32 holding the same values: Triton's
     interpreter multiplies bfloat16 dot operands as their raw bits.
     """
+    _enter(PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     pos = tl.load(pos_ptr)
@@ -806,11 +830,13 @@ def decode_attention_combine_kernel(
     N_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One query head's output from its splits: sum(w * acc) / sum(w * total), w = exp(m - max m).
 
     Split 0 always holds position 0, so the largest max is finite and an empty split weighs 0.
     """
+    _enter(PDL)
     head = tl.program_id(0)
     splits = tl.arange(0, SPLITS_P2)  # N_SPLITS rounded up to a power of two; the rest masked
     live = splits < N_SPLITS

@@ -239,16 +239,20 @@ def test_the_int_variants_floor_counts_packed_weights_with_scales_and_zeros() ->
     INT4's zero points), below bf16's. (The variants themselves capture graphs: CUDA only.)"""
     by_name = {v.name: v for v in gpu_decode.VARIANTS}
     names = [v.name for v in gpu_decode.VARIANTS]
-    # A short budget runs the fused step first: bf16 and FP8, each nine and six launches a block
-    # (the folded step), then INT4; the five fit the documented budget.
-    assert names[:5] == [
+    # A short budget runs the fused step first: bf16 and FP8, nine and six launches a block (the
+    # folded step), with and without programmatic dependent launch; the six fit the documented
+    # budget, INT4 next.
+    assert names[:7] == [
         "bf16 graph triton",
         "fp8 graph triton",
         "fp8 graph triton folded",
+        "fp8 graph triton folded pdl",
+        "bf16 graph triton folded pdl",
         "bf16 graph triton folded",
         "int4 graph triton",
     ]
-    assert [v.folded for v in gpu_decode.VARIANTS].count(True) == 2
+    assert [v.folded for v in gpu_decode.VARIANTS].count(True) == 4
+    assert all(v.folded for v in gpu_decode.VARIANTS if v.pdl)
     bf16 = random_model("tiny", "cpu", torch.bfloat16).weight_bytes
     int8, int4 = (
         random_model("tiny", "cpu", torch.bfloat16, by_name[n].fp8).weight_bytes

@@ -34,9 +34,8 @@ def test_every_kernel_of_the_8b_step_compiles_for_sm90_without_spilling() -> Non
         if line.startswith("| ")
     ]
     header, rows = table[0], table[1:]
-    column = {
-        name: header.index(name) for name in ("kernel", "stack B", "registers", "int→float cvt")
-    }
+    names = ("kernel", "constexprs", "stack B", "registers", "int→float cvt", "waits")
+    column = {name: header.index(name) for name in names}
     assert {row[column["kernel"]] for row in rows} == {
         "rms_norm_kernel",
         "rope_kv_write_kernel",
@@ -57,6 +56,18 @@ def test_every_kernel_of_the_8b_step_compiles_for_sm90_without_spilling() -> Non
     # INT4 weight made the step convert-bound (a bit trick takes an OR and a subtraction).
     products = [row for row in rows if "matvec" in row[0] or "matmul" in row[0]]
     assert products and all(row[column["int→float cvt"]] == "0" for row in products), run.stdout
+    # With programmatic dependent launch each kernel of the step waits on the one before it on
+    # the device; without, none does.
+    launched_early = [row for row in rows if "PDL=True" in row[column["constexprs"]]]
+    assert {row[column["kernel"]] for row in launched_early} == {
+        "rms_norm_kernel",
+        "decode_attention_split_kernel",
+        "decode_attention_combine_kernel",
+        "matvec_kernel",
+        "int8_matvec_kernel",
+        "int4_matvec_kernel",
+    }
+    assert all(row[column["waits"]] == ("yes" if row in launched_early else "no") for row in rows)
 
 
 def test_an_unknown_format_is_one_line() -> None:

@@ -519,3 +519,17 @@ def test_without_a_c_compiler_or_pythons_headers_auto_takes_torch(
     (tmp_path / "Python.h").touch()
     assert kernels.triton_problem(cuda) is None
     assert kernels.resolve_kernels("auto", cuda) == "triton"
+
+
+def test_programmatic_dependent_launch_is_asked_for_only_where_kernels_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `kernels.PDL` each step kernel takes PDL and Triton's launch option together; the
+    interpreter has no grid dependency control, so it never does (bench.kernel_resources
+    compiles the PDL kernels for sm_90 and checks that each waits)."""
+    monkeypatch.setattr(kernels, "PDL", True)
+    assert kernels._pdl() == {"PDL": False}  # the interpreter, as in this suite
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    assert kernels._pdl() == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(kernels, "PDL", False)
+    assert kernels._pdl() == {"PDL": False}
