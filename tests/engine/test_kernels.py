@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -533,3 +535,41 @@ def test_programmatic_dependent_launch_is_asked_for_only_where_kernels_compile(
     assert kernels._pdl() == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(kernels, "PDL", False)
     assert kernels._pdl() == {"PDL": False}
+
+
+@FORMATS
+def test_a_product_launched_early_reads_its_first_weights_before_it_waits_and_sums_the_same(
+    weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With PDL a product reads its first weight tile before waiting on the kernel before it
+    (weights are never written), then the rest as without. The interpreter has no grid
+    dependency control, so the wait itself is left out here; the sums must not change."""
+    from appliance.engine import triton_kernels
+
+    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
+    monkeypatch.setitem(kernels.MATVEC_TILES, "matvec", (8, 64))  # several input tiles
+    monkeypatch.setitem(kernels.MATVEC_TILES, "int8", (8, 32))
+    monkeypatch.setitem(kernels.MATVEC_TILES, "int4", (16, 32))
+    model = random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5)
+    c, layer = model.config, model.layers[1]
+    w13, w2 = fused._token_weight(layer.w13), fused._token_weight(layer.w2)
+    assert w13 is not None and w2 is not None
+    x = torch.randn(1, c.hidden_size, generator=_gen(23)).to(DEVICE, torch.bfloat16)
+    residual = kernels.token_product_add(
+        kernels.silu_mul(
+            torch.randn(1, 2 * c.intermediate_size, generator=_gen(24)).to(DEVICE, torch.bfloat16)
+        ),
+        w2,
+        x,
+    )
+    normed = kernels.Norm(residual, layer.mlp_norm, c.rms_norm_eps)
+    expected = kernels.token_product(normed, w13)
+    monkeypatch.setattr(triton_kernels, "_enter", _no_wait)
+    monkeypatch.setattr(kernels, "_pdl", lambda: {"PDL": True})
+    assert torch.equal(kernels.token_product(normed, w13), expected)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _no_wait(PDL: tl.constexpr) -> None:
+    """`triton_kernels._enter` without its grid dependency control, which the interpreter lacks."""
+    pass
