@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import socket
@@ -242,14 +243,38 @@ class SocketInUse(Exception):
     pass
 
 
-def serving_problem(path: Path) -> str | None:
+def lock_path(path: Path) -> Path:
+    """The lock file beside socket `path`: a server holds it locked while it serves the path,
+    so two servers started at once cannot both take it (looking for a live server and binding
+    are two steps). It is left in place when the server stops."""
+    return path.with_name(path.name + ".lock")
+
+
+def _locked(path: Path) -> int | None:
+    """A descriptor of `path`'s lock file, locked for this process; None when another process
+    holds it."""
+    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def serving_problem(path: Path, locked: bool = False) -> str | None:
     """Why a server cannot take `path`: its folder is missing or not writable, another process
     serves it, or it is not a socket. None when it is free or holds the socket of a server that
-    died, which `start` replaces."""
+    died, which `start` replaces. `locked`: this process holds the path's lock."""
     if not path.parent.is_dir():
         return f"its folder {path.parent} does not exist"
     if not os.access(path.parent, os.W_OK | os.X_OK):
         return f"this user cannot create files in {path.parent}"
+    if not locked and lock_path(path).exists():
+        fd = _locked(path)
+        if fd is None:
+            return "another process serves it"
+        os.close(fd)
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
@@ -276,6 +301,7 @@ class StreamSocketServer:
         self._max = max_bytes
         self._server: asyncio.AbstractServer | None = None
         self._inode: int | None = None  # of the socket file this server made
+        self._lock: int | None = None  # the locked lock file's descriptor while serving
         self._closing = False
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -284,13 +310,28 @@ class StreamSocketServer:
         problem = serving_problem(self.path)
         if problem is not None:
             raise SocketInUse(problem)
-        self.path.unlink(missing_ok=True)  # a dead server's socket, if anything
-        # A full backlog refuses a connect at once (EAGAIN): a burst of new streams waits here.
-        self._server = await asyncio.start_unix_server(
-            self._accept, str(self.path), backlog=socket.SOMAXCONN
-        )
-        os.chmod(self.path, 0o660)
-        self._inode = self.path.lstat().st_ino
+        self._lock = _locked(self.path)
+        if self._lock is None:
+            raise SocketInUse("another process serves it")
+        try:
+            problem = serving_problem(self.path, locked=True)  # one that took no lock
+            if problem is not None:
+                raise SocketInUse(problem)
+            self.path.unlink(missing_ok=True)  # a dead server's socket, if anything
+            # A full backlog refuses a connect at once (EAGAIN): a burst of new streams waits.
+            self._server = await asyncio.start_unix_server(
+                self._accept, str(self.path), backlog=socket.SOMAXCONN
+            )
+            os.chmod(self.path, 0o660)
+            self._inode = self.path.lstat().st_ino
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing:  # accepted before `close`, first run after it: never served
@@ -372,6 +413,7 @@ class StreamSocketServer:
         with contextlib.suppress(FileNotFoundError):
             if self.path.lstat().st_ino == self._inode:  # not another server's since
                 self.path.unlink()
+        self._unlock()
         if self._connections:
             _, pending = await asyncio.wait(list(self._connections), timeout=grace_s)
             for task in pending:

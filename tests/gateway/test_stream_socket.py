@@ -29,6 +29,8 @@ from appliance.backends.stream_socket import (
     SocketStream,
     StreamSocketServer,
     frame,
+    lock_path,
+    serving_problem,
 )
 from appliance.backends.triton import TritonBackend
 from appliance.client import generate
@@ -364,3 +366,26 @@ async def test_a_gateway_whose_socket_is_missing_stops_at_start_in_one_line(
         f"appliance serve: model '{MODEL}': warm-up request failed: engine stream socket "
         f"{absent} unavailable: No such file or directory"
     ]
+
+
+async def test_two_servers_started_at_once_cannot_both_take_the_path(tmp_path: Path) -> None:
+    """Looking for a live server and binding are two steps; the lock beside the socket makes
+    them one. Here the first server's socket file is gone (as if the second had looked before
+    the first bound): the second is still refused while the first runs, and takes the path once
+    it has stopped."""
+    path = tmp_path / "s.sock"
+    first = StreamSocketServer(path, _nothing, 1024)
+    await first.start()
+    path.unlink()
+    second = StreamSocketServer(path, _nothing, 1024)
+    with pytest.raises(SocketInUse, match="another process serves"):
+        await second.start()
+    assert serving_problem(path) == "another process serves it"
+    assert not path.exists()  # the refused server made nothing
+    await first.close(0.0)
+    assert serving_problem(path) is None
+    await second.start()
+    try:
+        assert path.is_socket() and lock_path(path).exists()
+    finally:
+        await second.close(0.0)
