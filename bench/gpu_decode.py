@@ -630,10 +630,10 @@ def table(report: dict[str, Any]) -> str:
         f"{report['shape']}, torch {report['torch']}, triton {report['triton']}; "
         f"copy bandwidth (read+write) {floor_bw:.0f} GB/s",
         "| variant | weights GB/step | floor ms | decode P50 ms | P99 ms | P50/floor | "
-        "graph step ms | kernels/step | TTFT 64 ms | TTFT 128 ms | TTFT 2048 ms | "
-        "matmul 2048 ms | TTFT 2048 / matmul | TTFT 2048 reuse ms | reuse - TTFT 64 ms | "
+        "graph step ms | kernels/step | logits vs eager | TTFT 64 ms | TTFT 128 ms | "
+        "TTFT 2048 ms | matmul 2048 ms | TTFT 2048 / matmul | TTFT 2048 reuse ms | reuse - TTFT 64 ms | "
         "peak GiB | capture s | start-up s |",
-        "|---|" + "---:|" * 17,
+        "|---|" + "---:|" * 18,
     ]
 
     def f(value: Any, spec: str = ".2f") -> str:
@@ -652,6 +652,7 @@ def table(report: dict[str, Any]) -> str:
             f"| {v['decode_ms_p50']:.3f} | {v['decode_ms_p99']:.3f} "
             f"| {v['decode_ms_p50'] / floor_ms:.2f} | {f(v.get('graph_step_ms_back_to_back'), '.3f')} "
             f"| {f(v.get('kernels_per_step', v.get('cpu_ops_per_step')), '.0f')} "
+            f"| {f(v.get('triton_vs_torch_logits_rel_err'), '.1e')} "
             f"| {v['ttft_64_ms_p50']:.2f} | {v['ttft_128_ms_p50']:.2f} "
             f"| {v['ttft_2048_ms_p50']:.1f} | {v['matmul_2048_ms']:.1f} "
             f"| {v['ttft_2048_over_matmul']:.2f} | {v['ttft_reuse_ms_p50']:.2f} "
