@@ -144,8 +144,9 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
         for span in spans:
             fused.decode_step(model, step_in, cache, span, logits)
             fused.folded_step(model, step_in, cache, span, logits)
-            kernels.PDL = True  # the same step with programmatic dependent launch
-            fused.folded_step(model, step_in, cache, span, logits)
+            for pdl in ("wait", "early-read"):  # with programmatic dependent launch
+                kernels.PDL = pdl
+                fused.folded_step(model, step_in, cache, span, logits)
             kernels.PDL = real_pdl
         meta_in = torch.empty(2, dtype=torch.long, device=meta)
         for rows in ROWS:

@@ -100,7 +100,10 @@ def _product(layer: Linear, x: torch.Tensor, gated: bool, rows: bool) -> torch.T
         weight = _token_weight(layer)
         if weight is None:
             return layer(kernels.silu_mul(x) if gated else x)
-        return kernels.token_product(x, weight, gated=gated)
+        out = None
+        if isinstance(layer, Fp8Linear):
+            out = torch.empty(1, weight.n_out, dtype=layer.out_dtype, device=x.device)
+        return kernels.token_product(x, weight, gated=gated, out=out)
     if isinstance(layer, Fp8Linear):
         out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=layer.out_dtype, device=x.device)
         return kernels.rows_matmul(x, layer.weight, layer.scale, out, gated)

@@ -33,6 +33,7 @@ __all__ = [
     "KernelChoice",
     "MatvecKernel",
     "Norm",
+    "PdlMode",
     "Residual",
     "Rope",
     "TokenWeight",
@@ -81,9 +82,12 @@ ROWS_TILE = (64, 64, 64)
 PREFILL_ATTENTION_ROWS = 16
 # Programmatic dependent launch (compute capability 9.0 on) for the decode step's kernels: each
 # starts while the one before it ends and waits on the device for its results, so a launch's
-# latency overlaps the kernel before it. Off until a GPU run has measured it; the interpreter
-# never takes it.
-PDL = False
+# latency overlaps the kernel before it. "early-read": the products also read their first weight
+# tile before they wait (more registers a thread: bf16 about 127 instead of 48-71 on sm_90).
+# Off until a GPU run has measured it; the interpreter never takes it.
+PdlMode = Literal["off", "wait", "early-read"]
+PDL: PdlMode = "off"
+_PDL_CONSTEXPR: dict[PdlMode, int] = {"off": 0, "wait": 1, "early-read": 2}  # triton_kernels'
 
 
 def interpreting() -> bool:
@@ -136,11 +140,11 @@ def resolve_kernels(choice: KernelChoice, device: torch.device) -> Literal["trit
     return choice
 
 
-def _pdl() -> dict[str, bool]:
+def _pdl() -> dict[str, int | bool]:
     """The PDL constexpr of a kernel that takes it, and Triton's launch option with it."""
-    if PDL and not interpreting():
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+    if PDL != "off" and not interpreting():
+        return {"PDL": _PDL_CONSTEXPR[PDL], "launch_pdl": True}
+    return {"PDL": 0}
 
 
 def _tk() -> ModuleType:
@@ -342,15 +346,28 @@ def token_product(
     `matvec`; `out` as in `matvec`. With `rope`: W is the fused qkv projection, and the result
     is q (1, heads, head_dim), rotated, with k and v written into the cache."""
     if rope is not None:
-        kv_heads, _, head_dim = rope.k_cache.shape
-        if weight.n_out != (rope.heads + 2 * kv_heads) * head_dim:
-            raise ValueError(
-                f"a qkv weight of {weight.n_out} outputs for {rope.heads} heads and "
-                f"{kv_heads} KV heads of {head_dim}"
-            )
+        if out is not None:
+            raise ValueError("a product with RoPE writes q into a tensor of its own: give no out")
+        _check_rope(rope, weight)
+        _, _, head_dim = rope.k_cache.shape
         row = x.residual.values if isinstance(x, Norm) else x
         out = torch.empty(1, rope.heads, head_dim, dtype=row.dtype, device=row.device)
     return _launch(x, weight, gated, out, None, rope)
+
+
+def _check_rope(rope: Rope, weight: TokenWeight) -> None:
+    """ValueError unless `rope` fits the qkv weight and the layout the epilogue writes."""
+    kv_heads, _, head_dim = rope.k_cache.shape
+    if weight.n_out != (rope.heads + 2 * kv_heads) * head_dim:
+        raise ValueError(
+            f"a qkv weight of {weight.n_out} outputs for {rope.heads} heads and "
+            f"{kv_heads} KV heads of {head_dim}"
+        )
+    if rope.cos.shape[-1] != head_dim or rope.sin.shape != rope.cos.shape:
+        raise ValueError(f"RoPE tables of {tuple(rope.cos.shape)} for heads of {head_dim}")
+    k, v = rope.k_cache, rope.v_cache
+    if v.shape != k.shape or v.stride() != k.stride() or k.stride()[1:] != (head_dim, 1):
+        raise ValueError("the K and V caches need one layout, each head's positions contiguous")
 
 
 def token_product_add(
@@ -365,8 +382,22 @@ def token_product_add(
     base = add_to.values if isinstance(add_to, Residual) else add_to
     if base.shape != (1, weight.n_out):
         raise ValueError(f"a residual row of shape {tuple(base.shape)} for {weight.n_out} outputs")
+    row = x.residual.values if isinstance(x, Norm) else x
+    if base.dtype != row.dtype:
+        raise ValueError(f"a residual row in {base.dtype} for a product in {row.dtype}")
     squares = torch.empty(weight.tiles(), dtype=torch.float32, device=base.device)
     return Residual(_launch(x, weight, gated, None, (base.contiguous(), squares), None), squares)
+
+
+def _check_norm(norm: Norm, n_in: int, gated: bool) -> None:
+    """ValueError unless `norm` can be a product's input of `n_in` values."""
+    if gated:
+        raise ValueError("a normed input is not gate and up: a gated product takes a plain row")
+    if norm.weight.shape != (n_in,):
+        raise ValueError(f"a norm weight of shape {tuple(norm.weight.shape)} for {n_in} inputs")
+    squares = norm.residual.squares
+    if squares.dim() != 1 or squares.dtype != torch.float32 or squares.device != norm.weight.device:
+        raise ValueError("a residual's squares are float32 sums by tile on its device")
 
 
 def _launch(
@@ -383,6 +414,8 @@ def _launch(
     norm, row = (x, x.residual.values) if isinstance(x, Norm) else (None, x)
     row = row.contiguous()
     _check_width(row, weight.n_in, gated)
+    if norm is not None:
+        _check_norm(norm, weight.n_in, gated)
     if weight.group and weight.n_in % weight.group:
         raise ValueError(f"{weight.n_in} inputs do not split into groups of {weight.group}")
     tokens = row.shape[0]

@@ -18,14 +18,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# A kernel's PDL constexpr: 0, launched as usual; WAIT, launched early (programmatic dependent
+# launch, Hopper on) and waiting first; EARLY_READ, the products also read their first weight
+# tile before they wait (the others wait first).
+WAIT = tl.constexpr(1)
+EARLY_READ = tl.constexpr(2)
+
 
 @triton.jit
 def _enter(PDL: tl.constexpr):
-    """A kernel's first step. With PDL (programmatic dependent launch, Hopper on): wait until the
-    kernel launched before it has finished and its writes are visible (it may still be running
-    when this one starts), then let the kernel after this one launch, so that its programs are
-    resident and waiting when this one ends instead of launched after it. Every kernel so launched
-    calls this before it reads or writes memory another kernel writes or reads."""
+    """A kernel's first step when launched early (PDL not 0): wait until the kernel launched
+    before it has finished and its writes are visible (it may still be running when this one
+    starts), then let the kernel after this one launch, so that its programs are resident and
+    waiting when this one ends instead of launched after it. Every kernel so launched calls this
+    before it reads or writes memory another kernel writes or reads."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -457,22 +463,23 @@ def matvec_kernel(
     is RMSNorm(x) * g for a residual row x of `width` values whose squares a product summed by
     tile (n_sq sums at sq_in_ptr, `_normed_input`); RESIDUAL, out is res + the product and each
     tile's sum of squares goes to sq_out_ptr (`_store_sum`); ROPE, the weight is the fused qkv
-    projection and q goes to out_ptr, k and v into the layer's cache (`_store_rope`). PDL: the
-    first weight tile is read before the kernel waits on the one before it (`_enter`; no kernel
-    writes a weight), the loop's first pass run apart on it.
+    projection and q goes to out_ptr, k and v into the layer's cache (`_store_rope`). PDL
+    EARLY_READ: the first weight tile is read before the kernel waits on the one before it
+    (`_enter`; no kernel writes a weight), the loop's first pass run apart on it.
     """
     pid = tl.program_id(0)
     rows = _tile_rows(pid, BLOCK_N, ROPE, D)
     row_live = rows < n_out
     # int64 row offsets: an output head (128256, 4096) holds 5.3e8 elements.
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * n_in
-    if PDL:  # the first tile's weights are read while the kernel before this one ends
+    if PDL == EARLY_READ:  # the first weights come in while the kernel before ends
         w0 = _dense_weights(w_rows, 0, n_in, row_live, BLOCK_K)
         _enter(PDL)
         inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
         acc = _dense_partial(w0, x_ptr, 0, n_in, g_ptr, inv, GATED, NORM, BLOCK_K)
         start = BLOCK_K
     else:
+        _enter(PDL)
         inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         start = 0
@@ -565,13 +572,14 @@ def int8_matvec_kernel(
     # int64 row offsets: a (128256, 4096) head is 5.3e8 bytes, within int32 today, not by much.
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * n_in
     s_rows = scale_ptr + rows.to(tl.int64)[:, None] * n_groups
-    if PDL:  # the first tile's weights are read while the kernel before this one ends
+    if PDL == EARLY_READ:  # the first weights come in while the kernel before ends
         q0, s0 = _int8_weights(w_rows, s_rows, 0, n_groups, row_live, GROUP, NG)
         _enter(PDL)
         inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
         acc = _int8_partial(q0, s0, x_row, 0, n_groups, n_in, g_ptr, inv, GATED, NORM, GROUP, NG)
         start = NG
     else:
+        _enter(PDL)
         inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         start = 0
@@ -652,7 +660,7 @@ def int4_matvec_kernel(
     n_groups = n_in // GROUP
     x_row = x_ptr + token * (2 * n_in if GATED else n_in)
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (n_in // 2)
-    if PDL:  # the first tile's weights are read while the kernel before this one ends
+    if PDL == EARLY_READ:  # the first weights come in while the kernel before ends
         p0, s0, z0 = _int4_weights(w_rows, sz_ptr, rows, 0, n_out, n_groups, row_live, GROUP, NG)
         _enter(PDL)
         inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
@@ -661,6 +669,7 @@ def int4_matvec_kernel(
         )
         start = NG
     else:
+        _enter(PDL)
         inv = _norm_scale(sq_in_ptr, n_sq, width, eps, NORM, SQ_BLOCK)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         start = 0

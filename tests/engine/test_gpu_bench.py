@@ -240,19 +240,20 @@ def test_the_int_variants_floor_counts_packed_weights_with_scales_and_zeros() ->
     by_name = {v.name: v for v in gpu_decode.VARIANTS}
     names = [v.name for v in gpu_decode.VARIANTS]
     # A short budget runs the fused step first: bf16 and FP8, nine and six launches a block (the
-    # folded step), with and without programmatic dependent launch; the six fit the documented
+    # folded step), with and without programmatic dependent launch; these fit the documented
     # budget, INT4 next.
-    assert names[:7] == [
+    assert names[:8] == [
         "bf16 graph triton",
         "fp8 graph triton",
         "fp8 graph triton folded",
         "fp8 graph triton folded pdl",
         "bf16 graph triton folded pdl",
+        "bf16 graph triton folded pdl-wait",
         "bf16 graph triton folded",
         "int4 graph triton",
     ]
-    assert [v.folded for v in gpu_decode.VARIANTS].count(True) == 4
-    assert all(v.folded for v in gpu_decode.VARIANTS if v.pdl)
+    assert [v.folded for v in gpu_decode.VARIANTS].count(True) == 5
+    assert all(v.folded and not v.compiled for v in gpu_decode.VARIANTS if v.pdl != "off")
     bf16 = random_model("tiny", "cpu", torch.bfloat16).weight_bytes
     int8, int4 = (
         random_model("tiny", "cpu", torch.bfloat16, by_name[n].fp8).weight_bytes
@@ -319,3 +320,30 @@ def test_the_whole_path_runs_on_cpu_and_lands_in_the_table(
         assert 0 < path[f"{row} P50"] <= path[f"{row} P99"], path
     out = capsys.readouterr().out
     assert "| (e) inter-token via gateway, stream socket |" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["nine", "folded"])
+def test_the_graph_agreement_replays_the_captured_step_against_eager_torch(
+    folded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench's correctness figure of a graph variant: the captured step's logits, replayed
+    as when timed, against the eager torch step's at four positions (here float32 on the
+    interpreter, with a capture that replays the body)."""
+    from appliance.engine import fused
+    from appliance.engine.decode import GraphDecode
+
+    monkeypatch.setattr(fused, "FOLDED", folded)
+    model = random_model("tiny", "cpu", torch.float32, seed=5)
+    model.kernels = "triton"
+    cache = model.new_cache(256)
+    model.forward(list(range(1, 121)), cache, 0)
+    step = GraphDecode(model, cache, lambda body: body, smallest_span=32)
+    assert gpu_decode.graph_agreement(step, model, cache) < 1e-5
+
+    class Off:  # a captured step whose logits are 1 % off
+        spans = step.spans
+
+        def __call__(self, token: int, pos: int) -> torch.Tensor:
+            return step(token, pos) * 1.01
+
+    assert gpu_decode.graph_agreement(Off(), model, cache) > 5e-3  # type: ignore[arg-type]

@@ -230,6 +230,33 @@ def test_a_folded_product_refuses_shapes_it_cannot_take(tiny32: LlamaModel) -> N
     rope = kernels.Rope(tiny32.cos, tiny32.sin, torch.tensor([0]), cache, cache, 4)
     with pytest.raises(ValueError, match="a qkv weight of 256 outputs for 4 heads and 1 KV heads"):
         kernels.token_product(torch.zeros(1, 128, device=DEVICE), wqkv, rope=rope)
+    caches = torch.zeros(2, 2, 8, 32, device=DEVICE)
+    rope = kernels.Rope(tiny32.cos, tiny32.sin, torch.tensor([0]), caches[0], caches[1], 4)
+    with pytest.raises(ValueError, match="RoPE writes q into a tensor of its own"):
+        kernels.token_product(
+            torch.zeros(1, 128, device=DEVICE), wqkv, rope=rope, out=torch.empty(1, 256)
+        )
+    wide = kernels.Rope(tiny32.cos[:, :16], tiny32.sin[:, :16], rope.pos, caches[0], caches[1], 4)
+    with pytest.raises(ValueError, match="RoPE tables of"):
+        kernels.token_product(torch.zeros(1, 128, device=DEVICE), wqkv, rope=wide)
+    strided = kernels.Rope(
+        tiny32.cos,
+        tiny32.sin,
+        rope.pos,
+        caches[0],
+        caches[1].transpose(1, 2).contiguous().transpose(1, 2),
+        4,
+    )
+    with pytest.raises(ValueError, match="K and V caches need one layout"):
+        kernels.token_product(torch.zeros(1, 128, device=DEVICE), wqkv, rope=strided)
+    x = torch.zeros(1, 128, device=DEVICE)
+    residual = kernels.token_product_add(x, wo, x)
+    w13 = fused._token_weight(layer.w13)
+    assert w13 is not None
+    with pytest.raises(ValueError, match=r"a norm weight of shape \(64,\) for 128 inputs"):
+        kernels.token_product(kernels.Norm(residual, layer.mlp_norm[:64], 1e-5), w13)
+    with pytest.raises(ValueError, match=r"a residual row in torch\.bfloat16 for a product in"):
+        kernels.token_product_add(x, wo, x.bfloat16())
 
 
 def _fused(model: LlamaModel) -> LlamaModel:
@@ -529,44 +556,71 @@ def test_programmatic_dependent_launch_is_asked_for_only_where_kernels_compile(
     """With `kernels.PDL` each step kernel takes PDL and Triton's launch option together; the
     interpreter has no grid dependency control, so it never does (bench.kernel_resources
     compiles the PDL kernels for sm_90 and checks that each waits)."""
-    monkeypatch.setattr(kernels, "PDL", True)
-    assert kernels._pdl() == {"PDL": False}  # the interpreter, as in this suite
+    monkeypatch.setattr(kernels, "PDL", "early-read")
+    assert kernels._pdl() == {"PDL": 0}  # the interpreter, as in this suite
     monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    assert kernels._pdl() == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(kernels, "PDL", False)
-    assert kernels._pdl() == {"PDL": False}
+    assert kernels._pdl() == {"PDL": 2, "launch_pdl": True}
+    monkeypatch.setattr(kernels, "PDL", "wait")
+    assert kernels._pdl() == {"PDL": 1, "launch_pdl": True}
+    monkeypatch.setattr(kernels, "PDL", "off")
+    assert kernels._pdl() == {"PDL": 0}
 
 
 @FORMATS
-def test_a_product_launched_early_reads_its_first_weights_before_it_waits_and_sums_the_same(
-    weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("tiles", ["small", "default"])
+def test_a_step_launched_early_computes_what_it_computes_launched_as_usual(
+    weights: WeightQuant | None, tiles: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With PDL a product reads its first weight tile before waiting on the kernel before it
-    (weights are never written), then the rest as without. The interpreter has no grid
-    dependency control, so the wait itself is left out here; the sums must not change."""
+    """With PDL every kernel of the folded step waits first, and with "early-read" a product
+    reads its first weight tile before it waits (no kernel writes a weight), then the rest as
+    launched as usual. The interpreter has no grid dependency control, so the wait itself is
+    left out here; logits and cache must not change by a bit. Small tiles: several input tiles
+    a product; default: one, so the loop after the early tile has no pass."""
     from appliance.engine import triton_kernels
 
     monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
-    monkeypatch.setitem(kernels.MATVEC_TILES, "matvec", (8, 64))  # several input tiles
-    monkeypatch.setitem(kernels.MATVEC_TILES, "int8", (8, 32))
-    monkeypatch.setitem(kernels.MATVEC_TILES, "int4", (16, 32))
+    if tiles == "small":
+        monkeypatch.setitem(kernels.MATVEC_TILES, "matvec", (8, 64))
+        monkeypatch.setitem(kernels.MATVEC_TILES, "int8", (8, 32))
+        monkeypatch.setitem(kernels.MATVEC_TILES, "int4", (16, 32))
     model = random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5)
-    c, layer = model.config, model.layers[1]
-    w13, w2 = fused._token_weight(layer.w13), fused._token_weight(layer.w2)
-    assert w13 is not None and w2 is not None
-    x = torch.randn(1, c.hidden_size, generator=_gen(23)).to(DEVICE, torch.bfloat16)
-    residual = kernels.token_product_add(
-        kernels.silu_mul(
-            torch.randn(1, 2 * c.intermediate_size, generator=_gen(24)).to(DEVICE, torch.bfloat16)
-        ),
-        w2,
-        x,
+    cache = model.new_cache(64)
+    model.forward([7, 300, 42], cache, 0)
+    step_in = torch.tensor([9, 3], device=DEVICE)
+    monkeypatch.setattr(fused, "FOLDED", True)
+    results = []
+    for pdl in (0, 1, 2):
+        monkeypatch.setattr(triton_kernels, "_enter", _no_wait if pdl else triton_kernels._enter)
+        monkeypatch.setattr(kernels, "_pdl", lambda pdl=pdl: {"PDL": pdl})
+        step_cache = model.new_cache(64)
+        logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=DEVICE)
+        with torch.inference_mode():
+            step_cache.k.copy_(cache.k)
+            step_cache.v.copy_(cache.v)
+            model.decode_static(step_in, step_cache, 16, logits)
+        results.append((logits, step_cache.k, step_cache.v))
+    for got in results[1:]:  # bit for bit; unwritten cache positions hold what they held
+        for a, b in zip(got, results[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_partial_last_tile_adds_and_sums_only_its_live_rows() -> None:
+    """100 outputs in tiles of 8: the last tile's 4 masked rows add nothing to the residual's
+    squares, and the norm after it (13 sums) equals the norm's own launch."""
+    w = (torch.randn(100, 96, generator=_gen(25)) / 10).to(DEVICE, torch.bfloat16)
+    x = torch.randn(1, 96, generator=_gen(26)).to(DEVICE, torch.bfloat16)
+    base = torch.randn(1, 100, generator=_gen(27)).to(DEVICE, torch.bfloat16)
+    residual = kernels.token_product_add(x, kernels.TokenWeight.dense(w), base)
+    torch.testing.assert_close(residual.values, base + kernels.matvec(x, w), rtol=2**-7, atol=0)
+    assert residual.squares.shape == (13,)
+    torch.testing.assert_close(
+        residual.squares.sum(), residual.values.float().square().sum(), rtol=1e-5, atol=0
     )
-    normed = kernels.Norm(residual, layer.mlp_norm, c.rms_norm_eps)
-    expected = kernels.token_product(normed, w13)
-    monkeypatch.setattr(triton_kernels, "_enter", _no_wait)
-    monkeypatch.setattr(kernels, "_pdl", lambda: {"PDL": True})
-    assert torch.equal(kernels.token_product(normed, w13), expected)
+    g = (1 + 0.1 * torch.randn(100, generator=_gen(28))).to(DEVICE, torch.bfloat16)
+    w2 = (torch.randn(40, 100, generator=_gen(29)) / 10).to(DEVICE, torch.bfloat16)
+    got = kernels.token_product(kernels.Norm(residual, g, 1e-5), kernels.TokenWeight.dense(w2))
+    normed, _ = kernels.rms_norm(residual.values, g, 1e-5)
+    torch.testing.assert_close(got, kernels.matvec(normed, w2), rtol=2**-7, atol=1e-3)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
