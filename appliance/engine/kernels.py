@@ -448,40 +448,30 @@ def _launch(
         rope_args += (rope.k_cache.stride(0),)
         consts |= {"HEADS": rope.heads, "KV_HEADS": kv_heads, "D": head_dim}
     folds = (*norm_args, *add_args, *rope_args)
-    grid = (-(-weight.n_out // rows), tokens)
     scales = weight.scales if weight.scales is not None else weight.weight  # not read without
-    if weight.kind == "matvec":
-        tk.matvec_kernel[grid[:1]](
-            row,
-            weight.weight,
-            scales,
-            out,
-            weight.n_out,
-            weight.n_in,
-            *folds,
-            SCALE=0 if weight.scales is None else 2 if weight.scales.dim() > 0 else 1,
-            GATED=gated,
-            BLOCK_N=rows,
-            BLOCK_K=min(cols, _pow2(weight.n_in)),
-            **consts,
-            **_pdl(),
-        )
+    grid: tuple[int, ...]
+    if weight.kind == "matvec":  # one token: the grid has no token axis
+        kernel, grid = tk.matvec_kernel, (-(-weight.n_out // rows),)
+        scale = 0 if weight.scales is None else 2 if weight.scales.dim() > 0 else 1
+        consts |= {"SCALE": scale, "BLOCK_K": min(cols, _pow2(weight.n_in))}
     else:
-        getattr(tk, f"{weight.kind}_matvec_kernel")[grid](
-            row,
-            weight.weight,
-            scales,
-            out,
-            weight.n_out,
-            weight.n_in,
-            *folds,
-            GROUP=weight.group,
-            GATED=gated,
-            BLOCK_N=rows,
-            BLOCK_K=max(weight.group, min(cols, _pow2(weight.n_in))),
-            **consts,
-            **_pdl(),
-        )
+        kernel = getattr(tk, f"{weight.kind}_matvec_kernel")
+        grid = (-(-weight.n_out // rows), tokens)
+        block_k = max(weight.group, min(cols, _pow2(weight.n_in)))
+        consts |= {"GROUP": weight.group, "BLOCK_K": block_k}
+    kernel[grid](
+        row,
+        weight.weight,
+        scales,
+        out,
+        weight.n_out,
+        weight.n_in,
+        *folds,
+        GATED=gated,
+        BLOCK_N=rows,
+        **consts,
+        **_pdl(),
+    )
     return out
 
 

@@ -415,6 +415,20 @@ class _Launches(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return Module()
 
 
+def _a_step_to_take(
+    weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
+) -> tuple[LlamaModel, Any, torch.Tensor, torch.Tensor]:
+    """A tiny bf16 model on the fused kernels in `weights`' format (INT4 in the layout a CUDA
+    device gets), its cache after a 3-token prompt, the next step's input and a logits buffer."""
+    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
+    model = _fused(random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5))
+    cache = model.new_cache(64)
+    model.forward([7, 300, 42], cache, 0)
+    step_in = torch.tensor([9, 3], device=DEVICE)
+    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=DEVICE)
+    return model, cache, step_in, logits
+
+
 @FORMATS
 def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
     weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
@@ -422,13 +436,8 @@ def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
     """Every format: 2 + 9 * layers launches a token, all of them Triton kernels. With the
     model-dtype products on cuBLAS: 1 + 6 * layers Triton kernels, 4 * layers + 1 products and
     the copy of the logits into float32."""
-    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
-    model = _fused(random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5))
+    model, cache, step_in, logits = _a_step_to_take(weights, monkeypatch)
     layers = model.config.num_hidden_layers
-    cache = model.new_cache(64)
-    model.forward([7, 300, 42], cache, 0)
-    step_in = torch.tensor([9, 3], device=DEVICE)
-    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=DEVICE)
     counter = _Launches()
     monkeypatch.setattr(kernels, "_tk", counter.module)
     with torch.inference_mode(), counter:
@@ -453,13 +462,8 @@ def test_a_folded_step_launches_six_kernels_a_block_and_nothing_else(
     """Every format: 2 + 6 * layers launches a token (the norms and RoPE inside the products),
     and the same logits as the nine-launch step. With the model-dtype products on cuBLAS
     nothing folds: the nine-launch step runs."""
-    monkeypatch.setattr(quantized, "_int4_kernel", lambda weight: "dequantize")
-    model = _fused(random_model("tiny", DEVICE, torch.bfloat16, weights, seed=5))
+    model, cache, step_in, logits = _a_step_to_take(weights, monkeypatch)
     layers = model.config.num_hidden_layers
-    cache = model.new_cache(64)
-    model.forward([7, 300, 42], cache, 0)
-    step_in = torch.tensor([9, 3], device=DEVICE)
-    logits = torch.empty(model.config.vocab_size, dtype=torch.float32, device=DEVICE)
     model.decode_static(step_in, cache, 16, logits)
     monkeypatch.setattr(fused, "FOLDED", True)
     counter = _Launches()
