@@ -87,7 +87,9 @@ PREFILL_ATTENTION_ROWS = 16
 # Off until a GPU run has measured it; the interpreter never takes it.
 PdlMode = Literal["off", "wait", "early-read"]
 PDL: PdlMode = "off"
-_PDL_CONSTEXPR: dict[PdlMode, int] = {"off": 0, "wait": 1, "early-read": 2}  # triton_kernels'
+# The kernels' PDL constexpr for each mode: triton_kernels.WAIT and EARLY_READ, not imported
+# here because triton is imported only when a kernel first launches.
+_PDL_CONSTEXPR: dict[PdlMode, int] = {"off": 0, "wait": 1, "early-read": 2}
 
 
 def interpreting() -> bool:
