@@ -568,6 +568,13 @@ def test_programmatic_dependent_launch_is_asked_for_only_where_kernels_compile(
     assert kernels._pdl() == {"PDL": 1, "launch_pdl": True}
     monkeypatch.setattr(kernels, "PDL", "off")
     assert kernels._pdl() == {"PDL": 0}
+    from appliance.engine import triton_kernels as tk
+
+    assert {
+        "off": 0,
+        "wait": tk.WAIT.value,
+        "early-read": tk.EARLY_READ.value,
+    } == kernels._PDL_CONSTEXPR
 
 
 @FORMATS
