@@ -429,6 +429,20 @@ def _a_step_to_take(
     return model, cache, step_in, logits
 
 
+def _count_a_step(
+    counter: _Launches,
+    model: LlamaModel,
+    cache: Any,
+    step_in: torch.Tensor,
+    logits: torch.Tensor,
+) -> None:
+    """One decode step (span 16) into `logits`, its launches counted afresh in `counter`."""
+    counter.triton.clear()
+    counter.torch.clear()
+    with torch.inference_mode(), counter:
+        model.decode_static(step_in, cache, 16, logits)
+
+
 @FORMATS
 def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
     weights: WeightQuant | None, monkeypatch: pytest.MonkeyPatch
@@ -440,16 +454,13 @@ def test_a_fused_step_launches_nine_kernels_a_block_and_nothing_else(
     layers = model.config.num_hidden_layers
     counter = _Launches()
     monkeypatch.setattr(kernels, "_tk", counter.module)
-    with torch.inference_mode(), counter:
-        model.decode_static(step_in, cache, 16, logits)
+    _count_a_step(counter, model, cache, step_in, logits)
     assert len(counter.triton) == 2 + 9 * layers and counter.torch == []
     per_block = counter.triton[1:10]
     assert per_block.count("rms_norm_kernel") == 2 and "silu_mul_kernel" not in per_block
     if weights is None:
         monkeypatch.setattr(fused, "DENSE_PRODUCTS", "torch")
-        counter.triton.clear()
-        with torch.inference_mode(), counter:
-            model.decode_static(step_in, cache, 16, torch.empty_like(logits))
+        _count_a_step(counter, model, cache, step_in, torch.empty_like(logits))
         assert len(counter.triton) == 1 + 6 * layers
         products = ["mm" if op in ("linear", "addmm") else op for op in counter.torch]
         assert products == ["mm"] * (4 * layers + 1) + ["copy_"], counter.torch
@@ -469,8 +480,7 @@ def test_a_folded_step_launches_six_kernels_a_block_and_nothing_else(
     counter = _Launches()
     monkeypatch.setattr(kernels, "_tk", counter.module)
     folded = torch.empty_like(logits)
-    with torch.inference_mode(), counter:
-        model.decode_static(step_in, cache, 16, folded)
+    _count_a_step(counter, model, cache, step_in, folded)
     assert len(counter.triton) == 2 + 6 * layers and counter.torch == []
     per_block = counter.triton[1:7]
     assert "rms_norm_kernel" not in per_block and "rope_kv_write_kernel" not in per_block
@@ -479,9 +489,7 @@ def test_a_folded_step_launches_six_kernels_a_block_and_nothing_else(
     torch.testing.assert_close(folded, logits, rtol=2e-2, atol=2e-2)
     if weights is None:
         monkeypatch.setattr(fused, "DENSE_PRODUCTS", "torch")
-        counter.triton.clear()
-        with torch.inference_mode(), counter:
-            model.decode_static(step_in, cache, 16, torch.empty_like(logits))
+        _count_a_step(counter, model, cache, step_in, torch.empty_like(logits))
         assert len(counter.triton) == 1 + 6 * layers
         assert "rope_kv_write_kernel" in counter.triton
 
