@@ -27,6 +27,17 @@ $(ANSIBLE_STAMP): tests/system/ansible-requirements.txt | deps
 
 ansible-venv: $(ANSIBLE_STAMP)
 
+# The GPU image's Triton (torch 2.11's), beside the installed one: tests/engine/test_kernel_resources.py
+# compiles the fused steps' kernels with both, since each ships its own ptxas and a GPU runs what its
+# own compiles. Imported from here by PYTHONPATH only.
+GPU_TRITON       := var/gpu-triton
+GPU_TRITON_STAMP := $(GPU_TRITON)/.installed-stamp
+
+$(GPU_TRITON_STAMP): Makefile | $(STAMP)
+	rm -rf $(GPU_TRITON)
+	$(PY) -m pip install -q --no-deps --target $(GPU_TRITON) "triton==3.6.0"
+	touch $@
+
 # The Debian packages the tests need (.ci/debian-packages): installs the missing ones as root, otherwise
 # stops with the `sudo apt-get install` command.
 deps:
@@ -37,7 +48,7 @@ demo: $(STAMP)
 
 # Two workers: the system tests (booted containers) beside the rest, then the tests that measure
 # wall time with nothing beside them (tests/conftest.py).
-test: deps $(STAMP) $(ANSIBLE_STAMP) lint typecheck
+test: deps $(STAMP) $(ANSIBLE_STAMP) $(GPU_TRITON_STAMP) lint typecheck
 	$(PY) -m pytest -n 2 -m "not alone"
 	$(PY) -m pytest -m alone
 

@@ -3,8 +3,9 @@
 Triton compiles for any NVIDIA target on a host without one (its wheel carries ptxas and
 cuobjdump), so each kernel configuration the fused step launches on a model's shape is compiled
 here for the chosen architecture and read back: registers per thread, the stack frame (where
-registers spill: a spilling matrix-vector or attention kernel reads local memory beside the
-weights), shared memory, the widest global load in its PTX and its integer-to-float conversions
+registers spill), the local-memory loads and stores inside a loop of the machine code (a spill
+each pass pays: a matrix-vector or attention kernel that spills there reads local memory beside
+the weights), shared memory, the widest global load in its PTX and its integer-to-float conversions
 (16 a clock per SM on a GPU, a quarter of the integer rate: a product that converts each weight
 is bound by them, not by its bytes). The configurations are recorded from `fused.decode_step`,
 `fused.folded_step`, `fused.static_rows` and `fused.prefill` themselves, run on a meta-device
@@ -12,8 +13,13 @@ model of one block (blocks are alike) in every weight format at a few attention 
 counts, so the list follows the steps.
 
     python -m bench.kernel_resources --shape llama-3.1-8b --arch 90
+    PYTHONPATH=var/gpu-triton python -m bench.kernel_resources --record   # the GPU image's Triton
 
-Exits 1 when a kernel spills (a stack frame) unless --allow-spills; the CPU suite runs it.
+Exits 1 when a kernel spills inside a loop, or keeps more than `COLD_STACK_BYTES` of stack,
+unless --allow-spills. ptxas may keep a value or two that a loop does not use on the stack
+across it, to stay at a register count: a store before the loop and a load after, once per
+thread, which costs nothing a kernel's bytes would show. The CPU suite runs it with the
+installed Triton and with the GPU image's, whose ptxas decides differently.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from appliance.engine.linear import WeightQuant
 from appliance.engine.llama import LlamaModel
 from appliance.engine.quantized import GroupQuant
 from appliance.engine.random_weights import SHAPES, random_config
+from bench import record
 
 FORMATS: dict[str, WeightQuant | None] = {
     "bf16": None,
@@ -54,6 +61,8 @@ SPANS = (64, 2048, 8192)
 # Row counts of the fixed-shape prefill and verify steps: one row tile of each height
 # (`kernels.ROWS_TILE`), and several.
 ROWS = (16, 32, 64, 128)
+# Stack a kernel may keep outside its loops (a few values ptxas parks across a loop).
+COLD_STACK_BYTES = 16
 # Launch keywords that are Triton compile options, not the kernel's constexprs.
 OPTIONS = ("launch_pdl",)
 _TRITON_TYPES = {
@@ -163,6 +172,7 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
 class Resources:
     registers: int
     stack: int  # bytes of stack frame per thread: spilled registers live there
+    loop_spills: int  # local-memory loads and stores inside a loop of the SASS
     local: int
     shared: int
     widest_load: str
@@ -199,12 +209,12 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", cubin.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        usage, sass = (
+            subprocess.run(
+                [_tool("cuobjdump"), flag, cubin.name], capture_output=True, text=True, check=True
+            ).stdout
+            for flag in ("-res-usage", "-sass")
+        )
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage for {launch.kernel}")
@@ -214,7 +224,35 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
     conversions = len(re.findall(r"\bcvt\.\w+\.f(?:16|32|64)\.[su]\d+\b", compiled.asm["ptx"]))
     waits = "griddepcontrol.wait" in compiled.asm["ptx"]
     return Resources(
-        registers, stack, local, shared, f"{widest // 8} B", conversions, waits, seconds
+        registers,
+        stack,
+        loop_spills(sass),
+        local,
+        shared,
+        f"{widest // 8} B",
+        conversions,
+        waits,
+        seconds,
+    )
+
+
+def loop_spills(sass: str) -> int:
+    """The local-memory loads and stores (LDL, STL) of `cuobjdump -sass` output that lie inside
+    a loop: between a backward branch's target and the branch."""
+    code = [
+        (int(address, 16), text)
+        for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ]
+    loops = []
+    for address, text in code:
+        branch = re.search(r"\bBRA(?:\.\w+)*\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            loops.append((int(branch.group(1), 16), address))
+    return sum(
+        1
+        for address, text in code
+        if re.search(r"\b(?:LDL|STL)\b", text)
+        and any(start <= address <= end for start, end in loops)
     )
 
 
@@ -224,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
     parser.add_argument("--allow-spills", action="store_true")
+    record.add_flag(parser)
     args = parser.parse_args(argv)
     unknown = sorted(set(args.formats.split(",")) - set(FORMATS))
     if unknown:
@@ -233,29 +272,48 @@ def main(argv: list[str] | None = None) -> int:
         for found in record_launches(args.shape, FORMATS[name], SPANS):
             if found not in launches:
                 launches.append(found)
-    print(f"{args.shape}, sm_{args.arch}: {len(launches)} kernel configurations", flush=True)
-    print(
-        "| kernel | pointers | constexprs | registers | stack B | shared B | widest load | "
-        "int→float cvt | waits | compile s |"
-    )
-    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|")
-    spills = []
-    for launch in launches:
-        r = compile_launch(launch, args.arch)
-        shown = ", ".join(f"{k}={v}" for k, v in launch.constexprs)
-        pointers = ",".join(t[1:] for _, t in launch.signature if t.startswith("*"))
-        print(
-            f"| {launch.kernel} | {pointers} | {shown} | {r.registers} | {r.stack} | {r.shared} | "
-            f"{r.widest_load} | {r.int_to_float} | {'yes' if r.waits else 'no'} | "
-            f"{r.seconds:.1f} |",
-            flush=True,
+    import triton
+
+    with record.recording(
+        "kernel_resources", record.record_dir(args), None if argv is None else list(argv)
+    ) as run:
+        spills = _report(
+            launches,
+            args.arch,
+            f"{args.shape}, sm_{args.arch}, Triton {triton.__version__}",
+            run.results.setdefault("launches", []),
         )
-        if r.stack or r.local:
-            spills.append(launch.kernel)
     if spills and not args.allow_spills:
         print(f"spilling: {', '.join(sorted(set(spills)))}", file=sys.stderr)
         return 1
     return 0
+
+
+def _report(launches: list[Launch], arch: int, title: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Compiles and prints each launch's row, appended to `rows`; returns the kernels that
+    spill."""
+    print(f"{title}: {len(launches)} kernel configurations", flush=True)
+    print(
+        "| kernel | pointers | constexprs | registers | stack B | spills in loops | shared B | "
+        "widest load | int→float cvt | waits | compile s |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    spills = []
+    for launch in launches:
+        r = compile_launch(launch, arch)
+        shown = ", ".join(f"{k}={v}" for k, v in launch.constexprs)
+        pointers = ",".join(t[1:] for _, t in launch.signature if t.startswith("*"))
+        print(
+            f"| {launch.kernel} | {pointers} | {shown} | {r.registers} | {r.stack} | "
+            f"{r.loop_spills} | {r.shared} | {r.widest_load} | {r.int_to_float} | "
+            f"{'yes' if r.waits else 'no'} | {r.seconds:.1f} |",
+            flush=True,
+        )
+        rows.append({"kernel": launch.kernel, "pointers": pointers, "constexprs": shown})
+        rows[-1] |= dataclasses.asdict(r)
+        if r.loop_spills or r.stack > COLD_STACK_BYTES or r.local:
+            spills.append(launch.kernel)
+    return spills
 
 
 if __name__ == "__main__":
