@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 ANSIBLE_VENV  := .venv-ansible
 ANSIBLE_STAMP := $(ANSIBLE_VENV)/.installed-stamp
 
-.PHONY: demo test deps lint typecheck proto bench clean ansible-venv
+.PHONY: demo test deps lint typecheck proto bench clean ansible-venv device-wheels
 
 # deps is order-only: it runs first (python3-venv) but never makes the venv out of date.
 $(STAMP): pyproject.toml | deps
@@ -65,6 +65,13 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.streaming
+
+# The wheels a device call carries (bench/device-wheels.txt says which and why), into .whl.
+device-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl -r bench/device-wheels.txt
 
 clean:
 	rm -rf $(VENV) $(ANSIBLE_VENV) var .pytest_cache .mypy_cache .ruff_cache .hypothesis
