@@ -68,6 +68,7 @@ from appliance.gateway.models import ServedModel
 from appliance.gateway.reply import Final, Reply, final_of
 from appliance.gateway.report import ReportSink, RequestReport
 from appliance.gateway.request import (
+    MAX_NAMESPACE_LENGTH,
     CheckedRequest,
     IncomingRequest,
     PreparedRequest,
@@ -297,10 +298,10 @@ class Pipeline:
         key holding one namespace may leave it out)."""
         scope = CACHE_ONLY if request.cache_policy == CachePolicy.ONLY.value else GENERATE
         report.key_id = credentials.claimed_key_id()
-        report.namespace = request.namespace[:64]
+        report.namespace = request.namespace[:MAX_NAMESPACE_LENGTH]  # refused later when longer
         grant = self.access.authorize(credentials, request.namespace, scope)
         report.key_id = grant.key_id
-        report.namespace = grant.namespace
+        report.namespace = grant.namespace[:MAX_NAMESPACE_LENGTH]
         return grant
 
     def route(self, name: str) -> ServedModel:

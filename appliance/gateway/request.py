@@ -41,6 +41,9 @@ MAX_REQUEST_ID_LENGTH = 128
 # is known, so the count is checked before any message is read.
 MAX_MESSAGES = 2048
 MAX_NAMESPACE_LENGTH = 64
+# A model name a cache administration call may name (served or not: a fleet's Redis holds the
+# answers of every gateway's models).
+MAX_MODEL_NAME_LENGTH = 256
 # Bytes of a guide's schema, expression or grammar.
 MAX_GUIDE_BYTES = 64 * 1024
 GUIDE_KINDS = ("json", "json_schema", "regex", "ebnf_grammar")

@@ -21,7 +21,7 @@ from appliance.gateway import messages, report
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta
 from appliance.gateway.pipeline import Pipeline
-from appliance.gateway.request import IncomingRequest
+from appliance.gateway.request import MAX_MODEL_NAME_LENGTH, MAX_NAMESPACE_LENGTH, IncomingRequest
 from appliance.security.auth import AccessControl, Credentials, bearer_token
 from appliance.security.tls import grpc_peer_names
 from appliance.v1 import inference_pb2 as pb
@@ -50,7 +50,17 @@ def _set_pushback(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
 
 def entry_key(request: pb.InvalidateRequest) -> bytes | None:
     """The one cached answer an Invalidate names (None: every answer that matches); a request that
-    names it wrongly is refused with what to fix."""
+    names it, its namespace or its model wrongly is refused with what to fix."""
+    if len(request.namespace) > MAX_NAMESPACE_LENGTH:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters",
+        )
+    if len(request.model) > MAX_MODEL_NAME_LENGTH:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"model is longer than {MAX_MODEL_NAME_LENGTH} characters",
+        )
     if not request.entry:
         return None
     if request.all:
@@ -211,7 +221,7 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
             entry = entry_key(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
-        audit = (key_id, request.namespace[:64], request.model[:64], request.all)
+        audit = (key_id, request.namespace, request.model, request.all)
         # Shielded: a caller that gives up (its deadline passes during a long unlink) must not
         # leave Redis half unlinked and the other gateways unannounced.
         work = asyncio.ensure_future(

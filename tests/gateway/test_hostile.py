@@ -135,6 +135,29 @@ def test_client_values_never_start_a_log_line(gateway: Stack) -> None:
     assert not [line for line in lines if line.startswith("FORGED") or "\x1b" in line]
 
 
+def test_a_refused_long_name_is_not_written_whole_to_any_log(gateway: Stack) -> None:
+    long = "n" * 100_000
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Complete(pb.GenerateRequest(model=MODEL, prompt="p", namespace=long), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == "namespace is longer than 64 characters"
+        admin = pb_grpc.CacheAdminStub(channel)
+        for names, why in (
+            (dict(namespace=long), "namespace is longer than 64 characters"),
+            (dict(model=long), "model is longer than 256 characters"),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                admin.Invalidate(pb.InvalidateRequest(**names), timeout=30)  # type: ignore[arg-type]
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == why
+        last = pb.GenerateRequest(model=MODEL, prompt="p", max_tokens=2, request_id="after-long")
+        stub.Complete(last, timeout=60)
+    lines = gateway.log_through("after-long")
+    assert max(len(line) for line in lines) < 2_000
+
+
 def _record(message: str, *args: object, exc: BaseException | None = None) -> logging.LogRecord:
     info = (type(exc), exc, exc.__traceback__) if exc is not None else None
     return logging.LogRecord("appliance", logging.ERROR, __file__, 1, message, args, info)
