@@ -75,6 +75,7 @@ def _translate(m: pb.GenerateRequest, fields: dict[str, Any]) -> None:
         refusal = too_many_messages(len(listed))
         if refusal is not None:
             raise refusal
+        tool_calls.check_past_calls(sum(len(c.tool_calls) for c in listed))
         turns = [_turn(c, i) for i, c in enumerate(listed)]
         if plan is not None or tool_calls.has_tool_parts(turns):
             chat = tool_calls.ToolChat(plan, tuple(turns))

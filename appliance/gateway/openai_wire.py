@@ -141,8 +141,12 @@ class HttpRequest:
 
 
 def parse_request(data: dict[str, Any], chat: bool) -> HttpRequest:
-    """A chat (`/v1/chat/completions`) or completion (`/v1/completions`) body as a request."""
-    http = _parse(data, chat)
+    """A chat (`/v1/chat/completions`) or completion (`/v1/completions`) body as a request; a
+    refusal by a check both front ends share (`tool_calls`) as its HTTP error."""
+    try:
+        http = _parse(data, chat)
+    except RequestError as exc:
+        raise error_of(exc, chat) from None
     _unicode(http.request)
     return http
 
@@ -248,10 +252,7 @@ def _logprobs(req: IncomingRequest, data: dict[str, Any], chat: bool) -> None:
 
 def _tools(data: dict[str, Any]) -> ToolPlan | None:
     _field(data, "parallel_tool_calls", bool)  # one call at most is made either way
-    try:
-        return tool_calls.plan(data.get("tools"), data.get("tool_choice"))
-    except RequestError as exc:
-        raise invalid(exc.message, exc.field) from None
+    return tool_calls.plan(data.get("tools"), data.get("tool_choice"))
 
 
 def _messages(data: dict[str, Any], tools: ToolPlan | None, req: IncomingRequest) -> None:
@@ -261,6 +262,8 @@ def _messages(data: dict[str, Any], tools: ToolPlan | None, req: IncomingRequest
     refusal = too_many_messages(len(messages))
     if refusal is not None:
         raise invalid(refusal.message, "messages")
+    listed_calls = (m.get("tool_calls") for m in messages if isinstance(m, dict))
+    tool_calls.check_past_calls(sum(len(c) for c in listed_calls if isinstance(c, list)))
     turns: list[tool_calls.Turn] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -272,14 +275,9 @@ def _messages(data: dict[str, Any], tools: ToolPlan | None, req: IncomingRequest
         call_id = m.get("tool_call_id") if role == "tool" else None
         if call_id is not None and not isinstance(call_id, str):
             raise invalid(f"messages[{i}].tool_call_id must be a string", f"messages[{i}]")
-        try:
-            turns.append(
-                tool_calls.turn(
-                    ROLE_ALIASES.get(role, role), content, _past_calls(m, i), call_id, i
-                )
-            )
-        except RequestError as exc:
-            raise invalid(exc.message, exc.field) from None
+        turns.append(
+            tool_calls.turn(ROLE_ALIASES.get(role, role), content, _past_calls(m, i), call_id, i)
+        )
     if tools is None and not tool_calls.has_tool_parts(turns):
         req.messages = [(t.role, t.content) for t in turns]
         return

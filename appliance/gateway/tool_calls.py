@@ -37,6 +37,9 @@ from appliance.gateway.request import check_json_schema
 
 # OpenAI's limits: tools per request and a function name's form.
 MAX_TOOLS = 128
+# Tool calls in a chat's history, all its messages together: each is parsed and written into the
+# rendered chat before the prompt's length is known, so the count is checked before any is read.
+MAX_PAST_CALLS = 2048
 # Bytes of all the tools' parameters schemas together (JSON): a forced choice's guide holds them
 # all, and a guide is bounded to this size.
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -183,6 +186,14 @@ def plan_of(tools: Sequence[Tool], choice: str, where: str, choice_field: str) -
 def check_count(count: int, where: str) -> None:
     if count > MAX_TOOLS:
         raise _bad(f"{where} holds {count} tools; at most {MAX_TOOLS} are accepted", where)
+
+
+def check_past_calls(count: int) -> None:
+    """Refuses a chat whose messages hold `count` tool calls in all, before any is read."""
+    if count > MAX_PAST_CALLS:
+        raise _bad(
+            f"messages hold {count} tool calls; at most {MAX_PAST_CALLS} are accepted", "messages"
+        )
 
 
 def _tool(tool: object, i: int) -> Tool:

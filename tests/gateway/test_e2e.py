@@ -134,6 +134,19 @@ BAD = [
         grpc.StatusCode.INVALID_ARGUMENT,
         "messages holds 2049 messages; at most 2048 are accepted",
     ),
+    # So is the number of tool calls in the history, all messages together.
+    (
+        dict(
+            messages=pb.ChatMessages(
+                messages=[
+                    pb.ChatMessage(role="user", content="go"),
+                    pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="f")] * 2049),
+                ]
+            )
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages hold 2049 tool calls; at most 2048 are accepted",
+    ),
     (dict(cache_policy=99), grpc.StatusCode.INVALID_ARGUMENT, "cache_policy 99 is not one of"),
     (dict(cache_policy=-5), grpc.StatusCode.INVALID_ARGUMENT, "cache_policy -5 is not one of"),
     # An 8 KB model name is echoed shortened: the status stays NOT_FOUND, never a too-large error.

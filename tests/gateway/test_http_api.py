@@ -282,6 +282,10 @@ async def test_unknown_model_and_chat_role(client: AsyncOpenAI) -> None:
 
 
 TOO_MANY_MESSAGES = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 2049}).encode()
+TOO_MANY_CALLS = json.dumps(
+    {"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [{}] * 1025}] * 2},
+    separators=(",", ":"),
+).encode()  # refused by their count, before one is read (each here is malformed)
 REFUSED: list[tuple[bytes, str]] = [
     (b'{"model": "tiny", "messages": [], "temperature": 1' + b"0" * 400 + b"}", "out of range"),
     (b'{"model": "tiny", "messages": [], "top_p": 1' + b"0" * 400 + b"}", "top_p is out of range"),
@@ -302,6 +306,7 @@ REFUSED: list[tuple[bytes, str]] = [
         "request_id must be",
     ),
     (TOO_MANY_MESSAGES, "messages holds 2049 messages; at most 2048 are accepted"),
+    (TOO_MANY_CALLS, "messages hold 2050 tool calls; at most 2048 are accepted"),
     (b"{not json", "the request body is not valid JSON"),
     (b"[1, 2]", "must be a JSON object, got an array"),
     (b"\xff\xfe", "not valid JSON"),
