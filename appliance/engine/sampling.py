@@ -69,7 +69,7 @@ class Sampler:
         if p.greedy:
             return int(torch.argmax(logits).item())
         with torch.inference_mode():
-            scaled = logits.float() / p.temperature
+            scaled = _scaled(logits, p.temperature)
             vocab = scaled.shape[-1]
             if 0 < p.top_k < vocab:
                 values, indices = torch.topk(scaled, p.top_k)  # sorted descending
@@ -90,7 +90,7 @@ class Sampler:
         top-p applied, renormalised), as a full-vocabulary vector."""
         p = self.params
         with torch.inference_mode():
-            scaled = logits.float() / p.temperature
+            scaled = _scaled(logits, p.temperature)
             if 0 < p.top_k < scaled.shape[-1]:
                 values, indices = torch.topk(scaled, p.top_k)
             elif 0.0 < p.top_p < 1.0:
@@ -133,12 +133,20 @@ class Sampler:
         with torch.inference_mode():
             scaled = logits.float()
             if not self.params.greedy:
-                scaled = scaled / self.params.temperature
+                scaled = _scaled(logits, self.params.temperature)
             return torch.log_softmax(scaled, dim=-1)
 
     def logprob(self, logits: torch.Tensor, token: int) -> float:
         """The log-probability of `token` under the distribution it was chosen from (log_probs)."""
         return float(self.log_probs(logits)[token].item())
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32, the largest shifted to 0 first (the softmax is the same):
+    a tiny temperature then sends the others to -inf instead of every logit to +-inf, whose
+    softmax is NaN."""
+    wide = logits.float()
+    return (wide - wide.max()) / temperature
 
 
 @dataclass

@@ -102,6 +102,17 @@ class InferError(Exception):
         # The id of the request it answers: an in-band error carries it, as Triton's do for a
         # request that could not be issued, so a client with several requests on a stream knows.
         self.request_id = ""
+        # A failure of an issued request: Triton's in-band error also names the model and says
+        # whether it is the request's last response.
+        self.issued: tuple[str, str, bool] | None = None  # model name, version, final
+
+    def in_band(self) -> ts.ModelStreamInferResponse:
+        """The error as a stream's response (`error_message`, the request's id)."""
+        response = ts.ModelInferResponse(id=self.request_id)
+        if self.issued is not None:
+            response.model_name, response.model_version, final = self.issued
+            response.parameters["triton_final_response"].bool_param = final
+        return ts.ModelStreamInferResponse(error_message=self.message, infer_response=response)
 
 
 # Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes
@@ -217,8 +228,20 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         raise InferError("raw_input_contents must hold one entry per input")
     tensors: dict[str, list[Any]] = {}
     for index, tensor in enumerate(inputs):
+        if tensor.name in tensors:
+            raise InferError(f"input '{tensor.name}' already exists in request")
+        if raw and tensor.HasField("contents"):
+            raise InferError(
+                "contents field must not be specified when using raw_input_contents for "
+                f"'{tensor.name}' for model '{request.model_name}'"
+            )
         name, values = _read_tensor(tensor, raw[index] if raw else None, model)
         tensors[name] = values
+    for output in request.outputs:
+        if output.name not in model.output_names:
+            raise InferError(
+                f"unexpected inference output '{output.name}' for model '{model.entry.name}'"
+            )
     required = model.required
     missing = [n for n in required if n not in tensors]
     if missing:
@@ -263,7 +286,7 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
     seed = scalar("random_seed", scalar("seed", None))
     top_p = float(scalar("runtime_top_p", 0.0))
     temperature = float(scalar("temperature", 1.0))
-    if not 0.0 <= top_p <= 1.0 or temperature < 0:
+    if not 0.0 <= top_p <= 1.0 or not temperature >= 0:  # NaN is refused too
         raise InferError(
             f"runtime_top_p must be in [0, 1] and temperature >= 0 for '{model.entry.name}'"
         )
@@ -408,8 +431,13 @@ def _resolve(future: asyncio.Future[Emission], emission: Emission) -> None:
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("stream reader failed", exc_info=task.exception())
+    """Logs a stream reader's failure; one whose stream ended with an error sent out of band
+    (`triton_grpc_error`) ends with grpc's AbortError, which is no failure."""
+    if task.cancelled():
+        return
+    failure = task.exception()
+    if failure is not None and not isinstance(failure, grpc.aio.AbortError):
+        log.error("stream reader failed", exc_info=failure)
 
 
 async def _no_region(context: grpc.aio.ServicerContext, kind: str, name: str) -> None:
@@ -760,7 +788,10 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 if e.final:
                     clock.computed()
                 if e.error:
-                    outbox.put_nowait(ts.ModelStreamInferResponse(error_message=e.error))
+                    failure = InferError(e.error, grpc.StatusCode.INTERNAL)
+                    failure.request_id = request.id
+                    failure.issued = (request.model_name, request.model_version, e.final)
+                    outbox.put_nowait(failure)
                 else:
                     # A final emission without tokens is a stopped or cancelled request: the
                     # executor's final result, sent with (empty) outputs, never dropped.
@@ -828,10 +859,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 if isinstance(item, InferError):
                     if abort is not None:
                         await abort(item.code, item.message)
-                    item = ts.ModelStreamInferResponse(
-                        error_message=item.message,
-                        infer_response=ts.ModelInferResponse(id=item.request_id),
-                    )
+                    item = item.in_band()
                 yield item
         finally:
             self._winding_down.discard(wind_down)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import array
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 import pytest
@@ -456,3 +456,88 @@ async def test_declared_inputs_the_engine_does_not_compute_are_refused_not_ignor
     responses = await collect(triton, penalised)
     assert "input 'repetition_penalty' is declared" in responses[0].error_message
     assert "does not implement it; omit it" in responses[0].error_message
+
+
+def _duplicated(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    _tensor(req, "request_output_len", "INT32", "i", [50])
+    return req
+
+
+def _with_contents(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.inputs[2].contents.int_contents.append(50)
+    return req
+
+
+def _asking_unknown_output(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.outputs.add(name="nonexistent_output")
+    return req
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (_duplicated, "input 'request_output_len' already exists in request"),
+        (
+            _with_contents,
+            "contents field must not be specified when using raw_input_contents for "
+            "'request_output_len' for model 'tensorrt_llm'",
+        ),
+        (
+            _asking_unknown_output,
+            "unexpected inference output 'nonexistent_output' for model 'tensorrt_llm'",
+        ),
+    ],
+    ids=["duplicate-input", "contents-and-raw", "unknown-output"],
+)
+async def test_a_request_triton_would_not_issue_is_refused_in_its_words(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+    spoil: Callable[[ts.ModelInferRequest], ts.ModelInferRequest],
+    message: str,
+) -> None:
+    responses = await collect(triton, spoil(request("spoilt", max_tokens=4)))
+    assert [(r.error_message, r.infer_response.id) for r in responses] == [(message, "spoilt")]
+
+
+async def test_a_temperature_that_is_not_a_number_is_refused_before_it_runs(
+    triton: ts_grpc.GRPCInferenceServiceStub, engine: Engine
+) -> None:
+    before = engine.stats().started
+    responses = await collect(triton, request("nan", temperature=float("nan")))
+    assert [r.error_message for r in responses] == [
+        "runtime_top_p must be in [0, 1] and temperature >= 0 for 'tensorrt_llm'"
+    ]
+    assert engine.stats().started == before
+
+
+async def test_a_tiny_temperature_samples_the_likeliest_token_without_overflowing(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    tiny = await collect(
+        triton, request("tiny-t", max_tokens=6, temperature=1e-45, top_k=50, seed=3)
+    )
+    greedy = await collect(triton, request("greedy", max_tokens=6, temperature=0.0))
+    assert not [r.error_message for r in tiny if r.error_message]
+    got = [t for r in tiny for t in tokens_of(r.infer_response)]
+    assert got == [t for r in greedy for t in tokens_of(r.infer_response)]
+
+
+async def test_a_failure_while_computing_is_answered_as_triton_answers_a_backend_error(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+    engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def fail(job: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.models[MODEL].runner, "_run", fail)
+    (failed,) = await collect(triton, request("doomed"))
+    assert failed.error_message == "engine failure: injected"
+    response = failed.infer_response
+    assert (response.id, response.model_name) == ("doomed", MODEL) and is_final(response)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(triton, request("doomed"), metadata=(("triton_grpc_error", "true"),))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert err.value.details() == "engine failure: injected"
+    # The stream ended by the out-of-band error is no failure of its reader.
+    assert not [r for r in caplog.records if r.getMessage() == "stream reader failed"]
