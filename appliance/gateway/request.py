@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import jsonschema
+import jsonschema_rs
 
 from appliance.backends.base import GREEDY, Guide, Sampling, Speculation, top_logprobs_refusal
 from appliance.cache.policy import CachePolicy
@@ -396,7 +396,8 @@ def _guide(asked: Guide) -> Guide:
 
 
 def check_json_schema(text: str) -> None:
-    """RequestError unless `text` is a JSON Schema object its draft's metaschema accepts."""
+    """RequestError unless `text` is a JSON Schema object its draft's metaschema accepts (the
+    one its "$schema" names among drafts 4, 6, 7, 2019-09 and 2020-12; 2020-12 without)."""
     try:
         schema = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -404,14 +405,26 @@ def check_json_schema(text: str) -> None:
     if not isinstance(schema, dict):
         raise _invalid("the JSON Schema must be a JSON object", field="guide")
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path) or "the top level"
+        jsonschema_rs.meta.validate(schema, registry=_KNOWN_DRAFTS_ONLY)
+    except jsonschema_rs.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.instance_path) or "the top level"
         raise _invalid(
             f"the JSON Schema is not valid at {where}: {exc.message}", field="guide"
         ) from None
+    except jsonschema_rs.ReferencingError:
+        meta = schema.get("$schema")
+        raise _invalid(
+            f"the JSON Schema's $schema {echo(str(meta))} is not a draft checked here: name "
+            "draft 4, 6, 7, 2019-09 or 2020-12, or leave $schema out",
+            field="guide",
+        ) from None
     except RecursionError:
         raise _invalid("the JSON Schema is nested too deeply", field="guide") from None
+
+
+# A registry of no resources: a "$schema" other than a draft's is refused, never fetched (a
+# registry that resolves a URI fetches it over the network).
+_KNOWN_DRAFTS_ONLY = jsonschema_rs.Registry([])
 
 
 def _fits(chars: int, limits: Limits, field: str) -> None:

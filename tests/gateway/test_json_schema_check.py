@@ -1,0 +1,76 @@
+"""A guide's or a tool's JSON Schema checked against the metaschema of the draft it names, and
+nothing fetched: a "$schema" other than a known draft's is refused, whatever its URL."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from appliance.gateway.errors import RequestError
+from appliance.gateway.request import check_json_schema
+
+DRAFT_7 = "http://json-schema.org/draft-07/schema#"
+
+
+@pytest.fixture
+def web() -> Iterator[tuple[str, list[str]]]:
+    """A local web server's address and the paths asked of it."""
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"type": "object"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    server.shutdown()
+    thread.join()
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        None,
+        DRAFT_7,
+        "http://json-schema.org/draft-04/schema#",
+        "https://json-schema.org/draft/2019-09/schema",
+        "https://json-schema.org/draft/2020-12/schema",
+    ],
+)
+def test_a_schema_of_a_known_draft_is_accepted(meta: str | None) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    check_json_schema(json.dumps(schema if meta is None else {"$schema": meta, **schema}))
+
+
+def test_a_schema_its_draft_refuses_is_refused_with_the_place() -> None:
+    # Draft 7's "dependencies" takes schemas or arrays of names, not numbers.
+    with pytest.raises(RequestError) as refused:
+        check_json_schema(json.dumps({"$schema": DRAFT_7, "dependencies": {"a": 5}}))
+    assert refused.value.message.startswith("the JSON Schema is not valid at dependencies/a: ")
+
+
+def test_an_unknown_metaschema_is_refused_and_never_fetched(web: tuple[str, list[str]]) -> None:
+    address, asked = web
+    with pytest.raises(RequestError) as refused:
+        check_json_schema(json.dumps({"$schema": f"{address}/meta", "type": "object"}))
+    assert refused.value.message == (
+        f"the JSON Schema's $schema '{address}/meta' is not a draft checked here: name "
+        "draft 4, 6, 7, 2019-09 or 2020-12, or leave $schema out"
+    )
+    # References are the engine's to resolve (or refuse); checking the schema fetches none.
+    check_json_schema(json.dumps({"$ref": f"{address}/ref"}))
+    check_json_schema(json.dumps({"properties": {"a": {"$schema": f"{address}/nested"}}}))
+    assert asked == []
