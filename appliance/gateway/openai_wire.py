@@ -187,7 +187,9 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
         if name not in known:
             raise invalid(f"Unrecognized request argument supplied: {name}", name)
     for name, allowed in NO_OP.items():
-        if name in data and data[name] not in allowed and data[name] not in ({}, []):
+        value = data.get(name)
+        # true == 1 and false == 0 in Python: a boolean is none of the accepted numbers.
+        if name in data and (isinstance(value, bool) or value not in (*allowed, {}, [])):
             shown = ", ".join(json.dumps(a) for a in allowed)
             raise invalid(f"{name} is not supported by this server (accepted: {shown})", name)
     req = IncomingRequest(model=_field(data, "model", str, required=True))
@@ -775,8 +777,9 @@ def _top_of(text: str, entry: TokenLogprob) -> dict[str, float]:
 
 
 def stream_error(err: HttpError) -> bytes:
-    """An error after the stream began (the status line is gone): an SSE event the SDKs raise."""
-    return b"data: " + dumps(error_body(err)) + b"\n\n"
+    """An error after the stream began (the status line is gone): an SSE event the SDKs raise,
+    then [DONE], which ends every stream (as vLLM's do), so a client reading to it sees the end."""
+    return b"data: " + dumps(error_body(err)) + b"\n\ndata: [DONE]\n\n"
 
 
 def model_list(names: list[str], created: int) -> dict[str, Any]:

@@ -323,6 +323,8 @@ REFUSED: list[tuple[bytes, str]] = [
     (b'{"model": "tiny", "messages": [], "temperature": true}', "temperature must be a number"),
     (b'{"model": "tiny", "messages": [], "stop": [1]}', "stop must be a string or a list"),
     (b'{"model": "tiny", "messages": [], "n": 2}', "n is not supported"),
+    (b'{"model": "tiny", "messages": [], "n": true}', "n is not supported"),
+    (b'{"model": "tiny", "messages": [], "presence_penalty": false}', "not supported"),
     (b'{"model": "tiny", "messages": [], "best_of": 2}', "best_of is not supported"),
     (b'{"model": "tiny", "messages": [], "bogus": 1}', "Unrecognized request argument"),
     (b'{"model": "tiny", "messages": [], "stream_options": {}}', "only allowed when stream"),
@@ -524,6 +526,21 @@ async def test_an_error_after_the_stream_began_is_an_event_the_sdk_raises(
             texts.append(chunk.choices[0].text)
     assert texts  # the stream had begun: the status line said 200
     assert isinstance(err.value.body, dict) and err.value.body["type"] == "timeout_error"
+
+
+async def test_a_stream_that_ends_in_an_error_still_ends_with_done(
+    gateway: RunningGateway,
+) -> None:
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 1500, "temperature": 0, "stream": True}
+    body["appliance"] = {"deadline_ms": 300, "cache_policy": "bypass"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(_url(gateway) + "/v1/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        events = (await r.text()).split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert json.loads(events[-3].removeprefix("data: "))["error"]["type"] == "timeout_error"
 
 
 async def test_http_requests_are_reported_like_grpc_ones(tiny: Tiny, engine: Engine) -> None:
