@@ -25,6 +25,7 @@ import logging
 import math
 import ssl as ssl_module
 import time
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -64,6 +65,9 @@ WIRE_STATUS = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Content-Encodings of a request body the server inflates (within max_body_bytes) or takes as is.
 BODY_ENCODINGS = ("identity", "gzip", "deflate")
+# zlib's window arguments to try for each compressed encoding: gzip's; deflate as HTTP defines
+# it (zlib-wrapped), then raw, which some clients send.
+DEFLATE_WINDOWS = {"gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 # aiohttp's logger of requests it refuses or handlers that raise.
 SERVER_LOGGER = "aiohttp.server"
 
@@ -93,6 +97,22 @@ def quiet_http_server_log() -> None:
     logger = logging.getLogger(SERVER_LOGGER)
     if not any(isinstance(f, WithoutRequestBytes) for f in logger.filters):
         logger.addFilter(WithoutRequestBytes())
+
+
+def _inflate(body: bytes, windows: tuple[int, ...], limit: int) -> bytes | None:
+    """`body` inflated with the first of `windows` that reads it whole; None past `limit` bytes
+    (inflated one byte past it at most: a bomb stops there). zlib.error if none reads it."""
+    for window in windows:
+        inflater = zlib.decompressobj(window)
+        try:
+            inflated = inflater.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(inflated) > limit:
+            return None
+        if inflater.eof and not inflater.unused_data:
+            return inflated
+    raise zlib.error("no window reads the body whole")
 
 
 class HandshakeBoundedSite(web.TCPSite):
@@ -182,6 +202,8 @@ class HttpApi:
         # a client's disconnect cancels its handler and so its pipeline stream. keepalive_timeout
         # also closes a connection that sends no complete request head in time. shutdown_timeout:
         # what close() leaves running after its grace is cancelled this much later.
+        # auto_decompress=False: `_body` inflates, so every Content-Encoding reaches one check
+        # (aiohttp's parser refused br and zstd itself, in plain text, asking for a library).
         self._decoder = json_body.BodyDecoder()
         self._runner = web.AppRunner(
             app,
@@ -190,6 +212,7 @@ class HttpApi:
             handler_cancellation=True,
             keepalive_timeout=config.client_timeout_s,
             shutdown_timeout=1.0,
+            auto_decompress=False,
         )
         quiet_http_server_log()
         self._site: web.TCPSite | None = None
@@ -358,17 +381,24 @@ class HttpApi:
                 f"Content-Encoding {echo(encoding)} is not accepted; send the body as one of "
                 f"{', '.join(BODY_ENCODINGS)}",
             )
+        too_large = wire.HttpError(
+            413,
+            "invalid_request_error",
+            f"the request body is larger than {self.config.max_body_bytes} bytes "
+            "(the gateway's [http] max_body_bytes)",
+        )
         try:
             async with asyncio.timeout(self.config.client_timeout_s):
-                return await request.read()
+                body = await request.read()
+            if encoding == "identity":
+                return body
+            inflated = _inflate(body, DEFLATE_WINDOWS[encoding], self.config.max_body_bytes)
+            if inflated is None:
+                raise too_large
+            return inflated
         except web.HTTPRequestEntityTooLarge:
-            raise wire.HttpError(
-                413,
-                "invalid_request_error",
-                f"the request body is larger than {self.config.max_body_bytes} bytes "
-                "(the gateway's [http] max_body_bytes)",
-            ) from None
-        except RequestPayloadError:
+            raise too_large from None
+        except (RequestPayloadError, zlib.error):
             raise wire.invalid(
                 f"the request body is not valid for its Content-Encoding {echo(encoding)}; send "
                 "it uncompressed, or compressed as Content-Encoding says"
