@@ -15,7 +15,8 @@ The protocol carries Triton's messages unchanged:
 - one connection is one stream, with a gRPC stream's semantics: requests one after another,
   responses in-band, and closing the connection cancels whatever runs on it;
 - a message over the receiving end's limit, a bad preamble or bytes that do not parse close the
-  connection.
+  connection, as does a message that stops partway (`FRAME_TIMEOUT_S`); a connection past
+  `MAX_CONNECTIONS` is closed when it opens.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as ts
 
 from appliance.backends.base import BackendError
+from appliance.logline import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,14 @@ PREAMBLE = b"appliance-stream-socket/1\n"
 _LENGTH = struct.Struct("<I")
 # Responses read ahead of the reader, at most; past that the socket is read no further.
 INBOX_FRAMES = 256
-# A connection that sends no complete preamble in this long is dropped.
+# A connection that sends no complete preamble in this long is dropped; so is one whose message
+# (its length read) does not arrive whole in this long. Between messages a connection may idle:
+# the gateway keeps streams open between requests.
 PREAMBLE_TIMEOUT_S = 5.0
+FRAME_TIMEOUT_S = 5.0
+# Connections served at once: the gateway opens one per request in flight and keeps a few idle;
+# each holds up to a message's bytes while it arrives.
+MAX_CONNECTIONS = 1024
 # Connecting while the server's backlog is full: tries, and the wait before the n-th retry (n ×).
 CONNECT_TRIES = 5
 CONNECT_BACKOFF_S = 0.002
@@ -71,11 +79,20 @@ def _checked_size(size: int, max_bytes: int) -> int:
 async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     """The next message's payload, refused by its length prefix before its bytes are read."""
     (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return await reader.readexactly(_checked_size(size, max_bytes))
+    _checked_size(size, max_bytes)
+    try:
+        async with asyncio.timeout(FRAME_TIMEOUT_S):
+            return await reader.readexactly(size)
+    except TimeoutError:
+        raise FrameError(f"a message that stopped partway for {FRAME_TIMEOUT_S:g} s") from None
+
+
+# A local client can open connections in a loop: one line per interval, with the count.
+_refusals = Throttled(log)
 
 
 def _log_refusal(exc: FrameError) -> None:
-    log.warning("stream socket: closed a connection that sent %s", exc)
+    _refusals.warning("stream socket: closed a connection that sent %s", exc)
 
 
 class FrameParser:
@@ -328,6 +345,11 @@ class StreamSocketServer:
             self._unlock()
             raise
 
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return len(self._connections)
+
     def _unlock(self) -> None:
         if self._lock is not None:
             os.close(self._lock)
@@ -335,6 +357,10 @@ class StreamSocketServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing:  # accepted before `close`, first run after it: never served
+            writer.close()
+            return
+        if len(self._connections) >= MAX_CONNECTIONS:
+            _refusals.warning("stream socket: closed a connection past %d open", MAX_CONNECTIONS)
             writer.close()
             return
         task = asyncio.current_task()

@@ -123,6 +123,37 @@ async def test_a_silent_client_is_dropped(engine: Engine, monkeypatch: pytest.Mo
     writer.close()
 
 
+async def test_a_message_that_stops_partway_is_dropped(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert engine.stream_socket is not None
+    monkeypatch.setattr(stream_socket, "FRAME_TIMEOUT_S", 0.1)
+    reader, writer = await _raw(engine.stream_socket)
+    writer.write(PREAMBLE + struct.pack("<I", 1000) + b"\x0a" * 10)  # 10 bytes of 1,000
+    assert await _closed_by_server(reader)
+    writer.close()
+
+
+async def test_a_connection_past_the_limit_is_closed_and_the_others_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream_socket, "MAX_CONNECTIONS", 2)
+    server = StreamSocketServer(tmp_path / "s.sock", _forever, 1024)
+    await server.start()
+    streams = [SocketStream(str(server.path), 1024) for _ in range(2)]
+    try:
+        await asyncio.gather(*(s.write(request(f"kept{k}")) for k, s in enumerate(streams)))
+        await until_async(lambda: server.connections == 2)
+        reader, writer = await _raw(server.path)
+        assert await _closed_by_server(reader)
+        writer.close()
+        assert not any(s.done() for s in streams)
+    finally:
+        for s in streams:
+            s.cancel()
+        await server.close(0.0)
+
+
 async def test_closing_the_connection_cancels_its_request(engine: Engine) -> None:
     assert engine.stream_socket is not None
     cancelled = engine.stats().cancelled
