@@ -99,12 +99,13 @@ class AccessControl:
             principal = keys.by_identity(credentials.identities)
             if principal is None:
                 raise _unauthenticated(
-                    "the client certificate stands for no API key; send metadata "
-                    "'authorization: Bearer KEY'"
+                    "the client certificate stands for no API key; send "
+                    "'authorization: Bearer KEY' (a gRPC metadata entry or an HTTP header)"
                 )
             return principal
         raise _unauthenticated(
-            "this gateway requires an API key: send metadata 'authorization: Bearer KEY'"
+            "this gateway requires an API key: send 'authorization: Bearer KEY' (a gRPC "
+            "metadata entry or an HTTP header)"
         )
 
     def authorize(self, credentials: Credentials, namespace: str, scope: str) -> Grant:
