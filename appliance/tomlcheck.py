@@ -9,6 +9,7 @@ without the gateway's dependencies.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -126,7 +127,10 @@ class Table:
         self.path, self.text, self.table, self.data = path, text, table, data
         unknown = sorted(set(data) - known)
         if unknown:
-            self.fail(unknown[0], f"unknown key; known keys are {', '.join(sorted(known))}")
+            also = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
+            self.fail(
+                unknown[0], f"unknown key{also}; known keys are {', '.join(sorted(known))}"
+            )
 
     def sub(self, key: str, known: set[str]) -> Self:
         """The table under `key` (empty when absent), read with the same error class."""
@@ -147,6 +151,8 @@ class Table:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             self.fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        if kind is float and not math.isfinite(value):  # TOML has nan and inf
+            self.fail(key, f"expected a finite number, got {value!r}")
         return value
 
     def str_list(self, key: str, default: tuple[str, ...] = ()) -> tuple[str, ...]:

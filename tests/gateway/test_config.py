@@ -63,6 +63,25 @@ def test_good_config_loads_with_defaults_and_relative_paths(tmp_path: Path) -> N
             r":10: key 'models.tiny.default_max_tokens': 999 exceeds max_output_tokens 256",
         ),
         ('[server]\nlisten = "127.0.0.1:1"\n', r"key 'models': at least one \[models.NAME\]"),
+        # TOML has nan and inf: a duration that is not a number is refused at load.
+        (
+            GOOD.replace("drain_seconds = 3", "drain_seconds = nan"),
+            r":4: key 'server.drain_seconds': expected a finite number, got nan",
+        ),
+        (
+            GOOD.replace("drain_seconds = 3", "drain_seconds = inf"),
+            r":4: key 'server.drain_seconds': expected a finite number, got inf",
+        ),
+        (
+            GOOD.replace(
+                "max_output_tokens = 256", "max_output_tokens = 256\nready_timeout_s = -nan"
+            ),
+            r":10: key 'models.tiny.ready_timeout_s': expected a finite number, got nan",
+        ),
+        (
+            GOOD.replace("drain_seconds = 3", "drain_secs = 3\nlisen = 1"),
+            r"key 'server.drain_secs': unknown key \(also unknown: lisen\); known keys are",
+        ),
         ("[server\nlisten = 1\n", r"not valid TOML: .*line 1"),
     ],
 )
