@@ -128,9 +128,7 @@ class Table:
         unknown = sorted(set(data) - known)
         if unknown:
             also = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
-            self.fail(
-                unknown[0], f"unknown key{also}; known keys are {', '.join(sorted(known))}"
-            )
+            self.fail(unknown[0], f"unknown key{also}; known keys are {', '.join(sorted(known))}")
 
     def sub(self, key: str, known: set[str]) -> Self:
         """The table under `key` (empty when absent), read with the same error class."""
@@ -151,7 +149,7 @@ class Table:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             self.fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
-        if kind is float and not math.isfinite(value):  # TOML has nan and inf
+        if isinstance(value, float) and not math.isfinite(value):  # TOML has nan and inf
             self.fail(key, f"expected a finite number, got {value!r}")
         return value
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import secrets
 import tempfile
@@ -212,10 +213,18 @@ def _check_entry(path: Path, n: int, entry: object) -> dict[str, Any]:
     for name in ("rate_per_s", "burst", "max_streams"):
         value = entry.get(name)
         if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)  # JSON as Python writes it has NaN and Infinity
+            or value <= 0
         ):
             raise KeysFileError(f"{where}: '{name}' must be a number greater than 0")
     return entry
+
+
+def check_entry(path: Path, entry: dict[str, Any]) -> None:
+    """KeysFileError unless `entry` is one `read_entries` of `path` would accept."""
+    _check_entry(path, 0, entry)
 
 
 def is_hex(text: str) -> bool:
@@ -246,12 +255,18 @@ def write_entries(path: Path, entries: list[dict[str, Any]]) -> None:
     """Replaces the file atomically (a reader sees the old or the new file, never half of one),
     readable by its owner and group only."""
     text = json.dumps({"version": FILE_VERSION, "keys": entries}, indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.chmod(tmp, 0o640)
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

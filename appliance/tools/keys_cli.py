@@ -7,11 +7,19 @@ gateway picks the change up on `systemctl reload appliance-gateway` (SIGHUP).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from appliance.security.api_keys import SCOPES, KeysFileError, RateLimits, new_key, read_entries
+from appliance.security.api_keys import (
+    SCOPES,
+    KeysFileError,
+    RateLimits,
+    check_entry,
+    new_key,
+    read_entries,
+)
 from appliance.security.api_keys import write_entries as write_keys
 from appliance.security.secretfile import PEPPER_PURPOSE, SecretFileError, read_secret, write_secret
 
@@ -44,7 +52,11 @@ def _add(args: argparse.Namespace) -> int:
     token, entry = new_key(
         pepper, args.namespace, args.scope or ["generate"], args.identity, limits, args.note
     )
-    write_keys(path, [*entries, entry])
+    try:
+        check_entry(path, entry)  # nothing is written that the file's readers would refuse
+        write_keys(path, [*entries, entry])
+    except KeysFileError as exc:
+        raise _Refused(str(exc)) from None
     print(token)
     print(
         f"appliance keys: added key {entry['id']} to {path}; this is the only time the key is "
@@ -72,7 +84,10 @@ def _revoke(args: argparse.Namespace) -> int:
     kept = [e for e in entries if e["id"] != args.key_id]
     if len(kept) == len(entries):
         raise _Refused(f"no key {args.key_id!r} in {path} (`appliance keys list` shows them)")
-    write_keys(path, kept)
+    try:
+        write_keys(path, kept)
+    except KeysFileError as exc:
+        raise _Refused(str(exc)) from None
     print(f"appliance keys: revoked key {args.key_id}; {RELOAD_HINT}", file=sys.stderr)
     return 0
 
@@ -103,9 +118,18 @@ def run(args: argparse.Namespace) -> int:
 def _positive(kind: type) -> object:
     def parse(text: str) -> object:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
         return value
+
+    return parse
+
+
+def _name(what: str) -> object:
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"an empty {what}; give one")
+        return text
 
     return parse
 
@@ -118,9 +142,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a.add_argument(
         "--pepper-file", default=DEFAULT_PEPPER_FILE, help=f"default {DEFAULT_PEPPER_FILE}"
     )
-    a.add_argument("--namespace", action="append", required=True, help="repeat; * for any")
+    a.add_argument(
+        "--namespace",
+        action="append",
+        required=True,
+        type=_name("namespace"),
+        help="a namespace the key may use; repeat; * for any",
+    )
     a.add_argument("--scope", action="append", choices=SCOPES, help="repeat; default generate")
-    a.add_argument("--identity", action="append", help="client certificate name (mutual TLS)")
+    a.add_argument(
+        "--identity",
+        action="append",
+        type=_name("certificate name"),
+        help="a client certificate name (mutual TLS) that stands for the key; repeat",
+    )
     a.add_argument("--rate-per-s", type=_positive(float), help="requests per second")
     a.add_argument("--burst", type=_positive(int), help="requests at once above the rate")
     a.add_argument("--max-streams", type=_positive(int), help="requests in flight at once")
@@ -130,9 +165,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         keys_func=_list
     )
     r = ksub.add_parser("revoke", help="remove a key")
-    r.add_argument("key_id")
+    r.add_argument("key_id", help="the key's id, as `list` shows it")
     r.set_defaults(keys_func=_revoke)
     s = ksub.add_parser("secret", help="write a new random secret file (pepper, cache MAC key)")
-    s.add_argument("file")
+    s.add_argument("file", help="where to write it (never overwritten; mode 0600)")
     s.set_defaults(keys_func=_secret)
     k.set_defaults(func=run)

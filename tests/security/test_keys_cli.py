@@ -66,6 +66,48 @@ def test_a_short_pepper_is_refused(tmp_path: Path) -> None:
     assert add.stderr.count("\n") == 1 and "needs at least 32" in add.stderr
 
 
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        (["--namespace", ""], "argument --namespace: an empty namespace; give one"),
+        (["--namespace", "a", "--identity", " "], "an empty certificate name; give one"),
+        (["--namespace", "a", "--rate-per-s", "nan"], "must be a number greater than 0, got nan"),
+        (["--namespace", "a", "--rate-per-s", "inf"], "must be a number greater than 0, got inf"),
+    ],
+)
+def test_a_key_no_reader_would_take_is_never_written(
+    tmp_path: Path, option: list[str], says: str
+) -> None:
+    pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
+    assert keys("secret", str(pepper)).returncode == 0
+    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), *option)
+    assert add.returncode == 2 and says in add.stderr, add.stderr
+    assert not path.exists()
+
+
+def test_a_keys_file_with_a_rate_that_is_not_a_number_is_refused(tmp_path: Path) -> None:
+    pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
+    assert keys("secret", str(pepper)).returncode == 0
+    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
+    assert add.returncode == 0, add.stderr
+    data = json.loads(path.read_text())
+    data["keys"][0]["rate_per_s"] = float("nan")
+    path.write_text(json.dumps(data))  # Python writes NaN, which its reader takes
+    listed = keys("--keys-file", str(path), "list")
+    assert listed.returncode == 2
+    assert "'rate_per_s' must be a number greater than 0" in listed.stderr
+
+
+def test_a_keys_file_in_a_missing_folder_is_named_not_its_temporary_file(tmp_path: Path) -> None:
+    pepper, path = tmp_path / "pepper", tmp_path / "nowhere" / "keys.json"
+    assert keys("secret", str(pepper)).returncode == 0
+    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
+    assert add.returncode == 2
+    assert add.stderr == (
+        f"appliance keys: cannot write keys file {path}: No such file or directory\n"
+    )
+
+
 def _config(tmp_path: Path, extra: str) -> Path:
     tok = tmp_path / "tok"
     tok.mkdir(exist_ok=True)
