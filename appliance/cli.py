@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import logline
+from appliance.cliargs import address, non_negative_float, positive_float, positive_int
 from appliance.config import ConfigError, load_config
 from appliance.tools import keys_cli as keyscli
 
@@ -84,7 +85,14 @@ def _engine(args: argparse.Namespace) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from appliance.tools.tiny_model import ensure_tiny_model
 
-    model_dir, repo_dir = ensure_tiny_model(Path(args.dest))
+    try:
+        model_dir, repo_dir = ensure_tiny_model(Path(args.dest))
+    except OSError as exc:
+        print(
+            f"appliance make-tiny-model: --dest {args.dest}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     print(f"model: {model_dir}\nrepository: {repo_dir}")
     return 0
 
@@ -154,6 +162,9 @@ def _cache(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"appliance cache: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:
+        print(f"appliance cache: {exc}", file=sys.stderr)
+        return 2
     with channel:
         admin = pb_grpc.CacheAdminStub(channel)
         try:
@@ -218,16 +229,22 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _admin_channel(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str], ...]]:
     """The channel to the gateway (TLS when --ca-file is given) and the key's metadata. The key
-    comes from $APPLIANCE_API_KEY or --api-key-file, never the command line (which `ps` shows)."""
+    comes from $APPLIANCE_API_KEY or --api-key-file, never the command line (which `ps` shows).
+    OSError for a file that cannot be read; ValueError, naming the option, for one that holds
+    no key, CA bundle or certificate and key."""
 
     import grpc
 
     key = os.environ.get("APPLIANCE_API_KEY", "")
     if args.api_key_file:
-        key = Path(args.api_key_file).read_text().strip()
+        try:
+            key = Path(args.api_key_file).read_text(encoding="ascii").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"--api-key-file {args.api_key_file}: not an API key") from None
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
     if not args.ca_file:
         return grpc.insecure_channel(args.gateway), metadata
+    _check_client_tls(args.ca_file, args.cert_file, args.key_file)
     credentials = grpc.ssl_channel_credentials(
         Path(args.ca_file).read_bytes(),
         Path(args.key_file).read_bytes() if args.key_file else None,
@@ -235,6 +252,28 @@ def _admin_channel(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str]
     )
     options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
     return grpc.secure_channel(args.gateway, credentials, options=options), metadata
+
+
+def _check_client_tls(ca_file: str, cert_file: str | None, key_file: str | None) -> None:
+    """ValueError unless the files load as a CA bundle and a certificate with its key (gRPC
+    would take any bytes and fail each connection with its own log lines)."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=ca_file)
+    except ssl.SSLError:
+        raise ValueError(f"--ca-file {ca_file}: holds no PEM certificate") from None
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("--cert-file and --key-file go together (mutual TLS)")
+    if cert_file and key_file:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except ssl.SSLError:
+            raise ValueError(
+                f"--cert-file {cert_file} and --key-file {key_file}: not a PEM certificate and "
+                "its private key"
+            ) from None
 
 
 def _semantic_setup(args: argparse.Namespace) -> int:
@@ -294,7 +333,12 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("engine", help="run the Triton-protocol engine server on a model repository")
     e.add_argument("--repository", required=True, help="model repository directory")
-    e.add_argument("--listen", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
+    e.add_argument(
+        "--listen",
+        type=address,
+        default="127.0.0.1:8001",
+        help="HOST:PORT (default 127.0.0.1:8001)",
+    )
     e.add_argument(
         "--metrics",
         default=None,
@@ -388,7 +432,7 @@ def parser() -> argparse.ArgumentParser:
         "shorter draft replays the next larger one, and --draft-tokens must be among them "
         "(default auto: the powers of two below --draft-tokens, and it)",
     )
-    e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    e.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     e.set_defaults(func=_engine)
 
     t = sub.add_parser("make-tiny-model", help="write the small random-weight model + repository")
@@ -414,17 +458,32 @@ def parser() -> argparse.ArgumentParser:
         "appliance/data/calibration.txt",
     )
     aq.add_argument("--out", required=True, help="new (or empty) directory for the checkpoint")
-    aq.add_argument("--group", type=int, default=128, help="inputs per scale (default 128)")
-    aq.add_argument("--samples", type=int, default=8, help="calibration sequences (default 8)")
-    aq.add_argument("--tokens", type=int, default=512, help="tokens per sequence (default 512)")
-    aq.add_argument("--grid", type=int, default=20, help="alphas searched (default 20; 1: RTN)")
+    aq.add_argument(
+        "--group", type=positive_int, default=128, help="inputs per scale (default 128)"
+    )
+    aq.add_argument(
+        "--samples", type=positive_int, default=8, help="calibration sequences (default 8)"
+    )
+    aq.add_argument(
+        "--tokens", type=positive_int, default=512, help="tokens per sequence (default 512)"
+    )
+    aq.add_argument(
+        "--grid", type=positive_int, default=20, help="alphas searched (default 20; 1: RTN)"
+    )
     aq.add_argument("--no-clip", action="store_true", help="skip the clip search")
-    aq.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    aq.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     aq.set_defaults(func=_awq_quantize)
 
     c = sub.add_parser("cache", help="operate a gateway's response cache")
-    c.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")
-    c.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    c.add_argument(
+        "--gateway",
+        type=address,
+        default="127.0.0.1:50051",
+        help="gateway HOST:PORT (default 127.0.0.1:50051)",
+    )
+    c.add_argument(
+        "--timeout", type=positive_float, default=10.0, help="seconds a call may take (default 10)"
+    )
     c.add_argument("--api-key-file", help="file holding an admin API key ($APPLIANCE_API_KEY)")
     c.add_argument("--ca-file", help="CA bundle of the gateway's certificate: connect with TLS")
     c.add_argument("--cert-file", help="client certificate (mutual TLS)")
@@ -462,14 +521,22 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cache)
 
     h = sub.add_parser("health", help="wait until a gateway's gRPC health is SERVING (exit 0)")
-    h.add_argument("--gateway", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    h.add_argument(
+        "--gateway",
+        type=address,
+        default="127.0.0.1:50051",
+        help="gateway HOST:PORT (default 127.0.0.1:50051)",
+    )
     h.add_argument(
         "--service",
         default="appliance.v1.Inference",
         help="health service name: appliance.v1.Inference (default), appliance.v1.Inference/MODEL",
     )
     h.add_argument(
-        "--wait", type=float, default=0.0, help="seconds to wait for SERVING (default 0)"
+        "--wait",
+        type=non_negative_float,
+        default=0.0,
+        help="seconds to wait for SERVING (default 0: ask once)",
     )
     h.set_defaults(func=_health)
 
@@ -493,14 +560,16 @@ def parser() -> argparse.ArgumentParser:
     )
     se.add_argument("--pairs", required=True, help='JSON lines {"a", "b", "label"} (gzip accepted)')
     se.add_argument("--embedder", default="var/semantic", help="embedder directory")
-    se.add_argument("--threads", type=int, default=2, help="embedding threads (default 2)")
+    se.add_argument("--threads", type=positive_int, default=2, help="embedding threads (default 2)")
     se.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     se.set_defaults(func=_semantic_eval)
 
     d = sub.add_parser("demo", help="start engine + gateway, stream a few requests, stop both")
     d.add_argument("--workdir", default="var", help="where the tiny model and configs go")
-    d.add_argument("--requests", type=int, default=5)
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--requests", type=positive_int, default=5, help="requests streamed (default 5)")
+    d.add_argument(
+        "--max-tokens", type=positive_int, default=48, help="tokens a request asks for (default 48)"
+    )
     d.set_defaults(func=_demo)
     return p
 

@@ -13,7 +13,7 @@ from appliance import tomlcheck
 from appliance.backends.base import backend_kind
 from appliance.cache.l2 import RedisSettings
 from appliance.cache.tiers import CacheTier, tier_class
-from appliance.listen import socket_path_problem
+from appliance.listen import is_address, socket_path_problem
 from appliance.security.api_keys import RateLimits
 from appliance.security.secretfile import MAC_PURPOSE, PEPPER_PURPOSE, SecretFileError, read_secret
 from appliance.security.tls import ServerTls, TlsError, TlsSettings
@@ -196,15 +196,9 @@ def is_loopback(listen: str) -> bool:
         return False  # a name: it may resolve to any address
 
 
-def _is_address(value: object) -> bool:
-    """Whether `value` is a HOST:PORT string."""
-    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
-
-
 def _address(reader: _Reader, key: str, default: str) -> str:
     value = str(reader.get(key, str, default))
-    if not _is_address(value):
+    if not is_address(value):
         reader.fail(key, f"expected HOST:PORT, got {value!r}")
     return value
 
@@ -349,7 +343,7 @@ def _tls(r: _Reader, path: Path) -> TlsSettings | None:
     try:
         ServerTls(settings)
     except TlsError as exc:
-        r.fail("cert_file", str(exc))
+        r.fail(exc.setting, str(exc))
     return settings
 
 
@@ -534,7 +528,7 @@ _REDIS_KEYS = {
 def _sentinels(r: _Reader) -> tuple[str, ...]:
     addresses = r.get("sentinels", list, [])
     for address in addresses:
-        if not _is_address(address):
+        if not is_address(address):
             r.fail("sentinels", f"expected a list of HOST:PORT strings, got {address!r}")
     return tuple(addresses)
 

@@ -16,6 +16,12 @@ from pathlib import Path
 UNIX_PATH_MAX = 107
 
 
+def is_address(value: object) -> bool:
+    """Whether `value` is a HOST:PORT string with a port from 1 to 65535."""
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def taken_address(listen: str) -> str | None:
     """ "cannot listen on HOST:PORT: <reason>" when another process holds the port (or it is
     privileged and we are not); None otherwise. Other faults (a name that does not resolve, an

@@ -65,3 +65,54 @@ def test_engine_refuses_a_device_it_cannot_use(
     line = _one_line(capsys.readouterr().err)
     assert rc == 2
     assert line.startswith(f"appliance engine: --device {device}: {message}"), line
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["engine", "--repository", "r", "--threads", "0"],
+            "argument --threads: must be an integer",
+        ),
+        (["engine", "--repository", "r", "--listen", "127.0.0.1:99999"], "port of 1 to 65535"),
+        (["health", "--wait", "nan"], "argument --wait: must be a number of 0 or more, got nan"),
+        (["health", "--wait", "-5"], "argument --wait: must be a number of 0 or more, got -5"),
+        (["health", "--gateway", "127.0.0.1:99999"], "argument --gateway: expected HOST:PORT"),
+        (["cache", "--timeout", "nan", "stats"], "argument --timeout: must be a number greater"),
+        (["demo", "--requests", "0"], "argument --requests: must be an integer greater than 0"),
+        (["awq-quantize", "--model", "m", "--text", "t", "--out", "o", "--grid", "x"], "--grid"),
+    ],
+)
+def test_an_option_out_of_its_range_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        appliance_cli.main(argv)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+    assert error.startswith(f"appliance {argv[0]}: error: ") and says in error, error
+
+
+def test_files_the_cache_command_cannot_use_are_one_line_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(bytes(range(128, 256)))
+    for option, says in (
+        ("--api-key-file", f"--api-key-file {garbage}: not an API key"),
+        ("--ca-file", f"--ca-file {garbage}: holds no PEM certificate"),
+    ):
+        rc = appliance_cli.main(
+            ["cache", "--gateway", "127.0.0.1:1", option, str(garbage), "stats"]
+        )
+        assert (rc, _one_line(capsys.readouterr().err)) == (2, f"appliance cache: {says}")
+
+
+def test_make_tiny_model_onto_a_file_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    rc = appliance_cli.main(["make-tiny-model", "--dest", str(taken)])
+    line = _one_line(capsys.readouterr().err)
+    assert rc == 2 and line.startswith(f"appliance make-tiny-model: --dest {taken}: "), line

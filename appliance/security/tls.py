@@ -41,7 +41,12 @@ _throttled = Throttled(log)
 
 
 class TlsError(ValueError):
-    """Certificate files that cannot be used; the message names the file and what is wrong."""
+    """Certificate files that cannot be used; the message names the file and what is wrong,
+    `setting` the TlsSettings field of the file at fault."""
+
+    def __init__(self, message: str, setting: str = "cert_file") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,11 @@ def _load(settings: TlsSettings) -> _Material:
         cert, key = settings.cert_file.read_bytes(), settings.key_file.read_bytes()
         ca = settings.client_ca_file.read_bytes() if settings.client_ca_file else None
     except OSError as exc:
-        raise TlsError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
+        named = {str(path): name for name, path in vars(settings).items() if path is not None}
+        raise TlsError(
+            f"cannot read {exc.filename}: {exc.strerror or exc}",
+            named.get(str(exc.filename), "cert_file"),
+        ) from None
     _check(settings)
     return _Material(cert, key, ca, stamp)
 
@@ -101,7 +110,9 @@ def _check(settings: TlsSettings) -> ssl.SSLContext:
         try:
             context.load_verify_locations(cafile=settings.client_ca_file)
         except (ssl.SSLError, OSError) as exc:
-            raise TlsError(f"{settings.client_ca_file}: not a CA bundle ({exc})") from None
+            raise TlsError(
+                f"{settings.client_ca_file}: not a CA bundle ({exc})", "client_ca_file"
+            ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 

@@ -136,6 +136,28 @@ def test_a_certificate_that_does_not_match_its_key_is_refused(ca: CA) -> None:
         ServerTls(TlsSettings(a.cert, b.key))
 
 
+@pytest.mark.parametrize("fault", ["unreadable", "not a bundle"])
+def test_a_client_ca_file_at_fault_is_the_key_the_refusal_names(
+    ca: CA, tmp_path: Path, fault: str
+) -> None:
+    from appliance.config import ConfigError, load_config
+
+    server = ca.issue("localhost", "localhost")
+    bundle = tmp_path / "clients.pem"
+    if fault == "not a bundle":
+        bundle.write_bytes(b"not a certificate")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    config = tmp_path / "g.toml"
+    config.write_text(
+        f'[tls]\ncert_file = "{server.cert}"\nkey_file = "{server.key}"\n'
+        f'client_ca_file = "{bundle}"\n'
+        f'[models.m]\nbackend = "127.0.0.1:1"\ntokenizer_dir = "{tok}"\n'
+    )
+    with pytest.raises(ConfigError, match=rf":4: key 'tls.client_ca_file': .*{bundle.name}"):
+        load_config(config)
+
+
 def _served_certificate(port: int, ca: Path) -> bytes:
     """The DER certificate the server presents to a new connection (a handshake of its own)."""
     context = ssl.create_default_context(cafile=str(ca))

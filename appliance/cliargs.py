@@ -1,0 +1,53 @@
+"""Types of command-line values, checked by argparse: a bad one is its one-line usage error
+(exit 2) naming the option, before the command does anything."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from appliance.listen import is_address
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be an integer greater than 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of 0 or more, got {text}")
+    return value
+
+
+def address(text: str) -> str:
+    """HOST:PORT (port 1 to 65535), or a gRPC `unix:` target."""
+    if not (text.startswith("unix:") or is_address(text)):
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port of 1 to 65535, got {text}"
+        )
+    return text
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text}") from None
