@@ -30,7 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser, needs_profile: bool, json_flag: bool = True) -> None:
-        sp.add_argument("--root", default="/", help="read and write under this directory")
+        sp.add_argument(
+            "--root",
+            default="/",
+            help="read and write under this directory (default: /, this host)",
+        )
         sp.add_argument("--no-nvml", action="store_true", help="find GPUs in sysfs only")
         if needs_profile:
             sp.add_argument("--profile", required=True, help="TOML profile")
@@ -61,8 +65,17 @@ def _parser() -> argparse.ArgumentParser:
         )
     sp = sub.add_parser("revert", help="restore the values saved by apply")
     common(sp, False)
-    sp.add_argument("--dry-run", action="store_true")
-    sp.add_argument("--verbose", action="store_true")
+    sp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the saved settings revert would restore and change nothing "
+        "(default: restore them)",
+    )
+    sp.add_argument(
+        "--verbose",
+        action="store_true",
+        help="accepted like apply's and verify's; revert always lists every setting it restores",
+    )
     sp = sub.add_parser("hold-latency", help="hold /dev/cpu_dma_latency open at a value")
     sp.add_argument("--us", type=int, help="latency in microseconds")
     sp.add_argument("--profile", help="take pm_qos_latency_us from this profile")

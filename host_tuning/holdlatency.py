@@ -14,10 +14,11 @@ import threading
 from types import FrameType
 
 DEFAULT_PATH = "/dev/cpu_dma_latency"
+LATENCY_MAX_US = 2_000_000_000
 
 
 def encode(us: int) -> bytes:
-    if not 0 <= us <= 2_000_000_000:
+    if not 0 <= us <= LATENCY_MAX_US:
         raise ValueError("latency must be 0..2e9 microseconds")
     return struct.pack("i", us)
 

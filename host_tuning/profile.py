@@ -14,10 +14,16 @@ from typing import Any
 
 from appliance import tomlcheck
 from appliance.tomlcheck import Fail, Table
+from host_tuning.holdlatency import LATENCY_MAX_US
 
 IRREVERSIBLE = ("idle=poll", "intel_idle.max_cstate=0", "processor.max_cstate=0")
 HUGEPAGE_SIZES_KB = {"2M": 2048, "1G": 1048576}
 EPB_NAMES = ("performance", "balance-performance", "normal", "balance-power", "power")
+MAX_CPUS = 8192
+RING_MAX = 65536
+# The most memory reserved as huge pages on one node: 64 TiB, all that x86-64 addresses with
+# 4-level page tables. The count's bound depends on the page size.
+HUGEPAGES_MAX_BYTES = 64 << 40
 
 
 class ProfileError(tomlcheck.TomlError):
@@ -118,6 +124,19 @@ _NETNS = re.compile(r"^(?!\.\.?$)[^\s/|]{1,255}$")
 # One kernel parameter as it goes into the GRUB drop-in's double-quoted shell string.
 _CMDLINE_TOKEN = re.compile(r"^[^\s\"'`$\\]+$")
 _SYSCTL_KEY = re.compile(r"^[A-Za-z0-9_-]+([./][A-Za-z0-9_:-]+)+$")
+# Numeric settings -> (lowest, highest, what the range is). CPU counts stop at the kernel's
+# largest NR_CPUS (8192); pm_qos takes the s32 range hold-latency writes, from 1 because 0 in the
+# per-CPU attribute means "no constraint"; ring sizes stop at 65536 descriptors, above what NIC
+# drivers take (mlx5: 8192).
+_BOUNDS: dict[str, tuple[int, int, str]] = {
+    "cpu.housekeeping_cores": (1, MAX_CPUS, "physical cores; the OS needs one"),
+    "cpu.nic_irq_cores": (0, MAX_CPUS, "physical cores"),
+    "cpu.gateway_cores": (0, MAX_CPUS, "physical cores"),
+    "cpu.pm_qos_latency_us": (1, LATENCY_MAX_US, "microseconds; use idle=poll for polling"),
+    "nic.mtu": (68, 65535, "bytes"),
+    "nic.rx_ring": (1, RING_MAX, "descriptors"),
+    "nic.tx_ring": (1, RING_MAX, "descriptors"),
+}
 
 
 class _Table(Table):
@@ -190,26 +209,22 @@ def validate(p: Profile, fail: Fail = _REFUSE) -> None:
         fail("memory.thp", f"must be never, madvise or always, got {p.thp!r}")
     if p.gpudirect not in ("dmabuf", "peermem", "none"):
         fail("gpudirect.method", f"must be dmabuf, peermem or none, got {p.gpudirect!r}")
-    for key in ("cpu.nic_irq_cores", "cpu.gateway_cores", "memory.hugepages"):
-        if getattr(p, key.split(".")[1]) < 0:
-            fail(key, "must be a non-negative integer")
-    if p.housekeeping_cores < 1:
-        fail("cpu.housekeeping_cores", "must be at least 1 (the OS needs a core)")
-    if p.pm_qos_latency_us < 1:
-        # 0 in the per-CPU attribute means "no constraint", the opposite of what it looks like.
-        fail("cpu.pm_qos_latency_us", "must be at least 1 (use idle=poll for polling)")
+    hugepages_max = HUGEPAGES_MAX_BYTES // (p.hugepage_kb * 1024)
+    bounds = {
+        **_BOUNDS,
+        "memory.hugepages": (0, hugepages_max, f"{p.hugepage_size} pages, 64 TiB in all"),
+    }
+    for key, (low, high, what) in bounds.items():
+        value = getattr(p, key.split(".")[1])
+        if value is not None and not low <= value <= high:
+            fail(key, f"must be between {low} and {high} ({what}), got {value}")
     if p.energy_perf_bias not in EPB_NAMES and not (
-        p.energy_perf_bias.isdigit() and int(p.energy_perf_bias) <= 15
+        re.fullmatch(r"[0-9]{1,2}", p.energy_perf_bias) and int(p.energy_perf_bias) <= 15
     ):
         fail(
             "cpu.energy_perf_bias",
             f"must be one of {', '.join(EPB_NAMES)} or 0..15, got {p.energy_perf_bias!r}",
         )
-    if p.mtu is not None and not 68 <= p.mtu <= 65535:
-        fail("nic.mtu", f"must be between 68 and 65535, got {p.mtu}")
-    for ring in ("rx_ring", "tx_ring"):
-        if getattr(p, ring) is not None and getattr(p, ring) < 1:
-            fail(f"nic.{ring}", "must be a positive integer")
     for nic in p.nics:
         if not _IFNAME.match(nic):
             fail("serve.nics", f"{nic!r} is not an interface name")

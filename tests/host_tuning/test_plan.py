@@ -149,10 +149,32 @@ def test_unknown_gpu(box: Machine) -> None:
             '[memory]\nhugepage_size = "4M"\n',
             "2: key 'memory.hugepage_size': must be one of 2M, 1G",
         ),
-        ("[cpu]\nhousekeeping_cores = 0\n", "2: key 'cpu.housekeeping_cores': must be at least 1"),
+        (
+            "[cpu]\nhousekeeping_cores = 0\n",
+            "2: key 'cpu.housekeeping_cores': must be between 1 and 8192 (physical cores; the OS "
+            "needs one), got 0",
+        ),
         ("[cpu]\npm_qos_latency_us = 0\n", "key 'cpu.pm_qos_latency_us'"),
         ('[cpu]\nenergy_perf_bias = "turbo"\n', "key 'cpu.energy_perf_bias'"),
-        ("[nic]\nmtu = 20\n", "key 'nic.mtu': must be between 68 and 65535, got 20"),
+        ("[nic]\nmtu = 20\n", "key 'nic.mtu': must be between 68 and 65535 (bytes), got 20"),
+        # Numbers are bounded by what the kernel takes, not only sign-checked.
+        (
+            '[memory]\nhugepage_size = "2M"\nhugepages = 99999999999999999999\n',
+            "3: key 'memory.hugepages': must be between 0 and 33554432 (2M pages, 64 TiB in all), "
+            "got 99999999999999999999",
+        ),
+        (
+            "[memory]\nhugepages = 65537\n",
+            "key 'memory.hugepages': must be between 0 and 65536 (1G pages, 64 TiB in all)",
+        ),
+        ("[cpu]\ngateway_cores = 8193\n", "key 'cpu.gateway_cores': must be between 0 and 8192"),
+        ("[cpu]\nnic_irq_cores = -1\n", "key 'cpu.nic_irq_cores': must be between 0 and 8192"),
+        (
+            "[cpu]\npm_qos_latency_us = 2000000001\n",
+            "key 'cpu.pm_qos_latency_us': must be between 1 and 2000000000",
+        ),
+        ("[nic]\ntx_ring = 99999999999\n", "key 'nic.tx_ring': must be between 1 and 65536"),
+        ('[cpu]\nenergy_perf_bias = "\u00b2"\n', "key 'cpu.energy_perf_bias': must be one of"),
         # Wrong types are refused, never coerced: a string of NIC names would match the
         # management NIC by substring, "no" would be a true flag.
         ('[serve]\nnics = "ibp25s0"\n', "key 'serve.nics': expected list, got str"),
@@ -268,6 +290,28 @@ def test_cli_plan_table_and_json(
     args = ["plan", "--root", str(hgx.root), "--profile", str(prof), "--affinity-dropin"]
     assert main([*args, "gateway"]) == 0
     assert "CPUAffinity=52-53" in capsys.readouterr().out
+
+
+def test_cli_out_of_range_hugepages_is_one_line_exit_2(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = write_profile('[memory]\nhugepage_size = "2M"\nhugepages = 99999999999999999999\n')
+    argv = ["apply", "--dry-run", "--no-nvml", "--root", str(box.root), "--profile", str(prof)]
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err == (
+        f"host-tune: {prof}:3: key 'memory.hugepages': must be between 0 and 33554432 "
+        "(2M pages, 64 TiB in all), got 99999999999999999999\n"
+    )
+
+
+def test_revert_options_have_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["revert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--dry-run list the saved settings revert would restore and change nothing" in text
+    assert "--verbose accepted like apply's and verify's" in text
+    assert "--root ROOT read and write under this directory (default: /, this host)" in text
 
 
 def test_cli_profile_error_exit_2(
