@@ -50,13 +50,39 @@ def planned_script(spec: BuildSpec) -> list[str]:
     return lines
 
 
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse an output file path that cannot be written, before any work: a directory, or a
+    file in a folder that does not exist (no folder is created for it)."""
+    if path.is_dir():
+        raise SpecError(f"{option} {path}: is a directory; give the path of a file to write")
+    if not path.parent.is_dir():
+        what = "is not a directory" if path.parent.exists() else "does not exist"
+        raise SpecError(f"{option} {path}: the folder {path.parent} {what}; create it first")
+
+
+def check_output_dir(path: Path, option: str) -> None:
+    """Refuse an output directory path whose parent folder is missing, or that is a file."""
+    if path.exists() and not path.is_dir():
+        raise SpecError(f"{option} {path}: exists and is not a directory")
+    if not path.parent.is_dir():
+        what = "is not a directory" if path.parent.exists() else "does not exist"
+        raise SpecError(f"{option} {path}: the folder {path.parent} {what}; create it first")
+
+
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    """Write `path` whole or not at all, through a temporary file beside it; a failure is an
+    OSError naming `path`."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from err
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(path)) from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -111,6 +137,8 @@ def check_fit(spec: BuildSpec, gpu_memory: str | None) -> planner.FitPlan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    if args.commands_out is not None:
+        check_output_file(args.commands_out, "--commands-out")
     script = "\n".join(planned_script(spec)) + "\n"
     check_gpu(spec, _capability(spec, args))
     try:
@@ -140,12 +168,15 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_repo(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    check_output_dir(args.output, "--output")
     out = write_repository(spec, args.output.resolve(), hf_only=args.hf_only, force=args.force)
     print(f"model repository written and verified: {out}")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.triton_root is not None and not args.triton_root.is_dir():
+        raise SpecError(f"--triton-root {args.triton_root}: not a directory")
     problems = verify_repository(args.repository, args.triton_root)
     for p in problems:
         print(f"engine-build: error: {args.repository}: {p}", file=sys.stderr)
@@ -155,6 +186,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+_SPEC_HELP = "the build spec (TOML; see docs/ENGINE_BUILD.md)"
 _CC_HELP = (
     "GPU compute capability (e.g. 8.0, 9.0) instead of asking NVML; formats the GPU cannot run "
     "are refused"
@@ -169,14 +201,18 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="fit table and the exact commands build would run")
-    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--spec", type=Path, required=True, help=_SPEC_HELP)
     p.add_argument("--gpu-memory", help="GPU size (e.g. 80GiB) instead of asking NVML")
     p.add_argument("--compute-capability", help=_CC_HELP)
-    p.add_argument("--commands-out", type=Path, help="also write the commands as a shell script")
+    p.add_argument(
+        "--commands-out",
+        type=Path,
+        help="also write the commands as a shell script to this file (its folder must exist)",
+    )
     p.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("build", help="quantize and build the engine (skips up-to-date stages)")
-    b.add_argument("--spec", type=Path, required=True)
+    b.add_argument("--spec", type=Path, required=True, help=_SPEC_HELP)
     b.add_argument("--gpu-memory", help="GPU size instead of asking NVML")
     b.add_argument("--compute-capability", help=_CC_HELP)
     b.add_argument("--force", action="store_true", help="rebuild even if up to date")
@@ -184,8 +220,14 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_build)
 
     r = sub.add_parser("repo", help="write the Triton model repository")
-    r.add_argument("--spec", type=Path, required=True)
-    r.add_argument("--output", type=Path, required=True)
+    r.add_argument("--spec", type=Path, required=True, help=_SPEC_HELP)
+    r.add_argument(
+        "--output",
+        type=Path,
+        required=True,
+        help="directory to write the repository to (its parent folder must exist; an existing "
+        "one is replaced only with --force)",
+    )
     r.add_argument(
         "--hf-only",
         action="store_true",
@@ -195,7 +237,11 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_repo)
 
     v = sub.add_parser("verify", help="check an existing model repository")
-    v.add_argument("repository", type=Path)
+    v.add_argument(
+        "repository",
+        type=Path,
+        help="the model repository directory (the --output of `engine-build repo`)",
+    )
     v.add_argument(
         "--triton-root",
         type=Path,

@@ -28,6 +28,7 @@ AWQ need 8.0 (Ampere) or later; the weight-only formats and bf16 run wherever Te
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -147,10 +148,10 @@ BUILD_FORMATS = tuple(name for name, f in FORMATS.items() if f.builds)
 
 def parse_capability(text: str) -> tuple[int, int]:
     """``--compute-capability 9.0`` -> (9, 0); ValueError with what to write otherwise."""
-    major, dot, minor = text.strip().partition(".")
-    if not (dot and major.isdigit() and minor.isdigit()):
+    m = re.fullmatch(r"([0-9]{1,2})\.([0-9]{1,2})", text.strip())
+    if m is None:
         raise ValueError(f"--compute-capability {text!r}: expected MAJOR.MINOR, e.g. 8.0 or 9.0")
-    return int(major), int(minor)
+    return int(m.group(1)), int(m.group(2))
 
 
 def _cc(cc: tuple[int, int]) -> str:

@@ -10,14 +10,20 @@ from collections.abc import Sequence
 from appliance import tomlcheck
 from engine_build.errors import BuildError, SpecError
 
+# The largest --gpu-memory taken: one GPU's memory, with room for GPUs to come.
+GPU_MEMORY_MAX = 4 << 40
+
 
 def parse_size(text: str) -> int:
     """``--gpu-memory``: ``80GiB``, ``81559MiB``, ``80GB``; a bare number is refused (80 bytes?)."""
-    size = tomlcheck.parse_size(text)
+    try:
+        size = tomlcheck.parse_size(text)
+    except OverflowError:
+        size = GPU_MEMORY_MAX + 1
     if size is None:
         raise SpecError(f"--gpu-memory {text!r}: expected {tomlcheck.SIZE_FORM}")
-    if size <= 0:
-        raise SpecError(f"--gpu-memory {text!r}: must be greater than 0")
+    if not 0 < size <= GPU_MEMORY_MAX:
+        raise SpecError(f"--gpu-memory {text!r}: must be greater than 0 and at most 4TiB")
     return size
 
 

@@ -120,6 +120,14 @@ BACKEND_REQUIRED_PARAMETERS = (
     "xgrammar_tokenizer_info_path",
     "guided_decoding_backend",
 )
+# Integer parameters -> (lowest, highest) that `repo` writes and `verify` accepts. The backend
+# reads them as int32 and, on a value it cannot read, logs a warning and uses its default. A
+# cancellation check every second at least: a cancelled request keeps the GPU until the next one.
+# CUDA graphs: each cached graph reserves GPU memory; batch 1 needs one.
+PARAMETER_RANGES: dict[str, tuple[int, int]] = {
+    "cancellation_check_period_ms": (1, 1000),
+    "cuda_graph_cache_size": (1, 256),
+}
 # The values the backend accepts for gpt_model_type ("v1" is static batching).
 GPT_MODEL_TYPES = ("inflight_fused_batching", "inflight_batching", "V1", "v1")
 

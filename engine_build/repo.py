@@ -188,7 +188,8 @@ def write_repository(
                 )
     if output.exists() and not force:
         raise BuildError(f"{output} exists; pass --force to replace it")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    if not output.parent.is_dir():
+        raise BuildError(f"{output}: the folder {output.parent} does not exist; create it first")
     tmp = output.with_name(f".{output.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -225,6 +226,12 @@ def write_repository(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(output)
+    except OSError as err:
+        # The repository is staged in a hidden folder beside `output`; name `output` instead.
+        where = Path(err.filename) if err.filename else output
+        if where == tmp or where.is_relative_to(tmp):
+            where = output / where.relative_to(tmp)
+        raise OSError(err.errno, err.strerror, str(where)) from err
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 from appliance import tomlcheck
 from appliance.tomlcheck import Fail, Table
+from engine_build import pbtxt
 from engine_build.errors import BuildError, SpecError
 from engine_build.formats import (
     AWQ_BLOCK_SIZES,
@@ -248,6 +249,35 @@ _SPECULATIVE_REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+# Integer settings -> (lowest, highest, what bounds them). The token limits are int32 in
+# TensorRT-LLM and the backend's parameters; the runtime ones are config.pbtxt parameters
+# (pbtxt.PARAMETER_RANGES, which `verify` checks too).
+INT32_MAX = 2**31 - 1
+GPUS_MAX = 64
+RUNTIME_OVERHEAD_MAX = 1 << 40
+_RANGES: dict[str, tuple[int, int, str]] = {
+    "precision.calib_size": (1, 65536, "calibration samples"),
+    "precision.calib_batch_size": (1, 1024, "samples per calibration batch"),
+    "precision.calib_max_seq_length": (1, 1 << 20, "tokens per calibration sample"),
+    "limits.max_input_len": (1, INT32_MAX, "tokens, int32 in TensorRT-LLM"),
+    "limits.max_seq_len": (1, INT32_MAX, "tokens, int32 in TensorRT-LLM"),
+    "limits.max_num_tokens": (1, INT32_MAX, "tokens, int32 in TensorRT-LLM"),
+    "limits.max_batch_size": (1, 2048, "the appliance serves 1; trtllm-build's default is 2048"),
+    "parallel.tp_size": (1, GPUS_MAX, "GPUs of one host"),
+    "kv_cache.tokens_per_block": (1, 1024, "tokens per KV-cache block, a power of two"),
+    "runtime.cuda_graph_cache_size": (
+        1,
+        pbtxt.PARAMETER_RANGES["cuda_graph_cache_size"][1],
+        "CUDA graphs kept, each reserving GPU memory",
+    ),
+    "runtime.cancellation_check_period_ms": (
+        1,
+        pbtxt.PARAMETER_RANGES["cancellation_check_period_ms"][1],
+        "milliseconds a cancelled request may keep the GPU",
+    ),
+}
+
+
 class _Table(Table):
     """A spec table; refusals are SpecError (exit 2)."""
 
@@ -346,7 +376,10 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
             if key not in t.data:
                 continue
             if kind == "size":
-                values[name] = t.size(key, None)
+                try:
+                    values[name] = t.size(key, None)
+                except OverflowError:
+                    t.fail(key, "must be at most 1TiB (per GPU), got a number too large to read")
             elif kind is list:
                 values[name] = t.int_list(key)
             else:
@@ -358,7 +391,8 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
     values["hf_model_dir"] = _resolve(base, model.require("hf_model_dir"))
     values["work_dir"] = _resolve(base, model.require("work_dir"))
     if "gpu_ids" not in values and values.get("tp_size", 1) > 1:
-        values["gpu_ids"] = tuple(range(values["tp_size"]))
+        # Capped so that an out-of-range tp_size reaches validate(), which names it.
+        values["gpu_ids"] = tuple(range(min(values["tp_size"], GPUS_MAX)))
     spec = BuildSpec(source=source, **values)
 
     speculative = top.sub("speculative", {"mode", *_SPECULATIVE_KEYS})
@@ -412,22 +446,15 @@ def validate(spec: BuildSpec, fail: Fail = _REFUSE) -> None:
                 f"{spec.gemm_swiglu!r} does not pair with plugins.gemm = {spec.gemm!r}; "
                 f"use {paired!r} (or 'none')",
             )
-    positive = {
-        "precision.calib_size": spec.calib_size,
-        "precision.calib_batch_size": spec.calib_batch_size,
-        "precision.calib_max_seq_length": spec.calib_max_seq_length,
-        "limits.max_input_len": spec.max_input_len,
-        "limits.max_seq_len": spec.max_seq_len,
-        "limits.max_num_tokens": spec.max_num_tokens,
-        "limits.max_batch_size": spec.max_batch_size,
-        "parallel.tp_size": spec.tp_size,
-        "kv_cache.tokens_per_block": spec.tokens_per_block,
-        "runtime.cuda_graph_cache_size": spec.cuda_graph_cache_size,
-        "runtime.cancellation_check_period_ms": spec.cancellation_check_period_ms,
-    }
-    for key, count in positive.items():
-        if count < 1:
-            fail(key, f"must be >= 1, got {count}")
+    for key, (low, high, what) in _RANGES.items():
+        value = getattr(spec, key.split(".", 1)[1])
+        if not low <= value <= high:
+            fail(key, f"must be between {low} and {high} ({what}), got {value}")
+    if spec.runtime_overhead_bytes > RUNTIME_OVERHEAD_MAX:
+        fail(
+            "plan.runtime_overhead",
+            f"must be at most 1TiB (per GPU), got {spec.runtime_overhead_bytes} bytes",
+        )
     if spec.max_input_len > spec.max_seq_len:
         fail(
             "limits.max_input_len",
@@ -470,8 +497,13 @@ def validate(spec: BuildSpec, fail: Fail = _REFUSE) -> None:
             "parallel.gpu_ids",
             f"has {len(spec.gpu_ids)} ids but parallel.tp_size is {spec.tp_size}: one GPU per rank",
         )
-    if len(set(spec.gpu_ids)) != len(spec.gpu_ids) or min(spec.gpu_ids) < 0:
-        fail("parallel.gpu_ids", f"must be distinct non-negative ids, got {list(spec.gpu_ids)}")
+    if len(set(spec.gpu_ids)) != len(spec.gpu_ids) or not all(
+        0 <= i < GPUS_MAX for i in spec.gpu_ids
+    ):
+        fail(
+            "parallel.gpu_ids",
+            f"must be distinct ids between 0 and {GPUS_MAX - 1}, got {list(spec.gpu_ids)}",
+        )
     if spec.speculative.on:
         validate_speculative(spec, fail)
 
@@ -527,6 +559,12 @@ def validate_speculative(spec: BuildSpec, fail: Fail = _REFUSE) -> None:
                 "speculative.eagle_choices",
                 f"the deepest path has {depth} tokens but num_eagle_layers is "
                 f"{s.num_eagle_layers}; TensorRT-LLM needs them equal",
+            )
+        if not 1 <= s.max_non_leaves_per_layer <= DRAFT_LEN_MAX:
+            fail(
+                "speculative.max_non_leaves_per_layer",
+                f"must be between 1 and {DRAFT_LEN_MAX} (nodes per tree level), "
+                f"got {s.max_non_leaves_per_layer}",
             )
         widest = max(non_leaves_per_level(s.eagle_choices).values(), default=0)
         if widest > s.max_non_leaves_per_layer:

@@ -167,9 +167,6 @@ def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]
         problems.append(
             f"parameter cuda_graph_mode is {params.get('cuda_graph_mode')!r}, not 'true'"
         )
-    size = _int_param(params, "cuda_graph_cache_size", problems)
-    if size is None or size < 1:
-        problems.append("parameter cuda_graph_cache_size must be a positive integer")
     reuse = params.get("enable_kv_cache_reuse")
     if reuse not in _BOOL:
         # The backend turns reuse ON when this is unset; say it explicitly.
@@ -180,9 +177,13 @@ def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]
             problems.append(f"parameter kv_cache_free_gpu_mem_fraction {frac!r} not in (0, 1]")
     except ValueError:
         problems.append(f"parameter kv_cache_free_gpu_mem_fraction {frac!r} is not a number")
-    period = _int_param(params, "cancellation_check_period_ms", problems)
-    if period is None or period < 1:
-        problems.append("parameter cancellation_check_period_ms must be a positive integer")
+    for key, (low, high) in pbtxt.PARAMETER_RANGES.items():
+        value = _int_param(params, key, problems)
+        if value is None or not low <= value <= high:
+            problems.append(
+                f"parameter {key} must be an integer between {low} and {high}, "
+                f"got {params.get(key)!r}"
+            )
     ids = params.get("gpu_device_ids", "")
     if not re.fullmatch(r"\d+(,\d+)*", ids):
         problems.append(f"parameter gpu_device_ids {ids!r} is not a comma-separated id list")
@@ -299,6 +300,8 @@ def _check_draft_model(repo: Path, name: str, target: dict[str, str]) -> list[st
         cfg = pbtxt.parse(path.read_text(encoding="utf-8"))
     except OSError as err:
         return [f"draft model: cannot read {path}: {err.strerror or err}"]
+    except UnicodeDecodeError as err:
+        return [f"draft model: {path} is not UTF-8 text: {err.reason}"]
     except text_format.ParseError as err:
         return [f"draft model: {path} does not parse as a ModelConfig: {err}"]
     problems = [f"draft model: {p}" for p in check_config(cfg, name)]
@@ -343,6 +346,8 @@ def verify_repository(
         text = config_path.read_text(encoding="utf-8")
     except OSError as err:
         return [f"cannot read {config_path}: {err.strerror or err}"]
+    except UnicodeDecodeError as err:
+        return [f"{config_path} is not UTF-8 text: {err.reason}"]
     problems: list[str] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if "${" in line:
@@ -366,6 +371,8 @@ def verify_repository(
         fp = fp_path.read_text(encoding="utf-8").strip()
         if not _HEX.match(fp):
             problems.append(f"{fp_path} is not one line of lowercase hex")
+    except UnicodeDecodeError:
+        problems.append(f"{fp_path} is not one line of lowercase hex")
     except OSError:
         problems.append(f"{fp_path} missing")
 

@@ -5,7 +5,9 @@ The build runs against the fake TensorRT-LLM installation of conftest.py (stand-
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +229,74 @@ def test_usage_errors_exit_2() -> None:
     assert info.value.code == 2
 
 
+def test_verify_refuses_out_of_range_parameters_and_bad_bytes(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    repo = tmp_path / "repo"
+    assert cli.main(["repo", "--spec", spec, "--output", str(repo), "--hf-only"]) == 0
+    capsys.readouterr()
+    cfg = repo / "tensorrt_llm" / "config.pbtxt"
+    text = cfg.read_text()
+    key = text.index('key: "cancellation_check_period_ms"')
+    cfg.write_text(text[:key] + text[key:].replace('"10"', '"99999999999999999999"', 1))
+    assert cli.main(["verify", str(repo)]) == 1
+    assert one_line_error(capsys.readouterr().err) == (
+        f"engine-build: error: {repo}: parameter cancellation_check_period_ms must be an integer "
+        "between 1 and 1000, got '99999999999999999999'"
+    )
+    cfg.write_bytes(b"\xff\xfe")
+    assert cli.main(["verify", str(repo)]) == 1
+    assert one_line_error(capsys.readouterr().err) == (
+        f"engine-build: error: {repo}: {cfg} is not UTF-8 text: invalid start byte"
+    )
+    missing = tmp_path / "no-root"
+    assert cli.main(["verify", str(repo), "--triton-root", str(missing)]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"engine-build: error: --triton-root {missing}: not a directory"
+    )
+
+
+def test_out_of_range_spec_and_options_are_one_line_exit_2(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = 99999999999999999999
+    spec = spec_file(
+        tmp_path, checkpoint, fake_trtllm, runtime={"cancellation_check_period_ms": huge}
+    )
+    repo = tmp_path / "repo"
+    assert cli.main(["repo", "--spec", spec, "--output", str(repo), "--hf-only"]) == 2
+    assert "key 'runtime.cancellation_check_period_ms': must be between 1 and 1000" in (
+        one_line_error(capsys.readouterr().err)
+    )
+    assert not repo.exists()
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    for memory in ("9" * 400 + "GiB", "5TiB"):
+        assert cli.main(["plan", "--spec", spec, "--gpu-memory", memory]) == 2
+        assert "must be greater than 0 and at most 4TiB" in one_line_error(capsys.readouterr().err)
+    argv = ["plan", "--spec", spec, "--gpu-memory", "80GiB", "--compute-capability", "\u00b2.0"]
+    assert cli.main(argv) == 2
+    assert "expected MAJOR.MINOR, e.g. 8.0 or 9.0" in one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "words"),
+    [
+        ("plan", "--spec", "the build spec (TOML"),
+        ("repo", "--spec", "the build spec (TOML"),
+        ("repo", "--output", "its parent folder must exist"),
+        ("verify", "repository", "the model repository directory"),
+    ],
+)
+def test_every_option_has_help(
+    capsys: pytest.CaptureFixture[str], command: str, option: str, words: str
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert option in text and words in text
+
+
 def test_verify_missing_repository_exits_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -293,11 +363,107 @@ def test_unwritable_outputs_are_one_line_errors(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     out = str(blocker / "plan.sh")
-    assert cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", out]) == 1
-    assert str(blocker) in one_line_error(capsys.readouterr().err)
+    assert cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", out]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"engine-build: error: --commands-out {out}: the folder {blocker} is not a directory; "
+        "create it first"
+    )
     repo = str(blocker / "repo")
-    assert cli.main(["repo", "--spec", spec, "--output", repo, "--hf-only"]) == 1
-    assert str(blocker) in one_line_error(capsys.readouterr().err)
+    assert cli.main(["repo", "--spec", spec, "--output", repo, "--hf-only"]) == 2
+    assert f"--output {repo}: the folder {blocker} is not a directory" in one_line_error(
+        capsys.readouterr().err
+    )
+
+
+def test_commands_out_in_a_missing_folder_is_refused_before_the_plan(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    missing = tmp_path / "missing"
+    out = str(missing / "x.sh")
+    assert cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", out]) == 2
+    cap = capsys.readouterr()
+    assert one_line_error(cap.err) == (
+        f"engine-build: error: --commands-out {out}: the folder {missing} does not exist; "
+        "create it first"
+    )
+    assert cap.out == "" and not missing.exists()
+
+
+def test_commands_out_naming_a_directory_is_refused_before_the_plan(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    (tmp_path / "adir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", "adir"]
+    assert cli.main(argv) == 2
+    cap = capsys.readouterr()
+    assert one_line_error(cap.err) == (
+        "engine-build: error: --commands-out adir: is a directory; give the path of a file to write"
+    )
+    assert cap.out == "" and sorted(p.name for p in tmp_path.iterdir() if p.name[0] == ".") == []
+
+
+def test_a_failed_commands_out_write_names_the_file_not_the_temporary(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    out = tmp_path / "x.sh"
+
+    def no_space(src: str, dst: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", src)
+
+    monkeypatch.setattr(os, "replace", no_space)
+    argv = ["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", str(out)]
+    assert cli.main(argv) == 1
+    line = one_line_error(capsys.readouterr().err)
+    assert line == f"engine-build: error: {out}: No space left on device"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".x.sh")] == []
+
+
+def test_repo_in_a_missing_folder_is_refused_without_creating_it(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    missing = tmp_path / "missing"
+    repo = str(missing / "repo")
+    assert cli.main(["repo", "--spec", spec, "--output", repo, "--hf-only"]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"engine-build: error: --output {repo}: the folder {missing} does not exist; "
+        "create it first"
+    )
+    assert not missing.exists()
+
+
+def test_a_failed_repo_write_names_the_output_not_the_staging_folder(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine_build import repo as repo_module
+
+    def no_space(tokenizer_json: Path, stop_ids: Any, dest: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(dest))
+
+    monkeypatch.setattr(repo_module, "write_tokenizer_info", no_space)
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
+    repo = tmp_path / "repo"
+    assert cli.main(["repo", "--spec", spec, "--output", str(repo), "--hf-only"]) == 1
+    line = one_line_error(capsys.readouterr().err)
+    info = repo / "tensorrt_llm" / "tokenizer" / "xgrammar_tokenizer_info.json"
+    assert line == f"engine-build: error: {info}: No space left on device"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
 @pytest.mark.parametrize("command", ["build", "repo"])

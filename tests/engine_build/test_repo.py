@@ -169,10 +169,21 @@ def test_repo_refuses_to_overwrite_without_force(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".repo")] == []
 
 
+def test_a_missing_parent_folder_is_refused_and_not_created(
+    tmp_path: Path, fake_trtllm: Path
+) -> None:
+    spec = make_spec(tmp_path, make_checkpoint(tmp_path / "hf"), fake_trtllm)
+    out = tmp_path / "out" / "repo"
+    with pytest.raises(BuildError, match=f"^{out}: the folder {out.parent} does not exist"):
+        write_repository(spec, out, hf_only=True)
+    assert not out.parent.exists()
+
+
 def test_failure_midway_leaves_nothing(tmp_path: Path, fake_trtllm: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "hf")
     (ckpt / "tokenizer.json").unlink()
     spec = make_spec(tmp_path, ckpt, fake_trtllm)
+    (tmp_path / "out").mkdir()
     with pytest.raises(BuildError, match="the gateway needs a fast tokenizer"):
         write_repository(spec, tmp_path / "out" / "repo", hf_only=True)
     assert list((tmp_path / "out").iterdir()) == []
@@ -234,6 +245,12 @@ PARAM_EDITS: list[tuple[dict[str, str | None], str]] = [
     ({"cuda_graph_mode": "false"}, "cuda_graph_mode is 'false'"),
     ({"kv_cache_free_gpu_mem_fraction": "1.2"}, "not in (0, 1]"),
     ({"cancellation_check_period_ms": "soon"}, "is not an integer"),
+    (
+        {"cancellation_check_period_ms": "99999999999999999999"},
+        "parameter cancellation_check_period_ms must be an integer between 1 and 1000, "
+        "got '99999999999999999999'",
+    ),
+    ({"cuda_graph_cache_size": "0"}, "parameter cuda_graph_cache_size must be an integer between"),
     ({"gpu_device_ids": "0,1"}, "lists 2 GPUs but the engine has 1 ranks"),
     ({"engine_dir": "/elsewhere"}, "gpt_model_path and engine_dir disagree"),
     (
@@ -357,6 +374,7 @@ def test_guided_decoding_without_an_end_token_is_refused(tmp_path: Path, fake_tr
     del config["eos_token_id"]
     (ckpt / "config.json").write_text(json.dumps(config))
     spec = make_spec(tmp_path, ckpt, fake_trtllm)
+    (tmp_path / "out").mkdir()
     with pytest.raises(
         BuildError, match=r"hf: no end-of-sequence token .* runtime\.guided_decoding = false"
     ):

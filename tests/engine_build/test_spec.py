@@ -53,6 +53,7 @@ def test_tp_size_defaults_gpu_ids(tmp_path: Path) -> None:
     assert s.gpu_ids == (0, 1)
 
 
+HUGE = 99999999999999999999
 BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
     (
         {"limits": {"max_input_len": 8192, "max_seq_len": 4096}},
@@ -67,7 +68,10 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
         {"limits": {"max_num_tokens": 1024}},
         "key 'limits.max_num_tokens': 1024 < limits.max_input_len",
     ),
-    ({"limits": {"max_batch_size": 0}}, "key 'limits.max_batch_size': must be >= 1, got 0"),
+    (
+        {"limits": {"max_batch_size": 0}},
+        "key 'limits.max_batch_size': must be between 1 and 2048 (the appliance serves 1;",
+    ),
     ({"limits": {"max_batch_size": True}}, "key 'limits.max_batch_size': expected int, got bool"),
     ({"limits": {"max_seq_len": "4096"}}, "key 'limits.max_seq_len': expected int, got str"),
     (
@@ -107,6 +111,30 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
     (
         {"runtime": {"guided_decoding": "yes"}},
         "key 'runtime.guided_decoding': expected bool, got str",
+    ),
+    # Every number is bounded, not only sign-checked: the runtime ones land in config.pbtxt.
+    (
+        {"runtime": {"cancellation_check_period_ms": HUGE}},
+        "key 'runtime.cancellation_check_period_ms': must be between 1 and 1000 "
+        f"(milliseconds a cancelled request may keep the GPU), got {HUGE}",
+    ),
+    (
+        {"runtime": {"cuda_graph_cache_size": 257}},
+        "key 'runtime.cuda_graph_cache_size': must be between 1 and 256",
+    ),
+    ({"limits": {"max_batch_size": HUGE}}, "key 'limits.max_batch_size': must be between 1 and"),
+    ({"precision": {"calib_size": HUGE}}, "key 'precision.calib_size': must be between 1 and"),
+    (
+        {"limits": {"max_num_tokens": 2**31}},
+        "key 'limits.max_num_tokens': must be between 1 and 2147483647",
+    ),
+    ({"parallel": {"tp_size": HUGE}}, "key 'parallel.tp_size': must be between 1 and 64"),
+    ({"parallel": {"gpu_ids": [HUGE]}}, "key 'parallel.gpu_ids': must be distinct ids between"),
+    ({"kv_cache": {"tokens_per_block": 2048}}, "key 'kv_cache.tokens_per_block': must be between"),
+    ({"plan": {"runtime_overhead": "2TiB"}}, "key 'plan.runtime_overhead': must be at most 1TiB"),
+    (
+        {"plan": {"runtime_overhead": "9" * 400 + "GiB"}},
+        "key 'plan.runtime_overhead': must be at most 1TiB (per GPU), got a number too large",
     ),
     # Byte sizes carry their unit: a bare number would be bytes.
     ({"plan": {"runtime_overhead": 1024}}, "key 'plan.runtime_overhead': expected str, got int"),

@@ -263,6 +263,18 @@ def _load(tmp_path: Path, section: dict[str, Any], **over: dict[str, Any]) -> Bu
             "does not speculate",
         ),
         ({"mode": "lookahead"}, {}, "needs 'lookahead_window_size'"),
+        (
+            {
+                "mode": "eagle",
+                "eagle_model_dir": "/e",
+                "eagle_choices": [[0]],
+                "max_draft_len": 4,
+                "num_eagle_layers": 1,
+                "max_non_leaves_per_layer": 99999999999999999999,
+            },
+            {"precision": {"quantization": "none", "kv_cache_dtype": "auto"}},
+            "key 'speculative.max_non_leaves_per_layer': must be between 1 and 256",
+        ),
     ],
 )
 def test_bad_speculative_specs_refused_in_one_line(
