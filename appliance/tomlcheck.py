@@ -14,6 +14,7 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Self
 
@@ -115,7 +116,8 @@ def parse_size(text: str) -> int | None:
     m = _SIZE.match(text)
     if m is None:
         return None
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    # Exact (a float of 400 digits is inf): a caller's range check names a size too large.
+    return int(Decimal(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 class Table:

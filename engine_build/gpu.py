@@ -16,10 +16,7 @@ GPU_MEMORY_MAX = 4 << 40
 
 def parse_size(text: str) -> int:
     """``--gpu-memory``: ``80GiB``, ``81559MiB``, ``80GB``; a bare number is refused (80 bytes?)."""
-    try:
-        size = tomlcheck.parse_size(text)
-    except OverflowError:
-        size = GPU_MEMORY_MAX + 1
+    size = tomlcheck.parse_size(text)
     if size is None:
         raise SpecError(f"--gpu-memory {text!r}: expected {tomlcheck.SIZE_FORM}")
     if not 0 < size <= GPU_MEMORY_MAX:

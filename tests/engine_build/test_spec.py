@@ -134,7 +134,7 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
     ({"plan": {"runtime_overhead": "2TiB"}}, "key 'plan.runtime_overhead': must be at most 1TiB"),
     (
         {"plan": {"runtime_overhead": "9" * 400 + "GiB"}},
-        "key 'plan.runtime_overhead': must be at most 1TiB (per GPU), got a number too large",
+        "key 'plan.runtime_overhead': must be at most 1TiB (per GPU), got more than 1PiB",
     ),
     # Byte sizes carry their unit: a bare number would be bytes.
     ({"plan": {"runtime_overhead": 1024}}, "key 'plan.runtime_overhead': expected str, got int"),
