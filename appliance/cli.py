@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from appliance import logline
-from appliance.cliargs import address, non_negative_float, positive_float, positive_int
+from appliance.cliargs import (
+    address,
+    listen_address,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from appliance.config import ConfigError, load_config
 from appliance.tools import keys_cli as keyscli
 
@@ -335,9 +341,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--repository", required=True, help="model repository directory")
     e.add_argument(
         "--listen",
-        type=address,
+        type=listen_address,
         default="127.0.0.1:8001",
-        help="HOST:PORT (default 127.0.0.1:8001)",
+        help="HOST:PORT (default 127.0.0.1:8001; port 0: the system picks one)",
     )
     e.add_argument(
         "--metrics",
@@ -458,18 +464,11 @@ def parser() -> argparse.ArgumentParser:
         "appliance/data/calibration.txt",
     )
     aq.add_argument("--out", required=True, help="new (or empty) directory for the checkpoint")
-    aq.add_argument(
-        "--group", type=positive_int, default=128, help="inputs per scale (default 128)"
-    )
-    aq.add_argument(
-        "--samples", type=positive_int, default=8, help="calibration sequences (default 8)"
-    )
-    aq.add_argument(
-        "--tokens", type=positive_int, default=512, help="tokens per sequence (default 512)"
-    )
-    aq.add_argument(
-        "--grid", type=positive_int, default=20, help="alphas searched (default 20; 1: RTN)"
-    )
+    # The calibrator checks these ranges itself (awq_calibrate), each refusal naming its range.
+    aq.add_argument("--group", type=int, default=128, help="inputs per scale (default 128)")
+    aq.add_argument("--samples", type=int, default=8, help="calibration sequences (default 8)")
+    aq.add_argument("--tokens", type=int, default=512, help="tokens per sequence (default 512)")
+    aq.add_argument("--grid", type=int, default=20, help="alphas searched (default 20; 1: RTN)")
     aq.add_argument("--no-clip", action="store_true", help="skip the clip search")
     aq.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     aq.set_defaults(func=_awq_quantize)

@@ -31,10 +31,19 @@ def non_negative_float(text: str) -> float:
 
 
 def address(text: str) -> str:
-    """HOST:PORT (port 1 to 65535), or a gRPC `unix:` target."""
+    """HOST:PORT to connect to (port 1 to 65535), or a gRPC `unix:` target."""
     if not (text.startswith("unix:") or is_address(text)):
         raise argparse.ArgumentTypeError(
             f"expected HOST:PORT with a port of 1 to 65535, got {text}"
+        )
+    return text
+
+
+def listen_address(text: str) -> str:
+    """HOST:PORT to listen on (port 0: the system picks one)."""
+    if not is_address(text, any_port=True):
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port of 0 to 65535, got {text}"
         )
     return text
 

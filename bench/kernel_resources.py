@@ -48,6 +48,7 @@ from appliance.engine.llama import LlamaModel
 from appliance.engine.quantized import GroupQuant
 from appliance.engine.random_weights import SHAPES, random_config
 from bench import record
+from bench.sass import loop_spills
 
 FORMATS: dict[str, WeightQuant | None] = {
     "bf16": None,
@@ -233,26 +234,6 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
         conversions,
         waits,
         seconds,
-    )
-
-
-def loop_spills(sass: str) -> int:
-    """The local-memory loads and stores (LDL, STL) of `cuobjdump -sass` output that lie inside
-    a loop: between a backward branch's target and the branch."""
-    code = [
-        (int(address, 16), text)
-        for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
-    ]
-    loops = []
-    for address, text in code:
-        branch = re.search(r"\bBRA(?:\.\w+)*\s+0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            loops.append((int(branch.group(1), 16), address))
-    return sum(
-        1
-        for address, text in code
-        if re.search(r"\b(?:LDL|STL)\b", text)
-        and any(start <= address <= end for start, end in loops)
     )
 
 

@@ -74,13 +74,14 @@ def test_engine_refuses_a_device_it_cannot_use(
             ["engine", "--repository", "r", "--threads", "0"],
             "argument --threads: must be an integer",
         ),
-        (["engine", "--repository", "r", "--listen", "127.0.0.1:99999"], "port of 1 to 65535"),
+        (["engine", "--repository", "r", "--listen", "127.0.0.1:99999"], "port of 0 to 65535"),
         (["health", "--wait", "nan"], "argument --wait: must be a number of 0 or more, got nan"),
         (["health", "--wait", "-5"], "argument --wait: must be a number of 0 or more, got -5"),
         (["health", "--gateway", "127.0.0.1:99999"], "argument --gateway: expected HOST:PORT"),
         (["cache", "--timeout", "nan", "stats"], "argument --timeout: must be a number greater"),
         (["demo", "--requests", "0"], "argument --requests: must be an integer greater than 0"),
-        (["awq-quantize", "--model", "m", "--text", "t", "--out", "o", "--grid", "x"], "--grid"),
+        (["awq-quantize", "--model", "m", "--text", "t", "--out", "o", "--threads", "0"], "0"),
+        (["engine", "--repository", "r", "--listen", "127.0.0.1"], "expected HOST:PORT"),
     ],
 )
 def test_an_option_out_of_its_range_is_a_usage_error(

@@ -139,7 +139,7 @@ for options in ((), (("maxnreg", 72),)):
 
 
 def test_the_sass_reader_finds_loops_by_their_backward_branches() -> None:
-    from bench.kernel_resources import loop_spills
+    from bench.sass import loop_spills
 
     def line(address: int, text: str) -> str:
         return f"        /*{address:04x}*/                   {text} ;   /* 0x0000000000000000 */"
