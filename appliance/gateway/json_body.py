@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -45,8 +46,13 @@ def decode(body: bytes) -> dict[str, Any]:
     """The body as a JSON object; BodyError says why it is not one."""
     try:
         data = json.loads(body)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 4300+ digits
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BodyError(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # an integer past the digits Python reads (sys.get_int_max_str_digits)
+        raise BodyError(
+            f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+            "digits; no field takes one"
+        ) from None
     except RecursionError:
         raise BodyError("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):

@@ -312,7 +312,7 @@ REFUSED: list[tuple[bytes, str]] = [
     (b"[1, 2]", "must be a JSON object, got an array"),
     (b"\xff\xfe", "not valid JSON"),
     (b"[" * 50_000, "nested too deeply"),
-    (b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}", "of more than 4300 digits"),
     (b'{"model": "tiny"}', "messages is required"),
     (b'{"model": 5, "messages": []}', "model must be a string, got a number"),
     (b'{"model": "tiny", "messages": "hi"}', "messages must be an array, got a string"),
