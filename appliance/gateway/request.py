@@ -128,18 +128,19 @@ def too_many_messages(count: int) -> RequestError | None:
 def _sampling(req: IncomingRequest) -> Sampling:
     temperature = req.temperature if req.temperature is not None else 1.0
     if not math.isfinite(temperature) or temperature < 0:
-        raise _invalid(f"temperature must be >= 0, got {temperature}")
+        raise _invalid(f"temperature must be >= 0, got {temperature}", field="temperature")
     if 0 < temperature < MIN_TEMPERATURE or temperature > MAX_TEMPERATURE:
         raise _invalid(
             f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and "
-            f"{MAX_TEMPERATURE:g}, got {temperature:g}"
+            f"{MAX_TEMPERATURE:g}, got {temperature:g}",
+            field="temperature",
         )
     top_p = req.top_p if req.top_p is not None else 1.0
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise _invalid(f"top_p must be in (0, 1], got {top_p}")
+        raise _invalid(f"top_p must be in (0, 1], got {top_p}", field="top_p")
     top_k = req.top_k if req.top_k is not None else 0
     if top_k < 0:
-        raise _invalid(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+        raise _invalid(f"top_k must be >= 0 (0 turns it off), got {top_k}", field="top_k")
     seed = req.seed
     if temperature == 0:
         if seed is None:
@@ -153,14 +154,17 @@ def _messages(messages: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
     if refusal is not None:
         raise refusal
     if not messages:
-        raise _invalid("messages is empty: send at least one message")
+        raise _invalid("messages is empty: send at least one message", field="messages")
     for i, (role, _) in enumerate(messages):
         if role not in CHAT_ROLES:
             raise _invalid(
-                f"messages[{i}].role is {echo(role)}; expected one of {', '.join(CHAT_ROLES)}"
+                f"messages[{i}].role is {echo(role)}; expected one of {', '.join(CHAT_ROLES)}",
+                field="messages",
             )
     if messages[-1][0] == "assistant":
-        raise _invalid("the last message must not be from the assistant: nothing to answer")
+        raise _invalid(
+            "the last message must not be from the assistant: nothing to answer", field="messages"
+        )
     return messages
 
 
@@ -262,10 +266,11 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
     if req.max_tokens is not None:
         max_tokens = req.max_tokens
         if max_tokens <= 0:
-            raise _invalid(f"max_tokens must be >= 1, got {max_tokens}")
+            raise _invalid(f"max_tokens must be >= 1, got {max_tokens}", field="max_tokens")
         if max_tokens > limits.max_output_tokens:
             raise _invalid(
-                f"max_tokens {max_tokens} exceeds this model's limit of {limits.max_output_tokens}"
+                f"max_tokens {max_tokens} exceeds this model's limit of {limits.max_output_tokens}",
+                field="max_tokens",
             )
     else:
         max_tokens = limits.default_max_tokens
@@ -273,11 +278,15 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
 
     raw_stops = req.stop
     if len(raw_stops) > MAX_STOP_STRINGS:
-        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(raw_stops)}")
+        raise _invalid(
+            f"at most {MAX_STOP_STRINGS} stop strings, got {len(raw_stops)}", field="stop"
+        )
     stops = tuple([nfc(s) for s in raw_stops]) if raw_stops else ()
     for s in stops:
         if not s or len(s) > MAX_STOP_LENGTH:
-            raise _invalid(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long")
+            raise _invalid(
+                f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long", field="stop"
+            )
 
     guide = _guide(req.guide) if req.guide is not None else None
     min_tokens = _min_tokens(req, max_tokens)

@@ -646,6 +646,24 @@ async def test_openai_error_codes_name_the_field_and_the_reason(gateway: Running
         )
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 2.5),
+        ("top_p", 0),
+        ("max_tokens", 100_000),
+        ("stop", ["s"] * 17),
+        ("messages", [{"role": "assistant", "content": "last"}]),
+    ],
+)
+async def test_a_refused_value_names_its_field_as_param(
+    gateway: RunningGateway, field: str, value: object
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, _, reply = await _post(gateway, "/v1/chat/completions", json.dumps(body).encode())
+    assert (status, reply["error"]["param"]) == (400, field), reply
+
+
 async def test_the_clients_x_request_id_is_the_request_id_when_usable(
     gateway: RunningGateway,
 ) -> None:
