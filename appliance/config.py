@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import tomlcheck
+from appliance.backends import stream_socket
 from appliance.backends.base import backend_kind
 from appliance.cache.l2 import RedisSettings
 from appliance.cache.tiers import CacheTier, tier_class
@@ -261,7 +262,7 @@ def load_config(path: Path) -> GatewayConfig:
             ),
             ready_timeout_s=r.positive("ready_timeout_s", float, ModelConfig.ready_timeout_s),
             fingerprint_file=r.file_path("fingerprint_file", path.parent),
-            max_in_flight=r.positive("max_in_flight", int, None),
+            max_in_flight=_max_in_flight(r),
             max_queue=r.get("max_queue", int, ModelConfig.max_queue),
             ttft_budget_ms=r.positive("ttft_budget_ms", float, None),
             default_deadline_s=r.positive(
@@ -323,10 +324,21 @@ def load_config(path: Path) -> GatewayConfig:
     )
 
 
+# The largest request body the HTTP API may be set to take (held whole, and inflated whole).
+MAX_BODY_BYTES_LIMIT = 1 << 30
+
+
+def _max_in_flight(r: _Reader) -> int | None:
+    value: int | None = r.positive("max_in_flight", int, None)
+    if value is not None and value > stream_socket.GENERATIONS_MAX:
+        r.fail("max_in_flight", f"must be at most {stream_socket.GENERATIONS_MAX}, got {value}")
+    return value
+
+
 def _http(r: _Reader) -> HttpConfig:
     max_body = r.size("max_body_bytes", HttpConfig.max_body_bytes)
-    if not max_body:
-        r.fail("max_body_bytes", "must be greater than 0")
+    if not max_body or max_body > MAX_BODY_BYTES_LIMIT:
+        r.fail("max_body_bytes", "must be greater than 0 and at most 1GiB")
     return HttpConfig(
         listen=_address(r, "listen", "") if "listen" in r.data else None,
         max_body_bytes=max_body,

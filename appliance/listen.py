@@ -20,7 +20,8 @@ def is_address(value: object, any_port: bool = False) -> bool:
     """Whether `value` is a HOST:PORT string with a port from 1 to 65535 (`any_port`: or 0, a
     listen address whose port the system picks)."""
     host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    return bool(sep and host and port.isdigit() and (0 if any_port else 1) <= int(port) < 65536)
+    digits = port.isascii() and port.isdigit()  # "²".isdigit() is True; int() refuses it
+    return bool(sep and host and digits and (0 if any_port else 1) <= int(port) < 65536)
 
 
 def taken_address(listen: str) -> str | None:

@@ -148,7 +148,7 @@ class Table:
             return default
         value = self.data[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            value = float(value) if abs(value) < 2**1023 else math.inf  # refused below
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             self.fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
         if isinstance(value, float) and not math.isfinite(value):  # TOML has nan and inf

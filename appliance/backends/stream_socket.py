@@ -53,9 +53,11 @@ INBOX_FRAMES = 256
 # the gateway keeps streams open between requests.
 PREAMBLE_TIMEOUT_S = 5.0
 FRAME_TIMEOUT_S = 5.0
-# Connections served at once: the gateway opens one per request in flight and keeps a few idle;
-# each holds up to a message's bytes while it arrives.
-MAX_CONNECTIONS = 1024
+# Generations a gateway may send an engine at once (its model's max_in_flight), and connections
+# served at once: a gateway opens one per generation and keeps a few idle, and each holds up to
+# a message's bytes while it arrives; the room is for kept streams and a second gateway.
+GENERATIONS_MAX = 1024
+MAX_CONNECTIONS = 4 * GENERATIONS_MAX
 # Connecting while the server's backlog is full: tries, and the wait before the n-th retry (n ×).
 CONNECT_TRIES = 5
 CONNECT_BACKOFF_S = 0.002

@@ -101,17 +101,27 @@ def quiet_http_server_log() -> None:
 
 def _inflate(body: bytes, windows: tuple[int, ...], limit: int) -> bytes | None:
     """`body` inflated with the first of `windows` that reads it whole; None past `limit` bytes
-    (inflated one byte past it at most: a bomb stops there). zlib.error if none reads it."""
+    (inflated one byte past it at most: a bomb stops there). zlib.error if none reads it. A
+    gzip body may hold several members, one after another (RFC 1952)."""
     for window in windows:
-        inflater = zlib.decompressobj(window)
+        parts: list[bytes] = []
+        rest, room = body, limit + 1
         try:
-            inflated = inflater.decompress(body, limit + 1)
+            while True:
+                inflater = zlib.decompressobj(window)
+                parts.append(inflater.decompress(rest, room))
+                room -= len(parts[-1])
+                if room <= 0:
+                    return None
+                if not inflater.eof:
+                    raise zlib.error("the stream ends early")
+                rest = inflater.unused_data
+                if not rest:
+                    return b"".join(parts)
+                if window != DEFLATE_WINDOWS["gzip"][0]:
+                    raise zlib.error("bytes after the stream's end")
         except zlib.error:
             continue
-        if len(inflated) > limit:
-            return None
-        if inflater.eof and not inflater.unused_data:
-            return inflated
     raise zlib.error("no window reads the body whole")
 
 

@@ -427,8 +427,11 @@ def check_json_schema(text: str) -> None:
             "draft 4, 6, 7, 2019-09 or 2020-12, or leave $schema out",
             field="guide",
         ) from None
-    except RecursionError:
-        raise _invalid("the JSON Schema is nested too deeply", field="guide") from None
+    except (ValueError, RecursionError):  # jsonschema-rs: nested past its limit, or not UTF-8
+        raise _invalid(
+            "the JSON Schema is nested too deeply or holds text that is not valid Unicode",
+            field="guide",
+        ) from None
 
 
 # A registry of no resources: a "$schema" other than a draft's is refused, never fetched (a

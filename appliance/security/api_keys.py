@@ -45,6 +45,8 @@ ID_HEX = 12
 MAX_TOKEN_CHARS = 128
 _PERSON = b"appliance-apikey"
 FILE_VERSION = 1
+# The largest rate, burst or stream count a key may hold: past any gateway's throughput.
+LIMIT_MAX = 1e9
 
 
 class KeysFileError(ValueError):
@@ -215,10 +217,12 @@ def _check_entry(path: Path, n: int, entry: object) -> dict[str, Any]:
         if value is not None and (
             isinstance(value, bool)
             or not isinstance(value, int | float)
-            or not math.isfinite(value)  # JSON as Python writes it has NaN and Infinity
-            or value <= 0
+            or (isinstance(value, float) and not math.isfinite(value))  # Python's JSON: NaN
+            or not 0 < value <= LIMIT_MAX
         ):
-            raise KeysFileError(f"{where}: '{name}' must be a number greater than 0")
+            raise KeysFileError(
+                f"{where}: '{name}' must be a number greater than 0 and at most {LIMIT_MAX:g}"
+            )
     return entry
 
 

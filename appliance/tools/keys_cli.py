@@ -7,12 +7,12 @@ gateway picks the change up on `systemctl reload appliance-gateway` (SIGHUP).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from appliance.security.api_keys import (
+    LIMIT_MAX,
     SCOPES,
     KeysFileError,
     RateLimits,
@@ -118,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
 def _positive(kind: type) -> object:
     def parse(text: str) -> object:
         value = kind(text)
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
+        if not 0 < value <= LIMIT_MAX:  # NaN too
+            raise argparse.ArgumentTypeError(
+                f"must be a number greater than 0 and at most {LIMIT_MAX:g}, got {text}"
+            )
         return value
 
     return parse

@@ -79,6 +79,20 @@ def test_good_config_loads_with_defaults_and_relative_paths(tmp_path: Path) -> N
             r":10: key 'models.tiny.ready_timeout_s': expected a finite number, got nan",
         ),
         (
+            GOOD.replace("drain_seconds = 3", "drain_seconds = 1" + "0" * 400),
+            r":4: key 'server.drain_seconds': expected a finite number, got inf",
+        ),
+        (
+            GOOD.replace(
+                "max_output_tokens = 256", "max_output_tokens = 256\nmax_in_flight = 2000"
+            ),
+            r":10: key 'models.tiny.max_in_flight': must be at most 1024, got 2000",
+        ),
+        (
+            GOOD.replace('backend = "127.0.0.1:8001"', 'backend = "127.0.0.1:\u00b2"'),
+            r":7: key 'models.tiny.backend': expected HOST:PORT",
+        ),
+        (
             GOOD.replace("drain_seconds = 3", "drain_secs = 3\nlisen = 1"),
             r"key 'server.drain_secs': unknown key \(also unknown: lisen\); known keys are",
         ),
@@ -139,6 +153,7 @@ def test_http_api_is_off_unless_configured(tmp_path: Path) -> None:
         ('listen = "8080"', r":12: key 'http.listen': expected HOST:PORT, got '8080'"),
         ("max_body_bytes = 1000", r":12: key 'http.max_body_bytes': expected str, got int"),
         ('max_body_bytes = "0MiB"', r":12: key 'http.max_body_bytes': must be greater than 0"),
+        ('max_body_bytes = "2GiB"', r":12: key 'http.max_body_bytes': .* at most 1GiB"),
         ("client_timeout_s = 0", r":12: key 'http.client_timeout_s': must be greater than 0"),
         ("port = 1", r":12: key 'http.port': unknown key; known keys are client_timeout_s"),
     ],

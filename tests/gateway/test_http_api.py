@@ -594,8 +594,9 @@ async def test_a_body_not_in_its_content_encoding_or_in_another_is_refused_in_js
         ("gzip", gzip.compress),
         ("deflate", zlib.compress),  # as HTTP defines deflate: zlib-wrapped
         ("deflate", lambda b: zlib.compress(b, wbits=-zlib.MAX_WBITS)),  # raw, as some send it
+        ("gzip", lambda b: gzip.compress(b[:9]) + gzip.compress(b[9:])),  # two members
     ],
-    ids=["gzip", "deflate", "raw-deflate"],
+    ids=["gzip", "deflate", "raw-deflate", "gzip-members"],
 )
 async def test_a_compressed_body_is_inflated(
     gateway: RunningGateway, encoding: str, compress: Callable[[bytes], bytes]

@@ -62,6 +62,22 @@ def test_a_schema_its_draft_refuses_is_refused_with_the_place() -> None:
     assert refused.value.message.startswith("the JSON Schema is not valid at dependencies/a: ")
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"items": ' * 300 + "{}" + "}" * 300,  # within JSON's depth, past the checker's
+        '{"properties": {"\\ud800": {}}}',  # a lone surrogate: no UTF-8 text holds it
+    ],
+    ids=["deep", "surrogate"],
+)
+def test_a_schema_the_checker_cannot_walk_is_refused_in_one_line(text: str) -> None:
+    with pytest.raises(RequestError) as refused:
+        check_json_schema(text)
+    assert refused.value.message == (
+        "the JSON Schema is nested too deeply or holds text that is not valid Unicode"
+    )
+
+
 def test_an_unknown_metaschema_is_refused_and_never_fetched(web: tuple[str, list[str]]) -> None:
     address, asked = web
     with pytest.raises(RequestError) as refused:

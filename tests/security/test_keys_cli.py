@@ -71,8 +71,9 @@ def test_a_short_pepper_is_refused(tmp_path: Path) -> None:
     [
         (["--namespace", ""], "argument --namespace: an empty namespace; give one"),
         (["--namespace", "a", "--identity", " "], "an empty certificate name; give one"),
-        (["--namespace", "a", "--rate-per-s", "nan"], "must be a number greater than 0, got nan"),
-        (["--namespace", "a", "--rate-per-s", "inf"], "must be a number greater than 0, got inf"),
+        (["--namespace", "a", "--rate-per-s", "nan"], "must be a number greater than 0"),
+        (["--namespace", "a", "--rate-per-s", "inf"], "must be a number greater than 0"),
+        (["--namespace", "a", "--burst", "1" + "0" * 400], "and at most 1e+09, got 1000"),
     ],
 )
 def test_a_key_no_reader_would_take_is_never_written(
@@ -91,11 +92,12 @@ def test_a_keys_file_with_a_rate_that_is_not_a_number_is_refused(tmp_path: Path)
     add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
     assert add.returncode == 0, add.stderr
     data = json.loads(path.read_text())
-    data["keys"][0]["rate_per_s"] = float("nan")
-    path.write_text(json.dumps(data))  # Python writes NaN, which its reader takes
-    listed = keys("--keys-file", str(path), "list")
-    assert listed.returncode == 2
-    assert "'rate_per_s' must be a number greater than 0" in listed.stderr
+    for value in (float("nan"), 10**400):
+        data["keys"][0]["rate_per_s"] = value
+        path.write_text(json.dumps(data))  # Python writes NaN, which its reader takes
+        listed = keys("--keys-file", str(path), "list")
+        assert listed.returncode == 2
+        assert "'rate_per_s' must be a number greater than 0" in listed.stderr
 
 
 def test_a_keys_file_in_a_missing_folder_is_named_not_its_temporary_file(tmp_path: Path) -> None:
