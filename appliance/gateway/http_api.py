@@ -57,6 +57,7 @@ SSE_HEADERS = {
 # The status the access log and metrics record for a body refused before the pipeline saw it.
 WIRE_STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
@@ -280,25 +281,26 @@ class HttpApi:
     async def models(self, request: web.Request) -> web.Response:
         refused = self._unauthenticated(request)
         if refused is not None:
-            return refused
+            return error_response(refused)
         return web.json_response(wire.model_list(sorted(self.pipeline.models), self._created))
 
     async def model(self, request: web.Request) -> web.Response:
         refused = self._unauthenticated(request)
         if refused is not None:
-            return refused
+            return error_response(refused)
         name = request.match_info["model"]
         if name not in self.pipeline.models:
             return error_response(wire.unknown_model(sorted(self.pipeline.models)))
         return web.json_response(wire.model_entry(name, self._created))
 
-    def _unauthenticated(self, request: web.Request) -> web.Response | None:
+    def _unauthenticated(self, request: web.Request) -> wire.HttpError | None:
         """The 401 of a request whose credentials the gateway's keys do not know (None: known, or
-        no keys configured). Listing models needs a valid key, no particular scope."""
+        no keys configured). Listing models needs a valid key, no particular scope; a generation
+        is asked for one before its body is read (the pipeline then checks its scope)."""
         try:
             self.pipeline.access.authenticate(self._credentials(request))
         except RequestError as exc:
-            return error_response(wire.error_of(exc))
+            return wire.error_of(exc)
         return None
 
     async def health(self, request: web.Request) -> web.Response:
@@ -343,6 +345,9 @@ class HttpApi:
         received = time.monotonic_ns()
         try:
             try:
+                refused = self._unauthenticated(request)
+                if refused is not None:  # nothing of the body is read for a client without a key
+                    raise refused
                 http = wire.parse_request(await self._decode(await self._body(request)), chat)
                 if not http.request.request_id:
                     # The client's (or its proxy's) id when the body sets none and it is one

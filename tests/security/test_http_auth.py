@@ -67,5 +67,31 @@ async def test_listing_models_needs_a_valid_key_and_health_does_not(
             assert r.status == 200
 
 
+async def test_a_generation_without_a_key_is_refused_before_its_body_is_read(
+    tiny: Tiny, engine: Engine, keys: Keys
+) -> None:
+    token = keys.add(["team-a"], ["generate"])
+    config = dataclasses.replace(
+        gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
+        http=HttpConfig(listen="127.0.0.1:0"),
+    )
+    async with running(config) as gw, aiohttp.ClientSession() as session:
+        assert gw.http is not None
+        url = f"http://127.0.0.1:{gw.http.port}/v1/chat/completions"
+        # A body that is not JSON, in an encoding not taken: 400 or 415 with a key, 401 without.
+        for headers, status in (
+            ({}, 401),
+            ({"Authorization": "Bearer not-a-key"}, 401),
+            (bearer_header(token), 415),
+        ):
+            sent = {**headers, "Content-Encoding": "br"}
+            async with session.post(url, data=b"{not json", headers=sent) as r:
+                assert r.status == status, await r.text()
+                assert (await r.json())["error"]["type"] in (
+                    "authentication_error",
+                    "invalid_request_error",
+                )
+
+
 def bearer_header(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
