@@ -5,22 +5,28 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 from appliance.listen import is_address
 
 
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be an integer greater than 0, got {text}")
-    return value
+def positive(kind: type[int] | type[float], at_most: float = math.inf) -> Callable[[str], float]:
+    """An integer or a finite number greater than 0 and at most `at_most`."""
+    what = "an integer" if kind is int else "a number"
+    bound = "" if at_most == math.inf else f" and at most {at_most:g}"
+
+    def parse(text: str) -> float:
+        value = _int(text) if kind is int else _float(text)
+        # NaN fails the range; an int is always finite (and too long for a float to hold).
+        if not 0 < value <= at_most or (isinstance(value, float) and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be {what} greater than 0{bound}, got {text}")
+        return value
+
+    return parse
 
 
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
-    return value
+positive_int = positive(int)
+positive_float = positive(float)
 
 
 def non_negative_float(text: str) -> float:

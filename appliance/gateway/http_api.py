@@ -279,13 +279,13 @@ class HttpApi:
         return await self._generate(request, chat=False)
 
     async def models(self, request: web.Request) -> web.Response:
-        refused = self._unauthenticated(request)
+        refused = self._unauthenticated(self._credentials(request))
         if refused is not None:
             return error_response(refused)
         return web.json_response(wire.model_list(sorted(self.pipeline.models), self._created))
 
     async def model(self, request: web.Request) -> web.Response:
-        refused = self._unauthenticated(request)
+        refused = self._unauthenticated(self._credentials(request))
         if refused is not None:
             return error_response(refused)
         name = request.match_info["model"]
@@ -293,12 +293,12 @@ class HttpApi:
             return error_response(wire.unknown_model(sorted(self.pipeline.models)))
         return web.json_response(wire.model_entry(name, self._created))
 
-    def _unauthenticated(self, request: web.Request) -> wire.HttpError | None:
+    def _unauthenticated(self, credentials: Credentials) -> wire.HttpError | None:
         """The 401 of a request whose credentials the gateway's keys do not know (None: known, or
         no keys configured). Listing models needs a valid key, no particular scope; a generation
         is asked for one before its body is read (the pipeline then checks its scope)."""
         try:
-            self.pipeline.access.authenticate(self._credentials(request))
+            self.pipeline.access.authenticate(credentials)
         except RequestError as exc:
             return wire.error_of(exc)
         return None
@@ -343,9 +343,10 @@ class HttpApi:
         self._active += 1
         self._idle.clear()
         received = time.monotonic_ns()
+        credentials = self._credentials(request)
         try:
             try:
-                refused = self._unauthenticated(request)
+                refused = self._unauthenticated(credentials)
                 if refused is not None:  # nothing of the body is read for a client without a key
                     raise refused
                 http = wire.parse_request(await self._decode(await self._body(request)), chat)
@@ -362,7 +363,7 @@ class HttpApi:
             replies = self.pipeline.run(
                 http.request,
                 http.deadline_s,
-                self._credentials(request),
+                credentials,
                 front_end="http",
                 hold_call_text=True,
             )

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from appliance.cliargs import positive
 from appliance.security.api_keys import (
     LIMIT_MAX,
     SCOPES,
@@ -115,18 +116,6 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> object:
-        value = kind(text)
-        if not 0 < value <= LIMIT_MAX:  # NaN too
-            raise argparse.ArgumentTypeError(
-                f"must be a number greater than 0 and at most {LIMIT_MAX:g}, got {text}"
-            )
-        return value
-
-    return parse
-
-
 def _name(what: str) -> object:
     def parse(text: str) -> str:
         if not text.strip():
@@ -158,9 +147,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=_name("certificate name"),
         help="a client certificate name (mutual TLS) that stands for the key; repeat",
     )
-    a.add_argument("--rate-per-s", type=_positive(float), help="requests per second")
-    a.add_argument("--burst", type=_positive(int), help="requests at once above the rate")
-    a.add_argument("--max-streams", type=_positive(int), help="requests in flight at once")
+    a.add_argument("--rate-per-s", type=positive(float, LIMIT_MAX), help="requests per second")
+    a.add_argument("--burst", type=positive(int, LIMIT_MAX), help="requests at once above the rate")
+    a.add_argument(
+        "--max-streams", type=positive(int, LIMIT_MAX), help="requests in flight at once"
+    )
     a.add_argument("--note", default="", help="who the key is for")
     a.set_defaults(keys_func=_add)
     ksub.add_parser("list", help="the keys (ids, namespaces, scopes; never secrets)").set_defaults(

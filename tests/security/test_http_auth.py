@@ -8,20 +8,25 @@ import aiohttp
 import openai
 import pytest
 
-from appliance.config import HttpConfig
+from appliance.config import GatewayConfig, HttpConfig
 from tests.conftest import Engine, Tiny
 from tests.security.conftest import Keys, running
 from tests.support import gateway_config
+
+
+def _keyed_http(tiny: Tiny, engine: Engine, keys: Keys) -> GatewayConfig:
+    """A gateway with the test's keys and the HTTP API on a free port."""
+    return dataclasses.replace(
+        gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
+        http=HttpConfig(listen="127.0.0.1:0"),
+    )
 
 
 async def test_http_requests_need_a_key_with_the_namespace_and_scope(
     tiny: Tiny, engine: Engine, keys: Keys
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
-    config = dataclasses.replace(
-        gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
-        http=HttpConfig(listen="127.0.0.1:0"),
-    )
+    config = _keyed_http(tiny, engine, keys)
     async with running(config) as gw:
         assert gw.http is not None
         base = f"http://127.0.0.1:{gw.http.port}/v1"
@@ -49,10 +54,7 @@ async def test_listing_models_needs_a_valid_key_and_health_does_not(
     tiny: Tiny, engine: Engine, keys: Keys
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
-    config = dataclasses.replace(
-        gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
-        http=HttpConfig(listen="127.0.0.1:0"),
-    )
+    config = _keyed_http(tiny, engine, keys)
     async with running(config) as gw, aiohttp.ClientSession() as session:
         assert gw.http is not None
         base = f"http://127.0.0.1:{gw.http.port}"
@@ -71,10 +73,7 @@ async def test_a_generation_without_a_key_is_refused_before_its_body_is_read(
     tiny: Tiny, engine: Engine, keys: Keys
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
-    config = dataclasses.replace(
-        gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
-        http=HttpConfig(listen="127.0.0.1:0"),
-    )
+    config = _keyed_http(tiny, engine, keys)
     async with running(config) as gw, aiohttp.ClientSession() as session:
         assert gw.http is not None
         url = f"http://127.0.0.1:{gw.http.port}/v1/chat/completions"
