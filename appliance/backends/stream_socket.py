@@ -78,13 +78,30 @@ def _checked_size(size: int, max_bytes: int) -> int:
     return size
 
 
+async def _read_within(reader: asyncio.StreamReader, size: int, timeout_s: float) -> bytes:
+    """`size` bytes, or TimeoutError when they do not arrive in `timeout_s`.
+
+    A timer that fires late by half its time or more says this process's event loop was held
+    (the peer cannot cause that), and its firing can win over bytes that arrived meanwhile and
+    are not yet read. So the wait starts again instead of blaming the peer; an unfinished
+    `readexactly` consumes nothing, so nothing is lost."""
+    loop = asyncio.get_running_loop()
+    while True:
+        deadline = loop.time() + timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await reader.readexactly(size)
+        except TimeoutError:
+            if loop.time() - deadline < timeout_s / 2:
+                raise
+
+
 async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     """The next message's payload, refused by its length prefix before its bytes are read."""
     (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
     _checked_size(size, max_bytes)
     try:
-        async with asyncio.timeout(FRAME_TIMEOUT_S):
-            return await reader.readexactly(size)
+        return await _read_within(reader, size, FRAME_TIMEOUT_S)
     except TimeoutError:
         raise FrameError(f"a message that stopped partway for {FRAME_TIMEOUT_S:g} s") from None
 
@@ -384,8 +401,7 @@ class StreamSocketServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            async with asyncio.timeout(PREAMBLE_TIMEOUT_S):
-                preamble = await reader.readexactly(len(PREAMBLE))
+            preamble = await _read_within(reader, len(PREAMBLE), PREAMBLE_TIMEOUT_S)
         except TimeoutError:
             raise FrameError(f"no preamble in {PREAMBLE_TIMEOUT_S:g} s") from None
         if preamble != PREAMBLE:

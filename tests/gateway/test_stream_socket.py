@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
@@ -132,6 +133,56 @@ async def test_a_message_that_stops_partway_is_dropped(
     writer.write(PREAMBLE + struct.pack("<I", 1000) + b"\x0a" * 10)  # 10 bytes of 1,000
     assert await _closed_by_server(reader)
     writer.close()
+
+
+async def _answers(
+    requests: AsyncIterator[ts.ModelInferRequest],
+) -> AsyncGenerator[ts.ModelStreamInferResponse, None]:
+    """One response per request, with its id."""
+    async for r in requests:
+        yield ts.ModelStreamInferResponse(infer_response=ts.ModelInferResponse(id=r.id))
+
+
+@pytest.mark.parametrize("part", ["preamble", "message"])
+async def test_bytes_that_arrive_while_the_loop_is_held_are_not_taken_for_a_stall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """The rest of a message arrives while this process's loop is busy past the timeout: when
+    the loop runs again the timer is due and the bytes are there; the message is served."""
+    timeout_s = 0.2
+    monkeypatch.setattr(stream_socket, "FRAME_TIMEOUT_S", timeout_s)
+    monkeypatch.setattr(stream_socket, "PREAMBLE_TIMEOUT_S", timeout_s)
+    waiting = {"preamble": asyncio.Event(), "message": asyncio.Event()}
+    read_within = stream_socket._read_within
+
+    async def noted(reader: asyncio.StreamReader, size: int, within_s: float) -> bytes:
+        waiting["preamble" if size == len(PREAMBLE) else "message"].set()
+        return await read_within(reader, size, within_s)
+
+    monkeypatch.setattr(stream_socket, "_read_within", noted)
+    server = StreamSocketServer(tmp_path / "s.sock", _answers, 1 << 20)
+    await server.start()
+    data = PREAMBLE + frame(request("held"))
+    cut = 5 if part == "preamble" else len(PREAMBLE) + 10
+    reader, writer = await _raw(server.path)
+    try:
+        writer.write(data[:cut])
+        async with asyncio.timeout(10):
+            await waiting[part].wait()
+        writer.write(data[cut:])
+        await writer.drain()
+        time.sleep(timeout_s * 3)  # the loop held: the rest is in the socket, the timer due
+        parser = FrameParser(1 << 20)
+        async with asyncio.timeout(10):
+            payloads: list[bytes] = []
+            while not payloads:
+                received = await reader.read(65536)
+                assert received, "the server closed the connection"
+                payloads = parser.feed(received)
+        assert ts.ModelStreamInferResponse.FromString(payloads[0]).infer_response.id == "held"
+    finally:
+        writer.close()
+        await server.close(0.0)
 
 
 async def test_a_connection_past_the_limit_is_closed_and_the_others_served(
