@@ -14,6 +14,7 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from appliance.text.tokenizer import ModelText, TokenizerLoadError
 from engine_build import commands, pbtxt, runtime
 from engine_build.checkpoint import read_json
 from engine_build.errors import BuildError
@@ -331,6 +332,16 @@ def _check_draft_model(repo: Path, name: str, target: dict[str, str]) -> list[st
     return problems
 
 
+def _tokenizer_problems(directory: Path) -> list[str]:
+    """What stops a gateway from loading the repository's tokenizer, loaded as a gateway loads
+    it (tokenizer.json, tokenizer_config.json, config.json, the chat template)."""
+    try:
+        ModelText.load(directory)
+    except (TokenizerLoadError, ValueError) as err:
+        return [f"a gateway cannot load the tokenizer: {err}"]
+    return []
+
+
 def verify_repository(
     repo: Path, triton_root: Path | None = None, published_as: Path | None = None
 ) -> list[str]:
@@ -366,6 +377,8 @@ def verify_repository(
         problems.append(f"version directory {model_dir / '1'} missing")
     if not (model_dir / "tokenizer" / "tokenizer.json").is_file():
         problems.append(f"{model_dir / 'tokenizer' / 'tokenizer.json'} missing")
+    else:
+        problems += _tokenizer_problems(model_dir / "tokenizer")
     fp_path = model_dir / "engine_fingerprint"
     try:
         fp = fp_path.read_text(encoding="utf-8").strip()

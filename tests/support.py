@@ -1,5 +1,5 @@
 """Scaffolding the suites share: waiting on a condition (a bounded poll, or the engine's own
-condition variable), and a gateway configuration with test defaults.
+condition variable), a gateway configuration with test defaults, and a small tokenizer.json.
 
 Only the standard library and pytest are imported at module level: host_tuning's tests use `until`
 without loading the gateway's dependencies.
@@ -31,6 +31,21 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 Message = str | Callable[[], str]
+
+
+def byte_level_tokenizer(
+    vocab: dict[str, int], added_tokens: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A tokenizer.json of a BPE vocabulary without merges, with Llama 3's byte-level
+    pre-tokenizer and decoder: one a gateway loads and can stream (engine-build verifies that)."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+    return {
+        "version": "1.0",
+        "added_tokens": added_tokens or [],
+        "model": {"type": "BPE", "vocab": vocab, "merges": []},
+        "pre_tokenizer": {**byte_level, "use_regex": True},
+        "decoder": {**byte_level, "use_regex": True},
+    }
 
 
 def _fail(message: Message, timeout: float) -> NoReturn:

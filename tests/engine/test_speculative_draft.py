@@ -34,6 +34,7 @@ from appliance.engine.speculative import (
 )
 from engine_build.repo import write_hf_repository
 from tests.engine.conftest import write_micro_checkpoint
+from tests.support import byte_level_tokenizer
 
 GREEDY = SamplingParams(top_k=1)
 END = 2
@@ -327,7 +328,7 @@ def test_no_switch_off_with_the_threshold_at_zero(model: LlamaModel) -> None:
 
 
 def write_tokenizer(model_dir: Path, vocab: dict[str, int]) -> None:
-    tokenizer = {"version": "1.0", "model": {"type": "BPE", "vocab": vocab, "merges": []}}
+    tokenizer = byte_level_tokenizer(vocab)
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
 
 

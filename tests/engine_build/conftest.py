@@ -15,15 +15,17 @@ from typing import Any
 
 import pytest
 
+from tests.support import byte_level_tokenizer
+
 HERE = Path(__file__).parent
 DATA = HERE / "data"
 FAKE = HERE / "fake_trtllm"
 
 EOS_TOKEN = "<|eot_id|>"
 EOS_ID = 2
-TOKENIZER_JSON = {
-    "version": "1.0",
-    "added_tokens": [
+TOKENIZER_JSON = byte_level_tokenizer(
+    {"a": 0, "b": 1},
+    [
         {
             "id": EOS_ID,
             "content": EOS_TOKEN,
@@ -34,8 +36,7 @@ TOKENIZER_JSON = {
             "special": True,
         }
     ],
-    "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
-}
+)
 
 
 def make_checkpoint(root: Path, model: str = "llama-3.1-8b", **config_overrides: Any) -> Path:

@@ -295,6 +295,27 @@ def test_verify_catches_missing_files(tmp_path: Path, built: Callable[..., Build
     assert "version directory" in joined
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("tokenizer.json", '{"model": ', "cannot load tokenizer"),
+        ("tokenizer_config.json", "[1, 2]", "expected a JSON object"),
+        ("tokenizer_config.json", '{"chat_template": "{% for %}"}', "does not compile"),
+    ],
+)
+def test_verify_loads_the_tokenizer_as_a_gateway_does(
+    tmp_path: Path, built: Callable[..., BuildSpec], name: str, text: str, expected: str
+) -> None:
+    """A tokenizer file that is there but that a gateway could not load is found before the
+    repository is served, not when the gateway starts."""
+    repo = write_repository(built(), tmp_path / "repo")
+    (repo / "tensorrt_llm" / "tokenizer" / name).write_text(text)
+    problems = verify_repository(repo)
+    assert len(problems) == 1
+    assert problems[0].startswith("a gateway cannot load the tokenizer: ")
+    assert expected in problems[0]
+
+
 def test_verify_on_absent_repository(tmp_path: Path) -> None:
     assert verify_repository(tmp_path)[0].startswith("cannot read")
 
