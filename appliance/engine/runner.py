@@ -229,10 +229,11 @@ class Runner:
                 job.emit(Emission(None, final=True))
                 continue
             started = time.monotonic()
-            with self.stats.lock:
+            with self.stats.changed:  # a waiter may wait for a request to start running
                 self.stats.started += 1
                 self.stats.running = job.request_id
                 self.stats.queue_ns += int((started - job.enqueued) * 1e9)
+                self.stats.changed.notify_all()
             self._current = job
             if self._closed:  # close() may have looked before this job became current
                 job.cancel.set()

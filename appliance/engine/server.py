@@ -263,6 +263,12 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
                 "does not implement it; omit it (stop strings are applied by the gateway)"
             )
     stop = bool(scalar("stop", False))
+    streaming = bool(scalar("streaming", False))
+    if streaming and not stop and not model.entry.decoupled:
+        raise InferError(
+            "Streaming is only supported if model is deployed using decoupled mode.",
+            grpc.StatusCode.INTERNAL,
+        )
     ids: list[int] = tensors["input_ids"]
     if ids and type(ids[0]) is not int:  # a config that declares them other than an integer type
         ids = [int(v) for v in ids]
@@ -284,7 +290,12 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
             f"sequence length ({model.max_len})"
         )
     seed = scalar("random_seed", scalar("seed", None))
+    # The backend takes a top_p <= 0 as none given; the executor refuses a negative top_k.
     top_p = float(scalar("runtime_top_p", 0.0))
+    top_p = 0.0 if top_p <= 0.0 else top_p  # NaN stays, and is refused below
+    top_k = int(scalar("runtime_top_k", 0))
+    if top_k < 0 and not stop:
+        raise InferError(f"runtime_top_k must be >= 0, got {top_k}", grpc.StatusCode.INTERNAL)
     temperature = float(scalar("temperature", 1.0))
     if not 0.0 <= top_p <= 1.0 or not temperature >= 0:  # NaN is refused too
         raise InferError(
@@ -305,11 +316,11 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         end_id=scalar("end_id", None),
         params=SamplingParams(
             temperature=temperature,
-            top_k=max(0, int(scalar("runtime_top_k", 0))),
+            top_k=top_k,
             top_p=top_p,
             seed=int(seed) if seed is not None else None,
         ),
-        streaming=bool(scalar("streaming", False)),
+        streaming=streaming,
         stop=stop,
         exclude_input=bool(scalar("exclude_input_in_output", model.exclude_input_default)),
         return_perf=bool(scalar("return_perf_metrics", False)),
@@ -423,11 +434,6 @@ def _response(
             if name in declared and (not wanted or name in wanted):
                 wire.add_output(response, name, datatype, [value], [1, 1])
     return response
-
-
-def _resolve(future: asyncio.Future[Emission], emission: Emission) -> None:
-    if not future.done():
-        future.set_result(emission)
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:
@@ -644,27 +650,42 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             )
         try:
             decoded = decode_request(request, model)
+            if decoded.stop:
+                return self.stop_request(request, model)
             await compile_guide(decoded, model)
         except InferError as exc:
             await context.abort(exc.code, exc.message)
-        decoded.streaming = False
         clock.taken()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Emission] = loop.create_future()
+        statistics = self.statistics[model.entry.name]
+
+        def ended(e: Emission) -> None:
+            if done.cancelled():
+                # The client cancelled the call: its request still ends with the runner's final
+                # result, and is counted then, as a request on a cancelled stream is.
+                clock.computed()
+                statistics.finished(clock, ok=not e.error)
+            else:
+                done.set_result(e)
 
         def emit(_: Job, e: Emission) -> None:
             if e.final:
-                loop.call_soon_threadsafe(_resolve, done, e)
+                loop.call_soon_threadsafe(ended, e)
 
         job = self._submit(model, request, decoded, emit)
         clock.enqueued()
         try:
             emission = await done
+        except asyncio.CancelledError:
+            if done.done() and not done.cancelled():  # it ended as the call was cancelled
+                clock.computed()
+                statistics.finished(clock, ok=not done.result().error)
+            raise
         finally:
             job.cancel.set()
             self._forget(job)
         clock.computed()
-        statistics = self.statistics[model.entry.name]
         if emission.error:
             statistics.finished(clock, ok=False)
             await context.abort(grpc.StatusCode.INTERNAL, emission.error)
@@ -738,6 +759,18 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             job.cancel.set()
         return len(jobs)
 
+    def stop_request(
+        self, request: ts.ModelInferRequest, model: EngineModel
+    ) -> ts.ModelInferResponse:
+        """A `stop=true` request, on either RPC: cancels what runs under its id and is answered
+        with a response without outputs, flagged final; nothing is generated for it."""
+        if not request.id:
+            raise InferError(
+                "Trying to stop a request but request ID is not provided", grpc.StatusCode.INTERNAL
+            )
+        self.cancel_request(request.id)
+        return _response(model.entry.name, request, None, True)
+
     async def ModelStreamInfer(
         self,
         request_iterator: AsyncIterator[ts.ModelInferRequest],
@@ -779,8 +812,6 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 stop(request, model)
                 return
             await compile_guide(decoded, model)
-            if not model.entry.decoupled:
-                decoded.streaming = False  # one response per request, like a non-decoupled model
             clock.taken()
             statistics = self.statistics[model.entry.name]
 
@@ -819,12 +850,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             clock.enqueued()
 
         def stop(request: ts.ModelInferRequest, model: EngineModel) -> None:
-            """`stop=true`: cancel what runs under the id; this request itself gets a response
-            without outputs, flagged final."""
-            if not request.id:
-                raise InferError("Trying to stop a request but request ID is not provided")
-            self.cancel_request(request.id)
-            response = _response(model.entry.name, request, None, True)
+            response = self.stop_request(request, model)
             outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
 
         def finish(job: Job) -> None:

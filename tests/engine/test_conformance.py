@@ -541,3 +541,83 @@ async def test_a_failure_while_computing_is_answered_as_triton_answers_a_backend
     assert err.value.details() == "engine failure: injected"
     # The stream ended by the out-of-band error is no failure of its reader.
     assert not [r for r in caplog.records if r.getMessage() == "stream reader failed"]
+
+
+async def test_stop_through_model_infer_cancels_and_generates_nothing(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
+) -> None:
+    """The backend handles `stop=true` before anything else on either RPC: a stop sent with
+    ModelInfer to a non-decoupled model cancels what runs under its id and is answered with a
+    response without outputs; it is never run as a generation of its own inputs."""
+    stats = engine.stats("sync_llm")
+    idle = await triton.ModelInfer(request("nothing-here", [], model="sync_llm", stop=True))
+    assert (idle.id, list(idle.outputs)) == ("nothing-here", [])
+    long = asyncio.ensure_future(
+        triton.ModelInfer(request("sync-long", model="sync_llm", max_tokens=1500, streaming=False))
+    )
+    await until_engine(stats, lambda: stats.running == "sync-long")
+    stopped = await triton.ModelInfer(request("sync-long", model="sync_llm", stop=True))
+    assert not stopped.outputs and is_final(stopped)
+    assert len(tokens_of(await long)) < 1500
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await triton.ModelInfer(request("", model="sync_llm", stop=True))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert err.value.details() == "Trying to stop a request but request ID is not provided"
+
+
+async def test_a_cancelled_model_infer_call_is_counted_once(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
+) -> None:
+    """A request whose client cancelled the call still ends with the executor's final result and
+    is reported then, as on a cancelled stream: counted once, as a success."""
+
+    async def snapshot() -> ts.ModelStatistics:
+        reply = await triton.ModelStatistics(ts.ModelStatisticsRequest(name="sync_llm"))
+        return reply.model_stats[0]
+
+    stats = engine.stats("sync_llm")
+    before, cancelled = await snapshot(), stats.cancelled
+    call = triton.ModelInfer(
+        request("given-up", model="sync_llm", max_tokens=1500, streaming=False), timeout=60
+    )
+    await until_engine(stats, lambda: stats.running == "given-up")
+    call.cancel()
+    # The runner lets go of the request only after its final result has been handed on.
+    await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    after = await snapshot()
+    assert after.inference_count == before.inference_count + 1
+    assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+    assert after.inference_stats.compute_infer.count == after.inference_stats.success.count
+    assert engine.service.pending_by_model().get("sync_llm", 0) == 0
+
+
+async def test_streaming_is_refused_for_a_model_that_is_not_decoupled(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    message = "Streaming is only supported if model is deployed using decoupled mode."
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await triton.ModelInfer(request("s", model="sync_llm", streaming=True))
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INTERNAL, message)
+    responses = await collect(triton, request("s", model="sync_llm", streaming=True))
+    assert [(r.error_message, r.infer_response.id) for r in responses] == [(message, "s")]
+
+
+async def test_top_k_and_top_p_out_of_range_are_taken_as_the_backend_takes_them(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
+) -> None:
+    """The executor refuses a negative top_k; the backend takes a top_p <= 0 as none given (with
+    top_k 0: greedy), and a NaN top_p is still refused."""
+    before = engine.stats().started
+    (refused,) = await collect(triton, request("neg-k", top_k=-1, seed=1))
+    assert refused.error_message == "runtime_top_k must be >= 0, got -1"
+    assert engine.stats().started == before
+
+    async def tokens(req: ts.ModelInferRequest) -> list[int]:
+        responses = await collect(triton, req)
+        assert not [r.error_message for r in responses if r.error_message]
+        return [t for r in responses for t in tokens_of(r.infer_response)]
+
+    greedy = await tokens(request("greedy-p", max_tokens=6, temperature=0.0))
+    assert await tokens(request("neg-p", max_tokens=6, top_k=0, top_p=-0.5, seed=5)) == greedy
+    (nan,) = await collect(triton, request("nan-p", top_p=float("nan")))
+    assert nan.error_message.startswith("runtime_top_p must be in [0, 1]")
