@@ -457,8 +457,9 @@ async def _no_region(context: grpc.aio.ServicerContext, kind: str, name: str) ->
 class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     def __init__(self, models: dict[str, EngineModel]) -> None:
         self.models = models
-        # Request id -> cancel flag of the job running or queued under it (for stop=true).
-        self._by_id: dict[str, list[Job]] = {}
+        # Request id -> the jobs running or queued under it (for stop=true). A set: a client may
+        # send any number of requests under one id, and each is forgotten in constant time.
+        self._by_id: dict[str, set[Job]] = {}
         # Every job queued or running, with its model (jobs compare by identity).
         self._live: dict[Job, str] = {}
         self.statistics = {name: ModelStatistics() for name in models}
@@ -728,7 +729,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         )
         job.emit = functools.partial(emit, job)
         if request.id:
-            self._by_id.setdefault(request.id, []).append(job)
+            self._by_id.setdefault(request.id, set()).add(job)
         self._live[job] = request.model_name
         model.runner.submit(job)
         return job
@@ -736,8 +737,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     def _forget(self, job: Job) -> None:
         self._live.pop(job, None)
         jobs = self._by_id.get(job.request_id)
-        if jobs and job in jobs:
-            jobs.remove(job)
+        if jobs is not None and job in jobs:
+            jobs.discard(job)
             if not jobs:
                 del self._by_id[job.request_id]
 
@@ -754,7 +755,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
     def cancel_request(self, request_id: str) -> int:
         """What `stop=true` does: cancels every job queued or running under this id."""
-        jobs = self._by_id.get(request_id, [])
+        jobs = self._by_id.get(request_id, set())
         for job in jobs:
             job.cancel.set()
         return len(jobs)

@@ -10,13 +10,16 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
+from appliance.engine import server
 from appliance.engine.metrics import EngineCollector
+from appliance.engine.runner import Job
 from tests.conftest import Engine
 from tests.engine.test_conformance import MODEL, collect, is_final, request
-from tests.support import until_async
+from tests.support import until_async, until_engine
 
 LONG = 1500  # tokens no request here lives to generate: each one is cancelled or stopped
 
@@ -120,3 +123,39 @@ async def test_storms_of_streams_cancels_and_stops_leave_the_engine_idle(
     assert sample("nv_inference_pending_request_count") == 0
     for kind in ("active", "waiting"):
         assert sample("nv_trt_llm_request_metrics", request_type=kind) == 0
+
+
+async def test_closing_a_stream_of_many_requests_under_one_id_is_linear(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client may send any number of requests under one id and close the stream: the server
+    forgets each without comparing it with the others (a list would compare them pairwise,
+    quadratic work that holds the event loop for seconds at tens of thousands)."""
+    compared = 0
+
+    class CountingJob(Job):
+        def __eq__(self, other: object) -> bool:
+            nonlocal compared
+            compared += 1
+            return self is other
+
+        __hash__ = object.__hash__
+
+    monkeypatch.setattr(server, "Job", CountingJob)
+    service = engine.service
+    count = 2000
+
+    async def requests() -> AsyncIterator[ts.ModelInferRequest]:
+        for _ in range(count):
+            yield request("one-id", max_tokens=LONG)
+        await asyncio.Event().wait()
+
+    responses = service.stream(requests())
+    first = asyncio.ensure_future(anext(responses))
+    await until_async(lambda: service.pending_requests() == count)
+    await first
+    await responses.aclose()
+    assert service.pending_requests() == 0 and "one-id" not in service._by_id
+    assert compared <= count
+    runner = engine.models[MODEL].runner
+    await until_engine(runner.stats, lambda: runner._jobs.empty() and runner.stats.running is None)
