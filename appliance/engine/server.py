@@ -237,7 +237,11 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
             )
         name, values = _read_tensor(tensor, raw[index] if raw else None, model)
         tensors[name] = values
+    requested: set[str] = set()
     for output in request.outputs:
+        if output.name in requested:
+            raise InferError(f"output '{output.name}' already requested")
+        requested.add(output.name)
         if output.name not in model.output_names:
             raise InferError(
                 f"unexpected inference output '{output.name}' for model '{model.entry.name}'"

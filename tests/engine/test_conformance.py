@@ -473,6 +473,12 @@ def _asking_unknown_output(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
     return req
 
 
+def _asking_an_output_twice(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.outputs.add(name="output_ids")
+    req.outputs.add(name="output_ids")
+    return req
+
+
 @pytest.mark.parametrize(
     ("spoil", "message"),
     [
@@ -486,8 +492,9 @@ def _asking_unknown_output(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
             _asking_unknown_output,
             "unexpected inference output 'nonexistent_output' for model 'tensorrt_llm'",
         ),
+        (_asking_an_output_twice, "output 'output_ids' already requested"),
     ],
-    ids=["duplicate-input", "contents-and-raw", "unknown-output"],
+    ids=["duplicate-input", "contents-and-raw", "unknown-output", "output-twice"],
 )
 async def test_a_request_triton_would_not_issue_is_refused_in_its_words(
     triton: ts_grpc.GRPCInferenceServiceStub,
