@@ -26,8 +26,10 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
   generation runs in its own task and records its events, so a client that reads slowly never holds
   the engine: the engine is drained at its own speed (memory is bounded by max_tokens).
 - admission: the generation asks for a slot at the engine before it starts and frees it when it ends
-  (a follower rides on its leader's slot); the engine stage streams token ids from the model's
-  Backend, decodes them (generation.py) and tells the model's breaker how the engine did.
+  (a follower rides on its leader's slot; a flight refused before it started was judged by its
+  leader's budgets, so its followers ask again with their own); the engine stage streams token ids
+  from the model's Backend, decodes them (generation.py) and tells the model's breaker how the
+  engine did (judged by the model's TTFT budget, never a client's).
 - deliver: events become this client's replies with this client's timings, within its deadline
   (the client's, or the model's default when the client sets none).
 - read call: a request with tools has the tool call its answer makes read out of the replies
@@ -261,18 +263,24 @@ class Pipeline:
                         yield shown
                 return
             generation = found if isinstance(found, Generation) else await start()
-            try:
-                async for reply in self.deliver(generation, report, received, budget, model):
-                    for shown in self.shown(calls, reply):
-                        yield shown
-            except RequestError as exc:
-                if not self.may_fall_back(model, generation.model, exc, report):
-                    raise
-                # The engine failed before answering (nothing was read): the fallback answers.
-                generation = await start(skip_primary=True)
-                async for reply in self.deliver(generation, report, received, budget, model):
-                    for shown in self.shown(calls, reply):
-                        yield shown
+            while True:
+                try:
+                    async for reply in self.deliver(generation, report, received, budget, model):
+                        for shown in self.shown(calls, reply):
+                            yield shown
+                    break
+                except RequestError as exc:
+                    if self.refused_for_its_leader(generation, exc, budget):
+                        generation = await start()  # admitted, or refused, by its own budget now
+                        continue
+                    if not self.may_fall_back(model, generation.model, exc, report):
+                        raise
+                    # The engine failed before answering (nothing was read): the fallback answers.
+                    generation = await start(skip_primary=True)
+                    async for reply in self.deliver(generation, report, received, budget, model):
+                        for shown in self.shown(calls, reply):
+                            yield shown
+                    break
             self.store(generation)
         except RequestError as exc:
             report.status = exc.code.name
@@ -353,7 +361,9 @@ class Pipeline:
             else model.policy.ttft_budget_s
         )
         first_by = expires if ttft_s is None else min(expires, now + ttft_s)
-        return Budget(expires, first_by, ttft_s)
+        # The engine is judged by the operator's budget only: a client's own (as short as 1 ms)
+        # would let any client open the model's breaker for everyone.
+        return Budget(expires, first_by, model.policy.ttft_budget_s)
 
     def cache_query(self, model: ServedModel, checked: CheckedRequest) -> CacheQuery | None:
         """The request as the cache sees it; None when its answer may not be cached. An answer
@@ -488,6 +498,19 @@ class Pipeline:
             f"model '{model.name}' (inference server at {model.backend.address}) is "
             f"unavailable: {why}{also}",
             retry_after_ms=max(UNAVAILABLE_RETRY_MS, round(retry_s * 1000)),
+        )
+
+    @staticmethod
+    def refused_for_its_leader(generation: Generation, exc: RequestError, budget: Budget) -> bool:
+        """Whether admission refused a flight this request only followed, before the engine
+        started it: admission judged the leader's budgets (its TTFT budget, its deadline), and
+        this request's own may still be met by a generation of its own."""
+        return (
+            generation.follows
+            and exc is generation.flight.error
+            and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and not generation.flight.events  # admitted: its first event is Started
+            and (budget.first_token_by is None or time.monotonic() < budget.first_token_by)
         )
 
     def may_fall_back(
