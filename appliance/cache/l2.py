@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import redis.asyncio as redis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.connection import parse_url
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.seal import Sealer
@@ -168,6 +168,17 @@ class RedisTier(CacheTier):
         except TimeoutError:
             self.metrics.l2_timeouts += 1
             self._failed(what, "timeout")
+            return None
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                self.metrics.l2_errors += 1
+                self._failed(what, str(exc))
+                return None
+            # Redis answered: the key holds a list, a hash... that no gateway wrote. A miss, like
+            # any other value that is not an entry, and no sign of a failing Redis (which would
+            # open the breaker for every key).
+            self.metrics.l2_corrupt_entries += 1
+            self.breaker.success()
             return None
         except (RedisError, OSError) as exc:
             self.metrics.l2_errors += 1
