@@ -18,8 +18,11 @@ _PERSON = b"appliance-l2-v1"
 
 class Sealer:
     def __init__(self, key: bytes) -> None:
-        if len(key) < 16:
-            raise ValueError("the cache MAC key needs at least 16 bytes")
+        if not 16 <= len(key) <= 64:  # BLAKE2b takes keys of up to 64 bytes
+            raise ValueError(
+                f"the cache MAC key has {len(key)} bytes; it needs 16 to 64 "
+                "(the configuration derives 32 from mac_key_file)"
+            )
         self._key = key
 
     def _tag(self, redis_key: bytes, body: bytes) -> bytes:

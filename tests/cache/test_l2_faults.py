@@ -48,3 +48,10 @@ async def test_a_key_of_another_type_is_a_counted_miss_not_a_failing_redis(
     # The answer written after the miss replaces the foreign value.
     assert await tier.put("ns", "m", KEY, ANSWER)
     assert await tier.get("ns", "m", KEY) == ANSWER
+
+
+@pytest.mark.parametrize("size", [15, 65])
+def test_a_mac_key_blake2b_cannot_take_is_refused_when_the_tier_is_made(size: int) -> None:
+    # Accepted, a key of 65 bytes would fail every seal and every open: each lookup an error.
+    with pytest.raises(ValueError, match="needs 16 to 64"):
+        RedisTier(RedisSettings(mac_key=b"k" * size))
