@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -24,7 +25,7 @@ from typing import Any, ClassVar
 import redis.asyncio as redis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.connection import parse_url
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.seal import Sealer
@@ -33,6 +34,9 @@ from appliance.cache.tiers import CacheQuery, CacheTier, TierContext
 from appliance.gateway.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
+
+# Writes Redis refuses are logged once per this many seconds (each one is counted).
+REFUSAL_LOG_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class RedisTier(CacheTier):
         self._writes: set[asyncio.Task[None]] = set()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._budget = settings.timeout_ms / 1000.0
+        self._refusals_quiet_until = 0.0
         kwargs: dict[str, Any] = {
             **_credentials(settings),
             "max_connections": settings.max_connections,
@@ -149,8 +154,9 @@ class RedisTier(CacheTier):
         s = self.settings
         return f"{s.key_prefix}:{_key_part(namespace)}:{_key_part(model)}:{key.hex()}"
 
-    async def _call(self, what: str, command: Awaitable[Any]) -> Any:
-        """Runs one Redis command within the time budget; None on any fault (counted)."""
+    async def _call(self, what: str, command: Awaitable[Any], write: bool = False) -> Any:
+        """Runs one Redis command within the time budget; None on any fault (counted). `write`:
+        the command only stores, and Redis refusing it is no reason to stop reading."""
         if not self.breaker.allow():
             self.metrics.l2_skipped_breaker_open += 1
             close = getattr(command, "close", None)
@@ -170,22 +176,46 @@ class RedisTier(CacheTier):
             self._failed(what, "timeout")
             return None
         except ResponseError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
-                self.metrics.l2_errors += 1
-                self._failed(what, str(exc))
+            if str(exc).startswith("WRONGTYPE"):
+                # Redis answered: the key holds a list, a hash... that no gateway wrote. A miss,
+                # like any other value that is not an entry, and no sign of a failing Redis
+                # (which would open the breaker for every key).
+                self.metrics.l2_corrupt_entries += 1
+                self.breaker.success()
                 return None
-            # Redis answered: the key holds a list, a hash... that no gateway wrote. A miss, like
-            # any other value that is not an entry, and no sign of a failing Redis (which would
-            # open the breaker for every key).
-            self.metrics.l2_corrupt_entries += 1
+            self.metrics.l2_errors += 1
+            if not write:
+                self._failed(what, _reason(exc))
+                return None
+            # Redis answered in time and refused to store (full under noeviction, a replica): it
+            # still serves what it holds, which an open breaker would turn away.
             self.breaker.success()
+            self._refused(what, exc)
             return None
         except (RedisError, OSError) as exc:
             self.metrics.l2_errors += 1
-            self._failed(what, str(exc))
+            self._failed(what, _reason(exc))
             return None
         self.breaker.success()
         return result
+
+    def _refused(self, what: str, exc: ResponseError) -> None:
+        """One log line per REFUSAL_LOG_S for writes Redis refuses (each is counted)."""
+        now = time.monotonic()
+        if now < self._refusals_quiet_until:
+            return
+        self._refusals_quiet_until = now + REFUSAL_LOG_S
+        fix = (
+            ": raise its maxmemory or set an evicting maxmemory-policy such as allkeys-lru"
+            if isinstance(exc, OutOfMemoryError)
+            else ""
+        )
+        log.warning(
+            "redis refused %s (%s)%s; answers are not shared until it takes them",
+            what,
+            _reason(exc),
+            fix,
+        )
 
     def _failed(self, what: str, why: str) -> None:
         before = self.breaker.opened
@@ -254,7 +284,9 @@ class RedisTier(CacheTier):
     async def put(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> bool:
         name = self.redis_key(namespace, model, key)
         value = self.seal(name, encode(answer))
-        done = await self._call("SET", self.client.set(name, value, ex=self.settings.ttl_s))
+        done = await self._call(
+            "SET", self.client.set(name, value, ex=self.settings.ttl_s), write=True
+        )
         return done is True
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
@@ -305,6 +337,12 @@ class StreamClient:
         with contextlib.suppress(TimeoutError, RedisError, OSError):
             async with asyncio.timeout(1.0):
                 await _close(self.client, self._sentinel)
+
+
+def _reason(exc: BaseException) -> str:
+    """What Redis or the connection said, for a log line: without the command a pipeline's error
+    quotes (a key names a namespace; a value holds a question and its answer)."""
+    return str(exc).rpartition(" of pipeline caused error: ")[2] or type(exc).__name__
 
 
 def _credentials(settings: RedisSettings) -> dict[str, Any]:

@@ -484,7 +484,7 @@ class SemanticTier(CacheTier):
             maxlen=self.settings.stream_max_len,
             approximate=True,
         )
-        if await self.l2._call("semantic write", pipe.execute()) is None:
+        if await self.l2._call("semantic write", pipe.execute(), write=True) is None:
             self.counts.store_failures += 1
 
     def _record(self, name: bytes, data: bytes) -> tuple[Entry, Vector] | None:

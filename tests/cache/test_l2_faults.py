@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -48,6 +49,27 @@ async def test_a_key_of_another_type_is_a_counted_miss_not_a_failing_redis(
     # The answer written after the miss replaces the foreign value.
     assert await tier.put("ns", "m", KEY, ANSWER)
     assert await tier.get("ns", "m", KEY) == ANSWER
+
+
+async def test_a_full_redis_refusing_writes_still_serves_what_it_holds(
+    tier: RedisTier, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert await tier.put("ns", "m", KEY, ANSWER)
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1")  # every write is refused with OOM from now on
+    try:
+        with caplog.at_level(logging.WARNING, logger="appliance.cache.l2"):
+            for n in range(2 * tier.breaker.threshold):
+                assert not await tier.put("ns", "m", bytes([n]) * 16, ANSWER)
+            assert await tier.get("ns", "m", KEY) == ANSWER
+    finally:
+        client.config_set("maxmemory", "0")
+    counters = tier.counters()
+    assert counters["l2_errors"] == 2 * tier.breaker.threshold
+    assert (counters["breaker_open"], counters["l2_skipped_breaker_open"]) == (0, 0)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
+    assert "refused SET" in line and "maxmemory-policy" in line
 
 
 @pytest.mark.parametrize("size", [15, 65])
