@@ -35,8 +35,9 @@ from appliance.gateway.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
-# Writes Redis refuses are logged once per this many seconds (each one is counted).
-REFUSAL_LOG_S = 60.0
+# Writes Redis refuses, and entries whose tag does not verify, are each logged once per this many
+# seconds (every one is counted).
+QUIET_LOG_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ class RedisTier(CacheTier):
         self._writes: set[asyncio.Task[None]] = set()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._budget = settings.timeout_ms / 1000.0
-        self._refusals_quiet_until = 0.0
+        # When each throttled log line ("refused", "forged") may be said again.
+        self._quiet_until: dict[str, float] = {}
         kwargs: dict[str, Any] = {
             **_credentials(settings),
             "max_connections": settings.max_connections,
@@ -199,12 +201,18 @@ class RedisTier(CacheTier):
         self.breaker.success()
         return result
 
-    def _refused(self, what: str, exc: ResponseError) -> None:
-        """One log line per REFUSAL_LOG_S for writes Redis refuses (each is counted)."""
+    def _say(self, kind: str) -> bool:
+        """Whether a throttled line of this kind may be logged now (once per QUIET_LOG_S)."""
         now = time.monotonic()
-        if now < self._refusals_quiet_until:
+        if now < self._quiet_until.get(kind, 0.0):
+            return False
+        self._quiet_until[kind] = now + QUIET_LOG_S
+        return True
+
+    def _refused(self, what: str, exc: ResponseError) -> None:
+        """A write Redis refused (each is counted), logged once per QUIET_LOG_S."""
+        if not self._say("refused"):
             return
-        self._refusals_quiet_until = now + REFUSAL_LOG_S
         fix = (
             ": raise its maxmemory or set an evicting maxmemory-policy such as allkeys-lru"
             if isinstance(exc, OutOfMemoryError)
@@ -274,6 +282,11 @@ class RedisTier(CacheTier):
         body = self.open(name, data)
         if body is None:
             self.metrics.l2_forged_entries += 1
+            if self._say("forged"):
+                log.warning(
+                    "a redis entry's tag did not verify (refused, a miss): if gateways share "
+                    "this redis, give them all the same [cache.redis] mac_key_file secret"
+                )
             return None
         try:
             return decode(body)

@@ -77,3 +77,23 @@ def test_a_mac_key_blake2b_cannot_take_is_refused_when_the_tier_is_made(size: in
     # Accepted, a key of 65 bytes would fail every seal and every open: each lookup an error.
     with pytest.raises(ValueError, match="needs 16 to 64"):
         RedisTier(RedisSettings(mac_key=b"k" * size))
+
+
+async def test_entries_sealed_with_another_secret_are_misses_said_once(
+    tier: RedisTier, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = RedisTier(
+        RedisSettings(url=redis_server.url, mac_key=b"another-gateways-secret-0123456")
+    )
+    try:
+        keys = [bytes([n]) * 16 for n in range(5)]
+        for key in keys:
+            assert await other.put("ns", "m", key, ANSWER)
+        with caplog.at_level(logging.WARNING, logger="appliance.cache.l2"):
+            for key in keys:
+                assert await tier.get("ns", "m", key) is None
+    finally:
+        await other.close()
+    assert tier.counters()["l2_forged_entries"] == len(keys)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
+    assert "mac_key_file" in line
