@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
 from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -32,6 +31,7 @@ from appliance.cache.seal import Sealer
 from appliance.cache.series import Described, Series
 from appliance.cache.tiers import CacheQuery, CacheTier, TierContext
 from appliance.gateway.breaker import CircuitBreaker
+from appliance.logline import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ class RedisTier(CacheTier):
         self._writes: set[asyncio.Task[None]] = set()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._budget = settings.timeout_ms / 1000.0
-        # When each throttled log line ("refused", "forged") may be said again.
-        self._quiet_until: dict[str, float] = {}
+        self._refusals = Throttled(log, QUIET_LOG_S)
+        self._forgeries = Throttled(log, QUIET_LOG_S)
         kwargs: dict[str, Any] = {
             **_credentials(settings),
             "max_connections": settings.max_connections,
@@ -201,24 +201,14 @@ class RedisTier(CacheTier):
         self.breaker.success()
         return result
 
-    def _say(self, kind: str) -> bool:
-        """Whether a throttled line of this kind may be logged now (once per QUIET_LOG_S)."""
-        now = time.monotonic()
-        if now < self._quiet_until.get(kind, 0.0):
-            return False
-        self._quiet_until[kind] = now + QUIET_LOG_S
-        return True
-
     def _refused(self, what: str, exc: ResponseError) -> None:
         """A write Redis refused (each is counted), logged once per QUIET_LOG_S."""
-        if not self._say("refused"):
-            return
         fix = (
             ": raise its maxmemory or set an evicting maxmemory-policy such as allkeys-lru"
             if isinstance(exc, OutOfMemoryError)
             else ""
         )
-        log.warning(
+        self._refusals.warning(
             "redis refused %s (%s)%s; answers are not shared until it takes them",
             what,
             _reason(exc),
@@ -282,11 +272,10 @@ class RedisTier(CacheTier):
         body = self.open(name, data)
         if body is None:
             self.metrics.l2_forged_entries += 1
-            if self._say("forged"):
-                log.warning(
-                    "a redis entry's tag did not verify (refused, a miss): if gateways share "
-                    "this redis, give them all the same [cache.redis] mac_key_file secret"
-                )
+            self._forgeries.warning(
+                "a redis entry's tag did not verify (refused, a miss): if gateways share "
+                "this redis, give them all the same [cache.redis] mac_key_file secret"
+            )
             return None
         try:
             return decode(body)
