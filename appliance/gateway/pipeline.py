@@ -165,7 +165,8 @@ class Budget:
 
     expires: float  # time.monotonic()
     first_token_by: float | None
-    # Seconds the engine itself may take to the first token before the breaker counts it a fault.
+    # Seconds the engine itself may take to the first token before the breaker counts it a fault:
+    # the model's TTFT budget, never a client's (a budget below the engine's TTFT is the client's).
     engine_ttft_s: float | None
 
 
@@ -361,8 +362,6 @@ class Pipeline:
             else model.policy.ttft_budget_s
         )
         first_by = expires if ttft_s is None else min(expires, now + ttft_s)
-        # The engine is judged by the operator's budget only: a client's own (as short as 1 ms)
-        # would let any client open the model's breaker for everyone.
         return Budget(expires, first_by, model.policy.ttft_budget_s)
 
     def cache_query(self, model: ServedModel, checked: CheckedRequest) -> CacheQuery | None:
