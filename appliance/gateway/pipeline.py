@@ -110,6 +110,10 @@ CACHED_FINISHES = frozenset({"stop", "length"})
 # every client retry in a tight loop.
 UNAVAILABLE_RETRY_MS = 1000
 STOPPING = "the gateway is shutting down; retry on another gateway"
+# gRPC cancels a call at its deadline, which runs from when the service read the time remaining,
+# microseconds before the pipeline's clock starts: a call cancelled within this much of its
+# deadline, or after it, was ended by the deadline.
+DEADLINE_SLACK_NS = 1_000_000
 
 
 def keyed_by(query: CacheQuery, produced_by: ModelIdentity) -> CacheQuery:
@@ -287,7 +291,7 @@ class Pipeline:
             report.status = exc.code.name
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            report.status = grpc.StatusCode.CANCELLED.name
+            report.status = self._cancelled_status(deadline_s, received).name
             raise
         finally:
             if grant is not None:
@@ -723,6 +727,15 @@ class Pipeline:
         """asyncio's clock for a time.monotonic() instant (the same clock by default)."""
         loop = asyncio.get_running_loop()
         return loop.time() + (monotonic - time.monotonic())
+
+    @staticmethod
+    def _cancelled_status(deadline_s: float | None, received_ns: int) -> grpc.StatusCode:
+        """The status of a request whose stream was closed under it: DEADLINE_EXCEEDED when the
+        client's deadline had passed (gRPC ends such a call itself), else CANCELLED."""
+        elapsed_ns = time.monotonic_ns() - received_ns
+        if deadline_s is not None and elapsed_ns >= deadline_s * 1e9 - DEADLINE_SLACK_NS:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
 
     @staticmethod
     def _outcome(report: RequestReport, outcome: Outcome) -> None:
