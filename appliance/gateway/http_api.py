@@ -73,6 +73,11 @@ DEFLATE_WINDOWS = {"gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -
 SERVER_LOGGER = "aiohttp.server"
 
 
+class StoppedReading(Exception):
+    """The HTTP client read nothing for client_timeout_s while a write waited: its connection
+    is aborted."""
+
+
 class WithoutRequestBytes(logging.Filter):
     """Replaces an aiohttp record by one throttled line without its arguments or exception text,
     both of which may hold request bytes (headers, a body, an HTTP/2 connection's frames)."""
@@ -485,21 +490,26 @@ class HttpApi:
         await response.prepare(request)
         out = answer.first_chunk()
         try:
-            while isinstance(reply, Delta):
-                if reply.text or reply.logprobs:
-                    out += answer.chunk(reply.text, reply.logprobs or ())
-                if out:
-                    await self._write(request, response, out)
-                    out = b""
-                reply = await anext(replies)
-            if reply.tool_call is not None:
-                out += answer.call_chunk(reply.tool_call)
-            await self._write(request, response, out + answer.last_chunks(reply))
-            await _finish(replies)
-        except RequestError as exc:
-            # The status line is gone: the error travels as an event (the SDKs raise it).
-            err = wire.error_of(exc)
-            await self._write(request, response, out + wire.stream_error(err))
+            try:
+                while isinstance(reply, Delta):
+                    if reply.text or reply.logprobs:
+                        out += answer.chunk(reply.text, reply.logprobs or ())
+                    if out:
+                        await self._write(request, response, out)
+                        out = b""
+                    reply = await anext(replies)
+                if reply.tool_call is not None:
+                    out += answer.call_chunk(reply.tool_call)
+                await self._write(request, response, out + answer.last_chunks(reply))
+                await _finish(replies)
+            except RequestError as exc:
+                # The status line is gone: the error travels as an event (the SDKs raise it).
+                err = wire.error_of(exc)
+                await self._write(request, response, out + wire.stream_error(err))
+        except StoppedReading:
+            # Its connection is aborted: the handler ends like one whose client disconnected
+            # (the pipeline's stream is closed by the caller), not as a handler that failed.
+            return response
         await response.write_eof()
         return response
 
@@ -514,9 +524,9 @@ class HttpApi:
                 await response.write(data)
         except TimeoutError:
             log.warning(
-                "HTTP client %s read nothing for %.0f s; disconnecting",
+                "HTTP client %s read nothing for %g s; disconnecting",
                 request.remote,
                 self.config.client_timeout_s,
             )
             transport.abort()
-            raise ConnectionResetError("HTTP client stopped reading") from None
+            raise StoppedReading from None
