@@ -540,7 +540,15 @@ class Pipeline:
     ) -> Generation:
         """failover → tokenize → single flight: the generation under way, not yet followed."""
         target = self.failover(model, skip_primary)
-        prepared = await self.tokenize(target, checked)
+        try:  # a long prompt waits for a tokenizer thread: the deadline bounds that wait too
+            async with asyncio.timeout_at(self._loop_time(budget.expires)):
+                prepared = await self.tokenize(target, checked)
+        except TimeoutError:
+            raise RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no complete answer from model '{model.name}' within the deadline (the prompt "
+                "was still waiting to be tokenized); give the request a longer deadline",
+            ) from None
         shared = self.cache_query(target, checked) if cache_plan.write else None
         flight, led = self.single_flight(target, prepared, shared, budget)
         return Generation(target, shared, flight, len(prepared.prompt_ids), follows=not led)

@@ -1,13 +1,15 @@
-"""A client's own time limits (its deadline, its TTFT budget, its cancelling) end its own request
-and never count against the engine's breaker, which every other client depends on.
+"""A client's own time limits (its deadline, its TTFT budget) end its own request, at every stage,
+with the status the client sees, and never count against the engine's breaker, which every other
+client depends on.
 
-The gateway runs in the test's event loop against real engine server processes (the fixtures of
-test_latency_discipline), so a test can read its gates and breakers.
+The gateway runs in the test's event loop, against engine server processes (the fixtures of
+test_latency_discipline) or the in-process engine, so a test can read its gates and breakers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import threading
@@ -15,10 +17,14 @@ import threading
 import grpc
 import pytest
 
+from appliance.gateway.models import load_models
 from appliance.gateway.report import RequestReport
-from appliance.gateway.server import RunningGateway
+from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Engine, Tiny
+from tests.gateway.test_http_api import _config, _post
+from tests.gateway.test_inprocess import RecordingSink
 from tests.gateway.test_latency_discipline import (  # noqa: F401  (fixtures)
     EngineProcess,
     channel,
@@ -61,30 +67,62 @@ async def test_a_call_grpc_ends_at_its_deadline_is_logged_as_deadline_exceeded(
     gateway: RunningGateway,  # noqa: F811
     channel: grpc.aio.Channel,  # noqa: F811
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stub = pb_grpc.InferenceStub(channel)
     caplog.set_level(logging.INFO, logger="appliance.access")
-    # Every tokenizer thread is busy: a long chat waits for one past its deadline, before the
-    # pipeline's own deadline timer starts, so it is gRPC that ends the call.
-    busy = threading.Event()
-    pool = gateway.pipeline._tokenizers
-    held = [pool.submit(busy.wait) for _ in range(pool._max_workers)]
-    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="word " * 2000)])
-    try:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Complete(
-                pb.GenerateRequest(model="primary", request_id="late", messages=chat, max_tokens=4),
-                timeout=0.2,
-            )
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # A cache lookup that never answers (a stalled tier): no timer of the pipeline's runs yet,
+    # so it is gRPC that ends the call at its deadline.
+    looking = asyncio.Event()
 
-        def logged() -> RequestReport | None:
-            reports = [getattr(r, "access", None) for r in caplog.records]
-            return next((r for r in reports if r is not None and r.request_id == "late"), None)
+    async def stalled(*_: object) -> None:
+        looking.set()
+        await asyncio.Event().wait()
 
-        report = await until_async(logged, "no access line for the late request")
-    finally:
-        busy.set()
-    await asyncio.wrap_future(held[0])
+    monkeypatch.setattr(gateway.pipeline, "lookup", stalled)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Complete(req(request_id="late", temperature=0), timeout=0.2)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert looking.is_set()
+
+    def logged() -> RequestReport | None:
+        reports = [getattr(r, "access", None) for r in caplog.records]
+        return next((r for r in reports if r is not None and r.request_id == "late"), None)
+
+    report = await until_async(logged, "no access line for the late request")
     assert report.status == "DEADLINE_EXCEEDED"
     assert gateway.pipeline.in_flight["primary"] == 0
+
+
+async def test_the_deadline_bounds_the_wait_for_a_tokenizer_thread(
+    tiny: Tiny, engine: Engine
+) -> None:
+    sink = RecordingSink()
+    config = _config(tiny, engine.address)
+    running = await start_server(config, await load_models(config), sink)
+    assert running.http is not None
+    # Every tokenizer thread is busy: a long chat waits for one, and only its deadline ends it.
+    busy = threading.Event()
+    pool = running.pipeline._tokenizers
+    held = [pool.submit(busy.wait) for _ in range(pool._max_workers)]
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "word " * 2000}],
+        "max_tokens": 4,
+        "appliance": {"deadline_ms": 200, "request_id": "waits"},
+    }
+    posting = asyncio.ensure_future(
+        _post(running, "/v1/chat/completions", json.dumps(body).encode())
+    )
+    try:
+        [report] = await sink.wait_for(1)  # the request ends while the threads are still busy
+        status, _, reply = await posting
+    finally:
+        posting.cancel()
+        busy.set()
+        await asyncio.wrap_future(held[0])
+        await running.drain(0.5)
+    assert status == 504, reply
+    assert "within the deadline" in reply["error"]["message"]
+    assert (report.request_id, report.status) == ("waits", "DEADLINE_EXCEEDED")
+    assert running.pipeline.in_flight == {"tiny": 0}
