@@ -540,27 +540,31 @@ class Pipeline:
     ) -> Generation:
         """failover → tokenize → single flight: the generation under way, not yet followed."""
         target = self.failover(model, skip_primary)
-        try:  # a long prompt waits for a tokenizer thread: the deadline bounds that wait too
-            async with asyncio.timeout_at(self._loop_time(budget.expires)):
-                prepared = await self.tokenize(target, checked)
+        prepared = await self.tokenize(target, checked, budget.expires)
+        shared = self.cache_query(target, checked) if cache_plan.write else None
+        flight, led = self.single_flight(target, prepared, shared, budget)
+        return Generation(target, shared, flight, len(prepared.prompt_ids), follows=not led)
+
+    async def tokenize(
+        self, model: ServedModel, checked: CheckedRequest, expires: float
+    ) -> PreparedRequest:
+        """The request's token ids; a long input is tokenized on a worker thread, and its wait
+        for one ends at the request's deadline (`expires`, time.monotonic())."""
+        chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
+        if chars <= INLINE_CHARS:
+            return tokenize(checked, model.text, model.limits)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(self._loop_time(expires)):
+                return await loop.run_in_executor(
+                    self._tokenizers, tokenize, checked, model.text, model.limits
+                )
         except TimeoutError:
             raise RequestError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no complete answer from model '{model.name}' within the deadline (the prompt "
                 "was still waiting to be tokenized); give the request a longer deadline",
             ) from None
-        shared = self.cache_query(target, checked) if cache_plan.write else None
-        flight, led = self.single_flight(target, prepared, shared, budget)
-        return Generation(target, shared, flight, len(prepared.prompt_ids), follows=not led)
-
-    async def tokenize(self, model: ServedModel, checked: CheckedRequest) -> PreparedRequest:
-        chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
-        if chars <= INLINE_CHARS:
-            return tokenize(checked, model.text, model.limits)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._tokenizers, tokenize, checked, model.text, model.limits
-        )
 
     def single_flight(
         self,

@@ -1,5 +1,5 @@
-"""A request's own budgets govern only that request: not the followers of a flight it leads, and
-not the engine's breaker, which every client shares."""
+"""A request's own budgets govern only that request, not the followers of a flight it leads (that
+they leave the engine's breaker alone: test_client_deadlines.py)."""
 
 from __future__ import annotations
 
@@ -66,34 +66,3 @@ async def test_a_follower_is_not_refused_for_its_leaders_ttft_budget(
         answer = await follower
     assert answer.final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
     assert answer.final.cache_tier == pb.CACHE_TIER_MISS
-
-
-async def test_a_clients_ttft_budget_never_opens_the_models_breaker(
-    tiny: Tiny, engine: Engine
-) -> None:
-    config = gateway_config(
-        tiny.tokenizer_dir, engine.address, cache=cache_config(None), breaker_failures=2
-    )
-    running = await start_server(config, await load_models(config))
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            stub = pb_grpc.InferenceStub(channel)
-            for n in range(4):
-                # No engine answers through gRPC within 1 ms: each is over the client's budget.
-                await stub.Complete(
-                    pb.GenerateRequest(
-                        model="tiny",
-                        prompt=f"in a hurry {n}",
-                        max_tokens=2,
-                        temperature=0,
-                        ttft_budget_ms=1,
-                        cache_policy=pb.CACHE_POLICY_BYPASS,
-                    )
-                )
-            assert running.models["tiny"].health.breaker.state == "closed"
-            other = await stub.Complete(
-                pb.GenerateRequest(model="tiny", prompt="anyone else", max_tokens=2, temperature=0)
-            )
-        assert other.final.model == "tiny"
-    finally:
-        await running.drain(0.2)
