@@ -47,6 +47,11 @@ class CircuitBreaker:
         self._opened_at = None
         self._probing = False
 
+    def release(self) -> None:
+        """The probe let through ended without a verdict on the dependency (refused before it was
+        sent, or a client's own error or cancellation): the next call may probe."""
+        self._probing = False
+
     def abandoned(self) -> None:
         """A call let through ended without an outcome (cancelled): a probe counts as failed,
         any other call counts as nothing."""

@@ -594,13 +594,27 @@ class Pipeline:
         budget: Budget,
     ) -> AsyncIterator[Event]:
         """Admission, then the generation; the slot is held exactly as long as it runs, and the
-        model's breaker learns whether the engine answered, failed, or was too slow."""
+        model's breaker learns whether the engine answered, failed, or was too slow. Once the
+        breaker's time open has passed, one generation at a time probes the engine; the others
+        are refused as while it was open (a fallback answers them where there is one)."""
         ticket = await self.admission.admit(
             model.name, len(prepared.prompt_ids), prepared.max_tokens, budget.first_token_by
         )
+        breaker = model.health.breaker
+        probe = breaker.state == "half-open"
+        if not breaker.allow():
+            ticket.release(0)
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"model '{model.name}' is unavailable: its breaker opened after repeated "
+                f"failures (last: {model.health.last_failure}) and another request is probing "
+                "its engine now",
+                retry_after_ms=max(UNAVAILABLE_RETRY_MS, round(breaker.retry_in() * 1000)),
+            )
         yield Started(time.monotonic_ns())
         started = time.monotonic()
         first = False
+        judged = False  # the breaker heard how the engine did
         completion = 0
         try:
             request = GenerationRequest(
@@ -620,7 +634,7 @@ class Pipeline:
             )
             async for event in generate(model, request, prepared.stops):
                 if not first and (isinstance(event, Outcome) or event.token_ids):
-                    first = True
+                    first = judged = True
                     ticket.first_token()
                     self._first_token(model, time.monotonic() - started, budget)
                 if isinstance(event, Outcome):
@@ -633,14 +647,18 @@ class Pipeline:
                 first and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
             ):
                 model.health.failed(f"{exc.code.name}: {exc.message}")
+                judged = True
             raise
         except (asyncio.CancelledError, GeneratorExit):
             waited = time.monotonic() - started
             if not first and budget.engine_ttft_s is not None and waited > budget.engine_ttft_s:
                 model.health.failed(f"no first token in {waited:.1f} s")
+                judged = True
             raise
         finally:
             ticket.release(completion)
+            if probe and not judged:
+                breaker.release()
 
     @staticmethod
     def _first_token(model: ServedModel, ttft_s: float, budget: Budget) -> None:

@@ -213,6 +213,17 @@ def test_breaker_opens_probes_and_closes() -> None:
     assert b.state == "closed" and b.allow()
 
 
+def test_a_probe_released_without_a_verdict_lets_the_next_call_probe() -> None:
+    clock = Clock()
+    b = CircuitBreaker(threshold=1, reset_s=2.0, clock=clock)
+    b.failure()
+    clock.now = 2.0
+    assert b.allow() and not b.allow()
+    b.release()  # the probe learned nothing (refused before it was sent, cancelled by its client)
+    assert b.state == "half-open" and b.opened == 1
+    assert b.allow() and not b.allow()
+
+
 async def _numbers(n: int, gate: asyncio.Event, started: list[int]) -> AsyncIterator[int]:
     started.append(1)
     for i in range(n):

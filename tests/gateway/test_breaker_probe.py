@@ -1,0 +1,87 @@
+"""Once a model's breaker has been open for breaker_reset_s, one request probes the engine; the
+others are refused as while it was open, with a retry hint, until the probe's outcome closes or
+reopens it. A probe that ends without a verdict (its client cancelled it) lets the next request
+probe. The gateway runs in the test's event loop against engine server processes (the fixtures of
+test_latency_discipline).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+
+from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS
+from appliance.gateway.server import RunningGateway
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.gateway.test_latency_discipline import (  # noqa: F401  (fixtures)
+    EngineProcess,
+    channel,
+    engines,
+    gateway,
+    req,
+)
+from tests.support import until_async
+
+PRIMARY = {"breaker_failures": 1, "breaker_reset_s": 0.2, "max_in_flight": 2}
+
+
+async def _half_open(running: RunningGateway) -> None:
+    health = running.pipeline.models["primary"].health
+    health.failed("a test opened it")
+    await until_async(lambda: health.breaker.state == "half-open", "the breaker never half-opened")
+
+
+@pytest.mark.parametrize("gateway", [(PRIMARY, {})], indirect=True)
+async def test_one_request_probes_a_half_open_breaker_and_the_others_are_refused(
+    gateway: RunningGateway,  # noqa: F811
+    channel: grpc.aio.Channel,  # noqa: F811
+    engines: tuple[EngineProcess, ...],  # noqa: F811
+) -> None:
+    stub = pb_grpc.InferenceStub(channel)
+    gate = gateway.pipeline.admission.gates["primary"]  # type: ignore[attr-defined]
+    breaker = gateway.pipeline.models["primary"].health.breaker
+    await _half_open(gateway)
+    engines[0].signal(signal.SIGSTOP)  # the probe waits at the engine
+    try:
+        probe = stub.Complete(req(prompt="the probe", temperature=0))
+        await until_async(lambda: bool(gate.running), "the probe never reached the engine")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Complete(req(prompt="while it probes", temperature=0))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "another request is probing" in (refused.value.details() or "")
+        trailers = dict(refused.value.trailing_metadata() or ())
+        assert int(trailers["grpc-retry-pushback-ms"]) >= UNAVAILABLE_RETRY_MS
+        assert len(gate.running) == 1  # the refused one never reached the engine
+    finally:
+        engines[0].signal(signal.SIGCONT)
+    assert (await probe).final.model == "primary"
+    assert breaker.state == "closed"
+    assert (await stub.Complete(req(prompt="after it", temperature=0))).final.model == "primary"
+
+
+@pytest.mark.parametrize("gateway", [(PRIMARY, {})], indirect=True)
+async def test_a_probe_its_client_cancels_lets_the_next_request_probe(
+    gateway: RunningGateway,  # noqa: F811
+    channel: grpc.aio.Channel,  # noqa: F811
+    engines: tuple[EngineProcess, ...],  # noqa: F811
+) -> None:
+    stub = pb_grpc.InferenceStub(channel)
+    gate = gateway.pipeline.admission.gates["primary"]  # type: ignore[attr-defined]
+    breaker = gateway.pipeline.models["primary"].health.breaker
+    await _half_open(gateway)
+    engines[0].signal(signal.SIGSTOP)
+    try:
+        probe = stub.Complete(req(prompt="a probe given up", temperature=0))
+        await until_async(lambda: bool(gate.running), "the probe never reached the engine")
+        probe.cancel()
+        await until_async(lambda: not gate.running, "the cancelled probe kept its slot")
+    finally:
+        engines[0].signal(signal.SIGCONT)
+    # The model sets no TTFT budget, so the cancelled probe said nothing of the engine.
+    assert breaker.state == "half-open"
+    assert (await stub.Complete(req(prompt="the next probe", temperature=0))).final.model == (
+        "primary"
+    )
+    assert breaker.state == "closed"
