@@ -736,6 +736,9 @@ class Pipeline:
             if generation.held:
                 generation.held = False
                 generation.flight.release()
+            if not report.finish_reason:  # no outcome (cancelled, failed, out of time)
+                report.prompt_tokens = generation.prompt_tokens
+                report.completion_tokens = sent
 
     def store(self, generation: Generation) -> None:
         """Once per flight, after the final message: a complete answer, keyed by its producer."""

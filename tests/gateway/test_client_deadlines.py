@@ -126,3 +126,31 @@ async def test_the_deadline_bounds_the_wait_for_a_tokenizer_thread(
     assert "within the deadline" in reply["error"]["message"]
     assert (report.request_id, report.status) == ("waits", "DEADLINE_EXCEEDED")
     assert running.pipeline.in_flight == {"tiny": 0}
+
+
+async def test_a_request_cancelled_mid_stream_reports_the_tokens_it_was_sent(
+    tiny: Tiny, engine: Engine
+) -> None:
+    sink = RecordingSink()
+    config = _config(tiny, engine.address)
+    running = await start_server(config, await load_models(config), sink)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            call = pb_grpc.InferenceStub(channel).Generate(
+                pb.GenerateRequest(
+                    model="tiny", prompt="Tell me everything", max_tokens=1500, temperature=0,
+                    cache_policy=BYPASS,
+                )
+            )  # fmt: skip
+            received = 0
+            async for reply in call:
+                received += len(reply.token_ids)
+                if received >= 3:
+                    break
+            call.cancel()
+            [report] = await sink.wait_for(1)
+    finally:
+        await running.drain(0.5)
+    assert report.status == "CANCELLED"
+    assert report.prompt_tokens > 0
+    assert received <= report.completion_tokens < 1500  # sent, some perhaps still in transit
