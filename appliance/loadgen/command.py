@@ -1,8 +1,9 @@
 """`appliance bench`: checks the command line, runs the sweep, prints and writes the results.
 
 Exit status: 0 done (request errors are results, counted in the tables), 1 the deployment failed
-the first request for a reason of its own, 2 a wrong option, input file or address, 130
-interrupted (what was measured is still printed and written).
+the first request for a reason of its own or became unreachable during the run, 2 a wrong option,
+input file or address, 130 interrupted by SIGINT and 143 by SIGTERM (in these last cases what was
+measured is still printed and written).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from appliance.v1 import inference_pb2_grpc as pb_grpc
 
 PROG = "appliance bench"
 INTERRUPTED_EXIT = 130
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connect-timeout", type=float, default=10.0, help="wait for the address, s (default 10)"
     )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=1000,
+        help="open loop: outstanding requests at most; an arrival over it is counted as NOT_SENT "
+        "(default 1000)",
+    )
     p.add_argument("--out", help="directory for bench.json, requests.csv and the PNG plots")
 
 
@@ -88,6 +97,8 @@ class SweepResult:
         self.summaries: list[LevelSummary] = []
         self.warmup: dict[str, int] = {}
         self.interrupted = False
+        self.signal = signal.SIGINT  # the first one received, when interrupted
+        self.lost: str | None = None  # why the target stopped answering, when it did
         self.started = datetime.now(UTC)
 
 
@@ -96,16 +107,19 @@ async def _sweep(s: Settings, prompts: list[Prompt] | None, outcome: SweepResult
     channel = await open_channel(s.target)
     loop = asyncio.get_running_loop()
     async with channel:
-        runner = LoadRunner(s, prompts, pb_grpc.InferenceStub(channel), progress)
+        runner = LoadRunner(s, prompts, pb_grpc.InferenceStub(channel), progress, channel)
 
-        def on_sigint() -> None:
-            # A second Ctrl-C ends the process at once.
-            loop.remove_signal_handler(signal.SIGINT)
+        def on_signal(signum: signal.Signals) -> None:
+            # A second SIGINT or SIGTERM ends the process at once.
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
             outcome.interrupted = True
+            outcome.signal = signum
             progress.say("interrupted: ending the requests in flight, then writing the results")
             runner.interrupt()
 
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
         try:
             await runner.preflight()
             if s.warmup:
@@ -119,8 +133,10 @@ async def _sweep(s: Settings, prompts: list[Prompt] | None, outcome: SweepResult
                 outcome.summaries.append(summary)
                 print(f"\n{report.level_table(summary)}", flush=True)
         finally:
-            loop.remove_signal_handler(signal.SIGINT)
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
             outcome.records = runner.records
+            outcome.lost = runner.lost
 
 
 def _run_info(s: Settings, outcome: SweepResult, argv: list[str]) -> dict[str, Any]:
@@ -141,6 +157,7 @@ def _run_info(s: Settings, outcome: SweepResult, argv: list[str]) -> dict[str, A
         "temperature": s.temperature,
         "seed": s.seed,
         "interrupted": outcome.interrupted,
+        "unreachable": outcome.lost,
         "client_host": platform.node(),
         "client_cpus": os.cpu_count(),
     }
@@ -194,4 +211,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"definitions: {report.DEFINITIONS}")
     print(f"sweep took {time.monotonic() - started:.1f} s", flush=True)
     _write(s, outcome, argv)
-    return INTERRUPTED_EXIT if outcome.interrupted else 0
+    if outcome.interrupted:
+        return 128 + outcome.signal
+    if outcome.lost is not None:
+        kept = "printed above" + (f" and written to {s.out}" if s.out is not None else "")
+        print(f"{PROG}: {outcome.lost}; what was measured before is {kept}", file=sys.stderr)
+        return 1
+    return 0

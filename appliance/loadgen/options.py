@@ -141,6 +141,7 @@ class Settings:
     seed: int
     timeout_s: float
     out: Path | None
+    max_in_flight: int = 1000  # open loop: outstanding requests at most
 
 
 def settings(a: argparse.Namespace) -> Settings:
@@ -180,6 +181,10 @@ def settings(a: argparse.Namespace) -> Settings:
         raise BenchInputError(
             f"--cache-policy {a.cache_policy!r}: expected one of {', '.join(CACHE_POLICIES)}"
         )
+    if not 1 <= a.max_in_flight <= 100_000:
+        raise BenchInputError(
+            f"--max-in-flight {a.max_in_flight}: expected 1 to 100000 outstanding requests"
+        )
     if not 0 <= a.seed < 2**63:
         raise BenchInputError(f"--seed {a.seed}: expected 0 to 2**63-1")
     return Settings(
@@ -197,4 +202,5 @@ def settings(a: argparse.Namespace) -> Settings:
         seed=a.seed,
         timeout_s=a.timeout,
         out=Path(a.out) if a.out is not None else None,
+        max_in_flight=a.max_in_flight,
     )

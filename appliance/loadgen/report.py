@@ -24,25 +24,31 @@ def _cell(value: float) -> str:
 
 
 def level_table(summary: LevelSummary) -> str:
-    """A genai-perf-style table of one level, in Markdown."""
+    """A genai-perf-style table of one level, in Markdown; `n` is the number of values each row's
+    figures are computed over (answers, or gaps for the pooled chunk gap)."""
     s = summary
     head = (
         f"{s.level}: {s.sent} sent, {s.ok} ok, {sum(s.errors.values())} errors"
         + (f", {s.interrupted} interrupted" if s.interrupted else "")
         + f" in {s.wall_s:.2f} s"
     )
-    lines = [head, f"| {'metric':<36} | " + " | ".join(f"{c:>10}" for c in COLUMNS) + " |"]
-    lines.append("|" + "-" * 38 + "|" + "|".join("-" * 11 + ":" for _ in COLUMNS) + "|")
+    lines = [
+        head,
+        f"| {'metric':<36} | {'n':>7} | " + " | ".join(f"{c:>10}" for c in COLUMNS) + " |",
+    ]
+    lines.append(
+        "|" + "-" * 38 + "|" + "-" * 8 + ":|" + "|".join("-" * 11 + ":" for _ in COLUMNS) + "|"
+    )
     for key, title, _ in METRICS:
         d = s.metrics[key]
         cells = [_cell(getattr(d, c)) for c in COLUMNS] if d else [f"{'-':>10}"] * len(COLUMNS)
-        lines.append(f"| {title:<36} | " + " | ".join(cells) + " |")
+        lines.append(f"| {title:<36} | {d.n if d else 0:>7} | " + " | ".join(cells) + " |")
     blank = [f"{'':>10}"] * (len(COLUMNS) - 1)
     for title, value in (
         ("Output token throughput (tokens/s)", s.output_token_throughput),
         ("Request throughput (requests/s)", s.request_throughput),
     ):
-        lines.append(f"| {title:<36} | " + " | ".join([_cell(value), *blank]) + " |")
+        lines.append(f"| {title:<36} | {s.ok:>7} | " + " | ".join([_cell(value), *blank]) + " |")
     if s.errors:
         lines.append("errors: " + ", ".join(f"{k} {v}" for k, v in s.errors.items()))
     if s.cache_tiers:

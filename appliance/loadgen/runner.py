@@ -2,7 +2,9 @@
 
 Closed loop (`concurrency N`): N clients each send their next request when the previous answer has
 ended. Open loop (`rate R`): arrivals are a Poisson process of R per second, sent whether or not
-earlier answers have ended, so a slow server meets a growing queue, as with independent users.
+earlier answers have ended, so a slow server meets a growing queue, as with independent users;
+the client keeps at most `--max-in-flight` of them outstanding, and counts an arrival over that
+as NOT_SENT. A target whose connection is refused or lost ends the run (`LoadRunner.lost`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from appliance.client import generate
 from appliance.loadgen.options import BenchInputError, Level, Settings, Target
 from appliance.loadgen.progress import Progress
-from appliance.loadgen.stats import INTERRUPTED, OK, Record
+from appliance.loadgen.stats import INTERRUPTED, NO_FINAL, NOT_SENT, OK, Record
 from appliance.loadgen.workload import Prompt, Workload
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -63,8 +65,10 @@ class LoadRunner:
         prompts: list[Prompt] | None,
         stub: pb_grpc.InferenceStub,
         progress: Progress,
+        channel: grpc.aio.Channel | None = None,
     ) -> None:
         self.settings = settings
+        self.channel = channel
         self.prompts = prompts
         self.stub = stub
         self.progress = progress
@@ -74,6 +78,8 @@ class LoadRunner:
         self.in_flight: set[asyncio.Task[object]] = set()
         self.level_done = 0
         self.level_errors = 0
+        # Why the run stopped on its own: the target became unreachable (None: it did not).
+        self.lost: str | None = None
 
     def interrupt(self) -> None:
         """Stops sending and ends the requests in flight (recorded as INTERRUPTED)."""
@@ -163,21 +169,44 @@ class LoadRunner:
     ) -> None:
         arrivals = np.random.default_rng([self.settings.seed, index, 1])
         loop = asyncio.get_running_loop()
-        tasks = []
-        next_at = loop.time()
+        pending: set[asyncio.Task[Record]] = set()
+        started = next_at = loop.time()
+        end_at = None if self.settings.duration_s is None else started + self.settings.duration_s
         issued = 0
         while True:
             next_at += float(arrivals.exponential(1.0 / level.value))
-            delay = next_at - loop.time()
+            # An arrival due after the level's end is never waited for.
+            wake_at = next_at if end_at is None else min(next_at, end_at)
+            delay = wake_at - loop.time()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), delay)
-            if not more(issued):
+            if not more(issued) or (end_at is not None and next_at >= end_at):
                 break
-            tasks.append(asyncio.create_task(self._one(level.label, issued, workload.next())))
+            request = workload.next()
+            if len(pending) >= self.settings.max_in_flight:
+                # The client holds no more outstanding requests than this: the arrival is
+                # recorded as a failure of the level, not sent.
+                self._not_sent(level.label, issued, request)
+            else:
+                task = asyncio.create_task(self._one(level.label, issued, request))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
             issued += 1
             self._show()
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*pending)
+
+    def _not_sent(self, level: str, index: int, request: pb.GenerateRequest) -> None:
+        record = Record(level, index, time.perf_counter() - self.t0, max_tokens=request.max_tokens)
+        record.status = NOT_SENT
+        record.error = (
+            f"{self.settings.max_in_flight} requests were outstanding (--max-in-flight): "
+            "the arrival was not sent"
+        )
+        record.latency_s = 0.0
+        self.records.append(record)
+        self.level_done += 1
+        self.level_errors += 1
 
     async def _one(self, level: str, index: int, request: pb.GenerateRequest) -> Record:
         record = Record(level, index, time.perf_counter() - self.t0, max_tokens=request.max_tokens)
@@ -193,6 +222,11 @@ class LoadRunner:
             record.status = INTERRUPTED
             return record
         except grpc.aio.AioRpcError as exc:
+            if self.stopping.is_set() and exc.code() == grpc.StatusCode.CANCELLED:
+                # The bench's own cancellation, seen by the RPC before the task.
+                record.status = INTERRUPTED
+                return record
+            self._check_reachable(exc)
             record.status = exc.code().name
             record.error = exc.details() or ""
             record.latency_s = time.perf_counter() - self.t0 - record.start_s
@@ -205,6 +239,12 @@ class LoadRunner:
                 self._show()
         final = result.final
         record.status = OK
+        if final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            # Every answer ends with a message whose `final` is set: this stream was cut short.
+            record.status = NO_FINAL
+            record.error = "the stream ended without its final message"
+            if level != "warmup":
+                self.level_errors += 1
         record.request_id = result.request_id
         record.ttft_s = result.ttft_s if result.messages and result.token_ids else None
         record.latency_s = result.latency_s
@@ -218,6 +258,19 @@ class LoadRunner:
         record.server_ttft_us = final.timings.ttft_us
         record.server_total_us = final.timings.total_us
         return record
+
+    def _check_reachable(self, exc: grpc.aio.AioRpcError) -> None:
+        """A connection refused or lost (the channel, not the deployment, failed) stops the run:
+        every further request would fail at once without reaching anything."""
+        if (
+            exc.code() != grpc.StatusCode.UNAVAILABLE
+            or self.channel is None
+            or self.channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE
+            or self.stopping.is_set()
+        ):
+            return
+        self.lost = f"{self.settings.target.address} became unreachable: {exc.details()}"
+        self.interrupt()
 
     async def _tick(self) -> None:
         while True:

@@ -29,6 +29,10 @@ from appliance.loadgen.options import Level
 OK = "OK"
 INTERRUPTED = "INTERRUPTED"  # in flight when the run was interrupted; not an error, not measured
 MISS = "MISS"
+# Failures the client sees without a gRPC status: an open-loop arrival over --max-in-flight, and a
+# stream that ended without its final message.
+NOT_SENT = "NOT_SENT"
+NO_FINAL = "NO_FINAL"
 QUANTILES = (50, 90, 99)
 
 

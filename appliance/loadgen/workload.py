@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.loadgen.options import BenchInputError, Lengths, Settings
+from appliance.loadgen.options import MAX_LENGTH, BenchInputError, Lengths, Settings
 from appliance.textfile import TextFileError, read_text
 from appliance.v1 import inference_pb2 as pb
 
@@ -45,6 +45,17 @@ class Prompt:
     max_tokens: int | None = None
 
 
+def _check_utf8(where: str, text: str) -> None:
+    """A JSON string may escape a lone surrogate (\\ud800), which no UTF-8 request can carry."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise BenchInputError(
+            f"{where}: {exc.object[exc.start]!r} at character {exc.start + 1} is a lone UTF-16 "
+            "surrogate, not text: write the character itself, or both halves of its pair"
+        ) from None
+
+
 def _entry(where: str, line: str) -> Prompt:
     try:
         obj = json.loads(line)
@@ -59,14 +70,19 @@ def _entry(where: str, line: str) -> Prompt:
         )
     max_tokens = obj.get("max_tokens")
     if max_tokens is not None and (
-        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+        not isinstance(max_tokens, int)
+        or isinstance(max_tokens, bool)
+        or not 1 <= max_tokens <= MAX_LENGTH
     ):
-        raise BenchInputError(f"{where}: 'max_tokens' must be a whole number >= 1")
+        raise BenchInputError(
+            f"{where}: 'max_tokens' must be a whole number from 1 to {MAX_LENGTH}"
+        )
     if ("prompt" in obj) == ("messages" in obj):
         raise BenchInputError(f"{where}: give exactly one of 'prompt' and 'messages'")
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise BenchInputError(f"{where}: 'prompt' must be a non-empty string")
+        _check_utf8(where, obj["prompt"])
         return Prompt(text=obj["prompt"], max_tokens=max_tokens)
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
@@ -82,6 +98,7 @@ def _entry(where: str, line: str) -> Prompt:
             raise BenchInputError(
                 f'{where}: each message is {{"role": {"|".join(ROLES)}, "content": string}}'
             )
+        _check_utf8(where, m["content"])
         pairs.append((m["role"], m["content"]))
     return Prompt(messages=tuple(pairs), max_tokens=max_tokens)
 

@@ -48,6 +48,7 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--timeout", "-1"], "--timeout -1.0: expected seconds"),
         (["--prompts", "/nonexistent/p.txt"], "--prompts /nonexistent/p.txt: No such file"),
         (["--model", " "], "--model: give the model name the deployment serves"),
+        (["--max-in-flight", "0"], "--max-in-flight 0: expected 1 to 100000 outstanding"),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(
@@ -121,8 +122,20 @@ def test_a_prompt_file_and_synthetic_lengths_exclude_each_other(
         ('{"prompt": "a"}\n\n{"promt": "b"}\n', "{}:3: unknown key 'promt'; known keys are prompt"),
         ('{"prompt": "a", "messages": []}\n', "{}:1: give exactly one of 'prompt' and 'messages'"),
         ('{"messages": [{"role": "bot", "content": "x"}]}\n', '{}:1: each message is {{"role"'),
-        ('{"prompt": "a", "max_tokens": 0}\n', "{}:1: 'max_tokens' must be a whole number >= 1"),
+        (
+            '{"prompt": "a", "max_tokens": 0}\n',
+            "{}:1: 'max_tokens' must be a whole number from 1 to",
+        ),
         ('{"prompt": "a"}\n{oops\n', "{}:2: not JSON ("),
+        (
+            '{"prompt": "a", "max_tokens": 99999999999999999999}\n',
+            "{}:1: 'max_tokens' must be a whole number from 1 to 1000000",
+        ),
+        ('{"prompt": "\\ud800"}\n', "{}:1: '\\ud800' at character 1 is a lone UTF-16 surrogate"),
+        (
+            '{"messages": [{"role": "user", "content": "ok \\udfff"}]}\n',
+            "{}:1: '\\udfff' at character 4 is a lone UTF-16 surrogate",
+        ),
     ],
 )
 def test_a_bad_prompt_file_names_the_line(

@@ -1,0 +1,193 @@
+"""The bench against targets that misbehave (answers held forever, streams cut short, a gateway
+that goes away) and the ways a run is stopped: every request is counted, nothing hangs."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from appliance import cli
+from appliance.loadgen.options import settings
+from appliance.loadgen.progress import Progress
+from appliance.loadgen.runner import LoadRunner
+from appliance.loadgen.stats import INTERRUPTED
+from appliance.v1 import inference_pb2 as pb
+from tests.loadgen.fakes import FakeGateway, fake_gateway, final_answer
+
+
+def bench(address: str, out: Path, *args: str) -> int:
+    base = ["bench", "--address", address, "--model", "m", "--warmup", "0", "--out", str(out)]
+    return cli.main([*base, *args])
+
+
+def levels(out: Path) -> list[dict[str, Any]]:
+    document = json.loads((out / "bench.json").read_text())
+    assert len(document["requests"]) == sum(lv["sent"] for lv in document["levels"])
+    return list(document["levels"])
+
+
+def held(
+    fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+) -> Iterator[pb.GenerateResponse]:
+    fake.hold(context)
+    yield from ()
+
+
+def test_open_loop_arrivals_over_max_in_flight_are_counted_not_sent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    with fake_gateway(held) as (address, _, _):
+        rc = bench(
+            address,
+            out,
+            *("--rate", "10000", "--requests", "10", "--max-in-flight", "3", "--timeout", "1"),
+        )
+    assert rc == 0
+    assert "errors: DEADLINE_EXCEEDED 3, NOT_SENT 7" in capsys.readouterr().out
+    (level,) = levels(out)
+    assert (level["sent"], level["ok"]) == (10, 0)
+    assert level["errors"] == {"DEADLINE_EXCEEDED": 3, "NOT_SENT": 7}
+
+
+@pytest.mark.timeout(30)
+def test_an_open_loop_level_ends_at_its_duration_not_at_the_next_arrival(tmp_path: Path) -> None:
+    # At 0.001/s the first arrival is due (for this seed) long after the level's 0.2 s.
+    out = tmp_path / "run"
+    with fake_gateway(held) as (address, _, _):
+        rc = bench(address, out, "--rate", "0.001", "--duration", "0.2")
+    assert rc == 0
+    (level,) = levels(out)
+    assert (level["sent"], level["wall_s"], level["request_throughput"]) == (0, 0.0, 0.0)
+
+
+def test_a_stream_without_its_final_message_is_a_counted_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def cut_short(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        yield pb.GenerateResponse(request_id="cut", text="x", token_ids=[1])
+
+    out = tmp_path / "run"
+    with fake_gateway(cut_short) as (address, _, _):
+        rc = bench(address, out, "--requests", "3")
+    assert rc == 0
+    assert "errors: NO_FINAL 3" in capsys.readouterr().out
+    (level,) = levels(out)
+    assert (level["ok"], level["errors"]) == (0, {"NO_FINAL": 3})
+    assert all(d is None for d in level["metrics"].values())
+
+
+def test_a_gateway_that_goes_away_ends_the_run_with_what_was_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    answered = 0
+    lock = threading.Lock()
+
+    def then_gone(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        nonlocal answered
+        with lock:
+            answered += 1
+            if answered == 3:
+                threading.Thread(target=server.stop, args=(None,)).start()
+        yield final_answer()
+
+    out = tmp_path / "run"
+    with fake_gateway(then_gone) as (address, _, server):
+        rc = bench(address, out, "--duration", "60")
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 1
+    assert err[-1].startswith(f"appliance bench: {address} became unreachable: "), err[-1]
+    assert err[-1].endswith(f"what was measured before is printed above and written to {out}")
+    (level,) = levels(out)
+    assert 2 <= level["ok"] <= 3 and set(level["errors"]) == {"UNAVAILABLE"}
+    assert json.loads((out / "bench.json").read_text())["run"]["unreachable"].startswith(address)
+
+
+async def test_an_rpc_cancelled_by_the_bench_itself_is_interrupted_not_an_error() -> None:
+    class CancelledStub:
+        def Generate(
+            self, request: pb.GenerateRequest, timeout: float
+        ) -> AsyncIterator[pb.GenerateResponse]:
+            async def stream() -> AsyncIterator[pb.GenerateResponse]:
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Cancelled"
+                )
+                yield pb.GenerateResponse()
+
+            return stream()
+
+    args = cli.parser().parse_args(["bench", "--address", "h:1", "--model", "m"])
+    stub: Any = CancelledStub()
+    runner = LoadRunner(settings(args), None, stub, Progress(sys.stderr))
+    runner.stopping.set()  # interrupted: the RPC saw the cancellation before the task
+    record = await runner._one("concurrency 1", 0, pb.GenerateRequest(model="m", max_tokens=4))
+    assert record.status == INTERRUPTED
+    assert runner.level_errors == 0
+
+
+def test_sigterm_writes_what_was_measured_and_exits_143(tmp_path: Path) -> None:
+    def answer(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        yield final_answer()
+
+    out = tmp_path / "run"
+    with fake_gateway(answer) as (address, _, _):
+        args = ["--model", "m", "--duration", "120", "--warmup", "0", "--out", str(out)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "appliance", "bench", "--address", address, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stderr is not None
+        try:
+            for line in proc.stderr:
+                done = re.match(r"concurrency 1: (\d+) done,", line)
+                if done and int(done.group(1)) >= 1:
+                    break
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "interrupted: ending the requests in flight" in stderr
+    assert "| concurrency 1 | " in stdout
+    document = json.loads((out / "bench.json").read_text())
+    assert document["run"]["interrupted"] is True
+    (level,) = document["levels"]
+    assert level["ok"] >= 1 and level["errors"] == {}
+
+
+def test_the_table_says_how_many_values_each_row_is_over() -> None:
+    from appliance.loadgen.options import Level
+    from appliance.loadgen.report import level_table
+    from appliance.loadgen.stats import Record, summarize
+
+    answered = Record("concurrency 1", 0, 0.0, ttft_s=0.1, latency_s=0.5, output_tokens=5)
+    answered.cache_tier = "MISS"
+    empty = Record("concurrency 1", 1, 0.5, latency_s=0.2, output_tokens=0, cache_tier="MISS")
+    table = level_table(summarize(Level("concurrency", 1), [answered, empty]))
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in table.splitlines()
+        if line.startswith("| ")
+    }
+    assert rows["metric"] == "n"
+    assert rows["Time to first token (ms)"] == "1"  # the empty answer has no first token
+    assert rows["Request latency (ms)"] == "2"
+    assert rows["Request throughput (requests/s)"] == "2"
