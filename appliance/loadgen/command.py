@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -163,23 +165,39 @@ def _run_info(s: Settings, outcome: SweepResult, argv: list[str]) -> dict[str, A
     }
 
 
-def _write(s: Settings, outcome: SweepResult, argv: list[str]) -> None:
+def _write(s: Settings, outcome: SweepResult, argv: list[str]) -> str | None:
+    """Writes the files of `--out`; returns what could not be written (None: all were)."""
     if s.out is None:
-        return
+        return None
     from appliance.loadgen import plots  # matplotlib: loaded only when files are written
 
-    report.write_json(
-        s.out / "bench.json", _run_info(s, outcome, argv), outcome.summaries, outcome.records
-    )
-    report.write_csv(s.out / "requests.csv", outcome.records)
-    (s.out / "summary.md").write_text(
-        "\n\n".join(report.level_table(x) for x in outcome.summaries)
-        + "\n\n"
-        + report.sweep_table(outcome.summaries)
-        + "\n"
-    )
-    plots.draw(s.out, outcome.summaries, outcome.records)
+    def summary_md(path: Path) -> None:
+        tables = [report.level_table(x) for x in outcome.summaries]
+        path.write_text("\n\n".join([*tables, report.sweep_table(outcome.summaries)]) + "\n")
+
+    files: list[tuple[str, Callable[[Path], None]]] = [
+        (
+            "bench.json",
+            lambda path: report.write_json(
+                path, _run_info(s, outcome, argv), outcome.summaries, outcome.records
+            ),
+        ),
+        ("requests.csv", lambda path: report.write_csv(path, outcome.records)),
+        ("summary.md", summary_md),
+    ]
+    for name, write in files:
+        try:
+            write(s.out / name)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                (s.out / name).unlink(missing_ok=True)  # a cut-off file would pass for a whole one
+            return f"--out {s.out}: writing {name} failed: {exc.strerror or exc}"
+    try:
+        plots.draw(s.out, outcome.summaries, outcome.records)
+    except OSError as exc:
+        return f"--out {s.out}: writing the plots failed: {exc.strerror or exc}"
     print(f"wrote {s.out}/: bench.json, requests.csv, summary.md, 4 PNG plots", flush=True)
+    return None
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -210,9 +228,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"\n{report.sweep_table(outcome.summaries)}")
     print(f"definitions: {report.DEFINITIONS}")
     print(f"sweep took {time.monotonic() - started:.1f} s", flush=True)
-    _write(s, outcome, argv)
+    unwritten = _write(s, outcome, argv)
+    if unwritten is not None:
+        print(f"{PROG}: {unwritten}; the tables are printed above", file=sys.stderr)
     if outcome.interrupted:
         return 128 + outcome.signal
+    if unwritten is not None:
+        return 1
     if outcome.lost is not None:
         kept = "printed above" + (f" and written to {s.out}" if s.out is not None else "")
         print(f"{PROG}: {outcome.lost}; what was measured before is {kept}", file=sys.stderr)

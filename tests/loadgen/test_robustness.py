@@ -3,7 +3,9 @@ that goes away) and the ways a run is stopped: every request is counted, nothing
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import signal
 import subprocess
@@ -17,6 +19,7 @@ import grpc
 import pytest
 
 from appliance import cli
+from appliance.loadgen import report
 from appliance.loadgen.options import settings
 from appliance.loadgen.progress import Progress
 from appliance.loadgen.runner import LoadRunner
@@ -191,3 +194,29 @@ def test_the_table_says_how_many_values_each_row_is_over() -> None:
     assert rows["Time to first token (ms)"] == "1"  # the empty answer has no first token
     assert rows["Request latency (ms)"] == "2"
     assert rows["Request throughput (requests/s)"] == "2"
+
+
+def test_a_full_disk_under_out_is_one_line_and_leaves_no_cut_off_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(path: Path, *args: object) -> None:
+        path.write_text('{"run": ')
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def answer(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        yield final_answer()
+
+    monkeypatch.setattr(report, "write_json", full_disk)
+    out = tmp_path / "run"
+    with fake_gateway(answer) as (address, _, _):
+        rc = bench(address, out, "--requests", "2")
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert captured.err.splitlines()[-1] == (
+        f"appliance bench: --out {out}: writing bench.json failed: No space left on device; "
+        "the tables are printed above"
+    )
+    assert "concurrency 1: 2 sent, 2 ok" in captured.out
+    assert not (out / "bench.json").exists()
