@@ -35,15 +35,16 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Numbers are read by `options.settings`, so a malformed one is a one-line error too.
     p.add_argument("--address", required=True, help="the deployment's gateway, HOST:PORT")
     p.add_argument("--model", required=True, help="model name, as the deployment serves it")
     p.add_argument(
         "--concurrency", help="closed-loop levels: concurrent clients, e.g. 1,2,4,8 (default 1)"
     )
     p.add_argument("--rate", help="open-loop levels: Poisson arrivals per second, e.g. 5,10")
-    p.add_argument("--requests", type=int, help="requests per level (default 20)")
-    p.add_argument("--duration", type=float, help="seconds per level (instead of --requests)")
-    p.add_argument("--warmup", type=int, default=2, help="unrecorded requests first (default 2)")
+    p.add_argument("--requests", help="requests per level (default 20)")
+    p.add_argument("--duration", help="seconds per level (instead of --requests)")
+    p.add_argument("--warmup", default=2, help="unrecorded requests first (default 2)")
     p.add_argument(
         "--prompt-tokens",
         help="synthetic prompt length: N, normal:MEAN,STDDEV or uniform:LOW,HIGH (default 128); "
@@ -64,15 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bypass (default: every request reaches the engine), default (cache hits count), "
         "refresh",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrivals")
-    p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
-    p.add_argument(
-        "--connect-timeout", type=float, default=10.0, help="wait for the address, s (default 10)"
-    )
+    p.add_argument("--temperature", default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", default=0, help="seed of lengths, prompts and arrivals")
+    p.add_argument("--timeout", default=120.0, help="per-request deadline, s")
+    p.add_argument("--connect-timeout", default=10.0, help="wait for the address, s (default 10)")
     p.add_argument(
         "--max-in-flight",
-        type=int,
         default=1000,
         help="open loop: outstanding requests at most; an arrival over it is counted as NOT_SENT "
         "(default 1000)",

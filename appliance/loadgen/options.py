@@ -144,9 +144,37 @@ class Settings:
     max_in_flight: int = 1000  # open loop: outstanding requests at most
 
 
+NUMBERS: dict[str, type[int] | type[float]] = {
+    "requests": int,
+    "duration": float,
+    "warmup": int,
+    "temperature": float,
+    "seed": int,
+    "timeout": float,
+    "connect_timeout": float,
+    "max_in_flight": int,
+}
+
+
+def _numbers(a: argparse.Namespace) -> argparse.Namespace:
+    """The numeric options as numbers: the command line gives them as text, defaults as numbers."""
+    values = dict(vars(a))
+    for name, kind in NUMBERS.items():
+        text = values.get(name)
+        if isinstance(text, str):
+            try:
+                values[name] = kind(text)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                option = "--" + name.replace("_", "-")
+                raise BenchInputError(f"{option} {text!r}: expected {what}") from None
+    return argparse.Namespace(**values)
+
+
 def settings(a: argparse.Namespace) -> Settings:
     """Checks every option of `appliance bench` (see `command.add_arguments`); the first problem
     found is raised."""
+    a = _numbers(a)
     target = Target(parse_address(a.address), a.connect_timeout)
     if not a.model.strip():
         raise BenchInputError("--model: give the model name the deployment serves")
