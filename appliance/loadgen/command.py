@@ -223,10 +223,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         why = "again: stopped at once" if outcome.interrupted else "while connecting"
         print(f"{PROG}: interrupted {why}; nothing written", file=sys.stderr)
         return INTERRUPTED_EXIT
-    print(f"\n{report.sweep_table(outcome.summaries)}")
-    print(f"definitions: {report.DEFINITIONS}")
-    print(f"sweep took {time.monotonic() - started:.1f} s", flush=True)
-    unwritten = _write(s, outcome, argv)
+    try:
+        print(f"\n{report.sweep_table(outcome.summaries)}")
+        print(f"definitions: {report.DEFINITIONS}")
+        print(f"sweep took {time.monotonic() - started:.1f} s", flush=True)
+        unwritten = _write(s, outcome, argv)
+    except KeyboardInterrupt:
+        # Ctrl-C (a second one, or the first after the last level) while the results go out.
+        where = f"; the files in {s.out} may be incomplete" if s.out is not None else ""
+        print(f"{PROG}: interrupted while writing the results{where}", file=sys.stderr)
+        return INTERRUPTED_EXIT
     if unwritten is not None:
         print(f"{PROG}: {unwritten}; the tables are printed above", file=sys.stderr)
     if outcome.interrupted:

@@ -220,3 +220,25 @@ def test_a_full_disk_under_out_is_one_line_and_leaves_no_cut_off_file(
     )
     assert "concurrency 1: 2 sent, 2 ok" in captured.out
     assert not (out / "bench.json").exists()
+
+
+def test_ctrl_c_while_the_results_are_written_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def ctrl_c(path: Path, *args: object) -> None:
+        raise KeyboardInterrupt
+
+    def answer(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        yield final_answer()
+
+    monkeypatch.setattr(report, "write_json", ctrl_c)
+    out = tmp_path / "run"
+    with fake_gateway(answer) as (address, _, _):
+        rc = bench(address, out, "--requests", "2")
+    assert rc == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"appliance bench: interrupted while writing the results; the files in {out} may be "
+        "incomplete"
+    )
