@@ -8,10 +8,12 @@ test_latency_discipline).
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import grpc
 import pytest
 
+from appliance.gateway.breaker import CircuitBreaker
 from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS
 from appliance.gateway.server import RunningGateway
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -27,10 +29,16 @@ from tests.support import until_async
 PRIMARY = {"breaker_failures": 1, "breaker_reset_s": 0.2, "max_in_flight": 2}
 
 
-async def _half_open(running: RunningGateway) -> None:
+async def _half_open(
+    running: RunningGateway, to: grpc.aio.Channel
+) -> tuple[pb_grpc.InferenceStub, Any, CircuitBreaker]:
+    """Opens the primary's breaker and waits until it is half-open: (a stub, the primary's
+    admission gate, its breaker)."""
     health = running.pipeline.models["primary"].health
     health.failed("a test opened it")
     await until_async(lambda: health.breaker.state == "half-open", "the breaker never half-opened")
+    gate = running.pipeline.admission.gates["primary"]  # type: ignore[attr-defined]
+    return pb_grpc.InferenceStub(to), gate, health.breaker
 
 
 @pytest.mark.parametrize("gateway", [(PRIMARY, {})], indirect=True)
@@ -39,10 +47,7 @@ async def test_one_request_probes_a_half_open_breaker_and_the_others_are_refused
     channel: grpc.aio.Channel,  # noqa: F811
     engines: tuple[EngineProcess, ...],  # noqa: F811
 ) -> None:
-    stub = pb_grpc.InferenceStub(channel)
-    gate = gateway.pipeline.admission.gates["primary"]  # type: ignore[attr-defined]
-    breaker = gateway.pipeline.models["primary"].health.breaker
-    await _half_open(gateway)
+    stub, gate, breaker = await _half_open(gateway, channel)
     engines[0].signal(signal.SIGSTOP)  # the probe waits at the engine
     try:
         probe = stub.Complete(req(prompt="the probe", temperature=0))
@@ -67,10 +72,7 @@ async def test_a_probe_its_client_cancels_lets_the_next_request_probe(
     channel: grpc.aio.Channel,  # noqa: F811
     engines: tuple[EngineProcess, ...],  # noqa: F811
 ) -> None:
-    stub = pb_grpc.InferenceStub(channel)
-    gate = gateway.pipeline.admission.gates["primary"]  # type: ignore[attr-defined]
-    breaker = gateway.pipeline.models["primary"].health.breaker
-    await _half_open(gateway)
+    stub, gate, breaker = await _half_open(gateway, channel)
     engines[0].signal(signal.SIGSTOP)
     try:
         probe = stub.Complete(req(prompt="a probe given up", temperature=0))

@@ -27,6 +27,13 @@ def final_answer(request_id: str = "fake") -> pb.GenerateResponse:
     )
 
 
+def answers_at_once(
+    fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+) -> Iterator[pb.GenerateResponse]:
+    """An Answer: the final message at once."""
+    yield final_answer()
+
+
 class FakeGateway(pb_grpc.InferenceServicer):  # type: ignore[misc]
     def __init__(self, answer: Answer) -> None:
         self.answer = answer

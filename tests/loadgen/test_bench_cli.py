@@ -147,11 +147,14 @@ def test_an_unknown_model_gets_the_gateways_not_found(
     assert "tiny" in err  # the gateway lists the models it serves
 
 
-def test_ctrl_c_prints_and_writes_what_was_measured(gateway_address: str, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    args = ["--model", "tiny", "--duration", "120", "--warmup", "0", "--out", str(out)]
+def interrupted_run(
+    address: str, model: str, out: Path, stop: signal.Signals
+) -> tuple[int, str, str]:
+    """`appliance bench` with a level of 120 s, sent `stop` once it has answers: (exit status,
+    stdout, stderr)."""
+    args = ["--model", model, "--duration", "120", "--warmup", "0", "--out", str(out)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "appliance", "bench", "--address", gateway_address, *args],
+        [sys.executable, "-m", "appliance", "bench", "--address", address, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -163,11 +166,17 @@ def test_ctrl_c_prints_and_writes_what_was_measured(gateway_address: str, tmp_pa
             done = re.match(r"concurrency 1: (\d+) done,", line)
             if done and int(done.group(1)) >= 1:
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130, stderr
+    return proc.returncode, stdout, stderr
+
+
+def test_ctrl_c_prints_and_writes_what_was_measured(gateway_address: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    returncode, stdout, stderr = interrupted_run(gateway_address, "tiny", out, signal.SIGINT)
+    assert returncode == 130, stderr
     assert "interrupted: ending the requests in flight" in stderr
     assert "concurrency 1: " in stdout and "| Time to first token (ms)" in stdout
     document, rows = load(out)

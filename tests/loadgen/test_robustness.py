@@ -6,9 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -25,7 +23,8 @@ from appliance.loadgen.progress import Progress
 from appliance.loadgen.runner import LoadRunner
 from appliance.loadgen.stats import INTERRUPTED
 from appliance.v1 import inference_pb2 as pb
-from tests.loadgen.fakes import FakeGateway, fake_gateway, final_answer
+from tests.loadgen.fakes import FakeGateway, answers_at_once, fake_gateway, final_answer
+from tests.loadgen.test_bench_cli import interrupted_run
 
 
 def bench(address: str, out: Path, *args: str) -> int:
@@ -143,31 +142,10 @@ async def test_an_rpc_cancelled_by_the_bench_itself_is_interrupted_not_an_error(
 
 
 def test_sigterm_writes_what_was_measured_and_exits_143(tmp_path: Path) -> None:
-    def answer(
-        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GenerateResponse]:
-        yield final_answer()
-
     out = tmp_path / "run"
-    with fake_gateway(answer) as (address, _, _):
-        args = ["--model", "m", "--duration", "120", "--warmup", "0", "--out", str(out)]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "appliance", "bench", "--address", address, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stderr is not None
-        try:
-            for line in proc.stderr:
-                done = re.match(r"concurrency 1: (\d+) done,", line)
-                if done and int(done.group(1)) >= 1:
-                    break
-            proc.send_signal(signal.SIGTERM)
-            stdout, stderr = proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    with fake_gateway(answers_at_once) as (address, _, _):
+        returncode, stdout, stderr = interrupted_run(address, "m", out, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, stderr
     assert "interrupted: ending the requests in flight" in stderr
     assert "| concurrency 1 | " in stdout
     document = json.loads((out / "bench.json").read_text())
@@ -203,14 +181,9 @@ def test_a_full_disk_under_out_is_one_line_and_leaves_no_cut_off_file(
         path.write_text('{"run": ')
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def answer(
-        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GenerateResponse]:
-        yield final_answer()
-
     monkeypatch.setattr(report, "write_json", full_disk)
     out = tmp_path / "run"
-    with fake_gateway(answer) as (address, _, _):
+    with fake_gateway(answers_at_once) as (address, _, _):
         rc = bench(address, out, "--requests", "2")
     captured = capsys.readouterr()
     assert rc == 1
@@ -228,14 +201,9 @@ def test_ctrl_c_while_the_results_are_written_is_one_line(
     def ctrl_c(path: Path, *args: object) -> None:
         raise KeyboardInterrupt
 
-    def answer(
-        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GenerateResponse]:
-        yield final_answer()
-
     monkeypatch.setattr(report, "write_json", ctrl_c)
     out = tmp_path / "run"
-    with fake_gateway(answer) as (address, _, _):
+    with fake_gateway(answers_at_once) as (address, _, _):
         rc = bench(address, out, "--requests", "2")
     assert rc == 130
     assert capsys.readouterr().err.splitlines()[-1] == (
