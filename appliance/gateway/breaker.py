@@ -28,6 +28,11 @@ class CircuitBreaker:
             return "closed"
         return "half-open" if self._clock() - self._opened_at >= self.reset_s else "open"
 
+    @property
+    def probing(self) -> bool:
+        """Half-open with its one probe let through and not yet back."""
+        return self._probing
+
     def retry_in(self) -> float:
         """Seconds until a probe may go through (0 when closed or half-open)."""
         if self._opened_at is None:

@@ -38,6 +38,12 @@ class ModelHealth:
         """Whether requests may be sent to the engine now (no side effect on the breaker)."""
         return self.reachable and self.breaker.state != "open"
 
+    def routable(self) -> bool:
+        """Whether a request routed here now would be let through to the engine: usable, and not
+        while a half-open breaker's one probe is out (health still says SERVING then: the probe
+        decides within one request)."""
+        return self.usable() and not self.breaker.probing
+
     def succeeded(self) -> None:
         if self.breaker.state != "closed":
             log.info("engine recovered; breaker closed")
@@ -55,6 +61,11 @@ class ModelHealth:
             return f"engine unreachable ({self.last_failure or 'readiness check failed'})"
         if self.breaker.state == "open":
             return f"breaker open after repeated failures (last: {self.last_failure})"
+        if self.breaker.probing:
+            return (
+                f"breaker open after repeated failures (last: {self.last_failure}); one request "
+                "is probing the engine now"
+            )
         return "serving"
 
 

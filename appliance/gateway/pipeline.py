@@ -168,7 +168,7 @@ class Budget:
     """When this request's answer must be complete, and its first token at the latest."""
 
     expires: float  # time.monotonic()
-    first_token_by: float | None
+    first_token_by: float
     # Seconds the engine itself may take to the first token before the breaker counts it a fault:
     # the model's TTFT budget, never a client's (a budget below the engine's TTFT is the client's).
     engine_ttft_s: float | None
@@ -484,10 +484,10 @@ class Pipeline:
 
     def failover(self, model: ServedModel, skip_primary: bool = False) -> ServedModel:
         """The model whose engine generates: this one, its fallback, or none (UNAVAILABLE)."""
-        if model.health.usable() and not skip_primary:
+        if model.health.routable() and not skip_primary:
             return model
         fallback = self.models.get(model.policy.fallback or "")
-        if fallback is not None and fallback.health.usable():
+        if fallback is not None and fallback.health.routable():
             return fallback
         why = model.health.describe()
         also = (
@@ -513,7 +513,7 @@ class Pipeline:
             and exc is generation.flight.error
             and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             and not generation.flight.events  # admitted: its first event is Started
-            and (budget.first_token_by is None or time.monotonic() < budget.first_token_by)
+            and time.monotonic() < budget.first_token_by
         )
 
     def may_fall_back(
@@ -527,7 +527,7 @@ class Pipeline:
             and exc.code == grpc.StatusCode.UNAVAILABLE
             and report.ttft_us == 0
             and fallback is not None
-            and fallback.health.usable()
+            and fallback.health.routable()
         )
 
     async def start(
@@ -606,9 +606,7 @@ class Pipeline:
             ticket.release(0)
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"model '{model.name}' is unavailable: its breaker opened after repeated "
-                f"failures (last: {model.health.last_failure}) and another request is probing "
-                "its engine now",
+                f"model '{model.name}' is unavailable: {model.health.describe()}",
                 retry_after_ms=max(UNAVAILABLE_RETRY_MS, round(breaker.retry_in() * 1000)),
             )
         yield Started(time.monotonic_ns())

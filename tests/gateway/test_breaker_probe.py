@@ -55,7 +55,7 @@ async def test_one_request_probes_a_half_open_breaker_and_the_others_are_refused
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Complete(req(prompt="while it probes", temperature=0))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "another request is probing" in (refused.value.details() or "")
+        assert "one request is probing the engine now" in (refused.value.details() or "")
         trailers = dict(refused.value.trailing_metadata() or ())
         assert int(trailers["grpc-retry-pushback-ms"]) >= UNAVAILABLE_RETRY_MS
         assert len(gate.running) == 1  # the refused one never reached the engine
@@ -86,4 +86,28 @@ async def test_a_probe_its_client_cancels_lets_the_next_request_probe(
     assert (await stub.Complete(req(prompt="the next probe", temperature=0))).final.model == (
         "primary"
     )
+    assert breaker.state == "closed"
+
+
+@pytest.mark.parametrize(
+    "gateway", [({**PRIMARY, "max_in_flight": 1, "fallback": "small"}, {})], indirect=True
+)
+async def test_while_the_probe_runs_the_fallback_answers_at_once(
+    gateway: RunningGateway,  # noqa: F811
+    channel: grpc.aio.Channel,  # noqa: F811
+    engines: tuple[EngineProcess, ...],  # noqa: F811
+) -> None:
+    """The probe holds the primary's only slot: the next request goes to the fallback, rather
+    than waiting in the primary's line behind the probe."""
+    stub, gate, breaker = await _half_open(gateway, channel)
+    engines[0].signal(signal.SIGSTOP)
+    try:
+        probe = stub.Complete(req(prompt="the probe", temperature=0))
+        await until_async(lambda: bool(gate.running), "the probe never reached the engine")
+        other = await stub.Complete(req(prompt="meanwhile", temperature=0), timeout=30)
+        assert (other.final.model, other.final.degraded) == ("small", True)
+        assert not gate.waiting
+    finally:
+        engines[0].signal(signal.SIGCONT)
+    assert (await probe).final.model == "primary"
     assert breaker.state == "closed"
