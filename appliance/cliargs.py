@@ -16,7 +16,7 @@ def positive(kind: type[int] | type[float], at_most: float = math.inf) -> Callab
     bound = "" if at_most == math.inf else f" and at most {at_most:g}"
 
     def parse(text: str) -> float:
-        value = _int(text) if kind is int else _float(text)
+        value = integer(text) if kind is int else number(text)
         # NaN fails the range; an int is always finite (and too long for a float to hold).
         if not 0 < value <= at_most or (isinstance(value, float) and not math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be {what} greater than 0{bound}, got {text}")
@@ -30,7 +30,7 @@ positive_float = positive(float)
 
 
 def non_negative_float(text: str) -> float:
-    value = _float(text)
+    value = number(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a number of 0 or more, got {text}")
     return value
@@ -54,14 +54,14 @@ def listen_address(text: str) -> str:
     return text
 
 
-def _int(text: str) -> int:
+def integer(text: str) -> int:
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text}") from None
 
 
-def _float(text: str) -> float:
+def number(text: str) -> float:
     try:
         return float(text)
     except ValueError:

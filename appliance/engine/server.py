@@ -671,7 +671,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 # result, and is counted then, as a request on a cancelled stream is.
                 clock.computed()
                 statistics.finished(clock, ok=not e.error)
-            else:
+            elif not done.done():  # one final result counts, however many are emitted
                 done.set_result(e)
 
         def emit(_: Job, e: Emission) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from appliance.cliargs import integer, number
 
 
 class BenchInputError(Exception):
@@ -144,30 +147,29 @@ class Settings:
     max_in_flight: int = 1000  # open loop: outstanding requests at most
 
 
-NUMBERS: dict[str, type[int] | type[float]] = {
-    "requests": int,
-    "duration": float,
-    "warmup": int,
-    "temperature": float,
-    "seed": int,
-    "timeout": float,
-    "connect_timeout": float,
-    "max_in_flight": int,
+NUMBERS: dict[str, Callable[[str], float]] = {
+    "requests": integer,
+    "duration": number,
+    "warmup": integer,
+    "temperature": number,
+    "seed": integer,
+    "timeout": number,
+    "connect_timeout": number,
+    "max_in_flight": integer,
 }
 
 
 def _numbers(a: argparse.Namespace) -> argparse.Namespace:
-    """The numeric options as numbers: the command line gives them as text, defaults as numbers."""
+    """The numeric options as numbers: the command line gives them as text, defaults as numbers
+    (read here rather than by argparse, whose refusal prints the whole usage block)."""
     values = dict(vars(a))
-    for name, kind in NUMBERS.items():
+    for name, parse in NUMBERS.items():
         text = values.get(name)
         if isinstance(text, str):
             try:
-                values[name] = kind(text)
-            except ValueError:
-                what = "a whole number" if kind is int else "a number"
-                option = "--" + name.replace("_", "-")
-                raise BenchInputError(f"{option} {text!r}: expected {what}") from None
+                values[name] = parse(text)
+            except argparse.ArgumentTypeError as exc:
+                raise BenchInputError(f"--{name.replace('_', '-')}: {exc}") from None
     return argparse.Namespace(**values)
 
 

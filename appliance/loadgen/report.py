@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from appliance.loadgen.stats import METRICS, LevelSummary, Record
+from appliance.loadgen.stats import METRICS, NOT_SENT, LevelSummary, Record
 
 DEFINITIONS = (
     "TTFT = first non-empty response − request sent; inter-token latency = (request latency − TTFT)"
@@ -27,8 +27,10 @@ def level_table(summary: LevelSummary) -> str:
     """A genai-perf-style table of one level, in Markdown; `n` is the number of values each row's
     figures are computed over (answers, or gaps for the pooled chunk gap)."""
     s = summary
+    not_sent = s.errors.get(NOT_SENT, 0)
     head = (
-        f"{s.level}: {s.sent} sent, {s.ok} ok, {sum(s.errors.values())} errors"
+        f"{s.level}: {s.sent} sent, {s.ok} ok, {sum(s.errors.values()) - not_sent} errors"
+        + (f", {not_sent} not sent (over --max-in-flight)" if not_sent else "")
         + (f", {s.interrupted} interrupted" if s.interrupted else "")
         + f" in {s.wall_s:.2f} s"
     )

@@ -122,7 +122,7 @@ class LevelSummary:
     level: str
     mode: str  # "concurrency" | "rate"
     value: float
-    sent: int
+    sent: int  # requests sent (an open-loop arrival over --max-in-flight is not)
     ok: int
     errors: dict[str, int]  # status name -> count
     interrupted: int
@@ -164,7 +164,7 @@ def summarize(level: Level, records: list[Record]) -> LevelSummary:
         level=level.label,
         mode=level.mode,
         value=level.value,
-        sent=len(records),
+        sent=sum(1 for r in records if r.status != NOT_SENT),
         ok=len(ok),
         errors=dict(sorted(Counter(r.status for r in done if r.status != OK).items())),
         interrupted=len(records) - len(done),

@@ -49,9 +49,9 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--prompts", "/nonexistent/p.txt"], "--prompts /nonexistent/p.txt: No such file"),
         (["--model", " "], "--model: give the model name the deployment serves"),
         (["--max-in-flight", "0"], "--max-in-flight 0: expected 1 to 100000 outstanding"),
-        (["--warmup", "1e3"], "--warmup '1e3': expected a whole number"),
-        (["--duration", "5s"], "--duration '5s': expected a number"),
-        (["--connect-timeout", "soon"], "--connect-timeout 'soon': expected a number"),
+        (["--warmup", "1e3"], "--warmup: expected an integer, got 1e3"),
+        (["--duration", "5s"], "--duration: expected a number, got 5s"),
+        (["--connect-timeout", "soon"], "--connect-timeout: expected a number, got soon"),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(

@@ -34,7 +34,9 @@ def bench(address: str, out: Path, *args: str) -> int:
 
 def levels(out: Path) -> list[dict[str, Any]]:
     document = json.loads((out / "bench.json").read_text())
-    assert len(document["requests"]) == sum(lv["sent"] for lv in document["levels"])
+    # One row per arrival: those sent, and those over --max-in-flight (NOT_SENT).
+    arrivals = sum(lv["sent"] + lv["errors"].get("NOT_SENT", 0) for lv in document["levels"])
+    assert len(document["requests"]) == arrivals
     return list(document["levels"])
 
 
@@ -56,9 +58,11 @@ def test_open_loop_arrivals_over_max_in_flight_are_counted_not_sent(
             *("--rate", "10000", "--requests", "10", "--max-in-flight", "3", "--timeout", "1"),
         )
     assert rc == 0
-    assert "errors: DEADLINE_EXCEEDED 3, NOT_SENT 7" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "3 sent, 0 ok, 3 errors, 7 not sent (over --max-in-flight)" in printed
+    assert "errors: DEADLINE_EXCEEDED 3, NOT_SENT 7" in printed
     (level,) = levels(out)
-    assert (level["sent"], level["ok"]) == (10, 0)
+    assert (level["sent"], level["ok"]) == (3, 0)  # the 7 over the cap were never sent
     assert level["errors"] == {"DEADLINE_EXCEEDED": 3, "NOT_SENT": 7}
 
 
