@@ -5,12 +5,13 @@ queue behind each other and all miss their budgets. So each model has a number o
 max_batch_size unless configured) and a bounded FIFO of waiting requests. At arrival the wait is
 estimated (what the running and queued generations still need, from moving estimates of prefill
 time per prompt token and decode time per token, and from each running generation's own pace); a
-request that would have to wait and whose time to first token would then pass its budget is refused
-at once with RESOURCE_EXHAUSTED and a retry hint, rather than failing slowly (one that finds a slot
-free starts whatever its budget: no retry would give it a sooner first token). A waiting request leaves the queue, with a retry hint
-and without reaching the engine, as soon as its expected prefill no longer fits in what is left of
-its budget, and a slot is never handed to one whose prefill would no longer fit. A closed gate (the
-gateway is stopping) refuses everyone waiting and everyone who asks.
+request that would have to wait and whose time to first token would then pass its budget is
+refused at once with RESOURCE_EXHAUSTED and a retry hint, rather than failing slowly (one that finds
+a slot free starts whatever its budget: no retry would give it a sooner first token). A waiting
+request leaves the queue, with a retry hint and without reaching the engine, as soon as its
+expected prefill no longer fits in what is left of its budget, and a slot is never handed to one
+whose prefill would no longer fit. A closed gate (the gateway is stopping) refuses everyone
+waiting and everyone who asks.
 
 The pipeline asks for a Ticket after the cache lookup (a hit never needs the engine) and only for a
 request that starts a generation (a single-flight follower rides on its leader's ticket). Comparable
