@@ -24,6 +24,12 @@ def spec_file(tmp_path: Path, checkpoint: Path, venv: Path, **overrides: dict[st
     return str(write_spec(tmp_path / "spec.toml", sections))
 
 
+@pytest.fixture
+def spec(tmp_path: Path, checkpoint: Path, fake_trtllm: Path) -> str:
+    """A spec of the default checkpoint built with the stand-in tools."""
+    return spec_file(tmp_path, checkpoint, fake_trtllm)
+
+
 def one_line_error(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -115,9 +121,7 @@ def test_plan_refusals_are_one_line_with_the_exit_status(
 
 
 def test_plan_without_gpu_memory_asks_nvml_and_explains_failure(
-    tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -127,7 +131,6 @@ def test_plan_without_gpu_memory_asks_nvml_and_explains_failure(
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     assert cli.main(["plan", "--spec", spec]) == 1
     assert "pass --gpu-memory" in one_line_error(capsys.readouterr().err)
     monkeypatch.setattr(gpu, "nvml_total_memory", lambda ids: 80 << 30)
@@ -147,12 +150,10 @@ def test_gpu_memory_sizes() -> None:
 
 def test_build_repo_verify_round_trip_with_stand_in_tools(
     tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     calls: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "rebuilt: quantize, trtllm-build" in out
@@ -195,14 +196,12 @@ def test_build_refuses_before_running_any_stand_in_tool(
 
 def test_stand_in_build_failure_exits_1_naming_the_stage(
     tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     calls: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("FAKE_TRTLLM_FAIL", "trtllm-build")
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB", "--quiet"]) == 1
     line = one_line_error(capsys.readouterr().err)
     assert "stage trtllm-build failed" in line and "last lines:" in line
@@ -212,9 +211,8 @@ def test_stand_in_build_failure_exits_1_naming_the_stage(
 
 
 def test_repo_hf_only_via_cli(
-    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     repo = tmp_path / "repo"
     assert cli.main(["repo", "--spec", spec, "--output", str(repo), "--hf-only"]) == 0
     assert cli.main(["verify", str(repo)]) == 0
@@ -230,9 +228,8 @@ def test_usage_errors_exit_2() -> None:
 
 
 def test_verify_refuses_out_of_range_parameters_and_bad_bytes(
-    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     repo = tmp_path / "repo"
     assert cli.main(["repo", "--spec", spec, "--output", str(repo), "--hf-only"]) == 0
     capsys.readouterr()
@@ -334,14 +331,12 @@ def test_engine_config_json_shape_matches_what_verify_reads(tmp_path: Path) -> N
 
 def test_plan_commands_are_exactly_what_build_runs(
     tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     calls: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     import shlex
 
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     script = tmp_path / "cmds.sh"
     assert (
         cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", str(script)])
@@ -357,9 +352,8 @@ def test_plan_commands_are_exactly_what_build_runs(
 
 
 def test_unwritable_outputs_are_one_line_errors(
-    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     out = str(blocker / "plan.sh")
@@ -376,9 +370,8 @@ def test_unwritable_outputs_are_one_line_errors(
 
 
 def test_commands_out_in_a_missing_folder_is_refused_before_the_plan(
-    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     missing = tmp_path / "missing"
     out = str(missing / "x.sh")
     assert cli.main(["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", out]) == 2
@@ -392,12 +385,10 @@ def test_commands_out_in_a_missing_folder_is_refused_before_the_plan(
 
 def test_commands_out_naming_a_directory_is_refused_before_the_plan(
     tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     (tmp_path / "adir").mkdir()
     monkeypatch.chdir(tmp_path)
     argv = ["plan", "--spec", spec, "--gpu-memory", "80GiB", "--commands-out", "adir"]
@@ -411,12 +402,10 @@ def test_commands_out_naming_a_directory_is_refused_before_the_plan(
 
 def test_a_failed_commands_out_write_names_the_file_not_the_temporary(
     tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     out = tmp_path / "x.sh"
 
     def no_space(src: str, dst: str) -> None:
@@ -431,9 +420,8 @@ def test_a_failed_commands_out_write_names_the_file_not_the_temporary(
 
 
 def test_repo_in_a_missing_folder_is_refused_without_creating_it(
-    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     missing = tmp_path / "missing"
     repo = str(missing / "repo")
     assert cli.main(["repo", "--spec", spec, "--output", repo, "--hf-only"]) == 2
@@ -446,8 +434,7 @@ def test_repo_in_a_missing_folder_is_refused_without_creating_it(
 
 def test_a_failed_repo_write_names_the_output_not_the_staging_folder(
     tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -457,7 +444,6 @@ def test_a_failed_repo_write_names_the_output_not_the_staging_folder(
         raise OSError(errno.ENOSPC, "No space left on device", str(dest))
 
     monkeypatch.setattr(repo_module, "write_tokenizer_info", no_space)
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     repo = tmp_path / "repo"
     assert cli.main(["repo", "--spec", spec, "--output", str(repo), "--hf-only"]) == 1
     line = one_line_error(capsys.readouterr().err)
@@ -492,11 +478,9 @@ def test_build_and_repo_refuse_multi_gpu_engines(
 
 def test_verify_triton_root_option(
     tmp_path: Path,
-    checkpoint: Path,
-    fake_trtllm: Path,
+    spec: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    spec = spec_file(tmp_path, checkpoint, fake_trtllm)
     assert cli.main(["build", "--spec", spec, "--gpu-memory", "80GiB", "--quiet"]) == 0
     repo = str(tmp_path / "repo")
     assert cli.main(["repo", "--spec", spec, "--output", repo]) == 0

@@ -2,34 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
 
-from appliance.config import GatewayConfig, HttpConfig
+from appliance.config import HttpConfig
 from tests.conftest import Engine, Tiny
 from tests.security.conftest import Keys, running
 from tests.support import gateway_config
 
 
-def _keyed_http(tiny: Tiny, engine: Engine, keys: Keys) -> GatewayConfig:
-    """A gateway with the test's keys and the HTTP API on a free port."""
-    return dataclasses.replace(
+@contextlib.asynccontextmanager
+async def _keyed_http(tiny: Tiny, engine: Engine, keys: Keys) -> AsyncIterator[str]:
+    """A gateway with the test's keys and the HTTP API on a free port; its base URL."""
+    config = dataclasses.replace(
         gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth()),
         http=HttpConfig(listen="127.0.0.1:0"),
     )
+    async with running(config) as gw:
+        assert gw.http is not None
+        yield f"http://127.0.0.1:{gw.http.port}"
 
 
 async def test_http_requests_need_a_key_with_the_namespace_and_scope(
     tiny: Tiny, engine: Engine, keys: Keys
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
-    config = _keyed_http(tiny, engine, keys)
-    async with running(config) as gw:
-        assert gw.http is not None
-        base = f"http://127.0.0.1:{gw.http.port}/v1"
+    async with _keyed_http(tiny, engine, keys) as server:
+        base = f"{server}/v1"
 
         def client(key: str) -> openai.AsyncOpenAI:
             return openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
@@ -54,10 +58,7 @@ async def test_listing_models_needs_a_valid_key_and_health_does_not(
     tiny: Tiny, engine: Engine, keys: Keys
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
-    config = _keyed_http(tiny, engine, keys)
-    async with running(config) as gw, aiohttp.ClientSession() as session:
-        assert gw.http is not None
-        base = f"http://127.0.0.1:{gw.http.port}"
+    async with _keyed_http(tiny, engine, keys) as base, aiohttp.ClientSession() as session:
         for path in ("/v1/models", "/v1/models/tiny", "/v1/models/other"):
             for headers in ({}, {"Authorization": "Bearer not-a-key"}):
                 async with session.get(base + path, headers=headers) as r:
@@ -73,10 +74,8 @@ async def test_a_generation_without_a_key_is_refused_before_its_body_is_read(
     tiny: Tiny, engine: Engine, keys: Keys
 ) -> None:
     token = keys.add(["team-a"], ["generate"])
-    config = _keyed_http(tiny, engine, keys)
-    async with running(config) as gw, aiohttp.ClientSession() as session:
-        assert gw.http is not None
-        url = f"http://127.0.0.1:{gw.http.port}/v1/chat/completions"
+    async with _keyed_http(tiny, engine, keys) as base, aiohttp.ClientSession() as session:
+        url = f"{base}/v1/chat/completions"
         # A body that is not JSON, in an encoding not taken: 400 or 415 with a key, 401 without.
         for headers, status in (
             ({}, 401),
