@@ -12,14 +12,29 @@ from appliance.listen import is_address
 
 def positive(kind: type[int] | type[float], at_most: float = math.inf) -> Callable[[str], float]:
     """An integer or a finite number greater than 0 and at most `at_most`."""
+    return _ranged(kind, at_most, zero=False)
+
+
+def non_negative(
+    kind: type[int] | type[float], at_most: float = math.inf
+) -> Callable[[str], float]:
+    """An integer or a finite number of 0 or more and at most `at_most`."""
+    return _ranged(kind, at_most, zero=True)
+
+
+def _ranged(kind: type[int] | type[float], at_most: float, zero: bool) -> Callable[[str], float]:
     what = "an integer" if kind is int else "a number"
+    floor = "of 0 or more" if zero else "greater than 0"
     bound = "" if at_most == math.inf else f" and at most {at_most:g}"
 
     def parse(text: str) -> float:
         value = integer(text) if kind is int else number(text)
         # NaN fails the range; an int is always finite (and too long for a float to hold).
-        if not 0 < value <= at_most or (isinstance(value, float) and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be {what} greater than 0{bound}, got {text}")
+        low = value >= 0 if zero else value > 0
+        if not (low and value <= at_most) or (
+            isinstance(value, float) and not math.isfinite(value)
+        ):
+            raise argparse.ArgumentTypeError(f"must be {what} {floor}{bound}, got {text}")
         return value
 
     return parse
@@ -29,11 +44,7 @@ positive_int = positive(int)
 positive_float = positive(float)
 
 
-def non_negative_float(text: str) -> float:
-    value = number(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number of 0 or more, got {text}")
-    return value
+non_negative_float = non_negative(float)
 
 
 def address(text: str) -> str:
