@@ -13,12 +13,18 @@ from appliance import logline
 from appliance.cliargs import (
     address,
     listen_address,
+    non_negative,
     non_negative_float,
     positive_float,
     positive_int,
 )
 from appliance.config import ConfigError, load_config
 from appliance.tools import keys_cli as keyscli
+
+# `appliance engine --exit-timeout-secs`: Triton's default, and the longest the engine server takes
+# (appliance-engine.service's TimeoutStopSec must exceed the value it is given).
+EXIT_TIMEOUT_SECS = 30
+MAX_EXIT_TIMEOUT_SECS = 3600
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -84,7 +90,14 @@ def _engine(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.threads)
     return uvloop.run(
-        run_engine(Path(args.repository), args.listen, options, args.metrics, stream_socket)
+        run_engine(
+            Path(args.repository),
+            args.listen,
+            options,
+            args.metrics,
+            stream_socket,
+            exit_timeout_s=args.exit_timeout_secs,
+        )
     )
 
 
@@ -439,6 +452,15 @@ def parser() -> argparse.ArgumentParser:
         "(default auto: the powers of two below --draft-tokens, and it)",
     )
     e.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    e.add_argument(
+        "--exit-timeout-secs",
+        type=non_negative(int, at_most=MAX_EXIT_TIMEOUT_SECS),
+        default=EXIT_TIMEOUT_SECS,
+        metavar="S",
+        help="on SIGTERM, how long requests in flight get to finish before they are cancelled, "
+        f"as Triton's option of that name (0 to {MAX_EXIT_TIMEOUT_SECS}; default "
+        f"{EXIT_TIMEOUT_SECS})",
+    )
     e.set_defaults(func=_engine)
 
     t = sub.add_parser("make-tiny-model", help="write the small random-weight model + repository")

@@ -15,6 +15,9 @@ without outputs carrying the final flag.
 Its streams can also be served on a Unix socket (`--stream-socket`; appliance/backends/stream_socket.py),
 with the same semantics and none of gRPC's per-message cost; Triton has no such socket.
 
+It stops as Triton stops (`--exit-timeout-secs`, `stop_engine`): new calls are refused, requests in
+flight get up to the exit timeout to finish, then whatever still runs is cancelled.
+
 The RPCs Triton has and this server does not (shared memory, trace, log settings, model load/unload)
 answer with the status and wording Triton uses when the feature is absent; ServerMetadata lists only the
 extensions served here.
@@ -84,12 +87,16 @@ SERVER_VERSION = "1"
 # request and response parameters. perf_analyzer reads server-side statistics only when
 # "statistics" is listed.
 EXTENSIONS = ("model_configuration", "statistics", "parameters")
-# Triton's in-band answer to a request sent on an open stream once the server is stopping.
+# Triton's refusal (UNAVAILABLE) of a request once its gRPC server is stopping: in-band for one sent on
+# a stream already open, the call's status for a ModelInfer call (grpc/stream_infer_handler.cc and
+# grpc/infer_handler.cc, while `accepting_new_conn_` is false).
 STOPPING = "GRPC server is shutting down and has stopped accepting new requests."
+# Triton core's answers (UNAVAILABLE) once it is exiting: to ServerLive and ServerReady
+# (InferenceServer::IsLive, IsReady), and to ModelReady (ModelIsReady) (core src/server.cc).
+EXITING = "Server exiting"
+NOT_READY = "Server not ready"
 # Largest request either transport takes: gRPC's default receive limit, which the gRPC server keeps.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
-# On SIGTERM, streams still running after this long are cancelled.
-STOP_GRACE_S = 1.0
 
 
 class InferError(Exception):
@@ -483,16 +490,27 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         for wind_down in list(self._winding_down):
             wind_down()
 
+    def in_flight(self) -> int:
+        """Requests queued or running, on either RPC or transport."""
+        return len(self._live)
+
     # --- health and metadata -------------------------------------------------------------------
 
+    # Once stopping, a health call that still reaches the server (the gRPC server refuses new
+    # calls as soon as it stops, but one may have arrived just before) gets Triton core's answer.
+
     async def ServerLive(
-        self, request: ts.ServerLiveRequest, context: Any
+        self, request: ts.ServerLiveRequest, context: grpc.aio.ServicerContext
     ) -> ts.ServerLiveResponse:
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, EXITING)
         return ts.ServerLiveResponse(live=True)
 
     async def ServerReady(
-        self, request: ts.ServerReadyRequest, context: Any
+        self, request: ts.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> ts.ServerReadyResponse:
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, EXITING)
         return ts.ServerReadyResponse(ready=True)
 
     async def ServerMetadata(
@@ -503,8 +521,10 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         )
 
     async def ModelReady(
-        self, request: ts.ModelReadyRequest, context: Any
+        self, request: ts.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelReadyResponse:
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
         ok = request.name in self.models and request.version in ("", "1")
         return ts.ModelReadyResponse(ready=ok)
 
@@ -647,6 +667,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self, request: ts.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelInferResponse:
         clock = RequestClock()
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
         model = await self._model(request.model_name, request.model_version, context)
         if model.entry.decoupled:
             await context.abort(
@@ -1010,13 +1032,33 @@ def _socket_refused(path: Path, why: str) -> RepositoryError:
     return RepositoryError(f"cannot serve the stream socket {path}: {why}")
 
 
-async def stop_engine(server: grpc.aio.Server, service: EngineService, grace_s: float) -> None:
-    """Stops the gRPC server and the stream socket; streams still open after `grace_s` are
-    cancelled."""
-    if service.stream_socket is None:
-        await server.stop(grace=grace_s)
-        return
-    await asyncio.gather(server.stop(grace=grace_s), service.stream_socket.close(grace_s))
+async def stop_engine(
+    server: grpc.aio.Server, service: EngineService, exit_timeout_s: float
+) -> int:
+    """Triton's stop (server main.cc: the endpoints' graceful stop, then the server's, both
+    bounded by --exit-timeout-secs): the gRPC server and the stream socket stop accepting, so a
+    new call is refused (UNAVAILABLE) and a request sent on an open stream is refused in-band
+    (STOPPING); a stream with nothing running ends; requests in flight get up to
+    `exit_timeout_s` to finish, then every call still open is cancelled (UNAVAILABLE) and its
+    requests with it. Returns how many requests were still in flight at the exit timeout."""
+    service.stop_streams()
+    left = 0
+
+    def expired() -> None:
+        nonlocal left
+        left = service.in_flight()
+
+    timer = asyncio.get_running_loop().call_later(exit_timeout_s, expired)
+    try:
+        if service.stream_socket is None:
+            await server.stop(grace=exit_timeout_s)
+        else:
+            await asyncio.gather(
+                server.stop(grace=exit_timeout_s), service.stream_socket.close(exit_timeout_s)
+            )
+    finally:
+        timer.cancel()
+    return left
 
 
 async def run_engine(
@@ -1025,8 +1067,11 @@ async def run_engine(
     options: EngineOptions | None = None,
     metrics_listen: str | None = None,
     stream_socket: Path | None = None,
+    *,
+    exit_timeout_s: float,
 ) -> int:
-    """The `appliance engine` process: serve until SIGTERM/SIGINT."""
+    """The `appliance engine` process: serve until SIGTERM/SIGINT, then stop as Triton stops,
+    giving requests in flight up to `exit_timeout_s` (`--exit-timeout-secs`)."""
     started = time.monotonic()
     try:
         lock = lock_repository(repository)  # before loading: a second server fails in ms
@@ -1068,8 +1113,14 @@ async def run_engine(
     )
     await sdnotify.ready_until_signalled(f"serving {', '.join(models)} on {served_on}")
     stopping = time.monotonic()
-    service.stop_streams()
-    await stop_engine(server, service, STOP_GRACE_S)
+    log.info(
+        "engine stopping: waiting up to %g s (--exit-timeout-secs) for %d requests in flight",
+        exit_timeout_s,
+        service.in_flight(),
+    )
+    left = await stop_engine(server, service, exit_timeout_s)
+    if left:
+        log.warning("exit timeout expired: %d requests still in flight were cancelled", left)
     # Cancel and join every compute thread before the interpreter exits (Runner.close).
     joined = all([model.runner.close() for model in models.values()])
     os.close(lock)
