@@ -9,19 +9,22 @@ unavailable: an engine fault for the breaker, and a reason to fall back.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import jinja2
 import pytest
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
 from appliance.backends.triton import TritonBackend
-from appliance.cli import MAX_EXIT_TIMEOUT_SECS
+from appliance.cli import EXIT_TIMEOUT_SECS, MAX_EXIT_TIMEOUT_SECS
+from appliance.engine.runner import CLOSE_TIMEOUT_S
 from appliance.engine.server import (
     EXITING,
     NOT_READY,
@@ -40,6 +43,7 @@ from tests.engine.test_engine_process import engine_cli
 from tests.support import until_engine
 
 MODEL = "tensorrt_llm"
+REPO = Path(__file__).resolve().parents[2]
 # A request that runs far longer than a stop takes to begin: no end id, near the tiny model's
 # max_seq_len (2048).
 LONG = 2000
@@ -199,3 +203,25 @@ def test_exit_timeout_out_of_range_is_refused_naming_the_option(tmp_path: Path, 
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("appliance engine: error: argument --exit-timeout-secs: "), last
     assert value in last
+
+
+def test_systemd_waits_longer_than_the_engine_stop_takes() -> None:
+    """TimeoutStopSec exceeds the exit timeout plus the compute threads' join (Runner.close):
+    the unit's for its default, the role's drop-in for the role's value."""
+    unit = (REPO / "systemd/appliance-engine.service").read_text()
+    assert "--exit-timeout-secs ${ENGINE_EXIT_TIMEOUT_SECS}" in unit
+    default = re.search(r"ENGINE_EXIT_TIMEOUT_SECS=(\d+)", unit)
+    stop = re.search(r"^TimeoutStopSec=(\d+)s$", unit, re.M)
+    assert default and stop
+    assert int(default.group(1)) == EXIT_TIMEOUT_SECS
+    assert int(stop.group(1)) > EXIT_TIMEOUT_SECS + CLOSE_TIMEOUT_S
+    role = REPO / "ansible/roles/appliance"
+    defaults = (role / "defaults/main.yml").read_text()
+    assert f"appliance_engine_exit_timeout_secs: {EXIT_TIMEOUT_SECS}\n" in defaults
+    template = jinja2.Template((role / "templates/engine-stop.conf.j2").read_text())
+    for secs in (0, EXIT_TIMEOUT_SECS, MAX_EXIT_TIMEOUT_SECS):
+        text = template.render(appliance_engine_exit_timeout_secs=secs, ansible_managed="test")
+        drop_in = re.search(r"^TimeoutStopSec=(\d+)s$", text, re.M)
+        assert drop_in and int(drop_in.group(1)) > secs + CLOSE_TIMEOUT_S, text
+    env = (role / "templates/engine.env.j2").read_text()
+    assert "ENGINE_EXIT_TIMEOUT_SECS={{ appliance_engine_exit_timeout_secs }}" in env
