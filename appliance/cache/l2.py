@@ -24,7 +24,13 @@ from typing import Any, ClassVar
 import redis.asyncio as redis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.connection import parse_url
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisError,
+    ResponseError,
+)
 
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.seal import Sealer
@@ -126,6 +132,7 @@ class RedisTier(CacheTier):
         self._budget = settings.timeout_ms / 1000.0
         self._refusals = Throttled(log, QUIET_LOG_S)
         self._forgeries = Throttled(log, QUIET_LOG_S)
+        self._credentials = Throttled(log, QUIET_LOG_S)
         kwargs: dict[str, Any] = {
             **_credentials(settings),
             "max_connections": settings.max_connections,
@@ -186,8 +193,9 @@ class RedisTier(CacheTier):
                 self.breaker.success()
                 return None
             self.metrics.l2_errors += 1
+            why = self._denied(exc)
             if not write:
-                self._failed(what, _reason(exc))
+                self._failed(what, why)
                 return None
             # Redis answered in time and refused to store (full under noeviction, a replica): it
             # still serves what it holds, which an open breaker would turn away.
@@ -196,10 +204,21 @@ class RedisTier(CacheTier):
             return None
         except (RedisError, OSError) as exc:
             self.metrics.l2_errors += 1
-            self._failed(what, _reason(exc))
+            self._failed(what, self._denied(exc))
             return None
         self.breaker.success()
         return result
+
+    def _denied(self, exc: BaseException) -> str:
+        """What Redis said (without a credential); when it refused this gateway's credentials
+        or its ACL user's rights, also said once per QUIET_LOG_S with what to fix."""
+        why = _reason(exc)
+        if self.settings.password:
+            why = why.replace(self.settings.password, "***")
+        fix = _credentials_fix(exc)
+        if fix:
+            self._credentials.warning("redis refused this gateway (%s): %s", why, fix)
+        return why
 
     def _refused(self, what: str, exc: ResponseError) -> None:
         """A write Redis refused (each is counted), logged once per QUIET_LOG_S."""
@@ -261,7 +280,7 @@ class RedisTier(CacheTier):
             where = re.sub(r"//[^@/]*@", "//", self.settings.url)  # never log a password
             if self.settings.sentinels:
                 where = f"'{self.settings.sentinel_service}' of Sentinels {', '.join(self.settings.sentinels)}"
-            return f"redis at {where} unreachable ({str(exc) or type(exc).__name__})"
+            return f"redis at {where} unreachable ({self._denied(exc)})"
         return ""
 
     async def get(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
@@ -345,6 +364,22 @@ def _reason(exc: BaseException) -> str:
     """What Redis or the connection said, for a log line: without the command a pipeline's error
     quotes (a key names a namespace; a value holds a question and its answer)."""
     return str(exc).rpartition(" of pipeline caused error: ")[2] or type(exc).__name__
+
+
+def _credentials_fix(exc: BaseException) -> str:
+    """What to fix when Redis refused this gateway's credentials or its ACL user's rights; ""
+    for any other fault."""
+    if isinstance(exc, AuthenticationError):
+        return (
+            "[cache.redis] password_file (and username, for an ACL user) must hold what this "
+            "redis requires: its requirepass, or the password of that ACL user (ACL SETUSER)"
+        )
+    if isinstance(exc, NoPermissionError):
+        return (
+            "the ACL user [cache.redis] username names lacks this command or key: give it the "
+            "rules the ansible redis role writes to users.acl (keys PREFIX:*, the cache's commands)"
+        )
+    return ""
 
 
 def _credentials(settings: RedisSettings) -> dict[str, Any]:

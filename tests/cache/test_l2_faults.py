@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,29 @@ async def test_entries_sealed_with_another_secret_are_misses_said_once(
     assert tier.counters()["l2_forged_entries"] == len(keys)
     [line] = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
     assert "mac_key_file" in line
+
+
+@pytest.mark.parametrize("password", [None, "not-the-password"])
+async def test_redis_refusing_the_credentials_is_logged_once_with_what_to_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, password: str | None
+) -> None:
+    """NOAUTH (no password given) or WRONGPASS: one line naming the setting to fix, never the
+    password; every failed call is still counted, and the breaker opens as for any fault."""
+    server = RedisServer(tmp_path)
+    server.start()
+    server.client().config_set("requirepass", "the-real-password")
+    tier = RedisTier(
+        RedisSettings(url=server.url, password=password, breaker_failures=3, mac_key=MAC_KEY)
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="appliance.cache.l2"):
+            for _ in range(3):
+                assert await tier.get("ns", "m", KEY) is None
+    finally:
+        await tier.close()
+        server.kill()
+    assert tier.counters()["l2_errors"] == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
+    [told] = [line for line in lines if "password_file" in line]
+    assert "redis refused this gateway" in told and "ACL" in told
+    assert not any(password and password in line for line in lines)
