@@ -94,13 +94,18 @@ class InvalidationFeed:
             "entry": "" if entry is None else entry.hex(),
             "from": self.origin,
         }
-        async with asyncio.timeout(PUBLISH_BUDGET_S):
-            await self._own.client.xadd(
-                self.stream,
-                message,  # type: ignore[arg-type]
-                maxlen=MAX_LEN,
-                approximate=True,
-            )
+        try:
+            async with asyncio.timeout(PUBLISH_BUDGET_S):
+                await self._own.client.xadd(
+                    self.stream,
+                    message,  # type: ignore[arg-type]
+                    maxlen=MAX_LEN,
+                    approximate=True,
+                )
+        except TimeoutError:
+            raise TimeoutError(
+                f"redis did not take the message within {PUBLISH_BUDGET_S:g} s"
+            ) from None
 
     async def start(self, wait_s: float = 2.0) -> None:
         """Starts following; returns once the follower has read where the stream ends, has

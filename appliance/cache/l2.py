@@ -35,7 +35,7 @@ from redis.exceptions import (
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.seal import Sealer
 from appliance.cache.series import Described, Series
-from appliance.cache.tiers import CacheQuery, CacheTier, TierContext
+from appliance.cache.tiers import CacheQuery, CacheTier, TierContext, TierUnavailable
 from appliance.gateway.breaker import CircuitBreaker
 from appliance.logline import Throttled
 
@@ -166,12 +166,22 @@ class RedisTier(CacheTier):
     async def _call(self, what: str, command: Awaitable[Any], write: bool = False) -> Any:
         """Runs one Redis command within the time budget; None on any fault (counted). `write`:
         the command only stores, and Redis refusing it is no reason to stop reading."""
+        try:
+            return await self._run(what, command, write)
+        except TierUnavailable:
+            return None
+
+    async def _run(self, what: str, command: Awaitable[Any], write: bool = False) -> Any:
+        """Runs one Redis command within the time budget: its result (None for a key of another
+        type), or TierUnavailable saying why it was not run or failed (counted)."""
         if not self.breaker.allow():
             self.metrics.l2_skipped_breaker_open += 1
             close = getattr(command, "close", None)
             if close is not None:
                 close()  # never awaited: say so, or Python warns
-            return None
+            wait = self.breaker.retry_in()
+            state = f"open for {wait:.1f} s more" if wait > 0 else "probing it"
+            raise self._unavailable(f"not asked: redis kept failing and its breaker is {state}")
         try:
             async with asyncio.timeout(self._budget):  # no extra task, unlike wait_for
                 result = await command
@@ -183,7 +193,9 @@ class RedisTier(CacheTier):
         except TimeoutError:
             self.metrics.l2_timeouts += 1
             self._failed(what, "timeout")
-            return None
+            raise self._unavailable(
+                f"{what} took longer than its {self.settings.timeout_ms:g} ms time budget"
+            ) from None
         except ResponseError as exc:
             if str(exc).startswith("WRONGTYPE"):
                 # Redis answered: the key holds a list, a hash... that no gateway wrote. A miss,
@@ -196,18 +208,22 @@ class RedisTier(CacheTier):
             why = self._denied(exc)
             if not write:
                 self._failed(what, why)
-                return None
+                raise self._unavailable(f"{what} failed: {why}") from None
             # Redis answered in time and refused to store (full under noeviction, a replica): it
             # still serves what it holds, which an open breaker would turn away.
             self.breaker.success()
             self._refused(what, exc)
-            return None
+            raise self._unavailable(f"{what} refused: {why}") from None
         except (RedisError, OSError) as exc:
             self.metrics.l2_errors += 1
-            self._failed(what, self._denied(exc))
-            return None
+            why = self._denied(exc)
+            self._failed(what, why)
+            raise self._unavailable(f"{what} failed: {why}") from None
         self.breaker.success()
         return result
+
+    def _unavailable(self, why: str) -> TierUnavailable:
+        return TierUnavailable(f"tier {self.name} (redis) {why}", self.breaker.retry_in())
 
     def _denied(self, exc: BaseException) -> str:
         """What Redis said (without a credential); when it refused this gateway's credentials
@@ -247,7 +263,8 @@ class RedisTier(CacheTier):
             )
 
     async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
-        return await self.get(query.namespace, query.model.name, query.key)
+        """TierUnavailable when Redis was not asked or did not answer (ONLY reports it)."""
+        return await self._read(query.namespace, query.model.name, query.key)
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         task = asyncio.get_running_loop().create_task(
@@ -284,8 +301,15 @@ class RedisTier(CacheTier):
         return ""
 
     async def get(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
+        """The answer, or None on a miss or a fault (counted)."""
+        try:
+            return await self._read(namespace, model, key)
+        except TierUnavailable:
+            return None
+
+    async def _read(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
         name = self.redis_key(namespace, model, key)
-        data = await self._call("GET", self.client.get(name))
+        data = await self._run("GET", self.client.get(name))
         if not isinstance(data, bytes):
             return None
         body = self.open(name, data)
@@ -313,21 +337,23 @@ class RedisTier(CacheTier):
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         """UNLINKs every key of a namespace and/or model ("" matches any); `entry`: only that
         key's answer and the semantic record of the same key (its name ends in the same hex).
-        Not time-budgeted: an operator's command, not the request path."""
+        Each SCAN page and its UNLINK is one command within the time budget, as a lookup is:
+        TierUnavailable says why when Redis is not asked (breaker open), does not answer in time
+        or fails; the keys unlinked before stay unlinked."""
         ns = _key_part(namespace) if namespace else "*"
         m = _key_part(model) if model else "*"
         last = "*" if entry is None else f"*{entry.hex()}"
         pattern = f"{self.settings.key_prefix}:{ns}:{m}:{last}"
         removed = 0
-        batch: list[bytes] = []
-        async for name in self.client.scan_iter(match=pattern, count=1000):
-            batch.append(name)
-            if len(batch) >= 500:
-                removed += await self.client.unlink(*batch)
-                batch.clear()
-        if batch:
-            removed += await self.client.unlink(*batch)
-        return removed
+        cursor = 0
+        while True:
+            cursor, names = await self._run(
+                "SCAN", self.client.scan(cursor, match=pattern, count=1000)
+            )
+            if names:
+                removed += await self._run("UNLINK", self.client.unlink(*names))
+            if not cursor:
+                return removed
 
     async def close(self) -> None:
         if self._writes:

@@ -1,7 +1,8 @@
 """The cache-policy rules of a request, in one place.
 
 DEFAULT reads and writes; REFRESH skips the read and overwrites; BYPASS neither reads nor writes;
-ONLY reads and answers NOT_FOUND on a miss, never reaching the engine. A request whose answer is not
+ONLY reads and answers NOT_FOUND on a miss, never reaching the engine (UNAVAILABLE instead when a
+tier could not be asked, e.g. Redis behind an open breaker: the answer may be there). A request whose answer is not
 deterministic (sampled without a seed), or a gateway without a cache, can only bypass, and asking it
 for ONLY is a failed precondition.
 """
@@ -23,7 +24,8 @@ class CachePolicy(enum.IntEnum):
 class CachePlan:
     read: bool
     write: bool
-    # A miss ends the request (NOT_FOUND) instead of generating.
+    # A miss ends the request (NOT_FOUND, or UNAVAILABLE when a tier was not asked) instead of
+    # generating.
     only: bool
 
 

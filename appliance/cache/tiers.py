@@ -75,6 +75,33 @@ class TierError(ValueError):
     """A tier that cannot take part in the cascade; the message is one line saying what to fix."""
 
 
+class TierUnavailable(Exception):
+    """A tier could not look in its store, or change it (its breaker open, a timeout, an error):
+    its miss says nothing of what the store holds. The message names the tier and says why;
+    `retry_after_s`: when asking it again may work (0: at once)."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InvalidationIncomplete(Exception):
+    """An invalidation some tier, or the announcement to the other gateways, failed to make. The
+    message says which tiers dropped how many entries, which did not and why, and whether the
+    other gateways were told."""
+
+    def __init__(self, removed: dict[str, int], failed: dict[str, str], untold: str) -> None:
+        self.removed, self.failed, self.untold = removed, failed, untold
+        parts = [f"{tier} not invalidated ({why})" for tier, why in failed.items()]
+        parts += [f"{tier} invalidated ({n} removed)" for tier, n in removed.items()]
+        if untold:
+            parts.append(
+                f"the other gateways were not told ({untold}): their L1 may serve these answers "
+                "until its TTL"
+            )
+        super().__init__("; ".join(parts) + "; invalidate again once redis answers")
+
+
 # The tiers the configuration names without an import path, in the default order.
 BUILTIN_TIERS = {
     "l1": "appliance.cache.tiers:L1Tier",
@@ -120,7 +147,9 @@ class CacheTier(abc.ABC):
     @abc.abstractmethod
     async def lookup(self, query: CacheQuery) -> CachedAnswer | Hit | None:
         """The answer for the query (a Hit when the tier says more than the answer), or None; a
-        fault is a (counted) miss, never an exception."""
+        fault is a (counted) miss: None, or TierUnavailable when the tier could not look (a
+        request that must not generate is then told the cache may hold its answer), never
+        another exception."""
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         """Keeps the answer; must not wait on I/O (slow tiers write in the background)."""
@@ -220,6 +249,17 @@ class L1Tier(CacheTier):
         }
 
 
+class MissUnsure(Exception):
+    """No tier had the answer, but a tier could not be asked: the cache may hold it. The message
+    names the tiers and why; `retry_after_s`: the longest of their hints."""
+
+    def __init__(self, asked: Sequence[str], unavailable: Sequence[TierUnavailable]) -> None:
+        missed = f"no cached answer in {', '.join(asked)}, and " if asked else ""
+        why = "; ".join(str(exc) for exc in unavailable)
+        super().__init__(f"{missed}{why}: the cache may hold this answer; try again later")
+        self.retry_after_s = max(exc.retry_after_s for exc in unavailable)
+
+
 class TierCascade:
     """Tiers in lookup order, with the counters every tier shares. With a feed, an invalidation
     made here is announced to the other gateways on the same Redis after every tier has tried to
@@ -249,15 +289,25 @@ class TierCascade:
         return len(self.tiers)
 
     async def lookup(
-        self, query: CacheQuery, start: int = 0, stop: int | None = None
+        self, query: CacheQuery, start: int = 0, stop: int | None = None, sure: bool = False
     ) -> Hit | None:
         """The cached answer and the tier that had it, or None on a miss. `start`, `stop`: the
-        tiers to ask (all by default); a miss is counted once the last tier has missed."""
+        tiers to ask (all by default); a miss is counted once the last tier has missed. A tier
+        that could not be asked (TierUnavailable) misses; with `sure`, a miss with such a tier
+        raises MissUnsure instead of returning None."""
         stop = len(self.tiers) if stop is None else stop
         prepared = start > 0
+        asked: list[str] = []
+        unavailable: list[TierUnavailable] = []
         for index in range(start, stop):
             tier = self.tiers[index]
-            found = await tier.lookup(query)
+            try:
+                found = await tier.lookup(query)
+            except TierUnavailable as exc:
+                unavailable.append(exc)
+                found = None
+            else:
+                asked.append(tier.name)
             if found is None:
                 if not prepared:
                     # Past the first (in-process) tier: the later tiers' own work overlaps the
@@ -279,6 +329,8 @@ class TierCascade:
             return hit
         if stop == len(self.tiers):
             self.metrics.misses += 1
+        if sure and unavailable:
+            raise MissUnsure(asked, unavailable)
         return None
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
@@ -289,28 +341,39 @@ class TierCascade:
     async def invalidate(
         self, namespace: str, model: str, entry: bytes | None = None
     ) -> dict[str, int]:
-        """Removed entries per tier. Every tier is tried; the first failure is raised after.
-        The first tier (L1) is dropped first, so it stops answering at once, and again once the
-        others are: a lookup that read Redis before its (unbounded) unlink, and ended after L1's
-        hold, may have put a copy back."""
+        """Removed entries per tier. Every tier is tried, and the other gateways told, even when
+        one fails; then InvalidationIncomplete says which tiers were invalidated, which not and
+        why. The first tier (L1) is dropped first, so it stops answering at once, and again once
+        the others are: a lookup that read Redis before its unlink, and ended after L1's hold,
+        may have put a copy back."""
         removed: dict[str, int] = {}
-        failure: Exception | None = None
+        failed: dict[str, str] = {}
         again = self.tiers[:1] if len(self.tiers) > 1 else ()
         for tier in (*self.tiers, *again):
             try:
                 dropped = await tier.invalidate(namespace, model, entry)
-                removed[tier.name] = removed.get(tier.name, 0) + dropped
             except Exception as exc:  # Redis down: the other tiers are still dropped
-                failure = failure or exc
+                failed.setdefault(tier.name, str(exc) or type(exc).__name__)
+            else:
+                removed[tier.name] = removed.get(tier.name, 0) + dropped
+        untold = ""
         if self.feed is not None:
             try:
                 await self.feed.publish(namespace, model, entry)
             except Exception as exc:
-                failure = failure or exc
+                untold = str(exc) or type(exc).__name__
         which = "" if entry is None else f" entry={entry.hex()}"
+        if failed or untold:
+            incomplete = InvalidationIncomplete(removed, failed, untold)
+            log.warning(
+                "invalidation of namespace=%r model=%r%s incomplete: %s",
+                namespace,
+                model,
+                which,
+                incomplete,
+            )
+            raise incomplete
         log.info("invalidated namespace=%r model=%r%s: %s", namespace, model, which, removed)
-        if failure is not None:
-            raise failure
         return removed
 
     def counters(self) -> dict[str, int]:

@@ -61,7 +61,7 @@ from appliance.backends.base import BackendError, GenerationRequest
 from appliance.cache.keys import ModelIdentity, SamplingKey, cache_key, is_deterministic
 from appliance.cache.policy import CachePlan, CachePolicy, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
-from appliance.cache.tiers import CacheQuery, Hit, TierCascade
+from appliance.cache.tiers import CacheQuery, Hit, MissUnsure, TierCascade
 from appliance.gateway.admission import Admission
 from appliance.gateway.call_reader import CallReader
 from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
@@ -405,7 +405,11 @@ class Pipeline:
         which must not generate): a miss there leaves the rest Undecided."""
         assert self.cache is not None
         split = len(self.cache.tiers) if cache_plan.only else self.cache.split(query)
-        hit = await self.cache.lookup(query, stop=split)
+        try:  # ONLY: a miss with a tier not asked (Redis failing) is no NOT_FOUND
+            hit = await self.cache.lookup(query, stop=split, sure=cache_plan.only)
+        except MissUnsure as exc:
+            retry_ms = max(UNAVAILABLE_RETRY_MS, round(exc.retry_after_s * 1000))
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, str(exc), retry_ms) from None
         if hit is None and split < len(self.cache.tiers):
             return Undecided(query, split)
         if hit is None and cache_plan.only:

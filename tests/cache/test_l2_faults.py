@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.l2 import RedisSettings, RedisTier
+from appliance.cache.tiers import TierUnavailable
 from tests.cache.redis_server import RedisServer
 
 MAC_KEY = b"test-cache-mac-key-0123456789abc"
@@ -98,6 +100,29 @@ async def test_entries_sealed_with_another_secret_are_misses_said_once(
     assert tier.counters()["l2_forged_entries"] == len(keys)
     [line] = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
     assert "mac_key_file" in line
+
+
+async def test_an_invalidation_of_a_stalled_redis_fails_within_the_time_budget_saying_why(
+    redis_server: RedisServer,
+) -> None:
+    """Each SCAN and UNLINK of an invalidation has the tier's time budget, as a lookup has: a
+    stalled Redis is a failure the operator is told of, not a call that never ends."""
+    redis_server.client().flushall()
+    tier = RedisTier(RedisSettings(url=redis_server.url, timeout_ms=100.0, mac_key=MAC_KEY))
+    try:
+        assert await tier.put("ns", "m", KEY, ANSWER)
+        redis_server.pause()
+        try:
+            async with asyncio.timeout(30):  # a hang fails here, not the suite
+                with pytest.raises(TierUnavailable) as err:
+                    await tier.invalidate("ns", "")
+        finally:
+            redis_server.resume()
+        assert str(err.value) == "tier l2 (redis) SCAN took longer than its 100 ms time budget"
+        assert tier.counters()["l2_timeouts"] == 1
+        assert await tier.invalidate("ns", "") == 1  # Redis answers again: done
+    finally:
+        await tier.close()
 
 
 @pytest.mark.parametrize("password", [None, "not-the-password"])
