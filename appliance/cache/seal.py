@@ -5,15 +5,22 @@ entry written there by anything but a gateway (or moved to another tenant's key)
 Each value is stored as TAG || BODY with TAG = BLAKE2b-128(len(key) || key || BODY) keyed with a
 secret every gateway of the appliance shares (`[cache.redis] mac_key_file`). A value whose tag does
 not verify is a counted miss (`l2_forged_entries`), never an answer.
+
+A message on a Redis stream is sealed the same way, the stream's name standing for the key and the
+BODY being its fields but the tag, by name, each name and value length-prefixed; the tag is the
+field `tag` (hex), so a reader that does not check it reads the other fields as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 
 TAG_BYTES = 16
 _PERSON = b"appliance-l2-v1"
+# The field of a stream message that holds its tag.
+MESSAGE_TAG = b"tag"
 
 
 class Sealer:
@@ -43,3 +50,26 @@ class Sealer:
         if not hmac.compare_digest(value[:TAG_BYTES], self._tag(redis_key, body)):
             return None
         return body
+
+    def seal_message(self, stream: str, fields: Mapping[str, str]) -> dict[str, str]:
+        """The fields of a message for `stream`, with its tag added."""
+        body = _fields({k.encode(): v.encode() for k, v in fields.items()})
+        return {**fields, MESSAGE_TAG.decode(): self._tag(stream.encode(), body).hex()}
+
+    def opens_message(self, stream: str, fields: Mapping[bytes, bytes]) -> bool:
+        """Whether a message read from `stream` carries the tag of its other fields."""
+        try:
+            tag = bytes.fromhex(fields[MESSAGE_TAG].decode("ascii"))
+        except (KeyError, UnicodeDecodeError, ValueError):
+            return False
+        body = _fields({k: v for k, v in fields.items() if k != MESSAGE_TAG})
+        return hmac.compare_digest(tag, self._tag(stream.encode(), body))
+
+
+def _fields(fields: Mapping[bytes, bytes]) -> bytes:
+    """Fields by name, each name and value prefixed by its length: one encoding per message."""
+    parts = []
+    for name in sorted(fields):
+        for part in (name, fields[name]):
+            parts += [len(part).to_bytes(4, "little"), part]
+    return b"".join(parts)

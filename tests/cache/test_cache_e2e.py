@@ -8,6 +8,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -16,6 +17,7 @@ import pytest
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.invalidation_feed import InvalidationFeed
 from appliance.cache.l2 import RedisSettings, RedisTier
+from appliance.cache.seal import Sealer
 from appliance.config import CacheConfig, HttpConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.models import load_models
@@ -558,6 +560,76 @@ async def test_a_gateway_listening_before_its_follower_read_the_stream_empties_l
     finally:
         await late.close()
         await timely.close()
+
+
+async def test_invalidations_without_the_gateways_mac_are_dropped_counted_and_said_once(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever can write to Redis cannot empty a gateway's L1: a message without a tag (what
+    a gateway of an older version sends too), one sealed with another secret, a replay of a
+    sealed one and one sealed long before Redis appended it are dropped, counted and logged
+    once; the gateways' own messages apply."""
+    settings = feed_settings(redis_server)
+    applied: list[str] = []
+    follower = InvalidationFeed(settings, recorder(applied))
+    publisher = InvalidationFeed(settings, recorder([]))
+    stranger = InvalidationFeed(
+        dataclasses.replace(settings, mac_key=b"another-gateways-secret-0123456"), recorder([])
+    )
+    client = redis_server.client()
+    stream = follower.stream
+    stale = Sealer(MAC_KEY).seal_message(
+        stream,
+        {"ns": "stale", "model": "", "entry": "", "from": "gone", "seq": "1", "at": "1000"},
+    )
+    try:
+        await follower.start()
+        with caplog.at_level(logging.WARNING, logger="appliance.cache.invalidation_feed"):
+            client.xadd(stream, {"ns": "", "model": "", "entry": "", "from": "an-old-gateway"})
+            await stranger.publish("", "", None)
+            await publisher.publish("first", "", None)
+            last: Any = client.xrevrange(stream, count=1)
+            client.xadd(stream, last[0][1])  # the same message again
+            client.xadd(stream, stale)  # type: ignore[arg-type]
+            await publisher.publish("second", "", None)
+            await until_async(lambda: "second" in applied, lambda: f"applied {applied}", 20.0)
+    finally:
+        for feed in (follower, publisher, stranger):
+            await feed.close()
+    assert applied == ["first", "second"]
+    assert follower.counters()["l1_feed_refused_messages"] == 4
+    [line] = [
+        r.getMessage() for r in caplog.records if r.name == "appliance.cache.invalidation_feed"
+    ]
+    assert "it carries no tag" in line and "mac_key_file" in line
+
+
+async def test_a_feed_without_a_mac_key_applies_sealed_and_unsealed_messages(
+    redis_server: RedisServer,
+) -> None:
+    """Without a key the feed works as it did before messages were sealed; a sealed message
+    is read as before by such a feed, as by a gateway of an older version."""
+    settings = feed_settings(redis_server)
+    keyless = dataclasses.replace(settings, mac_key=None)
+    applied: list[str] = []
+    follower = InvalidationFeed(keyless, recorder(applied))
+    sealed, unsealed = (
+        InvalidationFeed(settings, recorder([])),
+        InvalidationFeed(keyless, recorder([])),
+    )
+    try:
+        await follower.start()
+        await sealed.publish("sealed", "", None)
+        await unsealed.publish("unsealed", "", None)
+        redis_server.client().xadd(
+            follower.stream, {"ns": "old", "model": "", "entry": "", "from": "o"}
+        )
+        await until_async(lambda: len(applied) == 3, lambda: f"applied {applied}", 20.0)
+    finally:
+        for feed in (follower, sealed, unsealed):
+            await feed.close()
+    assert applied == ["sealed", "unsealed", "old"]
+    assert follower.counters()["l1_feed_refused_messages"] == 0
 
 
 async def test_redis_killed_mid_load_and_restarted(

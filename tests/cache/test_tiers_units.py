@@ -143,7 +143,7 @@ async def test_the_other_gateways_hear_of_an_invalidation_after_every_tier_dropp
     L1 is dropped again last, for the copies its own lookups made during a slow unlink."""
     calls: list[str] = []
     tiers = [Recorded(name, calls) for name in ("l1", "l2", "semantic")]
-    feed = InvalidationFeed(RedisSettings(mac_key=b"k"), lambda *_: 0)
+    feed = InvalidationFeed(RedisSettings(), lambda *_: 0)
 
     async def publish(namespace: str, model: str, entry: bytes | None) -> None:
         calls.append(f"announced {namespace}")
@@ -160,17 +160,22 @@ def test_the_feed_applies_other_gateways_messages_and_skips_bad_ones() -> None:
         applied.append((namespace, model, entry))
         return 0
 
-    feed = InvalidationFeed(RedisSettings(mac_key=b"k"), apply)  # connects only when used
+    # Without a MAC key (sealed messages: test_cache_e2e.py); connects only when used.
+    feed = InvalidationFeed(RedisSettings(), apply)
     key = bytes(range(16))
-    feed._message({b"ns": b"team", b"model": b"", b"entry": key.hex().encode(), b"from": b"x"})
-    feed._message({b"ns": b"", b"model": b"m", b"entry": b"", b"from": b"x"})
-    feed._message({b"ns": b"own", b"model": b"", b"entry": b"", b"from": feed.origin.encode()})
+    feed._message(
+        b"1-0", {b"ns": b"team", b"model": b"", b"entry": key.hex().encode(), b"from": b"x"}
+    )
+    feed._message(b"1-0", {b"ns": b"", b"model": b"m", b"entry": b"", b"from": b"x"})
+    feed._message(
+        b"1-0", {b"ns": b"own", b"model": b"", b"entry": b"", b"from": feed.origin.encode()}
+    )
     for bad in (
         {b"ns": b"team", b"model": b"", b"entry": b"not hex"},
         {b"ns": b"\xff", b"model": b"", b"entry": b""},
         {b"model": b"m"},
     ):
-        feed._message(bad)
+        feed._message(b"1-0", bad)
     assert applied == [("team", "", key), ("", "m", None)]
     counters = feed.counters()
     assert (counters["l1_peer_invalidations"], counters["l1_feed_corrupt_messages"]) == (2, 3)
@@ -185,7 +190,7 @@ def test_a_follower_that_may_have_lost_messages_to_trimming_empties_l1() -> None
         applied.append(namespace or "everything")
         return 0
 
-    feed = InvalidationFeed(RedisSettings(mac_key=b"k"), apply)
+    feed = InvalidationFeed(RedisSettings(), apply)
     message = {b"ns": b"team", b"model": b"", b"entry": b"", b"from": b"x"}
     short = [(f"1-{n}".encode(), message) for n in range(MAX_LEN - 1)]
     assert feed._batch(short) == f"1-{MAX_LEN - 2}"
