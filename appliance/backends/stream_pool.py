@@ -7,9 +7,10 @@ stream afterwards; a request that ends any other way (cancelled, failed, out of 
 down with it. One request per stream also keeps an in-band error attributable: Triton clears the id
 of an error the backend reports, so on a stream shared by several requests it would name none.
 
-An open stream holds the server's graceful stop: Triton waits for its streams to close (up to its
-exit timeout) and our engine server for its stop grace. So a stream is kept for `idle_s` at most, and
-the owner closes every kept stream as soon as the server stops answering readiness checks.
+An open stream holds Triton's graceful stop: Triton waits for its streams to close, idle ones too (up
+to its exit timeout); our engine server ends an idle stream at once. So a stream is kept for `idle_s`
+at most, and the owner closes every kept stream as soon as the server stops answering readiness
+checks.
 """
 
 from __future__ import annotations
