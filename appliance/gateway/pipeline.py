@@ -116,6 +116,11 @@ STOPPING = "the gateway is shutting down; retry on another gateway"
 DEADLINE_SLACK_NS = 1_000_000
 
 
+def stopping() -> RequestError:
+    """The refusal of a request the stopping gateway will not answer (sent nothing yet)."""
+    return RequestError(grpc.StatusCode.UNAVAILABLE, STOPPING, UNAVAILABLE_RETRY_MS)
+
+
 def keyed_by(query: CacheQuery, produced_by: ModelIdentity) -> CacheQuery:
     """The query an answer is cached under: another model's answer (a fallback's) is keyed by that
     model's identity, so the requested model's key never returns it."""
@@ -224,6 +229,8 @@ class Pipeline:
         self._engine_ids = (f"{prefix}-{n}" for n in itertools.count())
         self._tokenizers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.draining = False
+        # Done once the drain's grace is over: the waits for a tokenizer thread end then.
+        self._grace_over: asyncio.Future[None] | None = None
         # Requests being answered, by requested model (read by the metrics collector).
         self.in_flight: dict[str, int] = dict.fromkeys(models, 0)
 
@@ -553,22 +560,34 @@ class Pipeline:
         self, model: ServedModel, checked: CheckedRequest, expires: float
     ) -> PreparedRequest:
         """The request's token ids; a long input is tokenized on a worker thread, and its wait
-        for one ends at the request's deadline (`expires`, time.monotonic())."""
+        for one ends at the request's deadline (`expires`, time.monotonic()) or when the drain's
+        grace is over (refused like every request still waiting then: a retry hint)."""
         chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
         if chars <= INLINE_CHARS:
             return tokenize(checked, model.text, model.limits)
+        if self.draining:
+            raise stopping()
         loop = asyncio.get_running_loop()
+        if self._grace_over is None:
+            self._grace_over = loop.create_future()
+        work = loop.run_in_executor(self._tokenizers, tokenize, checked, model.text, model.limits)
         try:
             async with asyncio.timeout_at(self._loop_time(expires)):
-                return await loop.run_in_executor(
-                    self._tokenizers, tokenize, checked, model.text, model.limits
-                )
+                await asyncio.wait((work, self._grace_over), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise stopping()
+            return work.result()
         except TimeoutError:
             raise RequestError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no complete answer from model '{model.name}' within the deadline (the prompt "
                 "was still waiting to be tokenized); give the request a longer deadline",
             ) from None
+        finally:
+            # Not waited for any more: a tokenizing not begun never starts; an error it ended
+            # with meanwhile is not logged as never retrieved.
+            if not work.cancel() and not work.cancelled():
+                work.exception()
 
     def single_flight(
         self,
@@ -725,9 +744,7 @@ class Pipeline:
             if not (self.draining and exc.code == grpc.StatusCode.CANCELLED):
                 raise RequestError(exc.code, exc.message) from None
             if not first:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, STOPPING, UNAVAILABLE_RETRY_MS
-                ) from None
+                raise stopping() from None
             report.finish_reason = "cancelled"
             report.prompt_tokens = generation.prompt_tokens
             report.completion_tokens = sent
@@ -789,10 +806,13 @@ class Pipeline:
         self.sink.report(report)
 
     def end_generations(self) -> None:
-        """The drain's grace is over: requests waiting for the engine are refused (before any
-        text, with a retry hint), none starts from now on, and every generation under way is
-        cancelled: its clients get a final message counting what they were sent."""
+        """The drain's grace is over: requests waiting for a tokenizer thread or for the engine
+        are refused (before any text, with a retry hint), none starts from now on, and every
+        generation under way is cancelled: its clients get a final message counting what they
+        were sent."""
         self.draining = True
+        if self._grace_over is not None and not self._grace_over.done():
+            self._grace_over.set_result(None)
         self.admission.close(STOPPING, UNAVAILABLE_RETRY_MS)
         for model in self.models.values():
             model.backend.cancel_all()

@@ -1,0 +1,69 @@
+"""The drain's grace ends for requests still waiting for a tokenizer thread as for those waiting for
+the engine: refused with UNAVAILABLE (HTTP 503) and the retry hint of every drain refusal, for each
+front end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import grpc
+import pytest
+
+from appliance.gateway.models import load_models
+from appliance.gateway.pipeline import STOPPING, UNAVAILABLE_RETRY_MS
+from appliance.gateway.server import start_server
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Engine, Tiny
+from tests.gateway.test_client_deadlines import BYPASS
+from tests.gateway.test_http_api import _config, _post
+from tests.support import until_async
+
+LONG = "word " * 2000  # tokenized on a worker thread
+
+
+async def test_a_request_waiting_for_a_tokenizer_when_the_grace_ends_gets_a_retry_hint(
+    tiny: Tiny, engine: Engine
+) -> None:
+    running = await start_server(
+        _config(tiny, engine.address), await load_models(_config(tiny, engine.address))
+    )
+    busy = threading.Event()
+    pool = running.pipeline._tokenizers
+    held = [pool.submit(busy.wait) for _ in range(pool._max_workers)]
+    body = {
+        "model": "tiny",
+        "prompt": LONG,
+        "max_tokens": 4,
+        "appliance": {"cache_policy": "bypass"},
+    }
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            call = pb_grpc.InferenceStub(channel).Complete(
+                pb.GenerateRequest(model="tiny", prompt=LONG, max_tokens=4, cache_policy=BYPASS),
+                timeout=60,
+            )
+            posting = asyncio.ensure_future(
+                _post(running, "/v1/completions", json.dumps(body).encode())
+            )
+            await until_async(
+                lambda: pool._work_queue.qsize() == 2, "the requests never waited for a thread"
+            )
+            draining = asyncio.ensure_future(running.drain(0.05))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            status, headers, reply = await posting
+    finally:
+        busy.set()
+        await asyncio.gather(*(asyncio.wrap_future(h) for h in held))
+    await draining
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    assert refused.value.details() == STOPPING
+    trailers = dict(refused.value.trailing_metadata() or ())
+    assert trailers["grpc-retry-pushback-ms"] == str(UNAVAILABLE_RETRY_MS)
+    assert status == 503, reply
+    assert reply["error"]["message"] == STOPPING
+    assert headers["retry-after-ms"] == str(UNAVAILABLE_RETRY_MS)
+    assert running.pipeline.in_flight == {"tiny": 0}
