@@ -40,7 +40,7 @@ from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta, TokenLogprob
 from appliance.gateway.health import health_name
-from appliance.gateway.pipeline import Pipeline
+from appliance.gateway.pipeline import Pipeline, stopping
 from appliance.gateway.reply import Reply
 from appliance.gateway.request import echo, new_request_id, valid_request_id
 from appliance.logline import Throttled
@@ -341,10 +341,10 @@ class HttpApi:
     # -- generation -------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        if self.draining:
-            return error_response(
-                wire.HttpError(503, "service_unavailable_error", "the gateway is shutting down")
-            )
+        if self.draining:  # refused like every request the drain turns away: a retry hint
+            refusal = stopping()
+            self.pipeline.refused("http", refusal.code.name, time.monotonic_ns())
+            return error_response(wire.error_of(refusal), refusal.retry_after_ms)
         self._active += 1
         self._idle.clear()
         received = time.monotonic_ns()

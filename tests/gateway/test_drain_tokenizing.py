@@ -1,6 +1,6 @@
 """The drain's grace ends for requests still waiting for a tokenizer thread as for those waiting for
 the engine: refused with UNAVAILABLE (HTTP 503) and the retry hint of every drain refusal, for each
-front end."""
+front end; and a request that reaches the HTTP edge while it drains is refused the same way."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 
+import aiohttp
 import grpc
 import pytest
 
@@ -19,6 +20,7 @@ from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
 from tests.gateway.test_client_deadlines import BYPASS
 from tests.gateway.test_http_api import _config, _post
+from tests.gateway.test_inprocess import RecordingSink
 from tests.support import until_async
 
 LONG = "word " * 2000  # tokenized on a worker thread
@@ -67,3 +69,45 @@ async def test_a_request_waiting_for_a_tokenizer_when_the_grace_ends_gets_a_retr
     assert reply["error"]["message"] == STOPPING
     assert headers["retry-after-ms"] == str(UNAVAILABLE_RETRY_MS)
     assert running.pipeline.in_flight == {"tiny": 0}
+
+
+async def test_a_request_on_an_open_http_connection_during_the_drain_gets_a_retry_hint(
+    tiny: Tiny, engine: Engine
+) -> None:
+    config = _config(tiny, engine.address)
+    sink = RecordingSink()
+    running = await start_server(config, await load_models(config), sink)
+    assert running.http is not None
+    # The drain lasts while a request waits for a tokenizer thread the test holds.
+    busy = threading.Event()
+    pool = running.pipeline._tokenizers
+    held = [pool.submit(busy.wait) for _ in range(pool._max_workers)]
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+    draining = None
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{running.http.port}"
+            async with session.get(f"{url}/v1/models") as r:  # the connection stays open
+                assert r.status == 200
+            waiting = asyncio.ensure_future(
+                _post(running, "/v1/completions", json.dumps({**body, "prompt": LONG}).encode())
+            )
+            await until_async(lambda: pool._work_queue.qsize() == 1, "it never waited")
+            draining = asyncio.ensure_future(running.drain(30))
+            await until_async(lambda: running.http is not None and running.http.draining)
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                status, headers, reply = r.status, r.headers, await r.json()
+            busy.set()
+            answered, _, answer = await waiting
+    finally:
+        busy.set()
+        await asyncio.gather(*(asyncio.wrap_future(h) for h in held))
+        if draining is not None:
+            await draining
+    assert answered == 200, answer
+    assert status == 503, reply
+    assert reply["error"]["message"] == STOPPING
+    assert headers["retry-after-ms"] == str(UNAVAILABLE_RETRY_MS)
+    assert headers["retry-after"] == str(UNAVAILABLE_RETRY_MS // 1000)
+    # Counted in the metrics and the access log like any refusal.
+    assert sorted(r.status for r in sink.reports) == ["OK", "UNAVAILABLE"]
