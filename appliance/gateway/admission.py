@@ -34,6 +34,12 @@ import grpc
 from appliance.gateway.errors import RequestError
 
 
+class OverBudget(RequestError):
+    """A refusal that judged the request's own time-to-first-token budget (another request for
+    the same answer, with a budget of its own, may still be admitted); the refusals that apply to
+    every request alike (a full line, a closed gate) are plain RequestErrors."""
+
+
 class Ticket(Protocol):
     def first_token(self) -> None:
         """The generation's first token arrived (feeds the prefill estimate)."""
@@ -257,6 +263,7 @@ class ModelGate:
                 f"({len(self.running) + len(self.waiting)} requests ahead) exceeds this "
                 f"request's budget of {budget_ms:.0f} ms",
                 now + ttft - first_token_by,
+                OverBudget,
             )
         work.ticket = asyncio.get_running_loop().create_future()
         self.waiting.append(work)
@@ -287,6 +294,7 @@ class ModelGate:
         return self._busy(
             f"model '{self.name}' is busy: waited {waited * 1000:.0f} ms for the engine and {why}",
             max(self.estimated_wait(now), waited),
+            OverBudget,
         )
 
     def _abandon(self, work: _Work) -> None:
@@ -329,8 +337,10 @@ class ModelGate:
                 work.ticket.set_exception(_closed_error(self.closed))
 
     @staticmethod
-    def _busy(message: str, retry_after_s: float) -> RequestError:
-        return RequestError(
+    def _busy(
+        message: str, retry_after_s: float, kind: type[RequestError] = RequestError
+    ) -> RequestError:
+        return kind(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             message,
             retry_after_ms=max(1, round(retry_after_s * 1000)),

@@ -26,8 +26,9 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
   generation runs in its own task and records its events, so a client that reads slowly never holds
   the engine: the engine is drained at its own speed (memory is bounded by max_tokens).
 - admission: the generation asks for a slot at the engine before it starts and frees it when it ends
-  (a follower rides on its leader's slot; a flight refused before it started was judged by its
-  leader's budgets, so its followers ask again with their own); the engine stage streams token ids
+  (a follower rides on its leader's slot; a flight refused before it started by its leader's
+  budgets has its followers ask again with their own, any other refusal is theirs as it is: a
+  full line refuses them all with one admission); the engine stage streams token ids
   from the model's Backend, decodes them (generation.py) and tells the model's breaker how the
   engine did (judged by the model's TTFT budget, never a client's).
 - deliver: events become this client's replies with this client's timings, within its deadline
@@ -62,7 +63,7 @@ from appliance.cache.keys import ModelIdentity, SamplingKey, cache_key, is_deter
 from appliance.cache.policy import CachePlan, CachePolicy, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, Hit, MissUnsure, TierCascade
-from appliance.gateway.admission import Admission
+from appliance.gateway.admission import Admission, OverBudget
 from appliance.gateway.call_reader import CallReader
 from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.generation import Delta, Event, Outcome, Started, answer_of, generate
@@ -517,12 +518,13 @@ class Pipeline:
     @staticmethod
     def refused_for_its_leader(generation: Generation, exc: RequestError, budget: Budget) -> bool:
         """Whether admission refused a flight this request only followed, before the engine
-        started it: admission judged the leader's budgets (its TTFT budget, its deadline), and
-        this request's own may still be met by a generation of its own."""
+        started it, by the leader's own budget (its TTFT budget, its deadline): this request's
+        own may still be met by a generation of its own. A refusal that applies to every request
+        alike (a full line, an open breaker, a stopping gateway) is this request's too."""
         return (
             generation.follows
             and exc is generation.flight.error
-            and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and isinstance(exc, OverBudget)
             and not generation.flight.events  # admitted: its first event is Started
             and time.monotonic() < budget.first_token_by
         )
@@ -702,7 +704,8 @@ class Pipeline:
         """Events as this client's replies, within its deadline; the report gets its timings.
         A generation the drain cancels ends with a final message that counts what this client was
         sent, or, when it was sent nothing yet, with a refusal it may retry elsewhere."""
-        if generation.follows and self.cache is not None:
+        if generation.follows and not report.followed and self.cache is not None:
+            report.followed = True  # once, however many flights it follows
             self.cache.metrics.single_flight_followers += 1
         started = generation.since_ns
         first = last = 0

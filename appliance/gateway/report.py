@@ -36,6 +36,8 @@ class RequestReport:
     # "shared" (others follow it), "ended" (finished or failed before the hit), "failed" (it could
     # not start). "" when no lookup overlapped.
     overlap: str = ""
+    # It followed a generation another request led (a single-flight follower).
+    followed: bool = False
     # gRPC status name the request ended with: "OK", "INVALID_ARGUMENT", "CANCELLED", ...
     status: str = "OK"
     # "stop", "length", "cancelled", or "" when the request failed.

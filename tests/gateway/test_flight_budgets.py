@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from appliance.gateway.admission import GatedAdmission, Ticket
 from appliance.gateway.models import load_models
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.server import RunningGateway, start_server
@@ -51,18 +52,101 @@ async def test_a_follower_is_not_refused_for_its_leaders_ttft_budget(
         leader = stub.Complete(pb.GenerateRequest(**ask, ttft_budget_ms=300))  # type: ignore[arg-type]
         await until_async(lambda: len(pipeline.flights) == 1, "no flight started", 10.0, 0.01)
         joined = pipeline.flights.joined
-        follower = asyncio.ensure_future(
-            stub.Complete(pb.GenerateRequest(**ask), timeout=60)  # type: ignore[arg-type]
-        )
+        followers = [
+            asyncio.ensure_future(
+                stub.Complete(pb.GenerateRequest(**ask), timeout=60)  # type: ignore[arg-type]
+            )
+            for _ in range(2)
+        ]
         await until_async(
-            lambda: pipeline.flights.joined > joined, "the follower never joined", 10.0, 0.01
+            lambda: pipeline.flights.joined == joined + 2, "the followers never joined", 10.0, 0.01
         )
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await leader
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # The leader's budget has passed; the follower, which set none, is still in line.
-        assert not follower.done()
+        # The leader's budget has passed; the followers, which set none, are still in line.
+        assert not any(f.done() for f in followers)
         blocker.cancel()
-        answer = await follower
-    assert answer.final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
-    assert answer.final.cache_tier == pb.CACHE_TIER_MISS
+        answers = await asyncio.gather(*followers)
+    for answer in answers:
+        assert answer.final.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert answer.final.cache_tier == pb.CACHE_TIER_MISS
+    # Each follower counts once, however many flights it followed.
+    assert pipeline.cache is not None
+    assert pipeline.cache.metrics.single_flight_followers == 2
+
+
+@pytest.fixture
+async def no_queue(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+    """A gateway with L1 only, one generation at the engine at a time and nobody waiting."""
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        engine.address,
+        cache=cache_config(None),
+        max_in_flight=1,
+        max_queue=0,
+    )
+    running = await start_server(config, await load_models(config))
+    yield running
+    await running.drain(0.2)
+
+
+FOLLOWERS = 3
+
+
+async def test_a_refusal_for_any_request_reaches_each_follower_once(
+    no_queue: RunningGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline: Pipeline = no_queue.service.pipeline
+    admission = pipeline.admission
+    assert isinstance(admission, GatedAdmission)
+    gate = admission.gates["tiny"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{no_queue.port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        blocker = stub.Generate(
+            pb.GenerateRequest(
+                model="tiny",
+                prompt="Tell me everything",
+                max_tokens=1500,
+                temperature=0,
+                cache_policy=pb.CACHE_POLICY_BYPASS,
+            )
+        )
+        await blocker.read()  # it holds the only slot
+        # The leader's flight asks the gate once every follower has joined it.
+        asked: list[str] = []
+        joined = asyncio.Event()
+        admit = admission.admit
+
+        async def admit_when_joined(
+            model: str, prompt_tokens: int, max_tokens: int, first_token_by: float | None
+        ) -> Ticket:
+            asked.append(model)
+            await joined.wait()
+            return await admit(model, prompt_tokens, max_tokens, first_token_by)
+
+        monkeypatch.setattr(admission, "admit", admit_when_joined)
+        ask = pb.GenerateRequest(model="tiny", prompt="a full line", max_tokens=8, temperature=0)
+        before = pipeline.flights.joined
+        leader = asyncio.ensure_future(stub.Complete(ask, timeout=60))
+        await until_async(lambda: asked, "the flight never asked for a slot", 10.0, 0.01)
+        followers = [
+            asyncio.ensure_future(stub.Complete(ask, timeout=60)) for _ in range(FOLLOWERS)
+        ]
+        await until_async(
+            lambda: pipeline.flights.joined == before + FOLLOWERS, "never joined", 10.0, 0.01
+        )
+        joined.set()
+        ended = await asyncio.gather(leader, *followers, return_exceptions=True)
+        blocker.cancel()
+    assert all(isinstance(e, grpc.aio.AioRpcError) for e in ended), ended
+    errors = [e for e in ended if isinstance(e, grpc.aio.AioRpcError)]
+    assert {e.code() for e in errors} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    # The same refusal, with the same retry hint, for each of them.
+    assert len({e.details() for e in errors}) == 1
+    hints = {dict(e.trailing_metadata() or ())["grpc-retry-pushback-ms"] for e in errors}
+    assert len(hints) == 1
+    # One admission, refused once; each follower counted once.
+    assert (asked, gate.refused) == (["tiny"], 1)
+    assert pipeline.cache is not None
+    assert pipeline.cache.metrics.single_flight_followers == FOLLOWERS
