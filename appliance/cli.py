@@ -4,7 +4,6 @@ bench (a load generator for any deployment)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -247,52 +246,17 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _admin_channel(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str], ...]]:
-    """The channel to the gateway (TLS when --ca-file is given) and the key's metadata. The key
-    comes from $APPLIANCE_API_KEY or --api-key-file, never the command line (which `ps` shows).
-    OSError for a file that cannot be read; ValueError, naming the option, for one that holds
-    no key, CA bundle or certificate and key."""
+    """The channel to the gateway (TLS when --ca-file is given) and the key's metadata
+    (`client.client_credentials`, whose errors it raises)."""
 
     import grpc
 
-    key = os.environ.get("APPLIANCE_API_KEY", "")
-    if args.api_key_file:
-        try:
-            key = Path(args.api_key_file).read_text(encoding="ascii").strip()
-        except UnicodeDecodeError:
-            raise ValueError(f"--api-key-file {args.api_key_file}: not an API key") from None
-    metadata = (("authorization", f"Bearer {key}"),) if key else ()
-    if not args.ca_file:
-        return grpc.insecure_channel(args.gateway), metadata
-    _check_client_tls(args.ca_file, args.cert_file, args.key_file)
-    credentials = grpc.ssl_channel_credentials(
-        Path(args.ca_file).read_bytes(),
-        Path(args.key_file).read_bytes() if args.key_file else None,
-        Path(args.cert_file).read_bytes() if args.cert_file else None,
-    )
-    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
-    return grpc.secure_channel(args.gateway, credentials, options=options), metadata
+    from appliance.client import client_credentials
 
-
-def _check_client_tls(ca_file: str, cert_file: str | None, key_file: str | None) -> None:
-    """ValueError unless the files load as a CA bundle and a certificate with its key (gRPC
-    would take any bytes and fail each connection with its own log lines)."""
-    import ssl
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        context.load_verify_locations(cafile=ca_file)
-    except ssl.SSLError:
-        raise ValueError(f"--ca-file {ca_file}: holds no PEM certificate") from None
-    if bool(cert_file) != bool(key_file):
-        raise ValueError("--cert-file and --key-file go together (mutual TLS)")
-    if cert_file and key_file:
-        try:
-            context.load_cert_chain(cert_file, key_file)
-        except ssl.SSLError:
-            raise ValueError(
-                f"--cert-file {cert_file} and --key-file {key_file}: not a PEM certificate and "
-                "its private key"
-            ) from None
+    c = client_credentials(args)
+    if c.tls is None:
+        return grpc.insecure_channel(args.gateway), c.metadata
+    return grpc.secure_channel(args.gateway, c.tls, options=c.options), c.metadata
 
 
 def _semantic_setup(args: argparse.Namespace) -> int:
@@ -335,6 +299,7 @@ def _semantic_eval(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from appliance.client import add_credential_options
     from appliance.loadgen.command import add_arguments as add_bench_arguments
 
     p = argparse.ArgumentParser(prog="appliance", description=__doc__)
@@ -505,11 +470,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--timeout", type=positive_float, default=10.0, help="seconds a call may take (default 10)"
     )
-    c.add_argument("--api-key-file", help="file holding an admin API key ($APPLIANCE_API_KEY)")
-    c.add_argument("--ca-file", help="CA bundle of the gateway's certificate: connect with TLS")
-    c.add_argument("--cert-file", help="client certificate (mutual TLS)")
-    c.add_argument("--key-file", help="client certificate's private key (mutual TLS)")
-    c.add_argument("--server-name", help="name to verify in the gateway's certificate")
+    add_credential_options(c, "an admin API key")
     csub = c.add_subparsers(dest="cache_command", required=True)
     inv = csub.add_parser("invalidate", help="drop cached answers of a namespace and/or model")
     inv.add_argument("--namespace", default="", help="tenant namespace")

@@ -7,12 +7,20 @@ A fleet of gateways is one channel (`connect_fleet`): gRPC balances requests rou
 gateway whose `appliance.v1.Inference` health is SERVING, from the service config in
 appliance/data/fleet-service-config.json (any gRPC client can use the same file), so a draining,
 dead or unready host receives no new request.
+
+The client commands (`appliance cache`, `appliance bench`) take the same credentials the same way:
+the API key from `--api-key-file` or $APPLIANCE_API_KEY, never the command line (which `ps` shows);
+TLS with `--ca-file`, mutual TLS with `--cert-file` and `--key-file` (`api_key_metadata`,
+`channel_credentials`).
 """
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import os
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +28,7 @@ from importlib import resources
 
 import grpc
 
+from appliance.security.api_keys import parse_token
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -48,14 +57,17 @@ def inter_token_latency(latency_s: float, ttft_s: float, tokens: int) -> float |
 
 
 async def generate(
-    stub: pb_grpc.InferenceStub, request: pb.GenerateRequest, timeout: float | None = 60.0
+    stub: pb_grpc.InferenceStub,
+    request: pb.GenerateRequest,
+    timeout: float | None = 60.0,
+    metadata: Metadata = (),
 ) -> StreamResult:
     """Streams one request to completion and measures it."""
     result = StreamResult()
     parts: list[str] = []
     sent = time.perf_counter()
     last = 0.0
-    async for message in stub.Generate(request, timeout=timeout):
+    async for message in stub.Generate(request, timeout=timeout, metadata=metadata):
         now = time.perf_counter()
         result.messages += 1
         result.request_id = message.request_id
@@ -72,6 +84,102 @@ async def generate(
     result.latency_s = time.perf_counter() - sent
     result.text = "".join(parts)
     return result
+
+
+Metadata = tuple[tuple[str, str], ...]
+API_KEY_ENV = "APPLIANCE_API_KEY"
+MAX_KEY_FILE_BYTES = 1024  # a key and whitespace around it; the gateway reads 128 characters
+MAX_PEM_BYTES = 4 * 2**20  # a CA bundle, a certificate chain or a private key
+
+
+def add_credential_options(p: argparse.ArgumentParser, key: str) -> None:
+    """The options of a client command's credentials (see `client_credentials`); `key` says what
+    the API key is for."""
+    p.add_argument("--api-key-file", help=f"file holding {key} ($APPLIANCE_API_KEY)")
+    p.add_argument("--ca-file", help="CA bundle of the gateway's certificate: connect with TLS")
+    p.add_argument("--cert-file", help="client certificate (mutual TLS)")
+    p.add_argument("--key-file", help="client certificate's private key (mutual TLS)")
+    p.add_argument("--server-name", help="name to verify in the gateway's certificate")
+
+
+@dataclass(frozen=True)
+class ClientCredentials:
+    """How a client command connects and presents itself to a gateway."""
+
+    tls: grpc.ChannelCredentials | None  # None: plaintext
+    mutual: bool  # a client certificate is presented
+    options: tuple[tuple[str, str], ...]  # the channel's options (the server name to verify)
+    key_id: str | None  # the API key's id (ak_ID_...; not secret), None without a key
+    metadata: Metadata = field(default=(), repr=False)  # presents the key with every call
+
+
+def client_credentials(args: argparse.Namespace) -> ClientCredentials:
+    """The credentials of `add_credential_options`' options. The key comes from --api-key-file,
+    else $APPLIANCE_API_KEY, never the command line (which `ps` shows). The files are checked
+    first (gRPC would take any bytes and fail each connection with its own log lines): OSError
+    for a file that cannot be read; ValueError naming the option for one that holds no key, CA
+    bundle or certificate and key, and for TLS options without --ca-file. No message holds the
+    key."""
+    key = _api_key(args.api_key_file)
+    parsed = parse_token(key)
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    key_id = parsed[0] if parsed else None
+    if not args.ca_file:
+        given = [o for o in ("cert_file", "key_file", "server_name") if getattr(args, o)]
+        if given:
+            option = "--" + given[0].replace("_", "-")
+            raise ValueError(f"{option}: a TLS option; give --ca-file too (connect with TLS)")
+        return ClientCredentials(None, False, (), key_id, metadata)
+    # Read first: an OSError of open() names its file (ssl's do not).
+    ca = _bounded("--ca-file", args.ca_file)
+    private_key = _bounded("--key-file", args.key_file) if args.key_file else None
+    cert = _bounded("--cert-file", args.cert_file) if args.cert_file else None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=args.ca_file)
+    except ssl.SSLError:
+        raise ValueError(f"--ca-file {args.ca_file}: holds no PEM certificate") from None
+    if bool(args.cert_file) != bool(args.key_file):
+        raise ValueError("--cert-file and --key-file go together (mutual TLS)")
+    if args.cert_file:
+        try:
+            context.load_cert_chain(args.cert_file, args.key_file)
+        except ssl.SSLError:
+            raise ValueError(
+                f"--cert-file {args.cert_file} and --key-file {args.key_file}: not a PEM "
+                "certificate and its private key"
+            ) from None
+    tls = grpc.ssl_channel_credentials(ca, private_key, cert)
+    options = (("grpc.ssl_target_name_override", args.server_name),) if args.server_name else ()
+    return ClientCredentials(tls, bool(args.cert_file), options, key_id, metadata)
+
+
+def _bounded(option: str, path: str, limit: int = MAX_PEM_BYTES) -> bytes:
+    """The file's bytes, read at most `limit` + 1 of them (a wrong path costs a bounded read)."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{option} {path}: more than {limit:,} bytes; not what {option} takes")
+    return data
+
+
+def _api_key(api_key_file: str | None) -> str:
+    """The key in `api_key_file`, else $APPLIANCE_API_KEY's, else "" (none); ValueError, naming
+    where it came from, for one that is not a key."""
+    if api_key_file:
+        where = f"--api-key-file {api_key_file}"
+        try:
+            key = _bounded("", api_key_file, MAX_KEY_FILE_BYTES).decode("ascii").strip()
+        except (ValueError, UnicodeDecodeError):  # too long, or not text: not a key
+            key = ""
+    else:
+        where = f"${API_KEY_ENV}"
+        key = os.environ.get(API_KEY_ENV, "").strip()
+        if not key:
+            return ""
+    if parse_token(key) is None or not key.isprintable() or " " in key:
+        raise ValueError(f"{where}: not an API key")
+    return key
 
 
 def connect(address: str) -> tuple[grpc.aio.Channel, pb_grpc.InferenceStub]:
