@@ -1,9 +1,9 @@
 """`appliance bench`: checks the command line, runs the sweep, prints and writes the results.
 
 Exit status: 0 done (request errors are results, counted in the tables), 1 the deployment failed
-the first request for a reason of its own or became unreachable during the run, 2 a wrong option,
-input file or address, 130 interrupted by SIGINT and 143 by SIGTERM (in these last cases what was
-measured is still printed and written).
+the first request for a reason of its own, or became unreachable or answered only UNAVAILABLE during
+the run, 2 a wrong option, input file, address or API key, 130 interrupted by SIGINT and 143 by
+SIGTERM (in the cases after the first request what was measured is still printed and written).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from appliance.client import add_credential_options
 from appliance.loadgen import report
 from appliance.loadgen.options import BenchInputError, Settings, settings
 from appliance.loadgen.progress import Progress
@@ -35,9 +36,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # Numbers are read by `options.settings`, so a malformed one is a one-line error too.
-    p.add_argument("--address", required=True, help="the deployment's gateway, HOST:PORT")
-    p.add_argument("--model", required=True, help="model name, as the deployment serves it")
+    # Numbers and the options it needs are read by `options.settings`, so a malformed or missing
+    # one is a one-line error too (argparse's refusal prints the whole usage block).
+    p.add_argument("--address", help="the deployment's gateway, HOST:PORT (required)")
+    p.add_argument("--model", help="model name, as the deployment serves it (required)")
     p.add_argument(
         "--concurrency", help="closed-loop levels: concurrent clients, e.g. 1,2,4,8 (default 1)"
     )
@@ -76,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default 1000)",
     )
     p.add_argument("--out", help="directory for bench.json, requests.csv and the PNG plots")
+    add_credential_options(p, "the API key every request presents")
 
 
 def _out_dir(path: Path | None) -> None:
@@ -144,6 +147,8 @@ def _run_info(s: Settings, outcome: SweepResult, argv: list[str]) -> dict[str, A
         "command": " ".join(["appliance", "bench", *argv]),
         "started": outcome.started.isoformat(timespec="seconds"),
         "address": s.target.address,
+        "tls": s.target.tls_mode,
+        "api_key": s.target.credentials.key_id,
         "model": s.model,
         "levels": [lv.label for lv in s.levels],
         "requests_per_level": s.requests,

@@ -12,10 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from appliance.cliargs import integer, number
+from appliance.client import ClientCredentials, client_credentials
 
 
 class BenchInputError(Exception):
     """A command-line value or input file the bench cannot use (exit status 2)."""
+
+
+PLAINTEXT = ClientCredentials(None, False, (), None)
 
 
 @dataclass(frozen=True)
@@ -37,20 +41,24 @@ class Level:
         return f"c={int(self.value)}" if self.mode == "concurrency" else f"r={self.value:g}/s"
 
 
+MAX_LENGTH = 1_000_000
+
+
 @dataclass(frozen=True)
 class Lengths:
     """A distribution of lengths (tokens): fixed, normal (mean, stddev) or uniform (low, high),
-    always drawn as whole numbers of at least 1."""
+    always drawn as whole numbers from 1 to `most`."""
 
     kind: str  # "fixed" | "normal" | "uniform"
     a: float
     b: float = 0.0
+    most: int = MAX_LENGTH
 
     def draw(self, rng: np.random.Generator) -> int:
         if self.kind == "fixed":
             return int(self.a)
         if self.kind == "normal":
-            return max(1, round(float(rng.normal(self.a, self.b))))
+            return min(self.most, max(1, round(float(rng.normal(self.a, self.b)))))
         return int(rng.integers(int(self.a), int(self.b), endpoint=True))
 
     def describe(self) -> str:
@@ -63,32 +71,32 @@ class Lengths:
 
 LENGTH_FORMS = "N, normal:MEAN,STDDEV or uniform:LOW,HIGH"
 CACHE_POLICIES = ("bypass", "default", "refresh")
-MAX_LENGTH = 1_000_000
 
 
-def parse_lengths(option: str, text: str) -> Lengths:
+def parse_lengths(option: str, text: str, most: int = MAX_LENGTH, why: str = "") -> Lengths:
+    """Lengths from 1 to `most` (`why`: the reason for that bound, said when it is exceeded)."""
     kind, _, rest = text.partition(":")
     try:
         if not rest:
             n = int(text)
-            if not 1 <= n <= MAX_LENGTH:
+            if not 1 <= n <= most:
                 raise ValueError
-            return Lengths("fixed", n)
+            return Lengths("fixed", n, most=most)
         a_text, _, b_text = rest.partition(",")
         if kind == "normal":
             mean, std = float(a_text), float(b_text)
-            if not (1 <= mean <= MAX_LENGTH and 0 <= std <= MAX_LENGTH):
+            if not (1 <= mean <= most and 0 <= std <= MAX_LENGTH):
                 raise ValueError
-            return Lengths("normal", mean, std)
+            return Lengths("normal", mean, std, most)
         if kind == "uniform":
             low, high = int(a_text), int(b_text)
-            if not 1 <= low <= high <= MAX_LENGTH:
+            if not 1 <= low <= high <= most:
                 raise ValueError
-            return Lengths("uniform", low, high)
+            return Lengths("uniform", low, high, most)
     except ValueError:
         pass
     raise BenchInputError(
-        f"{option} {text!r}: expected {LENGTH_FORMS} with lengths from 1 to {MAX_LENGTH} "
+        f"{option} {text!r}: expected {LENGTH_FORMS} with lengths from 1 to {most}{why} "
         "(and LOW <= HIGH)"
     )
 
@@ -122,10 +130,32 @@ def parse_address(text: str) -> str:
 
 @dataclass(frozen=True)
 class Target:
-    """Where the bench sends requests; the place TLS settings will go."""
+    """Where the bench sends requests, and how it connects and presents itself there."""
 
     address: str
     connect_timeout_s: float
+    credentials: ClientCredentials = PLAINTEXT
+
+    @property
+    def tls_mode(self) -> str:
+        """How it connects: "none" (plaintext), "server" (TLS) or "mutual" (TLS with a client
+        certificate)."""
+        if self.credentials.tls is None:
+            return "none"
+        return "mutual" if self.credentials.mutual else "server"
+
+
+def credentials(a: argparse.Namespace) -> ClientCredentials:
+    """The API key and TLS options (`client.add_credential_options`), checked and read."""
+    names = ("api_key_file", "ca_file", "cert_file", "key_file")
+    files = {getattr(a, name): "--" + name.replace("_", "-") for name in names}
+    try:
+        return client_credentials(a)
+    except OSError as exc:
+        option = files.get(exc.filename, "")
+        raise BenchInputError(f"{option} {exc.filename}: {exc.strerror or exc}".strip()) from None
+    except ValueError as exc:
+        raise BenchInputError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -176,10 +206,14 @@ def _numbers(a: argparse.Namespace) -> argparse.Namespace:
 def settings(a: argparse.Namespace) -> Settings:
     """Checks every option of `appliance bench` (see `command.add_arguments`); the first problem
     found is raised."""
+    from appliance.loadgen.workload import MAX_REQUEST_BYTES, MAX_SYNTHETIC_WORDS  # it imports this
+
     a = _numbers(a)
-    target = Target(parse_address(a.address), a.connect_timeout)
-    if not a.model.strip():
+    if a.address is None:
+        raise BenchInputError("--address: give the gateway's HOST:PORT, e.g. 127.0.0.1:50051")
+    if a.model is None or not a.model.strip():
         raise BenchInputError("--model: give the model name the deployment serves")
+    target = Target(parse_address(a.address), a.connect_timeout, credentials(a))
     levels = []
     if a.concurrency is not None:
         levels += parse_levels("--concurrency", a.concurrency)
@@ -224,7 +258,12 @@ def settings(a: argparse.Namespace) -> Settings:
         requests=requests,
         duration_s=duration,
         warmup=a.warmup,
-        prompt_tokens=parse_lengths("--prompt-tokens", a.prompt_tokens or "128"),
+        prompt_tokens=parse_lengths(
+            "--prompt-tokens",
+            a.prompt_tokens or "128",
+            MAX_SYNTHETIC_WORDS,
+            f" (the most words a request of {MAX_REQUEST_BYTES // 2**20} MiB carries)",
+        ),
         output_tokens=parse_lengths("--output-tokens", a.output_tokens),
         prompts_file=Path(a.prompts) if a.prompts is not None else None,
         cache_policy=a.cache_policy,

@@ -4,7 +4,9 @@ Closed loop (`concurrency N`): N clients each send their next request when the p
 ended. Open loop (`rate R`): arrivals are a Poisson process of R per second, sent whether or not
 earlier answers have ended, so a slow server meets a growing queue, as with independent users;
 the client keeps at most `--max-in-flight` of them outstanding, and counts an arrival over that
-as NOT_SENT. A target whose connection is refused or lost ends the run (`LoadRunner.lost`).
+as NOT_SENT. A target whose connection is refused or lost, or that answers UNAVAILABLE_RUN requests
+in a row with UNAVAILABLE, ends the run (`LoadRunner.lost`): nothing more is sent, and the requests
+in flight end on their own.
 """
 
 from __future__ import annotations
@@ -17,10 +19,17 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from appliance.client import generate
+from appliance.client import StreamResult, generate
 from appliance.loadgen.options import BenchInputError, Level, Settings, Target
 from appliance.loadgen.progress import Progress
-from appliance.loadgen.stats import INTERRUPTED, NO_FINAL, NOT_SENT, OK, Record
+from appliance.loadgen.stats import (
+    CANCELLED_BY_SERVER,
+    INTERRUPTED,
+    NO_FINAL,
+    NOT_SENT,
+    OK,
+    Record,
+)
 from appliance.loadgen.workload import Prompt, Workload
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -31,25 +40,62 @@ class BenchRunError(Exception):
 
 
 # Statuses of the first request that mean the command line is wrong, not the deployment.
+# Answers in a row that were UNAVAILABLE after which the run stops: the gateway answers, but what is
+# behind it (the engine) no longer does, so every further request would fail the same way at once.
+UNAVAILABLE_RUN = 20
+
 INPUT_STATUSES = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
+# What to change for a first request refused with this status.
+INPUT_HINTS = {
+    grpc.StatusCode.UNIMPLEMENTED: "nothing there serves appliance.v1.Inference: is it the gateway?",
+    grpc.StatusCode.UNAUTHENTICATED: "give the API key with --api-key-file or $APPLIANCE_API_KEY",
 }
 
 
 async def open_channel(target: Target) -> grpc.aio.Channel:
     """A channel that is connected, or BenchInputError after the connect timeout."""
-    channel = grpc.aio.insecure_channel(target.address)
+    tls = target.credentials.tls
+    if tls is None:
+        channel = grpc.aio.insecure_channel(target.address)
+    else:
+        channel = grpc.aio.secure_channel(target.address, tls, options=target.credentials.options)
     try:
         await asyncio.wait_for(channel.channel_ready(), target.connect_timeout_s)
     except TimeoutError:
         await channel.close()
-        raise BenchInputError(
-            f"--address {target.address}: nothing answered within {target.connect_timeout_s:g} s "
-            "(is the gateway running there? see --connect-timeout)"
-        ) from None
+        within = f"within {target.connect_timeout_s:g} s"
+        if not await _listening(target.address):
+            why = f"nothing answered {within} (is the gateway running there?"
+        elif tls is None:
+            why = (
+                f"a server listens but no gRPC connection came up {within} (if the gateway "
+                "serves TLS, give --ca-file;"
+            )
+        else:
+            why = (
+                f"a server listens but no TLS connection came up {within} (does --ca-file hold "
+                "the CA of its certificate, for this host name or --server-name? with mutual TLS, "
+                "give --cert-file and --key-file;"
+            )
+        raise BenchInputError(f"--address {target.address}: {why} see --connect-timeout)") from None
     return channel
+
+
+async def _listening(address: str) -> bool:
+    """Whether a TCP connection to HOST:PORT opens (something listens there)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 5)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 def _name(value: int, enum: str) -> str:
@@ -78,14 +124,29 @@ class LoadRunner:
         self.in_flight: set[asyncio.Task[object]] = set()
         self.level_done = 0
         self.level_errors = 0
-        # Why the run stopped on its own: the target became unreachable (None: it did not).
+        # Why the run stopped on its own: the target became unreachable, or answered only
+        # UNAVAILABLE (None: it did not).
         self.lost: str | None = None
+        self.unavailable_run = 0  # answers in a row that were UNAVAILABLE
+        self.cancelling = False  # interrupted: the bench cancels the requests in flight
 
     def interrupt(self) -> None:
         """Stops sending and ends the requests in flight (recorded as INTERRUPTED)."""
+        self.cancelling = True
         self.stopping.set()
         for task in self.in_flight:
             task.cancel()
+
+    def _lose(self, why: str) -> None:
+        """Stops sending because the target stopped serving; the requests in flight end on their
+        own (a gateway that drains still answers them; a lost connection fails them at once)."""
+        self.lost = why
+        self.stopping.set()
+        if self.in_flight:
+            self.progress.say(
+                f"stopped sending ({why}); waiting for the {len(self.in_flight)} requests in "
+                "flight (Ctrl-C ends them)"
+            )
 
     async def preflight(self) -> None:
         """One short request (max_tokens 1, cache bypassed): a wrong model or an API that is not
@@ -93,7 +154,7 @@ class LoadRunner:
         request = Workload(self.settings, self.prompts, len(self.settings.levels) + 1).next()
         request.max_tokens = 1
         request.cache_policy = pb.CACHE_POLICY_BYPASS
-        call = asyncio.create_task(generate(self.stub, request, timeout=self.settings.timeout_s))
+        call = asyncio.create_task(self._generate(request))
         self.in_flight.add(call)
         try:
             await call
@@ -103,13 +164,21 @@ class LoadRunner:
             # Interrupted (Ctrl-C): the sweep stops before its first level.
         except grpc.aio.AioRpcError as exc:
             line = f"{self.settings.target.address}: {exc.code().name}: {exc.details()}"
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                line += " (nothing there serves appliance.v1.Inference: is it the gateway?)"
+            if exc.code() in INPUT_HINTS:
+                line += f" ({INPUT_HINTS[exc.code()]})"
             if exc.code() in INPUT_STATUSES:
                 raise BenchInputError(line) from None
             raise BenchRunError(f"the first request failed: {line}") from None
         finally:
             self.in_flight.discard(call)
+
+    async def _generate(self, request: pb.GenerateRequest) -> StreamResult:
+        return await generate(
+            self.stub,
+            request,
+            timeout=self.settings.timeout_s,
+            metadata=self.settings.target.credentials.metadata,
+        )
 
     async def warmup(self) -> dict[str, int]:
         """`warmup` requests one after another, not recorded; returns their statuses."""
@@ -212,7 +281,7 @@ class LoadRunner:
         record = Record(level, index, time.perf_counter() - self.t0, max_tokens=request.max_tokens)
         if level != "warmup":
             self.records.append(record)
-        call = asyncio.create_task(generate(self.stub, request, timeout=self.settings.timeout_s))
+        call = asyncio.create_task(self._generate(request))
         self.in_flight.add(call)
         try:
             result = await call
@@ -222,11 +291,12 @@ class LoadRunner:
             record.status = INTERRUPTED
             return record
         except grpc.aio.AioRpcError as exc:
-            if self.stopping.is_set() and exc.code() == grpc.StatusCode.CANCELLED:
+            if self.cancelling and exc.code() == grpc.StatusCode.CANCELLED:
                 # The bench's own cancellation, seen by the RPC before the task.
                 record.status = INTERRUPTED
                 return record
             self._check_reachable(exc)
+            self._count_unavailable(exc)
             record.status = exc.code().name
             record.error = exc.details() or ""
             record.latency_s = time.perf_counter() - self.t0 - record.start_s
@@ -237,14 +307,21 @@ class LoadRunner:
             if level != "warmup":
                 self.level_done += record.status != INTERRUPTED
                 self._show()
+        self.unavailable_run = 0
         final = result.final
         record.status = OK
         if final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             # Every answer ends with a message whose `final` is set: this stream was cut short.
             record.status = NO_FINAL
             record.error = "the stream ended without its final message"
-            if level != "warmup":
-                self.level_errors += 1
+        elif final.finish_reason == pb.FINISH_REASON_CANCELLED:
+            record.status = CANCELLED_BY_SERVER
+            record.error = (
+                "the server ended the answer early (FINISH_REASON_CANCELLED), after "
+                f"{final.usage.completion_tokens} of {request.max_tokens} tokens"
+            )
+        if record.status != OK and level != "warmup":
+            self.level_errors += 1
         record.request_id = result.request_id
         record.ttft_s = result.ttft_s if result.messages and result.token_ids else None
         record.latency_s = result.latency_s
@@ -269,8 +346,21 @@ class LoadRunner:
             or self.stopping.is_set()
         ):
             return
-        self.lost = f"{self.settings.target.address} became unreachable: {exc.details()}"
-        self.interrupt()
+        self._lose(f"{self.settings.target.address} became unreachable: {exc.details()}")
+
+    def _count_unavailable(self, exc: grpc.aio.AioRpcError) -> None:
+        """UNAVAILABLE_RUN answers in a row that are UNAVAILABLE stop the run: the gateway
+        answers, but nothing behind it does (its engine is down, its breaker open)."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            self.unavailable_run = 0
+            return
+        self.unavailable_run += 1
+        if self.unavailable_run < UNAVAILABLE_RUN or self.stopping.is_set():
+            return
+        self._lose(
+            f"{self.settings.target.address}: the last {UNAVAILABLE_RUN} answers were UNAVAILABLE "
+            f"({exc.details()}): the deployment stopped serving"
+        )
 
     async def _tick(self) -> None:
         while True:

@@ -33,6 +33,9 @@ MISS = "MISS"
 # stream that ended without its final message.
 NOT_SENT = "NOT_SENT"
 NO_FINAL = "NO_FINAL"
+# An answer the server ended early (FINISH_REASON_CANCELLED, e.g. a gateway shutting down): its
+# figures are not those of a whole answer, so it counts as a failure of its own.
+CANCELLED_BY_SERVER = "CANCELLED_BY_SERVER"
 QUANTILES = (50, 90, 99)
 
 
@@ -43,7 +46,7 @@ class Record:
     level: str
     index: int
     start_s: float
-    status: str = OK  # OK, a gRPC status code name, or INTERRUPTED
+    status: str = OK  # OK, a gRPC status code name, one of the failures above, or INTERRUPTED
     error: str = ""
     request_id: str = ""
     ttft_s: float | None = None

@@ -33,6 +33,12 @@ POLICIES = {
     "refresh": pb.CACHE_POLICY_REFRESH,
 }
 MAX_PROMPT_FILE_BYTES = 256 * 2**20
+# gRPC's default limit on a message a server receives (4 MiB), which the gateway keeps; a prompt
+# leaves room in it for the request's other fields (the model's name among them).
+MAX_REQUEST_BYTES = 4 * 2**20
+MAX_PROMPT_BYTES = MAX_REQUEST_BYTES - 16 * 2**10
+# The longest synthetic prompt that fits: each word and the space after it take at most this.
+MAX_SYNTHETIC_WORDS = MAX_PROMPT_BYTES // (max(map(len, WORDS)) + 1)
 ROLES = ("system", "user", "assistant")
 
 
@@ -103,6 +109,29 @@ def _entry(where: str, line: str) -> Prompt:
     return Prompt(messages=tuple(pairs), max_tokens=max_tokens)
 
 
+def _with_input(request: pb.GenerateRequest, prompt: Prompt) -> pb.GenerateRequest:
+    """The request with the prompt's text or messages (one field, a oneof) set."""
+    if prompt.text is not None:
+        request.prompt = prompt.text
+    else:
+        request.messages.messages.extend(
+            pb.ChatMessage(role=r, content=c) for r, c in prompt.messages
+        )
+    return request
+
+
+def _check_size(where: str, prompt: Prompt) -> Prompt:
+    """The prompt, unless the request that carries it would exceed gRPC's message limit."""
+    size = _with_input(pb.GenerateRequest(), prompt).ByteSize()
+    if size > MAX_PROMPT_BYTES:
+        raise BenchInputError(
+            f"{where}: the prompt is {size / 2**20:.1f} MiB; a request carries at most "
+            f"{MAX_REQUEST_BYTES // 2**20} MiB (gRPC's default message limit, which the gateway "
+            "keeps): shorten it"
+        )
+    return prompt
+
+
 def load_prompts(path: Path) -> list[Prompt]:
     """One prompt per non-blank line, or JSONL (when the first non-blank line starts with `{`):
     objects with "prompt" or "messages" ([{"role", "content"}]) and optionally "max_tokens"."""
@@ -114,8 +143,15 @@ def load_prompts(path: Path) -> list[Prompt]:
     if not lines:
         raise BenchInputError(f"--prompts {path}: no prompts (the file is empty)")
     if lines[0][1].lstrip().startswith("{"):
-        return [_entry(f"{path}:{n}", line) for n, line in lines]
-    return [Prompt(text=line) for _, line in lines]
+        return [_check_size(f"{path}:{n}", _entry(f"{path}:{n}", line)) for n, line in lines]
+    # A line of fewer characters than a quarter of the limit fits whatever they are (UTF-8 takes
+    # at most 4 bytes a character).
+    return [
+        Prompt(text=line)
+        if len(line) <= MAX_PROMPT_BYTES // 4
+        else _check_size(f"{path}:{n}", Prompt(text=line))
+        for n, line in lines
+    ]
 
 
 class Workload:
@@ -142,12 +178,7 @@ class Workload:
             request.max_tokens = self._max_tokens(None)
         else:
             prompt = self.prompts[self.count % len(self.prompts)]
-            if prompt.text is not None:
-                request.prompt = prompt.text
-            else:
-                request.messages.messages.extend(
-                    pb.ChatMessage(role=r, content=c) for r, c in prompt.messages
-                )
+            _with_input(request, prompt)
             request.max_tokens = self._max_tokens(prompt)
         self.count += 1
         return request

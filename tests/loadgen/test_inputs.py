@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,7 +12,14 @@ import pytest
 
 from appliance import cli
 from appliance.loadgen.options import Lengths, parse_lengths
-from appliance.loadgen.workload import Workload, load_prompts
+from appliance.loadgen.workload import (
+    MAX_PROMPT_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_SYNTHETIC_WORDS,
+    WORDS,
+    Workload,
+    load_prompts,
+)
 from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 
@@ -52,6 +60,18 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--warmup", "1e3"], "--warmup: expected an integer, got 1e3"),
         (["--duration", "5s"], "--duration: expected a number, got 5s"),
         (["--connect-timeout", "soon"], "--connect-timeout: expected a number, got soon"),
+        (["--api-key-file", "/nonexistent/k"], "--api-key-file /nonexistent/k: No such file"),
+        (["--api-key-file", "/dev/zero"], "--api-key-file /dev/zero: not an API key"),
+        (["--ca-file", "/nonexistent/ca.pem"], "--ca-file /nonexistent/ca.pem: No such file"),
+        (["--ca-file", "/dev/zero"], "--ca-file /dev/zero: more than 4,194,304 bytes"),
+        (["--cert-file", "c.pem", "--key-file", "k.pem"], "--cert-file: a TLS option; give --ca"),
+        (["--server-name", "gateway"], "--server-name: a TLS option; give --ca-file too"),
+        (
+            ["--prompt-tokens", "uniform:1,1000000"],
+            f"--prompt-tokens 'uniform:1,1000000': expected N, normal:MEAN,STDDEV or "
+            f"uniform:LOW,HIGH with lengths from 1 to {MAX_SYNTHETIC_WORDS} (the most words a "
+            "request of 4 MiB carries)",
+        ),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(
@@ -193,3 +213,59 @@ def test_the_same_seed_makes_the_same_requests(tmp_path: Path) -> None:
     for r in a:
         assert 4 <= len(r.prompt.split()) <= 12
         assert r.cache_policy == pb.CACHE_POLICY_BYPASS and r.temperature == 0.0
+
+
+def test_a_prompt_over_the_grpc_message_limit_is_refused_when_the_file_is_read(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a short one\n" + "word " * (MAX_REQUEST_BYTES // 5 + 1) + "\n")
+    rc, line = bench(capsys, "--prompts", str(prompts))
+    assert rc == 2
+    assert line.startswith(f"appliance bench: {prompts}:2: the prompt is 4.0 MiB"), line
+    assert "at most 4 MiB" in line
+
+
+def test_chat_messages_over_the_grpc_message_limit_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    content = "x" * (MAX_REQUEST_BYTES // 2)
+    message = json.dumps({"role": "user", "content": content})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(f'{{"messages": [{message}, {message}]}}\n')
+    rc, line = bench(capsys, "--prompts", str(prompts))
+    assert rc == 2
+    assert line.startswith(f"appliance bench: {prompts}:1: the prompt is 4.0 MiB"), line
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing"),
+    [
+        ([], "--address"),
+        (["--address", "127.0.0.1:1"], "--model"),
+        (["--model", "m"], "--address"),
+    ],
+)
+def test_a_missing_required_option_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], missing: str
+) -> None:
+    rc = cli.main(["bench", *argv])
+    line = one_line(capsys.readouterr().err)
+    assert rc == 2
+    assert line.startswith(f"appliance bench: {missing}: "), line
+
+
+def test_a_malformed_key_in_the_environment_is_refused_without_echoing_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("APPLIANCE_API_KEY", "ak_0123456789ab secret-part")
+    rc, line = bench(capsys)
+    assert (rc, line) == (2, "appliance bench: $APPLIANCE_API_KEY: not an API key")
+
+
+def test_the_longest_synthetic_prompt_fits_a_request() -> None:
+    longest = " ".join([max(WORDS, key=len)] * MAX_SYNTHETIC_WORDS)
+    assert len(longest.encode()) <= MAX_PROMPT_BYTES
+    lengths = parse_lengths("--prompt-tokens", "normal:100,1000000", MAX_SYNTHETIC_WORDS)
+    rng = np.random.default_rng(0)
+    assert max(lengths.draw(rng) for _ in range(100)) == MAX_SYNTHETIC_WORDS

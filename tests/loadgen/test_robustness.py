@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +21,7 @@ from appliance import cli
 from appliance.loadgen import report
 from appliance.loadgen.options import settings
 from appliance.loadgen.progress import Progress
-from appliance.loadgen.runner import LoadRunner
+from appliance.loadgen.runner import UNAVAILABLE_RUN, LoadRunner
 from appliance.loadgen.stats import INTERRUPTED
 from appliance.v1 import inference_pb2 as pb
 from tests.loadgen.fakes import FakeGateway, answers_at_once, fake_gateway, final_answer
@@ -126,7 +127,7 @@ def test_a_gateway_that_goes_away_ends_the_run_with_what_was_measured(
 async def test_an_rpc_cancelled_by_the_bench_itself_is_interrupted_not_an_error() -> None:
     class CancelledStub:
         def Generate(
-            self, request: pb.GenerateRequest, timeout: float
+            self, request: pb.GenerateRequest, timeout: float, metadata: object
         ) -> AsyncIterator[pb.GenerateResponse]:
             async def stream() -> AsyncIterator[pb.GenerateResponse]:
                 raise grpc.aio.AioRpcError(
@@ -139,7 +140,7 @@ async def test_an_rpc_cancelled_by_the_bench_itself_is_interrupted_not_an_error(
     args = cli.parser().parse_args(["bench", "--address", "h:1", "--model", "m"])
     stub: Any = CancelledStub()
     runner = LoadRunner(settings(args), None, stub, Progress(sys.stderr))
-    runner.stopping.set()  # interrupted: the RPC saw the cancellation before the task
+    runner.interrupt()  # the RPC saw the cancellation before the task
     record = await runner._one("concurrency 1", 0, pb.GenerateRequest(model="m", max_tokens=4))
     assert record.status == INTERRUPTED
     assert runner.level_errors == 0
@@ -214,3 +215,110 @@ def test_ctrl_c_while_the_results_are_written_is_one_line(
         f"appliance bench: interrupted while writing the results; the files in {out} may be "
         "incomplete"
     )
+
+
+def test_an_answer_the_server_cancelled_is_counted_as_its_own_outcome(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def cancelled(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        answer = final_answer()
+        answer.final.finish_reason = pb.FINISH_REASON_CANCELLED
+        answer.final.usage.completion_tokens = 1
+        yield answer
+
+    out = tmp_path / "run"
+    with fake_gateway(cancelled) as (address, _, _):
+        rc = bench(address, out, "--requests", "3")
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "concurrency 1: 3 sent, 0 ok, 3 errors" in printed
+    assert "errors: CANCELLED_BY_SERVER 3" in printed
+    (level,) = levels(out)
+    assert (level["ok"], level["errors"]) == (0, {"CANCELLED_BY_SERVER": 3})
+    rows = json.loads((out / "bench.json").read_text())["requests"]
+    assert {(r["finish_reason"], r["output_tokens"]) for r in rows} == {("CANCELLED", 1)}
+    assert all("FINISH_REASON_CANCELLED" in r["error"] for r in rows), rows
+
+
+@pytest.mark.timeout(60)
+def test_a_deployment_answering_only_unavailable_ends_the_run_with_what_was_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    answered = 0
+    lock = threading.Lock()
+
+    def engine_gone_after_three(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        nonlocal answered
+        with lock:
+            answered += 1
+            gone = answered > 3
+        if gone:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "model 'm' is unavailable: engine down")
+        yield final_answer()
+
+    out = tmp_path / "run"
+    with fake_gateway(engine_gone_after_three) as (address, _, _):
+        rc = bench(address, out, "--concurrency", "2", "--duration", "120")
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 1
+    assert err[-1].startswith(
+        f"appliance bench: {address}: the last {UNAVAILABLE_RUN} answers were UNAVAILABLE "
+        "(model 'm' is unavailable: engine down)"
+    ), err[-1]
+    assert err[-1].endswith(f"what was measured before is printed above and written to {out}")
+    (level,) = levels(out)
+    assert level["ok"] == 3 and level["errors"]["UNAVAILABLE"] >= UNAVAILABLE_RUN
+    run = json.loads((out / "bench.json").read_text())["run"]
+    assert run["unreachable"].startswith(f"{address}: the last {UNAVAILABLE_RUN} answers")
+
+
+@pytest.mark.timeout(120)
+def test_the_answers_in_flight_when_the_gateway_goes_away_are_still_measured(
+    tmp_path: Path,
+) -> None:
+    answered = 0
+    lock = threading.Lock()
+
+    def then_draining(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        nonlocal answered
+        with lock:
+            answered += 1
+            drain = answered == 4
+        if drain:
+            # A gateway that drains: no new connection, the answers in flight still come.
+            threading.Thread(target=server.stop, args=(60,)).start()
+            fake.hold(context)
+        yield final_answer("drained" if drain else "fake")
+
+    out = tmp_path / "run"
+    with fake_gateway(then_draining) as (address, fake, server):
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "appliance", "bench", "--address", address, "--model", "m"),
+                *("--concurrency", "2", "--duration", "60", "--warmup", "0", "--out", str(out)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stderr is not None
+        try:
+            for line in proc.stderr:
+                if line.startswith("stopped sending ("):
+                    break
+            fake.released.set()  # the held answer ends now, after the bench stopped sending
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1, stderr
+    assert f"{address} became unreachable: " in stderr.splitlines()[-1]
+    (level,) = levels(out)
+    assert level["interrupted"] == 0 and set(level["errors"]) == {"UNAVAILABLE"}, level
+    rows = json.loads((out / "bench.json").read_text())["requests"]
+    assert [r["status"] for r in rows if r["request_id"] == "drained"] == ["OK"]
