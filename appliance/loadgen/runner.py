@@ -4,9 +4,9 @@ Closed loop (`concurrency N`): N clients each send their next request when the p
 ended. Open loop (`rate R`): arrivals are a Poisson process of R per second, sent whether or not
 earlier answers have ended, so a slow server meets a growing queue, as with independent users;
 the client keeps at most `--max-in-flight` of them outstanding, and counts an arrival over that
-as NOT_SENT. A target whose connection is refused or lost, or that answers UNAVAILABLE_RUN requests
-in a row with UNAVAILABLE, ends the run (`LoadRunner.lost`): nothing more is sent, and the requests
-in flight end on their own.
+as NOT_SENT. A target whose connection is refused or lost, or that answers only UNAVAILABLE for
+UNAVAILABLE_FOR_S (and UNAVAILABLE_RUN answers at least), ends the run (`LoadRunner.lost`): nothing
+more is sent, and the requests in flight end on their own.
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ class BenchRunError(Exception):
 
 
 # Statuses of the first request that mean the command line is wrong, not the deployment.
-# Answers in a row that were UNAVAILABLE after which the run stops: the gateway answers, but what is
-# behind it (the engine) no longer does, so every further request would fail the same way at once.
+# The run stops once every answer for this long, and at least this many in a row, was UNAVAILABLE:
+# the gateway answers, but what is behind it (the engine) no longer does, so every further request
+# would fail the same way at once. The time keeps a blip (an engine restart, a breaker's probe) from
+# ending a run at a high rate, where 20 answers take milliseconds.
+UNAVAILABLE_FOR_S = 3.0
 UNAVAILABLE_RUN = 20
 
 INPUT_STATUSES = {
@@ -128,6 +131,7 @@ class LoadRunner:
         # UNAVAILABLE (None: it did not).
         self.lost: str | None = None
         self.unavailable_run = 0  # answers in a row that were UNAVAILABLE
+        self.unavailable_since = 0.0  # when the first of them ended (time.perf_counter())
         self.cancelling = False  # interrupted: the bench cancels the requests in flight
 
     def interrupt(self) -> None:
@@ -349,17 +353,26 @@ class LoadRunner:
         self._lose(f"{self.settings.target.address} became unreachable: {exc.details()}")
 
     def _count_unavailable(self, exc: grpc.aio.AioRpcError) -> None:
-        """UNAVAILABLE_RUN answers in a row that are UNAVAILABLE stop the run: the gateway
-        answers, but nothing behind it does (its engine is down, its breaker open)."""
+        """Answers that were all UNAVAILABLE for UNAVAILABLE_FOR_S, UNAVAILABLE_RUN of them at
+        least, stop the run: the gateway answers, but nothing behind it does (its engine is down,
+        its breaker open)."""
         if exc.code() != grpc.StatusCode.UNAVAILABLE:
             self.unavailable_run = 0
             return
+        now = time.perf_counter()
+        if not self.unavailable_run:
+            self.unavailable_since = now
         self.unavailable_run += 1
-        if self.unavailable_run < UNAVAILABLE_RUN or self.stopping.is_set():
+        lasted = now - self.unavailable_since
+        if (
+            self.unavailable_run < UNAVAILABLE_RUN
+            or lasted < UNAVAILABLE_FOR_S
+            or self.stopping.is_set()
+        ):
             return
         self._lose(
-            f"{self.settings.target.address}: the last {UNAVAILABLE_RUN} answers were UNAVAILABLE "
-            f"({exc.details()}): the deployment stopped serving"
+            f"{self.settings.target.address}: the last {self.unavailable_run} answers, over "
+            f"{lasted:.1f} s, were UNAVAILABLE ({exc.details()}): the deployment stopped serving"
         )
 
     async def _tick(self) -> None:

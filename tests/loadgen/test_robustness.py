@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from appliance import cli
 from appliance.loadgen import report
 from appliance.loadgen.options import settings
 from appliance.loadgen.progress import Progress
-from appliance.loadgen.runner import UNAVAILABLE_RUN, LoadRunner
+from appliance.loadgen.runner import UNAVAILABLE_FOR_S, UNAVAILABLE_RUN, LoadRunner
 from appliance.loadgen.stats import INTERRUPTED
 from appliance.v1 import inference_pb2 as pb
 from tests.loadgen.fakes import FakeGateway, answers_at_once, fake_gateway, final_answer
@@ -265,15 +266,45 @@ def test_a_deployment_answering_only_unavailable_ends_the_run_with_what_was_meas
         rc = bench(address, out, "--concurrency", "2", "--duration", "120")
     err = capsys.readouterr().err.splitlines()
     assert rc == 1
-    assert err[-1].startswith(
-        f"appliance bench: {address}: the last {UNAVAILABLE_RUN} answers were UNAVAILABLE "
-        "(model 'm' is unavailable: engine down)"
-    ), err[-1]
+    said = re.match(
+        rf"appliance bench: {address}: the last (\d+) answers, over ([\d.]+) s, were UNAVAILABLE "
+        r"\(model 'm' is unavailable: engine down\)",
+        err[-1],
+    )
+    assert said, err[-1]
+    assert int(said[1]) >= UNAVAILABLE_RUN and float(said[2]) >= UNAVAILABLE_FOR_S
     assert err[-1].endswith(f"what was measured before is printed above and written to {out}")
     (level,) = levels(out)
     assert level["ok"] == 3 and level["errors"]["UNAVAILABLE"] >= UNAVAILABLE_RUN
     run = json.loads((out / "bench.json").read_text())["run"]
-    assert run["unreachable"].startswith(f"{address}: the last {UNAVAILABLE_RUN} answers")
+    assert run["unreachable"].startswith(f"{address}: the last ")
+
+
+@pytest.mark.timeout(60)
+def test_a_short_run_of_unavailable_answers_does_not_end_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    answered = 0
+    lock = threading.Lock()
+
+    def a_blip(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        nonlocal answered
+        with lock:
+            answered += 1
+            blip = 3 < answered <= 3 + 2 * UNAVAILABLE_RUN
+        if blip:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "model 'm' is unavailable: restarting")
+        yield final_answer()
+
+    out = tmp_path / "run"
+    with fake_gateway(a_blip) as (address, _, _):
+        rc = bench(address, out, "--concurrency", "2", "--requests", str(3 * UNAVAILABLE_RUN))
+    assert rc == 0, capsys.readouterr().err
+    (level,) = levels(out)
+    assert level["errors"]["UNAVAILABLE"] == 2 * UNAVAILABLE_RUN
+    assert level["ok"] == 3 * UNAVAILABLE_RUN - 2 * UNAVAILABLE_RUN
 
 
 @pytest.mark.timeout(120)
