@@ -10,6 +10,7 @@ from typing import Any
 
 from appliance import logline
 from appliance.cliargs import (
+    Parser,
     address,
     listen_address,
     non_negative,
@@ -302,7 +303,7 @@ def parser() -> argparse.ArgumentParser:
     from appliance.client import add_credential_options
     from appliance.loadgen.command import add_arguments as add_bench_arguments
 
-    p = argparse.ArgumentParser(prog="appliance", description=__doc__)
+    p = Parser(prog="appliance", description=__doc__)
     p.add_argument(
         "--log-level",
         default=None,

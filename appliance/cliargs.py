@@ -6,8 +6,18 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import NoReturn
 
 from appliance.listen import is_address
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage error is one line, what is wrong and where to read more,
+    and exit 2 (argparse's own prints its usage block first). Its subcommands' parsers are of
+    this class too (`add_subparsers` makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def positive(kind: type[int] | type[float], at_most: float = math.inf) -> Callable[[str], float]:

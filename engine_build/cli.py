@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from appliance.cliargs import Parser
 from engine_build import commands, formats, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape, read_shape_for
 from engine_build.errors import BuildError, DoesNotFit, SpecError
@@ -194,7 +195,7 @@ _CC_HELP = (
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="engine-build",
         description="Plan, build and lay out TensorRT-LLM 1.2 engines for batch-1 latency.",
     )

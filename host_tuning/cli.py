@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from appliance.cliargs import Parser
 from host_tuning import actions, holdlatency, profile, render
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
@@ -26,7 +27,7 @@ class CliError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="host-tune", description=__doc__)
+    p = Parser(prog="host-tune", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser, needs_profile: bool, json_flag: bool = True) -> None:

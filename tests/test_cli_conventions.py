@@ -4,6 +4,7 @@ TOML errors read FILE:LINE: key 'TABLE.KEY': ... in all three."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,3 +118,24 @@ def test_make_tiny_model_onto_a_file_is_one_line(
     rc = appliance_cli.main(["make-tiny-model", "--dest", str(taken)])
     line = _one_line(capsys.readouterr().err)
     assert rc == 2 and line.startswith(f"appliance make-tiny-model: --dest {taken}: "), line
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "says"),
+    [
+        (appliance_cli.main, ["engine"], "appliance engine: error: the following arguments are"),
+        (appliance_cli.main, ["engine", "--repository"], "appliance engine: error: argument"),
+        (appliance_cli.main, ["bench", "--adress", "x"], "appliance: error: unrecognized"),
+        (appliance_cli.main, ["servee"], "appliance: error: argument command: invalid choice"),
+        (engine_build_cli.main, ["plan"], "engine-build plan: error: the following arguments"),
+        (host_tune_cli.main, ["plan", "--profile", "p", "-x"], "host-tune: error: unrecognized"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_help(
+    capsys: pytest.CaptureFixture[str], main: Any, argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(says) and line.endswith(" --help)"), line
