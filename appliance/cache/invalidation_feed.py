@@ -14,33 +14,26 @@ listening once its follower has read where the stream ends: an invalidation publ
 point found an L1 with nothing in it. One that stops waiting for that read (2 s) empties L1 when the
 read comes: the answers L1 took meanwhile may have been invalidated before the position it found.
 
-With a MAC key (`[cache.redis] mac_key_file`, which every gateway has) each message is sealed as the
-entries are (seal.py), with its sender's sequence number and clock: a follower drops, counts and
-logs (once a minute) a message without a tag or whose tag does not verify, so whatever can write to
-Redis cannot empty every gateway's L1; and a replay of a sealed one: one heard already (same sender
-and sequence number), or sealed more than REPLAY_WINDOW_S before Redis appended it. Messages
-of a gateway of an older version carry no tag: during a rolling upgrade, the invalidations made
-through the gateways not yet upgraded do not reach the L1 of those already upgraded (their L1 keeps
-such an answer until its TTL): make invalidations through an upgraded gateway, or again once all
-are. An older gateway reads a sealed message as before (it ignores the fields it does not know).
+The messages are sealed with the gateways' MAC key, and a follower drops one without a valid tag or
+replayed (sealed_stream.py), so whatever can write to Redis cannot empty every gateway's L1. During a
+rolling upgrade from a version that did not seal them (sealed_stream.py says what to do), an
+invalidation made through a gateway not yet upgraded does not reach the upgraded ones' L1, which
+keeps such an answer until its TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from redis.exceptions import RedisError
 
-from appliance.cache.l2 import QUIET_LOG_S, RedisSettings, StreamClient
-from appliance.cache.seal import Sealer
+from appliance.cache.l2 import RedisSettings, StreamClient
+from appliance.cache.sealed_stream import SealedStream
 from appliance.cache.series import Described, Series
-from appliance.logline import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +46,6 @@ MAX_LEN = 1000
 # An append is one command: past this, the invalidation is reported as not reaching every gateway
 # (redis-py's own retries against a dead server would otherwise hold the admin call for seconds).
 PUBLISH_BUDGET_S = 2.0
-# A sealed message appended to the stream (by Redis's clock) longer than this after its sender
-# sealed it (by the sender's clock) is a replay: refused. Clocks of gateways and Redis may differ
-# by up to this much.
-REPLAY_WINDOW_S = 300.0
 
 
 @dataclass
@@ -65,7 +54,6 @@ class _Counters:
     cleared: int = 0  # times L1 was emptied: the follower had lost Redis, or fell behind
     errors: int = 0  # times the follower lost Redis
     corrupt: int = 0  # messages that could not be read (skipped)
-    refused: int = 0  # messages not sealed with this gateway's key, or replayed (dropped)
 
 
 class InvalidationFeed:
@@ -96,14 +84,11 @@ class InvalidationFeed:
         self.stream = f"{settings.key_prefix}:inv-log"
         self._apply = apply
         self._retry_s = settings.breaker_reset_s
+        self._seals = SealedStream(
+            self.stream, settings.mac_key, log, "an invalidation message", "invalidate its L1"
+        )
         # Tells this gateway's own messages apart: it has applied them already.
-        self.origin = os.urandom(8).hex()
-        self._sealer = Sealer(settings.mac_key) if settings.mac_key else None
-        self._sent = 0  # this gateway's messages so far: the sequence number of the last one
-        # (sender, sequence number) of the sealed messages heard in the last REPLAY_WINDOW_S, and
-        # when Redis appended each (ms, its clock; in stream order).
-        self._heard: dict[tuple[str, int], int] = {}
-        self._refusals = Throttled(log, QUIET_LOG_S)
+        self.origin = self._seals.origin
         self._own = StreamClient(settings, BLOCK_MS / 1000 + 2.0)
         self._follower: asyncio.Task[None] | None = None
         self.following = False
@@ -116,17 +101,9 @@ class InvalidationFeed:
     async def publish(self, namespace: str, model: str, entry: bytes | None) -> None:
         """Raises when Redis does not take it (the caller says the invalidation did not reach
         every gateway)."""
-        self._sent += 1
-        message = {
-            "ns": namespace,
-            "model": model,
-            "entry": "" if entry is None else entry.hex(),
-            "from": self.origin,
-            "seq": str(self._sent),
-            "at": str(int(time.time() * 1000)),
-        }
-        if self._sealer is not None:
-            message = self._sealer.seal_message(self.stream, message)
+        message = self._seals.seal(
+            {"ns": namespace, "model": model, "entry": "" if entry is None else entry.hex()}
+        )
         try:
             async with asyncio.timeout(PUBLISH_BUDGET_S):
                 await self._own.client.xadd(
@@ -160,7 +137,7 @@ class InvalidationFeed:
             "l1_feed_clears": c.cleared,
             "l1_feed_errors": c.errors,
             "l1_feed_corrupt_messages": c.corrupt,
-            "l1_feed_refused_messages": c.refused,
+            "l1_feed_refused_messages": self._seals.refused,
         }
 
     async def close(self) -> None:
@@ -173,45 +150,16 @@ class InvalidationFeed:
         origin = fields.get(b"from", b"").decode(errors="replace")
         if origin == self.origin:
             return
-        if self._sealer is not None and not self._sealer.opens_message(self.stream, fields):
-            why = "its tag does not verify" if b"tag" in fields else "it carries no tag"
-            self._refuse(why)
-            return
         try:
+            if not self._seals.admits(message_id, fields):
+                return
             namespace, model = fields[b"ns"].decode(), fields[b"model"].decode()
             entry = bytes.fromhex(fields[b"entry"].decode()) if fields[b"entry"] else None
-            if self._sealer is not None:
-                seq, at = int(fields[b"seq"]), int(fields[b"at"])
-                appended = int(message_id.partition(b"-")[0])
         except (KeyError, UnicodeDecodeError, ValueError):
             self.counts.corrupt += 1
             return
-        if self._sealer is not None:
-            oldest = appended - REPLAY_WINDOW_S * 1000
-            if (origin, seq) in self._heard:
-                self._refuse("it is a replay of a message heard already")
-                return
-            if at < oldest:
-                self._refuse(
-                    f"it was sealed {(appended - at) // 1000} s before redis appended it "
-                    "(a replay, or its sender's clock is that far behind redis's)"
-                )
-                return
-            while self._heard and next(iter(self._heard.values())) < oldest:
-                del self._heard[next(iter(self._heard))]  # sealed too long ago to come again
-            self._heard[origin, seq] = appended
         self._apply(namespace, model, entry)
         self.counts.applied += 1
-
-    def _refuse(self, why: str) -> None:
-        self.counts.refused += 1
-        self._refusals.warning(
-            "an invalidation message on redis stream %s was dropped: %s. Only gateways with "
-            "this gateway's [cache.redis] mac_key_file may invalidate its L1; a gateway of an "
-            "older version sends no tag (upgrade it)",
-            self.stream,
-            why,
-        )
 
     def _batch(self, messages: list[tuple[bytes, dict[bytes, bytes]]]) -> str:
         """Applies one read's messages; returns the position after them. A full read may mean

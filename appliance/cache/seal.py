@@ -51,9 +51,14 @@ class Sealer:
             return None
         return body
 
-    def seal_message(self, stream: str, fields: Mapping[str, str]) -> dict[str, str]:
-        """The fields of a message for `stream`, with its tag added."""
-        body = _fields({k.encode(): v.encode() for k, v in fields.items()})
+    def seal_message(
+        self, stream: str, fields: Mapping[str, str | bytes]
+    ) -> dict[str, str | bytes]:
+        """The fields of a message for `stream` (a text value as Redis stores it: UTF-8), with
+        its tag added."""
+        body = _fields(
+            {k.encode(): v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+        )
         return {**fields, MESSAGE_TAG.decode(): self._tag(stream.encode(), body).hex()}
 
     def opens_message(self, stream: str, fields: Mapping[bytes, bytes]) -> bool:
