@@ -17,10 +17,16 @@ Sharing: entries persist in Redis next to the exact L2 entries (`PREFIX:NS:MODEL
 L2 invalidation of a namespace or model drops them too), sealed for their key with the gateways' MAC
 key as L2's entries are (a record that fails the check is skipped and counted: whatever else writes
 to Redis cannot plant an answer), and every new entry and invalidation is appended to a stream that
-each gateway follows with a blocking XREAD; a gateway that starts, or that
-lost Redis and sees it again, rebuilds its index by scanning the entries. Lookups answer only while
-the follower is in step with the stream (an index that cannot hear invalidations may be stale): Redis
-down means no semantic hits, never a failed request. Without Redis the tier is this gateway's alone.
+each gateway follows with a blocking XREAD; a gateway that starts, or that lost Redis and sees it
+again, rebuilds its index by scanning the entries. The stream's messages are sealed with the same key,
+and a follower drops one without a valid tag or replayed (sealed_stream.py): whatever can write to
+Redis cannot drop entries from every gateway's index, nor bring an invalidated entry back into it.
+During a rolling upgrade from a version that did not seal them (sealed_stream.py says what to do),
+the entries and invalidations of a gateway not yet upgraded do not reach the upgraded ones' index:
+such an entry comes in at its next rebuild, such an invalidated entry stays until its TTL or that
+rebuild. Lookups answer only while the follower is in step with the stream (an index that cannot
+hear invalidations may be stale): Redis down means no semantic hits, never a failed request.
+Without Redis the tier is this gateway's alone.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encod
 from appliance.cache.keys import cache_key
 from appliance.cache.l2 import RedisTier, StreamClient
 from appliance.cache.paraphrase import Rule
+from appliance.cache.sealed_stream import SealedStream
 from appliance.cache.series import Described, Series
 from appliance.cache.tiers import CacheQuery, CacheTier, Hit, TierContext
 from appliance.cache.vectors import Entry, VectorIndex
@@ -171,6 +178,11 @@ class SemanticTier(CacheTier):
             "Semantic records no gateway sealed for their Redis key (skipped, never an answer).",
             metric="appliance_semantic_forged_records",
         ),
+        "semantic_refused_messages": Series(
+            "Messages on the semantic tier's Redis stream without this gateway's MAC, or replayed "
+            "(dropped).",
+            metric="appliance_semantic_refused_messages",
+        ),
         "semantic_embeddings_cancelled": Series(
             "Embeddings started when L1 missed and cancelled because L2 answered.",
             metric="appliance_semantic_embeddings_cancelled",
@@ -212,8 +224,16 @@ class SemanticTier(CacheTier):
         self._stream = ""
         self._own: StreamClient | None = None
         self._client: redis.Redis | None = None
+        self._seals: SealedStream | None = None
         if l2 is not None:
             self._stream = f"{l2.settings.key_prefix}:{MARK}log"
+            self._seals = SealedStream(
+                self._stream,
+                l2.settings.mac_key,
+                log,
+                "a semantic cache message",
+                "add entries to its semantic index or drop them",
+            )
             self._own = StreamClient(l2.settings, settings.follow_block_ms / 1000 + 2.0)
             self._client = self._own.client
 
@@ -344,13 +364,13 @@ class SemanticTier(CacheTier):
         """Drops local entries, tells every gateway through the stream; the Redis records share
         the L2 key layout, so the L2 tier's invalidation unlinks them."""
         removed = self.index.invalidate(namespace, model, entry)
-        if self._client is not None:
+        if self._client is not None and self._seals is not None:
             message = {"inv": namespace, "model": model}
             if entry is not None:
                 message["entry"] = entry.hex()
             await self._client.xadd(
                 self._stream,
-                message,  # type: ignore[arg-type]
+                self._seals.seal(message),  # type: ignore[arg-type]
                 maxlen=self.settings.stream_max_len,
                 approximate=True,
             )
@@ -372,6 +392,7 @@ class SemanticTier(CacheTier):
             "semantic_rebuilds": c.rebuilds,
             "semantic_corrupt_records": c.corrupt,
             "semantic_forged_records": c.forged,
+            "semantic_refused_messages": 0 if self._seals is None else self._seals.refused,
             "semantic_embeddings_cancelled": c.cancelled,
         }
 
@@ -469,7 +490,7 @@ class SemanticTier(CacheTier):
         if not self.index.add(entry, vector):
             return
         self.counts.stored += 1
-        if self.l2 is None:
+        if self.l2 is None or self._seals is None:
             return
         # The L2 key layout with the entry's id marked, so L2's GETs never meet a record. Sealed
         # for that key as L2's entries are: the stream carries the same value, and whatever else
@@ -480,7 +501,7 @@ class SemanticTier(CacheTier):
         pipe.set(name, record, ex=max(1, int(self.settings.ttl_s)))
         pipe.xadd(
             self._stream,
-            {"k": name, "v": record},
+            self._seals.seal({"k": name, "v": record}),  # type: ignore[arg-type]
             maxlen=self.settings.stream_max_len,
             approximate=True,
         )
@@ -506,6 +527,19 @@ class SemanticTier(CacheTier):
             return None
         left = created + self.settings.ttl_s - time.time()
         return Entry(entry_id, scope, text, answer, labels, time.monotonic() + left), vector
+
+    def _message(self, message_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """A message read from the stream, applied unless no gateway sealed it or it is a replay.
+        The gateway's own messages apply again: a rebuild under way may have loaded a record
+        its invalidation unlinked."""
+        assert self._seals is not None
+        try:
+            admitted = self._seals.admits(message_id, fields)
+        except (KeyError, ValueError):
+            self.counts.corrupt += 1
+            return
+        if admitted:
+            self._apply(fields)
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         if b"inv" in fields:
@@ -587,7 +621,7 @@ class SemanticTier(CacheTier):
                     failing = False
                 for _, messages in reply or ():
                     for message_id, fields in messages:
-                        self._apply(fields)
+                        self._message(message_id, fields)
                         position = message_id.decode()
             except (RedisError, OSError, TimeoutError) as exc:
                 self._synced_at = None

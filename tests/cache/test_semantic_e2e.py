@@ -18,6 +18,7 @@ import pytest
 
 from appliance.cache.embedder import EmbeddingCancelled, EmbedRun, Vector
 from appliance.cache.keys import SamplingKey, cache_key
+from appliance.cache.seal import Sealer
 from appliance.cache.semantic import SemanticTier, encode_record
 from appliance.config import CacheConfig, HttpConfig, SemanticConfig
 from appliance.gateway.server import keep_long_lived_from_gc
@@ -25,6 +26,7 @@ from appliance.heap import freeze_heap
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import RedisServer
 from tests.cache.test_cache_e2e import (
+    MAC_KEY,
     Gateway,
     cache_config,
     counters_until,
@@ -419,7 +421,8 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
 ) -> None:
     """Anything that can write to Redis could otherwise plant an answer for a question (and its
     paraphrases): a record sealed by no gateway, or a sealed one copied under another key, is
-    counted and skipped, whether it comes through the stream or by a rebuild."""
+    counted and skipped, whether it comes through the stream (in a message no gateway sealed,
+    dropped as such, or in one sealed with the gateways' key) or by a rebuild."""
     tier = semantic_tier(gw)
     followed: list[bytes] = []
     applied = asyncio.Event()
@@ -456,11 +459,21 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
     )
     forged = encode_record(planted, vector, time.time())
     tier.index.remove(genuine.entry_id)  # only the planted record could answer now
-    client.xadd(tier._stream, {"k": key_of(planted.entry_id), "v": forged})
+    message: dict[str, str | bytes] = {"k": key_of(planted.entry_id), "v": forged}
+    client.xadd(tier._stream, message)  # type: ignore[arg-type]
+    sealed_message: dict[str, str | bytes] = {
+        **message,
+        "from": "x",
+        "seq": "1",
+        "at": str(int(time.time() * 1000)),
+    }
+    sealed_forged = Sealer(MAC_KEY).seal_message(tier._stream, sealed_message)
+    client.xadd(tier._stream, sealed_forged)  # type: ignore[arg-type]
     counters = await counters_until(
         gw, lambda c: c["semantic_forged_records"] + c["semantic_entries"] >= 1
     )
     assert (counters["semantic_forged_records"], counters["semantic_entries"]) == (1, 0)
+    assert counters["semantic_refused_messages"] == 1
     hit = await gw.stub.Complete(ask(PARAPHRASE))
     assert hit.final.cache_tier != SEMANTIC and "PLANTED" not in hit.text
     # Under keys a restarted gateway's rebuild reads: the planted record, and the genuine one
@@ -475,6 +488,71 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
         kept = {entry.entry_id for entry, _ in semantic_tier(other).index.entries()}
         assert len(kept) == 2 and genuine.entry_id in kept
         assert not kept & {planted.entry_id, b"c" * 16}
+    finally:
+        await other.close()
+
+
+def texts(g: Gateway) -> set[str]:
+    return {entry.text for entry, _ in semantic_tier(g).index.entries()}
+
+
+async def test_stream_messages_no_gateway_sealed_or_replayed_are_dropped_counted_and_said(
+    gw: Gateway,
+    tiny: Tiny,
+    engine: Engine,
+    redis_server: RedisServer,
+    embedder_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Whatever can write to Redis could otherwise empty every gateway's index (an unsealed
+    "inv" of everything) or bring back an invalidated answer (a copy of its entry's message): a
+    message without a tag (what a gateway of an older version sends too), one sealed with another
+    secret, one sealed long before Redis appended it and a replay are dropped, counted and logged
+    once by each gateway; the gateways' own messages still reach each other."""
+    other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    stream = semantic_tier(gw)._stream
+    client = redis_server.client()
+    everything = {"inv": "", "model": ""}
+    now_ms = str(int(time.time() * 1000))
+
+    def append(fields: Any) -> None:
+        client.xadd(stream, fields)
+
+    try:
+        await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
+        await gw.stub.Complete(ask(QUESTION))
+        await until_async(lambda: QUESTION in texts(other), "the entry never reached the other")
+        # The gateway's own message that carried the entry, replayed after its invalidation.
+        messages: Any = client.xrange(stream)
+        carried = [fields for _, fields in messages if b"k" in fields]
+        with caplog.at_level(logging.WARNING, logger="appliance.cache.semantic"):
+            append(everything)
+            wrong_key = Sealer(b"another-gateways-secret-0123456")
+            append(
+                wrong_key.seal_message(
+                    stream, {**everything, "from": "x", "seq": "1", "at": now_ms}
+                )
+            )
+            stale = {**everything, "from": "gone", "seq": "1", "at": "1000"}
+            append(Sealer(MAC_KEY).seal_message(stream, stale))
+            await gw.stub.Complete(ask("Why is the sky blue?"))
+            await until_async(lambda: "Why is the sky blue?" in texts(other), "not applied")
+            assert texts(other) == texts(gw) == {QUESTION, "Why is the sky blue?"}
+            (entry,) = [e for e, _ in semantic_tier(gw).index.entries() if e.text == QUESTION]
+            await gw.admin.Invalidate(
+                pb.InvalidateRequest(namespace="sem", entry=entry.entry_id.hex())
+            )
+            await until_async(lambda: QUESTION not in texts(other), "not invalidated")
+            append(carried[0])
+            await gw.stub.Complete(ask("What is the capital of France?"))
+            await until_async(lambda: len(texts(other)) == 2, lambda: f"{texts(other)}")
+        for g in (gw, other):
+            assert texts(g) == {"Why is the sky blue?", "What is the capital of France?"}
+            counters = await g.counters()
+            assert counters["semantic_refused_messages"] == 4, counters
+        lines = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.semantic"]
+        assert len(lines) == 2, lines  # one per gateway
+        assert all("it carries no tag" in line and "mac_key_file" in line for line in lines)
     finally:
         await other.close()
 
