@@ -21,10 +21,13 @@ fields it does not know).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections.abc import Mapping
+
+import redis.asyncio as redis
 
 from appliance.cache.l2 import QUIET_LOG_S
 from appliance.cache.seal import MESSAGE_TAG, Sealer
@@ -34,6 +37,9 @@ from appliance.logline import Throttled
 # sealed it (by the sender's clock) is a replay: refused. Clocks of gateways and Redis may differ
 # by up to this much.
 REPLAY_WINDOW_S = 300.0
+# An append is one command: past this, the message is reported as not reaching every gateway
+# (redis-py's own retries against a dead server would otherwise hold the admin call for seconds).
+PUBLISH_BUDGET_S = 2.0
 
 
 class SealedStream:
@@ -70,6 +76,24 @@ class SealedStream:
         if self._sealer is not None:
             message = self._sealer.seal_message(self.stream, message)
         return message
+
+    async def append(
+        self, client: redis.Redis, fields: Mapping[str, str | bytes], max_len: int
+    ) -> None:
+        """Seals `fields` and appends them to the stream (trimmed to about `max_len`); raises
+        TimeoutError when Redis has not taken them within PUBLISH_BUDGET_S, or RedisError."""
+        try:
+            async with asyncio.timeout(PUBLISH_BUDGET_S):
+                await client.xadd(
+                    self.stream,
+                    self.seal(fields),  # type: ignore[arg-type]
+                    maxlen=max_len,
+                    approximate=True,
+                )
+        except TimeoutError:
+            raise TimeoutError(
+                f"redis did not take the message within {PUBLISH_BUDGET_S:g} s"
+            ) from None
 
     def admits(self, message_id: bytes, fields: Mapping[bytes, bytes]) -> bool:
         """Whether a message read from the stream may be applied: without a key, always; with

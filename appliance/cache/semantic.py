@@ -368,12 +368,7 @@ class SemanticTier(CacheTier):
             message = {"inv": namespace, "model": model}
             if entry is not None:
                 message["entry"] = entry.hex()
-            await self._client.xadd(
-                self._stream,
-                self._seals.seal(message),  # type: ignore[arg-type]
-                maxlen=self.settings.stream_max_len,
-                approximate=True,
-            )
+            await self._seals.append(self._client, message, self.settings.stream_max_len)
         return removed
 
     def counters(self) -> dict[str, int]:

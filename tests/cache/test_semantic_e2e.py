@@ -647,3 +647,18 @@ async def test_the_http_api_takes_the_opt_out_and_names_the_answering_entry(
     finally:
         await client.close()
         await g.close()
+
+
+async def test_an_invalidation_a_stalled_redis_does_not_take_ends_within_its_budget(
+    gw: Gateway, redis_server: RedisServer
+) -> None:
+    """The semantic tier's message to the other gateways is bounded as the exact feed's is: a
+    stalled Redis fails it with what happened, not after redis-py's retries or never."""
+    tier = semantic_tier(gw)
+    await counters_until(gw, lambda c: c["semantic_in_sync"] == 1)
+    redis_server.pause()
+    try:
+        with pytest.raises(TimeoutError, match=r"^redis did not take the message within 2 s$"):
+            await tier.invalidate("", "")
+    finally:
+        redis_server.resume()
