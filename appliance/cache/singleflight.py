@@ -75,7 +75,9 @@ class Flight(Generic[T]):
                     index += 1
                 if self.done:
                     if self.error is not None:
-                        raise self.error
+                        # One error for every follower: each raise starts its traceback anew, so
+                        # it holds this follower's frames, not every earlier one's.
+                        raise self.error.with_traceback(None)
                     return
                 await self._changed.wait()
         finally:

@@ -345,3 +345,23 @@ async def test_a_cancelled_probe_counts_as_a_failed_probe() -> None:
         await probe
     assert tier.breaker.allow()  # the next call probes again
     await tier.close()
+
+
+async def test_a_failed_flight_raised_to_many_followers_keeps_one_traceback() -> None:
+    """Every follower is raised the flight's one error: each raise must not add its frames to
+    the others' (the traceback, and the frames it holds, would grow with every follower)."""
+
+    async def refused() -> AsyncIterator[int]:
+        raise ValueError("refused")
+        yield 0  # an async generator
+
+    flight, _ = SingleFlight[int]().join(b"k", refused)
+    await flight.wait()
+    depths = []
+    for _ in range(50):
+        with pytest.raises(ValueError) as raised:
+            async for _event in flight.follow():
+                pass
+        depths.append(len(raised.traceback))
+    assert raised.value is flight.error
+    assert max(depths) == min(depths), depths
