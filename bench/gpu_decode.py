@@ -470,7 +470,7 @@ def graph_step_ms(step: GraphDecode, pos: int) -> float:
         raise ValueError(f"{BACK_TO_BACK_STEPS} replays around {pos} do not fit below {span}")
     with torch.inference_mode():
         step.step_in.copy_(torch.tensor((5, start), dtype=torch.long))
-    return back_to_back_ms(step.replay_for(pos), torch.device("cuda"))
+    return back_to_back_ms(step.replay_for(pos), step.step_in.device)
 
 
 def host_loop_ms(step: DecodeStep, pos: int, tokens: int) -> dict[str, float]:

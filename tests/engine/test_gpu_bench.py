@@ -347,3 +347,36 @@ def test_the_graph_agreement_replays_the_captured_step_against_eager_torch(
             return step(token, pos) * 1.01
 
     assert gpu_decode.graph_agreement(Off(), model, cache) > 5e-3  # type: ignore[arg-type]
+
+
+def test_a_graph_variants_step_and_verify_timings_take_the_steps_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph variant's back-to-back replays of the captured step, and its verify graphs timed
+    against them, run on the device the step is on (CUDA events on a GPU, the host clock here),
+    with a capture that replays the body."""
+    from appliance.engine.decode import GraphDecode
+    from appliance.engine.runner import Runner
+
+    monkeypatch.setattr(gpu_decode, "BACK_TO_BACK_STEPS", 4)
+    monkeypatch.setattr(gpu_decode, "CPU_BACK_TO_BACK_STEPS", 1)
+    model = random_model("tiny", "cpu", torch.bfloat16, seed=5)
+
+    def capture(body: Any) -> Any:
+        return body
+
+    runner = Runner(model, 256, capture=capture, prefill_buckets=())
+    try:
+        model.forward(list(range(1, 140)), runner.cache, 0)  # what the steps attend to
+        assert isinstance(runner.decode, GraphDecode)
+        assert gpu_decode.graph_step_ms(runner.decode, 128) > 0
+        result = gpu_decode.verify_step_ratios(model, runner, capture, torch.device("cpu"))
+    finally:
+        runner.close()
+    assert result["verify_timing"] == "graph replays" and result["verify_single_step_ms"] > 0
+    for k in gpu_decode.VERIFY_DRAFTS:
+        assert (
+            result[f"verify_{k}_over_step"]
+            == result[f"verify_{k}_ms"] / result["verify_single_step_ms"]
+        )
+    assert result["verify_vs_step_logits_rel_err"] < 0.05
