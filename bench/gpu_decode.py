@@ -802,8 +802,10 @@ def skip_reason(variant: Variant, device: torch.device) -> str | None:
     """Why `variant` cannot run on `device` at all (None: it can)."""
     if variant.graph and device.type != "cuda":
         return "CUDA graphs need cuda"
-    if variant.pdl != "off" and torch.cuda.get_device_capability(device) < (9, 0):
-        return "programmatic dependent launch needs compute capability 9.0 or later"
+    if variant.pdl != "off" and (
+        device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0)
+    ):
+        return "programmatic dependent launch needs a CUDA device of compute capability 9.0 on"
     if variant.kernels == "triton":
         return triton_problem(device)
     return None

@@ -380,3 +380,16 @@ def test_a_graph_variants_step_and_verify_timings_take_the_steps_device(
             == result[f"verify_{k}_ms"] / result["verify_single_step_ms"]
         )
     assert result["verify_vs_step_logits_rel_err"] < 0.05
+
+
+def test_a_variant_the_device_cannot_run_is_skipped_saying_why() -> None:
+    """Decided before a variant's isolation begins, so it must not raise: a CPU reads no CUDA
+    capability (programmatic dependent launch without a graph is not in VARIANTS, but a variant
+    list of the command line may hold it one day)."""
+    cpu = torch.device("cpu")
+    eager_pdl = gpu_decode.Variant("x", None, False, "triton", folded=True, pdl="wait")
+    assert gpu_decode.skip_reason(eager_pdl, cpu) == (
+        "programmatic dependent launch needs a CUDA device of compute capability 9.0 on"
+    )
+    graph_pdl = gpu_decode.Variant("y", None, True, "triton", folded=True, pdl="wait")
+    assert gpu_decode.skip_reason(graph_pdl, cpu) == "CUDA graphs need cuda"
