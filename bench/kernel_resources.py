@@ -5,7 +5,8 @@ cuobjdump), so each kernel configuration the fused step launches on a model's sh
 here for the chosen architecture and read back: registers per thread, the stack frame (where
 registers spill), the local-memory loads and stores inside a loop of the machine code (a spill
 each pass pays: a matrix-vector or attention kernel that spills there reads local memory beside
-the weights), shared memory, the widest global load in its PTX and its integer-to-float conversions
+the weights), shared memory (as Triton's launcher requests it: over the device's limit a kernel
+fails at its first launch), the widest global load in its PTX and its integer-to-float conversions
 (16 a clock per SM on a GPU, a quarter of the integer rate: a product that converts each weight
 is bound by them, not by its bytes). The configurations are recorded from `fused.decode_step`,
 `fused.folded_step`, `fused.static_rows` and `fused.prefill` themselves, run on a meta-device
@@ -151,19 +152,20 @@ def record_launches(shape: str, fmt: WeightQuant | None, spans: tuple[int, ...])
         cache = model.new_cache(max(spans))
         step_in = torch.empty(2, dtype=torch.long, device=meta)
         logits = torch.empty(config.vocab_size, device=meta)
-        for span in spans:
-            fused.decode_step(model, step_in, cache, span, logits)
-            fused.folded_step(model, step_in, cache, span, logits)
-            for pdl in ("wait", "early-read"):  # with programmatic dependent launch
-                kernels.PDL = pdl
-                fused.folded_step(model, step_in, cache, span, logits)
-            kernels.PDL = real_pdl
         meta_in = torch.empty(2, dtype=torch.long, device=meta)
-        for rows in ROWS:
-            ids = torch.empty(rows, dtype=torch.long, device=meta)
-            h = fused.static_rows(model, ids, meta_in, cache)
-            fused.rows_logits(model, h, torch.empty(rows, config.vocab_size, device=meta))
-        fused.prefill(model, [0] * (fused.FUSED_ROWS + 1), cache, 0)  # a long prefill's steps
+        # Without and with programmatic dependent launch (`kernels.PDL` is global: with it on,
+        # the prefill and verify steps' norms and RoPE are launched early too).
+        for pdl in ("off", "wait", "early-read"):
+            kernels.PDL = pdl
+            for span in spans:
+                if pdl == "off":
+                    fused.decode_step(model, step_in, cache, span, logits)
+                fused.folded_step(model, step_in, cache, span, logits)
+            for rows in ROWS:
+                ids = torch.empty(rows, dtype=torch.long, device=meta)
+                h = fused.static_rows(model, ids, meta_in, cache)
+                fused.rows_logits(model, h, torch.empty(rows, config.vocab_size, device=meta))
+            fused.prefill(model, [0] * (fused.FUSED_ROWS + 1), cache, 0)  # a long prefill
     finally:
         kernels._tk, quantized._int4_kernel, kernels.PDL = real_tk, real_int4, real_pdl
     return launches
@@ -175,7 +177,7 @@ class Resources:
     stack: int  # bytes of stack frame per thread: spilled registers live there
     loop_spills: int  # local-memory loads and stores inside a loop of the SASS
     local: int
-    shared: int
+    shared: int  # bytes of dynamic shared memory Triton's launcher asks for (its metadata)
     widest_load: str
     int_to_float: int  # cvt instructions from an integer to a float type in the PTX
     waits: bool  # the PTX waits on the kernel before it (programmatic dependent launch)
@@ -219,7 +221,10 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage for {launch.kernel}")
-    registers, stack, shared, local = map(int, found.groups())
+    # cuobjdump's SHARED is the static shared memory (sm_90 reserves 1 KiB a block); Triton's
+    # operand buffers (tl.dot's, pipelined) are dynamic, requested at each launch.
+    registers, stack, _, local = map(int, found.groups())
+    shared = int(compiled.metadata.shared)
     widths = re.findall(r"ld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)", compiled.asm["ptx"])
     widest = max((int(v or 1) * int(bits) for v, bits in widths), default=0)
     conversions = len(re.findall(r"\bcvt\.\w+\.f(?:16|32|64)\.[su]\d+\b", compiled.asm["ptx"]))
