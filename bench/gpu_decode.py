@@ -873,18 +873,55 @@ def run_variants(
     progress.set("running", None)
 
 
+# Runs `python -m bench.gpu_decode ARGV`; returns its exit status.
+Spawn = Callable[[list[str]], int]
+
+
+def _spawn(argv: list[str]) -> int:
+    return subprocess.run([sys.executable, "-m", "bench.gpu_decode", *argv], check=False).returncode
+
+
 def run_in_fresh_process(
     args: argparse.Namespace,
     variants: list[Variant],
     progress: Progress,
     started: float,
     why: str,
+    spawn: Spawn = _spawn,
 ) -> None:
     """Runs `variants` in a new process (a CUDA context of its own) with this run's settings and
-    the budget left, and adds what it measured to `progress`; a variant it could not report is
-    recorded as an error."""
+    the budget left, and adds what it measured to `progress`. A process that dies (a segfault,
+    an abort) while running a variant loses only that one (recorded as an error): the ones after
+    it run in another fresh process; one that dies before its first variant is not retried."""
     print(f"gpu_decode: the CUDA context is unusable ({why}); the rest runs in a fresh process")
-    progress.set("running", f"fresh process: {', '.join(v.name for v in variants)}")
+    left = list(variants)
+    while left:
+        progress.set("running", f"fresh process: {', '.join(v.name for v in left)}")
+        status, measured, running = _fresh_process(args, left, started, spawn)
+        reported = {entry["variant"] for entry in measured}
+        for entry in measured:
+            progress.add_variant(entry)
+        unreported = [v for v in left if v.name not in reported]
+        lost = next((v for v in unreported if v.name == running), None)
+        if lost is None:  # it ended before a variant, or did not say: none is tried again
+            for variant in unreported:
+                progress.add_variant(
+                    {"variant": variant.name, "error": f"fresh process exited {status}"}
+                )
+            return
+        progress.add_variant(
+            {"variant": lost.name, "error": f"fresh process exited {status} while running it"}
+        )
+        left = [v for v in unreported if v is not lost]
+        if left:
+            print(f"gpu_decode: {lost.name} ended its process; the rest runs in another one")
+
+
+def _fresh_process(
+    args: argparse.Namespace, variants: list[Variant], started: float, spawn: Spawn
+) -> tuple[int, list[dict[str, Any]], str | None]:
+    """One fresh process's exit status, the variants it reported and the one it was running
+    when it ended (None: none)."""
     with tempfile.TemporaryDirectory(prefix="gpu-decode-") as out:
         argv = [
             *("--device", args.device, "--shape", args.shape, "--seed", str(args.seed)),
@@ -895,22 +932,16 @@ def run_in_fresh_process(
         ]
         if args.budget_s is not None:
             argv += ["--budget-s", f"{max(0.0, args.budget_s - (time.monotonic() - started)):.0f}"]
-        child = subprocess.run([sys.executable, "-m", "bench.gpu_decode", *argv], check=False)
+        status = spawn(argv)
         try:
-            measured = json.loads((Path(out) / "gpu_decode.json").read_text())["variants"]
-        except (OSError, ValueError, KeyError):
-            measured = []
-    reported = {entry["variant"] for entry in measured}
-    for entry in measured:
-        progress.add_variant(entry)
-    for variant in variants:
-        if variant.name not in reported:
-            progress.add_variant(
-                {"variant": variant.name, "error": f"fresh process exited {child.returncode}"}
-            )
+            report = json.loads((Path(out) / "gpu_decode.json").read_text())
+            measured, running = list(report["variants"]), report.get("running")
+        except (OSError, ValueError, KeyError, TypeError):
+            measured, running = [], None
+    return status, measured, running if isinstance(running, str) else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -938,6 +969,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT") or "var/bench")
     record.add_flag(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = main_parser()
     args = parser.parse_args(argv)
     try:
         variants = select_variants(args.variants)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +132,67 @@ def test_after_a_failure_that_kills_the_cuda_context_the_rest_runs_in_a_fresh_pr
     assert fresh["variant"] == "fp8 eager" and "error" not in fresh
     assert fresh["decode_tokens"] == 4 and fresh["decode_ms_p50"] > 0
     assert "the rest runs in a fresh process" in capsys.readouterr().out
+
+
+# A stand-in for `python -m bench.gpu_decode ARGV` in a process of its own: it reports the variants
+# before the one named in argv[1] as measured, says it is running that one and aborts (as a
+# segfault or a failed CUDA assert does); without it in its list, it reports them all.
+DYING_CHILD = """
+import json, os, sys
+out, dies_at, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+report = {"variants": [], "running": None}
+for name in names:
+    if name == dies_at:
+        report["running"] = name
+        break
+    report["variants"].append({"variant": name, "decode_ms_p50": 1.0})
+with open(os.path.join(out, "gpu_decode.json"), "w") as f:
+    json.dump(report, f)
+if report["running"]:
+    os.abort()
+"""
+
+
+def _dying_spawn(dies_at: str, asked: list[str]) -> gpu_decode.Spawn:
+    def spawn(argv: list[str]) -> int:
+        names = argv[argv.index("--variants") + 1]
+        asked.append(names)
+        out = argv[argv.index("--out") + 1]
+        return subprocess.run([sys.executable, "-c", DYING_CHILD, out, dies_at, names]).returncode
+
+    return spawn
+
+
+@pytest.mark.parametrize(("dies_at", "expected"), [("b", ["a,b,c,d", "c,d"]), ("", ["a,b,c,d"])])
+def test_a_fresh_process_that_dies_loses_only_the_variant_it_was_running(
+    tmp_path: Path, dies_at: str, expected: list[str]
+) -> None:
+    """A segfault or an abort in a fresh process costs the variant it was running; the ones
+    after it run in another fresh process. One that dies before any variant is not retried."""
+    variants = [gpu_decode.select_variants("bf16 eager")[0]] * 4
+    variants = [dataclasses.replace(v, name=n) for v, n in zip(variants, "abcd", strict=True)]
+    args = gpu_decode.main_parser().parse_args(_fast_argv(tmp_path))
+    progress = gpu_decode.Progress(tmp_path / "report.json", {"variants": []})
+    asked: list[str] = []
+
+    def fails_to_start(argv: list[str]) -> int:  # says nothing, as a failed import does
+        asked.append(argv[argv.index("--variants") + 1])
+        return 1
+
+    spawn = _dying_spawn(dies_at, asked) if dies_at else fails_to_start
+    gpu_decode.run_in_fresh_process(args, variants, progress, time.monotonic(), "test", spawn)
+    assert asked == expected
+    reported = {v["variant"]: v.get("error") for v in progress.report["variants"]}
+    if dies_at:
+        aborted = -signal.SIGABRT
+        assert reported == {
+            "a": None,
+            "b": f"fresh process exited {aborted} while running it",
+            "c": None,
+            "d": None,
+        }
+    else:
+        assert reported == dict.fromkeys("abcd", "fresh process exited 1")
 
 
 def test_the_json_is_written_after_each_variant(
