@@ -968,8 +968,33 @@ def main_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT") or "var/bench")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the run whose gpu_decode.json is in --out (its process died): what it "
+        "reported is kept, the variant it was running is recorded as an error, the rest run",
+    )
     record.add_flag(parser)
     return parser
+
+
+def resumed(path: Path, variants: list[Variant]) -> tuple[dict[str, Any], list[Variant]]:
+    """The report of a run whose process died (written after each variant) and the variants it
+    did not reach; the one it was running is recorded as an error. ValueError: nothing to
+    resume there."""
+    try:
+        report = json.loads(path.read_text())
+        done = {entry["variant"] for entry in report["variants"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resume: no run to go on with in {path} ({exc})") from None
+    running = report.get("running")
+    if running not in done and any(v.name == running for v in variants):
+        report["variants"].append(
+            {"variant": running, "error": "its process ended while running it (--resume)"}
+        )
+        done.add(running)
+    report["running"] = None
+    return report, [v for v in variants if v.name not in done]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -999,7 +1024,14 @@ def main(argv: list[str] | None = None) -> int:
             "variants": [],
             "path": {"skipped": "not run yet"},
         }
-        progress = Progress(Path(args.out) / "gpu_decode.json", report)
+        path = Path(args.out) / "gpu_decode.json"
+        if args.resume:
+            try:
+                earlier, variants = resumed(path, variants)
+            except ValueError as exc:
+                parser.error(str(exc))
+            report = {**report, **earlier, "resumed": True}
+        progress = Progress(path, report)
         watchdog = (
             None
             if args.budget_s is None

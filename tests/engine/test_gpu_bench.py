@@ -456,3 +456,34 @@ def test_a_variant_the_device_cannot_run_is_skipped_saying_why() -> None:
     )
     graph_pdl = gpu_decode.Variant("y", None, True, "triton", folded=True, pdl="wait")
     assert gpu_decode.skip_reason(graph_pdl, cpu) == "CUDA graphs need cuda"
+
+
+def test_resume_goes_on_after_the_variant_a_dead_process_was_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose process died (a segfault) left its report with the variant it was running:
+    --resume keeps what it measured, records that variant as an error and runs the rest."""
+    names = ["bf16 graph", "bf16 eager", "fp8 eager"]
+    ran: list[str] = []
+
+    def measure(args: Any, variant: Any, device: Any, rng: Any, result: dict[str, Any]) -> None:
+        ran.append(variant.name)
+        result.update(FAKE_FIGURES)
+
+    monkeypatch.setattr(gpu_decode, "measure_variant", measure)
+    argv = _fast_argv(tmp_path, "--variants", ",".join(names), "--resume")
+    with pytest.raises(SystemExit) as refused:
+        gpu_decode.main(argv)
+    assert refused.value.code == 2
+    assert "--resume: no run to go on with in " in capsys.readouterr().err
+    died = {"variants": [{"variant": names[0], **FAKE_FIGURES}], "running": names[1]}
+    (tmp_path / "gpu_decode.json").write_text(json.dumps(died))
+    assert gpu_decode.main(argv) == 0
+    assert ran == [names[2]]
+    report = json.loads((tmp_path / "gpu_decode.json").read_text())
+    assert [(v["variant"], v.get("error")) for v in report["variants"]] == [
+        (names[0], None),
+        (names[1], "its process ended while running it (--resume)"),
+        (names[2], None),
+    ]
+    assert report["resumed"] is True and report["running"] is None
