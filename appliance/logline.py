@@ -39,6 +39,9 @@ FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 _ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 _ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+# What json.dumps leaves as it is (with ensure_ascii=False) of those: DEL, C1 (U+0085 is a line
+# break to Python's str.splitlines, U+009B a terminal's CSI) and the line and paragraph separators.
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in (*range(0x7F, 0xA0), 0x2028, 0x2029)}
 
 
 def escape(text: str) -> str:
@@ -88,7 +91,9 @@ def _field_names(kind: type) -> tuple[str, ...]:
 class JsonFormatter(_SecondFormatter):
     """One JSON object a line: time, level, logger, message, and an access record's fields.
 
-    json.dumps escapes every control character, so a client's value cannot break the line."""
+    json.dumps escapes the C0 control characters and the rest (DEL, C1, U+2028, U+2029) are
+    escaped after it, as JSON's \\uXXXX, so a client's value can neither break the line nor reach
+    a terminal as an escape sequence."""
 
     converter = staticmethod(time.gmtime)
 
@@ -110,7 +115,8 @@ class JsonFormatter(_SecondFormatter):
                 out.pop("inter_token_us", None)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False, default=str)
+        line = json.dumps(out, ensure_ascii=False, default=str)
+        return line if line.isascii() else line.translate(_JSON_ESCAPES)
 
 
 # Lines formatted and not yet written: at a few hundred bytes an access line, tens of seconds of a
