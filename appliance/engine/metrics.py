@@ -7,6 +7,13 @@ type). The engine server exports the same families from the statistics it alread
 ModelStatistics RPC, read at scrape time: serving pays nothing for them. Triton serves them on its own
 port (8002 by default); `appliance engine --metrics HOST:PORT` does the same.
 
+As Triton counts them: `nv_inference_request_failure` by `reason` (REJECTED, CANCELED, BACKEND,
+OTHER, every one from the start; a failure the engine reports for a request it ran is BACKEND, as
+the TensorRT-LLM backend's is), `nv_inference_count` the successful requests (batch size 1 each),
+`nv_inference_exec_count` every request that ended, failed ones too (the backend reports batch
+statistics for them). The text is Prometheus' 0.0.4 format as Triton writes it: a counter's `# TYPE`
+line names its samples, `nv_inference_count`, not `nv_inference_count_total`.
+
 Guided decoding has no Triton family; its compiled-guide cache is exported as
 `appliance_engine_guided_*` (Prometheus' naming: counters end in `_total` on the wire), per model
 with a guided decoder: compiles (cache misses), cache hits, seconds spent compiling, and the
@@ -22,19 +29,23 @@ proposed, accepted tokens per verify step = accepted / verify steps.
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from appliance.engine.server import EngineModel, EngineService
 
 _LABELS = ("model", "version")
+# Triton's `reason` label of nv_inference_request_failure; each is exported from the start.
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 # (family, help, ModelStatistics duration field)
 _DURATIONS = (
     ("nv_inference_request_duration_us", "Cumulative inference request duration", "success"),
@@ -62,12 +73,13 @@ class _Counter:
     add `_total` to every sample, and Triton's dashboards query `nv_inference_count`, not
     `nv_inference_count_total`."""
 
-    def __init__(self, name: str, doc: str) -> None:
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...] = _LABELS) -> None:
         self.metric = Metric(name, doc, "counter")
         self._name = name
+        self._labels = labels
 
     def add_metric(self, labels: tuple[str, ...], value: float) -> None:
-        self.metric.add_sample(self._name, dict(zip(_LABELS, labels, strict=True)), value)
+        self.metric.add_sample(self._name, dict(zip(self._labels, labels, strict=True)), value)
 
 
 class EngineCollector(Collector):
@@ -82,7 +94,11 @@ class EngineCollector(Collector):
         success = _Counter(
             "nv_inference_request_success", "Number of successful inference requests"
         )
-        failure = _Counter("nv_inference_request_failure", "Number of failed inference requests")
+        failure = _Counter(
+            "nv_inference_request_failure",
+            "Number of failed inference requests",
+            (*_LABELS, "reason"),
+        )
         count = _Counter("nv_inference_count", "Number of inferences performed")
         execs = _Counter("nv_inference_exec_count", "Number of model executions performed")
         durations = [_Counter(name, doc) for name, doc, _ in _DURATIONS]
@@ -106,10 +122,11 @@ class EngineCollector(Collector):
             labels = (name, "1")
             with stats.lock:
                 success.add_metric(labels, stats.success.count)
-                failure.add_metric(labels, stats.fail.count)
-                executed = stats.success.count + stats.fail.count
-                count.add_metric(labels, executed)
-                execs.add_metric(labels, executed)
+                for reason in FAILURE_REASONS:
+                    failed = stats.fail.count if reason == "BACKEND" else 0
+                    failure.add_metric((*labels, reason), failed)
+                count.add_metric(labels, stats.inference_count)
+                execs.add_metric(labels, stats.execution_count)
                 for family, (_, _, field) in zip(durations, _DURATIONS, strict=True):
                     family.add_metric(labels, getattr(stats, field).ns // 1000)
             waiting = pending_by_model.get(name, 0)
@@ -201,13 +218,58 @@ class EngineCollector(Collector):
         yield from (compiles, hits, seconds, matchers)
 
 
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text format 0.0.4, as Triton writes it. prometheus-client's own
+    writer names a counter `NAME_total` in `# HELP` and `# TYPE` whatever its samples are named:
+    over Triton's `nv_inference_count` samples that leaves them untyped to a text-format parser.
+    Here a counter's lines name its samples (the engine exports counters and gauges only)."""
+    out: list[str] = []
+    for metric in registry.collect():
+        name = metric.name
+        if metric.type == "counter" and all(s.name != name for s in metric.samples):
+            name += "_total"
+        doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {metric.type}\n")
+        for sample in metric.samples:
+            labels = ",".join(
+                f'{key}="{_label_value(value)}"' for key, value in sorted(sample.labels.items())
+            )
+            out.append(f"{sample.name}{{{labels}}} {float(sample.value)!r}\n")
+    return "".join(out).encode()
+
+
+def _label_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged: one line each every few seconds would be most of the log."""
+
+
 def serve_metrics(
     service: EngineService, models: dict[str, EngineModel], listen: str
 ) -> WSGIServer:
     """Starts the /metrics listener in its own thread; `server_address` has the bound port."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(service, models))
+
+    def app(environ: dict[str, Any], start: Callable[..., object]) -> list[bytes]:
+        if environ.get("PATH_INFO") == "/favicon.ico":
+            start("404 Not Found", [("Content-Type", "text/plain")])
+            return [b""]
+        body = exposition(registry)
+        start("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)])
+        return [body]
+
     host, _, port = listen.rpartition(":")
-    server, thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
-    assert isinstance(thread, threading.Thread)
+    family, _, _, _, address = socket.getaddrinfo(
+        host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(str(address[0]), int(port), app, Server, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

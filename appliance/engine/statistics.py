@@ -85,11 +85,21 @@ class ModelStatistics:
             self.compute_infer.add(compute_end - compute_start)
             self.compute_output.add(end - compute_end)
 
+    @property
+    def inference_count(self) -> int:
+        """Triton's inference count: the successful requests, batch size 1 each."""
+        return self.success.count
+
+    @property
+    def execution_count(self) -> int:
+        """Triton's execution count: every request that ended, as the TensorRT-LLM backend
+        reports batch statistics for failed ones too."""
+        return self.success.count + self.fail.count
+
     def write(self, out: ts.ModelStatistics) -> None:
         with self.lock:
-            executed = self.success.count + self.fail.count
-            out.inference_count = executed
-            out.execution_count = executed
+            out.inference_count = self.inference_count
+            out.execution_count = self.execution_count
             out.last_inference = self.last_inference_ms
             stats = out.inference_stats
             self.success.write(stats.success)
