@@ -1,11 +1,17 @@
-"""The alerting rules are valid Prometheus rules and fire as their unit tests say (promtool)."""
+"""The alerting rules are valid Prometheus rules and fire as their unit tests say (promtool), and
+as the gateway's histograms make them fire (a real Prometheus scraping them)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from appliance.gateway.metrics import GatewayMetrics, MetricsSink
+from appliance.gateway.report import RequestReport
+from tests.observability.prometheus_server import Prometheus
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 
@@ -23,3 +29,43 @@ def test_promtool(command: list[str], expected: str) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert expected in out.stdout
+
+
+def _alert_expr(name: str) -> str:
+    """The `expr: |` block of the alert (alerts.yml writes every expression as one)."""
+    text = (MONITORING / "alerts.yml").read_text()
+    found = re.search(rf"- alert: {name}\n(?:.*\n)*?\s+expr: \|\n((?:\s{{10}}.*\n)+)", text)
+    assert found is not None, name
+    return found.group(1)
+
+
+def test_the_ttft_alert_fires_on_the_histogram_only_past_its_budget(tmp_path: Path) -> None:
+    """The alert's own expression over a real scrape: generations that all start within the 2 s
+    budget raise nothing, a P99 past it does. histogram_quantile interpolates inside a bucket,
+    so the budget must be a bucket's bound for the first half to hold."""
+    metrics = GatewayMetrics()
+    sink = MetricsSink(metrics)
+    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{metrics.serve('127.0.0.1:0')}"})
+    expr = _alert_expr("ApplianceTTFTP99OverBudget")
+    count = 'sum(appliance_time_to_first_token_seconds_count{tier="miss"})'
+
+    def answered(n: int, ttft_s: float) -> None:
+        for _ in range(n):
+            sink.report(
+                RequestReport(model="tiny", finish_reason="stop", ttft_us=int(ttft_s * 1e6))
+            )
+
+    try:
+        prom.wait_ready()
+        answered(1, 0.05)  # the series exist before the answers the rate is taken over
+        prom.wait_value(count, 1)
+        answered(200, 1.9)
+        prom.wait_value(count, 201)
+        assert prom.query(expr) == []
+        answered(400, 2.2)
+        prom.wait_value(count, 601)
+        (firing,) = prom.query(expr)
+        assert firing["metric"]["model"] == "tiny"
+    finally:
+        prom.stop()
+        metrics.close()
