@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -253,6 +253,7 @@ def serve_metrics(
     """Starts the /metrics listener in its own thread; `server_address` has the bound port."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(service, models))
+    ProcessCollector(registry=registry)  # the process's memory, file descriptors, CPU seconds
 
     def app(environ: dict[str, Any], start: Callable[..., object]) -> list[bytes]:
         if environ.get("PATH_INFO") == "/favicon.ico":

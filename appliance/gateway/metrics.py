@@ -7,8 +7,10 @@ histogram observations on the event loop, nothing else. Everything that is alrea
 by a collector: the request path pays nothing for it.
 
 Names follow Prometheus conventions (base units, `_total` counters, `_seconds` histograms) under the
-`appliance_` prefix; labels: `model` (the model the client asked for), `tier` (`miss`, or the name
-of the configured cache tier that answered: `l1`, `l2`, `semantic`, ...), `status` (gRPC status name), `finish_reason`.
+`appliance_` prefix, beside prometheus-client's `process_*` series of the gateway's process; labels:
+`model` (the model the client asked for), `tier` (`miss`, or the name of the configured cache tier
+that answered: `l1`, `l2`, `semantic`, ...), `status` (gRPC status name), `finish_reason`. Each takes
+its values from a fixed set whatever clients send (tests/observability/test_label_bounds.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -114,6 +116,8 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # process_resident_memory_bytes, process_open_fds, CPU seconds: read from /proc at scrape.
+        ProcessCollector(registry=self.registry)
         self.ttft = Histograms(
             "appliance_time_to_first_token_seconds",
             "From arrival at the gateway to the first token sent to the client.",

@@ -80,6 +80,7 @@ async def test_a_backend_failure_counts_as_tritons_does(
         "nv_inference_exec_count",
         "nv_inference_request_duration_us",
     )
+    assert types["process_resident_memory_bytes"] == "gauge"
     assert {name: types.get(name) for name in triton_counters} == dict.fromkeys(
         triton_counters, "counter"
     )
