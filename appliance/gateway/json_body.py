@@ -10,6 +10,9 @@ larger one in a worker process, which also counts the values the body holds and 
 The worker process starts with the first large body (a spawned interpreter that imports only this
 module and the standard library) and is replaced if it dies; the body waiting on it is refused with
 503 and a retry hint, never a 500.
+
+An object that names a key twice is refused wherever it is: JSON parsers disagree on which value
+wins, so a proxy that checked one field and the gateway would read two different requests.
 """
 
 from __future__ import annotations
@@ -42,10 +45,30 @@ def _kind(value: object) -> str:
     return kinds.get(type(value), "a value")
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names each key once: parsers disagree on which of two same-named
+    fields wins (Python's json takes the last, others the first), so neither is guessed at."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                shown = json.dumps(key)
+                if len(shown) > 66:
+                    shown = shown[:64] + '..."'
+                raise BodyError(
+                    f"the request body names {shown} twice in one object; send each field once"
+                )
+            seen.add(key)
+    return data
+
+
 def decode(body: bytes) -> dict[str, Any]:
     """The body as a JSON object; BodyError says why it is not one."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, object_pairs_hook=_object)
+    except BodyError:
+        raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BodyError(f"the request body is not valid JSON: {exc}") from None
     except ValueError:  # an integer past the digits Python reads (sys.get_int_max_str_digits)

@@ -313,6 +313,12 @@ REFUSED: list[tuple[bytes, str]] = [
     (TOO_MANY_MESSAGES, "messages holds 2049 messages; at most 2048 are accepted"),
     (TOO_MANY_CALLS, "messages hold 2050 tool calls; at most 2048 are accepted"),
     (b"{not json", "the request body is not valid JSON"),
+    # Parsers disagree on which of two same-named fields wins: neither is guessed at.
+    (b'{"model": "tiny", "model": "x", "messages": []}', 'names "model" twice in one object'),
+    (
+        b'{"model": "tiny", "messages": [{"role": "user", "role": "system", "content": "x"}]}',
+        'names "role" twice in one object',
+    ),
     (b"[1, 2]", "must be a JSON object, got an array"),
     (b"\xff\xfe", "not valid JSON"),
     (b"[" * 50_000, "nested too deeply"),
