@@ -9,7 +9,8 @@ streamed token costs one `json.dumps` of its text.
 Field policy, documented in the README: an unknown field is refused (as OpenAI's own API does); an
 OpenAI field the appliance does not implement is accepted only at its no-op value (`n: 1`,
 `best_of: 1`, penalties 0, ...), since anything else would silently change the answer; `user`,
-`metadata`, `store` and `service_tier` are accepted and ignored. The appliance's own fields ride in
+`safety_identifier`, `prompt_cache_key`, `metadata`, `store` and `service_tier` are accepted (of
+their type) and ignored. The appliance's own fields ride in
 an `"appliance"` object (the `openai` SDK sends it with `extra_body`); the answer's extras come back
 in an `"appliance"` object too.
 """
@@ -44,8 +45,19 @@ CACHE_POLICIES = {p.name.lower(): p.value for p in CachePolicy}
 # Roles the chat template knows; OpenAI's "developer" role is its system role.
 ROLE_ALIASES = {"developer": "system"}
 
-# Accepted and ignored: they never change the answer.
-IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+# Accepted and ignored, with the JSON type each must have: they never change the answer
+# (`safety_identifier` and `prompt_cache_key` are the SDK's successors of `user`).
+IGNORED: dict[str, type] = {
+    "user": str,
+    "safety_identifier": str,
+    "prompt_cache_key": str,
+    "metadata": dict,
+    "store": bool,
+    "service_tier": str,
+}
+# stream_options fields: include_usage, and OpenAI's padding of chunks against length side
+# channels (accepted and ignored: no chunk here carries `obfuscation`).
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 # OpenAI fields the appliance does not implement, with the value(s) that mean "off".
 NO_OP: dict[str, tuple[object, ...]] = {
     "n": (1,),
@@ -186,6 +198,8 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     for name in data:
         if name not in known:
             raise invalid(f"Unrecognized request argument supplied: {name}", name)
+    for name, kind in IGNORED.items():
+        _field(data, name, kind)
     for name, allowed in NO_OP.items():
         value = data.get(name)
         # true == 1 and false == 0 in Python: a boolean is none of the accepted numbers.
@@ -413,8 +427,9 @@ def _include_usage(data: dict[str, Any], stream: bool) -> bool:
     if not stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     for name in options:
-        if name != "include_usage":
+        if name not in STREAM_OPTIONS:
             raise invalid(f"Unrecognized stream_options argument: {name}", "stream_options")
+    _field(options, "include_obfuscation", bool, prefix="stream_options.")
     return bool(_field(options, "include_usage", bool, prefix="stream_options.") or False)
 
 

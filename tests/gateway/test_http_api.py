@@ -692,6 +692,46 @@ async def test_the_clients_x_request_id_is_the_request_id_when_usable(
             assert (reply["appliance"]["request_id"] == sent) is used
 
 
+async def test_the_sdks_fields_that_change_no_answer_are_accepted(client: AsyncOpenAI) -> None:
+    """The SDK's successors of `user` and its stream option for padding, which change no answer."""
+    await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=2,
+        safety_identifier="user-7",
+        prompt_cache_key="shared-prefix",
+    )
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("user", 5),
+        ("safety_identifier", ["x"]),
+        ("prompt_cache_key", {}),
+        ("metadata", "x"),
+        ("store", "no"),
+        ("service_tier", 1),
+    ],
+)
+async def test_an_ignored_field_of_the_wrong_type_is_refused(
+    gateway: RunningGateway, field: str, value: object
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, _, reply = await _post(gateway, "/v1/chat/completions", json.dumps(body).encode())
+    assert (status, reply["error"]["param"]) == (400, field), reply
+    assert reply["error"]["message"].startswith(f"{field} must be")
+
+
 async def test_response_format_text_is_free_text(gateway: RunningGateway) -> None:
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "response_format": {"type": "text"}}
     status, _, _ = await _post(gateway, "/v1/completions", json.dumps(body).encode())
