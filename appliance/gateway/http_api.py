@@ -8,9 +8,10 @@ shape. Nothing about validation, caching or the engine is decided here.
 
 A client that disconnects cancels its handler (aiohttp's handler cancellation), which closes the
 pipeline's stream exactly as a cancelled gRPC call does. A body larger than `max_body_bytes` is
-refused with 413 (a gzip or deflate body as inflated: it is inflated as it is read, and refused
-once it grows past the limit; another Content-Encoding is refused with 415, one that does not
-inflate with 400); a client that sends its body, or reads its stream, with no progress for
+refused with 413 (by its Content-Length before any of it is read, and before a client that sends
+`Expect: 100-continue` is asked for it; a gzip or deflate body as inflated: it is inflated as it
+is read, and refused once it grows past the limit; another Content-Encoding is refused with 415,
+one that does not inflate with 400); a client that sends its body, or reads its stream, with no progress for
 `client_timeout_s` is cut off, and so is a TLS handshake that takes longer.
 
 Nothing a client sends reaches the log: aiohttp's own records of requests it could not parse carry
@@ -32,6 +33,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import _default_expect_handler
 from grpc_health.v1 import health, health_pb2
 
 from appliance.config import HttpConfig
@@ -209,8 +211,10 @@ class HttpApi:
         app = web.Application(
             client_max_size=config.max_body_bytes, middlewares=[self._openai_errors]
         )
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post(
+            "/v1/chat/completions", self.chat_completions, expect_handler=self._expect
+        )
+        app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
@@ -340,6 +344,30 @@ class HttpApi:
 
     # -- generation -------------------------------------------------------------------------
 
+    async def _expect(self, request: web.Request) -> None:
+        """`Expect: 100-continue`: the body is asked for (aiohttp's answer) only when the handler
+        will read it; otherwise the handler's refusal (503, 401, 413) is the only answer and
+        the client never sends the body."""
+        if (
+            self.draining
+            or self._unauthenticated(self._credentials(request)) is not None
+            or self._declared_too_large(request)
+        ):
+            return
+        await _default_expect_handler(request)
+
+    def _declared_too_large(self, request: web.Request) -> bool:
+        length = request.content_length
+        return length is not None and length > self.config.max_body_bytes
+
+    def _too_large(self) -> wire.HttpError:
+        return wire.HttpError(
+            413,
+            "invalid_request_error",
+            f"the request body is larger than {self.config.max_body_bytes} bytes "
+            "(the gateway's [http] max_body_bytes)",
+        )
+
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if self.draining:  # refused like every request the drain turns away: a retry hint
             refusal = stopping()
@@ -402,12 +430,9 @@ class HttpApi:
                 f"Content-Encoding {echo(encoding)} is not accepted; send the body as one of "
                 f"{', '.join(BODY_ENCODINGS)}",
             )
-        too_large = wire.HttpError(
-            413,
-            "invalid_request_error",
-            f"the request body is larger than {self.config.max_body_bytes} bytes "
-            "(the gateway's [http] max_body_bytes)",
-        )
+        too_large = self._too_large()
+        if self._declared_too_large(request):  # refused before any of it is read
+            raise too_large
         try:
             async with asyncio.timeout(self.config.client_timeout_s):
                 body = await request.read()

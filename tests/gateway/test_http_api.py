@@ -25,10 +25,12 @@ from appliance.engine.runner import EngineStats
 from appliance.gateway.admission import GatedAdmission
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
+from appliance.security.secretfile import write_secret
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny, engine_to_stop
 from tests.gateway.test_inprocess import RecordingSink
+from tests.security.conftest import Keys
 from tests.support import gateway_config, until_async, until_engine
 
 LONG = "Tell me everything"
@@ -596,6 +598,49 @@ async def test_a_body_not_in_its_content_encoding_or_in_another_is_refused_in_js
         assert r.status == status, await r.text()
         assert "Content-Encoding" in (await r.json())["error"]["message"]
     assert "plain text" not in caplog.text
+
+
+async def _head(port: int, request: bytes) -> bytes:
+    """The status line of the first response to `request`, sent as is over a new connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return (await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).rstrip()
+    finally:
+        writer.close()
+
+
+async def test_a_body_declared_too_large_is_413_before_it_is_sent(
+    tiny: Tiny, engine: Engine, tmp_path: Path
+) -> None:
+    write_secret(tmp_path / "pepper")
+    keys = Keys(tmp_path / "keys.json", tmp_path / "pepper")
+    token = keys.add(["*"], ["generate"])
+    running = await _gateway(_config(tiny, engine.address, auth=keys.auth()))
+    assert running.http is not None
+    port = running.http.port
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    key = f"Authorization: Bearer {token}\r\n".encode()
+    try:
+        # Refused by its Content-Length alone, not after client_timeout_s waiting for its bytes.
+        assert await _head(port, head + key + b"Content-Length: 1000000000\r\n\r\n") == (
+            b"HTTP/1.1 413 Request Entity Too Large"
+        )
+        # A client that waits for 100 Continue is not asked for a body the gateway will refuse
+        # (too large, or without a valid key), and is for one it will read.
+        expect = head + b"Expect: 100-continue\r\n"
+        assert await _head(port, expect + key + b"Content-Length: 1000000000\r\n\r\n") == (
+            b"HTTP/1.1 413 Request Entity Too Large"
+        )
+        assert await _head(port, expect + b"Content-Length: 10\r\n\r\n") == (
+            b"HTTP/1.1 401 Unauthorized"
+        )
+        assert await _head(port, expect + key + b"Content-Length: 10\r\n\r\n") == (
+            b"HTTP/1.1 100 Continue"
+        )
+    finally:
+        await running.drain(0.5)
 
 
 @pytest.mark.parametrize(
