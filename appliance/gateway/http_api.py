@@ -16,7 +16,8 @@ one that does not inflate with 400); a client that sends its body, or reads its 
 
 Nothing a client sends reaches the log: aiohttp's own records of requests it could not parse carry
 the raw bytes (an HTTP/2 preface with its HPACK block holds the `authorization` header) and are
-rewritten as one line naming the refusal and the peer, at most one per interval.
+rewritten as one line naming the refusal and the peer, at most one per interval. aiohttp's own
+answers to such requests (plain text quoting the bytes) are OpenAI's error shape instead.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Any
 
 import grpc
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.http_exceptions import BadHttpMethod, LineTooLong
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp.web_request import BaseRequest
 from aiohttp.web_urldispatcher import _default_expect_handler
 from grpc_health.v1 import health, health_pb2
 
@@ -133,6 +136,59 @@ def _inflate(body: bytes, windows: tuple[int, ...], limit: int) -> bytes | None:
     raise zlib.error("no window reads the body whole")
 
 
+# What is wrong with a request aiohttp's parser refused, by the parser's exception (its own
+# messages quote the request's bytes); any other: UNPARSED_OTHER.
+UNPARSED = (
+    (LineTooLong, "its URL or a header line is too long"),
+    (BadHttpMethod, "its method is not one HTTP defines"),
+)
+UNPARSED_OTHER = (
+    "it is not valid HTTP/1.1 (its request line, a header, or its body's Content-Length, "
+    "Transfer-Encoding or chunks)"
+)
+
+
+class OpenAIErrorHandler(RequestHandler):
+    """aiohttp's connection handler, whose own answers (a request its parser refuses, a handler
+    that raised) are OpenAI's error shape without the request's bytes, not aiohttp's text."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a response began
+        if status >= 500:
+            err = wire.HttpError(status, "server_error", "the gateway failed to answer the request")
+        else:
+            what = next((text for kind, text in UNPARSED if isinstance(exc, kind)), UNPARSED_OTHER)
+            err = wire.HttpError(
+                status, "invalid_request_error", f"the HTTP request could not be read: {what}"
+            )
+        response = error_response(err)
+        response.force_close()
+        return response
+
+
+class OpenAIErrorServer(web.Server):
+    """aiohttp's Server, whose connections are OpenAIErrorHandlers."""
+
+    def __call__(self) -> RequestHandler:
+        return OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class OpenAIErrorRunner(web.AppRunner):
+    """An AppRunner whose connections are OpenAIErrorHandlers."""
+
+    async def _make_server(self) -> web.Server:
+        # The Application builds the Server with its own settings; only the class changes.
+        server = await super()._make_server()
+        server.__class__ = OpenAIErrorServer
+        return server
+
+
 class HandshakeBoundedSite(web.TCPSite):
     """A TCPSite whose TLS handshakes are bounded by the client timeout (asyncio's default is
     60 s, aiohttp offers no setting)."""
@@ -225,7 +281,7 @@ class HttpApi:
         # auto_decompress=False: `_body` inflates, so every Content-Encoding reaches one check
         # (aiohttp's parser refused br and zstd itself, in plain text, asking for a library).
         self._decoder = json_body.BodyDecoder()
-        self._runner = web.AppRunner(
+        self._runner = OpenAIErrorRunner(
             app,
             handle_signals=False,
             access_log=None,

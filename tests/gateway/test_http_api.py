@@ -387,6 +387,57 @@ async def test_huge_body_is_413_and_unknown_routes_404(gateway: RunningGateway) 
         assert r.status == 405 and "error" in await r.json()
 
 
+# Requests aiohttp's parser refuses before any handler runs, each with bytes it used to echo.
+UNPARSED: list[tuple[bytes, str]] = [
+    (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Secret: "
+        + b"s3cret" * 2000
+        + b"\r\nContent-Length: 2\r\n\r\n{}",
+        "its URL or a header line is too long",
+    ),
+    (
+        b"GET /v1/models/" + b"s3cret" * 2000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        "its URL or a header line is too long",
+    ),
+    (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\ns3cret\r\n",
+        "Transfer-Encoding or chunks",
+    ),
+    (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: s3cret\r\n\r\n",
+        "not valid HTTP/1.1",
+    ),
+    (b"S3CRET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", "its method is not one"),
+    (
+        b"POST /v1/completions HTTP/1.0\r\nHost: x\r\n\r\n" + b'{"s3cret": 1}',
+        "it is not valid HTTP/1.1",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "message"),
+    UNPARSED,
+    ids=["long-header", "long-url", "bad-chunk", "bad-length", "bad-method", "after-close"],
+)
+async def test_a_request_the_http_parser_refuses_is_answered_in_openai_shape(
+    gateway: RunningGateway, request_bytes: bytes, message: str
+) -> None:
+    assert gateway.http is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.http.port)
+    writer.write(request_bytes)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)  # the connection is closed after it
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0]
+    assert b"Content-Type: application/json" in head
+    error = json.loads(body)["error"]
+    assert message in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert b"s3cret" not in answer.lower()  # nothing the client sent comes back
+
+
 async def test_overload_is_429_with_retry_after(tiny: Tiny, engine: Engine) -> None:
     running = await _gateway(_config(tiny, engine.address, max_queue=0))
     try:
