@@ -8,11 +8,13 @@ shape. Nothing about validation, caching or the engine is decided here.
 
 A client that disconnects cancels its handler (aiohttp's handler cancellation), which closes the
 pipeline's stream exactly as a cancelled gRPC call does. A body larger than `max_body_bytes` is
-refused with 413 (by its Content-Length before any of it is read, and before a client that sends
-`Expect: 100-continue` is asked for it; a gzip or deflate body as inflated: it is inflated as it
-is read, and refused once it grows past the limit; another Content-Encoding is refused with 415,
-one that does not inflate with 400); a client that sends its body, or reads its stream, with no progress for
-`client_timeout_s` is cut off, and so is a TLS handshake that takes longer.
+refused with 413: by its Content-Length before any of it is read (and before a client that sends
+`Expect: 100-continue` is asked for it), a gzip or deflate body as inflated (it is inflated as it
+is read, and refused once it grows past the limit). Another Content-Encoding is refused with 415
+(one that does not inflate with 400), and so is a body declared as a form or text (what `curl -d`
+sends, and what a web page may send to another origin without the browser asking it first).
+A client that sends its body, or reads its stream, with no progress for `client_timeout_s` is cut
+off, and so is a TLS handshake that takes longer.
 
 Nothing a client sends reaches the log: aiohttp's own records of requests it could not parse carry
 the raw bytes (an HTTP/2 preface with its HPACK block holds the `authorization` header) and are
@@ -71,6 +73,9 @@ WIRE_STATUS = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Content-Encodings of a request body the server inflates (within max_body_bytes) or takes as is.
 BODY_ENCODINGS = ("identity", "gzip", "deflate")
+# Content-Types of a body that is no JSON request: what an HTML form or `curl -d` sends, and the
+# types a web page may send to another origin without the browser asking it first (CORS).
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
 # zlib's window arguments to try for each compressed encoding: gzip's; deflate as HTTP defines
 # it (zlib-wrapped), then raw, which some clients send.
 DEFLATE_WINDOWS = {"gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
@@ -478,6 +483,13 @@ class HttpApi:
         return Credentials(None)
 
     async def _body(self, request: web.Request) -> bytes:
+        if request.content_type in FORM_TYPES:
+            raise wire.HttpError(
+                415,
+                "invalid_request_error",
+                f"Content-Type {echo(request.content_type)} is not a JSON request; send the body "
+                "as JSON with Content-Type: application/json",
+            )
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in BODY_ENCODINGS:
             raise wire.HttpError(

@@ -695,6 +695,36 @@ async def test_a_body_declared_too_large_is_413_before_it_is_sent(
 
 
 @pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("application/x-www-form-urlencoded", 415),  # what `curl -d` sends without -H
+        ("multipart/form-data; boundary=x", 415),
+        ("text/plain;charset=UTF-8", 415),  # what a browser's fetch of a string body sends
+        ("application/json; charset=utf-8", 200),
+        ("application/vnd.api+json", 200),
+        ("application/octet-stream", 200),
+        (None, 200),
+    ],
+)
+async def test_a_body_declared_as_a_form_or_text_is_415(
+    gateway: RunningGateway, content_type: str | None, status: int
+) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    async with (
+        aiohttp.ClientSession(skip_auto_headers=["Content-Type"]) as session,
+        session.post(_url(gateway) + "/v1/completions", data=body, headers=headers) as r,
+    ):
+        reply = await r.json()
+    assert r.status == status, reply
+    if status == 415:
+        assert (
+            "send the body as JSON with Content-Type: application/json"
+            in (reply["error"]["message"])
+        )
+
+
+@pytest.mark.parametrize(
     ("encoding", "compress"),
     [
         ("gzip", gzip.compress),
