@@ -147,6 +147,8 @@ class HttpRequest:
     include_usage: bool
     # Seconds the client gives the request (appliance.deadline_ms); None: the model's default.
     deadline_s: float | None
+    # The body's field the request's guide came from (`param` of a refused guide); None: none.
+    guide_field: str | None = None
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -230,6 +232,7 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     _length(req, data)
     _logprobs(req, data, chat)
     req.guide = _response_format(data)
+    guide_field = "response_format" if req.guide is not None else None
     if tools is not None and tools.forced:
         if req.guide is not None:
             raise invalid(
@@ -238,10 +241,14 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
                 "response_format",
             )
         req.guide = Guide("json_schema", tools.guide_schema() or "")
+        guide_field = "tool_choice"
     stream = bool(_field(data, "stream", bool) or False)
     include_usage = _include_usage(data, stream)
+    guided = req.guide is not None
     deadline_s = _extension(req, data)
-    return HttpRequest(req, chat, stream, include_usage, deadline_s)
+    if not guided and req.guide is not None:
+        guide_field = "appliance.guide"
+    return HttpRequest(req, chat, stream, include_usage, deadline_s, guide_field)
 
 
 def _length(req: IncomingRequest, data: dict[str, Any]) -> None:
@@ -562,15 +569,24 @@ STATUS = {
 MODEL_NOT_FOUND_KIND = "invalid_request_error"
 
 
-def error_of(exc: RequestError, chat: bool = True) -> HttpError:
-    """A pipeline refusal as its HTTP status, OpenAI error type, `param` and `code`. The
-    alternatives per token are chat's `top_logprobs` and completions' `logprobs`."""
+# The check stage's fields (the gRPC API's names) that an HTTP body holds in its "appliance" object.
+EXTENSION_PARAMS = {"top_k": "appliance.top_k", "speculation": "appliance.speculation"}
+
+
+def error_of(exc: RequestError, chat: bool = True, guide_field: str | None = None) -> HttpError:
+    """A pipeline refusal as its HTTP status, OpenAI error type, `param` and `code`; `param` is
+    the body's field: the alternatives per token are chat's `top_logprobs` and completions'
+    `logprobs`, a guide is the field it came from (`guide_field`)."""
     status, kind = STATUS.get(exc.code, (502, "server_error"))
     if exc.reason == MODEL_NOT_FOUND:
         kind = MODEL_NOT_FOUND_KIND
     param = exc.field
     if not chat and param == "top_logprobs":
         param = "logprobs"
+    elif param == "guide" and guide_field is not None:
+        param = guide_field
+    elif param is not None:
+        param = EXTENSION_PARAMS.get(param, param)
     return HttpError(status, kind, exc.message, param, exc.reason)
 
 

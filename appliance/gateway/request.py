@@ -390,7 +390,9 @@ def _guide(asked: Guide) -> Guide:
         raise _invalid(f"guide.guide is longer than {MAX_GUIDE_BYTES} bytes", field="guide")
     if kind == "json":
         if text:
-            raise _invalid("guide.guide must be empty for the json type (any JSON value)")
+            raise _invalid(
+                "guide.guide must be empty for the json type (any JSON value)", field="guide"
+            )
         return Guide(kind, "")
     if not text:
         raise _invalid(f"guide.guide is empty: the {kind} guide needs its text", field="guide")
@@ -400,7 +402,9 @@ def _guide(asked: Guide) -> Guide:
         try:
             re.compile(text)
         except (re.error, RecursionError, OverflowError) as exc:
-            raise _invalid(f"guide.guide is not a valid regular expression: {exc}") from None
+            raise _invalid(
+                f"guide.guide is not a valid regular expression: {exc}", field="guide"
+            ) from None
     return Guide(kind, text)
 
 

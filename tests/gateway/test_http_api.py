@@ -265,10 +265,12 @@ async def test_invalid_fields_get_the_grpc_message(
     named = next(
         (f for f in fields if f in {"max_tokens", "temperature", "top_p", "stop", "top_k"}), None
     )
+    # `param` names the field in the body: the appliance's own are in its "appliance" object.
+    param = "appliance.top_k" if named == "top_k" else named
     assert bad.value.body == {
         "message": err.value.details(),
         "type": "invalid_request_error",
-        "param": "prompt" if too_long else named,
+        "param": "prompt" if too_long else param,
         "code": "context_length_exceeded" if too_long else None,
     }
 
@@ -901,6 +903,9 @@ async def test_a_bad_guide_is_400_before_the_engine(
         status, _, reply = await _post(running, "/v1/completions", json.dumps(body).encode())
         assert status == 400, reply
         assert message in reply["error"]["message"]
+        # `param` is the field the guide came from.
+        sent = "response_format" if "response_format" in fields else "appliance.guide"
+        assert reply["error"]["param"].startswith(sent)
         assert engine.stats().started == before
     finally:
         await running.drain(0.5)
