@@ -79,6 +79,9 @@ FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/
 # zlib's window arguments to try for each compressed encoding: gzip's; deflate as HTTP defines
 # it (zlib-wrapped), then raw, which some clients send.
 DEFLATE_WINDOWS = {"gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
+# gzip members a body may hold: each one's end copies the rest of the body (zlib's unused_data),
+# so 4 MiB of empty 20-byte members held the event loop for 30 s.
+MAX_GZIP_MEMBERS = 16
 # aiohttp's logger of requests it refuses or handlers that raise.
 SERVER_LOGGER = "aiohttp.server"
 
@@ -118,12 +121,17 @@ def quiet_http_server_log() -> None:
 def _inflate(body: bytes, windows: tuple[int, ...], limit: int) -> bytes | None:
     """`body` inflated with the first of `windows` that reads it whole; None past `limit` bytes
     (inflated one byte past it at most: a bomb stops there). zlib.error if none reads it. A
-    gzip body may hold several members, one after another (RFC 1952)."""
+    gzip body may hold several members, one after another (RFC 1952), up to MAX_GZIP_MEMBERS."""
     for window in windows:
         parts: list[bytes] = []
         rest, room = body, limit + 1
         try:
             while True:
+                if len(parts) == MAX_GZIP_MEMBERS:
+                    raise wire.invalid(
+                        f"the request body holds more than {MAX_GZIP_MEMBERS} gzip members; "
+                        "send it compressed as one"
+                    )
                 inflater = zlib.decompressobj(window)
                 parts.append(inflater.decompress(rest, room))
                 room -= len(parts[-1])
