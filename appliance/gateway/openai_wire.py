@@ -199,7 +199,8 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name in data:
         if name not in known:
-            raise invalid(f"Unrecognized request argument supplied: {name}", name)
+            hint = f"; send it as appliance.{name}" if name in EXTENSION_FIELDS else ""
+            raise invalid(f"Unrecognized request argument supplied: {name}{hint}", name)
     for name, kind in IGNORED.items():
         _field(data, name, kind)
     for name, allowed in NO_OP.items():

@@ -342,6 +342,8 @@ REFUSED: list[tuple[bytes, str]] = [
     (b'{"model": "tiny", "messages": [], "presence_penalty": false}', "not supported"),
     (b'{"model": "tiny", "messages": [], "best_of": 2}', "best_of is not supported"),
     (b'{"model": "tiny", "messages": [], "bogus": 1}', "Unrecognized request argument"),
+    # vLLM's top-level top_k (benchmarks' extra inputs) is the appliance object's here.
+    (b'{"model": "tiny", "messages": [], "top_k": 1}', "send it as appliance.top_k"),
     (b'{"model": "tiny", "messages": [], "stream_options": {}}', "only allowed when stream"),
     (b'{"model": "tiny", "messages": [], "appliance": {"x": 1}}', "unknown field appliance.x"),
     (
