@@ -68,6 +68,7 @@ WIRE_STATUS = {
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -79,6 +80,13 @@ FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/
 # zlib's window arguments to try for each compressed encoding: gzip's; deflate as HTTP defines
 # it (zlib-wrapped), then raw, which some clients send.
 DEFLATE_WINDOWS = {"gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
+# Bytes of request bodies read and decoded at once, in bodies of max_body_bytes: each is held
+# whole until decoded, so clients that each start a large one and send it slowly would otherwise
+# hold any amount of memory. A body counts its Content-Length (max_body_bytes when compressed or
+# chunked); one past the budget is refused at once as an overload (429, retry after
+# BODY_RETRY_MS).
+BODY_BUDGET = 32
+BODY_RETRY_MS = 1000
 # gzip members a body may hold: each one's end copies the rest of the body (zlib's unused_data),
 # so 4 MiB of empty 20-byte members held the event loop for 30 s.
 MAX_GZIP_MEMBERS = 16
@@ -240,6 +248,8 @@ async def _finish(replies: AsyncIterator[Reply]) -> None:
 
 
 def error_response(err: wire.HttpError, retry_after_ms: int | None = None) -> web.Response:
+    if retry_after_ms is None:
+        retry_after_ms = err.retry_after_ms
     headers = {}
     if err.status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
@@ -274,6 +284,8 @@ class HttpApi:
         self._service = service_name
         self._created = int(time.time())
         self._active = 0
+        # Bytes of the bodies being read and decoded now (BODY_BUDGET).
+        self.reading = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
@@ -421,6 +433,7 @@ class HttpApi:
             self.draining
             or self._unauthenticated(self._credentials(request)) is not None
             or self._declared_too_large(request)
+            or self._over_budget(request)
         ):
             return
         await _default_expect_handler(request)
@@ -428,6 +441,36 @@ class HttpApi:
     def _declared_too_large(self, request: web.Request) -> bool:
         length = request.content_length
         return length is not None and length > self.config.max_body_bytes
+
+    def _body_size(self, request: web.Request) -> int:
+        """What reading and decoding the body may hold: its Content-Length, or the limit."""
+        length = request.content_length
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if length is None or encoding != "identity":
+            return self.config.max_body_bytes
+        return min(length, self.config.max_body_bytes)
+
+    def _over_budget(self, request: web.Request) -> bool:
+        budget = BODY_BUDGET * self.config.max_body_bytes
+        return self.reading + self._body_size(request) > budget
+
+    async def _read(self, request: web.Request) -> dict[str, Any]:
+        """The body decoded, read within BODY_BUDGET."""
+        if self._declared_too_large(request):  # the client's fault, before any overload
+            raise self._too_large()
+        if self._over_budget(request):
+            raise wire.HttpError(
+                429,
+                "rate_limit_error",
+                "the gateway is reading as many request bodies as it holds at once; retry shortly",
+                retry_after_ms=BODY_RETRY_MS,
+            )
+        size = self._body_size(request)
+        self.reading += size
+        try:
+            return await self._decode(await self._body(request))
+        finally:
+            self.reading -= size
 
     def _too_large(self) -> wire.HttpError:
         return wire.HttpError(
@@ -451,7 +494,7 @@ class HttpApi:
                 refused = self._unauthenticated(credentials)
                 if refused is not None:  # nothing of the body is read for a client without a key
                     raise refused
-                http = wire.parse_request(await self._decode(await self._body(request)), chat)
+                http = wire.parse_request(await self._read(request), chat)
                 if not http.request.request_id:
                     # The client's (or its proxy's) id when the body sets none and it is one
                     # the gateway can carry; an unusable one is ignored, never a refusal.
@@ -507,8 +550,6 @@ class HttpApi:
                 f"{', '.join(BODY_ENCODINGS)}",
             )
         too_large = self._too_large()
-        if self._declared_too_large(request):  # refused before any of it is read
-            raise too_large
         try:
             async with asyncio.timeout(self.config.client_timeout_s):
                 body = await request.read()

@@ -131,10 +131,13 @@ class HttpError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
+        retry_after_ms: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
         self.param, self.code = param, code
+        # When the client may retry (Retry-After); None: no hint.
+        self.retry_after_ms = retry_after_ms
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from appliance.config import GatewayConfig, HttpConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.admission import GatedAdmission
+from appliance.gateway.http_api import BODY_BUDGET
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.security.secretfile import write_secret
@@ -714,6 +715,33 @@ async def test_a_body_declared_too_large_is_413_before_it_is_sent(
         )
     finally:
         await running.drain(0.5)
+
+
+async def test_bodies_being_read_are_bounded_in_bytes(gateway: RunningGateway) -> None:
+    """Each body being read is held whole: clients that each start one (up to max_body_bytes)
+    and send it slowly could hold any amount of memory. Past BODY_BUDGET bodies of the largest
+    size, the next is refused at once as an overload; the reads already started go on."""
+    http = gateway.http
+    assert http is not None
+    port, limit = http.port, http.config.max_body_bytes
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    held = []
+    try:
+        # All of the budget but 1,000 bytes, in bodies that have begun to arrive.
+        for size in [limit] * (BODY_BUDGET - 1) + [limit - 1000]:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head % size + b"{")
+            held.append(writer)
+        await until_async(lambda: http.reading == BODY_BUDGET * limit - 1000)
+        assert await _head(port, head % limit) == b"HTTP/1.1 429 Too Many Requests"
+        # A small body still fits beside them: the budget is bytes, not requests.
+        small = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+        status, _, _ = await _post(gateway, "/v1/completions", small)
+        assert status == 200
+    finally:
+        for writer in held:
+            writer.close()
+    await until_async(lambda: http.reading == 0)
 
 
 @pytest.mark.parametrize(
