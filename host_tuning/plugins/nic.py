@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from host_tuning.cores import CorePlan, PlanError
 from host_tuning.facts.model import Facts
@@ -41,6 +42,11 @@ class Link:
     def _ipr(self) -> IPRoute:
         return IPRoute(netns=self.netns) if self.netns else IPRoute()
 
+    def _refused(self, exc: NetlinkError, what: str) -> OSError:
+        """The kernel's netlink refusal as the OSError a sysfs write gives: one failed setting."""
+        where = f" in netns {self.netns}" if self.netns else ""
+        return OSError(exc.code, f"{what} of {self.ifname}{where}: {os.strerror(exc.code)}")
+
     def _index(self, ipr: IPRoute) -> int | None:
         found = ipr.link_lookup(ifname=self.ifname)
         return int(found[0]) if found else None
@@ -58,7 +64,10 @@ class Link:
             idx = self._index(ipr)
             if idx is None:
                 return None
-            link = ipr.link("get", index=idx)[0]
+            try:
+                link = ipr.link("get", index=idx)[0]
+            except NetlinkError as exc:
+                raise self._refused(exc, "reading link") from exc
             if attr == "mtu":
                 return str(link.get("IFLA_MTU"))
             return "up" if int(link["flags"]) & IFF_UP else "down"
@@ -77,10 +86,13 @@ class Link:
             idx = self._index(ipr)
             if idx is None:
                 raise FileNotFoundError(f"no interface {self.ifname} in netns {self.netns}")
-            if attr == "mtu":
-                ipr.link("set", index=idx, mtu=int(value))
-            else:
-                ipr.link("set", index=idx, state=value)
+            try:
+                if attr == "mtu":
+                    ipr.link("set", index=idx, mtu=int(value))
+                else:
+                    ipr.link("set", index=idx, state=value)
+            except NetlinkError as exc:
+                raise self._refused(exc, f"setting {attr} {value}") from exc
 
 
 class Nic(Plugin):

@@ -102,3 +102,26 @@ def test_netlink_facts_read_the_namespace(netns: str) -> None:
     links = netlink_links(netns)
     assert links["htv1"] == (2000, "down") and links["htv0"][0] == 1500
     assert "htv0" not in netlink_links()  # the host's namespace is separate
+
+
+def test_mtu_the_kernel_refuses_is_one_failed_setting(
+    netns: str,
+    box: Machine,
+    write_profile: Callable[[str], Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A VXLAN's MTU cannot exceed its lower device's (1500) less the VXLAN headers: EINVAL.
+    ip("-n", netns, *"link add htvx type vxlan id 5 dstport 4789 dev htv0".split())
+    prof = write_profile(
+        f'[serve]\nnics = ["htvx"]\nnetns = "{netns}"\n[nic]\nmtu = 9000\n'
+        "[kernel]\nisolate = false\n"
+    )
+    base = ["--root", str(box.root), "--profile", str(prof)]
+    assert main(["apply", *base, "--json"]) == 1
+    res = {r["key"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert res["nic htvx mtu"]["status"] == "failed"
+    assert "Invalid argument" in res["nic htvx mtu"]["note"]
+    assert res["nic htvx link"]["status"] == "changed"  # the settings after it still apply
+    assert main(["revert", "--root", str(box.root)]) == 0
+    capsys.readouterr()
+    assert "UP" not in link(netns, "htvx")["flags"]
