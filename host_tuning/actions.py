@@ -40,8 +40,8 @@ def _managed_note(exc: OSError) -> str:
 
 def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Result]:
     st = state_mod.load(ctx.root)
+    loaded = st.to_json()
     results: list[Result] = []
-    dirty = False
     try:
         for item in items:
             plugin = BY_NAME[item.plugin]
@@ -62,12 +62,21 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
             if dry_run:
                 results.append(Result(item.key, item.plugin, WOULD_CHANGE, item.desired, cur))
                 continue
+            # Recorded before the write, so a signal between the write and its record cannot
+            # leave a change revert does not know of; a refused write takes the record back.
+            entry = st.entries.get(item.key)
+            if entry is None:
+                entry = st.entries[item.key] = state_mod.Entry(item.plugin, item.target, snap)
+                new_entry = True
+            else:
+                new_entry = False
             try:
-                created = plugin.set(ctx, item)
+                entry.created_dirs += plugin.set(ctx, item)
             except OSError as exc:
+                if new_entry:
+                    del st.entries[item.key]
                 if exc.errno == errno.EIO and item.plugin == "irq":
                     st.managed.append(item.key)
-                    dirty = True
                     results.append(
                         Result(
                             item.key, item.plugin, MANAGED, item.desired, cur, _managed_note(exc)
@@ -78,16 +87,10 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
                         Result(item.key, item.plugin, FAILED, item.desired, cur, str(exc))
                     )
                 continue
-            entry = st.entries.get(item.key)
-            if entry is None:
-                st.entries[item.key] = state_mod.Entry(item.plugin, item.target, snap, created)
-            else:
-                entry.created_dirs += created
-            dirty = True
             note = plugin.pending(ctx, item) or ""
             results.append(Result(item.key, item.plugin, CHANGED, item.desired, cur, note))
     finally:
-        if dirty:
+        if st.to_json() != loaded:
             state_mod.save(ctx.root, st)
     return results
 

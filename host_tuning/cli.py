@@ -6,11 +6,14 @@ Exit codes: 0 success; 1 failure or drift (verify); 2 usage, profile, plan or pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 
 from appliance.cliargs import Parser
 from host_tuning import actions, holdlatency, profile, render
@@ -19,11 +22,42 @@ from host_tuning.facts.collect import collect
 from host_tuning.planner import TuningPlan, make_plan
 from host_tuning.plugins.base import Context
 from host_tuning.rootfs import Root
-from host_tuning.state import StateError
+from host_tuning.state import STATE_FILE, STOP_SIGNALS, StateError
 
 
 class CliError(Exception):
     """Operator-facing refusal: printed without a traceback, exit 2."""
+
+
+class Interrupted(Exception):
+    """apply or revert stopped by a signal; what it had changed is in the state file. Exit 1."""
+
+
+@contextlib.contextmanager
+def _stoppable(what: str, root: Root) -> Iterator[None]:
+    """Turn SIGTERM, SIGHUP and SIGINT into an exception raised where the work stands.
+
+    By default SIGTERM and SIGHUP end Python at once, skipping the ``finally`` that saves the
+    prior values of what was already changed: revert could then not undo it.
+    """
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)  # the state is being saved: once is enough
+        name = signal.Signals(signum).name
+        if what == "apply":
+            raise Interrupted(
+                f"apply stopped by {name}; the settings it changed are saved in "
+                f"{root.path(STATE_FILE)}: rerun apply to finish, or revert to undo them"
+            )
+        raise Interrupted(f"revert stopped by {name}; rerun revert to restore the rest")
+
+    old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,14 +179,21 @@ def run(argv: Sequence[str] | None = None) -> int:
         if not args.dry_run:
             _require_root(root, "apply")
         plan, ctx = _plan(args, root)
-        return _results(args, actions.apply(ctx, plan.items, args.dry_run))
+        if args.dry_run:
+            return _results(args, actions.apply(ctx, plan.items, dry_run=True))
+        with _stoppable("apply", root):
+            results = actions.apply(ctx, plan.items)
+        return _results(args, results)
     if args.cmd == "verify":
         plan, ctx = _plan(args, root)
         return _results(args, actions.verify(ctx, plan.items))
     if args.cmd == "revert":
-        if not args.dry_run:
-            _require_root(root, "revert")
-        return _results(args, actions.revert(Context(root=root), args.dry_run))
+        if args.dry_run:
+            return _results(args, actions.revert(Context(root=root), dry_run=True))
+        _require_root(root, "revert")
+        with _stoppable("revert", root):
+            results = actions.revert(Context(root=root))
+        return _results(args, results)
     raise AssertionError(args.cmd)
 
 
@@ -162,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, profile.ProfileError, PlanError, StateError) as exc:
         print(f"host-tune: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"host-tune: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         # A read or write outside the per-setting results (state file, sysfs listing, ...).
         print(f"host-tune: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)

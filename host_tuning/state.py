@@ -7,6 +7,9 @@ its first change: applying again (or after drift) never overwrites the original.
 from __future__ import annotations
 
 import json
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +67,26 @@ def load(root: Root) -> State:
         ) from exc
 
 
+#: The signals that stop apply and revert (systemd's stop, a closed terminal, Ctrl-C).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Stop signals wait until the state file is written; they are delivered right after."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def save(root: Root, state: State) -> None:
-    created = root.create(STATE_FILE, state.to_json())
-    state.own_dirs += [d for d in created if d not in state.own_dirs]
-    if created:
-        root.create(STATE_FILE, state.to_json())
+    with _signals_held():
+        created = root.create(STATE_FILE, state.to_json())
+        state.own_dirs += [d for d in created if d not in state.own_dirs]
+        if created:
+            root.create(STATE_FILE, state.to_json())
 
 
 def remove(root: Root, state: State) -> None:

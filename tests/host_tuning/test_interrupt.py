@@ -1,0 +1,65 @@
+"""apply and revert cut short (SIGTERM, SIGHUP) or run twice at once: nothing applied goes unrecorded.
+
+A FIFO in place of a sysctl stops apply at a known point: opening the FIFO for writing returns
+only once apply has opened it to read, so the signal lands while apply is mid-way, by event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from host_tuning.cli import main
+from host_tuning.state import STATE_FILE
+from tests.host_tuning.hostbuilder import Machine
+from tests.host_tuning.test_apply import snapshot
+
+PROFILE = '[memory]\nhugepages = 4\nhugepage_size = "2M"\n'
+GOVERNOR = "sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"
+SWAPPINESS = "proc/sys/vm/swappiness"
+
+
+def _apply_stopped_at_swappiness(box: Machine, prof: Path, sig: signal.Signals) -> tuple[int, str]:
+    """Run apply in a child, stop it with ``sig`` while it reads vm.swappiness; rc and stderr."""
+    fifo = box.root / SWAPPINESS
+    original = fifo.read_text()
+    fifo.unlink()
+    os.mkfifo(fifo)
+    code = "import sys; from host_tuning.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["apply", "--root", str(box.root), "--profile", str(prof)]
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stderr=subprocess.PIPE, text=True)
+    try:
+        fd = os.open(fifo, os.O_WRONLY)  # returns once apply has opened it: apply is mid-way
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        os.close(fd)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    fifo.unlink()
+    fifo.write_text(original)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_apply_stopped_by_a_signal_saves_what_it_changed(
+    box: Machine, write_profile: Callable[[str], Path], sig: signal.Signals
+) -> None:
+    before = snapshot(box.root)
+    prof = write_profile(PROFILE)
+    code, err = _apply_stopped_at_swappiness(box, prof, sig)
+    assert code == 1
+    assert err.count("\n") == 1 and sig.name in err and "revert" in err
+    assert (box.root / GOVERNOR).read_text() == "performance\n"  # changed before the signal
+    state = json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
+    assert "cpu0 governor" in {e["key"] for e in state["entries"]}
+    assert main(["revert", "--root", str(box.root)]) == 0
+    assert snapshot(box.root) == before
