@@ -22,7 +22,7 @@ from host_tuning.facts.collect import collect
 from host_tuning.planner import TuningPlan, make_plan
 from host_tuning.plugins.base import Context
 from host_tuning.rootfs import Root
-from host_tuning.state import STATE_FILE, STOP_SIGNALS, StateError
+from host_tuning.state import STATE_FILE, STOP_SIGNALS, Busy, StateError, locked
 
 
 class CliError(Exception):
@@ -181,7 +181,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         plan, ctx = _plan(args, root)
         if args.dry_run:
             return _results(args, actions.apply(ctx, plan.items, dry_run=True))
-        with _stoppable("apply", root):
+        with locked(root), _stoppable("apply", root):
             results = actions.apply(ctx, plan.items)
         return _results(args, results)
     if args.cmd == "verify":
@@ -191,7 +191,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             return _results(args, actions.revert(Context(root=root), dry_run=True))
         _require_root(root, "revert")
-        with _stoppable("revert", root):
+        with locked(root), _stoppable("revert", root):
             results = actions.revert(Context(root=root))
         return _results(args, results)
     raise AssertionError(args.cmd)
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, profile.ProfileError, PlanError, StateError) as exc:
         print(f"host-tune: {exc}", file=sys.stderr)
         return 2
-    except Interrupted as exc:
+    except (Interrupted, Busy) as exc:
         print(f"host-tune: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

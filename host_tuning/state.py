@@ -6,7 +6,9 @@ its first change: applying again (or after drift) never overwrites the original.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +23,33 @@ STATE_FILE = f"{STATE_DIR}/state.json"
 
 class StateError(ValueError):
     """The state file is not one host-tune wrote; nothing is guessed from it."""
+
+
+class Busy(RuntimeError):
+    """Another apply or revert is changing the same root (exit 1: rerun when it is done)."""
+
+
+@contextmanager
+def locked(root: Root) -> Iterator[None]:
+    """Hold the root for one apply or revert at a time.
+
+    Two at once would each save only the prior values they saw, and the later save would drop the
+    other's: revert could then not undo those settings. An exclusive flock on the root directory
+    itself needs no file of its own (``/`` on the host, the tree under ``--root``), works under
+    ProtectSystem=strict, and the kernel drops it however the process ends.
+    """
+    fd = os.open(root.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Busy(
+                f"another host-tune apply or revert is running on {root.base}; "
+                "rerun when it has finished"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from host_tuning.cli import main
-from host_tuning.state import STATE_FILE
+from host_tuning.rootfs import Root
+from host_tuning.state import STATE_FILE, locked
 from tests.host_tuning.hostbuilder import Machine
 from tests.host_tuning.test_apply import snapshot
 
@@ -62,4 +63,26 @@ def test_apply_stopped_by_a_signal_saves_what_it_changed(
     state = json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
     assert "cpu0 governor" in {e["key"] for e in state["entries"]}
     assert main(["revert", "--root", str(box.root)]) == 0
+    assert snapshot(box.root) == before
+
+
+def test_a_second_apply_or_revert_is_refused_while_one_runs(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = write_profile(PROFILE)
+    root = str(box.root)
+    before = snapshot(box.root)
+    with locked(Root(root)):
+        assert main(["apply", "--root", root, "--profile", str(prof)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "another host-tune" in err
+        assert main(["revert", "--root", root]) == 1
+        assert "another host-tune" in capsys.readouterr().err
+        assert snapshot(box.root) == before
+        # Reading is never refused: a monitoring check runs verify while apply works.
+        assert main(["verify", "--root", root, "--profile", str(prof)]) == 1
+        assert main(["apply", "--dry-run", "--root", root, "--profile", str(prof)]) == 0
+    capsys.readouterr()
+    assert main(["apply", "--root", root, "--profile", str(prof)]) == 0
+    assert main(["revert", "--root", root]) == 0
     assert snapshot(box.root) == before
