@@ -41,7 +41,15 @@ def _stoppable(what: str, root: Root) -> Iterator[None]:
     prior values of what was already changed: revert could then not undo it.
     """
 
+    pid = os.getpid()
+
     def stop(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != pid:
+            # A forked helper (pyroute2 forks one to enter a network namespace) inherits this
+            # handler: it ends as the signal would have ended it, never runs on as host-tune.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)  # the state is being saved: once is enough
         name = signal.Signals(signum).name

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from host_tuning.cli import main
+from host_tuning.cli import _stoppable, main
 from host_tuning.rootfs import Root
 from host_tuning.state import STATE_FILE, locked
 from tests.host_tuning.hostbuilder import Machine
@@ -86,3 +86,23 @@ def test_a_second_apply_or_revert_is_refused_while_one_runs(
     assert main(["apply", "--root", root, "--profile", str(prof)]) == 0
     assert main(["revert", "--root", root]) == 0
     assert snapshot(box.root) == before
+
+
+def test_a_forked_helper_ends_on_sigterm_as_without_host_tune(box: Machine) -> None:
+    # pyroute2 forks a helper to enter a network namespace and stops it with SIGTERM: the
+    # helper must die, not raise into a copy of host-tune that goes on applying.
+    ready_r, ready_w = os.pipe()
+    with _stoppable("apply", Root(box.root)):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(ready_w, b"1")  # past fork's own signal bookkeeping
+                signal.pause()
+            finally:
+                os._exit(0)  # reached only when the handler raised or returned
+        assert os.read(ready_r, 1) == b"1"
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    os.close(ready_r)
+    os.close(ready_w)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
