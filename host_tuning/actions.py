@@ -87,6 +87,15 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
                         Result(item.key, item.plugin, FAILED, item.desired, cur, str(exc))
                     )
                 continue
+            if not plugin.owns_files:
+                # The kernel may take a write and keep less (huge pages it cannot reserve).
+                now = plugin.current(ctx, item)
+                if not plugin.same(item, now):
+                    note = plugin.shortfall(item, now) or (
+                        f"the kernel kept {now} after {item.desired} was written"
+                    )
+                    results.append(Result(item.key, item.plugin, FAILED, item.desired, now, note))
+                    continue
             note = plugin.pending(ctx, item) or ""
             results.append(Result(item.key, item.plugin, CHANGED, item.desired, cur, note))
     finally:
@@ -113,7 +122,8 @@ def verify(ctx: Context, items: Iterable[Item]) -> list[Result]:
         elif cur is None and not plugin.owns_files and plugin.snapshot(ctx, item) is None:
             results.append(Result(item.key, item.plugin, UNSUPPORTED, item.desired, None))
         else:
-            results.append(Result(item.key, item.plugin, DRIFT, item.desired, cur))
+            note = plugin.shortfall(item, cur) or ""
+            results.append(Result(item.key, item.plugin, DRIFT, item.desired, cur, note))
     for key, entry in st.entries.items():
         if key not in planned:
             # Applied under an earlier profile; still in force until revert restores it.

@@ -2,10 +2,12 @@
 
 Facts, plugins and state read and write ``/sys``, ``/proc`` and ``/etc`` relative to a root so the
 same code runs on the real host (root ``/``) and on fixture trees in tests. Fixture trees are passive
-files, so two kernel behaviours that matter to the tool are emulated here, and only for non-``/``
+files, so the kernel behaviours that matter to the tool are emulated here, and only for non-``/``
 roots: sysfs *selector* files (``always [madvise] never``) that show the written choice in brackets,
-and writes that the kernel refuses with EIO (managed IRQs), listed in ``<root>/.fixture-eio``. Callers
-see exactly the ``OSError`` the kernel would raise, so the EIO handling above is the production path.
+and the per-path rules of ``<root>/.fixture-kernel``, one ``PATH [RULE]`` a line: no rule or an errno
+name refuses the write with that error (EIO: managed IRQs; EBUSY, EINVAL, EPERM...), ``max=N`` keeps
+at most N of a number written (huge pages the kernel could not all reserve). Callers see exactly
+the ``OSError`` or value the kernel would give, so the handling above is the production path.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-EIO_MARKER = ".fixture-eio"
+KERNEL_MARKER = ".fixture-kernel"
 _SELECTOR = re.compile(r"\[([^\]]+)\]")
 
 
@@ -27,7 +29,7 @@ class Root:
         self.base = Path(path)
         #: True when this root is the running system, where writes change the machine.
         self.is_host = self.base.resolve() == Path("/")
-        self._eio: set[str] | None = None
+        self._rules: dict[str, str] | None = None
 
     def path(self, rel: str) -> Path:
         return self.base / rel.lstrip("/")
@@ -76,8 +78,7 @@ class Root:
         """Write an existing attribute or file in place; the kernel's OSError passes through."""
         target = self.path(rel)
         if not self.is_host:
-            if rel.lstrip("/") in self._eio_paths():
-                raise OSError(errno.EIO, os.strerror(errno.EIO), str(target))
+            data = self._emulate_rule(rel, target, data)
             data = self._emulate_selector(target, data)
         with open(target, "w") as fh:
             fh.write(data)
@@ -107,12 +108,22 @@ class Root:
         with contextlib.suppress(OSError):  # not empty: someone else put files there
             self.path(rel).rmdir()
 
-    def _eio_paths(self) -> set[str]:
-        if self._eio is None:
-            marker = self.base / EIO_MARKER
+    def _emulate_rule(self, rel: str, target: Path, data: str) -> str:
+        if self._rules is None:
+            marker = self.base / KERNEL_MARKER
             text = marker.read_text() if marker.exists() else ""
-            self._eio = {line.strip().lstrip("/") for line in text.splitlines() if line.strip()}
-        return self._eio
+            self._rules = {}
+            for line in text.splitlines():
+                path, _, how = line.strip().partition(" ")
+                if path:
+                    self._rules[path.lstrip("/")] = how.strip() or "EIO"
+        rule = self._rules.get(rel.lstrip("/"))
+        if rule is None:
+            return data
+        if rule.startswith("max="):
+            return f"{min(int(data), int(rule[4:]))}\n"
+        code = getattr(errno, rule)
+        raise OSError(code, os.strerror(code), str(target))
 
     @staticmethod
     def _emulate_selector(target: Path, data: str) -> str:

@@ -52,6 +52,10 @@ class Plugin(ABC):
     def restore(self, ctx: Context, target: str, snapshot: str | None) -> None:
         """Put the saved raw state back."""
 
+    def shortfall(self, item: Item, current: str | None) -> str | None:
+        """Why the kernel holds ``current`` rather than the value written, when it is known."""
+        return None
+
     def pending(self, ctx: Context, item: Item) -> str | None:
         """Why an applied setting is not yet in effect (e.g. reboot required), or None."""
         return None

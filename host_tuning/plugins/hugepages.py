@@ -40,3 +40,12 @@ class HugePages(FilePlugin):
                 )
             )
         return [item], advice
+
+    def shortfall(self, item: Item, current: str | None) -> str | None:
+        if current is None or not current.isdigit() or int(current) >= int(item.desired):
+            return None
+        return (
+            f"the kernel reserved only {current} of {item.desired} pages: not enough free "
+            "contiguous memory on the node; free memory and apply again, or reboot with the "
+            "planned command line and apply early in boot"
+        )

@@ -4,7 +4,7 @@ The trees are generated from a topology description (sockets, cores, PCIe switch
 that a test can state what the machine is, not copy a dump. Conventions follow the kernel: Intel
 CPU numbering (all first threads, then all siblings), relative symlinks for /sys/bus and
 /sys/class, 4 KiB config space with an extended-capability chain holding ACS, managed IRQs listed
-in ``.fixture-eio`` so writes to them fail with EIO as the kernel's do.
+in ``.fixture-kernel`` so writes to them fail with EIO as the kernel's do.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pynvml
 
 from host_tuning import cpulist
-from host_tuning.rootfs import EIO_MARKER
+from host_tuning.rootfs import KERNEL_MARKER
 
 ACS_CTL_DEFAULT = 0x001D  # SV | RR | CR | UF, as firmware commonly leaves switch ports
 
@@ -274,7 +274,7 @@ class Builder:
         self.write("/dev/cpu_dma_latency", "")
 
     def finish(self) -> None:
-        self.write(EIO_MARKER, "\n".join(self.eio) + "\n")
+        self.write(KERNEL_MARKER, "\n".join(self.eio) + "\n")
 
 
 def hgx(root: Path) -> Machine:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from host_tuning.cli import main
+from host_tuning.rootfs import KERNEL_MARKER
 from host_tuning.state import STATE_FILE
 from tests.host_tuning.hostbuilder import Machine
 from tests.host_tuning.test_plan import HGX_PROFILE
@@ -244,3 +245,48 @@ def test_verify_reports_settings_left_from_an_earlier_profile(
     prof = write_profile("[memory]\nhugepages = 0\n")
     code, data = run(capsys, "verify", "--root", root, "--profile", str(prof))
     assert code == 0 and statuses(data)["hugepages node0 2M"] == "stale"
+
+
+def _kernel_rule(m: Machine, line: str) -> None:
+    """Add a fixture-kernel rule (see host_tuning.rootfs) to the tree."""
+    marker = m.root / KERNEL_MARKER
+    marker.write_text(marker.read_text() + line + "\n")
+
+
+NR_2M = "sys/devices/system/node/node0/hugepages/hugepages-2048kB/nr_hugepages"
+
+
+def test_hugepages_the_kernel_cannot_all_reserve_are_reported(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _kernel_rule(box, f"{NR_2M} max=3")  # memory too fragmented for more than 3 pages
+    prof = write_profile('[memory]\nhugepages = 8\nhugepage_size = "2M"\n')
+    root = str(box.root)
+    code, data = run(capsys, "apply", "--root", root, "--profile", str(prof))
+    res = {r["key"]: r for r in data["results"]}["hugepages node0 2M"]
+    assert code == 1 and res["status"] == "failed"
+    assert "3 of 8" in res["note"]
+    code, data = run(capsys, "verify", "--root", root, "--profile", str(prof))
+    res = {r["key"]: r for r in data["results"]}["hugepages node0 2M"]
+    assert code == 1 and (res["status"], res["actual"]) == ("drift", "3")
+    assert "3 of 8" in res["note"]
+    assert main(["revert", "--root", root]) == 0  # the 3 it did reserve are given back
+    assert (box.root / NR_2M).read_text() == "0\n"
+
+
+def test_a_write_the_kernel_refuses_is_one_failed_line(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _kernel_rule(box, "proc/sys/kernel/nmi_watchdog EBUSY")  # perf holds the PMU counter
+    _kernel_rule(box, "sys/devices/system/cpu/cpu3/cpufreq/scaling_governor EINVAL")
+    before = snapshot(box.root)
+    prof = write_profile("[kernel]\nisolate = false\n")
+    root = str(box.root)
+    assert main(["apply", "--root", root, "--profile", str(prof)]) == 1
+    out = capsys.readouterr().out
+    failed = [ln for ln in out.splitlines() if ln.startswith("failed")]
+    assert len(failed) == 2
+    assert "kernel.nmi_watchdog" in failed[1] and "Device or resource busy" in failed[1]
+    assert (box.root / "proc/sys/vm/swappiness").read_text() == "10\n"  # the rest applied
+    assert main(["revert", "--root", root]) == 0
+    assert snapshot(box.root) == before
