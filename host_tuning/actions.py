@@ -45,16 +45,22 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
     try:
         for item in items:
             plugin = BY_NAME[item.plugin]
-            if item.key in st.managed:
+            # IRQ numbers are handed out again at each boot: one managed then is tried again.
+            was_managed = item.key in st.managed
+            if was_managed and dry_run:
                 results.append(Result(item.key, item.plugin, MANAGED, item.desired, None))
                 continue
             cur = plugin.current(ctx, item)
             if plugin.same(item, cur):
+                if was_managed:
+                    st.managed.remove(item.key)
                 note = plugin.pending(ctx, item) or ""
                 results.append(Result(item.key, item.plugin, UNCHANGED, item.desired, cur, note))
                 continue
             snap = plugin.snapshot(ctx, item)
             if snap is None and not plugin.owns_files:
+                if was_managed:
+                    st.managed.remove(item.key)
                 results.append(
                     Result(item.key, item.plugin, UNSUPPORTED, item.desired, None, "absent here")
                 )
@@ -76,7 +82,8 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
                 if new_entry:
                     del st.entries[item.key]
                 if exc.errno == errno.EIO and item.plugin == "irq":
-                    st.managed.append(item.key)
+                    if not was_managed:
+                        st.managed.append(item.key)
                     results.append(
                         Result(
                             item.key, item.plugin, MANAGED, item.desired, cur, _managed_note(exc)
@@ -87,6 +94,8 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
                         Result(item.key, item.plugin, FAILED, item.desired, cur, str(exc))
                     )
                 continue
+            if was_managed:
+                st.managed.remove(item.key)
             if not plugin.owns_files:
                 # The kernel may take a write and keep less (huge pages it cannot reserve).
                 now = plugin.current(ctx, item)

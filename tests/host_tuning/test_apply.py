@@ -290,3 +290,22 @@ def test_a_write_the_kernel_refuses_is_one_failed_line(
     assert (box.root / "proc/sys/vm/swappiness").read_text() == "10\n"  # the rest applied
     assert main(["revert", "--root", root]) == 0
     assert snapshot(box.root) == before
+
+
+def test_an_irq_no_longer_managed_after_reboot_is_tuned(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = write_profile("")
+    args = ["apply", "--root", str(box.root), "--profile", str(prof)]
+    first = box.managed_irqs[0]
+    code, data = run(capsys, *args)
+    assert statuses(data)[f"irq {first}"] == "managed-skipped"
+    # Reboot: IRQ numbers are handed out again, and this one is now an ordinary vector.
+    marker = box.root / KERNEL_MARKER
+    rules = marker.read_text().splitlines()
+    marker.write_text("\n".join(r for r in rules if f"/{first}/" not in r) + "\n")
+    code, data = run(capsys, *args)
+    assert code == 0 and statuses(data)[f"irq {first}"] == "changed"
+    assert statuses(data)[f"irq {box.managed_irqs[1]}"] == "managed-skipped"
+    code, data = run(capsys, "verify", "--root", str(box.root), "--profile", str(prof))
+    assert statuses(data)[f"irq {first}"] == "ok"
