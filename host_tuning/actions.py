@@ -157,13 +157,21 @@ def revert(ctx: Context, dry_run: bool = False) -> list[Result]:
             continue
         try:
             plugin.restore(ctx, entry.target, entry.snapshot)
+            status, note = RESTORED, ""
+        except FileNotFoundError as exc:
+            if plugin.owns_files:
+                results.append(Result(key, entry.plugin, FAILED, entry.snapshot, None, str(exc)))
+                continue
+            # The kernel attribute went with its device (IRQ freed, NIC or CPU removed): the
+            # value is gone too, and keeping the entry would fail every later revert.
+            status, note = UNSUPPORTED, f"gone since apply ({exc.strerror}): nothing to restore"
         except OSError as exc:
             results.append(Result(key, entry.plugin, FAILED, entry.snapshot, None, str(exc)))
             continue
         for d in reversed(entry.created_dirs):
             ctx.root.rmdir_if_empty(d)
         del st.entries[key]
-        results.append(Result(key, entry.plugin, RESTORED, entry.snapshot, None))
+        results.append(Result(key, entry.plugin, status, entry.snapshot, None, note))
     if not dry_run:
         if st.entries:
             state_mod.save(ctx.root, st)  # keep what failed so a later revert can retry

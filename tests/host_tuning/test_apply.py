@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -309,3 +310,18 @@ def test_an_irq_no_longer_managed_after_reboot_is_tuned(
     assert statuses(data)[f"irq {box.managed_irqs[1]}"] == "managed-skipped"
     code, data = run(capsys, "verify", "--root", str(box.root), "--profile", str(prof))
     assert statuses(data)[f"irq {first}"] == "ok"
+
+
+def test_revert_passes_over_a_setting_whose_device_is_gone(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(box.root)
+    assert main(["apply", "--root", root, "--profile", str(write_profile(""))]) == 0
+    capsys.readouterr()
+    state = json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
+    irq = next(e["key"] for e in state["entries"] if e["key"].split()[-1].isdigit())
+    shutil.rmtree(box.root / "proc/irq" / irq.split()[-1])  # its driver was unloaded since
+    code, data = run(capsys, "revert", "--root", root)
+    assert code == 0 and statuses(data)[irq] == "unsupported"
+    assert "gone" in next(r["note"] for r in data["results"] if r["key"] == irq)
+    assert not (box.root / STATE_FILE.lstrip("/")).exists()
