@@ -111,7 +111,8 @@ def test_mtu_the_kernel_refuses_is_one_failed_setting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # A VXLAN's MTU cannot exceed its lower device's (1500) less the VXLAN headers: EINVAL.
-    ip("-n", netns, *"link add htvx type vxlan id 5 dstport 4789 dev htv0".split())
+    vxlan = ["type", "vxlan", "id", "5", "dstport", "4789", "dev", "htv0"]
+    ip("-n", netns, "link", "add", "htvx", *vxlan)
     prof = write_profile(
         f'[serve]\nnics = ["htvx"]\nnetns = "{netns}"\n[nic]\nmtu = 9000\n'
         "[kernel]\nisolate = false\n"
