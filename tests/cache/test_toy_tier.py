@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -120,20 +119,18 @@ async def test_a_configured_tier_is_reported_everywhere(gateway: RunningGateway)
         stub = pb_grpc.InferenceStub(channel)
         first = await stub.Complete(request)
         second = await stub.Complete(request)
-        body = json.dumps(
-            {
-                "model": "tiny",
-                "prompt": "what is a toy, asked over HTTP",
-                "max_tokens": 4,
-                "temperature": 0,
-            }
-        )
+        body = {
+            "model": "tiny",
+            "prompt": "what is a toy, asked over HTTP",
+            "max_tokens": 4,
+            "temperature": 0,
+        }
         assert gateway.http is not None
         url = f"http://127.0.0.1:{gateway.http.port}/v1/completions"
         replies = []
         async with aiohttp.ClientSession() as session:
             for _ in range(2):
-                async with session.post(url, data=body) as r:
+                async with session.post(url, json=body) as r:
                     assert r.status == 200
                     replies.append(await r.json())
         stats = dict((await pb_grpc.CacheAdminStub(channel).Stats(pb.CacheStatsRequest())).counters)

@@ -350,6 +350,8 @@ def test_the_answers_in_flight_when_the_gateway_goes_away_are_still_measured(
     assert proc.returncode == 1, stderr
     assert f"{address} became unreachable: " in stderr.splitlines()[-1]
     (level,) = levels(out)
-    assert level["interrupted"] == 0 and set(level["errors"]) == {"UNAVAILABLE"}, level
+    # A call that reaches the stopping server before its transport closes may be CANCELLED by it.
+    assert level["interrupted"] == 0, level
+    assert "UNAVAILABLE" in level["errors"] and set(level["errors"]) <= {"UNAVAILABLE", "CANCELLED"}
     rows = json.loads((out / "bench.json").read_text())["requests"]
     assert [r["status"] for r in rows if r["request_id"] == "drained"] == ["OK"]
