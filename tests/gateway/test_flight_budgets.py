@@ -31,6 +31,20 @@ async def one_slot(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
     await running.drain(0.2)
 
 
+def hold_the_slot(stub: pb_grpc.InferenceStub) -> grpc.aio.UnaryStreamCall:
+    """A long generation, never cached: once its first message is read it holds the engine's
+    slot until the test cancels it."""
+    return stub.Generate(
+        pb.GenerateRequest(
+            model="tiny",
+            prompt="Tell me everything",
+            max_tokens=1500,
+            temperature=0,
+            cache_policy=pb.CACHE_POLICY_BYPASS,
+        )
+    )
+
+
 async def test_a_follower_is_not_refused_for_its_leaders_ttft_budget(
     one_slot: RunningGateway,
 ) -> None:
@@ -38,15 +52,7 @@ async def test_a_follower_is_not_refused_for_its_leaders_ttft_budget(
     async with grpc.aio.insecure_channel(f"127.0.0.1:{one_slot.port}") as channel:
         stub = pb_grpc.InferenceStub(channel)
         # The only slot is held until the test lets it go.
-        blocker = stub.Generate(
-            pb.GenerateRequest(
-                model="tiny",
-                prompt="Tell me everything",
-                max_tokens=1500,
-                temperature=0,
-                cache_policy=pb.CACHE_POLICY_BYPASS,
-            )
-        )
+        blocker = hold_the_slot(stub)
         await blocker.read()
         ask = {"model": "tiny", "prompt": "a flight in line", "max_tokens": 8, "temperature": 0}
         leader = stub.Complete(pb.GenerateRequest(**ask, ttft_budget_ms=300))  # type: ignore[arg-type]
@@ -103,15 +109,7 @@ async def test_a_refusal_for_any_request_reaches_each_follower_once(
     gate = admission.gates["tiny"]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{no_queue.port}") as channel:
         stub = pb_grpc.InferenceStub(channel)
-        blocker = stub.Generate(
-            pb.GenerateRequest(
-                model="tiny",
-                prompt="Tell me everything",
-                max_tokens=1500,
-                temperature=0,
-                cache_policy=pb.CACHE_POLICY_BYPASS,
-            )
-        )
+        blocker = hold_the_slot(stub)
         await blocker.read()  # it holds the only slot
         # The leader's flight asks the gate once every follower has joined it.
         asked: list[str] = []

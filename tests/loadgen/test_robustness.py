@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,24 +244,35 @@ def test_an_answer_the_server_cancelled_is_counted_as_its_own_outcome(
     assert all("FINISH_REASON_CANCELLED" in r["error"] for r in rows), rows
 
 
-@pytest.mark.timeout(60)
-def test_a_deployment_answering_only_unavailable_ends_the_run_with_what_was_measured(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def unavailable_after(
+    answers: int, then: float, why: str
+) -> Callable[
+    [FakeGateway, pb.GenerateRequest, grpc.ServicerContext], Iterator[pb.GenerateResponse]
+]:
+    """A fake gateway's answer: the first `answers` requests answered, the `then` after them
+    refused UNAVAILABLE (`why` says what of model 'm'), the rest answered again."""
     answered = 0
     lock = threading.Lock()
 
-    def engine_gone_after_three(
+    def answer(
         fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
         nonlocal answered
         with lock:
             answered += 1
-            gone = answered > 3
-        if gone:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "model 'm' is unavailable: engine down")
+            refused = answers < answered <= answers + then
+        if refused:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"model 'm' is unavailable: {why}")
         yield final_answer()
 
+    return answer
+
+
+@pytest.mark.timeout(60)
+def test_a_deployment_answering_only_unavailable_ends_the_run_with_what_was_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine_gone_after_three = unavailable_after(3, math.inf, "engine down")
     out = tmp_path / "run"
     with fake_gateway(engine_gone_after_three) as (address, _, _):
         rc = bench(address, out, "--concurrency", "2", "--duration", "120")
@@ -284,20 +296,7 @@ def test_a_deployment_answering_only_unavailable_ends_the_run_with_what_was_meas
 def test_a_short_run_of_unavailable_answers_does_not_end_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    answered = 0
-    lock = threading.Lock()
-
-    def a_blip(
-        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GenerateResponse]:
-        nonlocal answered
-        with lock:
-            answered += 1
-            blip = 3 < answered <= 3 + 2 * UNAVAILABLE_RUN
-        if blip:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "model 'm' is unavailable: restarting")
-        yield final_answer()
-
+    a_blip = unavailable_after(3, 2 * UNAVAILABLE_RUN, "restarting")
     out = tmp_path / "run"
     with fake_gateway(a_blip) as (address, _, _):
         rc = bench(address, out, "--concurrency", "2", "--requests", str(3 * UNAVAILABLE_RUN))
