@@ -1071,7 +1071,8 @@ async def run_engine(
     exit_timeout_s: float,
 ) -> int:
     """The `appliance engine` process: serve until SIGTERM/SIGINT, then stop as Triton stops,
-    giving requests in flight up to `exit_timeout_s` (`--exit-timeout-secs`)."""
+    giving requests in flight up to `exit_timeout_s` (`--exit-timeout-secs`); 1 when some were
+    still in flight then, as Triton's."""
     started = time.monotonic()
     try:
         lock = lock_repository(repository)  # before loading: a second server fails in ms
@@ -1120,7 +1121,12 @@ async def run_engine(
     )
     left = await stop_engine(server, service, exit_timeout_s)
     if left:
-        log.warning("exit timeout expired: %d requests still in flight were cancelled", left)
+        # Triton exits 1 then ("Exit timeout expired. Exiting immediately."): systemd shows the
+        # stop as failed, and the log says what was cut.
+        log.warning(
+            "exit timeout expired: %d requests still in flight were cancelled (exit status 1)",
+            left,
+        )
     # Cancel and join every compute thread before the interpreter exits (Runner.close).
     joined = all([model.runner.close() for model in models.values()])
     os.close(lock)
@@ -1129,4 +1135,4 @@ async def run_engine(
         time.monotonic() - stopping,
         "" if joined else " (a compute thread was still running)",
     )
-    return 0
+    return 1 if left else 0

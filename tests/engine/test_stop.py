@@ -126,6 +126,31 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_calls(
     assert "engine stopped in" in text and "exit timeout expired" not in text
 
 
+async def test_an_engine_that_cut_requests_at_its_exit_timeout_exits_1(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """As Triton's: a stop that had to cancel requests in flight is a failed stop."""
+    address = f"127.0.0.1:{processes.free_port()}"
+    log = tmp_path / "engine.log"
+    argv = ["engine", "--repository", str(tiny.repo), "--listen", address]
+    engine = processes.spawn([*argv, "--exit-timeout-secs", "0"], log)
+    try:
+        await asyncio.to_thread(processes.wait_engine, address, engine, log)
+        async with grpc.aio.insecure_channel(address) as channel:
+            running = ts_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer()
+            await running.write(request("cut", max_tokens=LONG))
+            await running.read()
+            engine.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                while await running.read() is not grpc.aio.EOF:
+                    pass
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        code = await asyncio.to_thread(processes.stop, engine, 60.0, True)
+    assert code == 1, processes.last_words(log)
+    assert "exit timeout expired: 1 requests still in flight were cancelled" in log.read_text()
+
+
 async def test_a_request_sent_while_stopping_is_refused_as_triton_refuses_it(
     served: Served,
 ) -> None:
