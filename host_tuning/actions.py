@@ -57,6 +57,10 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
                 note = plugin.pending(ctx, item) or ""
                 results.append(Result(item.key, item.plugin, UNCHANGED, item.desired, cur, note))
                 continue
+            why = plugin.unoffered(ctx, item)
+            if why is not None:
+                results.append(Result(item.key, item.plugin, UNSUPPORTED, item.desired, cur, why))
+                continue
             snap = plugin.snapshot(ctx, item)
             if snap is None and not plugin.owns_files:
                 if was_managed:
@@ -128,6 +132,8 @@ def verify(ctx: Context, items: Iterable[Item]) -> list[Result]:
             pending = plugin.pending(ctx, item)
             status = REBOOT if pending else OK
             results.append(Result(item.key, item.plugin, status, item.desired, cur, pending or ""))
+        elif (why := plugin.unoffered(ctx, item)) is not None:
+            results.append(Result(item.key, item.plugin, UNSUPPORTED, item.desired, cur, why))
         elif cur is None and not plugin.owns_files and plugin.snapshot(ctx, item) is None:
             results.append(Result(item.key, item.plugin, UNSUPPORTED, item.desired, None))
         else:

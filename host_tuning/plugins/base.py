@@ -52,6 +52,10 @@ class Plugin(ABC):
     def restore(self, ctx: Context, target: str, snapshot: str | None) -> None:
         """Put the saved raw state back."""
 
+    def unoffered(self, ctx: Context, item: Item) -> str | None:
+        """Why the kernel does not offer ``item.desired`` here (it is then not written), or None."""
+        return None
+
     def shortfall(self, item: Item, current: str | None) -> str | None:
         """Why the kernel holds ``current`` rather than the value written, when it is known."""
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from host_tuning.cores import CorePlan
 from host_tuning.facts.model import Facts
 from host_tuning.items import Advice, Item
-from host_tuning.plugins.base import FilePlugin
+from host_tuning.plugins.base import Context, FilePlugin
 from host_tuning.profile import Profile
 
 SYS_CPU = "/sys/devices/system/cpu"
@@ -65,6 +65,20 @@ class Cpu(FilePlugin):
                 )
             )
         return items, advice
+
+    def unoffered(self, ctx: Context, item: Item) -> str | None:
+        """A governor missing from ``scaling_available_governors`` is skipped, as tuned does:
+        the kernel refuses it with EINVAL, so writing it would fail at every apply."""
+        if not item.target.endswith("/scaling_governor"):
+            return None
+        offered_path = item.target.rsplit("/", 1)[0] + "/scaling_available_governors"
+        offered = (ctx.root.read_value(offered_path) or "").split()
+        if not offered or item.desired in offered:
+            return None  # no list (older drivers): the write and its read-back decide
+        return (
+            f"governor {item.desired} not offered by this kernel's cpufreq driver "
+            f"(scaling_available_governors: {' '.join(offered)}); not written"
+        )
 
 
 class PmQos(FilePlugin):

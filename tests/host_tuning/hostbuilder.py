@@ -145,6 +145,7 @@ class Builder:
             self.write(f"{d}/topology/thread_siblings_list", cpulist.format(sibs) + "\n")
             self.write(f"{d}/cpufreq/scaling_governor", "powersave\n")
             self.write(f"{d}/cpufreq/scaling_driver", "intel_pstate\n")
+            self.write(f"{d}/cpufreq/scaling_available_governors", "performance powersave\n")
             if epb:
                 self.write(f"{d}/power/energy_perf_bias", "6\n")
             self.write(f"{d}/power/pm_qos_resume_latency_us", "0\n")

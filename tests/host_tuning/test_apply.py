@@ -325,3 +325,27 @@ def test_revert_passes_over_a_setting_whose_device_is_gone(
     assert code == 0 and statuses(data)[irq] == "unsupported"
     assert "gone" in next(r["note"] for r in data["results"] if r["key"] == irq)
     assert not (box.root / STATE_FILE.lstrip("/")).exists()
+
+
+def test_a_governor_the_kernel_does_not_offer_is_unsupported_not_written(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cpu = box.root / "sys/devices/system/cpu"
+    for d in sorted(cpu.glob("cpu[0-9]*")):
+        (d / "cpufreq/scaling_available_governors").write_text("powersave schedutil\n")
+        # The kernel refuses a governor it does not offer with EINVAL.
+        _kernel_rule(box, f"{d.relative_to(box.root)}/cpufreq/scaling_governor EINVAL")
+    prof = write_profile("[kernel]\nisolate = false\n")
+    root = str(box.root)
+    for cmd in ("apply", "verify", "verify"):
+        code, data = run(capsys, cmd, "--root", root, "--profile", str(prof))
+        res = {r["key"]: r for r in data["results"]}["cpu3 governor"]
+        assert code == 0, (cmd, res)
+        assert res["status"] == "unsupported", (cmd, res)
+        assert "powersave schedutil" in res["note"] and res["actual"] == "powersave"
+    state = json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
+    assert not [e for e in state["entries"] if e["key"].endswith("governor")]
+    assert main(["apply", "--root", root, "--profile", str(prof)]) == 0
+    table = capsys.readouterr().out
+    row = next(ln for ln in table.splitlines() if "cpu{0-15} governor" in ln)
+    assert row.startswith("unsupported") and "failed" not in table
