@@ -140,12 +140,15 @@ def _plan(args: argparse.Namespace, root: Root) -> tuple[TuningPlan, Context]:
     return plan, Context(root=root, netns=prof.netns)
 
 
-def _results(args: argparse.Namespace, results: list[actions.Result]) -> int:
+def _results(
+    args: argparse.Namespace, results: list[actions.Result], plan: TuningPlan | None = None
+) -> int:
     code = actions.exit_code(results)
+    notes = render.plan_notes(plan) if plan is not None else []
     if args.json:
-        print(render.results_json(args.cmd, results, code))
+        print(render.results_json(args.cmd, results, code, notes))
     else:
-        print(render.results_table(args.cmd, results, args.verbose), end="")
+        print(render.results_table(args.cmd, results, args.verbose, notes), end="")
     return code
 
 
@@ -188,13 +191,13 @@ def run(argv: Sequence[str] | None = None) -> int:
             _require_root(root, "apply")
         plan, ctx = _plan(args, root)
         if args.dry_run:
-            return _results(args, actions.apply(ctx, plan.items, dry_run=True))
+            return _results(args, actions.apply(ctx, plan.items, dry_run=True), plan)
         with locked(root), _stoppable("apply", root):
             results = actions.apply(ctx, plan.items)
-        return _results(args, results)
+        return _results(args, results, plan)
     if args.cmd == "verify":
         plan, ctx = _plan(args, root)
-        return _results(args, actions.verify(ctx, plan.items))
+        return _results(args, actions.verify(ctx, plan.items), plan)
     if args.cmd == "revert":
         if args.dry_run:
             return _results(args, actions.revert(Context(root=root), dry_run=True))

@@ -28,6 +28,7 @@ class CorePlan:
     triton: tuple[int, ...]
     isolated: tuple[int, ...]
     reasons: dict[str, str]
+    offline: tuple[int, ...] = ()  # CPUs offline at plan time (placed by their core all the same)
 
     @property
     def serving(self) -> tuple[int, ...]:
@@ -47,7 +48,7 @@ def physical_cores(facts: Facts, cpus: set[int]) -> list[tuple[int, ...]]:
     """Physical cores (as sorted thread tuples) among ``cpus``, ordered by lowest thread id."""
     groups: dict[tuple[int, int], set[int]] = {}
     for c in facts.cpus:
-        if c.id in cpus:
+        if c.id in cpus and c.siblings:  # an offline CPU of unknown core belongs to none
             groups.setdefault((c.package, c.core), set()).add(c.id)
     return sorted((tuple(sorted(g)) for g in groups.values()), key=lambda t: t[0])
 
@@ -61,9 +62,12 @@ def choose(facts: Facts, profile: Profile) -> CorePlan:
         raise PlanError(f"{exc.args[0]}; GPUs found: {found}{why}") from exc
     node = gpu_node(facts, gpu)
     node_cpus = set(facts.nodes.get(node, [c.id for c in facts.cpus]))
+    offline = {c.id for c in facts.cpus if not c.online}
     if gpu.local_cpus:
-        node_cpus &= set(gpu.local_cpus)
+        # NVML and local_cpulist list online CPUs only: offline ones stay with their node.
+        node_cpus &= set(gpu.local_cpus) | offline
     cores = physical_cores(facts, node_cpus)
+    unplaced = tuple(sorted(c.id for c in facts.cpus if c.id in node_cpus and not c.siblings))
     nic_cores_wanted = profile.nic_irq_cores if profile.nics else 0
     need = profile.housekeeping_cores + nic_cores_wanted + profile.gateway_cores + 1
     if len(cores) < need:
@@ -76,12 +80,18 @@ def choose(facts: Facts, profile: Profile) -> CorePlan:
     nic_end = hk_end + nic_cores_wanted
     hk_cores, nic_cores, serve_cores = cores[:hk_end], cores[hk_end:nic_end], cores[nic_end:]
 
+    def primary(core: tuple[int, ...]) -> tuple[int, ...]:
+        """The core's first online thread (its first thread when all are offline)."""
+        return next(((t,) for t in core if t not in offline), core[:1])
+
     def threads(group: list[tuple[int, ...]], primary_only: bool) -> tuple[int, ...]:
-        return tuple(sorted(t for core in group for t in (core[:1] if primary_only else core)))
+        return tuple(sorted(t for core in group for t in (primary(core) if primary_only else core)))
 
     serve_primary = not profile.serving_smt
     gw_cores, tr_cores = serve_cores[: profile.gateway_cores], serve_cores[profile.gateway_cores :]
-    isolated = threads(serve_cores, False) if profile.isolate else ()
+    # An offline CPU whose core sysfs no longer tells may be a serving thread's sibling: isolated
+    # (idle when it returns), never housekeeping.
+    isolated = tuple(sorted(threads(serve_cores, False) + unplaced)) if profile.isolate else ()
     nic_irq = threads(nic_cores, False)
     # Everything that is not isolated and takes no NIC interrupts is housekeeping, other nodes
     # included: the OS, irqbalance and unnamed devices keep all of it.
@@ -102,6 +112,8 @@ def choose(facts: Facts, profile: Profile) -> CorePlan:
         if profile.isolate
         else "isolation disabled by profile",
     }
+    if offline:
+        reasons["offline"] = offline_reason(sorted(offline), unplaced)
     return CorePlan(
         node=node,
         gpu=gpu.bus_id,
@@ -111,7 +123,27 @@ def choose(facts: Facts, profile: Profile) -> CorePlan:
         triton=threads(tr_cores, serve_primary),
         isolated=isolated,
         reasons=reasons,
+        offline=tuple(sorted(offline)),
     )
+
+
+def offline_reason(offline: list[int], unplaced: tuple[int, ...]) -> str:
+    """Plan and verify say which CPUs were offline and how the split counted them."""
+    placed = [c for c in offline if c not in unplaced]
+    parts = []
+    if placed:
+        parts.append(
+            f"cpu{cpulist.format(placed)} offline at plan time: counted with its core, as when "
+            "online (its sibling's thread_siblings_list names it)"
+        )
+    if unplaced:
+        parts.append(
+            f"cpu{cpulist.format(unplaced)} offline at plan time, core unknown (the kernel drops "
+            "an offline CPU's topology and its sibling's list no longer names it): isolated, never "
+            "housekeeping; bring it online (echo 1 > /sys/devices/system/cpu/cpuN/online) and "
+            "plan again for an exact split"
+        )
+    return "; ".join(parts)
 
 
 def cpu_affinity_dropin(cpus: tuple[int, ...], unit_comment: str = "") -> str:

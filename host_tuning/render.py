@@ -79,6 +79,7 @@ def cores_dict(c: CorePlan) -> dict[str, Any]:
         "triton": cpulist.format(c.triton),
         "serving": cpulist.format(c.serving),
         "isolated": cpulist.format(c.isolated),
+        "offline": cpulist.format(c.offline),
         "reasons": c.reasons,
     }
 
@@ -100,7 +101,8 @@ def plan_table(plan: TuningPlan) -> str:
     c = cores_dict(plan.cores)
     rows = [
         ["cores", role, c[role] or "-", c["reasons"].get(role, "")]
-        for role in ("housekeeping", "nic_irq", "gateway", "triton", "isolated")
+        for role in ("housekeeping", "nic_irq", "gateway", "triton", "isolated", "offline")
+        if role != "offline" or c[role]
     ]
     rows.insert(0, ["cores", "node", str(c["node"]), c["reasons"]["node"]])
     grouped = _collapse([(it.key, [it.plugin, it.desired, it.reason]) for it in plan.items])
@@ -112,7 +114,12 @@ def plan_table(plan: TuningPlan) -> str:
     return text + "\n"
 
 
-def results_json(command: str, results: list[Result], code: int) -> str:
+def plan_notes(plan: TuningPlan) -> list[str]:
+    """What apply and verify say about the plan besides the per-setting results."""
+    return [plan.cores.reasons["offline"]] if plan.cores.offline else []
+
+
+def results_json(command: str, results: list[Result], code: int, notes: list[str]) -> str:
     counts = Counter(r.status for r in results)
     changed = counts.get("changed", 0) + counts.get("restored", 0)
     return json.dumps(
@@ -123,12 +130,15 @@ def results_json(command: str, results: list[Result], code: int) -> str:
             "reboot_required": any("reboot required" in r.note for r in results),
             "results": [asdict(r) for r in results],
             "exit_code": code,
+            "notes": notes,
         },
         indent=1,
     )
 
 
-def results_table(command: str, results: list[Result], verbose: bool = False) -> str:
+def results_table(
+    command: str, results: list[Result], verbose: bool = False, notes: list[str] | None = None
+) -> str:
     quiet = {"unchanged", "ok"}
     shown = [r for r in results if verbose or r.status not in quiet or r.note]
     grouped = _collapse(
@@ -144,5 +154,6 @@ def results_table(command: str, results: list[Result], verbose: bool = False) ->
     if command == "verify":
         drift = counts.get("drift", 0)
         lines.append(f"{drift} setting(s) drifted" if drift else "no drift")
+    lines += [f"note: {n}" for n in notes or []]
     lines.append(f"{command}: {summary}")
     return "\n".join(lines) + "\n"

@@ -9,9 +9,12 @@ from host_tuning.rootfs import Root
 
 def collect(root: Root, use_nvml: bool = True) -> Facts:
     cpus = cpu.cpus(root)
-    nodes = cpu.nodes(root) or {0: [c.id for c in cpus]}
+    nodes = cpu.nodes(root) or {0: []}
+    for c in cpus:  # a node's cpulist holds only its online CPUs
+        if c.id not in nodes.setdefault(c.node, []):
+            nodes[c.node] = sorted([*nodes[c.node], c.id])
     gpus, gpu_error = gpu.gpus(root, len(cpus), use_nvml)
-    nics = nic.nics(root, [c.id for c in cpus])
+    nics = nic.nics(root, [c.id for c in cpus if c.online])
     paths = [
         pci.path(root, g.bus_id, n.pci) for g in gpus for n in nics if n.pci and n.rdma is not None
     ]

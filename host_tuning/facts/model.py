@@ -12,6 +12,9 @@ class Cpu:
     package: int
     node: int
     siblings: tuple[int, ...]  # SMT threads sharing the core, including this one
+    # An offline CPU has no topology in sysfs: core, package and siblings then come from a sibling
+    # whose thread_siblings_list still names it; when none does, core is -1 (unknown).
+    online: bool = True
 
 
 @dataclass(frozen=True)

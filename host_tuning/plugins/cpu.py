@@ -27,8 +27,9 @@ class Cpu(FilePlugin):
     ) -> tuple[list[Item], list[Advice]]:
         items: list[Item] = []
         advice: list[Advice] = []
+        online = [c for c in facts.cpus if c.online]  # as tuned: an offline CPU is skipped
         if facts.cpufreq.get("governor_cpu0") is not None:
-            for c in facts.cpus:
+            for c in online:
                 items.append(
                     Item(
                         self.name,
@@ -44,7 +45,7 @@ class Cpu(FilePlugin):
             )
         if facts.cpufreq.get("energy_perf_bias_cpu0") is not None:
             value = EPB.get(profile.energy_perf_bias, profile.energy_perf_bias)
-            for c in facts.cpus:
+            for c in online:
                 items.append(
                     Item(
                         self.name,

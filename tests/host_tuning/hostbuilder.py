@@ -132,7 +132,8 @@ class Builder:
     def cpus(self, sockets: int, cores: int, threads: int, epb: bool = True) -> None:
         total = sockets * cores * threads
         base = "/sys/devices/system/cpu"
-        self.write(f"{base}/online", f"0-{total - 1}\n")
+        for kind in ("online", "present", "possible"):
+            self.write(f"{base}/{kind}", f"0-{total - 1}\n")
         self.write(f"{base}/intel_pstate/min_perf_pct", "32\n")
         for cid in range(total):
             rest = cid % (sockets * cores)

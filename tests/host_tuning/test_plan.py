@@ -328,3 +328,50 @@ def test_shipped_example_profiles_plan(hgx: Machine, box: Machine) -> None:
     assert make_plan(collect(Root(hgx.root)), hgx_prof).cores.node == 0
     box_prof = load(examples / "single-gpu.toml")
     assert make_plan(collect(Root(box.root)), box_prof).cores.gateway
+
+
+def _take_offline(m: Machine, cpu: int, sibling_lists_it: bool) -> None:
+    """What the kernel shows with ``cpu`` offline: gone from ``online``, the node's cpulist and
+    the GPU's local CPUs, its topology directory removed; its sibling's list may still name it."""
+    base = m.root / "sys/devices/system/cpu"
+    online = cpulist.parse((base / "online").read_text()) - {cpu}
+    (base / "online").write_text(cpulist.format(online) + "\n")
+    (base / f"cpu{cpu}/online").write_text("0\n")
+    for f in (base / f"cpu{cpu}/topology").iterdir():
+        f.unlink()
+    (base / f"cpu{cpu}/topology").rmdir()
+    node0 = m.root / "sys/devices/system/node/node0/cpulist"
+    node0.write_text(cpulist.format(cpulist.parse(node0.read_text()) - {cpu}) + "\n")
+    m.nvml.gpus[0].cpus = m.nvml.gpus[0].cpus - {cpu}
+    if not sibling_lists_it:
+        for d in base.glob("cpu[0-9]*/topology/thread_siblings_list"):
+            sibs = cpulist.parse(d.read_text())
+            if cpu in sibs:
+                d.write_text(cpulist.format(sibs - {cpu}) + "\n")
+
+
+def test_an_offline_cpu_keeps_its_core_in_the_split(
+    box: Machine, capsys: pytest.CaptureFixture[str], write_profile: Callable[[str], Path]
+) -> None:
+    before = make_plan(collect(Root(box.root)), Profile()).cores
+    _take_offline(box, 7, sibling_lists_it=True)
+    after = make_plan(collect(Root(box.root)), Profile()).cores
+    assert after.isolated == before.isolated and 7 in after.isolated
+    assert after.housekeeping == before.housekeeping and 15 not in after.gateway
+    assert 15 in after.triton and 7 not in after.triton  # the core's online thread serves
+    assert after.offline == (7,) and "cpu7" in after.reasons["offline"]
+    keys = by_key(make_plan(collect(Root(box.root)), Profile()))
+    assert "cpu15 governor" in keys and "cpu7 governor" not in keys  # no cpufreq when offline
+    prof = str(write_profile(""))
+    assert main(["plan", "--root", str(box.root), "--profile", prof]) == 0
+    assert "cpu7" in next(ln for ln in capsys.readouterr().out.splitlines() if "offline" in ln)
+    assert main(["verify", "--root", str(box.root), "--profile", prof]) == 1
+    assert "cpu7 offline" in capsys.readouterr().out
+
+
+def test_an_offline_cpu_of_unknown_core_is_never_housekeeping(box: Machine) -> None:
+    # x86 clears the offline CPU from its sibling's thread_siblings_list too.
+    _take_offline(box, 7, sibling_lists_it=False)
+    c = make_plan(collect(Root(box.root)), Profile()).cores
+    assert 7 in c.isolated and 7 not in c.housekeeping + c.serving
+    assert c.offline == (7,) and "unknown" in c.reasons["offline"]
