@@ -375,3 +375,15 @@ def test_an_offline_cpu_of_unknown_core_is_never_housekeeping(box: Machine) -> N
     c = make_plan(collect(Root(box.root)), Profile()).cores
     assert 7 in c.isolated and 7 not in c.housekeeping + c.serving
     assert c.offline == (7,) and "unknown" in c.reasons["offline"]
+
+
+def test_a_json_refusal_leaves_stdout_empty(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The role parses any stdout as the documented object; a refusal is the stderr line alone.
+    prof = write_profile("[serve]\ngpu = 3\n")
+    for cmd in ("plan", "apply", "verify"):
+        argv = [cmd, "--root", str(box.root), "--profile", str(prof), "--json"]
+        assert main([*argv, "--dry-run"] if cmd == "apply" else argv) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.startswith("host-tune: ") and cap.err.count("\n") == 1
