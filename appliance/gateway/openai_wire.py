@@ -574,7 +574,17 @@ MODEL_NOT_FOUND_KIND = "invalid_request_error"
 
 
 # The check stage's fields (the gRPC API's names) that an HTTP body holds in its "appliance" object.
-EXTENSION_PARAMS = {"top_k": "appliance.top_k", "speculation": "appliance.speculation"}
+EXTENSION_PARAMS = {
+    name: f"appliance.{name}"
+    for name in (
+        "top_k",
+        "speculation",
+        "request_id",
+        "namespace",
+        "ttft_budget_ms",
+        "cache_policy",
+    )
+}
 
 
 def error_of(exc: RequestError, chat: bool = True, guide_field: str | None = None) -> HttpError:

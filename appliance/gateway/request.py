@@ -253,15 +253,20 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
     elif not valid_request_id(request_id):
         raise _invalid(
             f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} visible ASCII characters (letters, "
-            "digits, punctuation; no spaces or control characters)"
+            "digits, punctuation; no spaces or control characters)",
+            field="request_id",
         )
     namespace = namespace or req.namespace or "default"
     if len(namespace) > MAX_NAMESPACE_LENGTH:
-        raise _invalid(f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters")
+        raise _invalid(
+            f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters", field="namespace"
+        )
     cache_policy = _POLICIES.get(req.cache_policy)
     if cache_policy is None:
         names = ", ".join(f"{p.value} ({p.name})" for p in CachePolicy)
-        raise _invalid(f"cache_policy {req.cache_policy} is not one of {names}")
+        raise _invalid(
+            f"cache_policy {req.cache_policy} is not one of {names}", field="cache_policy"
+        )
 
     if req.max_tokens is not None:
         max_tokens = req.max_tokens
@@ -293,7 +298,7 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
     logprobs, top_logprobs = _logprobs(req)
     ttft_budget_ms = req.ttft_budget_ms
     if ttft_budget_ms is not None and ttft_budget_ms <= 0:
-        raise _invalid("ttft_budget_ms must be >= 1 when set")
+        raise _invalid("ttft_budget_ms must be >= 1 when set", field="ttft_budget_ms")
 
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] = ()

@@ -240,7 +240,10 @@ SAME_AS_GRPC: list[tuple[dict[str, Any], dict[str, Any]]] = [
     ({"appliance": {"top_k": -1}}, {"top_k": -1}),
     ({"appliance": {"ttft_budget_ms": 0}}, {"ttft_budget_ms": 0}),
     ({"appliance": {"namespace": "n" * 100}}, {"namespace": "n" * 100}),
+    ({"appliance": {"request_id": "has space"}}, {"request_id": "has space"}),
 ]
+# The check stage's fields the body holds in its "appliance" object.
+APPLIANCE_FIELDS = {"top_k", "ttft_budget_ms", "namespace", "request_id"}
 
 
 @pytest.mark.parametrize(("body", "fields"), SAME_AS_GRPC)
@@ -262,12 +265,10 @@ async def test_invalid_fields_get_the_grpc_message(
             )
     assert bad.value.status_code == 400
     too_long = "word " * 3000 in fields.values()
-    # The check stage names the sampling, length and stop fields it refuses (OpenAI's param).
-    named = next(
-        (f for f in fields if f in {"max_tokens", "temperature", "top_p", "stop", "top_k"}), None
-    )
+    # The check stage names every field it refuses (OpenAI's param).
+    named = next((f for f in fields if f not in {"model", "prompt"}), None)
     # `param` names the field in the body: the appliance's own are in its "appliance" object.
-    param = "appliance.top_k" if named == "top_k" else named
+    param = f"appliance.{named}" if named in APPLIANCE_FIELDS else named
     assert bad.value.body == {
         "message": err.value.details(),
         "type": "invalid_request_error",
