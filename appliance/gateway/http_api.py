@@ -47,7 +47,7 @@ from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta, TokenLogprob
 from appliance.gateway.health import health_name
-from appliance.gateway.pipeline import Pipeline, stopping
+from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS, Pipeline, stopping
 from appliance.gateway.reply import Reply
 from appliance.gateway.request import echo, new_request_id, valid_request_id
 from appliance.logline import Throttled
@@ -579,7 +579,9 @@ class HttpApi:
         except json_body.BodyError as exc:
             raise wire.invalid(str(exc)) from None
         except json_body.BodyBusy as exc:
-            raise wire.HttpError(503, "service_unavailable_error", str(exc)) from None
+            raise wire.HttpError(
+                503, "service_unavailable_error", str(exc), retry_after_ms=UNAVAILABLE_RETRY_MS
+            ) from None
 
     def _report_refusal(self, err: wire.HttpError, received: int) -> None:
         """A body refused before the pipeline saw it still counts in metrics and the access log."""

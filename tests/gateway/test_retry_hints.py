@@ -5,6 +5,11 @@ on a clock the test moves; the UNAVAILABLE hints come from a real gateway in the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +18,7 @@ import pytest
 
 from appliance.gateway.admission import ModelGate, ServiceEstimate
 from appliance.gateway.errors import RequestError
+from appliance.gateway.json_body import INLINE_BYTES
 from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS
 from appliance.gateway.server import RunningGateway
 from appliance.v1 import inference_pb2 as pb
@@ -189,5 +195,35 @@ async def test_an_open_breaker_advertises_the_time_it_stays_open(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         trailers = dict(err.value.trailing_metadata() or ())
         assert 25_000 <= int(trailers["grpc-retry-pushback-ms"]) <= 30_000
+    finally:
+        await running.drain(0.1)
+
+
+async def test_a_body_whose_decoder_dies_is_refused_with_a_retry_hint(
+    tiny: Tiny, engine: Engine
+) -> None:
+    """A body past INLINE_BYTES is decoded in a worker process; one that dies refuses the body
+    waiting on it with 503 and the same hint as the gateway's other 503s."""
+    config = _config(tiny, engine.address)
+    config = dataclasses.replace(
+        config, http=dataclasses.replace(config.http, max_body_bytes=4 * INLINE_BYTES)
+    )
+    running = await _gateway(config)
+    try:
+        large = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "user": "u" * INLINE_BYTES}
+        body = json.dumps(large).encode()
+        before = set(multiprocessing.active_children())
+        status, _, _ = await _post(running, "/v1/completions", body)
+        assert status == 200
+        (worker,) = set(multiprocessing.active_children()) - before
+        assert worker.pid is not None
+        os.kill(worker.pid, signal.SIGKILL)
+        status, headers, reply = await _post(running, "/v1/completions", body)
+        assert (status, reply["error"]["type"]) == (503, "service_unavailable_error")
+        assert int(headers["retry-after-ms"]) == UNAVAILABLE_RETRY_MS
+        assert int(headers["Retry-After"]) >= 1
+        # The next large body gets a new worker.
+        status, _, _ = await _post(running, "/v1/completions", body)
+        assert status == 200
     finally:
         await running.drain(0.1)
