@@ -167,6 +167,12 @@ class Backend(Protocol):
         returns none, or that is not known yet)."""
         ...
 
+    @property
+    def guided(self) -> bool:
+        """Whether the model decodes under a guide (False: it has no guided decoding, or that is
+        not known yet)."""
+        ...
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Returns once the backend can take requests; BackendError (UNAVAILABLE) after timeout_s."""
         ...

@@ -318,6 +318,11 @@ class TritonBackend:
         """From the model's configuration as last read (0 before)."""
         return self._names.top_logprobs if self._names is not None else 0
 
+    @property
+    def guided(self) -> bool:
+        """From the model's configuration as last read (False before)."""
+        return self._names.guided if self._names is not None else False
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Waits for ServerReady and ModelReady, then reads and checks the model's configuration.
 
@@ -456,7 +461,11 @@ class TritonBackend:
             if not names.guided:
                 raise BackendError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"model '{self.model}' has no guided decoding (its config.pbtxt needs the "
+                    # The gateway refuses a guide for a model without guided decoding before
+                    # this (request.check_guide, with the client's model and field); this is a
+                    # configuration read again since.
+                    f"the inference server's model '{self.model}' has no guided decoding (its "
+                    "config.pbtxt needs the "
                     f"inputs {', '.join(sorted(GUIDE_INPUTS))} and the parameters "
                     "guided_decoding_backend and xgrammar_tokenizer_info_path): send the request "
                     "without response_format, a forcing tool_choice or a guide",

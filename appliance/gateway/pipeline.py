@@ -76,6 +76,7 @@ from appliance.gateway.request import (
     IncomingRequest,
     PreparedRequest,
     check,
+    check_guide,
     check_speculation,
     check_top_logprobs,
     echo,
@@ -342,11 +343,12 @@ class Pipeline:
         request: IncomingRequest, model: ServedModel, namespace: str, report: RequestReport
     ) -> CheckedRequest:
         """Every field valid and bounded (request.check), and nothing asked of the model's engine
-        that it cannot do (drafts, alternatives per token)."""
+        that it cannot do (drafts, alternatives per token, guides)."""
         checked = check(request, model.limits, namespace)
         report.request_id = checked.request_id
         check_speculation(checked, model.name, model.backend.speculation)
         check_top_logprobs(checked, model.name, model.backend.max_top_logprobs)
+        check_guide(checked, model.name, model.backend.guided)
         return checked
 
     @staticmethod

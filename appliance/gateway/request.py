@@ -345,6 +345,17 @@ def check_speculation(checked: CheckedRequest, model: str, speculation: Speculat
         raise _invalid(refusal, field="speculation")
 
 
+def check_guide(checked: CheckedRequest, model: str, guided: bool) -> None:
+    """Refuses a guide for a model without guided decoding (`guided`: its backend's). Asked
+    before the cache, so whether a request is refused never depends on what is cached."""
+    if checked.guide is not None and not guided:
+        raise _invalid(
+            f"model '{model}' has no guided decoding (its inference server's configuration sets "
+            "up none): send the request without response_format, a forcing tool_choice or a guide",
+            field="guide",
+        )
+
+
 def _min_tokens(req: IncomingRequest, max_tokens: int) -> int:
     min_tokens = req.min_tokens
     if min_tokens is None:

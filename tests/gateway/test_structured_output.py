@@ -207,16 +207,26 @@ async def test_a_required_tool_choice_is_always_a_call(
     jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+        ({"appliance": {"guide": {"type": "json"}}}, "appliance.guide"),
+    ],
+)
 async def test_a_guide_for_a_model_without_guided_decoding_is_400(
-    client: openai.AsyncOpenAI,
+    client: openai.AsyncOpenAI, fields: dict[str, object], param: str
 ) -> None:
-    with pytest.raises(openai.BadRequestError, match="has no guided decoding"):
+    """The refusal names the model the client asked for (not the engine's) and the field the
+    guide came from."""
+    with pytest.raises(openai.BadRequestError) as err:
         await client.chat.completions.create(
-            model="plain",
-            messages=CHAT,
-            max_tokens=8,
-            response_format={"type": "json_object"},
+            model="plain", messages=CHAT, max_tokens=8, extra_body=fields
         )
+    assert isinstance(err.value.body, dict)
+    assert err.value.body["message"].startswith("model 'plain' has no guided decoding"), err
+    assert err.value.body["param"] == param
 
 
 async def test_a_guided_answer_is_cached_under_its_guide(client: openai.AsyncOpenAI) -> None:
