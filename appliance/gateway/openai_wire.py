@@ -658,10 +658,20 @@ def usage(final: Final) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+# The finish reason of an answer the gateway ended early (a drain; the gRPC API's "cancelled").
+# OpenAI defines none: its SDK types list stop, length, tool_calls, content_filter and
+# function_call, and parse any other string as it is. vLLM and SGLang send "abort" for a
+# generation aborted server-side (vLLM's FinishReason.ABORT), so clients written for them know it;
+# TGI has no such reason. "length" would claim max_tokens was reached, "stop" that the model ended.
+ABORTED = "abort"
+
+
 def finish_reason(final: Final) -> str:
-    """OpenAI's "stop" and "length", "tool_calls" when the answer is a call; "cancelled" when the
+    """OpenAI's "stop" and "length", "tool_calls" when the answer is a call; ABORTED when the
     gateway ended the answer early."""
-    return "tool_calls" if final.tool_call is not None else final.finish_reason
+    if final.tool_call is not None:
+        return "tool_calls"
+    return ABORTED if final.finish_reason == "cancelled" else final.finish_reason
 
 
 class Answer:

@@ -184,7 +184,7 @@ def assert_sse_ended_cleanly(status: int, headers: dict[str, str], events: list[
     chunks = [json.loads(e) for e in events[:-1]]
     assert not [c for c in chunks if "error" in c], chunks[-2:]
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-    assert finishes[-1] in ("cancelled", "length")
+    assert finishes[-1] in ("abort", "length")
     usage = chunks[-1]["usage"]
     # Every text chunk but a closing flush carries at least one token: the count covers them.
     delivered = sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"])
