@@ -69,3 +69,37 @@ def test_the_ttft_alert_fires_on_the_histogram_only_past_its_budget(tmp_path: Pa
     finally:
         prom.stop()
         metrics.close()
+
+
+def test_the_error_alert_counts_the_servers_failures_not_the_clients_deadlines(
+    tmp_path: Path,
+) -> None:
+    """The alert's own expression over a real scrape: requests that end at the deadline their
+    clients set (a client with a 10 ms deadline) raise nothing, the engine failing does."""
+    metrics = GatewayMetrics()
+    sink = MetricsSink(metrics)
+    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{metrics.serve('127.0.0.1:0')}"})
+    expr = _alert_expr("ApplianceErrorRatio")
+    count = 'sum(appliance_requests_total{model="tiny"})'
+
+    def ended(n: int, status: str) -> None:
+        for _ in range(n):
+            sink.report(RequestReport(model="tiny", status=status))
+
+    try:
+        prom.wait_ready()
+        for status in ("OK", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE"):
+            ended(1, status)  # the series exist before the requests the rate is taken over
+        prom.wait_value(count, 4)
+        ended(60, "OK")
+        ended(30, "DEADLINE_EXCEEDED")
+        ended(10, "CANCELLED")
+        prom.wait_value(count, 104)
+        assert prom.query(expr) == []
+        ended(20, "UNAVAILABLE")
+        prom.wait_value(count, 124)
+        (firing,) = prom.query(expr)
+        assert firing["metric"]["model"] == "tiny"
+    finally:
+        prom.stop()
+        metrics.close()
