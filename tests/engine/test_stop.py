@@ -9,8 +9,10 @@ unavailable: an engine fault for the breaker, and a reason to fall back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,45 +86,70 @@ async def _refused(call: Awaitable[object]) -> grpc.aio.AioRpcError:
     return err.value
 
 
-async def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_calls(
-    tiny: Tiny, tmp_path: Path
-) -> None:
+@dataclass
+class Spawned:
+    """An `appliance engine` process serving the tiny model; `code`: its exit status once the
+    block that spawned it has ended."""
+
+    address: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    code: int | None = None
+
+
+@contextlib.asynccontextmanager
+async def _engine_process(
+    tiny: Tiny, tmp_path: Path, exit_timeout_secs: int, stop_timeout_s: float
+) -> AsyncIterator[Spawned]:
+    """The engine with `--exit-timeout-secs`, ready; at the end it is awaited (SIGKILL after
+    `stop_timeout_s`: the test sends its own SIGTERM)."""
     address = f"127.0.0.1:{processes.free_port()}"
     log = tmp_path / "engine.log"
     argv = ["engine", "--repository", str(tiny.repo), "--listen", address]
-    engine = processes.spawn([*argv, "--exit-timeout-secs", "120"], log)
+    spawned = Spawned(
+        address, processes.spawn([*argv, "--exit-timeout-secs", str(exit_timeout_secs)], log), log
+    )
     try:
-        await asyncio.to_thread(processes.wait_engine, address, engine, log)
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = ts_grpc.GRPCInferenceServiceStub(channel)
-            running = stub.ModelStreamInfer()
-            await running.write(request("in-flight", max_tokens=LONG))
-            first = (await running.read()).infer_response
-            engine.send_signal(signal.SIGTERM)
-            stopping = await asyncio.to_thread(
-                processes.wait_for_line, log, "engine stopping", engine
-            )
-            assert "waiting up to 120 s (--exit-timeout-secs) for 1 requests in flight" in stopping
-            # New calls: refused by the stopping gRPC server, as Triton's are (retryable).
-            for call in (
-                stub.ServerReady(ts.ServerReadyRequest(), timeout=5),
-                stub.ModelReady(ts.ModelReadyRequest(name=MODEL), timeout=5),
-            ):
-                assert (await _refused(call)).code() == grpc.StatusCode.UNAVAILABLE
-            fresh = collect(stub, request("new", max_tokens=2))
-            assert (await _refused(fresh)).code() == grpc.StatusCode.UNAVAILABLE
-            rest = []
-            while (message := await running.read()) is not grpc.aio.EOF:
-                assert not message.error_message, message.error_message
-                rest.append(message.infer_response)
-            assert await running.code() == grpc.StatusCode.OK
-        # Every token of the request in flight at the signal, the last response final.
-        assert len(tokens_of(first)) + sum(len(tokens_of(r)) for r in rest) == LONG
-        assert is_final(rest[-1]) and rest[-1].id == "in-flight"
+        await asyncio.to_thread(processes.wait_engine, address, spawned.proc, log)
+        yield spawned
     finally:
-        code = await asyncio.to_thread(processes.stop, engine, 150.0, True)
-    text = log.read_text()
-    assert code == 0, processes.last_words(log)
+        spawned.code = await asyncio.to_thread(processes.stop, spawned.proc, stop_timeout_s, True)
+
+
+async def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_calls(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    async with (
+        _engine_process(tiny, tmp_path, 120, 150.0) as engine,
+        grpc.aio.insecure_channel(engine.address) as channel,
+    ):
+        stub = ts_grpc.GRPCInferenceServiceStub(channel)
+        running = stub.ModelStreamInfer()
+        await running.write(request("in-flight", max_tokens=LONG))
+        first = (await running.read()).infer_response
+        engine.proc.send_signal(signal.SIGTERM)
+        stopping = await asyncio.to_thread(
+            processes.wait_for_line, engine.log, "engine stopping", engine.proc
+        )
+        assert "waiting up to 120 s (--exit-timeout-secs) for 1 requests in flight" in stopping
+        # New calls: refused by the stopping gRPC server, as Triton's are (retryable).
+        for call in (
+            stub.ServerReady(ts.ServerReadyRequest(), timeout=5),
+            stub.ModelReady(ts.ModelReadyRequest(name=MODEL), timeout=5),
+        ):
+            assert (await _refused(call)).code() == grpc.StatusCode.UNAVAILABLE
+        fresh = collect(stub, request("new", max_tokens=2))
+        assert (await _refused(fresh)).code() == grpc.StatusCode.UNAVAILABLE
+        rest = []
+        while (message := await running.read()) is not grpc.aio.EOF:
+            assert not message.error_message, message.error_message
+            rest.append(message.infer_response)
+        assert await running.code() == grpc.StatusCode.OK
+    # Every token of the request in flight at the signal, the last response final.
+    assert len(tokens_of(first)) + sum(len(tokens_of(r)) for r in rest) == LONG
+    assert is_final(rest[-1]) and rest[-1].id == "in-flight"
+    text = engine.log.read_text()
+    assert engine.code == 0, processes.last_words(engine.log)
     assert "engine stopped in" in text and "exit timeout expired" not in text
 
 
@@ -130,25 +157,21 @@ async def test_an_engine_that_cut_requests_at_its_exit_timeout_exits_1(
     tiny: Tiny, tmp_path: Path
 ) -> None:
     """As Triton's: a stop that had to cancel requests in flight is a failed stop."""
-    address = f"127.0.0.1:{processes.free_port()}"
-    log = tmp_path / "engine.log"
-    argv = ["engine", "--repository", str(tiny.repo), "--listen", address]
-    engine = processes.spawn([*argv, "--exit-timeout-secs", "0"], log)
-    try:
-        await asyncio.to_thread(processes.wait_engine, address, engine, log)
-        async with grpc.aio.insecure_channel(address) as channel:
-            running = ts_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer()
-            await running.write(request("cut", max_tokens=LONG))
-            await running.read()
-            engine.send_signal(signal.SIGTERM)
-            with pytest.raises(grpc.aio.AioRpcError) as cut:
-                while await running.read() is not grpc.aio.EOF:
-                    pass
-            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        code = await asyncio.to_thread(processes.stop, engine, 60.0, True)
-    assert code == 1, processes.last_words(log)
-    assert "exit timeout expired: 1 requests still in flight were cancelled" in log.read_text()
+    async with (
+        _engine_process(tiny, tmp_path, 0, 60.0) as engine,
+        grpc.aio.insecure_channel(engine.address) as channel,
+    ):
+        running = ts_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer()
+        await running.write(request("cut", max_tokens=LONG))
+        await running.read()
+        engine.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            while await running.read() is not grpc.aio.EOF:
+                pass
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert engine.code == 1, processes.last_words(engine.log)
+    text = engine.log.read_text()
+    assert "exit timeout expired: 1 requests still in flight were cancelled" in text
 
 
 async def test_a_request_sent_while_stopping_is_refused_as_triton_refuses_it(

@@ -3,8 +3,10 @@ as the gateway's histograms make them fire (a real Prometheus scraping them)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,24 +41,34 @@ def _alert_expr(name: str) -> str:
     return found.group(1)
 
 
+@contextlib.contextmanager
+def _scraped(tmp_path: Path) -> Iterator[tuple[MetricsSink, Prometheus]]:
+    """A gateway's metrics with a sink to report requests to, and a ready Prometheus scraping
+    them."""
+    metrics = GatewayMetrics()
+    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{metrics.serve('127.0.0.1:0')}"})
+    try:
+        prom.wait_ready()
+        yield MetricsSink(metrics), prom
+    finally:
+        prom.stop()
+        metrics.close()
+
+
 def test_the_ttft_alert_fires_on_the_histogram_only_past_its_budget(tmp_path: Path) -> None:
     """The alert's own expression over a real scrape: generations that all start within the 2 s
     budget raise nothing, a P99 past it does. histogram_quantile interpolates inside a bucket,
     so the budget must be a bucket's bound for the first half to hold."""
-    metrics = GatewayMetrics()
-    sink = MetricsSink(metrics)
-    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{metrics.serve('127.0.0.1:0')}"})
     expr = _alert_expr("ApplianceTTFTP99OverBudget")
     count = 'sum(appliance_time_to_first_token_seconds_count{tier="miss"})'
+    with _scraped(tmp_path) as (sink, prom):
 
-    def answered(n: int, ttft_s: float) -> None:
-        for _ in range(n):
-            sink.report(
-                RequestReport(model="tiny", finish_reason="stop", ttft_us=int(ttft_s * 1e6))
-            )
+        def answered(n: int, ttft_s: float) -> None:
+            for _ in range(n):
+                sink.report(
+                    RequestReport(model="tiny", finish_reason="stop", ttft_us=int(ttft_s * 1e6))
+                )
 
-    try:
-        prom.wait_ready()
         answered(1, 0.05)  # the series exist before the answers the rate is taken over
         prom.wait_value(count, 1)
         answered(200, 1.9)
@@ -66,9 +78,6 @@ def test_the_ttft_alert_fires_on_the_histogram_only_past_its_budget(tmp_path: Pa
         prom.wait_value(count, 601)
         (firing,) = prom.query(expr)
         assert firing["metric"]["model"] == "tiny"
-    finally:
-        prom.stop()
-        metrics.close()
 
 
 def test_the_error_alert_counts_the_servers_failures_not_the_clients_deadlines(
@@ -76,18 +85,14 @@ def test_the_error_alert_counts_the_servers_failures_not_the_clients_deadlines(
 ) -> None:
     """The alert's own expression over a real scrape: requests that end at the deadline their
     clients set (a client with a 10 ms deadline) raise nothing, the engine failing does."""
-    metrics = GatewayMetrics()
-    sink = MetricsSink(metrics)
-    prom = Prometheus(tmp_path, {"gateway": f"127.0.0.1:{metrics.serve('127.0.0.1:0')}"})
     expr = _alert_expr("ApplianceErrorRatio")
     count = 'sum(appliance_requests_total{model="tiny"})'
+    with _scraped(tmp_path) as (sink, prom):
 
-    def ended(n: int, status: str) -> None:
-        for _ in range(n):
-            sink.report(RequestReport(model="tiny", status=status))
+        def ended(n: int, status: str) -> None:
+            for _ in range(n):
+                sink.report(RequestReport(model="tiny", status=status))
 
-    try:
-        prom.wait_ready()
         for status in ("OK", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE"):
             ended(1, status)  # the series exist before the requests the rate is taken over
         prom.wait_value(count, 4)
@@ -100,6 +105,3 @@ def test_the_error_alert_counts_the_servers_failures_not_the_clients_deadlines(
         prom.wait_value(count, 124)
         (firing,) = prom.query(expr)
         assert firing["metric"]["model"] == "tiny"
-    finally:
-        prom.stop()
-        metrics.close()
