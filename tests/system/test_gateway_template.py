@@ -1,0 +1,86 @@
+"""The appliance role's gateway.toml, rendered by the pinned Ansible on the controller, is a file
+the gateway loads, with the settings its variables set."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from appliance.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO / "ansible"
+ANSIBLE_BIN = REPO / ".venv-ansible" / "bin"
+
+
+def _render(tmp_path: Path, variables: dict[str, object]) -> Path:
+    out = tmp_path / "gateway.toml"
+    extra = tmp_path / "vars.json"
+    extra.write_text(json.dumps({"appliance_profile": "cpu", **variables}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PIP_"))}
+    env.update(
+        ANSIBLE_CONFIG=str(ANSIBLE / "ansible.cfg"),
+        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
+        ANSIBLE_REMOTE_TEMP=str(tmp_path / "tmp"),
+        ANSIBLE_NOCOLOR="1",
+        HOME=str(tmp_path),
+        LC_ALL="C.UTF-8",
+    )
+    done = subprocess.run(
+        [
+            str(ANSIBLE_BIN / "ansible"),
+            "localhost",
+            "-c",
+            "local",
+            "-i",
+            "localhost,",
+            "-e",
+            f"ansible_python_interpreter={(ANSIBLE_BIN / 'python').resolve()}",
+            "-e",
+            "@roles/appliance/defaults/main.yml",
+            "-e",
+            f"@{extra}",
+            "-m",
+            "ansible.builtin.template",
+            "-a",
+            f"src=roles/appliance/templates/gateway.toml.j2 dest={out}",
+        ],
+        cwd=ANSIBLE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_a_redis_ca_bundle_reaches_the_gateway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    (credentials / "redis-password").write_text("p" * 32)
+    (credentials / "cache-mac-key").write_bytes(b"k" * 32)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+    ca = tmp_path / "redis-ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+
+    plain = load_config(_render(tmp_path, {}))
+    rediss = load_config(
+        _render(
+            tmp_path,
+            {
+                "appliance_redis_url": "rediss://10.0.0.5:6380/0",
+                "appliance_redis_tls_ca_file": str(ca),
+            },
+        )
+    )
+
+    assert plain.cache.redis is not None and plain.cache.redis.tls_ca_file is None
+    assert rediss.cache.redis is not None and rediss.cache.redis.tls_ca_file == str(ca)
