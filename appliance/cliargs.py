@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from appliance.listen import is_address
 
@@ -14,10 +14,34 @@ from appliance.listen import is_address
 class Parser(argparse.ArgumentParser):
     """An argument parser whose usage error is one line, what is wrong and where to read more,
     and exit 2 (argparse's own prints its usage block first). Its subcommands' parsers are of
-    this class too (`add_subparsers` makes them of the parent's class)."""
+    this class too (`add_subparsers` makes them of the parent's class), and a subcommand's
+    unknown option is refused by the subcommand's parser, naming its help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Subcommands)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Subcommands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subcommands whose parser refuses the arguments it does not know (argparse's passes them up
+    to the top-level parser, whose error would name the top-level help)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        # Set only by subcommand actions: this one's, or a nested one's that already refused.
+        unknown = vars(namespace).pop(argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if unknown:
+            assert values is not None
+            self._name_parser_map[values[0]].error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 def positive(kind: type[int] | type[float], at_most: float = math.inf) -> Callable[[str], float]:

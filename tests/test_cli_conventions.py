@@ -125,10 +125,26 @@ def test_make_tiny_model_onto_a_file_is_one_line(
     [
         (appliance_cli.main, ["engine"], "appliance engine: error: the following arguments are"),
         (appliance_cli.main, ["engine", "--repository"], "appliance engine: error: argument"),
-        (appliance_cli.main, ["bench", "--adress", "x"], "appliance: error: unrecognized"),
+        (appliance_cli.main, ["bench", "--adress", "x"], "appliance bench: error: unrecognized"),
+        (
+            appliance_cli.main,
+            ["engine", "--repository", "r", "--nope"],
+            "appliance engine: error: unrecognized",
+        ),
+        (appliance_cli.main, ["cache", "stats", "--nope"], "appliance cache stats: error: unr"),
         (appliance_cli.main, ["servee"], "appliance: error: argument command: invalid choice"),
         (engine_build_cli.main, ["plan"], "engine-build plan: error: the following arguments"),
-        (host_tune_cli.main, ["plan", "--profile", "p", "-x"], "host-tune: error: unrecognized"),
+        (
+            engine_build_cli.main,
+            ["plan", "--spec", "s", "--nope"],
+            "engine-build plan: error: unrecognized",
+        ),
+        (host_tune_cli.main, ["plan", "--profile", "p", "-x"], "host-tune plan: error: unrecog"),
+        (
+            host_tune_cli.main,
+            ["apply", "--profile", "p", "--nope"],
+            "host-tune apply: error: unrecognized",
+        ),
     ],
 )
 def test_a_usage_error_is_one_line_naming_the_help(
@@ -138,4 +154,6 @@ def test_a_usage_error_is_one_line_naming_the_help(
         main(argv)
     assert stopped.value.code == 2
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith(says) and line.endswith(" --help)"), line
+    # The help named is that of the command whose option was wrong.
+    prog = says.split(": error: ")[0]
+    assert line.startswith(says) and line.endswith(f" (see {prog} --help)"), line
