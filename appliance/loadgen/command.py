@@ -1,9 +1,10 @@
 """`appliance bench`: checks the command line, runs the sweep, prints and writes the results.
 
 Exit status: 0 done (request errors are results, counted in the tables), 1 the deployment failed
-the first request for a reason of its own, or became unreachable or answered only UNAVAILABLE during
-the run, 2 a wrong option, input file, address or API key, 130 interrupted by SIGINT and 143 by
-SIGTERM (in the cases after the first request what was measured is still printed and written).
+the first request for a reason of its own, or during the run became unreachable, answered only
+UNAVAILABLE or refused the API key (revoked, or its scopes changed), 2 a wrong option, input file,
+address or API key, 130 interrupted by SIGINT and 143 by SIGTERM (in the cases after the first
+request what was measured is still printed and written).
 """
 
 from __future__ import annotations

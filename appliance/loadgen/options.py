@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.cliargs import integer, number
-from appliance.client import ClientCredentials, client_credentials
+from appliance.client import API_KEY_ENV, ClientCredentials, client_credentials
 
 
 class BenchInputError(Exception):
@@ -135,6 +135,9 @@ class Target:
     address: str
     connect_timeout_s: float
     credentials: ClientCredentials = PLAINTEXT
+    # Where the API key came from, as the operator gave it: "--api-key-file PATH" or
+    # "$APPLIANCE_API_KEY" (None: no key).
+    key_source: str | None = None
 
     @property
     def tls_mode(self) -> str:
@@ -213,7 +216,11 @@ def settings(a: argparse.Namespace) -> Settings:
         raise BenchInputError("--address: give the gateway's HOST:PORT, e.g. 127.0.0.1:50051")
     if a.model is None or not a.model.strip():
         raise BenchInputError("--model: give the model name the deployment serves")
-    target = Target(parse_address(a.address), a.connect_timeout, credentials(a))
+    given = credentials(a)
+    source = None
+    if given.metadata:
+        source = f"--api-key-file {a.api_key_file}" if a.api_key_file else f"${API_KEY_ENV}"
+    target = Target(parse_address(a.address), a.connect_timeout, given, source)
     levels = []
     if a.concurrency is not None:
         levels += parse_levels("--concurrency", a.concurrency)

@@ -5,8 +5,9 @@ ended. Open loop (`rate R`): arrivals are a Poisson process of R per second, sen
 earlier answers have ended, so a slow server meets a growing queue, as with independent users;
 the client keeps at most `--max-in-flight` of them outstanding, and counts an arrival over that
 as NOT_SENT. A target whose connection is refused or lost, or that answers only UNAVAILABLE for
-UNAVAILABLE_FOR_S (and UNAVAILABLE_RUN answers at least), ends the run (`LoadRunner.lost`): nothing
-more is sent, and the requests in flight end on their own.
+UNAVAILABLE_FOR_S (and UNAVAILABLE_RUN answers at least), or that refuses the API key
+(UNAUTHENTICATED or PERMISSION_DENIED: revoked, or its scopes changed), ends the run
+(`LoadRunner.lost`): nothing more is sent, and the requests in flight end on their own.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ INPUT_STATUSES = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
+# Refusals of the API key: every further request would be refused the same way.
+KEY_STATUSES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 # What to change for a first request refused with this status.
 INPUT_HINTS = {
     grpc.StatusCode.UNIMPLEMENTED: "nothing there serves appliance.v1.Inference: is it the gateway?",
@@ -168,7 +171,9 @@ class LoadRunner:
             # Interrupted (Ctrl-C): the sweep stops before its first level.
         except grpc.aio.AioRpcError as exc:
             line = f"{self.settings.target.address}: {exc.code().name}: {exc.details()}"
-            if exc.code() in INPUT_HINTS:
+            if exc.code() in KEY_STATUSES and self.settings.target.key_source is not None:
+                line = self._key_refused(exc)
+            elif exc.code() in INPUT_HINTS:
                 line += f" ({INPUT_HINTS[exc.code()]})"
             if exc.code() in INPUT_STATUSES:
                 raise BenchInputError(line) from None
@@ -301,6 +306,8 @@ class LoadRunner:
                 return record
             self._check_reachable(exc)
             self._count_unavailable(exc)
+            if exc.code() in KEY_STATUSES and not self.stopping.is_set():
+                self._lose(self._key_refused(exc))
             record.status = exc.code().name
             record.error = exc.details() or ""
             record.latency_s = time.perf_counter() - self.t0 - record.start_s
@@ -351,6 +358,12 @@ class LoadRunner:
         ):
             return
         self._lose(f"{self.settings.target.address} became unreachable: {exc.details()}")
+
+    def _key_refused(self, exc: grpc.aio.AioRpcError) -> str:
+        """What the deployment said of the API key, and where the key came from."""
+        target = self.settings.target
+        whose = f"the API key of {target.key_source}" if target.key_source else "no API key"
+        return f"{target.address}: {whose} was refused: {exc.code().name}: {exc.details()}"
 
     def _count_unavailable(self, exc: grpc.aio.AioRpcError) -> None:
         """Answers that were all UNAVAILABLE for UNAVAILABLE_FOR_S, UNAVAILABLE_RUN of them at

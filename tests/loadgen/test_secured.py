@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from appliance.loadgen.runner import UNAVAILABLE_RUN
+from appliance.security.api_keys import write_entries
 from appliance.security.tls import TlsSettings
 from tests.conftest import Engine, Tiny, engine_to_stop
 from tests.security.certs import CA
@@ -142,3 +143,60 @@ async def test_an_engine_that_dies_during_the_run_ends_it_with_what_was_measured
     assert "concurrency 1: " in stdout.decode()
     (level,) = json.loads((out / "bench.json").read_text())["levels"]
     assert level["ok"] >= 1 and level["errors"]["UNAVAILABLE"] >= UNAVAILABLE_RUN
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["revoked", "scope removed"])
+async def test_a_key_refused_during_the_run_ends_it_at_once_with_one_line(
+    change: str, tiny: Tiny, engine: Engine, keys: Keys, tmp_path: Path
+) -> None:
+    """The keys file changes under a running bench and the gateway reloads it (SIGHUP): every
+    further request would be refused the same way, so the run stops, saying which key and why."""
+    token = keys.add(["default"], ["generate"])
+    key_file = tmp_path / "api-key"
+    key_file.write_text(token + "\n")
+    by_file = change == "revoked"
+    config = gateway_config(tiny.tokenizer_dir, engine.address, auth=keys.auth())
+    async with running(config) as gw:
+        address = f"127.0.0.1:{gw.port}"
+        out = tmp_path / "run"
+        env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_API_KEY"}
+        if not by_file:
+            env["APPLIANCE_API_KEY"] = token
+        given = ("--api-key-file", str(key_file)) if by_file else ()
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "appliance", "bench", "--address", address, "--model", "tiny"),
+            *("--warmup", "0", "--output-tokens", "4", "--duration", "600", "--out", str(out)),
+            *given,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stderr is not None
+        while line := (await proc.stderr.readline()).decode():
+            done = re.match(r"concurrency 1: (\d+) done,", line)
+            if done and int(done.group(1)) >= 1:
+                break
+        if by_file:
+            keys.entries.clear()
+        else:
+            keys.entries[0]["scopes"] = ["admin"]
+        write_entries(keys.path, keys.entries)
+        gw.reload()
+        stdout, rest = await asyncio.wait_for(proc.communicate(), 60)
+        # Refused from the start: the first request stops the bench, the same line, exit 2.
+        rc, _, first = await bench(
+            address, tmp_path / "again", *given, key=None if by_file else token
+        )
+    err = rest.decode().splitlines()
+    assert proc.returncode == 1, err
+    status = "UNAUTHENTICATED" if by_file else "PERMISSION_DENIED"
+    source = f"--api-key-file {key_file}" if by_file else "$APPLIANCE_API_KEY"
+    assert err[-1].startswith(f"appliance bench: {address}: the API key of {source} "), err[-1]
+    assert f": {status}: " in err[-1], err[-1]
+    assert rc == 2 and first.count("\n") == 1, first
+    assert first.startswith(f"appliance bench: {address}: the API key of {source} was refused: ")
+    assert token not in stdout.decode() + rest.decode() + written(out)
+    (level,) = json.loads((out / "bench.json").read_text())["levels"]
+    assert level["ok"] >= 1 and set(level["errors"]) == {status}
+    assert status in json.loads((out / "bench.json").read_text())["run"]["unreachable"]
