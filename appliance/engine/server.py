@@ -65,6 +65,7 @@ from appliance.engine.repository import (
 from appliance.engine.runner import Emission, Job, RequestPerf, Runner
 from appliance.engine.sampling import SamplingParams, TopLogprobs
 from appliance.engine.statistics import ModelStatistics, RequestClock
+from appliance.grpc_limits import MAX_REQUEST_BYTES, RECEIVE_LIMIT
 from appliance.heap import freeze_heap
 from appliance.listen import taken_address
 from engine_build.pbtxt import (
@@ -95,8 +96,6 @@ STOPPING = "GRPC server is shutting down and has stopped accepting new requests.
 # (InferenceServer::IsLive, IsReady), and to ModelReady (ModelIsReady) (core src/server.cc).
 EXITING = "Server exiting"
 NOT_READY = "Server not ready"
-# Largest request either transport takes: gRPC's default receive limit, which the gRPC server keeps.
-MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 class InferError(Exception):
@@ -1008,7 +1007,7 @@ async def start_engine(
     """Starts serving; returns the bound port (listen may end in :0 for a free port). With
     `stream_socket` the service's streams are served there too (stream_socket.py), from before
     the gRPC server answers ServerReady; `stop_engine` stops both."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), RECEIVE_LIMIT])
     service = EngineService(models)
     ts_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     try:

@@ -30,6 +30,7 @@ from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.quiesce import quiesce
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
+from appliance.grpc_limits import RECEIVE_LIMIT
 from appliance.heap import freeze_heap
 from appliance.listen import taken_address
 from appliance.security.api_keys import KeyRing, KeysFileError
@@ -191,7 +192,11 @@ async def start_server(
     # default is 120 s).
     handshake_ms = int(config.http.client_timeout_s * 1000)
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", handshake_ms)]
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", handshake_ms),
+            RECEIVE_LIMIT,
+        ]
     )
     cache = make_cache(config.cache)
     admission = make_admission(config, models)

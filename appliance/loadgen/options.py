@@ -13,6 +13,7 @@ import numpy as np
 
 from appliance.cliargs import integer, number
 from appliance.client import API_KEY_ENV, ClientCredentials, client_credentials
+from appliance.grpc_limits import MAX_REQUEST_BYTES
 
 
 class BenchInputError(Exception):
@@ -209,7 +210,7 @@ def _numbers(a: argparse.Namespace) -> argparse.Namespace:
 def settings(a: argparse.Namespace) -> Settings:
     """Checks every option of `appliance bench` (see `command.add_arguments`); the first problem
     found is raised."""
-    from appliance.loadgen.workload import MAX_REQUEST_BYTES, MAX_SYNTHETIC_WORDS  # it imports this
+    from appliance.loadgen.workload import MAX_SYNTHETIC_WORDS  # it imports this
 
     a = _numbers(a)
     if a.address is None:

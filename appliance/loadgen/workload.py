@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from appliance.grpc_limits import MAX_REQUEST_BYTES
 from appliance.loadgen.options import MAX_LENGTH, BenchInputError, Lengths, Settings
 from appliance.textfile import TextFileError, read_text
 from appliance.v1 import inference_pb2 as pb
@@ -33,9 +34,8 @@ POLICIES = {
     "refresh": pb.CACHE_POLICY_REFRESH,
 }
 MAX_PROMPT_FILE_BYTES = 256 * 2**20
-# gRPC's default limit on a message a server receives (4 MiB), which the gateway keeps; a prompt
-# leaves room in it for the request's other fields (the model's name among them).
-MAX_REQUEST_BYTES = 4 * 2**20
+# A prompt leaves room in the gateway's request limit for the request's other fields (the model's
+# name among them).
 MAX_PROMPT_BYTES = MAX_REQUEST_BYTES - 16 * 2**10
 # The longest synthetic prompt that fits: each word and the space after it take at most this.
 MAX_SYNTHETIC_WORDS = MAX_PROMPT_BYTES // (max(map(len, WORDS)) + 1)
@@ -126,8 +126,7 @@ def _check_size(where: str, prompt: Prompt) -> Prompt:
     if size > MAX_PROMPT_BYTES:
         raise BenchInputError(
             f"{where}: the prompt is {size / 2**20:.1f} MiB; a request carries at most "
-            f"{MAX_REQUEST_BYTES // 2**20} MiB (gRPC's default message limit, which the gateway "
-            "keeps): shorten it"
+            f"{MAX_REQUEST_BYTES // 2**20} MiB (the gateway's gRPC message limit): shorten it"
         )
     return prompt
 
