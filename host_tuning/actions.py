@@ -4,6 +4,8 @@ The rules that make the tool safe to run twice live here, once, rather than in e
 a setting already at its value is left alone; a prior value is saved only at the first change;
 the kernel's EIO on an IRQ affinity write means a managed IRQ, recorded and skipped; revert walks
 the changes backwards so several settings sharing one file unwind to the original bytes.
+Runtime values saved before the last reboot are stale (``host_tuning.state``): apply saves fresh
+ones, revert does not write them back, verify does not count them as in force.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from host_tuning import state as state_mod
-from host_tuning.items import Item
+from host_tuning.items import Conflict, Item
 from host_tuning.plugins.base import Context
 from host_tuning.registry import BY_NAME
 
@@ -22,6 +24,21 @@ MANAGED, UNSUPPORTED, FAILED = "managed-skipped", "unsupported", "failed"
 OK, DRIFT, REBOOT = "ok", "drift", "reboot-required"
 RESTORED, WOULD_RESTORE = "restored", "would-restore"
 STALE = "stale"
+RESET = "reset-by-reboot"
+CONFLICT = "conflict"
+
+#: Exit codes of apply, verify and revert (and every host-tune command); the one list of them.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REBOOT = 0, 1, 2, 3
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success; for verify: every planned setting holds and is in effect",
+    EXIT_FAILED: "a setting failed to apply or restore, verify found drift or a hand-set "
+    "isolcpus/nohz_full that conflicts with the plan, a file outside the per-setting results "
+    "could not be read or written, another apply/revert runs on the same root, or a signal "
+    "stopped apply/revert",
+    EXIT_USAGE: "usage, profile or plan error, a damaged state file, or not root on the real host",
+    EXIT_REBOOT: "verify only: nothing drifted, but settings take effect only after a reboot "
+    "(kernel command line not yet in /proc/cmdline, systemd's CPUAffinity= not yet read)",
+}
 
 
 @dataclass(frozen=True)
@@ -38,9 +55,36 @@ def _managed_note(exc: OSError) -> str:
     return f"kernel refused with EIO ({exc.strerror}): managed IRQ, skipped"
 
 
+def _forget_earlier_boot(ctx: Context, st: state_mod.State) -> set[str]:
+    """Drop the runtime values and managed IRQs saved before the last reboot; answer their keys.
+
+    The kernel started those settings afresh at boot and IRQ numbers were handed out again, so
+    the values are no prior state of anything now. Files under /etc survived and stay.
+    """
+    if not state_mod.from_earlier_boot(ctx.root, st):
+        return set()
+    stale = set()
+    for key, entry in list(st.entries.items()):
+        plugin = BY_NAME.get(entry.plugin)
+        if plugin is not None and not plugin.persistent:
+            del st.entries[key]
+            stale.add(key)
+    st.managed.clear()
+    st.boot_id = state_mod.boot_id(ctx.root)
+    return stale
+
+
+def _reset_note() -> str:
+    return (
+        "saved before the last reboot, which reset it: that value is not written back "
+        "(apply saves the value found now)"
+    )
+
+
 def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Result]:
     st = state_mod.load(ctx.root)
     loaded = st.to_json()
+    _forget_earlier_boot(ctx, st)
     results: list[Result] = []
     try:
         for item in items:
@@ -112,13 +156,18 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
             note = plugin.pending(ctx, item) or ""
             results.append(Result(item.key, item.plugin, CHANGED, item.desired, cur, note))
     finally:
-        if st.to_json() != loaded:
-            state_mod.save(ctx.root, st)
+        if not dry_run and st.to_json() != loaded:
+            st.boot_id = state_mod.boot_id(ctx.root)
+            if st.entries or st.managed:
+                state_mod.save(ctx.root, st)
+            else:
+                state_mod.remove(ctx.root, st)
     return results
 
 
 def verify(ctx: Context, items: Iterable[Item]) -> list[Result]:
     st = state_mod.load(ctx.root)
+    _forget_earlier_boot(ctx, st)  # in memory only: verify never writes
     results: list[Result] = []
     planned: set[str] = set()
     for item in items:
@@ -150,6 +199,11 @@ def verify(ctx: Context, items: Iterable[Item]) -> list[Result]:
 def revert(ctx: Context, dry_run: bool = False) -> list[Result]:
     st = state_mod.load(ctx.root)
     results: list[Result] = []
+    entries = dict(st.entries)
+    stale = _forget_earlier_boot(ctx, st)
+    for key in reversed([k for k in entries if k in stale]):
+        entry = entries[key]
+        results.append(Result(key, entry.plugin, RESET, entry.snapshot, None, _reset_note()))
     for key in reversed(list(st.entries)):
         entry = st.entries[key]
         plugin = BY_NAME.get(entry.plugin)
@@ -186,6 +240,23 @@ def revert(ctx: Context, dry_run: bool = False) -> list[Result]:
     return results
 
 
+def conflict_results(conflicts: Iterable[Conflict]) -> list[Result]:
+    """verify's rows for hand-set kernel parameters that fight the plan (exit 1, as drift)."""
+    return [
+        Result(
+            f"{c.param} in {c.source}",
+            "cmdline",
+            CONFLICT,
+            f"{c.param}={c.wanted}" if c.wanted else None,
+            c.token,
+            c.text,
+        )
+        for c in conflicts
+    ]
+
+
 def exit_code(results: list[Result]) -> int:
-    """0 clean; 1 when something failed or drifted (verify's contract for Ansible)."""
-    return 1 if any(r.status in (FAILED, DRIFT) for r in results) else 0
+    """See ``EXIT_CODES``: drift and failures first (apply again), then a pending reboot."""
+    if any(r.status in (FAILED, DRIFT, CONFLICT) for r in results):
+        return EXIT_FAILED
+    return EXIT_REBOOT if any(r.status == REBOOT for r in results) else EXIT_OK

@@ -1,6 +1,6 @@
 """``host-tune``: facts, plan, apply, verify, revert, hold-latency.
 
-Exit codes: 0 success; 1 failure or drift (verify); 2 usage, profile, plan or permission error.
+Exit codes: ``host_tuning.actions.EXIT_CODES`` (printed by ``--help``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,13 @@ def _stoppable(what: str, root: Root) -> Iterator[None]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = Parser(prog="host-tune", description=__doc__)
+    p = Parser(
+        prog="host-tune",
+        description="facts, plan, apply, verify, revert, hold-latency",
+        epilog="exit codes:\n"
+        + "\n".join(f"  {code} {meaning}" for code, meaning in actions.EXIT_CODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # one line per exit code
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser, needs_profile: bool, json_flag: bool = True) -> None:
@@ -144,7 +150,7 @@ def _results(
     args: argparse.Namespace, results: list[actions.Result], plan: TuningPlan | None = None
 ) -> int:
     code = actions.exit_code(results)
-    notes = render.plan_notes(plan) if plan is not None else []
+    notes = render.plan_notes(plan, args.cmd == "apply") if plan is not None else []
     if args.json:
         print(render.results_json(args.cmd, results, code, notes))
     else:
@@ -197,7 +203,13 @@ def run(argv: Sequence[str] | None = None) -> int:
         return _results(args, results, plan)
     if args.cmd == "verify":
         plan, ctx = _plan(args, root)
-        return _results(args, actions.verify(ctx, plan.items), plan)
+        results = actions.verify(ctx, plan.items) + actions.conflict_results(plan.conflicts)
+        code = _results(args, results, plan)
+        pending = [r for r in results if r.status == actions.REBOOT]
+        if pending:
+            # The JSON says so too, but `host-tune verify && ...` reads only the exit status.
+            print(f"host-tune: {render.pending_line(pending)}", file=sys.stderr)
+        return code
     if args.cmd == "revert":
         if args.dry_run:
             return _results(args, actions.revert(Context(root=root), dry_run=True))
@@ -213,11 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(argv)
     except (CliError, profile.ProfileError, PlanError, StateError) as exc:
         print(f"host-tune: {exc}", file=sys.stderr)
-        return 2
+        return actions.EXIT_USAGE
     except (Interrupted, Busy) as exc:
         print(f"host-tune: {exc}", file=sys.stderr)
-        return 1
+        return actions.EXIT_FAILED
     except OSError as exc:
         # A read or write outside the per-setting results (state file, sysfs listing, ...).
         print(f"host-tune: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return actions.EXIT_FAILED

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from host_tuning.cores import CorePlan, choose
 from host_tuning.facts.model import Facts
-from host_tuning.items import Advice, Item
+from host_tuning.items import Advice, Conflict, Item
+from host_tuning.plugins.cmdline import conflicts
 from host_tuning.profile import Profile
 from host_tuning.registry import PLUGINS
 
@@ -16,6 +17,7 @@ class TuningPlan:
     cores: CorePlan
     items: tuple[Item, ...]
     advice: tuple[Advice, ...]
+    conflicts: tuple[Conflict, ...] = ()
 
 
 def make_plan(facts: Facts, profile: Profile) -> TuningPlan:
@@ -29,4 +31,4 @@ def make_plan(facts: Facts, profile: Profile) -> TuningPlan:
     keys = [i.key for i in items]
     if len(keys) != len(set(keys)):
         raise AssertionError("plan keys must be unique")  # a plugin bug, not an operator error
-    return TuningPlan(cores, tuple(items), tuple(advice))
+    return TuningPlan(cores, tuple(items), tuple(advice), tuple(conflicts(facts, profile, cores)))

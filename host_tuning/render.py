@@ -89,6 +89,7 @@ def plan_json(plan: TuningPlan) -> str:
         "cores": cores_dict(plan.cores),
         "items": [asdict(i) for i in plan.items],
         "advice": [asdict(a) for a in plan.advice],
+        "conflicts": [asdict(c) for c in plan.conflicts],
         "systemd": {
             "gateway": cpu_affinity_dropin(plan.cores.gateway, "the gateway"),
             "triton": cpu_affinity_dropin(plan.cores.triton, "Triton"),
@@ -111,12 +112,34 @@ def plan_table(plan: TuningPlan) -> str:
     if plan.advice:
         adv = [[a.topic, a.text, a.reason] for a in plan.advice]
         text += "\n\nADVICE (not applied by host-tune)\n" + _table(adv, ["TOPIC", "ACTION", "WHY"])
+    if plan.conflicts:
+        text += "\n\nCONFLICTS (hand-set kernel parameters; verify fails until fixed)\n"
+        text += "\n".join(c.text for c in plan.conflicts)
     return text + "\n"
 
 
-def plan_notes(plan: TuningPlan) -> list[str]:
-    """What apply and verify say about the plan besides the per-setting results."""
-    return [plan.cores.reasons["offline"]] if plan.cores.offline else []
+def plan_notes(plan: TuningPlan, conflicts: bool = False) -> list[str]:
+    """What apply and verify say about the plan besides the per-setting results (verify lists
+    the conflicts as results of their own)."""
+    notes = [plan.cores.reasons["offline"]] if plan.cores.offline else []
+    return notes + ([c.text for c in plan.conflicts] if conflicts else [])
+
+
+def pending_line(pending: list[Result]) -> str:
+    """One line for verify's exit 3: what takes effect only after a reboot, and what to run."""
+    # A kernel parameter is named by its token; any other setting (systemd's default
+    # CPUAffinity=) by its key and how to bring it into effect without a reboot.
+    params = [r.expected or r.key for r in pending if r.plugin == "cmdline"]
+    others = [f"{r.key} ({r.note})" for r in pending if r.plugin != "cmdline"]
+    parts = []
+    if params:
+        parts.append(
+            "kernel command line " + " ".join(params) + " (update-grub or grub2-mkconfig, then "
+            "reboot)"
+        )
+    return f"verify: {len(pending)} setting(s) take effect only after a reboot: " + "; ".join(
+        parts + others
+    )
 
 
 def results_json(command: str, results: list[Result], code: int, notes: list[str]) -> str:
@@ -154,6 +177,9 @@ def results_table(
     if command == "verify":
         drift = counts.get("drift", 0)
         lines.append(f"{drift} setting(s) drifted" if drift else "no drift")
+        if counts.get("conflict"):
+            n = counts["conflict"]
+            lines.append(f"{n} hand-set kernel parameter(s) conflict with the plan")
     lines += [f"note: {n}" for n in notes or []]
     lines.append(f"{command}: {summary}")
     return "\n".join(lines) + "\n"

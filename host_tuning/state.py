@@ -2,6 +2,14 @@
 
 Kept under the root (``/var/lib/host-tune/state.json``). A key's prior value is saved once, at
 its first change: applying again (or after drift) never overwrites the original.
+
+Two scopes, as tuned keeps its runtime save state under ``/run`` and its persistent state under
+``/var/lib``: files host-tune writes under ``/etc`` survive a reboot, so their prior values stay
+valid; runtime kernel settings (sysctls, sysfs attributes, IRQ affinities, NIC settings) are back
+at what the kernel starts with after a reboot, and IRQ numbers are handed out again. The state
+records the boot id (``/proc/sys/kernel/random/boot_id``) its runtime values were saved at; after a
+reboot they are stale (see ``host_tuning.actions``). One file keeps both, so ``StateDirectory=``
+and the lock stay as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from host_tuning.rootfs import Root
 
 STATE_DIR = "/var/lib/host-tune"
 STATE_FILE = f"{STATE_DIR}/state.json"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 class StateError(ValueError):
@@ -65,10 +74,13 @@ class State:
     entries: dict[str, Entry] = field(default_factory=dict)  # insertion order == apply order
     managed: list[str] = field(default_factory=list)  # keys the kernel refused with EIO
     own_dirs: list[str] = field(default_factory=list)  # state directories we created
+    #: The boot the runtime entries and ``managed`` were recorded in (None: not known).
+    boot_id: str | None = None
 
     def to_json(self) -> str:
         data: dict[str, Any] = {
             "version": 1,
+            "boot_id": self.boot_id,
             "entries": [{"key": k, **vars(e)} for k, e in self.entries.items()],
             "managed": self.managed,
             "own_dirs": self.own_dirs,
@@ -88,12 +100,33 @@ def load(root: Root) -> State:
             )
             for e in data.get("entries", [])
         }
-        return State(entries, list(data.get("managed", [])), list(data.get("own_dirs", [])))
+        boot = data.get("boot_id")
+        return State(
+            entries,
+            list(data.get("managed", [])),
+            list(data.get("own_dirs", [])),
+            str(boot) if boot is not None else None,
+        )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise StateError(
             f"{root.path(STATE_FILE)} is damaged ({exc!r}); restore it from a backup or "
             "revert by hand: the prior values it holds cannot be guessed"
         ) from exc
+
+
+def boot_id(root: Root) -> str | None:
+    """This boot's id, or None where the kernel does not offer it (a fixture tree without it)."""
+    return root.read_value(BOOT_ID) or None
+
+
+def from_earlier_boot(root: Root, state: State) -> bool:
+    """True when the runtime values in ``state`` were saved before the last reboot.
+
+    A state file without a boot id (written by an earlier host-tune) counts as this boot's: the
+    next save records the boot id, and the reboot after it is recognised.
+    """
+    now = boot_id(root)
+    return state.boot_id is not None and now is not None and state.boot_id != now
 
 
 #: The signals that stop apply and revert (systemd's stop, a closed terminal, Ctrl-C).

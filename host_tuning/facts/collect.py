@@ -29,6 +29,7 @@ def collect(root: Root, use_nvml: bool = True) -> Facts:
         irqs=system.irqs(root),
         iommu=system.iommu(root, [g.bus_id for g in gpus]),
         cmdline=system.cmdline(root),
+        boot_cmdline=system.boot_cmdline(root),
         thp=system.thp(root),
         hugepages=system.hugepages(root, sorted(nodes)),
         irqbalance=system.irqbalance(root),

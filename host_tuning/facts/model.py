@@ -75,6 +75,8 @@ class Facts:
     irqs: list[Irq] = field(default_factory=list)
     iommu: dict[str, str | int | bool | None] = field(default_factory=dict)
     cmdline: str = ""
+    #: Kernel parameters each GRUB defaults file adds, by path (host-tune's own drop-in included).
+    boot_cmdline: dict[str, str] = field(default_factory=dict)
     thp: dict[str, str | None] = field(default_factory=dict)
     hugepages: dict[int, dict[str, int]] = field(default_factory=dict)  # node -> size kB -> count
     irqbalance: dict[str, str | bool | None] = field(default_factory=dict)

@@ -16,6 +16,25 @@ def cmdline(root: Root) -> str:
     return root.read_value("/proc/cmdline") or ""
 
 
+GRUB_DEFAULTS = "/etc/default/grub"
+GRUB_DROPINS = "/etc/default/grub.d"  # grub-mkconfig sources its *.cfg after GRUB_DEFAULTS
+_GRUB_VARS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
+
+
+def boot_cmdline(root: Root) -> dict[str, str]:
+    """The kernel parameters each GRUB defaults file adds at the next boot, by path."""
+    paths = [GRUB_DEFAULTS]
+    paths += [f"{GRUB_DROPINS}/{n}" for n in root.listdir(GRUB_DROPINS) if n.endswith(".cfg")]
+    out: dict[str, str] = {}
+    for path in paths:
+        text = root.read(path)
+        values = [env_var(text, var) for var in _GRUB_VARS]
+        joined = " ".join(v for v in values if v)
+        if joined:
+            out[path] = joined
+    return out
+
+
 def thp(root: Root) -> dict[str, str | None]:
     return {k: selected(root.read(f"{THP}/{k}")) for k in ("enabled", "defrag")}
 

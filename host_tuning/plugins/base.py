@@ -27,6 +27,12 @@ class Plugin(ABC):
     #: False for kernel attributes (absent means unsupported here); True for files the tool owns.
     owns_files: bool = False
 
+    @property
+    def persistent(self) -> bool:
+        """True when a setting survives a reboot (the files under /etc the tool writes); False for
+        runtime kernel state, which the kernel starts afresh at each boot."""
+        return self.owns_files
+
     @abstractmethod
     def plan(
         self, facts: Facts, profile: Profile, cores: CorePlan

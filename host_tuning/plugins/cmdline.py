@@ -12,7 +12,7 @@ import shlex
 from host_tuning import cpulist
 from host_tuning.cores import CorePlan, PlanError
 from host_tuning.facts.model import Facts
-from host_tuning.items import Advice, Item
+from host_tuning.items import Advice, Conflict, Item
 from host_tuning.plugins.base import Context, FilePlugin
 from host_tuning.profile import Profile
 
@@ -92,6 +92,80 @@ def planned_tokens(facts: Facts, profile: Profile, cores: CorePlan) -> list[tupl
                 "sets it from the profile, so drop it from [kernel] extra_cmdline"
             )
         seen.add(param(token))
+    return out
+
+
+#: Parameters that carry the plan's core split; a second value of either fights the plan.
+ISOLATION_PARAMS = ("isolcpus", "nohz_full")
+
+
+def _cpus(token: str) -> frozenset[int] | None:
+    """The CPUs of ``isolcpus=[flags,]LIST`` / ``nohz_full=LIST``; None when unreadable."""
+    value = token.split("=", 1)[1] if "=" in token else ""
+    # isolcpus flags (domain, nohz, managed_irq) are words; CPU list parts start with a digit.
+    parts = [p for p in value.split(",") if p and not p[0].isalpha()]
+    try:
+        return cpulist.parse(",".join(parts))
+    except ValueError:
+        return None
+
+
+def _conflict_text(token: str, source: str, found: frozenset[int] | None, wanted: str) -> str:
+    name = param(token)
+    head = f"{token} in {source} is not host-tune's"
+    if found is None:
+        return f"{head} and is no CPU list; the plan's {name} is {wanted or 'unset'}: fix it there"
+    if not wanted:
+        return (
+            f"{head}: it isolates CPUs {cpulist.format(found)}, but the plan isolates none "
+            "([kernel] isolate = false) and runs work there: remove it there or set isolate = true"
+        )
+    planned = cpulist.parse(wanted)
+    diff = []
+    if found - planned:
+        diff.append(f"CPUs {cpulist.format(found - planned)} are not planned isolated")
+    if planned - found:
+        diff.append(f"CPUs {cpulist.format(planned - found)} are missing")
+    return (
+        f"{head}: the plan wants {name} on {wanted} ({', '.join(diff)}); remove it there, "
+        f"host-tune sets {name} itself"
+    )
+
+
+def conflicts(facts: Facts, profile: Profile, cores: CorePlan) -> list[Conflict]:
+    """Hand-set ``isolcpus`` / ``nohz_full`` (the running kernel's or the bootloader's) that
+    disagree with the plan's isolated cores.
+
+    host-tune's drop-in appends to GRUB_CMDLINE_LINUX_DEFAULT, so where it sets a parameter the
+    running kernel's last occurrence (or one equal to the drop-in's) is host-tune's own: a value
+    from an earlier plan is a pending reboot, reported by the cmdline item, not a conflict. A
+    running value also set in a bootloader file is reported once, with the file to fix.
+    """
+    wanted_cpus = cores.isolated if profile.isolate else ()
+    wanted = cpulist.format(wanted_cpus)
+    ours = {param(t): t for t in (facts.boot_cmdline.get(DROPIN) or "").split()}
+    running = facts.cmdline.split()
+    out: list[Conflict] = []
+    for name in ISOLATION_PARAMS:
+        found = [
+            (path, t)
+            for path, text in sorted(facts.boot_cmdline.items())
+            if path != DROPIN
+            for t in text.split()
+            if param(t) == name
+        ]
+        live = [t for t in running if param(t) == name]
+        if name in ours and live:
+            live.remove(ours[name] if ours[name] in live else live[-1])
+        configured = {t for _, t in found}
+        found += [("/proc/cmdline", t) for t in live if t not in configured]
+        for source, token in found:
+            cpus = _cpus(token)
+            if cpus == frozenset(wanted_cpus):
+                continue
+            text = _conflict_text(token, source, cpus, wanted)
+            shown = cpulist.format(cpus) if cpus is not None else ""
+            out.append(Conflict(name, source, token, shown, wanted, text))
     return out
 
 

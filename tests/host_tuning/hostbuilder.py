@@ -242,6 +242,7 @@ class Builder:
     # -- kernel state ----------------------------------------------------------------------
     def kernel(self, cmdline: str, irqbalance_running: bool = True) -> None:
         self.write("/proc/cmdline", cmdline + "\n")
+        self.write("/proc/sys/kernel/random/boot_id", "6d5f3a0e-8c1b-4e7a-9f2d-1a2b3c4d5e6f\n")
         thp = "/sys/kernel/mm/transparent_hugepage"
         self.write(f"{thp}/enabled", "always [madvise] never\n")
         self.write(f"{thp}/defrag", "always defer defer+madvise [madvise] never\n")
