@@ -66,6 +66,9 @@ class HttpConfig:
     # A client that sends its body, or reads its stream, with no progress for this long is cut off;
     # a TLS handshake (HTTP and gRPC ports) that takes longer is dropped.
     client_timeout_s: float = 30.0
+    # Connections held at once, idle keep-alive ones too (one more is answered 503 and closed):
+    # far more than the engine answers at once, far fewer than the unit's LimitNOFILE (65536).
+    max_connections: int = 4096
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,9 @@ def load_config(path: Path) -> GatewayConfig:
         ),
         path,
     )
-    http_reader = top.sub("http", {"listen", "max_body_bytes", "client_timeout_s"})
+    http_reader = top.sub(
+        "http", {"listen", "max_body_bytes", "client_timeout_s", "max_connections"}
+    )
     http = _http(http_reader)
     # Both public front ends: plaintext and anonymous use only on loopback, unless said so.
     for at, address in ((srv, server.listen), (http_reader, http.listen)):
@@ -343,6 +348,7 @@ def _http(r: _Reader) -> HttpConfig:
         listen=_address(r, "listen", "") if "listen" in r.data else None,
         max_body_bytes=max_body,
         client_timeout_s=r.positive("client_timeout_s", float, HttpConfig.client_timeout_s),
+        max_connections=r.positive("max_connections", int, HttpConfig.max_connections),
     )
 
 

@@ -14,7 +14,11 @@ is read, and refused once it grows past the limit). Another Content-Encoding is 
 (one that does not inflate with 400), and so is a body declared as a form or text (what `curl -d`
 sends, and what a web page may send to another origin without the browser asking it first).
 A client that sends its body, or reads its stream, with no progress for `client_timeout_s` is cut
-off, and so is a TLS handshake that takes longer.
+off, and so is a TLS handshake that takes longer, and a connection that sends no complete request
+head within that time (aiohttp's keepalive_timeout runs from the connection's start and from each
+answer, whatever bytes arrive: a head sent a byte at a time is no progress). At most
+`max_connections` connections are held at once: one more is answered 503 (a retry hint) as it is
+accepted and closed, its request unread, and counted.
 
 Nothing a client sends reaches the log: aiohttp's own records of requests it could not parse carry
 the raw bytes (an HTTP/2 preface with its HPACK block holds the `authorization` header) and are
@@ -47,6 +51,7 @@ from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta, TokenLogprob
 from appliance.gateway.health import health_name
+from appliance.gateway.metrics import Counters
 from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS, Pipeline, stopping
 from appliance.gateway.reply import Reply
 from appliance.gateway.request import echo, new_request_id, valid_request_id
@@ -90,6 +95,10 @@ BODY_RETRY_MS = 1000
 # gzip members a body may hold: each one's end copies the rest of the body (zlib's unused_data),
 # so 4 MiB of empty 20-byte members held the event loop for 30 s.
 MAX_GZIP_MEMBERS = 16
+# Seconds a refused connection is read (and what it sends dropped) after its answer, and how many
+# are at once (RefusedConnection).
+LINGER_S = 2.0
+MAX_LINGERING = 256
 # aiohttp's logger of requests it refuses or handlers that raise.
 SERVER_LOGGER = "aiohttp.server"
 
@@ -210,27 +219,101 @@ class OpenAIErrorRunner(web.AppRunner):
         return server
 
 
-class HandshakeBoundedSite(web.TCPSite):
-    """A TCPSite whose TLS handshakes are bounded by the client timeout (asyncio's default is
-    60 s, aiohttp offers no setting)."""
+class RefusedConnection(asyncio.Protocol):
+    """A connection over max_connections: the refusal is written as it is accepted and its
+    sending side closed, then what the client sends is read and dropped until it closes or
+    LINGER_S passes. Closed with its request unread, the connection would be reset and the client
+    would lose the answer (the openai SDK then sees a connection error, not the 503 and its retry
+    hint). At most MAX_LINGERING linger at once; past that one is closed at once."""
+
+    def __init__(self, refusals: Refusals) -> None:
+        self._refusals = refusals
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(self._refusals.answer)
+        if self._refusals.lingering >= MAX_LINGERING or not transport.can_write_eof():
+            transport.close()
+            return
+        self._refusals.lingering += 1
+        transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._refusals.lingering -= 1
+
+
+class Refusals:
+    """The connections refused over `max_connections`: their answer, those lingering, and
+    `refused`, the metric that counts them (None: not counted)."""
+
+    def __init__(self, max_connections: int, refused: Counters | None) -> None:
+        self.answer = connection_refusal(max_connections)
+        self.lingering = 0
+        self._refused = refused
+
+    def protocol(self) -> RefusedConnection:
+        if self._refused is not None:
+            self._refused.inc(())
+        return RefusedConnection(self)
+
+
+def connection_refusal(max_connections: int) -> bytes:
+    """The whole HTTP answer to a connection over `max_connections`."""
+    err = wire.HttpError(
+        503,
+        "service_unavailable_error",
+        f"the gateway holds as many HTTP connections as it takes ({max_connections}, its [http] "
+        "max_connections); retry shortly, and reuse connections (HTTP keep-alive)",
+        retry_after_ms=UNAVAILABLE_RETRY_MS,
+    )
+    body = wire.dumps(wire.error_body(err))
+    assert err.retry_after_ms is not None
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        **retry_headers(err.retry_after_ms),
+        "Connection": "close",
+    }
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return f"HTTP/1.1 503 Service Unavailable\r\n{head}\r\n".encode() + body
+
+
+class BoundedSite(web.TCPSite):
+    """A TCPSite that holds at most `max_connections` connections (one more is a
+    RefusedConnection, counted in `refused`), and whose TLS handshakes are bounded by the client
+    timeout (asyncio's default is 60 s). aiohttp offers neither setting."""
 
     def __init__(
         self,
         runner: web.AppRunner,
         host: str,
         port: int,
-        ssl: ssl_module.SSLContext,
+        ssl: ssl_module.SSLContext | None,
         timeout_s: float,
+        max_connections: int,
+        refused: Counters | None,
     ) -> None:
         super().__init__(runner, host, port, ssl_context=ssl)
-        self._handshake_timeout_s = timeout_s
+        self._handshake_timeout_s = timeout_s if ssl is not None else None
+        self._max_connections = max_connections
+        self._refusals = Refusals(max_connections, refused)
+
+    def _accept(self) -> asyncio.BaseProtocol:
+        """The protocol of a connection just accepted (the listener's protocol factory)."""
+        server = self._runner.server
+        assert server is not None
+        if len(server.connections) < self._max_connections:
+            return server()
+        return self._refusals.protocol()
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
-        server = self._runner.server
-        assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            server,
+            self._accept,
             self._host,
             self._port,
             ssl=self._ssl_context,
@@ -247,6 +330,14 @@ async def _finish(replies: AsyncIterator[Reply]) -> None:
         pass
 
 
+def retry_headers(retry_after_ms: int) -> dict[str, str]:
+    # Retry-After is whole seconds; the openai SDK reads retry-after-ms first.
+    return {
+        "Retry-After": str(max(1, math.ceil(retry_after_ms / 1000))),
+        "retry-after-ms": str(retry_after_ms),
+    }
+
+
 def error_response(err: wire.HttpError, retry_after_ms: int | None = None) -> web.Response:
     if retry_after_ms is None:
         retry_after_ms = err.retry_after_ms
@@ -254,9 +345,7 @@ def error_response(err: wire.HttpError, retry_after_ms: int | None = None) -> we
     if err.status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
     if retry_after_ms is not None:
-        # Retry-After is whole seconds; the openai SDK reads retry-after-ms first.
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
-        headers["retry-after-ms"] = str(retry_after_ms)
+        headers.update(retry_headers(retry_after_ms))
     return web.Response(
         status=err.status,
         body=wire.dumps(wire.error_body(err)),
@@ -274,12 +363,15 @@ class HttpApi:
         config: HttpConfig,
         tls: ServerTls | None = None,
         mutual_tls: bool = False,
+        refused_connections: Counters | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
         # The public API's TLS (the same [tls] files as the gRPC port; None: plaintext).
         self.tls = tls
         self.mutual_tls = mutual_tls
+        # Connections refused over max_connections (a metric; None: not counted).
+        self._refused_connections = refused_connections
         self._health = health_servicer
         self._service = service_name
         self._created = int(time.time())
@@ -324,17 +416,15 @@ class HttpApi:
         assert self.config.listen is not None
         host, _, port = self.config.listen.rpartition(":")
         await self._runner.setup()
-        site: web.TCPSite
-        if self.tls is not None:
-            site = HandshakeBoundedSite(
-                self._runner,
-                host.strip("[]"),
-                int(port),
-                self.tls.ssl_context(),
-                self.config.client_timeout_s,
-            )
-        else:
-            site = web.TCPSite(self._runner, host.strip("[]"), int(port))
+        site = BoundedSite(
+            self._runner,
+            host.strip("[]"),
+            int(port),
+            self.tls.ssl_context() if self.tls is not None else None,
+            self.config.client_timeout_s,
+            self.config.max_connections,
+            self._refused_connections,
+        )
         try:
             await site.start()
         except OSError:
@@ -343,6 +433,12 @@ class HttpApi:
         self._site = site
         self.port = site.port
         return self.port
+
+    @property
+    def connections(self) -> int:
+        """HTTP connections held now (max_connections bounds them)."""
+        server = self._runner.server
+        return len(server.connections) if server is not None else 0
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

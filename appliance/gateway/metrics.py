@@ -170,10 +170,18 @@ class GatewayMetrics:
             "their own).",
             ("model",),
         )
+        self.http_connections_refused = Counters(
+            "appliance_http_connections_refused",
+            "HTTP connections answered 503 and closed as accepted: the HTTP API held its "
+            "[http] max_connections.",
+            (),
+        )
+        self.http_connections_refused.child()  # 0 from the start, not absent until the first
         self.registry.register(
             _FamiliesCollector(
                 (self.ttft, self.inter_token, self.e2e, self.queue),
                 (
+                    self.http_connections_refused,
                     self.requests,
                     self.prompt_tokens,
                     self.completion_tokens,

@@ -251,7 +251,15 @@ async def start_server(
             ) from exc
         log.info("metrics on http://%s/metrics", config.metrics.listen)
     if config.http.listen is not None:
-        http = HttpApi(pipeline, health_servicer, SERVICE_NAME, config.http, tls, mutual)
+        http = HttpApi(
+            pipeline,
+            health_servicer,
+            SERVICE_NAME,
+            config.http,
+            tls,
+            mutual,
+            metrics.http_connections_refused,
+        )
         try:
             await http.start()
         except OSError as exc:

@@ -136,14 +136,17 @@ def test_latency_keys_are_checked(tmp_path: Path, extra: str, expected: str) -> 
 
 def test_http_api_is_off_unless_configured(tmp_path: Path) -> None:
     assert load_config(_write(tmp_path, GOOD)).http.listen is None
-    text = (
-        GOOD + '[http]\nlisten = "127.0.0.1:8080"\nmax_body_bytes = "1MiB"\nclient_timeout_s = 5\n'
+    assert load_config(_write(tmp_path, GOOD)).http.max_connections == 4096
+    text = GOOD + (
+        '[http]\nlisten = "127.0.0.1:8080"\nmax_body_bytes = "1MiB"\nclient_timeout_s = 5\n'
+        "max_connections = 100\n"
     )
     http = load_config(_write(tmp_path, text)).http
-    assert (http.listen, http.max_body_bytes, http.client_timeout_s) == (
+    assert (http.listen, http.max_body_bytes, http.client_timeout_s, http.max_connections) == (
         "127.0.0.1:8080",
         2**20,
         5.0,
+        100,
     )
 
 
@@ -155,6 +158,7 @@ def test_http_api_is_off_unless_configured(tmp_path: Path) -> None:
         ('max_body_bytes = "0MiB"', r":12: key 'http.max_body_bytes': must be greater than 0"),
         ('max_body_bytes = "2GiB"', r":12: key 'http.max_body_bytes': .* at most 1GiB"),
         ("client_timeout_s = 0", r":12: key 'http.client_timeout_s': must be greater than 0"),
+        ("max_connections = 0", r":12: key 'http.max_connections': must be greater than 0"),
         ("port = 1", r":12: key 'http.port': unknown key; known keys are client_timeout_s"),
     ],
 )

@@ -1,0 +1,94 @@
+"""The HTTP API against clients that hold connections: many idle ones, a head sent a byte at a
+time."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+
+from appliance.gateway.server import RunningGateway
+from tests.conftest import Engine, Tiny
+from tests.gateway.test_http_api import _client, _config, _gateway
+from tests.support import until_async
+
+REFUSED_METRIC = "appliance_http_connections_refused_total"
+
+
+@pytest.fixture
+async def limited(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+    """A gateway whose HTTP API holds 3 connections and cuts off a silent one after 0.5 s."""
+    config = _config(tiny, engine.address)
+    http = dataclasses.replace(config.http, max_connections=3, client_timeout_s=0.5)
+    running = await _gateway(dataclasses.replace(config, http=http))
+    yield running
+    await running.drain(0.5)
+
+
+def _open(running: RunningGateway) -> int:
+    assert running.http is not None
+    return running.http.connections
+
+
+async def test_connections_over_the_limit_are_refused_at_accept(limited: RunningGateway) -> None:
+    assert limited.http is not None
+    port = limited.http.port
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+    await until_async(lambda: _open(limited) == 3)
+    # One more: answered 503 with a retry hint and closed, before it sends a byte.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), answer
+    assert b"\r\nRetry-After: 1\r\n" in head + b"\r\n"
+    assert b"\r\nConnection: close\r\n" in head + b"\r\n"
+    error = json.loads(body)["error"]
+    assert "max_connections" in error["message"]
+    assert error["type"] == "service_unavailable_error"
+    # The SDK reads that answer (its request is read and dropped, not reset) and would retry.
+    async with _client(limited) as client:
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.completions.create(model="tiny", prompt="hi" * 10_000, max_tokens=2)
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after-ms"] == "1000"
+    assert limited.metrics.registry.get_sample_value(REFUSED_METRIC) == 2.0
+    assert _open(limited) == 3
+    # Slots come back as connections close: the SDK is answered again.
+    for _, held_writer in held:
+        held_writer.close()
+    await until_async(lambda: _open(limited) == 0)
+    async with _client(limited) as client:
+        reply = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert reply.choices[0].text is not None
+
+
+async def test_a_head_sent_a_byte_at_a_time_is_cut_off(limited: RunningGateway) -> None:
+    assert limited.http is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", limited.http.port)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 10_000
+    closed = asyncio.ensure_future(reader.read())
+    sent = 0
+    while not closed.done() and sent < len(head):
+        writer.write(head[sent : sent + 1])
+        sent += 1
+        await asyncio.wait([closed], timeout=0.02)  # one byte each 20 ms: 200 s for the head
+    assert closed.done() and await closed == b"", f"still open after {sent} bytes"
+    writer.close()
+    await until_async(lambda: _open(limited) == 0)
+
+
+async def test_an_idle_keep_alive_connection_is_closed(limited: RunningGateway) -> None:
+    assert limited.http is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", limited.http.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"Connection: close" not in head
+    # The connection is kept for a next request, then closed when none comes.
+    assert (await asyncio.wait_for(reader.read(), 10)).endswith(b"}")
+    assert reader.at_eof()
+    writer.close()
