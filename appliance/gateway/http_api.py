@@ -20,6 +20,13 @@ answer, whatever bytes arrive: a head sent a byte at a time is no progress). At 
 `max_connections` connections are held at once: one more is answered 503 (a retry hint) as it is
 accepted and closed, its request unread, and counted.
 
+A request that changes something (any method but GET, HEAD, OPTIONS) from a web page of another
+origin is refused with 403, as Go's net/http CrossOriginProtection refuses it: when the browser's
+`Sec-Fetch-Site` is neither same-origin nor none, or, from a browser that sends none, when its
+`Origin` is not the `Host` it asked. Clients that are no browser send neither and pass. There is
+no allow-list of origins: the API answers no CORS preflight (OPTIONS), so a page of another origin
+can send only what needs none, a POST whose answer it cannot read.
+
 Nothing a client sends reaches the log: aiohttp's own records of requests it could not parse carry
 the raw bytes (an HTTP/2 preface with its HPACK block holds the `authorization` header) and are
 rewritten as one line naming the refusal and the peer, at most one per interval. aiohttp's own
@@ -33,6 +40,7 @@ import logging
 import math
 import ssl as ssl_module
 import time
+import urllib.parse
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -70,6 +78,7 @@ SSE_HEADERS = {
 WIRE_STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
@@ -95,6 +104,10 @@ BODY_RETRY_MS = 1000
 # gzip members a body may hold: each one's end copies the rest of the body (zlib's unused_data),
 # so 4 MiB of empty 20-byte members held the event loop for 30 s.
 MAX_GZIP_MEMBERS = 16
+# Methods a page of another origin may send: they change nothing (Go's CrossOriginProtection).
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+# Sec-Fetch-Site values of a request the browser made for the server's own origin or for its user.
+SAME_ORIGIN_SITES = ("same-origin", "none")
 # Seconds a refused connection is read (and what it sends dropped) after its answer, and how many
 # are at once (RefusedConnection).
 LINGER_S = 2.0
@@ -338,6 +351,38 @@ def retry_headers(retry_after_ms: int) -> dict[str, str]:
     }
 
 
+def cross_origin(request: web.Request) -> wire.HttpError | None:
+    """The 403 of a request that changes something, sent by a browser for a page of another
+    origin (None: a safe method, the server's own origin, or no browser). Go's net/http
+    CrossOriginProtection: Sec-Fetch-Site when the browser sends it, else Origin against Host."""
+    if request.method in SAFE_METHODS:
+        return None
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        if site in SAME_ORIGIN_SITES:
+            return None
+        why = f"the browser sent it for a page of another origin (Sec-Fetch-Site: {echo(site)})"
+    else:
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return None
+        # The Host header itself: aiohttp's request.host, without one, asks DNS (getfqdn).
+        host = request.headers.get("Host", "")
+        try:
+            if urllib.parse.urlsplit(origin).netloc == host:
+                return None
+        except ValueError:
+            pass
+        why = f"its Origin {echo(origin)} is not the host it was sent to ({echo(host)})"
+    return wire.HttpError(
+        403,
+        "permission_denied_error",
+        f"cross-origin request refused: {why}. Call this API from a server (or a client that "
+        "is no browser), not from a web page of another origin",
+        code="cross_origin_request",
+    )
+
+
 def error_response(err: wire.HttpError, retry_after_ms: int | None = None) -> web.Response:
     if retry_after_ms is None:
         retry_after_ms = err.retry_after_ms
@@ -527,6 +572,7 @@ class HttpApi:
         the client never sends the body."""
         if (
             self.draining
+            or cross_origin(request) is not None
             or self._unauthenticated(self._credentials(request)) is not None
             or self._declared_too_large(request)
             or self._over_budget(request)
@@ -587,7 +633,7 @@ class HttpApi:
         credentials = self._credentials(request)
         try:
             try:
-                refused = self._unauthenticated(credentials)
+                refused = cross_origin(request) or self._unauthenticated(credentials)
                 if refused is not None:  # nothing of the body is read for a client without a key
                     raise refused
                 http = wire.parse_request(await self._read(request), chat)

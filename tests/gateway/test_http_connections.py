@@ -1,5 +1,5 @@
-"""The HTTP API against clients that hold connections: many idle ones, a head sent a byte at a
-time."""
+"""The HTTP API against clients that hold connections (many idle ones, a head sent a byte at a
+time) and against web pages of another origin; the SDK's own requests pass unchanged."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 
+import aiohttp
 import openai
 import pytest
+from openai import AsyncOpenAI
 
 from appliance.gateway.server import RunningGateway
 from tests.conftest import Engine, Tiny
-from tests.gateway.test_http_api import _client, _config, _gateway
+from tests.gateway.test_http_api import _client, _config, _gateway, _url, gateway  # noqa: F401
 from tests.support import until_async
 
 REFUSED_METRIC = "appliance_http_connections_refused_total"
@@ -92,3 +94,66 @@ async def test_an_idle_keep_alive_connection_is_closed(limited: RunningGateway) 
     assert (await asyncio.wait_for(reader.read(), 10)).endswith(b"}")
     assert reader.at_eof()
     writer.close()
+
+
+# -- cross-origin requests ---------------------------------------------------------------------
+
+SAME_HOST = "same-host"  # stands for the gateway's own origin, http://127.0.0.1:PORT
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({"Sec-Fetch-Site": "cross-site"}, 403),
+        ({"Sec-Fetch-Site": "same-site"}, 403),
+        ({"Sec-Fetch-Site": "cross-site", "Origin": SAME_HOST}, 403),
+        ({"Origin": "https://evil.example"}, 403),  # a browser without Sec-Fetch-Site
+        ({"Origin": "null"}, 403),  # a sandboxed frame, a data: URL
+        ({"Origin": "http://[::1"}, 403),  # no URL at all
+        ({"Sec-Fetch-Site": "same-origin"}, 200),
+        ({"Sec-Fetch-Site": "none"}, 200),  # typed into the address bar
+        ({"Origin": SAME_HOST}, 200),
+        ({}, 200),  # no browser: curl, the SDKs
+    ],
+)
+async def test_a_cross_origin_post_is_403(
+    gateway: RunningGateway,  # noqa: F811
+    headers: dict[str, str],
+    status: int,
+) -> None:
+    url = _url(gateway)
+    headers = {k: url if v == SAME_HOST else v for k, v in headers.items()}
+    # No Content-Type: what a page's fetch() of a Blob body sends (form and text types are 415).
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    async with (
+        aiohttp.ClientSession(skip_auto_headers=["Content-Type"]) as session,
+        session.post(url + "/v1/completions", data=body, headers=headers) as r,
+    ):
+        reply = await r.json()
+    assert r.status == status, reply
+    if status == 403:
+        error = reply["error"]
+        assert error["type"] == "permission_denied_error"
+        assert error["code"] == "cross_origin_request"
+        assert "from a server" in error["message"]
+        # Reading is no risk: a page cannot see the answer without CORS.
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(url + "/v1/models", headers=headers) as r,
+        ):
+            assert r.status == 200
+
+
+async def test_the_sdk_passes_the_cross_origin_check(
+    gateway: RunningGateway,  # noqa: F811
+) -> None:
+    async with AsyncOpenAI(base_url=_url(gateway) + "/v1", api_key="k", max_retries=0) as client:
+        chat = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        stream = await client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chunks
