@@ -8,8 +8,9 @@ by a collector: the request path pays nothing for it.
 
 Names follow Prometheus conventions (base units, `_total` counters, `_seconds` histograms) under the
 `appliance_` prefix, beside prometheus-client's `process_*` series of the gateway's process; labels:
-`model` (the model the client asked for), `tier` (`miss`, or the name of the configured cache tier
-that answered: `l1`, `l2`, `semantic`, ...), `status` (gRPC status name), `finish_reason`. Each takes
+`model` (the served model the client asked for, `unknown` before one is known), `tier` (`miss`, or
+the name of the configured cache tier that answered: `l1`, `l2`, `semantic`, ...), `status` (gRPC
+status name), `finish_reason`. Each takes
 its values from a fixed set whatever clients send (tests/observability/test_label_bounds.py).
 """
 
@@ -305,7 +306,7 @@ class MetricsSink:
 
     def report(self, r: RequestReport) -> None:
         m = self.m
-        model = r.model or "unknown"
+        model = r.model
         key = (model, r.tier, r.status, r.finish_reason or "none", r.front_end)
         s = self._bound.get(key)
         if s is None:

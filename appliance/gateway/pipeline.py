@@ -255,11 +255,12 @@ class Pipeline:
         request_id = request.request_id if valid_request_id(request.request_id) else ""
         report = RequestReport(request_id=request_id, front_end=front_end)
         grant: Grant | None = None
+        routed: str | None = None
         try:
             grant = self.authorize(request, credentials, report)
             model = self.route(request.model)
-            report.model = model.name
-            self.in_flight[model.name] += 1
+            report.model = routed = model.name
+            self.in_flight[routed] += 1
             checked = self.check(request, model, grant.namespace, report)
             calls = self.call_reader(checked, hold_call_text)
             budget = self.budget(model, checked, deadline_s)
@@ -305,8 +306,8 @@ class Pipeline:
         finally:
             if grant is not None:
                 grant.release()
-            if report.model:
-                self.in_flight[report.model] -= 1
+            if routed is not None:
+                self.in_flight[routed] -= 1
             if not report.total_us:
                 report.total_us = (time.monotonic_ns() - received) // 1000
             self.sink.report(report)

@@ -12,6 +12,11 @@ from typing import ClassVar, Protocol
 
 access = logging.getLogger("appliance.access")
 
+# The model of a request refused before its model was known (an unknown name, a body that was not
+# a request, a key refused first): in the access log and the metrics' `model` label, never the
+# name the client sent.
+UNKNOWN_MODEL = "unknown"
+
 
 @dataclass(slots=True)
 class RequestReport:
@@ -21,7 +26,8 @@ class RequestReport:
     # The API key's id (never the key): "anonymous" without keys; "" when none was presented.
     key_id: str = ""
     namespace: str = ""
-    model: str = ""
+    # The served model the request named (UNKNOWN_MODEL until it is routed).
+    model: str = UNKNOWN_MODEL
     # Which model produced the answer: differs from `model` when a fallback answered.
     answered_by: str = ""
     # "miss" (generated), or the cache tier that answered ("l1", "l2", ...).

@@ -634,7 +634,7 @@ async def test_http_requests_are_reported_like_grpc_ones(tiny: Tiny, engine: Eng
         await running.drain(0.5)
     assert (good.request_id, good.model, good.status, good.tier) == ("h1", "tiny", "OK", "miss")
     assert good.completion_tokens == reply["usage"]["completion_tokens"]
-    assert (bad.model, bad.status) == ("", "INVALID_ARGUMENT")
+    assert (bad.model, bad.status) == ("unknown", "INVALID_ARGUMENT")
     assert (good.front_end, bad.front_end) == ("http", "http")
     assert (via_grpc.request_id, via_grpc.front_end) == ("g1", "grpc")
 

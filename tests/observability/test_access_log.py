@@ -88,3 +88,18 @@ async def test_the_json_fields_are_the_ones_the_readme_lists(
     listed = re.search(r"JSON object a line with the fields (.*?)[;.]\s", logs, re.S)
     assert listed is not None, "the README's Logs paragraph lists the JSON fields"
     assert fields == set(re.findall(r"`([a-z_]+)`", listed.group(1)))
+
+
+async def test_an_unknown_model_is_a_fixed_marker_not_the_clients_bytes(
+    gateway: RunningGateway, access: Records
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pb_grpc.InferenceStub(channel).Complete(
+                pb.GenerateRequest(model="no-such-model", prompt="hi", max_tokens=1)
+            )
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    (record,) = access.records
+    line = OneLineFormatter(FORMAT).format(record)
+    assert "model='unknown'" in line and "no-such-model" not in line, line
+    assert json.loads(JsonFormatter().format(record))["model"] == "unknown"
