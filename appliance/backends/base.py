@@ -7,7 +7,7 @@ stop strings and caching stay in the gateway.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -95,6 +95,42 @@ def top_logprobs_refusal(model: str, limit: int, asked: int) -> str | None:
     return f"model '{model}' returns at most {limit} alternatives per token, not {asked}"
 
 
+class InputFields(Protocol):
+    """The request fields a model serves only when its engine takes an input for them (a checked
+    request and a GenerationRequest both have them)."""
+
+    @property
+    def sampling(self) -> Sampling: ...
+
+    @property
+    def min_tokens(self) -> int: ...
+
+    @property
+    def logprobs(self) -> bool: ...
+
+    @property
+    def ignore_eos(self) -> bool: ...
+
+
+def unserved_refusal(
+    model: str, unserved: Mapping[str, str], request: InputFields
+) -> tuple[str, str] | None:
+    """The first field `request` sets that `model` takes no input for, and why it is refused
+    (`unserved`: Backend.unserved); None when the model serves every field it sets."""
+    if not unserved:
+        return None
+    asked = {
+        "seed": request.sampling.seed is not None,
+        "min_tokens": request.min_tokens > 0,
+        "logprobs": request.logprobs,
+        "ignore_eos": request.ignore_eos,
+    }
+    for field, lacks in unserved.items():
+        if asked[field]:
+            return field, f"model '{model}' {lacks}: send the request without {field}"
+    return None
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation as a backend sees it: token ids in, token ids out.
@@ -171,6 +207,13 @@ class Backend(Protocol):
     def guided(self) -> bool:
         """Whether the model decodes under a guide (False: it has no guided decoding, or that is
         not known yet)."""
+        ...
+
+    @property
+    def unserved(self) -> Mapping[str, str]:
+        """The request fields the model takes no input for (`seed`, `min_tokens`, `logprobs`,
+        `ignore_eos`), each with what its engine lacks, as unserved_refusal words it (empty
+        until that is known)."""
         ...
 
     async def wait_ready(self, timeout_s: float) -> None:

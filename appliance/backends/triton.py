@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
@@ -32,6 +32,7 @@ from appliance.backends.base import (
     Speculation,
     Tokens,
     top_logprobs_refusal,
+    unserved_refusal,
 )
 from appliance.backends.stream_pool import StreamPool
 from appliance.backends.stream_socket import SocketStream
@@ -159,6 +160,27 @@ class InputNames:
             and {TOP_LOGPROB_IDS_OUTPUT, TOP_LOGPROBS_OUTPUT} <= outputs
             else 0,
         )
+
+    @functools.cached_property
+    def unserved(self) -> Mapping[str, str]:
+        """The request fields this model takes no input for, with what its config lacks."""
+        lacks: dict[str, str] = {}
+        if self.seed is None:
+            lacks["seed"] = "takes no seed (its config.pbtxt has no input random_seed or seed)"
+        if self.min_tokens is None:
+            lacks["min_tokens"] = (
+                "takes no min_tokens (its config.pbtxt has no input min_length or min_tokens)"
+            )
+        if not self.log_probs:
+            lacks["logprobs"] = (
+                f"returns no log-probabilities (its config.pbtxt needs the input "
+                f"{LOG_PROBS_INPUT} and the output {LOG_PROBS_OUTPUT})"
+            )
+        if "end_id" not in self.present:
+            lacks["ignore_eos"] = (
+                "cannot ignore the end token (its config.pbtxt has no input end_id)"
+            )
+        return lacks
 
 
 def check_model_config(config: mc.ModelConfig, address: str) -> InputNames:
@@ -323,6 +345,11 @@ class TritonBackend:
         """From the model's configuration as last read (False before)."""
         return self._names.guided if self._names is not None else False
 
+    @property
+    def unserved(self) -> Mapping[str, str]:
+        """From the model's configuration as last read (empty before)."""
+        return self._names.unserved if self._names is not None else {}
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Waits for ServerReady and ModelReady, then reads and checks the model's configuration.
 
@@ -398,14 +425,13 @@ class TritonBackend:
         t.add("input_ids", "INT32", prompt_ids)
         t.add("input_lengths", "INT32", [len(prompt_ids)])
         t.add("request_output_len", "INT32", [g.max_tokens])
+        # The gateway refuses these before this (request.check_inputs, with the client's model
+        # and field); this is a configuration read again since.
+        unserved = unserved_refusal(self.model, names.unserved, g)
+        if unserved is not None:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, unserved[1])
         present = names.present
         if g.ignore_eos:
-            if "end_id" not in present:
-                raise BackendError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"model '{self.model}' takes no end_id input, which ignore_eos needs; "
-                    "send the request without ignore_eos",
-                )
             t.add("end_id", "INT32", [NO_END_ID])
         elif end_id is not None and "end_id" in present:
             t.add("end_id", "INT32", [end_id])
@@ -421,29 +447,11 @@ class TritonBackend:
             t.add("runtime_top_k", "INT32", [sampling.top_k])
         if "runtime_top_p" in present:
             t.add("runtime_top_p", "FP32", [sampling.top_p])
-        if sampling.seed is not None:
-            if names.seed is None:
-                raise BackendError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"model '{self.model}' takes no seed input (random_seed/seed); omit seed",
-                )
+        if sampling.seed is not None and names.seed is not None:
             t.add(names.seed, "UINT64", [sampling.seed])
-        if g.min_tokens:
-            if names.min_tokens is None:
-                raise BackendError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"model '{self.model}' takes no min_tokens input (min_tokens/min_length); "
-                    "send the request without min_tokens",
-                )
+        if g.min_tokens and names.min_tokens is not None:
             t.add(names.min_tokens, "INT32", [g.min_tokens])
         if g.logprobs:
-            if not names.log_probs:
-                raise BackendError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"model '{self.model}' returns no log-probabilities (its config.pbtxt needs "
-                    f"the input {LOG_PROBS_INPUT} and the output {LOG_PROBS_OUTPUT}); send the "
-                    "request without logprobs",
-                )
             t.flag(LOG_PROBS_INPUT, True)
         if g.top_logprobs:
             refused = top_logprobs_refusal(self.model, names.top_logprobs, g.top_logprobs)

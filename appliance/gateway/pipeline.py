@@ -77,6 +77,7 @@ from appliance.gateway.request import (
     PreparedRequest,
     check,
     check_guide,
+    check_inputs,
     check_speculation,
     check_top_logprobs,
     echo,
@@ -344,12 +345,13 @@ class Pipeline:
         request: IncomingRequest, model: ServedModel, namespace: str, report: RequestReport
     ) -> CheckedRequest:
         """Every field valid and bounded (request.check), and nothing asked of the model's engine
-        that it cannot do (drafts, alternatives per token, guides)."""
+        that it cannot do (drafts, alternatives per token, guides, inputs it lacks)."""
         checked = check(request, model.limits, namespace)
         report.request_id = checked.request_id
         check_speculation(checked, model.name, model.backend.speculation)
         check_top_logprobs(checked, model.name, model.backend.max_top_logprobs)
         check_guide(checked, model.name, model.backend.guided)
+        check_inputs(checked, model.name, model.backend.unserved)
         return checked
 
     @staticmethod

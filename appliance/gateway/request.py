@@ -20,13 +20,20 @@ import math
 import os
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jsonschema_rs
 
-from appliance.backends.base import GREEDY, Guide, Sampling, Speculation, top_logprobs_refusal
+from appliance.backends.base import (
+    GREEDY,
+    Guide,
+    Sampling,
+    Speculation,
+    top_logprobs_refusal,
+    unserved_refusal,
+)
 from appliance.cache.policy import CachePolicy
 from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, invalid
 from appliance.text.tokenizer import CHAT_ROLES, ChatTemplateError, ModelText
@@ -354,6 +361,16 @@ def check_guide(checked: CheckedRequest, model: str, guided: bool) -> None:
             "up none): send the request without response_format, a forcing tool_choice or a guide",
             field="guide",
         )
+
+
+def check_inputs(checked: CheckedRequest, model: str, unserved: Mapping[str, str]) -> None:
+    """Refuses a field the model's engine takes no input for (`unserved`: its backend's): a seed,
+    min_tokens, logprobs, ignore_eos. Asked before the cache, so whether a request is refused
+    never depends on what is cached."""
+    refused = unserved_refusal(model, unserved, checked)
+    if refused is not None:
+        field, message = refused
+        raise _invalid(message, field=field)
 
 
 def _min_tokens(req: IncomingRequest, max_tokens: int) -> int:
