@@ -163,16 +163,22 @@ def _messages(messages: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
     if not messages:
         raise _invalid("messages is empty: send at least one message", field="messages")
     for i, (role, _) in enumerate(messages):
-        if role not in CHAT_ROLES:
-            raise _invalid(
-                f"messages[{i}].role is {echo(role)}; expected one of {', '.join(CHAT_ROLES)}",
-                field="messages",
-            )
+        check_role(i, role)
     if messages[-1][0] == "assistant":
         raise _invalid(
             "the last message must not be from the assistant: nothing to answer", field="messages"
         )
     return messages
+
+
+def check_role(i: int, role: str, more: tuple[str, ...] = ()) -> None:
+    """Refuses message `i`'s role unless it is a chat role (or one of `more`), naming it by its
+    index in the request."""
+    if role not in CHAT_ROLES and role not in more:
+        raise _invalid(
+            f"messages[{i}].role is {echo(role)}; expected one of {', '.join(CHAT_ROLES + more)}",
+            field=f"messages[{i}].role",
+        )
 
 
 def nfc(text: str) -> str:
@@ -320,7 +326,7 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
         _fits(len(req.prompt), limits, "prompt")
         prompt = nfc(req.prompt)
     else:
-        raise _invalid("prompt is empty: send some text or chat messages")
+        raise _invalid("prompt is empty: send some text or chat messages", field="prompt")
     # Positional, in the fields' order: keywords cost a microsecond on a cache hit's path.
     return CheckedRequest(
         request_id,
@@ -496,7 +502,7 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         try:
             prompt_ids = _encode_chat(checked, text)
         except ChatTemplateError as exc:
-            raise _invalid(str(exc)) from exc
+            raise _invalid(str(exc), field="messages") from exc
     field = "prompt" if checked.prompt is not None else "messages"
     if len(prompt_ids) > limits.max_input_tokens:
         raise _invalid(

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.gateway.errors import RequestError, invalid
-from appliance.gateway.request import check_json_schema
+from appliance.gateway.request import check_json_schema, check_role
 
 # OpenAI's limits: tools per request and a function name's form.
 MAX_TOOLS = 128
@@ -265,11 +265,15 @@ def turn(role: str, content: str, calls: Sequence[PastCall], call_id: str | None
                 f"messages[{i}]",
             )
         return Turn(role, content, call_id=call_id)
+    check_role(i, role, ("tool",))
     if calls and role != "assistant":
         raise _bad(f"messages[{i}] has tool_calls; only an assistant message may", f"messages[{i}]")
     for j, call in enumerate(calls):
         if not call.name:
-            raise _bad(f"messages[{i}].tool_calls[{j}] needs the name of the function", "messages")
+            raise _bad(
+                f"messages[{i}].tool_calls[{j}] needs the name of the function",
+                f"messages[{i}].tool_calls",
+            )
     return Turn(role, content, tuple(calls))
 
 

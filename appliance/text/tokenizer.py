@@ -68,7 +68,7 @@ def _reads_tools(env: jinja2.Environment, source: str) -> bool:
 
 
 def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
+    raise ChatTemplateError(f"the model's chat template refuses these messages: {message}")
 
 
 def chat_environment() -> jinja2.Environment:
@@ -193,11 +193,13 @@ class ModelText:
         apply_chat_template passes them; only for a template that `takes_tools`. The pieces of
         the chat this namespace sent before come from the segment cache."""
         if self.chat_template is None:
-            raise ChatTemplateError("this model has no chat template; send a prompt instead")
+            raise ChatTemplateError("this model has no chat template: send a prompt, not messages")
         try:
             text = render_chat(self.chat_template, messages, tools, self.bos_token, self.eos_token)
         except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+            raise ChatTemplateError(
+                f"the model's chat template failed on these messages: {exc}"
+            ) from exc
         if self.segments is not None and self.segments.takes(text):
             return self.segments.by_pieces(text, namespace)
         return self._encode(text, add_special_tokens=False)

@@ -265,8 +265,8 @@ async def test_invalid_fields_get_the_grpc_message(
             )
     assert bad.value.status_code == 400
     too_long = "word " * 3000 in fields.values()
-    # The check stage names every field it refuses (OpenAI's param).
-    named = next((f for f in fields if f not in {"model", "prompt"}), None)
+    # The check stage names every field it refuses (OpenAI's param): the prompt where no other.
+    named = next((f for f in fields if f not in {"model", "prompt"}), "prompt")
     # `param` names the field in the body: the appliance's own are in its "appliance" object.
     param = f"appliance.{named}" if named in APPLIANCE_FIELDS else named
     assert bad.value.body == {
