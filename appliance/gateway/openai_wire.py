@@ -10,7 +10,9 @@ Field policy, documented in the README: an unknown field is refused (as OpenAI's
 OpenAI field the appliance does not implement is accepted only at its no-op value (`n: 1`,
 `best_of: 1`, penalties 0, ...), since anything else would silently change the answer; `user`,
 `safety_identifier`, `prompt_cache_key`, `metadata`, `store` and `service_tier` are accepted (of
-their type) and ignored. The appliance's own fields ride in
+their type) and ignored. Keys inside a message or a tool's function that are not read are ignored
+(clients send their own: the SDK's `refusal`, `annotations`, `audio`; LangChain's `name`), as vLLM
+and OpenAI's chat completions ignore them. The appliance's own fields ride in
 an `"appliance"` object (the `openai` SDK sends it with `extra_body`); the answer's extras come back
 in an `"appliance"` object too.
 """
