@@ -367,7 +367,12 @@ async def hit_path(
         text=text,
         limits=LIMITS,
         # A hit never reaches the backend; the check stage reads only what it can do.
-        backend=cast(Backend, SimpleNamespace(speculation=NO_SPECULATION, max_top_logprobs=0)),
+        backend=cast(
+            Backend,
+            SimpleNamespace(
+                speculation=NO_SPECULATION, max_top_logprobs=0, guided=False, unserved={}
+            ),
+        ),
         identity=identity_of(text, tokenizer_dir, fingerprint),
         policy=ModelPolicy(default_deadline_s=30.0, ttft_budget_s=None, fallback=None),
         health=ModelHealth(CircuitBreaker(5, 5.0)),

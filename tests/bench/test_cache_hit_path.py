@@ -1,0 +1,25 @@
+"""bench.cache's in-process hit path (h) runs the gateway's own Python for an L1 hit: it must keep
+working as the check stage reads more of the backend."""
+
+from __future__ import annotations
+
+import argparse
+
+from appliance.text.tokenizer import ModelText
+from appliance.v1 import inference_pb2 as pb
+from bench.cache import hit_path
+from bench.common import MODEL
+from tests.conftest import Tiny
+
+
+async def test_the_in_process_hit_path_answers_from_l1(tiny: Tiny) -> None:
+    text = ModelText.load(tiny.tokenizer_dir)
+    request = pb.GenerateRequest(model=MODEL, prompt="a question", max_tokens=8, temperature=0)
+    hit = pb.CompleteResponse(text=" an answer", token_ids=[5, 6, 7])
+
+    out = await hit_path(
+        argparse.Namespace(iterations=3), text, tiny.tokenizer_dir, "fp", request, hit
+    )
+
+    (times,) = out.values()
+    assert len(times) == 3
