@@ -10,8 +10,9 @@ Names follow Prometheus conventions (base units, `_total` counters, `_seconds` h
 `appliance_` prefix, beside prometheus-client's `process_*` series of the gateway's process; labels:
 `model` (the served model the client asked for, `unknown` before one is known), `tier` (`miss`, or
 the name of the configured cache tier that answered: `l1`, `l2`, `semantic`, ...), `status` (gRPC
-status name), `finish_reason`. Each takes
-its values from a fixed set whatever clients send (tests/observability/test_label_bounds.py).
+status name), `finish_reason`. Each takes its values from a fixed set whatever clients send
+(tests/observability/test_label_bounds.py); `deadline` (`client` or `model`: whose deadline passed)
+only on DEADLINE_EXCEEDED outcomes, empty (no label, to Prometheus) on the others.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class GatewayMetrics:
         self.requests = Counters(
             "appliance_requests",
             "Finished requests by outcome.",
-            ("model", "tier", "status", "finish_reason", "front_end"),
+            ("model", "tier", "status", "finish_reason", "front_end", "deadline"),
         )
         self.prompt_tokens = Counters(
             "appliance_prompt_tokens", "Prompt tokens of answered requests.", ("model",)
@@ -280,14 +281,22 @@ class GpuCollector(Collector):
 
 class _Bound:
     """The series one kind of finished request writes to (model, tier, status, finish reason,
-    front end), looked up once: each is made when first written, as an unbound write would."""
+    front end, deadline), looked up once: each is made when first written, as an unbound write
+    would."""
 
     __slots__ = ("completion", "e2e", "inter_token", "prompt", "queue", "requests", "ttft")
 
     def __init__(
-        self, m: GatewayMetrics, model: str, tier: str, status: str, finish: str, front: str
+        self,
+        m: GatewayMetrics,
+        model: str,
+        tier: str,
+        status: str,
+        finish: str,
+        front: str,
+        deadline: str,
     ):
-        self.requests = m.requests.child(model, tier, status, finish, front)
+        self.requests = m.requests.child(model, tier, status, finish, front, deadline)
         self.e2e = m.e2e.child(model, tier)
         self.ttft: list[float] | None = None
         self.queue: list[float] | None = None
@@ -301,13 +310,14 @@ class MetricsSink:
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.m = metrics
-        # Bounded: models x tiers x status names x finish reasons x front ends.
-        self._bound: dict[tuple[str, str, str, str, str], _Bound] = {}
+        # Bounded: models x tiers x status names x finish reasons x front ends x deadlines.
+        self._bound: dict[tuple[str, str, str, str, str, str], _Bound] = {}
 
     def report(self, r: RequestReport) -> None:
         m = self.m
         model = r.model
-        key = (model, r.tier, r.status, r.finish_reason or "none", r.front_end)
+        deadline = r.deadline if r.status == "DEADLINE_EXCEEDED" else ""
+        key = (model, r.tier, r.status, r.finish_reason or "none", r.front_end, deadline)
         s = self._bound.get(key)
         if s is None:
             s = self._bound[key] = _Bound(m, *key)

@@ -254,7 +254,11 @@ class Pipeline:
         received = time.monotonic_ns()
         # A request id the check would refuse (control characters, non-ASCII) is not logged.
         request_id = request.request_id if valid_request_id(request.request_id) else ""
-        report = RequestReport(request_id=request_id, front_end=front_end)
+        report = RequestReport(
+            request_id=request_id,
+            front_end=front_end,
+            deadline="model" if deadline_s is None else "client",
+        )
         grant: Grant | None = None
         routed: str | None = None
         try:

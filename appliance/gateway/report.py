@@ -46,6 +46,9 @@ class RequestReport:
     followed: bool = False
     # gRPC status name the request ended with: "OK", "INVALID_ARGUMENT", "CANCELLED", ...
     status: str = "OK"
+    # Whose deadline the request ran under: "client" (it set one) or "model" (it set none: the
+    # model's default_deadline_s). A DEADLINE_EXCEEDED at the model's is the server's failure.
+    deadline: str = ""
     # "stop", "length", "cancelled", or "" when the request failed.
     finish_reason: str = ""
     prompt_tokens: int = 0

@@ -91,7 +91,7 @@ def test_the_error_alert_counts_the_servers_failures_not_the_clients_deadlines(
 
         def ended(n: int, status: str) -> None:
             for _ in range(n):
-                sink.report(RequestReport(model="tiny", status=status))
+                sink.report(RequestReport(model="tiny", status=status, deadline="client"))
 
         for status in ("OK", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE"):
             ended(1, status)  # the series exist before the requests the rate is taken over
@@ -103,5 +103,30 @@ def test_the_error_alert_counts_the_servers_failures_not_the_clients_deadlines(
         assert prom.query(expr) == []
         ended(20, "UNAVAILABLE")
         prom.wait_value(count, 124)
+        (firing,) = prom.query(expr)
+        assert firing["metric"]["model"] == "tiny"
+
+
+def test_the_error_alert_counts_the_models_own_deadline_as_the_servers_failure(
+    tmp_path: Path,
+) -> None:
+    """Requests whose clients set no deadline and that ran out of the model's default one: the
+    engine was too slow for the model's own budget, a server-side failure."""
+    expr = _alert_expr("ApplianceErrorRatio")
+    count = 'sum(appliance_requests_total{model="tiny"})'
+    with _scraped(tmp_path) as (sink, prom):
+
+        def ended(n: int, status: str, deadline: str) -> None:
+            for _ in range(n):
+                sink.report(RequestReport(model="tiny", status=status, deadline=deadline))
+
+        ended(1, "OK", "model")
+        ended(1, "DEADLINE_EXCEEDED", "model")
+        prom.wait_value(count, 2)
+        ended(60, "OK", "model")
+        prom.wait_value(count, 62)
+        assert prom.query(expr) == []
+        ended(20, "DEADLINE_EXCEEDED", "model")
+        prom.wait_value(count, 82)
         (firing,) = prom.query(expr)
         assert firing["metric"]["model"] == "tiny"

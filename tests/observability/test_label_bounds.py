@@ -36,6 +36,7 @@ BOUNDS = {
     "status": {code.name for code in grpc.StatusCode},
     "finish_reason": {"stop", "length", "cancelled", "none"},
     "front_end": {"grpc", "http"},
+    "deadline": {"client", "model", ""},
     "reason": {"estimate", "expired"},
 }
 
