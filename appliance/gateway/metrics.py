@@ -51,6 +51,11 @@ GAP_BUCKETS = (
     0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05,
     0.075, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
+# The longest wait of a stream for its next token: decode steps up to a stall that lasts until the
+# deadline (the models' default is 120 s). 5 s is the stall bound of monitoring/alerts.yml.
+WAIT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
 
 
 class Histograms:
@@ -132,6 +137,14 @@ class GatewayMetrics:
             ("model",),
             GAP_BUCKETS,
         )
+        self.longest_wait = Histograms(
+            "appliance_longest_token_wait_seconds",
+            "Per generated stream that sent a first token, whatever its outcome: its longest wait "
+            "for the next message with tokens, or for its end after the last (a stream that "
+            "stalls waits until its deadline).",
+            ("model",),
+            WAIT_BUCKETS,
+        )
         self.e2e = Histograms(
             "appliance_request_duration_seconds",
             "From arrival at the gateway to the final message (or the error).",
@@ -181,7 +194,7 @@ class GatewayMetrics:
         self.http_connections_refused.child()  # 0 from the start, not absent until the first
         self.registry.register(
             _FamiliesCollector(
-                (self.ttft, self.inter_token, self.e2e, self.queue),
+                (self.ttft, self.inter_token, self.longest_wait, self.e2e, self.queue),
                 (
                     self.http_connections_refused,
                     self.requests,
@@ -284,7 +297,16 @@ class _Bound:
     front end, deadline), looked up once: each is made when first written, as an unbound write
     would."""
 
-    __slots__ = ("completion", "e2e", "inter_token", "prompt", "queue", "requests", "ttft")
+    __slots__ = (
+        "completion",
+        "e2e",
+        "inter_token",
+        "longest_wait",
+        "prompt",
+        "queue",
+        "requests",
+        "ttft",
+    )
 
     def __init__(
         self,
@@ -298,6 +320,7 @@ class _Bound:
     ):
         self.requests = m.requests.child(model, tier, status, finish, front, deadline)
         self.e2e = m.e2e.child(model, tier)
+        self.longest_wait: list[float] | None = None
         self.ttft: list[float] | None = None
         self.queue: list[float] | None = None
         self.inter_token: list[float] | None = None
@@ -323,6 +346,10 @@ class MetricsSink:
             s = self._bound[key] = _Bound(m, *key)
         s.requests[0] += 1
         m.e2e.observe(s.e2e, r.total_us / 1e6)
+        if r.ttft_us and r.tier == "miss":
+            if s.longest_wait is None:
+                s.longest_wait = m.longest_wait.child(model)
+            m.longest_wait.observe(s.longest_wait, longest_wait_us(r) / 1e6)
         if r.status != "OK":
             return
         if r.ttft_us:
@@ -354,6 +381,14 @@ class MetricsSink:
             drafter = (r.answered_by or model,)
             m.draft_tokens.inc(drafter, r.draft_tokens)
             m.accepted_draft_tokens.inc(drafter, r.accepted_draft_tokens)
+
+
+def longest_wait_us(r: RequestReport) -> int:
+    """The longest wait of a stream that sent a first token: between two messages with tokens, or
+    from the last one to the request's end (the final message, the error, the deadline)."""
+    gaps = r.inter_token_us
+    after_last = r.total_us - r.ttft_us - sum(gaps)
+    return max(after_last, max(gaps, default=0), 0)
 
 
 class _FamiliesCollector(Collector):

@@ -21,7 +21,7 @@ MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 @pytest.mark.parametrize(
     ("command", "expected"),
     [
-        (["check", "rules", "alerts.yml"], "7 rules found"),
+        (["check", "rules", "alerts.yml"], "8 rules found"),
         (["test", "rules", "alerts_test.yml"], "SUCCESS"),
     ],
 )
@@ -128,5 +128,43 @@ def test_the_error_alert_counts_the_models_own_deadline_as_the_servers_failure(
         assert prom.query(expr) == []
         ended(20, "DEADLINE_EXCEEDED", "model")
         prom.wait_value(count, 82)
+        (firing,) = prom.query(expr)
+        assert firing["metric"]["model"] == "tiny"
+
+
+def test_the_stall_alert_fires_on_streams_that_stop_after_their_first_token(
+    tmp_path: Path,
+) -> None:
+    """A generation that sends its first token and then nothing until the deadline: its gaps
+    between tokens are none, its wait after the last token is the stall. Streams whose tokens
+    keep coming raise nothing, whatever their status."""
+    expr = _alert_expr("ApplianceGenerationStalls")
+    count = 'sum(appliance_longest_token_wait_seconds_count{model="tiny"})'
+    with _scraped(tmp_path) as (sink, prom):
+
+        def streamed(n: int, status: str, gaps_s: list[float], tail_s: float) -> None:
+            gaps = [int(g * 1e6) for g in gaps_s]
+            for _ in range(n):
+                ttft = 200_000
+                sink.report(
+                    RequestReport(
+                        model="tiny",
+                        status=status,
+                        finish_reason="stop" if status == "OK" else "",
+                        deadline="model",
+                        ttft_us=ttft,
+                        inter_token_us=gaps,
+                        total_us=ttft + sum(gaps) + int(tail_s * 1e6),
+                    )
+                )
+
+        streamed(1, "OK", [0.02] * 10, 0.001)
+        prom.wait_value(count, 1)
+        streamed(100, "OK", [0.02] * 50 + [1.5], 0.001)
+        streamed(10, "CANCELLED", [0.02] * 5, 0.3)
+        prom.wait_value(count, 111)
+        assert prom.query(expr) == []
+        streamed(5, "DEADLINE_EXCEEDED", [], 119.8)  # one token, then nothing until the deadline
+        prom.wait_value(count, 116)
         (firing,) = prom.query(expr)
         assert firing["metric"]["model"] == "tiny"
