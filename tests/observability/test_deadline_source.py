@@ -84,7 +84,7 @@ async def test_a_stream_stalled_after_its_first_token_shows_as_a_long_wait(
             tiny.tokenizer_dir,
             proc.address,
             metrics=MetricsConfig(listen="127.0.0.1:0"),
-            default_deadline_s=1.0,
+            default_deadline_s=3.0,  # far longer than any gap between tokens
             ready_timeout_s=60.0,
         )
         reports = Reports()
