@@ -36,7 +36,7 @@ from appliance.backends.stream_socket import (
 from appliance.backends.triton import TritonBackend
 from appliance.client import generate
 from appliance.config import ConfigError, load_config
-from appliance.engine.server import MAX_REQUEST_BYTES
+from appliance.grpc_limits import MAX_REQUEST_BYTES
 from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc

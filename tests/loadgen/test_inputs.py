@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from appliance import cli
+from appliance.grpc_limits import MAX_REQUEST_BYTES
 from appliance.loadgen.options import Lengths, parse_lengths
 from appliance.loadgen.workload import (
     MAX_PROMPT_BYTES,
-    MAX_REQUEST_BYTES,
     MAX_SYNTHETIC_WORDS,
     WORDS,
     Workload,
