@@ -307,6 +307,12 @@ def _messages(data: dict[str, Any], tools: ToolPlan | None, req: IncomingRequest
         turns.append(
             tool_calls.turn(ROLE_ALIASES.get(role, role), content, _past_calls(m, i), call_id, i)
         )
+        if m.get("content") is None and role != "assistant":
+            # OpenAI's schema: only an assistant message (one that calls tools) may leave it out;
+            # read as empty, a misspelt key would be a silent empty turn.
+            raise invalid(
+                f"messages[{i}].content is required in a {role} message", f"messages[{i}].content"
+            )
     if tools is None and not tool_calls.has_tool_parts(turns):
         req.messages = [(t.role, t.content) for t in turns]
         return

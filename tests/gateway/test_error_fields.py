@@ -35,6 +35,25 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
             "messages[1].role",
             "messages[1].role is 'robot'",
         ),
+        # Only an assistant message may leave its content out: a misspelt key is not an empty turn.
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    HI,
+                    {"role": "assistant", "content": "ok"},
+                    {"role": "user", "contnet": "x"},
+                ]
+            },
+            "messages[2].content",
+            "messages[2].content is required in a user message",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": None}, HI]},
+            "messages[0].content",
+            "messages[0].content is required in a system message",
+        ),
         # With tools the gateway writes a system message first; the index is still the body's.
         (
             "/v1/chat/completions",
