@@ -173,8 +173,7 @@ class InvalidationFeed:
         while True:
             try:
                 if position is None:
-                    last: Any = await client.xrevrange(self.stream, count=1)
-                    position = last[0][0].decode() if last else "0-0"
+                    position = await self._seals.start_position(client)
                     if lost:
                         self._clear("it hears redis again")
                         lost = False

@@ -58,7 +58,7 @@ from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encod
 from appliance.cache.keys import cache_key
 from appliance.cache.l2 import RedisTier, StreamClient
 from appliance.cache.paraphrase import Rule
-from appliance.cache.sealed_stream import SealedStream
+from appliance.cache.sealed_stream import SealedStream, redis_ms
 from appliance.cache.series import Described, Series
 from appliance.cache.tiers import CacheQuery, CacheTier, Hit, TierContext
 from appliance.cache.vectors import Entry, VectorIndex
@@ -492,11 +492,16 @@ class SemanticTier(CacheTier):
         # writes to Redis cannot plant an answer.
         name = self.l2.redis_key(query.namespace, query.model.name, b"") + MARK + query.key.hex()
         record = self.l2.seal(name, encode_record(entry, vector, time.time()))
+        at = await self.l2._call("TIME", redis_ms(self.l2.client))
+        if at is None:
+            self.counts.store_failures += 1
+            return
         pipe = self.l2.client.pipeline(transaction=False)
         pipe.set(name, record, ex=max(1, int(self.settings.ttl_s)))
         pipe.xadd(
             self._stream,
-            self._seals.seal({"k": name, "v": record}),  # type: ignore[arg-type]
+            self._seals.seal({"k": name, "v": record}, at),  # type: ignore[arg-type]
+            id=f"{at}-*",
             maxlen=self.settings.stream_max_len,
             approximate=True,
         )
@@ -566,8 +571,8 @@ class SemanticTier(CacheTier):
         """Scans every record into the index; returns the stream position to follow from."""
         assert self._client is not None and self.l2 is not None
         started = time.monotonic()
-        last: Any = await self._client.xrevrange(self._stream, count=1)
-        position: str = last[0][0].decode() if last else "0-0"
+        assert self._seals is not None
+        position = await self._seals.start_position(self._client)
         self.index.clear()
         added = 0
         batch: list[bytes] = []

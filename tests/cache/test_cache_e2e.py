@@ -604,6 +604,38 @@ async def test_invalidations_without_the_gateways_mac_are_dropped_counted_and_sa
     assert "it carries no tag" in line and "mac_key_file" in line
 
 
+async def test_a_gateway_started_after_a_message_refuses_its_replay(
+    redis_server: RedisServer,
+) -> None:
+    """A gateway that starts has heard none of the messages before it: a copy of one appended
+    again (at once, or after the stream was deleted, under its own id) is refused and counted,
+    not applied; the messages sent after it started apply."""
+    settings = feed_settings(redis_server)
+    client = redis_server.client()
+    publisher = InvalidationFeed(settings, recorder([]))
+    applied: list[str] = []
+    restarted = InvalidationFeed(settings, recorder(applied))
+    try:
+        await publisher.start()
+        await publisher.publish("replayed", "", None)
+        stored: Any = client.xrange(publisher.stream)
+        ((message_id, fields),) = stored
+        await restarted.start()
+        client.xadd(publisher.stream, fields)
+        await until_async(
+            lambda: applied or restarted.counters()["l1_feed_refused_messages"], "not read"
+        )
+        client.delete(publisher.stream)
+        client.xadd(publisher.stream, fields, id=message_id)
+        await publisher.publish("after", "", None)
+        await until_async(lambda: "after" in applied, lambda: f"applied {applied}", 20.0)
+    finally:
+        await publisher.close()
+        await restarted.close()
+    assert applied == ["after"]
+    assert restarted.counters()["l1_feed_refused_messages"] == 1
+
+
 async def test_a_feed_without_a_mac_key_applies_sealed_and_unsealed_messages(
     redis_server: RedisServer,
 ) -> None:
