@@ -5,6 +5,18 @@ is a miss (counted), a breaker stops calling a Redis that keeps failing and prob
 the connection pool reconnects on its own. Keys are `PREFIX:NAMESPACE:MODEL:HEX` so a namespace or
 model can be invalidated with SCAN + UNLINK.
 
+Generations: whatever can write to Redis could keep a sealed entry and SET it back after an
+invalidation unlinked it. So an invalidation first raises a generation, a counter under a key of
+its scope (`PREFIX:gen` for everything, `PREFIX:gen-ns-NS`, `PREFIX:gen-model-MODEL`,
+`PREFIX:gen-pair-LEN-NS-MODEL`, `PREFIX:gen-entry-HEX` for one entry; never matched by an
+invalidation's SCAN), and an entry's sealed body starts with the five generations of its scopes
+as its writer read them just before storing it. A lookup reads the entry and the five in one MGET
+(one round trip) and serves the entry only when none of its generations is below Redis's or
+below the highest this gateway has seen (up to GEN_MEMORY scopes): set back after an
+invalidation, it is a counted miss (`l2_invalidated_entries`). A gateway that started after an
+invalidation knows only what Redis holds: whatever can write to Redis can set both the entry and
+its generation back for it.
+
 With Sentinels configured, the tier asks them which server is the primary of `sentinel_service`
 before each new connection: when the primary dies, calls fail (misses; the breaker opens) until the
 Sentinels have promoted a replica, and the next probe connects to the new primary, with no restart.
@@ -17,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import struct
 from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -44,6 +57,13 @@ log = logging.getLogger(__name__)
 # Writes Redis refuses, and entries whose tag does not verify, are each logged once per this many
 # seconds (every one is counted).
 QUIET_LOG_S = 60.0
+# An entry's body starts with its layout (an entry of a release before generations starts with
+# entry.VERSION, 1) and the generations of its five scopes (all, namespace, model, both, the
+# entry) as its writer read them.
+_GENS = struct.Struct(">B5Q")
+_LAYOUT = 2
+# Scopes whose highest generation seen a gateway remembers (the oldest are forgotten past this).
+GEN_MEMORY = 100_000
 
 
 @dataclass(frozen=True)
@@ -85,6 +105,9 @@ class RedisCounters:
     # Entries whose authentication tag did not verify (written by something that is not a gateway
     # of this appliance, or damaged): misses, never answers.
     l2_forged_entries: int = 0
+    # Entries stored before an invalidation that covers them (set back by something that is not
+    # a gateway, or stored by an answer that was under way during the invalidation).
+    l2_invalidated_entries: int = 0
     breaker_opened: int = 0
     write_failures: int = 0
 
@@ -110,6 +133,10 @@ class RedisTier(CacheTier):
             "Redis entries whose MAC did not match (refused, treated as misses).",
             metric="appliance_redis_forged_entries",
         ),
+        "l2_invalidated_entries": Series(
+            "Redis entries stored before an invalidation that covers them (refused, misses).",
+            metric="appliance_redis_invalidated_entries",
+        ),
         "breaker_opened": Series(
             "Times the Redis breaker opened.", metric="appliance_redis_breaker_opened"
         ),
@@ -127,6 +154,8 @@ class RedisTier(CacheTier):
         self.settings = settings
         self.metrics = RedisCounters()
         self._sealer = Sealer(settings.mac_key)
+        # The highest generation seen of each scope (by its key), when above 0; oldest first.
+        self._gens: dict[str, int] = {}
         self._writes: set[asyncio.Task[None]] = set()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._budget = settings.timeout_ms / 1000.0
@@ -162,6 +191,35 @@ class RedisTier(CacheTier):
     def redis_key(self, namespace: str, model: str, key: bytes) -> str:
         s = self.settings
         return f"{s.key_prefix}:{_key_part(namespace)}:{_key_part(model)}:{key.hex()}"
+
+    def generation_keys(self, namespace: str, model: str, key: bytes) -> list[str]:
+        """The generation keys of an entry's five scopes: everything, its namespace, its model,
+        both, the entry. One colon each: no invalidation's SCAN pattern matches them."""
+        p, ns, m = self.settings.key_prefix, _key_part(namespace), _key_part(model)
+        return [
+            f"{p}:gen",
+            f"{p}:gen-ns-{ns}",
+            f"{p}:gen-model-{m}",
+            f"{p}:gen-pair-{len(ns)}-{ns}-{m}",
+            f"{p}:gen-entry-{key.hex()}",
+        ]
+
+    def _known(self, names: list[str], values: list[Any]) -> list[int]:
+        """The generation of each scope: the higher of Redis's value and the highest seen here
+        (remembered). ValueError: a value that is not a generation."""
+        known = []
+        for name, value in zip(names, values, strict=True):
+            found = 0 if value is None else int(value)
+            if not 0 <= found < 2**63:
+                raise ValueError(f"generation {found} out of range")
+            seen = self._gens.get(name, 0)
+            if found > seen:
+                self._gens.pop(name, None)
+                self._gens[name] = seen = found
+                if len(self._gens) > GEN_MEMORY:
+                    del self._gens[next(iter(self._gens))]
+            known.append(seen)
+        return known
 
     async def _call(self, what: str, command: Awaitable[Any], write: bool = False) -> Any:
         """Runs one Redis command within the time budget; None on any fault (counted). `write`:
@@ -309,7 +367,13 @@ class RedisTier(CacheTier):
 
     async def _read(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
         name = self.redis_key(namespace, model, key)
-        data = await self._run("GET", self.client.get(name))
+        gens = self.generation_keys(namespace, model, key)
+        data, *found = await self._run("MGET", self.client.mget([name, *gens]))
+        try:
+            known = self._known(gens, found)
+        except ValueError:
+            self.metrics.l2_corrupt_entries += 1
+            return None
         if not isinstance(data, bytes):
             return None
         body = self.open(name, data)
@@ -320,15 +384,30 @@ class RedisTier(CacheTier):
                 "this redis, give them all the same [cache.redis] mac_key_file secret"
             )
             return None
+        if len(body) < _GENS.size or body[0] != _LAYOUT:
+            self.metrics.l2_corrupt_entries += 1
+            return None
+        if any(g < k for g, k in zip(_GENS.unpack_from(body)[1:], known, strict=True)):
+            self.metrics.l2_invalidated_entries += 1
+            return None
         try:
-            return decode(body)
+            return decode(body[_GENS.size :])
         except CorruptEntryError:
             self.metrics.l2_corrupt_entries += 1
             return None
 
     async def put(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> bool:
         name = self.redis_key(namespace, model, key)
-        value = self.seal(name, encode(answer))
+        gens = self.generation_keys(namespace, model, key)
+        found = await self._call("MGET", self.client.mget(gens))
+        if found is None:
+            return False
+        try:
+            known = self._known(gens, found)
+        except ValueError:
+            self.metrics.l2_corrupt_entries += 1
+            return False
+        value = self.seal(name, _GENS.pack(_LAYOUT, *known) + encode(answer))
         done = await self._call(
             "SET", self.client.set(name, value, ex=self.settings.ttl_s), write=True
         )
@@ -339,7 +418,18 @@ class RedisTier(CacheTier):
         key's answer and the semantic record of the same key (its name ends in the same hex).
         Each SCAN page and its UNLINK is one command within the time budget, as a lookup is:
         TierUnavailable says why when Redis is not asked (breaker open), does not answer in time
-        or fails; the keys unlinked before stay unlinked."""
+        or fails; the keys unlinked before stay unlinked. First raises the generation of the
+        invalidation's scope: the entries stored before it are refused even where Redis keeps
+        them."""
+        scope = 4 if entry is not None else (2 if namespace else 0) + (1 if model else 0)
+        gen = self.generation_keys(namespace, model, entry or b"")[(0, 2, 1, 3, 4)[scope]]
+        current = await self._run("GET", self.client.get(gen))
+        try:
+            raised = self._known([gen], [current])[0] + 1
+        except ValueError:  # not a generation: overwritten
+            raised = self._gens.get(gen, 0) + 1
+        await self._run("SET", self.client.set(gen, str(raised)))
+        self._known([gen], [raised])
         ns = _key_part(namespace) if namespace else "*"
         m = _key_part(model) if model else "*"
         last = "*" if entry is None else f"*{entry.hex()}"
