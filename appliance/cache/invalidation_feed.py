@@ -93,6 +93,9 @@ class InvalidationFeed:
         # start() returned first: the gateway listens, and L1 may take answers whose invalidations
         # come before the position the follower's first read will find.
         self._listening = False
+        # close() began: a read that ignored its cancellation ends when close() shuts the client
+        # under it, which is not Redis lost.
+        self._closing = False
         self.counts = _Counters()
 
     async def publish(self, namespace: str, model: str, entry: bytes | None) -> None:
@@ -125,6 +128,7 @@ class InvalidationFeed:
         }
 
     async def close(self) -> None:
+        self._closing = True
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.wait({self._follower}, timeout=1.0)
@@ -188,6 +192,8 @@ class InvalidationFeed:
                     if messages:
                         position = self._batch(messages)
             except Exception as exc:  # Redis's faults, and any other: the follower never dies
+                if self._closing:
+                    return
                 self._first_try.set()
                 self.following = False
                 position = None

@@ -215,6 +215,9 @@ class SemanticTier(CacheTier):
         self._embedding: dict[str, _Embedding] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._follower: asyncio.Task[None] | None = None
+        # close() began: a read that ignored its cancellation ends when close() shuts the client
+        # under it, which is not Redis lost.
+        self._closing = False
         self._synced_at: float | None = None if l2 is not None else float("inf")
         self._stale_s = 4 * settings.follow_block_ms / 1000
         self.last_rebuild: tuple[int, float] | None = None  # (entries, seconds)
@@ -406,6 +409,7 @@ class SemanticTier(CacheTier):
 
     async def close(self) -> None:
         # Every wait is bounded: a stop must not hang on a Redis read that ignores cancellation.
+        self._closing = True
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.wait({self._follower}, timeout=1.0)
@@ -624,6 +628,8 @@ class SemanticTier(CacheTier):
                         self._message(message_id, fields)
                         position = message_id.decode()
             except (RedisError, OSError, TimeoutError) as exc:
+                if self._closing:
+                    return
                 self._synced_at = None
                 position = None
                 self.counts.follower_errors += 1
