@@ -135,8 +135,15 @@ async def test_redis_refusing_the_credentials_is_logged_once_with_what_to_fix(
     server = RedisServer(tmp_path)
     server.start()
     server.client().config_set("requirepass", "the-real-password")
+    # A budget far above connect + AUTH on a busy runner: the refusal, not a timeout, is counted.
     tier = RedisTier(
-        RedisSettings(url=server.url, password=password, breaker_failures=3, mac_key=MAC_KEY)
+        RedisSettings(
+            url=server.url,
+            password=password,
+            breaker_failures=3,
+            mac_key=MAC_KEY,
+            timeout_ms=5000.0,
+        )
     )
     try:
         with caplog.at_level(logging.WARNING, logger="appliance.cache.l2"):
