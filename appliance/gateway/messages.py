@@ -162,22 +162,29 @@ def tool_call(call: tool_calls.ToolCall) -> pb.ToolCall:
 
 
 def final(f: Final) -> pb.GenerateResponse:
-    message = pb.GenerateResponse(
-        request_id=f.request_id,
-        final=pb.Final(
-            finish_reason=FINISH[f.finish_reason],
-            usage=pb.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens),
-            timings=pb.Timings(queue_us=f.queue_us, ttft_us=f.ttft_us, total_us=f.total_us),
-            cache_tier=TIERS.get(f.tier, pb.CACHE_TIER_OTHER),
-            cache_tier_name=f.tier,
-            model=f.model,
-            degraded=f.degraded,
-            similarity=f.similarity or 0.0,
-            cache_entry=f.cache_entry,
-            draft_tokens=f.draft_tokens,
-            accepted_draft_tokens=f.accepted_draft_tokens,
-        ),
-    )
-    if f.tool_call is not None:
-        message.final.tool_call.CopyFrom(tool_call(f.tool_call))
+    message = pb.GenerateResponse(request_id=f.request_id)
+    fill_final(message.final, f)
     return message
+
+
+def fill_final(out: pb.Final, f: Final) -> None:
+    """The Final written into an empty message's `final` in place: its fields set one by one
+    cost a third of building a message and copying it in."""
+    out.finish_reason = FINISH[f.finish_reason]
+    usage = out.usage
+    usage.prompt_tokens = f.prompt_tokens
+    usage.completion_tokens = f.completion_tokens
+    timings = out.timings
+    timings.queue_us = f.queue_us
+    timings.ttft_us = f.ttft_us
+    timings.total_us = f.total_us
+    out.cache_tier = TIERS.get(f.tier, pb.CACHE_TIER_OTHER)
+    out.cache_tier_name = f.tier
+    out.model = f.model
+    out.degraded = f.degraded
+    out.similarity = f.similarity or 0.0
+    out.cache_entry = f.cache_entry
+    out.draft_tokens = f.draft_tokens
+    out.accepted_draft_tokens = f.accepted_draft_tokens
+    if f.tool_call is not None:
+        out.tool_call.CopyFrom(tool_call(f.tool_call))

@@ -129,7 +129,7 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
                     if part.logprobs is not None:
                         messages.add_logprobs(reply.logprobs, part)
                 else:
-                    reply.final.CopyFrom(messages.final(part).final)
+                    messages.fill_final(reply.final, part)
         except RequestError as exc:
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
