@@ -391,8 +391,9 @@ async def hit_path(
     devnull = open(os.devnull, "w")  # noqa: SIM115 (closed below)
     line = logging.StreamHandler(devnull)
     line.setFormatter(OneLineFormatter(FORMAT))
-    saved = access.handlers
-    access.handlers = [line]
+    saved = access.handlers, access.level, access.propagate
+    # The access line is written whatever logging the caller set up (a test sets none).
+    access.handlers, access.level, access.propagate = [line], logging.INFO, False
     try:
         checked = check(request_of(request), LIMITS)
         key = cache_key(
@@ -418,7 +419,7 @@ async def hit_path(
         return {"(h) InferenceService.Complete of an L1 hit in-process (no gRPC)": out}
     finally:
         gc.unfreeze()
-        access.handlers = saved
+        access.handlers, access.level, access.propagate = saved
         devnull.close()
         pipeline.close()
 
