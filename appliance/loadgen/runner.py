@@ -362,8 +362,13 @@ class LoadRunner:
     def _key_refused(self, exc: grpc.aio.AioRpcError) -> str:
         """What the deployment said of the API key, and where the key came from."""
         target = self.settings.target
-        whose = f"the API key of {target.key_source}" if target.key_source else "no API key"
-        return f"{target.address}: {whose} was refused: {exc.code().name}: {exc.details()}"
+        said = f"{exc.code().name}: {exc.details()}"
+        if target.key_source is None:
+            return (
+                f"{target.address}: a request without an API key was refused: {said} (give one "
+                "with --api-key-file or $APPLIANCE_API_KEY)"
+            )
+        return f"{target.address}: the API key of {target.key_source} was refused: {said}"
 
     def _count_unavailable(self, exc: grpc.aio.AioRpcError) -> None:
         """Answers that were all UNAVAILABLE for UNAVAILABLE_FOR_S, UNAVAILABLE_RUN of them at
