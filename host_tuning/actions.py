@@ -62,6 +62,10 @@ def _forget_earlier_boot(ctx: Context, st: state_mod.State) -> set[str]:
     the values are no prior state of anything now. Files under /etc survived and stay.
     """
     if not state_mod.from_earlier_boot(ctx.root, st):
+        if st.boot_id is None and (st.entries or st.managed):
+            # An earlier host-tune's file, written in this boot: it is this boot's from now on
+            # (apply saves it even when nothing else changes).
+            st.boot_id = state_mod.boot_id(ctx.root)
         return set()
     stale = set()
     for key, entry in list(st.entries.items()):

@@ -28,6 +28,7 @@ from host_tuning.rootfs import Root
 STATE_DIR = "/var/lib/host-tune"
 STATE_FILE = f"{STATE_DIR}/state.json"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+PROC_STAT = "/proc/stat"  # its btime line: when this boot began, in seconds since the epoch
 
 
 class StateError(ValueError):
@@ -119,14 +120,28 @@ def boot_id(root: Root) -> str | None:
     return root.read_value(BOOT_ID) or None
 
 
+def booted_at(root: Root) -> float | None:
+    """When this boot began (``btime``), or None where the kernel does not say."""
+    for line in (root.read(PROC_STAT) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == "btime" and value.strip().isdigit():
+            return float(value)
+    return None
+
+
 def from_earlier_boot(root: Root, state: State) -> bool:
     """True when the runtime values in ``state`` were saved before the last reboot.
 
-    A state file without a boot id (written by an earlier host-tune) counts as this boot's: the
-    next save records the boot id, and the reboot after it is recognised.
+    A state file without a boot id (written by an earlier host-tune) is of an earlier boot when
+    it was last written before this boot began; otherwise it is this boot's, and the caller
+    records the boot id in it (``actions``), so the reboot after it is recognised.
     """
+    if state.boot_id is None:
+        began = booted_at(root)
+        written = root.path(STATE_FILE)
+        return began is not None and written.exists() and written.stat().st_mtime < began
     now = boot_id(root)
-    return state.boot_id is not None and now is not None and state.boot_id != now
+    return now is not None and state.boot_id != now
 
 
 #: The signals that stop apply and revert (systemd's stop, a closed terminal, Ctrl-C).

@@ -184,3 +184,42 @@ def test_exit_codes_are_one_list_in_help_and_docs(capsys: pytest.CaptureFixture[
     assert rows == EXIT_CODES
     for code, meaning in EXIT_CODES.items():
         assert f"  {code} {meaning}\n" in text
+
+
+def _strip_boot_id(m: Machine) -> Path:
+    """The state file as a host-tune before boot ids wrote it."""
+    path = m.root / STATE_FILE.lstrip("/")
+    state = json.loads(path.read_text())
+    del state["boot_id"]
+    path.write_text(json.dumps(state))
+    return path
+
+
+def test_a_state_file_of_an_older_host_tune_gets_this_boots_id_at_the_next_apply(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(box.root)
+    args = ["apply", "--root", root, "--profile", str(write_profile(""))]
+    assert main(args) == 0
+    path = _strip_boot_id(box)
+    (box.root / "proc/stat").write_text(f"cpu  1 2 3\nbtime {int(path.stat().st_mtime) - 60}\n")
+    assert main(args) == 0  # nothing to change: the boot id is recorded all the same
+    assert "boot_id" in json.loads(path.read_text())
+    reboot(box)
+    assert main(args) == 0
+    capsys.readouterr()
+    assert saved(box)["sysctl vm.swappiness"] == "30\n"
+
+
+def test_a_state_file_of_an_older_host_tune_written_before_this_boot_is_stale(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(box.root)
+    args = ["apply", "--root", root, "--profile", str(write_profile(""))]
+    assert main(args) == 0
+    path = _strip_boot_id(box)
+    reboot(box)
+    (box.root / "proc/stat").write_text(f"cpu  1 2 3\nbtime {int(path.stat().st_mtime) + 60}\n")
+    assert main(args) == 0
+    capsys.readouterr()
+    assert saved(box)["sysctl vm.swappiness"] == "30\n"
