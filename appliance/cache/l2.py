@@ -30,7 +30,7 @@ import contextlib
 import logging
 import re
 import struct
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -64,6 +64,26 @@ _GENS = struct.Struct(">B5Q")
 _LAYOUT = 2
 # Scopes whose highest generation seen a gateway remembers (the oldest are forgotten past this).
 GEN_MEMORY = 100_000
+
+
+def stamp(known: Sequence[int]) -> bytes:
+    """The head of a sealed body: its layout and the generations of its five scopes (those
+    generation_keys names) as its writer read them just before storing it."""
+    return _GENS.pack(_LAYOUT, *known)
+
+
+def stamped(body: bytes) -> tuple[tuple[int, ...], bytes] | None:
+    """The generations a sealed body's writer read and the rest of it; None for a body of
+    another layout (one stored by a release before generations)."""
+    if len(body) < _GENS.size or body[0] != _LAYOUT:
+        return None
+    return _GENS.unpack_from(body)[1:], body[_GENS.size :]
+
+
+def superseded(written: Sequence[int], known: Sequence[int]) -> bool:
+    """Whether an invalidation raised a generation of a body's scopes after its writer read
+    them."""
+    return any(w < k for w, k in zip(written, known, strict=True))
 
 
 @dataclass(frozen=True)
@@ -204,7 +224,7 @@ class RedisTier(CacheTier):
             f"{p}:gen-entry-{key.hex()}",
         ]
 
-    def _known(self, names: list[str], values: list[Any]) -> list[int]:
+    def known(self, names: list[str], values: list[Any]) -> list[int]:
         """The generation of each scope: the higher of Redis's value and the highest seen here
         (remembered). ValueError: a value that is not a generation."""
         known = []
@@ -370,7 +390,7 @@ class RedisTier(CacheTier):
         gens = self.generation_keys(namespace, model, key)
         data, *found = await self._run("MGET", self.client.mget([name, *gens]))
         try:
-            known = self._known(gens, found)
+            known = self.known(gens, found)
         except ValueError:
             self.metrics.l2_corrupt_entries += 1
             return None
@@ -384,34 +404,43 @@ class RedisTier(CacheTier):
                 "this redis, give them all the same [cache.redis] mac_key_file secret"
             )
             return None
-        if len(body) < _GENS.size or body[0] != _LAYOUT:
+        found_gens = stamped(body)
+        if found_gens is None:
             self.metrics.l2_corrupt_entries += 1
             return None
-        if any(g < k for g, k in zip(_GENS.unpack_from(body)[1:], known, strict=True)):
+        written, rest = found_gens
+        if superseded(written, known):
             self.metrics.l2_invalidated_entries += 1
             return None
         try:
-            return decode(body[_GENS.size :])
+            return decode(rest)
         except CorruptEntryError:
             self.metrics.l2_corrupt_entries += 1
             return None
 
     async def put(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> bool:
         name = self.redis_key(namespace, model, key)
-        gens = self.generation_keys(namespace, model, key)
-        found = await self._call("MGET", self.client.mget(gens))
-        if found is None:
+        known = await self.generations(namespace, model, key)
+        if known is None:
             return False
-        try:
-            known = self._known(gens, found)
-        except ValueError:
-            self.metrics.l2_corrupt_entries += 1
-            return False
-        value = self.seal(name, _GENS.pack(_LAYOUT, *known) + encode(answer))
+        value = self.seal(name, stamp(known) + encode(answer))
         done = await self._call(
             "SET", self.client.set(name, value, ex=self.settings.ttl_s), write=True
         )
         return done is True
+
+    async def generations(self, namespace: str, model: str, key: bytes) -> list[int] | None:
+        """The generations of an entry's five scopes, read just before storing it (one MGET within
+        the time budget); None on a fault (counted) or a value that is not a generation."""
+        gens = self.generation_keys(namespace, model, key)
+        found = await self._call("MGET", self.client.mget(gens))
+        if found is None:
+            return None
+        try:
+            return self.known(gens, found)
+        except ValueError:
+            self.metrics.l2_corrupt_entries += 1
+            return None
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         """UNLINKs every key of a namespace and/or model ("" matches any); `entry`: only that
@@ -425,11 +454,11 @@ class RedisTier(CacheTier):
         gen = self.generation_keys(namespace, model, entry or b"")[(0, 2, 1, 3, 4)[scope]]
         current = await self._run("GET", self.client.get(gen))
         try:
-            raised = self._known([gen], [current])[0] + 1
+            raised = self.known([gen], [current])[0] + 1
         except ValueError:  # not a generation: overwritten
             raised = self._gens.get(gen, 0) + 1
         await self._run("SET", self.client.set(gen, str(raised)))
-        self._known([gen], [raised])
+        self.known([gen], [raised])
         ns = _key_part(namespace) if namespace else "*"
         m = _key_part(model) if model else "*"
         last = "*" if entry is None else f"*{entry.hex()}"
