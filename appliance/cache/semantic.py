@@ -16,15 +16,20 @@ the gateway makes the lookup while the generation starts, and leaves the generat
 Sharing: entries persist in Redis next to the exact L2 entries (`PREFIX:NS:MODEL:sem-HEX`, so an
 L2 invalidation of a namespace or model drops them too), sealed for their key with the gateways' MAC
 key as L2's entries are (a record that fails the check is skipped and counted: whatever else writes
-to Redis cannot plant an answer), and every new entry and invalidation is appended to a stream that
-each gateway follows with a blocking XREAD; a gateway that starts, or that lost Redis and sees it
-again, rebuilds its index by scanning the entries. The stream's messages are sealed with the same key,
+to Redis cannot plant an answer). A record's seal also covers the generations of its five scopes
+as its writer read them just before storing it (l2.py): a rebuild reads the generations of the
+scopes it meets, once each, in the same MGET as each batch of records (the follower: in one MGET
+per batch of messages it hears), and skips a record that an invalidation superseded (set back
+after the invalidation unlinked it, or stored by an answer that was under way then; counted), or
+that carries no generations (a release before them: counted as corrupt). Every new entry and
+invalidation is appended to a stream that each gateway follows with a blocking XREAD; a gateway
+that starts, or that lost Redis and sees it again, rebuilds its index by scanning the entries. The stream's messages are sealed with the same key,
 and a follower drops one without a valid tag or replayed (sealed_stream.py): whatever can write to
 Redis cannot drop entries from every gateway's index, nor bring an invalidated entry back into it.
 During a rolling upgrade from a version that did not seal them (sealed_stream.py says what to do),
-the entries and invalidations of a gateway not yet upgraded do not reach the upgraded ones' index:
-such an entry comes in at its next rebuild, such an invalidated entry stays until its TTL or that
-rebuild. Lookups answer only while the follower is in step with the stream (an index that cannot
+the entries and invalidations of a gateway not yet upgraded do not reach the upgraded ones' index
+(nor do its entries at a rebuild: they carry no generations), and such an invalidated entry stays
+until its TTL or the next rebuild. Lookups answer only while the follower is in step with the stream (an index that cannot
 hear invalidations may be stale): Redis down means no semantic hits, never a failed request.
 Without Redis the tier is this gateway's alone.
 """
@@ -35,8 +40,8 @@ import asyncio
 import logging
 import struct
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import ChainMap, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -56,7 +61,7 @@ from appliance.cache.embedder import (
 )
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.keys import cache_key
-from appliance.cache.l2 import RedisTier, StreamClient
+from appliance.cache.l2 import RedisTier, StreamClient, stamp, stamped, superseded
 from appliance.cache.paraphrase import Rule
 from appliance.cache.sealed_stream import SealedStream, redis_ms
 from appliance.cache.series import Described, Series
@@ -67,10 +72,12 @@ from appliance.config import SemanticConfig
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
-# version u8, created (unix seconds) f64, scope 16 bytes, text length u32; then the float32 vector,
-# the text and the encoded answer.
+# After the generations of its scopes (l2.stamp): version u8, created (unix seconds) f64, scope
+# 16 bytes, text length u32; then the float32 vector, the text and the encoded answer.
 _RECORD = struct.Struct("<Bd16sI")
 MARK = "sem-"
+# Records read per MGET of a rebuild (with the generation keys of their scopes not read yet).
+REBUILD_BATCH = 500
 
 
 @dataclass
@@ -85,6 +92,7 @@ class _Counters:
     rebuilds: int = 0
     corrupt: int = 0
     forged: int = 0  # records no gateway sealed for their key (skipped)
+    invalidated: int = 0  # records stored before an invalidation that covers them (skipped)
     cancelled: int = 0  # embeddings prepared for lookups an earlier tier answered
 
 
@@ -98,13 +106,24 @@ class _Embedding:
     waiting: int = 0  # lookups and stores awaiting it
 
 
-def encode_record(entry: Entry, vector: Vector, created: float) -> bytes:
+def encode_record(
+    entry: Entry, vector: Vector, created: float, generations: Sequence[int] = (0,) * 5
+) -> bytes:
+    """`generations`: of the entry's five scopes, as RedisTier.generations read them (zeros: of a
+    Redis no invalidation has reached)."""
     text = entry.text.encode()
-    head = _RECORD.pack(RECORD_VERSION, created, entry.scope, len(text))
+    head = stamp(generations) + _RECORD.pack(RECORD_VERSION, created, entry.scope, len(text))
     return head + np.asarray(vector, dtype="<f4").tobytes() + text + encode(entry.answer)
 
 
-def decode_record(data: bytes, dim: int) -> tuple[float, bytes, Vector, str, CachedAnswer]:
+def decode_record(
+    body: bytes, dim: int
+) -> tuple[tuple[int, ...], float, bytes, Vector, str, CachedAnswer]:
+    """(generations, created, scope, vector, text, answer) of a record's body."""
+    found = stamped(body)
+    if found is None:
+        raise CorruptEntryError("semantic record without generations (an older release's)")
+    generations, data = found
     if len(data) < _RECORD.size:
         raise CorruptEntryError("semantic record shorter than its header")
     version, created, scope, text_len = _RECORD.unpack_from(data)
@@ -117,7 +136,7 @@ def decode_record(data: bytes, dim: int) -> tuple[float, bytes, Vector, str, Cac
         text = data[start : start + text_len].decode()
     except UnicodeDecodeError as exc:
         raise CorruptEntryError("semantic record text is not UTF-8") from exc
-    return created, scope, vector, text, decode(data[start + text_len :])
+    return generations, created, scope, vector, text, decode(data[start + text_len :])
 
 
 class SemanticTier(CacheTier):
@@ -178,6 +197,11 @@ class SemanticTier(CacheTier):
             "Semantic records no gateway sealed for their Redis key (skipped, never an answer).",
             metric="appliance_semantic_forged_records",
         ),
+        "semantic_invalidated_records": Series(
+            "Semantic records stored before an invalidation that covers them (skipped, never an "
+            "answer).",
+            metric="appliance_semantic_invalidated_records",
+        ),
         "semantic_refused_messages": Series(
             "Messages on the semantic tier's Redis stream without this gateway's MAC, or replayed "
             "(dropped).",
@@ -225,6 +249,8 @@ class SemanticTier(CacheTier):
         # hundred thousand new long-lived objects (the gateway freezes them, see server.py).
         self.on_rebuilt: Callable[[], object] = lambda: None
         self._stream = ""
+        # The generations of the scopes of the records in the stream messages being applied.
+        self._heard: dict[str, Any] = {}
         self._own: StreamClient | None = None
         self._client: redis.Redis | None = None
         self._seals: SealedStream | None = None
@@ -390,6 +416,7 @@ class SemanticTier(CacheTier):
             "semantic_rebuilds": c.rebuilds,
             "semantic_corrupt_records": c.corrupt,
             "semantic_forged_records": c.forged,
+            "semantic_invalidated_records": c.invalidated,
             "semantic_refused_messages": 0 if self._seals is None else self._seals.refused,
             "semantic_embeddings_cancelled": c.cancelled,
         }
@@ -495,7 +522,11 @@ class SemanticTier(CacheTier):
         # for that key as L2's entries are: the stream carries the same value, and whatever else
         # writes to Redis cannot plant an answer.
         name = self.l2.redis_key(query.namespace, query.model.name, b"") + MARK + query.key.hex()
-        record = self.l2.seal(name, encode_record(entry, vector, time.time()))
+        known = await self.l2.generations(query.namespace, query.model.name, query.key)
+        if known is None:
+            self.counts.store_failures += 1
+            return
+        record = self.l2.seal(name, encode_record(entry, vector, time.time(), known))
         at = await self.l2._call("TIME", redis_ms(self.l2.client))
         if at is None:
             self.counts.store_failures += 1
@@ -512,9 +543,13 @@ class SemanticTier(CacheTier):
         if await self.l2._call("semantic write", pipe.execute(), write=True) is None:
             self.counts.store_failures += 1
 
-    def _record(self, name: bytes, data: bytes) -> tuple[Entry, Vector] | None:
+    def _record(
+        self, name: bytes, data: bytes, generations: Mapping[str, Any]
+    ) -> tuple[Entry, Vector] | None:
         """The entry a Redis record read under key `name` holds, unless it is already in the
-        index, was not sealed by a gateway for that key, or is corrupt."""
+        index, was not sealed by a gateway for that key, is corrupt, or an invalidation
+        superseded it: one of its scopes has a generation above the one its writer read, in
+        `generations` (read from Redis, by key) or as the highest this gateway has seen."""
         parsed = self._parse_key(name)
         if parsed is None or parsed[0] in self.index:
             return None
@@ -525,9 +560,18 @@ class SemanticTier(CacheTier):
             self.counts.forged += 1
             return None
         try:
-            created, scope, vector, text, answer = decode_record(body, self.embedder.dim)
+            written, created, scope, vector, text, answer = decode_record(body, self.embedder.dim)
         except (CorruptEntryError, ValueError):
             self.counts.corrupt += 1
+            return None
+        scopes = self.l2.generation_keys(*labels, entry_id)
+        try:
+            known = self.l2.known(scopes, [generations.get(key) for key in scopes])
+        except ValueError:  # not a generation: overwritten
+            self.counts.corrupt += 1
+            return None
+        if superseded(written, known):
+            self.counts.invalidated += 1
             return None
         left = created + self.settings.ttl_s - time.time()
         return Entry(entry_id, scope, text, answer, labels, time.monotonic() + left), vector
@@ -555,7 +599,7 @@ class SemanticTier(CacheTier):
                 return
             self.index.invalidate(namespace, model, entry)
             return
-        record = self._record(fields.get(b"k", b""), fields.get(b"v", b""))
+        record = self._record(fields.get(b"k", b""), fields.get(b"v", b""), self._heard)
         if record is not None:
             self.index.add(*record)
 
@@ -580,14 +624,17 @@ class SemanticTier(CacheTier):
         self.index.clear()
         added = 0
         batch: list[bytes] = []
+        # The generations of the scopes shared by records (all, namespace, model, both) read so
+        # far, by key: each is read once per rebuild.
+        shared: dict[str, Any] = {}
         pattern = f"{self.l2.settings.key_prefix}:*:*:{MARK}*"
         async for name in self._client.scan_iter(match=pattern, count=1000):
             batch.append(name)
-            if len(batch) >= 500:
-                added += await self._load(batch)
+            if len(batch) >= REBUILD_BATCH:
+                added += await self._load(batch, shared)
                 batch = []
         if batch:
-            added += await self._load(batch)
+            added += await self._load(batch, shared)
         seconds = time.monotonic() - started
         self.last_rebuild = (added, seconds)
         self.counts.rebuilds += 1
@@ -595,14 +642,40 @@ class SemanticTier(CacheTier):
         self.on_rebuilt()
         return position
 
-    async def _load(self, names: list[bytes]) -> int:
-        assert self._client is not None
+    async def _load(self, names: list[bytes], shared: dict[str, Any]) -> int:
+        """Adds a batch of records, read in one MGET with the generations of their scopes that
+        are not in `shared` (there go those of the scopes records share: all but the entry's)."""
+        assert self._client is not None and self.l2 is not None
+        wanted = self._generation_keys(names, shared)
+        values = await self._client.mget([*names, *wanted])
+        read = dict(zip(wanted, values[len(names) :], strict=True))
+        own = f"{self.l2.settings.key_prefix}:gen-entry-"
+        shared.update((key, value) for key, value in read.items() if not key.startswith(own))
+        known = ChainMap(read, shared)
         records = []
-        for name, data in zip(names, await self._client.mget(names), strict=True):
-            record = self._record(name, data) if isinstance(data, bytes) else None
+        for name, data in zip(names, values, strict=False):
+            record = self._record(name, data, known) if isinstance(data, bytes) else None
             if record is not None:
                 records.append(record)
         return self.index.add_many(records)
+
+    async def _read_generations(self, names: list[bytes]) -> dict[str, Any]:
+        """The generations (by key) of the scopes of the records named, in one MGET."""
+        assert self._client is not None
+        wanted = self._generation_keys(names, {})
+        return dict(zip(wanted, await self._client.mget(wanted), strict=True)) if wanted else {}
+
+    def _generation_keys(self, names: list[bytes], skip: Mapping[str, Any]) -> list[str]:
+        """The generation keys of the scopes of the records named, each once, but those in
+        `skip`."""
+        assert self.l2 is not None
+        wanted: dict[str, None] = {}
+        for name in names:
+            parsed = self._parse_key(name)
+            if parsed is not None:
+                keys = self.l2.generation_keys(*parsed[1], parsed[0])
+                wanted.update((key, None) for key in keys if key not in skip)
+        return list(wanted)
 
     async def _follow(self) -> None:
         """Keeps the index in step with the stream; on any Redis fault, waits, then rebuilds."""
@@ -624,6 +697,11 @@ class SemanticTier(CacheTier):
                     log.info("semantic tier back in step with redis")
                     failing = False
                 for _, messages in reply or ():
+                    # Read after the messages: an invalidation appended before a record that an
+                    # answer under way during it stored has already raised its generation.
+                    self._heard = await self._read_generations(
+                        [fields.get(b"k", b"") for _, fields in messages]
+                    )
                     for message_id, fields in messages:
                         self._message(message_id, fields)
                         position = message_id.decode()

@@ -662,3 +662,90 @@ async def test_an_invalidation_a_stalled_redis_does_not_take_ends_within_its_bud
             await tier.invalidate("", "")
     finally:
         redis_server.resume()
+
+
+@pytest.mark.parametrize("scope", ["namespace", "entry"])
+async def test_a_record_set_back_after_its_invalidation_is_never_an_answer(
+    gw: Gateway,
+    tiny: Tiny,
+    engine: Engine,
+    redis_server: RedisServer,
+    embedder_dir: Path,
+    scope: str,
+) -> None:
+    """Whatever can write to Redis can copy a sealed record and SET it back after an
+    invalidation unlinked it: the record's seal covers the generations its writer read, so a
+    rebuild (this gateway's after a Redis fault, a restarted gateway's) counts and skips it, and a
+    paraphrase is not answered with the invalidated answer."""
+    first = await gw.stub.Complete(ask(QUESTION))
+    await stored(gw, 1)
+    client = redis_server.client()
+    names = await until_async(
+        lambda: redis_server.keys("*:*:*:sem-*"), "no semantic record in Redis", 10.0
+    )
+    (name,) = names
+    copy = client.get(name)
+    assert isinstance(copy, bytes)
+    if scope == "namespace":
+        await gw.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
+    else:
+        entry = first.final.cache_entry
+        await gw.admin.Invalidate(pb.InvalidateRequest(namespace="sem", entry=entry))
+    await counters_until(gw, lambda c: c["semantic_entries"] == 0)
+    assert not redis_server.keys("*:*:*:sem-*")
+    client.set(name, copy)
+    semantic = semantic_tier(gw)
+    await semantic._rebuild()
+    assert len(semantic.index) == 0
+    assert (await gw.counters())["semantic_invalidated_records"] == 1
+    restarted = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    try:
+        counters = await counters_until(restarted, lambda c: c["semantic_in_sync"] == 1)
+        assert counters["semantic_entries"] == 0
+        assert counters["semantic_invalidated_records"] == 1
+        reply = await restarted.stub.Complete(ask(PARAPHRASE))
+        assert reply.final.cache_tier == MISS
+    finally:
+        await restarted.close()
+
+
+async def test_a_record_stored_while_its_invalidation_ran_never_reaches_an_index(
+    gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
+) -> None:
+    """An answer under way during an invalidation read its generations before it and writes its
+    record (and its stream message) after: neither the followers nor a rebuild index it."""
+    other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
+    try:
+        await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
+        l2 = semantic_tier(gw).l2
+        assert l2 is not None
+        read = l2.generations
+        reached: list[bytes] = []
+        arrived = asyncio.Event()
+        release = asyncio.Event()
+
+        async def held(namespace: str, model: str, key: bytes) -> list[int] | None:
+            known = await read(namespace, model, key)
+            reached.append(key)
+            if len(reached) == 2:  # the L2 entry's and the semantic record's
+                arrived.set()
+            await release.wait()
+            return known
+
+        l2.generations = held  # type: ignore[method-assign]
+        await gw.stub.Complete(ask(QUESTION))
+        async with asyncio.timeout(10):
+            await arrived.wait()
+        await gw.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
+        release.set()
+        await until_async(
+            lambda: redis_server.keys("*:*:*:sem-*"), "no semantic record in Redis", 10.0
+        )
+        for g in (gw, other):
+            await counters_until(g, lambda c: c["semantic_invalidated_records"] == 1)
+            assert len(semantic_tier(g).index) == 0
+        await semantic_tier(other)._rebuild()
+        assert len(semantic_tier(other).index) == 0
+        assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
+    finally:
+        await other.close()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from appliance.cache.entry import CachedAnswer
+from appliance.cache.entry import CachedAnswer, CorruptEntryError
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l1 import LruCache
+from appliance.cache.l2 import stamp
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.semantic import decode_record, encode_record
 from appliance.cache.tiers import CacheQuery, CacheTier, Hit, L1Tier, TierCascade
@@ -118,9 +120,24 @@ def test_invalidate_by_namespace_and_model() -> None:
 
 def test_records_round_trip() -> None:
     e = entry(7)
-    created, scope, vector, text, answer = decode_record(encode_record(e, unit(7), 123.5), 384)
-    assert (created, scope, text, answer) == (123.5, e.scope, e.text, e.answer)
+    data = encode_record(e, unit(7), 123.5, (1, 2, 3, 4, 5))
+    gens, created, scope, vector, text, answer = decode_record(data, 384)
+    assert (gens, created, scope, text, answer) == (
+        (1, 2, 3, 4, 5),
+        123.5,
+        e.scope,
+        e.text,
+        e.answer,
+    )
     assert np.array_equal(vector, unit(7))
+
+
+def test_a_record_without_generations_is_corrupt() -> None:
+    """A release before generations wrote the record from its version byte on: refused, as L2
+    refuses such an entry, since no invalidation can be checked against it."""
+    data = encode_record(entry(7), unit(7), 123.5)
+    with pytest.raises(CorruptEntryError, match="without generations"):
+        decode_record(data[len(stamp((0,) * 5)) :], 384)
 
 
 class ParaphraseTier(CacheTier):
