@@ -13,14 +13,14 @@ import openai
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
-from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.server import EngineService
 from appliance.gateway.server import RunningGateway
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
-from tests.gateway.test_http_api import _client, _config, _gateway
+from tests.gateway.test_http_api import _client
+from tests.gateway.test_top_logprobs import gateway_before
 
 # The inputs the config leaves out, and the request field each one serves.
 LEFT_OUT = {"seed", "random_seed", "min_tokens", "min_length", "return_log_probs", "end_id"}
@@ -44,14 +44,8 @@ class WithoutInputs(EngineService):
 
 @pytest.fixture
 async def gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
-    server = grpc.aio.server()
-    ts_grpc.add_GRPCInferenceServiceServicer_to_server(WithoutInputs(engine.models), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    running = await _gateway(_config(tiny, f"127.0.0.1:{port}"))
-    yield running
-    await running.drain(0.5)
-    await server.stop(grace=None)
+    async for running in gateway_before(WithoutInputs(engine.models), tiny):
+        yield running
 
 
 @pytest.mark.parametrize("field", FIELDS)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import pydantic
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessage
 
 from appliance.gateway.server import RunningGateway
 from tests.gateway.test_http_api import _client, gateway  # noqa: F401
+from tests.gateway.test_structured_output import langchain_chat
 
 TOOL: dict[str, Any] = {
     "type": "function",
@@ -54,17 +54,8 @@ async def test_sdk_history_extras_are_accepted_and_change_nothing(
 
 async def test_langchain_history_is_accepted(gateway: RunningGateway) -> None:  # noqa: F811
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-    from langchain_openai import ChatOpenAI
 
-    assert gateway.http is not None
-    llm = ChatOpenAI(
-        model="tiny",
-        base_url=f"http://127.0.0.1:{gateway.http.port}/v1",
-        api_key=pydantic.SecretStr("unused"),
-        max_retries=0,
-        temperature=0,
-        max_completion_tokens=8,
-    )
+    llm = langchain_chat(gateway, 8)
     call = {"name": "f", "args": {}, "id": "call_1", "type": "tool_call"}
     history = [
         SystemMessage("Be brief"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import jsonschema
 import openai
@@ -25,6 +26,9 @@ from appliance.gateway.server import RunningGateway, start_server
 from engine_build.repo import write_hf_repository
 from tests.conftest import Engine, Tiny
 from tests.support import gateway_config
+
+if TYPE_CHECKING:
+    from langchain_openai import ChatOpenAI
 
 SCHEMA = {
     "type": "object",
@@ -244,18 +248,23 @@ async def test_a_guided_answer_is_cached_under_its_guide(client: openai.AsyncOpe
     jsonschema.validate(json.loads(replies[2].choices[0].message.content or ""), SCHEMA)
 
 
-async def test_langchain_structured_output_and_tools(gateway: RunningGateway) -> None:
+def langchain_chat(gateway: RunningGateway, max_tokens: int) -> ChatOpenAI:
+    """LangChain's OpenAI chat model, greedy, on the gateway's HTTP API."""
     from langchain_openai import ChatOpenAI
 
     assert gateway.http is not None
-    llm = ChatOpenAI(
+    return ChatOpenAI(
         model="tiny",
         base_url=f"http://127.0.0.1:{gateway.http.port}/v1",
         api_key=pydantic.SecretStr("unused"),
         max_retries=0,
         temperature=0,
-        max_completion_tokens=256,
+        max_completion_tokens=max_tokens,
     )
+
+
+async def test_langchain_structured_output_and_tools(gateway: RunningGateway) -> None:
+    llm = langchain_chat(gateway, 256)
     city = await llm.with_structured_output(City).ainvoke("A city?")
     assert isinstance(city, City)
     message = await llm.bind_tools([dict(WEATHER)], tool_choice="required").ainvoke("Weather?")

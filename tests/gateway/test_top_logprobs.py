@@ -187,16 +187,23 @@ class TritonLike(EngineService):
         return ts.ModelConfigResponse(config=without_alternatives(reply.config))
 
 
-@pytest.fixture
-async def triton_like_gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+async def gateway_before(service: EngineService, tiny: Tiny) -> AsyncIterator[RunningGateway]:
+    """A gateway whose backend is `service` (an engine server's servicer, changed) on its own
+    gRPC server."""
     server = grpc.aio.server()
-    ts_grpc.add_GRPCInferenceServiceServicer_to_server(TritonLike(engine.models), server)
+    ts_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     running = await _gateway(_config(tiny, f"127.0.0.1:{port}"))
     yield running
     await running.drain(0.5)
     await server.stop(grace=None)
+
+
+@pytest.fixture
+async def triton_like_gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+    async for running in gateway_before(TritonLike(engine.models), tiny):
+        yield running
 
 
 async def test_a_model_without_alternatives_refuses_them(

@@ -186,25 +186,27 @@ def test_exit_codes_are_one_list_in_help_and_docs(capsys: pytest.CaptureFixture[
         assert f"  {code} {meaning}\n" in text
 
 
-def _strip_boot_id(m: Machine) -> Path:
-    """The state file as a host-tune before boot ids wrote it."""
+def _applied_by_an_older_host_tune(m: Machine, profile: Path, btime_after_s: int) -> list[str]:
+    """Applies, then leaves the state file as a host-tune before boot ids wrote it, with this
+    boot begun `btime_after_s` after the file was written; the apply command's arguments."""
+    args = ["apply", "--root", str(m.root), "--profile", str(profile)]
+    assert main(args) == 0
     path = m.root / STATE_FILE.lstrip("/")
     state = json.loads(path.read_text())
     del state["boot_id"]
     path.write_text(json.dumps(state))
-    return path
+    (m.root / "proc/stat").write_text(
+        f"cpu  1 2 3\nbtime {int(path.stat().st_mtime) + btime_after_s}\n"
+    )
+    return args
 
 
 def test_a_state_file_of_an_older_host_tune_gets_this_boots_id_at_the_next_apply(
     box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = str(box.root)
-    args = ["apply", "--root", root, "--profile", str(write_profile(""))]
-    assert main(args) == 0
-    path = _strip_boot_id(box)
-    (box.root / "proc/stat").write_text(f"cpu  1 2 3\nbtime {int(path.stat().st_mtime) - 60}\n")
+    args = _applied_by_an_older_host_tune(box, write_profile(""), -60)
     assert main(args) == 0  # nothing to change: the boot id is recorded all the same
-    assert "boot_id" in json.loads(path.read_text())
+    assert "boot_id" in json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
     reboot(box)
     assert main(args) == 0
     capsys.readouterr()
@@ -214,12 +216,8 @@ def test_a_state_file_of_an_older_host_tune_gets_this_boots_id_at_the_next_apply
 def test_a_state_file_of_an_older_host_tune_written_before_this_boot_is_stale(
     box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = str(box.root)
-    args = ["apply", "--root", root, "--profile", str(write_profile(""))]
-    assert main(args) == 0
-    path = _strip_boot_id(box)
+    args = _applied_by_an_older_host_tune(box, write_profile(""), 60)
     reboot(box)
-    (box.root / "proc/stat").write_text(f"cpu  1 2 3\nbtime {int(path.stat().st_mtime) + 60}\n")
     assert main(args) == 0
     capsys.readouterr()
     assert saved(box)["sysctl vm.swappiness"] == "30\n"
