@@ -17,8 +17,9 @@ A client that sends its body, or reads its stream, with no progress for `client_
 off, and so is a TLS handshake that takes longer, and a connection that sends no complete request
 head within that time (aiohttp's keepalive_timeout runs from the connection's start and from each
 answer, whatever bytes arrive: a head sent a byte at a time is no progress). At most
-`max_connections` connections are held at once: one more is answered 503 (a retry hint) as it is
-accepted and closed, its request unread, and counted.
+`max_connections` connections are held at once, each counted from its accept to its end (a TLS
+one through its handshake): one more is answered 503 (a retry hint) as it is accepted (over TLS,
+once its handshake is done) and closed, its request unread, and counted.
 
 A request that changes something (any method but GET, HEAD, OPTIONS) from a web page of another
 origin is refused with 403, as Go's net/http CrossOriginProtection refuses it: when the browser's
@@ -42,8 +43,9 @@ import ssl as ssl_module
 import time
 import urllib.parse
 import zlib
+from asyncio import sslproto
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from aiohttp import web
@@ -193,7 +195,15 @@ UNPARSED_OTHER = (
 
 class OpenAIErrorHandler(RequestHandler):
     """aiohttp's connection handler, whose own answers (a request its parser refuses, a handler
-    that raised) are OpenAI's error shape without the request's bytes, not aiohttp's text."""
+    that raised) are OpenAI's error shape without the request's bytes, not aiohttp's text.
+    `ended` runs as its connection ends (None: nothing to run)."""
+
+    ended: Callable[[], None] | None = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        if self.ended is not None:
+            self.ended()
 
     def handle_error(
         self,
@@ -218,7 +228,7 @@ class OpenAIErrorHandler(RequestHandler):
 class OpenAIErrorServer(web.Server):
     """aiohttp's Server, whose connections are OpenAIErrorHandlers."""
 
-    def __call__(self) -> RequestHandler:
+    def __call__(self) -> OpenAIErrorHandler:
         return OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
@@ -233,45 +243,72 @@ class OpenAIErrorRunner(web.AppRunner):
 
 
 class RefusedConnection(asyncio.Protocol):
-    """A connection over max_connections: the refusal is written as it is accepted and its
-    sending side closed, then what the client sends is read and dropped until it closes or
-    LINGER_S passes. Closed with its request unread, the connection would be reset and the client
-    would lose the answer (the openai SDK then sees a connection error, not the 503 and its retry
-    hint). At most MAX_LINGERING linger at once; past that one is closed at once."""
+    """A connection over max_connections: the refusal is written as it is accepted (over TLS,
+    once its handshake is done), then what the client sends is read and dropped until it closes
+    or LINGER_S passes; a plaintext one's sending side is closed after the answer. Closed with
+    its request unread, the connection would be reset and the client would lose the answer (the
+    openai SDK then sees a connection error, not the 503 and its retry hint). `linger` False:
+    closed after the answer (past MAX_LINGERING). `ended` runs as its connection ends."""
 
-    def __init__(self, refusals: Refusals) -> None:
-        self._refusals = refusals
+    def __init__(self, answer: bytes, linger: bool) -> None:
+        self._answer = answer
+        self._linger = linger
         self._timer: asyncio.TimerHandle | None = None
+        self.ended: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(self._refusals.answer)
-        if self._refusals.lingering >= MAX_LINGERING or not transport.can_write_eof():
+        # uvloop's transports are no asyncio.WriteTransport subclasses (isinstance is False).
+        transport = cast(asyncio.WriteTransport, transport)
+        transport.write(self._answer)
+        if not self._linger:
             transport.close()
             return
-        self._refusals.lingering += 1
-        transport.write_eof()
+        if transport.can_write_eof():  # not over TLS: its client closes once it has the answer
+            transport.write_eof()
         self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            self._refusals.lingering -= 1
+        if self.ended is not None:
+            self.ended()
 
 
-class Refusals:
-    """The connections refused over `max_connections`: their answer, those lingering, and
-    `refused`, the metric that counts them (None: not counted)."""
+class AbortedConnection(asyncio.Protocol):
+    """A TLS connection refused past MAX_LINGERING: closed as it is accepted, no handshake."""
 
-    def __init__(self, max_connections: int, refused: Counters | None) -> None:
-        self.answer = connection_refusal(max_connections)
-        self.lingering = 0
-        self._refused = refused
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cast(asyncio.WriteTransport, transport).abort()
 
-    def protocol(self) -> RefusedConnection:
-        if self._refused is not None:
-            self._refused.inc(())
-        return RefusedConnection(self)
+
+class TlsConnection(sslproto.SSLProtocol):
+    """asyncio's server side of a TLS connection (what create_server(ssl=...) makes), which runs
+    `ended` when the connection ends: asyncio tells the application's protocol nothing of a
+    connection whose handshake failed or timed out."""
+
+    def __init__(
+        self,
+        app: asyncio.Protocol,
+        context: ssl_module.SSLContext,
+        handshake_timeout_s: float,
+        ended: Callable[[], None],
+    ) -> None:
+        # No waiter (typeshed asks for one; asyncio takes None): a waiter that holds a failed
+        # handshake's exception, never read, would be logged as it is collected. typeshed's
+        # timeout is an int; asyncio takes seconds as a float.
+        super().__init__(
+            asyncio.get_running_loop(),
+            app,
+            context,
+            None,  # type: ignore[arg-type]
+            server_side=True,
+            ssl_handshake_timeout=handshake_timeout_s,  # type: ignore[arg-type]
+        )
+        self._ended = ended
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        self._ended()
 
 
 def connection_refusal(max_connections: int) -> bytes:
@@ -296,9 +333,12 @@ def connection_refusal(max_connections: int) -> bytes:
 
 
 class BoundedSite(web.TCPSite):
-    """A TCPSite that holds at most `max_connections` connections (one more is a
-    RefusedConnection, counted in `refused`), and whose TLS handshakes are bounded by the client
-    timeout (asyncio's default is 60 s). aiohttp offers neither setting."""
+    """A TCPSite that holds at most `max_connections` connections, and refuses one more with a
+    RefusedConnection (at most MAX_LINGERING linger at once), counted in `refused`. A connection
+    is counted from its accept to its end (over TLS, its handshake included): aiohttp knows a
+    connection only once its handshake is done, and only after every connection accepted in the
+    same pass of the event loop was let in. TLS handshakes are bounded by the client timeout
+    (asyncio's default is 60 s). aiohttp offers neither setting."""
 
     def __init__(
         self,
@@ -310,28 +350,53 @@ class BoundedSite(web.TCPSite):
         max_connections: int,
         refused: Counters | None,
     ) -> None:
-        super().__init__(runner, host, port, ssl_context=ssl)
-        self._handshake_timeout_s = timeout_s if ssl is not None else None
+        super().__init__(runner, host, port)
+        self._tls = ssl
+        self._timeout_s = timeout_s
         self._max_connections = max_connections
-        self._refusals = Refusals(max_connections, refused)
+        self._answer = connection_refusal(max_connections)
+        self._refused = refused
+        # Connections held (accepted, not ended) and refused ones lingering.
+        self.held = 0
+        self.lingering = 0
 
     def _accept(self) -> asyncio.BaseProtocol:
         """The protocol of a connection just accepted (the listener's protocol factory)."""
-        server = self._runner.server
-        assert server is not None
-        if len(server.connections) < self._max_connections:
-            return server()
-        return self._refusals.protocol()
+        if self.held < self._max_connections:
+            server = self._runner.server
+            assert isinstance(server, OpenAIErrorServer)
+            self.held += 1
+            return self._ended(server(), self._end_held)
+        if self._refused is not None:
+            self._refused.inc(())
+        if self.lingering < MAX_LINGERING:
+            self.lingering += 1
+            return self._ended(RefusedConnection(self._answer, True), self._end_lingering)
+        if self._tls is not None:
+            return AbortedConnection()
+        return RefusedConnection(self._answer, False)
+
+    def _ended(
+        self, app: OpenAIErrorHandler | RefusedConnection, ended: Callable[[], None]
+    ) -> asyncio.BaseProtocol:
+        """`app` as the protocol of its connection (in TLS when configured), which runs `ended`
+        once, as the connection ends, whatever ends it."""
+        if self._tls is None:
+            app.ended = ended
+            return app
+        return TlsConnection(app, self._tls, self._timeout_s, ended)
+
+    def _end_held(self) -> None:
+        self.held -= 1
+
+    def _end_lingering(self) -> None:
+        self.lingering -= 1
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
+        # Plaintext at the listener: _accept wraps a connection in TLS itself.
         self._server = await asyncio.get_running_loop().create_server(
-            self._accept,
-            self._host,
-            self._port,
-            ssl=self._ssl_context,
-            backlog=self._backlog,
-            ssl_handshake_timeout=self._handshake_timeout_s,
+            self._accept, self._host, self._port, backlog=self._backlog
         )
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
@@ -453,7 +518,7 @@ class HttpApi:
             auto_decompress=False,
         )
         quiet_http_server_log()
-        self._site: web.TCPSite | None = None
+        self._site: BoundedSite | None = None
         self.port = 0
 
     async def start(self) -> int:
@@ -482,8 +547,7 @@ class HttpApi:
     @property
     def connections(self) -> int:
         """HTTP connections held now (max_connections bounds them)."""
-        server = self._runner.server
-        return len(server.connections) if server is not None else 0
+        return self._site.held if self._site is not None else 0
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

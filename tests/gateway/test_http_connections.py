@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -14,8 +16,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from appliance.gateway.server import RunningGateway
+from appliance.security.tls import TlsSettings
 from tests.conftest import Engine, Tiny
 from tests.gateway.test_http_api import _client, _config, _gateway, _url, gateway  # noqa: F401
+from tests.security.certs import CA
 from tests.support import until_async
 
 REFUSED_METRIC = "appliance_http_connections_refused_total"
@@ -67,6 +71,70 @@ async def test_connections_over_the_limit_are_refused_at_accept(limited: Running
     async with _client(limited) as client:
         reply = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
     assert reply.choices[0].text is not None
+
+
+async def test_connections_accepted_at_once_are_bounded_too(limited: RunningGateway) -> None:
+    """Connections the listener accepts in one pass of the event loop: each is counted as it is
+    accepted, not when aiohttp first sees it."""
+    assert limited.http is not None
+    port = limited.http.port
+    opened = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(20)))
+    # Refused ones are answered at once; held ones, silent, are closed after client_timeout_s.
+    answers = await asyncio.gather(*(asyncio.wait_for(r.read(), 10) for r, _ in opened))
+    for _, writer in opened:
+        writer.close()
+    refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+    assert (len(refused), answers.count(b"")) == (17, 3), answers
+    assert limited.metrics.registry.get_sample_value(REFUSED_METRIC) == 17.0
+    await until_async(lambda: _open(limited) == 0)
+
+
+@pytest.fixture
+async def limited_tls(
+    tiny: Tiny, engine: Engine, tmp_path: Path
+) -> AsyncIterator[tuple[RunningGateway, ssl.SSLContext]]:
+    """A gateway whose HTTP API, over TLS, holds 3 connections; and a client's TLS context."""
+    ca = CA(tmp_path, "test-ca")
+    cert = ca.issue("server", "gateway")
+    config = _config(tiny, engine.address, tls=TlsSettings(cert.cert, cert.key))
+    http = dataclasses.replace(config.http, max_connections=3, client_timeout_s=30.0)
+    running = await _gateway(dataclasses.replace(config, http=http))
+    yield running, ssl.create_default_context(cadata=ca.pem.decode())
+    await running.drain(0.5)
+
+
+async def test_tls_connections_count_from_their_accept(
+    limited_tls: tuple[RunningGateway, ssl.SSLContext],
+) -> None:
+    """A TLS connection holds its place from its accept, through its handshake: clients that
+    never begin one are refused past max_connections, and their places come back."""
+    running, context = limited_tls
+    assert running.http is not None
+    port = running.http.port
+    silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+    await until_async(lambda: _open(running) == 3)
+    # One more is refused: the SDK reads the 503 and its retry hint (no reset).
+    base = f"https://localhost:{port}/v1"
+    http_client = openai.DefaultAsyncHttpxClient(verify=context)
+    async with AsyncOpenAI(
+        base_url=base, api_key="k", max_retries=0, http_client=http_client
+    ) as client:
+        for _ in range(3):
+            with pytest.raises(openai.InternalServerError) as refused:
+                await client.completions.create(model="tiny", prompt="hi" * 10_000, max_tokens=2)
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["retry-after-ms"] == "1000"
+        # A handshake that fails (plaintext sent to the TLS port) gives its place back, and so
+        # do handshakes the clients leave.
+        _, plain = silent.pop()
+        plain.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        await until_async(lambda: _open(running) == 2)
+        for _, writer in silent:
+            writer.close()
+        await until_async(lambda: _open(running) == 0)
+        reply = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert reply.choices[0].text is not None
+    assert running.metrics.registry.get_sample_value(REFUSED_METRIC) == 3.0
 
 
 async def test_a_head_sent_a_byte_at_a_time_is_cut_off(limited: RunningGateway) -> None:
