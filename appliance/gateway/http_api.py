@@ -28,6 +28,12 @@ origin is refused with 403, as Go's net/http CrossOriginProtection refuses it: w
 no allow-list of origins: the API answers no CORS preflight (OPTIONS), so a page of another origin
 can send only what needs none, a POST whose answer it cannot read.
 
+Without API keys, on a loopback address, a request whose `Host` is no loopback name is refused
+with 403: a web page whose DNS name is made to resolve to 127.0.0.1 (DNS rebinding) is of the
+gateway's origin for the browser, which would let it read the answers. With keys any Host is
+answered (a browser sends no key on its own), and so it is without keys on another address
+(`[auth] allow_anonymous`: anyone who reaches the gateway may use it).
+
 Nothing a client sends reaches the log: aiohttp's own records of requests it could not parse carry
 the raw bytes (an HTTP/2 preface with its HPACK block holds the `authorization` header) and are
 rewritten as one line naming the refusal and the peer, at most one per interval. aiohttp's own
@@ -55,7 +61,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_urldispatcher import _default_expect_handler
 from grpc_health.v1 import health, health_pb2
 
-from appliance.config import HttpConfig
+from appliance.config import HttpConfig, is_loopback
 from appliance.gateway import json_body
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
@@ -448,6 +454,36 @@ def cross_origin(request: web.Request) -> wire.HttpError | None:
     )
 
 
+def loopback_host(host: str) -> bool:
+    """Whether a Host header names this host by a loopback name (localhost, 127.0.0.0/8, [::1]),
+    with or without a port."""
+    name, port = (host, "") if host.endswith("]") or ":" not in host else host.rsplit(":", 1)
+    if port and not (port.isascii() and port.isdigit()):
+        return False
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    elif ":" in name:
+        return False
+    return bool(name) and is_loopback(f"[{name.lower()}]:0")
+
+
+def foreign_host(request: web.Request) -> wire.HttpError | None:
+    """The 403 of a request to a gateway without API keys on a loopback address whose Host is no
+    loopback name: a web page whose name was made to resolve to 127.0.0.1 (DNS rebinding) is of
+    the gateway's origin for the browser, which would let it read the answers."""
+    host = request.headers.get("Host", "")
+    if loopback_host(host):
+        return None
+    return wire.HttpError(
+        403,
+        "permission_denied_error",
+        f"this gateway has no API keys and answers only requests sent to a loopback name "
+        f"(localhost, 127.0.0.1, [::1]), not to {echo(host)}: call it at "
+        "http://127.0.0.1:PORT, or configure API keys ([auth] keys_file)",
+        code="host_not_loopback",
+    )
+
+
 def error_response(err: wire.HttpError, retry_after_ms: int | None = None) -> web.Response:
     if retry_after_ms is None:
         retry_after_ms = err.retry_after_ms
@@ -482,6 +518,13 @@ class HttpApi:
         self.mutual_tls = mutual_tls
         # Connections refused over max_connections (a metric; None: not counted).
         self._refused_connections = refused_connections
+        # Requests must name a loopback host (foreign_host): no API keys, on a loopback address.
+        # On another one keys are required unless `[auth] allow_anonymous`, which lets anyone in.
+        self._loopback_only = (
+            not pipeline.access.required
+            and config.listen is not None
+            and is_loopback(config.listen)
+        )
         self._health = health_servicer
         self._service = service_name
         self._created = int(time.time())
@@ -611,9 +654,16 @@ class HttpApi:
         serving = reply.status == health_pb2.HealthCheckResponse.SERVING
         return web.json_response({"status": name}, status=200 if serving else 503)
 
+    def _refused_host(self, request: web.Request) -> wire.HttpError | None:
+        return foreign_host(request) if self._loopback_only else None
+
     @web.middleware
     async def _openai_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """aiohttp's own refusals (no such route, wrong method) in OpenAI's error shape."""
+        """aiohttp's own refusals (no such route, wrong method) in OpenAI's error shape, and a
+        request to a foreign host name (foreign_host)."""
+        refused = self._refused_host(request)
+        if refused is not None:
+            return error_response(refused)
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -636,6 +686,7 @@ class HttpApi:
         the client never sends the body."""
         if (
             self.draining
+            or self._refused_host(request) is not None
             or cross_origin(request) is not None
             or self._unauthenticated(self._credentials(request)) is not None
             or self._declared_too_large(request)

@@ -161,7 +161,7 @@ async def _sse(port: int, body: dict[str, object]) -> tuple[int, dict[str, str],
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = json.dumps(body).encode()
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
         + payload
     )

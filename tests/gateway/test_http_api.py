@@ -396,26 +396,26 @@ async def test_huge_body_is_413_and_unknown_routes_404(gateway: RunningGateway) 
 # Requests aiohttp's parser refuses before any handler runs, each with bytes it used to echo.
 UNPARSED: list[tuple[bytes, str]] = [
     (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Secret: "
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nX-Secret: "
         + b"s3cret" * 2000
         + b"\r\nContent-Length: 2\r\n\r\n{}",
         "its URL or a header line is too long",
     ),
     (
-        b"GET /v1/models/" + b"s3cret" * 2000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /v1/models/" + b"s3cret" * 2000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n",
         "its URL or a header line is too long",
     ),
     (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\ns3cret\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\ns3cret\r\n",
         "Transfer-Encoding or chunks",
     ),
     (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: s3cret\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: s3cret\r\n\r\n",
         "not valid HTTP/1.1",
     ),
-    (b"S3CRET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", "its method is not one"),
+    (b"S3CRET /v1/completions HTTP/1.1\r\nHost: localhost\r\n\r\n", "its method is not one"),
     (
-        b"POST /v1/completions HTTP/1.0\r\nHost: x\r\n\r\n" + b'{"s3cret": 1}',
+        b"POST /v1/completions HTTP/1.0\r\nHost: localhost\r\n\r\n" + b'{"s3cret": 1}',
         "it is not valid HTTP/1.1",
     ),
 ]
@@ -562,7 +562,7 @@ async def test_slow_and_silent_clients_are_cut_off(tiny: Tiny, engine: Engine) -
         # A body that never completes: 408 in OpenAI's shape, and nothing reaches the pipeline.
         reader, writer = await asyncio.open_connection("127.0.0.1", running.http.port)
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b'Content-Length: 100\r\n\r\n{"model"'
         )
         await writer.drain()
@@ -571,7 +571,7 @@ async def test_slow_and_silent_clients_are_cut_off(tiny: Tiny, engine: Engine) -
         writer.close()
         # A connection that never sends a complete request head is closed.
         reader, writer = await asyncio.open_connection("127.0.0.1", running.http.port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
@@ -696,7 +696,7 @@ async def test_a_body_declared_too_large_is_413_before_it_is_sent(
     running = await _gateway(_config(tiny, engine.address, auth=keys.auth()))
     assert running.http is not None
     port = running.http.port
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     key = f"Authorization: Bearer {token}\r\n".encode()
     try:
         # Refused by its Content-Length alone, not after client_timeout_s waiting for its bytes.
@@ -726,7 +726,7 @@ async def test_bodies_being_read_are_bounded_in_bytes(gateway: RunningGateway) -
     http = gateway.http
     assert http is not None
     port, limit = http.port, http.config.max_body_bytes
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n"
     held = []
     try:
         # All of the budget but 1,000 bytes, in bodies that have begun to arrive.

@@ -15,6 +15,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from appliance.config import AuthConfig
 from appliance.gateway.server import RunningGateway
 from appliance.security.tls import TlsSettings
 from tests.conftest import Engine, Tiny
@@ -140,7 +141,7 @@ async def test_tls_connections_count_from_their_accept(
 async def test_a_head_sent_a_byte_at_a_time_is_cut_off(limited: RunningGateway) -> None:
     assert limited.http is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", limited.http.port)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 10_000
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * 10_000
     closed = asyncio.ensure_future(reader.read())
     sent = 0
     while not closed.done() and sent < len(head):
@@ -155,7 +156,7 @@ async def test_a_head_sent_a_byte_at_a_time_is_cut_off(limited: RunningGateway) 
 async def test_an_idle_keep_alive_connection_is_closed(limited: RunningGateway) -> None:
     assert limited.http is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", limited.http.port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 200 ") and b"Connection: close" not in head
     # The connection is kept for a next request, then closed when none comes.
@@ -225,3 +226,66 @@ async def test_the_sdk_passes_the_cross_origin_check(
         chunks = [chunk async for chunk in stream]
     assert chat.choices[0].finish_reason in ("stop", "length")
     assert chunks
+
+
+# -- DNS rebinding -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("evil.example:{port}", 403),  # a page's name, rebound to 127.0.0.1
+        ("evil.example", 403),
+        ("localhost.evil.example:{port}", 403),
+        ("127.0.0.1.evil.example", 403),
+        ("10.0.0.1:{port}", 403),
+        ("", 403),
+        ("127.0.0.1:{port}", 200),
+        ("127.9.8.7", 200),
+        ("localhost:{port}", 200),
+        ("LocalHost", 200),
+        ("[::1]:{port}", 200),
+        ("[::1]", 200),
+    ],
+)
+async def test_an_anonymous_gateway_answers_loopback_host_names_only(
+    gateway: RunningGateway,  # noqa: F811
+    host: str,
+    status: int,
+) -> None:
+    """Without API keys a request is answered only when its Host is a loopback name: a web page
+    whose name is rebound to 127.0.0.1 is of the same origin for the browser and would read it."""
+    assert gateway.http is not None
+    headers = {"Host": host.format(port=gateway.http.port)}
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    async with aiohttp.ClientSession() as session:
+        for method, path, data in (("GET", "/v1/models", None), ("POST", "/v1/completions", body)):
+            async with session.request(
+                method, _url(gateway) + path, data=data, headers=headers
+            ) as r:
+                reply = await r.json()
+            assert r.status == status, (path, reply)
+            if status == 403:
+                error = reply["error"]
+                assert error["type"] == "permission_denied_error"
+                assert error["code"] == "host_not_loopback"
+                assert "API keys" in error["message"] and "127.0.0.1" in error["message"]
+
+
+async def test_anonymous_on_a_non_loopback_address_answers_any_host_name(
+    tiny: Tiny, engine: Engine
+) -> None:
+    """On a non-loopback address without keys (`allow_anonymous`: anyone who reaches it may use
+    it, by whatever name) no Host is refused."""
+    config = _config(tiny, engine.address)
+    http = dataclasses.replace(config.http, listen="0.0.0.0:0")
+    auth = AuthConfig(allow_anonymous=True)
+    running = await _gateway(dataclasses.replace(config, http=http, auth=auth))
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(_url(running) + "/v1/models", headers={"Host": "evil.example"}) as r,
+        ):
+            assert r.status == 200
+    finally:
+        await running.drain(0.5)

@@ -67,7 +67,7 @@ async def test_a_stream_nobody_reads_is_cut_off_as_a_disconnect(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         body = json.dumps(BODY).encode()
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         await writer.drain()

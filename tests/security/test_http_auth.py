@@ -66,6 +66,10 @@ async def test_listing_models_needs_a_valid_key_and_health_does_not(
                     assert "tiny" not in await r.text()
         async with session.get(base + "/v1/models", headers=bearer_header(token)) as r:
             assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+        # A browser never sends a key on its own: with keys, any Host name is answered.
+        foreign = {**bearer_header(token), "Host": "evil.example"}
+        async with session.get(base + "/v1/models", headers=foreign) as r:
+            assert r.status == 200
         async with session.get(base + "/health") as r:
             assert r.status == 200
 
