@@ -62,6 +62,7 @@ QUIET_LOG_S = 60.0
 # entry) as its writer read them.
 _GENS = struct.Struct(">B5Q")
 _LAYOUT = 2
+_BEFORE_GENERATIONS = 1  # the first byte of an entry or record of the release before them
 # Scopes whose highest generation seen a gateway remembers (the oldest are forgotten past this).
 GEN_MEMORY = 100_000
 
@@ -78,6 +79,14 @@ def stamped(body: bytes) -> tuple[tuple[int, ...], bytes] | None:
     if len(body) < _GENS.size or body[0] != _LAYOUT:
         return None
     return _GENS.unpack_from(body)[1:], body[_GENS.size :]
+
+
+def unstamped(body: bytes) -> bool:
+    """Whether a sealed body was stored by the release before generations (a gateway not yet
+    upgraded, during a rolling upgrade): not damaged, so a plain miss, counted nowhere (the
+    next answer stores it anew); neither corrupt nor invalidated, which would mislead whoever
+    watches those counters during the upgrade."""
+    return body[:1] == bytes([_BEFORE_GENERATIONS])
 
 
 def superseded(written: Sequence[int], known: Sequence[int]) -> bool:
@@ -406,7 +415,8 @@ class RedisTier(CacheTier):
             return None
         found_gens = stamped(body)
         if found_gens is None:
-            self.metrics.l2_corrupt_entries += 1
+            if not unstamped(body):
+                self.metrics.l2_corrupt_entries += 1
             return None
         written, rest = found_gens
         if superseded(written, known):
@@ -452,13 +462,7 @@ class RedisTier(CacheTier):
         them."""
         scope = 4 if entry is not None else (2 if namespace else 0) + (1 if model else 0)
         gen = self.generation_keys(namespace, model, entry or b"")[(0, 2, 1, 3, 4)[scope]]
-        current = await self._run("GET", self.client.get(gen))
-        try:
-            raised = self.known([gen], [current])[0] + 1
-        except ValueError:  # not a generation: overwritten
-            raised = self._gens.get(gen, 0) + 1
-        await self._run("SET", self.client.set(gen, str(raised)))
-        self.known([gen], [raised])
+        self.known([gen], [await self._run("INCR", self._raise(gen))])
         ns = _key_part(namespace) if namespace else "*"
         m = _key_part(model) if model else "*"
         last = "*" if entry is None else f"*{entry.hex()}"
@@ -473,6 +477,31 @@ class RedisTier(CacheTier):
                 removed += await self._run("UNLINK", self.client.unlink(*names))
             if not cursor:
                 return removed
+
+    async def _raise(self, gen: str) -> int:
+        """Raises generation key `gen` atomically (INCR) above the highest this gateway has seen
+        of it (Redis may hold less: a replica promoted before the raise reached it); returns the
+        new generation. A value that is not a generation (overwritten) is replaced."""
+        seen = self._gens.get(gen, 0)
+        try:
+            raised = int(await self.client.incr(gen))
+        except NoPermissionError as exc:
+            # An ACL of an older release: GET then SET, which two gateways raising the same
+            # generation at once may set back by one.
+            self._denied(exc)
+            current: Any = await self.client.get(gen)
+            raised = max(seen, int(current) if (current or b"").isdigit() else 0) + 1
+            await self.client.set(gen, str(raised))
+            return raised
+        except ResponseError as exc:
+            if "not an integer" not in str(exc):
+                raise
+            raised = seen + 1
+            await self.client.set(gen, str(raised))
+            return raised
+        if raised <= seen:
+            raised = int(await self.client.incrby(gen, seen + 1 - raised))
+        return raised
 
     async def close(self) -> None:
         if self._writes:
