@@ -6,7 +6,12 @@ new entries and invalidations; semantic.py). Whatever can write to Redis can app
 
 Each message carries its sender's id, sequence number and Redis's clock when it was sealed (fields
 `from`, `seq`, `at`: the sender asks Redis's TIME), and is appended under a stream id of that
-millisecond (`AT-*`). With a MAC key (`[cache.redis] mac_key_file`, which every gateway has) it is
+millisecond (`AT-*`). When the stream's last id is ahead of that millisecond (another gateway
+appended since TIME answered; Redis's clock went back: a failover to a replica whose clock lags, a
+step of its clock), Redis refuses the id, and the message is sealed again with the millisecond
+just after the last id and appended under it: `at` is always its id's millisecond. A Redis whose
+ACL refuses TIME (one of an older release) is said once per QUIET_LOG_S: `at` is then the later of
+this host's clock and that millisecond, and a follower starts from the stream's end. With a MAC key (`[cache.redis] mac_key_file`, which every gateway has) it is
 sealed as the entries are (seal.py), and a follower drops, counts and logs (once per QUIET_LOG_S)
 a message without a tag or whose tag does not verify; and a replay of a sealed one: one whose
 stream id is not of the millisecond it was sealed in (a copy appended again), or one heard already
@@ -30,11 +35,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis.asyncio as redis
-from redis.exceptions import ResponseError
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoPermissionError, ResponseError
 
 from appliance.cache.l2 import QUIET_LOG_S
 from appliance.cache.seal import MESSAGE_TAG, Sealer
@@ -43,9 +50,12 @@ from appliance.logline import Throttled
 # An append is one command: past this, the message is reported as not reaching every gateway
 # (redis-py's own retries against a dead server would otherwise hold the admin call for seconds).
 PUBLISH_BUDGET_S = 2.0
-# Appends refused because another gateway appended in a later millisecond since this one asked
-# Redis's clock, before the message is reported as not taken.
-APPEND_TRIES = 3
+# Appends refused because the stream's last id was ahead of the millisecond asked (another gateway
+# appended in a later one since TIME answered, or Redis's clock went back), before the message is
+# reported as not taken: each retry appends just after the last id.
+APPEND_TRIES = 5
+# What Redis says when an XADD's explicit id is not after the stream's last one.
+_BEHIND_TOP = "equal or smaller than the target stream top item"
 _LAST_SEQ = 2**64 - 1  # the highest sequence part of a stream id
 
 
@@ -53,6 +63,13 @@ async def redis_ms(client: redis.Redis) -> int:
     """Redis's clock (TIME), in milliseconds: the millisecond of a stream id it would give now."""
     seconds, micros = await client.time()
     return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _local_ms() -> int:
+    """This host's clock, in milliseconds: where Redis refuses TIME, a message is appended no
+    earlier than it (a stream deleted, or trimmed empty, then still comes after every position a
+    follower read)."""
+    return time.time_ns() // 1_000_000
 
 
 def _stream_id(text: bytes | str) -> tuple[int, int]:
@@ -78,6 +95,8 @@ class SealedStream:
         # one, and that millisecond (Redis's clock; in stream order).
         self._heard: dict[tuple[str, int], int] = {}
         self._refusals = Throttled(logger, QUIET_LOG_S)
+        self._no_time = Throttled(logger, QUIET_LOG_S)
+        self._no_time_until = 0.0  # monotonic: until then, TIME is not asked (refused)
         self._what = what
         self._power = power
 
@@ -92,44 +111,92 @@ class SealedStream:
         return message
 
     async def append(
-        self, client: redis.Redis, fields: Mapping[str, str | bytes], max_len: int
-    ) -> None:
-        """Seals `fields` and appends them to the stream (trimmed to about `max_len`); raises
-        TimeoutError when Redis has not taken them within PUBLISH_BUDGET_S, or RedisError."""
+        self,
+        client: redis.Redis,
+        fields: Mapping[str, str | bytes],
+        max_len: int,
+        also: Callable[[Pipeline], object] | None = None,
+    ) -> str:
+        """Seals `fields` and appends them to the stream (trimmed to about `max_len`), after the
+        commands `also` adds to the same round trip (they are not sent again on a retry); returns
+        the message's id. Raises TimeoutError when Redis has not taken them within
+        PUBLISH_BUDGET_S, or RedisError.
+
+        The id's millisecond is Redis's clock (TIME), or just after the stream's last id when
+        that is ahead of the clock: another gateway appended in a later millisecond since TIME
+        answered, or the clock went back (a failover to a replica whose clock lags, a step of
+        its clock). The message is sealed with the millisecond it is appended at."""
         try:
             async with asyncio.timeout(PUBLISH_BUDGET_S):
+                now = await self._time(client)
+                at = now if now is not None else max(_local_ms(), await self._top_ms(client) + 1)
                 for tries_left in reversed(range(APPEND_TRIES)):
-                    at = await redis_ms(client)
+                    # A pipeline only with `also`: its errors quote every command's arguments.
+                    pipe: Any = client if also is None else client.pipeline(transaction=False)
+                    if also is not None:
+                        also(pipe)
+                    sent = pipe.xadd(
+                        self.stream,
+                        self.seal(fields, at),
+                        id=f"{at}-*",
+                        maxlen=max_len,
+                        approximate=True,
+                    )
                     try:
-                        await client.xadd(
-                            self.stream,
-                            self.seal(fields, at),  # type: ignore[arg-type]
-                            id=f"{at}-*",
-                            maxlen=max_len,
-                            approximate=True,
-                        )
-                        return
-                    except ResponseError:
-                        # Another gateway appended in a later millisecond since TIME answered
-                        # (or the stream's last id is ahead of Redis's clock): ask it again.
-                        if not tries_left:
+                        done = [await sent] if also is None else await pipe.execute()
+                    except ResponseError as exc:
+                        if _BEHIND_TOP not in str(exc) or not tries_left:
                             raise
+                        also = None  # they were taken
+                        now = await self._time(client)
+                        at = max(now or _local_ms(), await self._top_ms(client) + 1)
+                        continue
+                    added = done[-1]
+                    return added.decode() if isinstance(added, bytes) else str(added)
         except TimeoutError:
             raise TimeoutError(
                 f"redis did not take the message within {PUBLISH_BUDGET_S:g} s"
             ) from None
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    async def _time(self, client: redis.Redis) -> int | None:
+        """Redis's clock (redis_ms), or None while Redis refuses TIME to this gateway's ACL user
+        (an ACL of an older release: said once per QUIET_LOG_S, asked again after that)."""
+        if time.monotonic() < self._no_time_until:
+            return None
+        try:
+            return await redis_ms(client)
+        except NoPermissionError as exc:
+            self._no_time_until = time.monotonic() + QUIET_LOG_S
+            self._no_time.warning(
+                "redis refused TIME on stream %s (%s): messages are appended just after the "
+                "stream's last id and a follower starts from the stream's end, so a copy of a "
+                "message appended again after the stream was deleted is not refused; give the "
+                "ACL user [cache.redis] username names the rules the ansible redis role writes "
+                "to users.acl (+time)",
+                self.stream,
+                exc,
+            )
+            return None
+
+    async def _top_ms(self, client: redis.Redis) -> int:
+        """The millisecond of the stream's last id; 0 for an empty stream."""
+        last: Any = await client.xrevrange(self.stream, count=1)
+        return _stream_id(last[0][0])[0] if last else 0
 
     async def start_position(self, client: redis.Redis) -> str:
         """Where a follower that starts (or starts over) reads from: the stream's end, and never
         before Redis's clock now. Returns once Redis's clock has passed that millisecond, so a
-        message sealed later comes after the position, and one sealed before it, before."""
+        message sealed later comes after the position, and one sealed before it, before. While
+        Redis refuses TIME: the stream's end."""
         last: Any = await client.xrevrange(self.stream, count=1)
-        now = await redis_ms(client)
-        while await redis_ms(client) <= now:
-            await asyncio.sleep(0.001)
         end = _stream_id(last[0][0]) if last else (0, 0)
-        ms, seq = max(end, (now, _LAST_SEQ))
-        return f"{ms}-{seq}"
+        now = await self._time(client)
+        if now is not None:
+            while await redis_ms(client) <= now:
+                await asyncio.sleep(0.001)
+            end = max(end, (now, _LAST_SEQ))
+        return f"{end[0]}-{end[1]}"
 
     def admits(self, message_id: bytes, fields: Mapping[bytes, bytes]) -> bool:
         """Whether a message read from the stream may be applied: without a key, always; with

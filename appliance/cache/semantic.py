@@ -21,7 +21,7 @@ as its writer read them just before storing it (l2.py): a rebuild reads the gene
 scopes it meets, once each, in the same MGET as each batch of records (the follower: in one MGET
 per batch of messages it hears), and skips a record that an invalidation superseded (set back
 after the invalidation unlinked it, or stored by an answer that was under way then; counted), or
-that carries no generations (a release before them: counted as corrupt). Every new entry and
+that carries no generations (a release before them: skipped, counted nowhere, as L2 does). Every new entry and
 invalidation is appended to a stream that each gateway follows with a blocking XREAD; a gateway
 that starts, or that lost Redis and sees it again, rebuilds its index by scanning the entries. The stream's messages are sealed with the same key,
 and a follower drops one without a valid tag or replayed (sealed_stream.py): whatever can write to
@@ -61,9 +61,9 @@ from appliance.cache.embedder import (
 )
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.keys import cache_key
-from appliance.cache.l2 import RedisTier, StreamClient, stamp, stamped, superseded
+from appliance.cache.l2 import RedisTier, StreamClient, stamp, stamped, superseded, unstamped
 from appliance.cache.paraphrase import Rule
-from appliance.cache.sealed_stream import SealedStream, redis_ms
+from appliance.cache.sealed_stream import SealedStream
 from appliance.cache.series import Described, Series
 from appliance.cache.tiers import CacheQuery, CacheTier, Hit, TierContext
 from appliance.cache.vectors import Entry, VectorIndex
@@ -106,6 +106,10 @@ class _Embedding:
     waiting: int = 0  # lookups and stores awaiting it
 
 
+class OlderRecordError(CorruptEntryError):
+    """A record of the release before generations: skipped (l2.unstamped), not corrupt."""
+
+
 def encode_record(
     entry: Entry, vector: Vector, created: float, generations: Sequence[int] = (0,) * 5
 ) -> bytes:
@@ -122,7 +126,9 @@ def decode_record(
     """(generations, created, scope, vector, text, answer) of a record's body."""
     found = stamped(body)
     if found is None:
-        raise CorruptEntryError("semantic record without generations (an older release's)")
+        if unstamped(body):
+            raise OlderRecordError("semantic record without generations (an older release's)")
+        raise CorruptEntryError("semantic record of an unknown layout")
     generations, data = found
     if len(data) < _RECORD.size:
         raise CorruptEntryError("semantic record shorter than its header")
@@ -527,20 +533,16 @@ class SemanticTier(CacheTier):
             self.counts.store_failures += 1
             return
         record = self.l2.seal(name, encode_record(entry, vector, time.time(), known))
-        at = await self.l2._call("TIME", redis_ms(self.l2.client))
-        if at is None:
-            self.counts.store_failures += 1
-            return
-        pipe = self.l2.client.pipeline(transaction=False)
-        pipe.set(name, record, ex=max(1, int(self.settings.ttl_s)))
-        pipe.xadd(
-            self._stream,
-            self._seals.seal({"k": name, "v": record}, at),  # type: ignore[arg-type]
-            id=f"{at}-*",
-            maxlen=self.settings.stream_max_len,
-            approximate=True,
+        ttl = max(1, int(self.settings.ttl_s))
+        # The record and its message in one round trip (SET, then TIME's millisecond's XADD),
+        # within the tier's time budget; an XADD behind the stream's last id retries alone.
+        appended = self._seals.append(
+            self.l2.client,
+            {"k": name, "v": record},
+            self.settings.stream_max_len,
+            also=lambda pipe: pipe.set(name, record, ex=ttl),
         )
-        if await self.l2._call("semantic write", pipe.execute(), write=True) is None:
+        if await self.l2._call("semantic write", appended, write=True) is None:
             self.counts.store_failures += 1
 
     def _record(
@@ -561,6 +563,8 @@ class SemanticTier(CacheTier):
             return None
         try:
             written, created, scope, vector, text, answer = decode_record(body, self.embedder.dim)
+        except OlderRecordError:
+            return None
         except (CorruptEntryError, ValueError):
             self.counts.corrupt += 1
             return None

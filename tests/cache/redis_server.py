@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -158,3 +159,19 @@ class SentinelGroup:
             proc.wait()
         self.primary.kill()
         self.replica.kill()
+
+
+def gateway_acl_rules(*without: str) -> str:
+    """The Redis ACL rules the redis role gives the gateways' user, with the role's key prefix;
+    `without`: those rules left out (an ACL of an older release)."""
+    role = Path(__file__).resolve().parents[2] / "ansible" / "roles" / "redis"
+    tasks = (role / "tasks" / "main.yml").read_text()
+    # A folded scalar (>-): its lines, indented under the variable, joined by spaces.
+    found = re.search(r"^( *)__redis_gateway_rules: >-\n((?:\1 +\S.*\n)+)", tasks, re.M)
+    prefix = re.search(
+        r"^redis_acl_key_prefix: (\S+)$", (role / "defaults" / "main.yml").read_text(), re.M
+    )
+    assert found is not None and prefix is not None
+    rules = " ".join(found.group(2).split())
+    rules = rules.replace("{{ redis_acl_key_prefix }}", prefix.group(1))
+    return " ".join(rule for rule in rules.split() if rule not in without)

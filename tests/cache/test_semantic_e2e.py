@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +23,7 @@ from appliance.config import CacheConfig, HttpConfig, SemanticConfig
 from appliance.gateway.server import keep_long_lived_from_gc
 from appliance.heap import freeze_heap
 from appliance.v1 import inference_pb2 as pb
-from tests.cache.redis_server import RedisServer
+from tests.cache.redis_server import RedisServer, gateway_acl_rules
 from tests.cache.test_cache_e2e import (
     MAC_KEY,
     Gateway,
@@ -318,30 +317,29 @@ async def test_invalidation_reaches_the_other_gateways(
         await other.close()
 
 
-def gateway_acl_rules() -> str:
-    """The Redis ACL rules the redis role gives the gateways' user, with the role's key prefix."""
-    role = Path(__file__).resolve().parents[2] / "ansible" / "roles" / "redis"
-    tasks = (role / "tasks" / "main.yml").read_text()
-    found = re.search(r"^\s*__redis_gateway_rules: (.+)$", tasks, re.M)
-    prefix = re.search(
-        r"^redis_acl_key_prefix: (\S+)$", (role / "defaults" / "main.yml").read_text(), re.M
-    )
-    assert found is not None and prefix is not None
-    return found.group(1).replace("{{ redis_acl_key_prefix }}", prefix.group(1))
-
-
+@pytest.mark.parametrize("case", ["the role's rules", "an older ACL", "stream ahead"])
 async def test_the_redis_roles_gateway_user_may_send_what_every_tier_sends(
-    tiny: Tiny, engine: Engine, embedder_dir: Path, tmp_path: Path
+    tiny: Tiny, engine: Engine, embedder_dir: Path, tmp_path: Path, case: str
 ) -> None:
     """Two gateways as the ACL user the redis role writes: L2 entries, semantic entries, the
-    stream both follow, a rebuild from Redis and an invalidation, with no Redis refusal."""
+    stream both follow, a rebuild from Redis and an invalidation, with no Redis refusal. So too
+    with the rules of the release before TIME, INCR and INCRBY (a rolling upgrade reaches the
+    gateways first), and with the streams' last ids ahead of Redis's clock (a failover to a
+    replica whose clock lags)."""
+    older = case == "an older ACL"
+    rules = gateway_acl_rules(*(("+time", "+incr", "+incrby") if older else ()))
     acl = tmp_path / "users.acl"
     acl.write_text(
         "user default on nopass ~* &* +@all\n"  # the test's own PINGs and checks
-        f"user appliance on >gateway-password {gateway_acl_rules()}\n"
+        f"user appliance on >gateway-password {rules}\n"
     )
     server = RedisServer(tmp_path)
     server.start(["--aclfile", str(acl)])
+    if case == "stream ahead":
+        seconds, micros = server.client().time()
+        ahead = f"{seconds * 1000 + micros // 1000 + 5000}-0"
+        for stream in ("appliance:sem-log", "appliance:inv-log"):
+            server.client().xadd(stream, {"x": "1"}, id=ahead)
     config = semantic_config(server, embedder_dir)
     assert config.redis is not None and config.redis.key_prefix == "appliance"
     redis_as_gateway = dataclasses.replace(
@@ -373,6 +371,7 @@ async def test_the_redis_roles_gateway_user_may_send_what_every_tier_sends(
                 assert counters["semantic_follower_errors"] == 0, counters
                 assert counters["semantic_store_failures"] == 0, counters
                 assert counters["l2_errors"] == counters["write_failures"] == 0, counters
+                assert counters["breaker_opened"] == 0, counters
         finally:
             await other.close()
     finally:

@@ -10,7 +10,7 @@ from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l1 import LruCache
 from appliance.cache.l2 import stamp
 from appliance.cache.metrics import CacheMetrics
-from appliance.cache.semantic import decode_record, encode_record
+from appliance.cache.semantic import OlderRecordError, decode_record, encode_record
 from appliance.cache.tiers import CacheQuery, CacheTier, Hit, L1Tier, TierCascade
 from appliance.cache.vectors import Entry, VectorIndex
 
@@ -132,12 +132,16 @@ def test_records_round_trip() -> None:
     assert np.array_equal(vector, unit(7))
 
 
-def test_a_record_without_generations_is_corrupt() -> None:
+def test_a_record_without_generations_is_an_older_releases_not_corrupt() -> None:
     """A release before generations wrote the record from its version byte on: refused, as L2
-    refuses such an entry, since no invalidation can be checked against it."""
+    refuses such an entry, since no invalidation can be checked against it; told apart from a
+    damaged record, so a rolling upgrade does not count it as corrupt."""
     data = encode_record(entry(7), unit(7), 123.5)
-    with pytest.raises(CorruptEntryError, match="without generations"):
+    with pytest.raises(OlderRecordError, match="without generations"):
         decode_record(data[len(stamp((0,) * 5)) :], 384)
+    with pytest.raises(CorruptEntryError) as raised:
+        decode_record(b"\x07" + data[1:], 384)
+    assert not isinstance(raised.value, OlderRecordError)
 
 
 class ParaphraseTier(CacheTier):
