@@ -450,19 +450,23 @@ class LlamaModel:
         end = start_pos + n
         group = c.num_attention_heads // c.num_key_value_heads
         mask = self.prefill_mask(start_pos, end) if n > 1 else None
+        # SDPA's math path scales q and k each by the square root of 1 / sqrt(head_dim).
+        root_scale = math.sqrt(1.0 / math.sqrt(c.head_dim))
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.k[li, :, start_pos:end] = k
-            cache.v[li, :, start_pos:end] = v
-            keys, values = cache.k[li, :, :end], cache.v[li, :, :end]
+            layer_k, layer_v = cache.k[li], cache.v[li]
+            layer_k.narrow(1, start_pos, n).copy_(k)
+            layer_v.narrow(1, start_pos, n).copy_(v)
+            keys, values = layer_k.narrow(1, 0, end), layer_v.narrow(1, 0, end)
             if n == 1:
                 # A decode step: the query heads that share a KV head are the rows of one
-                # (kv_heads, group, d) batch, so GQA needs neither K/V expansion nor a mask. 3-D
-                # inputs keep SDPA on its math path, which on CPU beat the flash kernel's
+                # (kv_heads, group, d) batch, so GQA needs neither K/V expansion nor a mask.
+                # SDPA's math path spelled out (the same operations, so the same bits, without
+                # its dispatch and its all-masked-row check): on CPU it beat the flash kernel's
                 # multi-threaded split for one query row and never stalled on a busy core.
-                attn = F.scaled_dot_product_attention(
-                    q.reshape(c.num_key_value_heads, group, c.head_dim), keys, values
-                )
+                q3 = q.reshape(c.num_key_value_heads, group, c.head_dim) * root_scale
+                scores = torch.matmul(q3, keys.transpose(1, 2) * root_scale)
+                attn = torch.matmul(torch.softmax(scores, dim=-1), values)
                 return attn.view(c.num_attention_heads, 1, c.head_dim)
             return self.attend_prefill(q, keys, values, mask)
 
