@@ -302,9 +302,6 @@ class LlamaModel:
             self.sin = emb.sin().to(device=self.device, dtype=dtype)
             self.positions = torch.arange(c.max_position_embeddings, device=self.device)
         self._q_size = c.num_attention_heads * c.head_dim
-        # torch's fused RMSNorm: on CPU in float32 the same bits as the composite in `_rms_norm`,
-        # in one call instead of six.
-        self._fused_norm = dtype == torch.float32 and self.device.type == "cpu"
 
     @property
     def weight_bytes(self) -> int:
@@ -374,11 +371,12 @@ class LlamaModel:
         return KVCache(self.config, max_seq_len, self.device, self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._fused_norm:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        if x.dtype == torch.float32:  # as below without the casts, no-ops that still dispatch
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
         # Variance in float32 as HF does, so bf16/fp16 runs do not drift from the reference.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x32.to(x.dtype)
 
     @staticmethod
@@ -465,8 +463,8 @@ class LlamaModel:
                 # its dispatch and its all-masked-row check): on CPU it beat the flash kernel's
                 # multi-threaded split for one query row and never stalled on a busy core.
                 q3 = q.reshape(c.num_key_value_heads, group, c.head_dim) * root_scale
-                scores = torch.matmul(q3, keys.transpose(1, 2) * root_scale)
-                attn = torch.matmul(torch.softmax(scores, dim=-1), values)
+                scores = torch.bmm(q3, keys.transpose(1, 2) * root_scale)
+                attn = torch.bmm(torch.softmax(scores, dim=-1), values)
                 return attn.view(c.num_attention_heads, 1, c.head_dim)
             return self.attend_prefill(q, keys, values, mask)
 
