@@ -380,18 +380,25 @@ class LlamaModel:
         return weight * x32.to(x.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    def _rope(
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        signed_sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """HF's rotate_half RoPE, x * cos + cat(-x2, x1) * sin, of x (..., n, head_dim): the two
-        halves of head_dim are the (real, imaginary) pairs. `signed_sin` is cat(-sin1, sin2)
-        (`_signed_sin`), so swapping the halves is the only other step; the products are the same
-        (a sign flip is exact)."""
+        halves of head_dim are the (real, imaginary) pairs. It runs as x * cos + swapped halves *
+        cat(-sin1, sin2), the same products (a sign flip is exact); `signed_sin`, when given, is
+        that cat (`_signed_sin(sin)`), made once by a caller that rotates many tensors."""
+        if signed_sin is None:
+            signed_sin = LlamaModel._signed_sin(sin)
         half = x.shape[-1] // 2
         swapped = x.view(*x.shape[:-1], 2, half).flip(-2).flatten(-2)
         return x * cos + swapped * signed_sin
 
     @staticmethod
     def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-        """cat(-sin1, sin2) of RoPE's sin rows (n, head_dim), what `_rope` takes."""
+        """cat(-sin1, sin2) of RoPE's sin rows (n, head_dim): `_rope`'s signed_sin."""
         half = sin.shape[-1] // 2
         return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
@@ -659,7 +666,7 @@ class LlamaModel:
             h = self._rms_norm(x, layer.attn_norm)
             # (heads + 2 * kv_heads, n, d): q, k and v heads; q and k rotated in one pass.
             qkv = layer.wqkv(h).view(n, heads + 2 * kv_heads, c.head_dim).transpose(0, 1)
-            qk = self._rope(qkv[: heads + kv_heads], cos, signed_sin)
+            qk = self._rope(qkv[: heads + kv_heads], cos, sin, signed_sin)
             attn = attend(li, qk[:heads], qk[heads:], qkv[heads + kv_heads :]).transpose(0, 1)
             x = x + layer.wo(attn.reshape(n, qs))
             h = self._rms_norm(x, layer.mlp_norm)
