@@ -460,14 +460,12 @@ async def test_a_semantic_record_no_gateway_sealed_is_never_an_answer(
     tier.index.remove(genuine.entry_id)  # only the planted record could answer now
     message: dict[str, str | bytes] = {"k": key_of(planted.entry_id), "v": forged}
     client.xadd(tier._stream, message)  # type: ignore[arg-type]
-    sealed_message: dict[str, str | bytes] = {
-        **message,
-        "from": "x",
-        "seq": "1",
-        "at": str(int(time.time() * 1000)),
-    }
+    # Sealed as a gateway seals one: at Redis's millisecond, appended under it.
+    seconds, micros = client.time()
+    at = seconds * 1000 + micros // 1000
+    sealed_message: dict[str, str | bytes] = {**message, "from": "x", "seq": "1", "at": str(at)}
     sealed_forged = Sealer(MAC_KEY).seal_message(tier._stream, sealed_message)
-    client.xadd(tier._stream, sealed_forged)  # type: ignore[arg-type]
+    client.xadd(tier._stream, sealed_forged, id=f"{at}-*")  # type: ignore[arg-type]
     counters = await counters_until(
         gw, lambda c: c["semantic_forged_records"] + c["semantic_entries"] >= 1
     )
