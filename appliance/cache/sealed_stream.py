@@ -128,8 +128,7 @@ class SealedStream:
         its clock). The message is sealed with the millisecond it is appended at."""
         try:
             async with asyncio.timeout(PUBLISH_BUDGET_S):
-                now = await self._time(client)
-                at = now if now is not None else max(_local_ms(), await self._top_ms(client) + 1)
+                at = await self._next_ms(client, behind_top=False)
                 for tries_left in reversed(range(APPEND_TRIES)):
                     # A pipeline only with `also`: its errors quote every command's arguments.
                     pipe: Any = client if also is None else client.pipeline(transaction=False)
@@ -148,8 +147,7 @@ class SealedStream:
                         if _BEHIND_TOP not in str(exc) or not tries_left:
                             raise
                         also = None  # they were taken
-                        now = await self._time(client)
-                        at = max(now or _local_ms(), await self._top_ms(client) + 1)
+                        at = await self._next_ms(client, behind_top=True)
                         continue
                     added = done[-1]
                     return added.decode() if isinstance(added, bytes) else str(added)
@@ -158,6 +156,15 @@ class SealedStream:
                 f"redis did not take the message within {PUBLISH_BUDGET_S:g} s"
             ) from None
         raise AssertionError("unreachable: the last try returns or raises")
+
+    async def _next_ms(self, client: redis.Redis, behind_top: bool) -> int:
+        """The millisecond to append at: Redis's clock, and after the stream's last id where
+        that is known to be ahead (`behind_top`: an append was refused) or TIME is refused (then
+        no earlier than this host's clock)."""
+        now = await self._time(client)
+        if now is not None and not behind_top:
+            return now
+        return max(now or _local_ms(), await self._top_ms(client) + 1)
 
     async def _time(self, client: redis.Redis) -> int | None:
         """Redis's clock (redis_ms), or None while Redis refuses TIME to this gateway's ACL user
