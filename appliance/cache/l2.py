@@ -398,10 +398,8 @@ class RedisTier(CacheTier):
         name = self.redis_key(namespace, model, key)
         gens = self.generation_keys(namespace, model, key)
         data, *found = await self._run("MGET", self.client.mget([name, *gens]))
-        try:
-            known = self.known(gens, found)
-        except ValueError:
-            self.metrics.l2_corrupt_entries += 1
+        known = self._read_generations(gens, found)
+        if known is None:
             return None
         if not isinstance(data, bytes):
             return None
@@ -444,8 +442,11 @@ class RedisTier(CacheTier):
         the time budget); None on a fault (counted) or a value that is not a generation."""
         gens = self.generation_keys(namespace, model, key)
         found = await self._call("MGET", self.client.mget(gens))
-        if found is None:
-            return None
+        return None if found is None else self._read_generations(gens, found)
+
+    def _read_generations(self, gens: list[str], found: list[Any]) -> list[int] | None:
+        """`known` of generation keys as MGET read them; None (counted corrupt) when one holds
+        a value that is not a generation."""
         try:
             return self.known(gens, found)
         except ValueError:
