@@ -456,7 +456,7 @@ def cross_origin(request: web.Request) -> wire.HttpError | None:
 
 def loopback_host(host: str) -> bool:
     """Whether a Host header names this host by a loopback name (localhost, 127.0.0.0/8, [::1]),
-    with or without a port."""
+    with or without a port or the root's trailing dot."""
     name, port = (host, "") if host.endswith("]") or ":" not in host else host.rsplit(":", 1)
     if port and not (port.isascii() and port.isdigit()):
         return False
@@ -464,6 +464,8 @@ def loopback_host(host: str) -> bool:
         name = name[1:-1]
     elif ":" in name:
         return False
+    elif name.endswith("."):
+        name = name[:-1]  # the fully qualified spelling, "localhost."
     return bool(name) and is_loopback(f"[{name.lower()}]:0")
 
 
