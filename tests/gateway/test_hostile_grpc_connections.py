@@ -133,9 +133,8 @@ async def test_a_rapid_reset_flood_leaves_other_clients_answered(
         flooder = await _flooder("reset", running.port)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
+            # Every check is answered, whether the flood still runs or the server ended it.
             for _ in range(30):
-                if flooder.returncode is not None:
-                    break
                 reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
         result = await _result(flooder)
