@@ -207,9 +207,11 @@ class OpenAIErrorHandler(RequestHandler):
     ended: Callable[[], None] | None = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        super().connection_lost(exc)
-        if self.ended is not None:
-            self.ended()
+        try:
+            super().connection_lost(exc)
+        finally:
+            if self.ended is not None:
+                self.ended()
 
     def handle_error(
         self,
