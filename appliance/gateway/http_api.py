@@ -67,7 +67,7 @@ from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta, TokenLogprob
 from appliance.gateway.health import health_name
-from appliance.gateway.metrics import Counters
+from appliance.gateway.metrics import REFUSED_CROSS_ORIGIN, REFUSED_HOST, Counters
 from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS, Pipeline, stopping
 from appliance.gateway.reply import Reply
 from appliance.gateway.request import echo, new_request_id, valid_request_id
@@ -122,6 +122,14 @@ LINGER_S = 2.0
 MAX_LINGERING = 256
 # aiohttp's logger of requests it refuses or handlers that raise.
 SERVER_LOGGER = "aiohttp.server"
+# The line logged (throttled) for a request refused with 403 before it became one, by reason: it
+# names the peer, never the header values the client chose.
+REFUSAL_LINES = {
+    REFUSED_HOST: "HTTP request from %s refused (403): its Host header is no loopback name and "
+    "the gateway has no API keys (DNS rebinding?); its Host is not logged",
+    REFUSED_CROSS_ORIGIN: "HTTP request from %s refused (403): cross-origin, a browser sent it "
+    "for a page of another origin; its Origin and Sec-Fetch-Site are not logged",
+}
 
 
 class StoppedReading(Exception):
@@ -514,6 +522,7 @@ class HttpApi:
         tls: ServerTls | None = None,
         mutual_tls: bool = False,
         refused_connections: Counters | None = None,
+        refused_requests: Counters | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
@@ -522,6 +531,10 @@ class HttpApi:
         self.mutual_tls = mutual_tls
         # Connections refused over max_connections (a metric; None: not counted).
         self._refused_connections = refused_connections
+        # Requests refused with 403 before they became requests, by reason (None: not counted),
+        # and their throttled log lines.
+        self._refused_requests = refused_requests
+        self._refusal_logs = {reason: Throttled(log) for reason in REFUSAL_LINES}
         # Requests must name a loopback host (foreign_host): no API keys, on a loopback address.
         # On another one keys are required unless `[auth] allow_anonymous`, which lets anyone in.
         self._loopback_only = (
@@ -661,12 +674,20 @@ class HttpApi:
     def _refused_host(self, request: web.Request) -> wire.HttpError | None:
         return foreign_host(request) if self._loopback_only else None
 
+    def _count_refusal(self, request: web.Request, reason: str) -> None:
+        """A 403 before the request became one: counted by reason, and logged at most once an
+        interval per reason, naming the peer and none of the client's header values."""
+        if self._refused_requests is not None:
+            self._refused_requests.inc((reason,))
+        self._refusal_logs[reason].warning(REFUSAL_LINES[reason], request.remote)
+
     @web.middleware
     async def _openai_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """aiohttp's own refusals (no such route, wrong method) in OpenAI's error shape, and a
         request to a foreign host name (foreign_host)."""
         refused = self._refused_host(request)
         if refused is not None:
+            self._count_refusal(request, REFUSED_HOST)
             return error_response(refused)
         try:
             return await handler(request)
@@ -752,7 +773,11 @@ class HttpApi:
         credentials = self._credentials(request)
         try:
             try:
-                refused = cross_origin(request) or self._unauthenticated(credentials)
+                refused = cross_origin(request)
+                if refused is not None:
+                    self._count_refusal(request, REFUSED_CROSS_ORIGIN)
+                    raise refused
+                refused = self._unauthenticated(credentials)
                 if refused is not None:  # nothing of the body is read for a client without a key
                     raise refused
                 http = wire.parse_request(await self._read(request), chat)

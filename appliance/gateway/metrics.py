@@ -38,6 +38,12 @@ if TYPE_CHECKING:
     from appliance.gateway.models import ServedModel
 
 log = logging.getLogger(__name__)
+# Why the HTTP front end answered 403 before a request existed (the `reason` label of
+# appliance_http_requests_refused_total): a Host that is no loopback name on a gateway without API
+# keys on loopback (DNS rebinding), a browser's POST for a page of another origin.
+REFUSED_HOST = "host"
+REFUSED_CROSS_ORIGIN = "cross_origin"
+HTTP_REFUSALS = (REFUSED_HOST, REFUSED_CROSS_ORIGIN)
 
 # Sub-millisecond cache hits up to multi-second generations. 2 s is the TTFT budget of
 # monitoring/alerts.yml: histogram_quantile interpolates inside a bucket, and without that bound
@@ -192,11 +198,21 @@ class GatewayMetrics:
             (),
         )
         self.http_connections_refused.child()  # 0 from the start, not absent until the first
+        self.http_requests_refused = Counters(
+            "appliance_http_requests_refused",
+            "HTTP requests answered 403 by the HTTP API before they became requests, by reason: "
+            "host (a Host that is no loopback name, without API keys on loopback), cross_origin "
+            "(a browser's POST for a page of another origin).",
+            ("reason",),
+        )
+        for reason in HTTP_REFUSALS:
+            self.http_requests_refused.child(reason)
         self.registry.register(
             _FamiliesCollector(
                 (self.ttft, self.inter_token, self.longest_wait, self.e2e, self.queue),
                 (
                     self.http_connections_refused,
+                    self.http_requests_refused,
                     self.requests,
                     self.prompt_tokens,
                     self.completion_tokens,

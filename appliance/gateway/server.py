@@ -272,6 +272,7 @@ async def start_server(
             tls,
             mutual,
             metrics.http_connections_refused,
+            metrics.http_requests_refused,
         )
         try:
             await http.start()

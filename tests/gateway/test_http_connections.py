@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +25,19 @@ from tests.security.certs import CA
 from tests.support import until_async
 
 REFUSED_METRIC = "appliance_http_connections_refused_total"
+REFUSED_REQUESTS = "appliance_http_requests_refused_total"
+
+
+def _refused_requests(running: RunningGateway, reason: str) -> float | None:
+    return running.metrics.registry.get_sample_value(REFUSED_REQUESTS, {"reason": reason})
+
+
+def _refusal_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "appliance.gateway.http_api" and "refused" in r.getMessage()
+    ]
 
 
 @pytest.fixture
@@ -189,7 +203,9 @@ async def test_a_cross_origin_post_is_403(
     gateway: RunningGateway,  # noqa: F811
     headers: dict[str, str],
     status: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="appliance.gateway.http_api")
     url = _url(gateway)
     headers = {k: url if v == SAME_HOST else v for k, v in headers.items()}
     # No Content-Type: what a page's fetch() of a Blob body sends (form and text types are 415).
@@ -200,6 +216,14 @@ async def test_a_cross_origin_post_is_403(
     ):
         reply = await r.json()
     assert r.status == status, reply
+    # Counted by reason, and one line without the client's header values.
+    assert _refused_requests(gateway, "cross_origin") == (1.0 if status == 403 else 0.0)
+    assert _refused_requests(gateway, "host") == 0.0
+    lines = _refusal_lines(caplog)
+    assert len(lines) == (1 if status == 403 else 0), lines
+    for line in lines:
+        assert "cross-origin" in line and "127.0.0.1" in line, line
+        assert not any(value in line for value in headers.values()), line
     if status == 403:
         error = reply["error"]
         assert error["type"] == "permission_denied_error"
@@ -255,9 +279,12 @@ async def test_an_anonymous_gateway_answers_loopback_host_names_only(
     gateway: RunningGateway,  # noqa: F811
     host: str,
     status: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Without API keys a request is answered only when its Host is a loopback name: a web page
-    whose name is rebound to 127.0.0.1 is of the same origin for the browser and would read it."""
+    whose name is rebound to 127.0.0.1 is of the same origin for the browser and would read it.
+    Each refusal is counted; the log says so at most once an interval, without the Host."""
+    caplog.set_level(logging.WARNING, logger="appliance.gateway.http_api")
     assert gateway.http is not None
     headers = {"Host": host.format(port=gateway.http.port)}
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
@@ -273,6 +300,12 @@ async def test_an_anonymous_gateway_answers_loopback_host_names_only(
                 assert error["type"] == "permission_denied_error"
                 assert error["code"] == "host_not_loopback"
                 assert "API keys" in error["message"] and "127.0.0.1" in error["message"]
+    assert _refused_requests(gateway, "host") == (2.0 if status == 403 else 0.0)
+    assert _refused_requests(gateway, "cross_origin") == 0.0
+    lines = _refusal_lines(caplog)
+    assert len(lines) == (1 if status == 403 else 0), lines  # two refusals, one line
+    for line in lines:
+        assert "Host" in line and "evil" not in line and "10.0.0.1" not in line, line
 
 
 async def test_anonymous_on_a_non_loopback_address_answers_any_host_name(

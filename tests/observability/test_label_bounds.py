@@ -37,7 +37,7 @@ BOUNDS = {
     "finish_reason": {"stop", "length", "cancelled", "none"},
     "front_end": {"grpc", "http"},
     "deadline": {"client", "model", ""},
-    "reason": {"estimate", "expired"},
+    "reason": {"estimate", "expired", "host", "cross_origin"},
 }
 
 
