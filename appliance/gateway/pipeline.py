@@ -257,7 +257,6 @@ class Pipeline:
         report = RequestReport(
             request_id=request_id,
             front_end=front_end,
-            deadline="model" if deadline_s is None else "client",
         )
         grant: Grant | None = None
         routed: str | None = None
@@ -315,6 +314,8 @@ class Pipeline:
                 self.in_flight[routed] -= 1
             if not report.total_us:
                 report.total_us = (time.monotonic_ns() - received) // 1000
+            if report.status == "DEADLINE_EXCEEDED":
+                report.deadline = "model" if deadline_s is None else "client"
             self.sink.report(report)
 
     # -- stages -------------------------------------------------------------------------------

@@ -46,8 +46,8 @@ class RequestReport:
     followed: bool = False
     # gRPC status name the request ended with: "OK", "INVALID_ARGUMENT", "CANCELLED", ...
     status: str = "OK"
-    # Whose deadline the request ran under: "client" (it set one) or "model" (it set none: the
-    # model's default_deadline_s). A DEADLINE_EXCEEDED at the model's is the server's failure.
+    # On DEADLINE_EXCEEDED only, whose deadline passed: "client" (it set one) or "model" (it set
+    # none: the model's default_deadline_s, the server's failure); "" on any other outcome.
     deadline: str = ""
     # "stop", "length", "cancelled", or "" when the request failed.
     finish_reason: str = ""
@@ -68,6 +68,19 @@ class ReportSink(Protocol):
     def report(self, r: RequestReport) -> None: ...
 
 
+def _with_extras(line: str) -> dict[tuple[bool, bool, bool], str]:
+    """The access line's format by (a semantic hit, an entry named, a deadline named)."""
+    return {
+        (semantic, named, deadline): line
+        + (" similarity=%.3f" if semantic else "")
+        + (" cache_entry=%s" if named else "")
+        + (" deadline=%s" if deadline else "")
+        for semantic in (False, True)
+        for named in (False, True)
+        for deadline in (False, True)
+    }
+
+
 class AccessLog:
     """One INFO line per finished request on the `appliance.access` logger.
 
@@ -81,19 +94,14 @@ class AccessLog:
     )
 
     # What an audit of a wrong answer needs: the key `appliance cache invalidate --entry` takes
-    # (of a cached or cacheable answer), and a semantic hit's similarity. Keyed by (a semantic
-    # hit, an entry named).
-    FORMATS: ClassVar[dict[tuple[bool, bool], str]] = {
-        (False, False): FORMAT,
-        (False, True): FORMAT + " cache_entry=%s",
-        (True, False): FORMAT + " similarity=%.3f",
-        (True, True): FORMAT + " similarity=%.3f cache_entry=%s",
-    }
+    # (of a cached or cacheable answer), and a semantic hit's similarity; on DEADLINE_EXCEEDED,
+    # whose deadline passed. Keyed by (a semantic hit, an entry named, a deadline named).
+    FORMATS: ClassVar[dict[tuple[bool, bool, bool], str]] = _with_extras(FORMAT)
 
     def report(self, r: RequestReport) -> None:
         if not access.isEnabledFor(logging.INFO):
             return
-        semantic, named = r.similarity is not None, bool(r.cache_entry)
+        semantic, named, deadline = r.similarity is not None, bool(r.cache_entry), bool(r.deadline)
         args: tuple[object, ...] = (
             r.front_end,
             r.request_id,
@@ -115,6 +123,8 @@ class AccessLog:
             args = (*args, r.similarity)
         if named:
             args = (*args, r.cache_entry)
+        if deadline:
+            args = (*args, r.deadline)
         # The record goes to the handlers as Logger.info would send it, less the caller lookup
         # (a walk up the stack for a file and line that no access-line format shows). The line
         # itself is formatted by a handler, so nothing is built when none takes it.
@@ -124,7 +134,7 @@ class AccessLog:
                 logging.INFO,
                 __file__,
                 0,
-                self.FORMATS[semantic, named],
+                self.FORMATS[semantic, named, deadline],
                 args,
                 None,
                 "report",

@@ -103,3 +103,36 @@ async def test_an_unknown_model_is_a_fixed_marker_not_the_clients_bytes(
     line = OneLineFormatter(FORMAT).format(record)
     assert "model='unknown'" in line and "no-such-model" not in line, line
     assert json.loads(JsonFormatter().format(record))["model"] == "unknown"
+
+
+async def test_a_deadline_exceeded_line_says_whose_deadline_passed(
+    tiny: Tiny, engine: Engine, access: Records
+) -> None:
+    """As the metrics' `deadline` label: `client` or `model` on DEADLINE_EXCEEDED only, in the
+    text line and in the JSON one alike."""
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        engine.address,
+        server=ServerConfig(listen="127.0.0.1:0", access_log=True),
+        default_deadline_s=0.001,
+    )
+    running = await start_server(config, await load_models(config))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no client deadline: the model's
+                await stub.Complete(pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=1500))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The client's own deadline, long enough: answered, no deadline on the line.
+            await stub.Complete(
+                pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=1), timeout=30
+            )
+    finally:
+        await running.drain(0.5)
+    exceeded, answered = access.records
+    text = OneLineFormatter(FORMAT).format(exceeded)
+    assert "status=DEADLINE_EXCEEDED" in text and text.endswith(" deadline=model"), text
+    assert json.loads(JsonFormatter().format(exceeded))["deadline"] == "model"
+    text = OneLineFormatter(FORMAT).format(answered)
+    assert "status=OK" in text and "deadline=" not in text, text
+    assert json.loads(JsonFormatter().format(answered))["deadline"] == ""
