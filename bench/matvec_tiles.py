@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             text, best = table(label, tiles, times, current)
             print(text + "\n", flush=True)
             run.results[label] = {"best": list(best), "current": list(current)}
+            run.checkpoint()  # a device call's timeout keeps the formats swept so far
     return 0
 
 

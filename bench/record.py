@@ -22,7 +22,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,8 +104,9 @@ def _free_stem(directory: Path, stem: str) -> str:
 
 
 def _markdown(record: dict[str, Any], body: str) -> str:
+    title = f"# {record['name']}, {record['date']}"
     lines = [
-        f"# {record['name']}, {record['date']}",
+        f"{title} (partial: the run had not ended)" if record.get("partial") else title,
         "",
         "Written by `bench/record.py`; the same record as JSON beside this file.",
         "",
@@ -126,18 +127,21 @@ def write_record(
     argv: list[str] | None = None,
     now: dt.datetime | None = None,
     commit: str | None = None,
+    over: Path | None = None,
+    partial: bool = False,
 ) -> Path:
     """Writes <directory>/<date>-<name>.json (and .md beside it); returns the JSON's path.
 
     `results` must be JSON-serializable (anything else is written as its str); `markdown` is the
     run's printed output, quoted as is in the Markdown page. `commit`: the code that ran (read
-    when the run began); by default the checkout's commit now.
+    when the run began); by default the checkout's commit now. `over`: a record of this run
+    written before (a checkpoint), replaced; `partial`: the run has not ended yet.
     """
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"record name {name!r} must be a plain file name")
     moment = now or dt.datetime.now(dt.UTC)
     directory.mkdir(parents=True, exist_ok=True)
-    stem = _free_stem(directory, f"{moment:%Y-%m-%d}-{name}")
+    stem = over.stem if over is not None else _free_stem(directory, f"{moment:%Y-%m-%d}-{name}")
     record: dict[str, Any] = {
         "name": name,
         "date": moment.strftime("%Y-%m-%d"),
@@ -147,10 +151,19 @@ def write_record(
         "machine": machine(),
         "results": results,
     }
+    if partial:
+        record["partial"] = True
     path = directory / f"{stem}.json"
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    (directory / f"{stem}.md").write_text(_markdown(record, markdown), encoding="utf-8")
+    _replace(path, json.dumps(record, indent=2, default=str) + "\n")
+    _replace(directory / f"{stem}.md", _markdown(record, markdown))
     return path
+
+
+def _replace(path: Path, text: str) -> None:
+    """Writes the file whole or not at all: a run killed while writing keeps the one before."""
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(text, encoding="utf-8")
+    staged.replace(path)
 
 
 class _Tee(io.TextIOBase):
@@ -175,34 +188,49 @@ class _Tee(io.TextIOBase):
 
 @dataclass
 class Run:
-    """What a benchmark adds to its record besides its printed output."""
+    """What a benchmark adds to its record besides its printed output. `checkpoint()` writes the
+    record so far, marked partial, so that a run killed later (a device call's `timeout`) keeps
+    what it measured; the run's end writes over it."""
 
     results: dict[str, Any] = field(default_factory=dict)
+    checkpoint: Callable[[], None] = lambda: None
 
 
 @contextmanager
 def recording(name: str, directory: Path | None, argv: list[str] | None = None) -> Iterator[Run]:
     """Runs the body with stdout copied; on success, and only if `directory` is given, writes the
     record: the body's printed output plus whatever it put into `Run.results`. A run that raises
-    writes nothing."""
+    writes nothing more than its last checkpoint."""
     run = Run()
     if directory is None:
         yield run
         return
     commit = _commit()  # the code that runs: a commit made during a long run is not it
     tee = _Tee(sys.stdout)
+    written: list[Path] = []
+
+    def save(partial: bool) -> Path:
+        output = tee.copy.getvalue()
+        path = write_record(
+            name,
+            {"output": output, **run.results},
+            output,
+            directory=directory,
+            argv=argv,
+            commit=commit,
+            over=written[0] if written else None,
+            partial=partial,
+        )
+        written[:] = [path]
+        return path
+
+    def checkpoint() -> None:
+        save(partial=True)
+
+    run.checkpoint = checkpoint
     sys.stdout = tee
     try:
         yield run
     finally:
         sys.stdout = tee.stream
-    output = tee.copy.getvalue()
-    path = write_record(
-        name,
-        {"output": output, **run.results},
-        output,
-        directory=directory,
-        argv=argv,
-        commit=commit,
-    )
-    print(f"run record: {path}", file=sys.stderr)
+    print(f"run record: {save(partial=False)}", file=sys.stderr)

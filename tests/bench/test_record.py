@@ -100,3 +100,28 @@ def test_the_flag_is_off_by_default(tmp_path: Path) -> None:
     assert record.record_dir(parser.parse_args(["--record"])) == record.RUNS_DIR
     given = parser.parse_args(["--record", "--record-dir", str(tmp_path)])
     assert record.record_dir(given) == tmp_path
+
+
+def test_a_checkpoint_keeps_what_a_killed_run_measured(tmp_path: Path) -> None:
+    """A run killed after a checkpoint (a device call's `timeout`) leaves the record so far,
+    marked partial; the run's end writes over it, in the same files."""
+    with pytest.raises(RuntimeError), record.recording("matvec_tiles", tmp_path) as run:
+        print("| bf16 | 64x128 |")
+        run.results["bf16"] = {"best": [64, 128]}
+        run.checkpoint()
+        print("half of fp8's table")
+        raise RuntimeError("killed")
+    (path,) = tmp_path.glob("*-matvec_tiles.json")
+    data = json.loads(path.read_text())
+    assert data["partial"] is True
+    assert data["results"] == {"output": "| bf16 | 64x128 |\n", "bf16": {"best": [64, 128]}}
+    assert "partial" in path.with_suffix(".md").read_text().splitlines()[0]
+
+    with record.recording("streaming", tmp_path) as run:
+        print("level 1")
+        run.checkpoint()
+        print("level 2")
+    (path,) = tmp_path.glob("*-streaming.json")
+    data = json.loads(path.read_text())
+    assert "partial" not in data and data["results"]["output"] == "level 1\nlevel 2\n"
+    assert len(list(tmp_path.glob("*-streaming.*"))) == 2
