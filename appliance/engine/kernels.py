@@ -83,7 +83,8 @@ PREFILL_ATTENTION_ROWS = 16
 # Programmatic dependent launch (compute capability 9.0 on) for the decode step's kernels: each
 # starts while the one before it ends and waits on the device for its results, so a launch's
 # latency overlaps the kernel before it. "early-read": the products also read their first weight
-# tile before they wait (more registers a thread: bf16 about 127 instead of 48-71 on sm_90).
+# tile before they wait (more registers a thread: bf16 152-192 instead of 48-71 on sm_90, as
+# `python -m bench.kernel_resources` reports them).
 # Off until a GPU run has measured it; the interpreter never takes it.
 PdlMode = Literal["off", "wait", "early-read"]
 PDL: PdlMode = "off"
