@@ -26,6 +26,8 @@ RESTORED, WOULD_RESTORE = "restored", "would-restore"
 STALE = "stale"
 RESET = "reset-by-reboot"
 CONFLICT = "conflict"
+#: Statuses that make a command exit 1 (``EXIT_FAILED``): apply again, or fix by hand.
+FAILING = (FAILED, DRIFT, CONFLICT)
 
 #: Exit codes of apply, verify and revert (and every host-tune command); the one list of them.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REBOOT = 0, 1, 2, 3
@@ -261,6 +263,6 @@ def conflict_results(conflicts: Iterable[Conflict]) -> list[Result]:
 
 def exit_code(results: list[Result]) -> int:
     """See ``EXIT_CODES``: drift and failures first (apply again), then a pending reboot."""
-    if any(r.status in (FAILED, DRIFT, CONFLICT) for r in results):
+    if any(r.status in FAILING for r in results):
         return EXIT_FAILED
     return EXIT_REBOOT if any(r.status == REBOOT for r in results) else EXIT_OK

@@ -12,11 +12,13 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 
 from appliance.cliargs import Parser
-from host_tuning import actions, holdlatency, profile, render
+from host_tuning import actions, holdlatency, profile, render, textfile
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
 from host_tuning.planner import TuningPlan, make_plan
@@ -112,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
             if name == "apply"
             else "accepted for symmetry (Ansible check mode): verify never changes anything",
         )
+    sp.add_argument(
+        "--textfile",
+        metavar="PATH",
+        help="also write the result for node_exporter's textfile collector to PATH (*.prom), "
+        "replaced whole",
+    )
     sp = sub.add_parser("revert", help="restore the values saved by apply")
     common(sp, False)
     sp.add_argument(
@@ -150,6 +158,10 @@ def _results(
     args: argparse.Namespace, results: list[actions.Result], plan: TuningPlan | None = None
 ) -> int:
     code = actions.exit_code(results)
+    if getattr(args, "textfile", None):
+        # Before stdout: a write that fails leaves stdout empty, as every exit-1 error outside
+        # the per-setting results does.
+        textfile.replace(Path(args.textfile), textfile.exposition(results, code, time.time()))
     notes = render.plan_notes(plan, args.cmd == "apply") if plan is not None else []
     if args.json:
         print(render.results_json(args.cmd, results, code, notes))
@@ -202,6 +214,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             results = actions.apply(ctx, plan.items)
         return _results(args, results, plan)
     if args.cmd == "verify":
+        if args.textfile and (why := textfile.refusal(Path(args.textfile))):
+            raise CliError(f"--textfile {args.textfile}: {why}")
         plan, ctx = _plan(args, root)
         results = actions.verify(ctx, plan.items) + actions.conflict_results(plan.conflicts)
         code = _results(args, results, plan)
