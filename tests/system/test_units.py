@@ -98,6 +98,8 @@ def test_every_unit_is_in_the_directory() -> None:
         "appliance-engine.service",
         "appliance-triton.service",
         "appliance-host-tune.service",
+        "appliance-host-verify.service",
+        "appliance-host-verify.timer",
         "appliance-hold-latency.service",
         "appliance-acs.service",
     }
@@ -121,6 +123,21 @@ def test_verify_rejects_an_unknown_key(root: Path) -> None:
         bad.unlink()
     assert result.returncode != 0
     assert "WatchdogSecs" in result.stderr
+
+
+def test_host_verify_reads_only_and_writes_only_the_textfile_directory() -> None:
+    """The drift check runs every few minutes: it can change no kernel setting and no file but
+    its own, and its timer starts it after boot and again and again."""
+    text = (UNITS / "appliance-host-verify.service").read_text()
+    assert re.search(r"^ProtectKernelTunables=yes$", text, re.M)
+    assert re.search(r"^ProtectSystem=strict$", text, re.M)
+    (writable,) = re.findall(r"^ReadWritePaths=(.*)$", text, re.M)
+    (textfile,) = re.findall(r"^Environment=HOST_TUNE_TEXTFILE=(.*)$", text, re.M)
+    assert str(Path(textfile).parent) == writable
+    assert "host-tune verify " in text and "--textfile ${HOST_TUNE_TEXTFILE}" in text
+    assert not re.search(r"^(StateDirectory|RemainAfterExit)=", text, re.M)
+    timer = (UNITS / "appliance-host-verify.timer").read_text()
+    assert re.search(r"^OnBootSec=", timer, re.M) and re.search(r"^OnUnitActiveSec=", timer, re.M)
 
 
 def test_gateway_is_notify_with_watchdog() -> None:
@@ -161,10 +178,11 @@ def test_gateway_hardening(root: Path) -> None:
 
 # The exposure each unit reaches (systemd-analyze's 0..10 scale), with what it keeps for
 # the hardware it drives (docs/OPERATIONS.md "Hardening"); before hardening: triton 3.4, host-tune 9.5,
-# ACS 9.5, hold-latency 5.9.
+# ACS 9.5, hold-latency 5.9. host-verify reads what host-tune writes: below host-tune's.
 EXPOSURE_LIMITS = {
     "appliance-triton.service": 3.1,
     "appliance-host-tune.service": 4.7,
+    "appliance-host-verify.service": 2.6,
     "appliance-acs.service": 1.4,
     "appliance-hold-latency.service": 0.9,
 }
