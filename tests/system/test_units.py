@@ -136,6 +136,9 @@ def test_host_verify_reads_only_and_writes_only_the_textfile_directory() -> None
     assert str(Path(textfile).parent) == writable
     assert "host-tune verify " in text and "--textfile ${HOST_TUNE_TEXTFILE}" in text
     assert not re.search(r"^(StateDirectory|RemainAfterExit)=", text, re.M)
+    # The host_tuning role's drop-in sets both lines to its variable, whose default is the unit's.
+    defaults = (REPO / "ansible/roles/host_tuning/defaults/main.yml").read_text()
+    assert f"\nhost_tuning_textfile_dir: {writable}\n" in defaults
     timer = (UNITS / "appliance-host-verify.timer").read_text()
     assert re.search(r"^OnBootSec=", timer, re.M) and re.search(r"^OnUnitActiveSec=", timer, re.M)
 
