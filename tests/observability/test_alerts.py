@@ -13,6 +13,7 @@ import pytest
 
 from appliance.gateway.metrics import GatewayMetrics, MetricsSink
 from appliance.gateway.report import RequestReport
+from host_tuning import actions
 from tests.observability.prometheus_server import Prometheus
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
@@ -21,7 +22,7 @@ MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 @pytest.mark.parametrize(
     ("command", "expected"),
     [
-        (["check", "rules", "alerts.yml"], "8 rules found"),
+        (["check", "rules", "alerts.yml"], "10 rules found"),
         (["test", "rules", "alerts_test.yml"], "SUCCESS"),
     ],
 )
@@ -39,6 +40,14 @@ def _alert_expr(name: str) -> str:
     found = re.search(rf"- alert: {name}\n(?:.*\n)*?\s+expr: \|\n((?:\s{{10}}.*\n)+)", text)
     assert found is not None, name
     return found.group(1)
+
+
+def test_the_host_tuning_alert_fires_on_the_statuses_that_fail_verify() -> None:
+    """The drift alert names in its own words the statuses that make `host-tune verify` exit 1:
+    a status added there must be added here."""
+    found = re.search(r'status=~"([^"]+)"', _alert_expr("ApplianceHostTuningDrift"))
+    assert found is not None
+    assert set(found.group(1).split("|")) == set(actions.FAILING)
 
 
 @contextlib.contextmanager
