@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jinja2
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,6 +142,31 @@ def test_host_verify_reads_only_and_writes_only_the_textfile_directory() -> None
     assert f"\nhost_tuning_textfile_dir: {writable}\n" in defaults
     timer = (UNITS / "appliance-host-verify.timer").read_text()
     assert re.search(r"^OnBootSec=", timer, re.M) and re.search(r"^OnUnitActiveSec=", timer, re.M)
+
+
+def test_host_verify_drop_in_of_the_role_verifies_and_moves_the_writable_path(root: Path) -> None:
+    """The host_tuning role's textfile.conf, rendered for another directory, is a valid drop-in
+    that empties the unit's ReadWritePaths= before naming that directory."""
+    tasks = (REPO / "ansible/roles/host_tuning/tasks/main.yml").read_text()
+    (block,) = re.findall(
+        r"^    content: \|\n((?:      .*\n)+)    dest: \S+/appliance-host-verify\.service\.d/textfile\.conf$",
+        tasks,
+        re.M,
+    )
+    template = "".join(line[6:] + "\n" for line in block.splitlines())
+    text = jinja2.Template(template, keep_trailing_newline=True).render(
+        host_tuning_textfile_dir="/srv/node-exporter"
+    )
+    assert "ReadWritePaths=\nReadWritePaths=/srv/node-exporter\n" in text
+    assert "HOST_TUNE_TEXTFILE=/srv/node-exporter/appliance-host-tune.prom\n" in text
+    target = root / "etc/systemd/system/appliance-host-verify.service.d"
+    target.mkdir()
+    (target / "textfile.conf").write_text(text)
+    try:
+        result = _verify(root, "appliance-host-verify.service")
+    finally:
+        shutil.rmtree(target)
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
 
 
 def test_gateway_is_notify_with_watchdog() -> None:
