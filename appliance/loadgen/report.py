@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.loadgen.stats import METRICS, NOT_SENT, LevelSummary, Record
+from appliance.logline import escape
 
 DEFINITIONS = (
     "TTFT = first non-empty response − request sent; inter-token latency = (request latency − TTFT)"
@@ -17,6 +18,8 @@ DEFINITIONS = (
     " streamed messages, pooled (vLLM's ITL); percentiles: numpy, linear."
 )
 COLUMNS = ("avg", "p50", "p90", "p99", "min", "max")
+# Characters of a server's error message a table shows (the whole one is in requests.csv).
+MAX_ERROR_SHOWN = 300
 
 
 def _cell(value: float) -> str:
@@ -53,6 +56,11 @@ def level_table(summary: LevelSummary) -> str:
         lines.append(f"| {title:<36} | {s.ok:>7} | " + " | ".join([_cell(value), *blank]) + " |")
     if s.errors:
         lines.append("errors: " + ", ".join(f"{k} {v}" for k, v in s.errors.items()))
+        # The server's words, as they came: escaped (no terminal control) and cut.
+        for status, message in s.first_errors.items():
+            cut = "..." if len(message) > MAX_ERROR_SHOWN else ""
+            shown = escape(message[:MAX_ERROR_SHOWN]) + cut
+            lines.append(f"  {status}, the first: {shown}")
     if s.cache_tiers:
         lines.append("answered by: " + ", ".join(f"{k} {v}" for k, v in s.cache_tiers.items()))
     return "\n".join(lines)

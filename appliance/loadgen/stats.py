@@ -128,6 +128,7 @@ class LevelSummary:
     sent: int  # requests sent (an open-loop arrival over --max-in-flight is not)
     ok: int
     errors: dict[str, int]  # status name -> count
+    first_errors: dict[str, str]  # status name -> the first such request's error message
     interrupted: int
     cache_tiers: dict[str, int]  # of the successful requests
     wall_s: float
@@ -139,6 +140,15 @@ class LevelSummary:
         out = {k: v for k, v in self.__dict__.items() if k != "metrics"}
         out["metrics"] = {k: (v.__dict__ if v else None) for k, v in self.metrics.items()}
         return out
+
+
+def _first_errors(done: list[Record]) -> dict[str, str]:
+    """The error message of the first request (by start) of each failing status."""
+    first: dict[str, str] = {}
+    for r in sorted(done, key=lambda r: r.start_s):
+        if r.status != OK and r.status not in first:
+            first[r.status] = r.error
+    return dict(sorted(first.items()))
 
 
 def summarize(level: Level, records: list[Record]) -> LevelSummary:
@@ -170,6 +180,7 @@ def summarize(level: Level, records: list[Record]) -> LevelSummary:
         sent=sum(1 for r in records if r.status != NOT_SENT),
         ok=len(ok),
         errors=dict(sorted(Counter(r.status for r in done if r.status != OK).items())),
+        first_errors=_first_errors(done),
         interrupted=len(records) - len(done),
         cache_tiers=dict(sorted(Counter(r.cache_tier for r in ok).items())),
         wall_s=wall,

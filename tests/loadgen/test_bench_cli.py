@@ -106,9 +106,13 @@ def test_failed_requests_are_counted_by_status(
     stdout = capsys.readouterr().out
     assert rc == 0
     assert "errors: INVALID_ARGUMENT 2" in stdout
+    # Why, in the server's words, once per status: what to change before the next run.
+    (why,) = [line for line in stdout.splitlines() if line.startswith("  INVALID_ARGUMENT, ")]
+    assert why.startswith("  INVALID_ARGUMENT, the first: ") and "max_tokens" in why, why
     document, rows = load(out)
     (level,) = document["levels"]
     assert (level["sent"], level["ok"], level["errors"]) == (6, 4, {"INVALID_ARGUMENT": 2})
+    assert "max_tokens" in level["first_errors"]["INVALID_ARGUMENT"]
     refused = [r for r in rows if r["status"] != "OK"]
     assert [int(r["index"]) for r in refused] == [1, 4]
     assert all("max_tokens" in r["error"] for r in refused), refused

@@ -181,6 +181,26 @@ def test_the_table_says_how_many_values_each_row_is_over() -> None:
     assert rows["Request throughput (requests/s)"] == "2"
 
 
+def test_an_error_message_is_shown_once_per_status_escaped_and_cut() -> None:
+    """The server's words are not trusted on the terminal: control characters are escaped and
+    a long message is cut."""
+    from appliance.loadgen.options import Level
+    from appliance.loadgen.report import MAX_ERROR_SHOWN, level_table
+    from appliance.loadgen.stats import Record, summarize
+
+    records = []
+    for index, text in enumerate(("over its rate \x1b[2J\nlimit", "second", "x" * 2000)):
+        record = Record("concurrency 1", index, float(index), latency_s=0.1)
+        record.status = "RESOURCE_EXHAUSTED" if index < 2 else "INTERNAL"
+        record.error = text
+        records.append(record)
+    lines = level_table(summarize(Level("concurrency", 1), records)).splitlines()
+    shown = [line for line in lines if line.startswith("  ")]
+    assert shown[0] == "  INTERNAL, the first: " + "x" * MAX_ERROR_SHOWN + "..."
+    assert shown[1] == "  RESOURCE_EXHAUSTED, the first: over its rate \\x1b[2J\\nlimit"
+    assert len(shown) == 2
+
+
 def test_a_full_disk_under_out_is_one_line_and_leaves_no_cut_off_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
