@@ -2,9 +2,10 @@
 
 A hit here never leaves the event loop: a dict lookup and a move to the LRU end.
 
-An invalidation also holds back, for `hold_s`, puts of the entries it named: a read of the shared
-tier that began before the shared entry was unlinked can come back after L1 was emptied, and its
-answer would otherwise be copied back into L1 and served until the TTL.
+A put is refused when an invalidation since its mark names it: the mark is the invalidation count
+(`Invalidations.sequence`) taken before the answer's generation began, or before the read of the
+shared tier it was copied from (the cascade takes it at L1's lookup). However long the generation
+or the read took, the answer of a question dropped meanwhile is not stored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,41 @@ from collections.abc import Callable
 
 from appliance.cache.entry import CachedAnswer
 
-MAX_HOLDS = 64
+# Invalidations a cache remembers; a put marked before the oldest of them is refused whatever
+# it names.
+MAX_RECORD = 1024
+
+
+class Invalidations:
+    """The recent invalidations of an in-process store, numbered: what a put compares its mark
+    against."""
+
+    def __init__(self) -> None:
+        self.sequence = 0  # invalidations so far: the mark of a put begun now
+        # (sequence, namespace, model, entry or None); "" matches any; the newest last.
+        self._recent: deque[tuple[int, str, str, bytes | None]] = deque(maxlen=MAX_RECORD)
+
+    def note(self, namespace: str, model: str, entry: bytes | None) -> None:
+        self.sequence += 1
+        self._recent.append((self.sequence, namespace, model, entry))
+
+    def since(self, mark: int, key: bytes, labels: tuple[str, str]) -> bool:
+        """Whether an invalidation after `mark` names the entry of this key and (namespace,
+        model); True too when the record no longer reaches back to `mark` (it cannot say)."""
+        if mark >= self.sequence:
+            return False
+        if not self._recent or self._recent[0][0] > mark + 1:
+            return True
+        for sequence, namespace, model, entry in reversed(self._recent):
+            if sequence <= mark:
+                return False
+            if (
+                (not namespace or namespace == labels[0])
+                and (not model or model == labels[1])
+                and (entry is None or entry == key)
+            ):
+                return True
+        return False
 
 
 class LruCache:
@@ -25,17 +60,13 @@ class LruCache:
         max_bytes: int,
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
-        hold_s: float = 1.0,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self.hold_s = hold_s
         self._clock = clock
-        # Invalidations still holding puts back: (namespace, model, entry, until); "" matches any;
-        # `until` only grows, hold_s being fixed.
-        self._holds: deque[tuple[str, str, bytes | None, float]] = deque()
-        self.held = 0  # puts refused by a hold
+        self.invalidations = Invalidations()
+        self.held = 0  # puts refused: an invalidation since their mark named them
         # key -> (expires_at, answer, labels); labels = (namespace, model) for invalidation.
         self._items: OrderedDict[bytes, tuple[float, CachedAnswer, tuple[str, str]]] = OrderedDict()
         self.bytes = 0
@@ -53,11 +84,15 @@ class LruCache:
         self._items.move_to_end(key)
         return item[1]
 
-    def put(self, key: bytes, answer: CachedAnswer, labels: tuple[str, str]) -> None:
+    def put(
+        self, key: bytes, answer: CachedAnswer, labels: tuple[str, str], mark: int | None = None
+    ) -> None:
+        """`mark`: `invalidations.sequence` before the answer's generation (or read) began; None
+        for an answer no invalidation can have overtaken."""
         size = answer.size()
         if size > self.max_bytes or self.max_entries == 0:
             return
-        if self._holds and self._held(key, labels):
+        if mark is not None and self.invalidations.since(mark, key, labels):
             self.held += 1
             return
         if key in self._items:
@@ -79,28 +114,8 @@ class LruCache:
         ]
         for key in doomed:
             self._drop(key)
-        if self.hold_s > 0:
-            now = self._clock()
-            self._expire_holds(now)
-            self._holds.append((namespace, model, entry, now + self.hold_s))
-            if len(self._holds) > MAX_HOLDS:
-                # A burst of invalidations: one hold of everything keeps each put's check short.
-                self._holds.clear()
-                self._holds.append(("", "", None, now + self.hold_s))
+        self.invalidations.note(namespace, model, entry)
         return len(doomed)
-
-    def _held(self, key: bytes, labels: tuple[str, str]) -> bool:
-        self._expire_holds(self._clock())
-        return any(
-            (not namespace or namespace == labels[0])
-            and (not model or model == labels[1])
-            and (entry is None or entry == key)
-            for namespace, model, entry, _ in self._holds
-        )
-
-    def _expire_holds(self, now: float) -> None:
-        while self._holds and self._holds[0][3] <= now:
-            self._holds.popleft()
 
     def _drop(self, key: bytes) -> None:
         _, answer, _ = self._items.pop(key)

@@ -10,10 +10,12 @@ invalidation unlinked it. So an invalidation first raises a generation, a counte
 its scope (`PREFIX:gen` for everything, `PREFIX:gen-ns-NS`, `PREFIX:gen-model-MODEL`,
 `PREFIX:gen-pair-LEN-NS-MODEL`, `PREFIX:gen-entry-HEX` for one entry; never matched by an
 invalidation's SCAN), and an entry's sealed body starts with the five generations of its scopes
-as its writer read them just before storing it. A lookup reads the entry and the five in one MGET
-(one round trip) and serves the entry only when none of its generations is below Redis's or
-below the highest this gateway has seen (up to GEN_MEMORY scopes): set back after an
-invalidation, it is a counted miss (`l2_invalidated_entries`). A gateway that started after an
+as they were before its answer's generation began: read by the lookup that missed (in the same
+MGET as the entry: no extra round trip), or, for a request that writes without reading (REFRESH, a
+fallback model's key), by `mark` before its engine request. A lookup reads the entry and the five
+in one MGET (one round trip) and serves the entry only when none of its generations is below
+Redis's or below the highest this gateway has seen (up to GEN_MEMORY scopes): set back after an
+invalidation, or generated while one ran, it is a counted miss (`l2_invalidated_entries`). A gateway that started after an
 invalidation knows only what Redis holds: whatever can write to Redis can set both the entry and
 its generation back for it.
 
@@ -69,7 +71,7 @@ GEN_MEMORY = 100_000
 
 def stamp(known: Sequence[int]) -> bytes:
     """The head of a sealed body: its layout and the generations of its five scopes (those
-    generation_keys names) as its writer read them just before storing it."""
+    generation_keys names) as they were before its answer's generation began."""
     return _GENS.pack(_LAYOUT, *known)
 
 
@@ -93,6 +95,15 @@ def superseded(written: Sequence[int], known: Sequence[int]) -> bool:
     """Whether an invalidation raised a generation of a body's scopes after its writer read
     them."""
     return any(w < k for w, k in zip(written, known, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Generations:
+    """A query's mark in L2: the generation keys of its entry's scopes and their generations,
+    read before its answer's generation began."""
+
+    names: tuple[str, ...]
+    known: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,7 @@ class RedisCounters:
     # of this appliance, or damaged): misses, never answers.
     l2_forged_entries: int = 0
     # Entries stored before an invalidation that covers them (set back by something that is not
-    # a gateway, or stored by an answer that was under way during the invalidation).
+    # a gateway, or generated while it ran by a gateway of the release before marks).
     l2_invalidated_entries: int = 0
     breaker_opened: int = 0
     write_failures: int = 0
@@ -170,7 +181,9 @@ class RedisTier(CacheTier):
             "Times the Redis breaker opened.", metric="appliance_redis_breaker_opened"
         ),
         "write_failures": Series(
-            "Answers Redis did not take.", metric="appliance_cache_write_failures"
+            "Answers not written to Redis: it did not take them, or their entry's generations "
+            "could not be read before their generation began.",
+            metric="appliance_cache_write_failures",
         ),
         "breaker_open": Series(
             "1 while the Redis breaker is open.", gauge=True, metric="appliance_redis_breaker_open"
@@ -350,18 +363,44 @@ class RedisTier(CacheTier):
             )
 
     async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
-        """TierUnavailable when Redis was not asked or did not answer (ONLY reports it)."""
-        return await self._read(query.namespace, query.model.name, query.key)
+        """TierUnavailable when Redis was not asked or did not answer (ONLY reports it). The
+        generations its MGET read are the query's mark."""
+        return await self._read(query.namespace, query.model.name, query.key, query.marks)
+
+    async def mark(self, query: CacheQuery) -> None:
+        """One MGET of the generations, unless the query's lookup read them (none on a fault: its
+        answer is then not written)."""
+        if self.marked(query) is None:
+            labels = (query.namespace, query.model.name, query.key)
+            known = await self.generations(*labels)
+            if known is not None:
+                names = tuple(self.generation_keys(*labels))
+                query.marks[self.name] = Generations(names, tuple(known))
+
+    def marked(self, query: CacheQuery) -> tuple[int, ...] | None:
+        """The generations of the query's entry as read before its answer's generation began;
+        None when none were (Redis failed) or the mark is another entry's (a fallback's key)."""
+        mark = query.marks.get(self.name)
+        if not isinstance(mark, Generations):
+            return None
+        gens = self.generation_keys(query.namespace, query.model.name, query.key)
+        return mark.known if mark.names == tuple(gens) else None
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        known = self.marked(query)
+        if known is None:
+            self.metrics.write_failures += 1
+            return
         task = asyncio.get_running_loop().create_task(
-            self._write(query.namespace, query.model.name, query.key, answer)
+            self._write(query.namespace, query.model.name, query.key, answer, known)
         )
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> None:
-        if not await self.put(namespace, model, key, answer):
+    async def _write(
+        self, namespace: str, model: str, key: bytes, answer: CachedAnswer, known: Sequence[int]
+    ) -> None:
+        if not await self.put(namespace, model, key, answer, known):
             self.metrics.write_failures += 1
 
     @classmethod
@@ -394,13 +433,18 @@ class RedisTier(CacheTier):
         except TierUnavailable:
             return None
 
-    async def _read(self, namespace: str, model: str, key: bytes) -> CachedAnswer | None:
+    async def _read(
+        self, namespace: str, model: str, key: bytes, marks: dict[str, object] | None = None
+    ) -> CachedAnswer | None:
+        """`marks`: a query's, where the generations read are noted (unless noted already)."""
         name = self.redis_key(namespace, model, key)
         gens = self.generation_keys(namespace, model, key)
         data, *found = await self._run("MGET", self.client.mget([name, *gens]))
         known = self._read_generations(gens, found)
         if known is None:
             return None
+        if marks is not None:
+            marks.setdefault(self.name, Generations(tuple(gens), tuple(known)))
         if not isinstance(data, bytes):
             return None
         body = self.open(name, data)
@@ -426,11 +470,21 @@ class RedisTier(CacheTier):
             self.metrics.l2_corrupt_entries += 1
             return None
 
-    async def put(self, namespace: str, model: str, key: bytes, answer: CachedAnswer) -> bool:
+    async def put(
+        self,
+        namespace: str,
+        model: str,
+        key: bytes,
+        answer: CachedAnswer,
+        known: Sequence[int] | None = None,
+    ) -> bool:
+        """`known`: the generations read before the answer's generation began; None: read now
+        (for an answer no invalidation can have overtaken)."""
         name = self.redis_key(namespace, model, key)
-        known = await self.generations(namespace, model, key)
         if known is None:
-            return False
+            known = await self.generations(namespace, model, key)
+            if known is None:
+                return False
         value = self.seal(name, stamp(known) + encode(answer))
         done = await self._call(
             "SET", self.client.set(name, value, ex=self.settings.ttl_s), write=True
@@ -438,8 +492,9 @@ class RedisTier(CacheTier):
         return done is True
 
     async def generations(self, namespace: str, model: str, key: bytes) -> list[int] | None:
-        """The generations of an entry's five scopes, read just before storing it (one MGET within
-        the time budget); None on a fault (counted) or a value that is not a generation."""
+        """The generations of an entry's five scopes, as Redis and this gateway know them now (one
+        MGET within the time budget); None on a fault (counted) or a value that is not a
+        generation."""
         gens = self.generation_keys(namespace, model, key)
         found = await self._call("MGET", self.client.mget(gens))
         return None if found is None else self._read_generations(gens, found)

@@ -17,10 +17,10 @@ Sharing: entries persist in Redis next to the exact L2 entries (`PREFIX:NS:MODEL
 L2 invalidation of a namespace or model drops them too), sealed for their key with the gateways' MAC
 key as L2's entries are (a record that fails the check is skipped and counted: whatever else writes
 to Redis cannot plant an answer). A record's seal also covers the generations of its five scopes
-as its writer read them just before storing it (l2.py): a rebuild reads the generations of the
+as they were before its answer's generation began (L2's mark of the query, l2.py): a rebuild reads the generations of the
 scopes it meets, once each, in the same MGET as each batch of records (the follower: in one MGET
 per batch of messages it hears), and skips a record that an invalidation superseded (set back
-after the invalidation unlinked it, or stored by an answer that was under way then; counted), or
+after the invalidation unlinked it; counted), or
 that carries no generations (a release before them: skipped, counted nowhere, as L2 does). Every new entry and
 invalidation is appended to a stream that each gateway follows with a blocking XREAD; a gateway
 that starts, or that lost Redis and sees it again, rebuilds its index by scanning the entries. The stream's messages are sealed with the same key,
@@ -32,6 +32,11 @@ the entries and invalidations of a gateway not yet upgraded do not reach the upg
 until its TTL or the next rebuild. Lookups answer only while the follower is in step with the stream (an index that cannot
 hear invalidations may be stale): Redis down means no semantic hits, never a failed request.
 Without Redis the tier is this gateway's alone.
+
+An answer whose generation began before an invalidation that covers it (made here, or heard on the
+stream before the answer's store) is neither indexed nor written: the tier counts its
+invalidations as L1 does (l1.Invalidations), and the query's mark is that count taken at its
+lookup, or by `mark` before the engine is asked.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from appliance.cache.embedder import (
 )
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.keys import cache_key
+from appliance.cache.l1 import Invalidations
 from appliance.cache.l2 import RedisTier, StreamClient, stamp, stamped, superseded, unstamped
 from appliance.cache.paraphrase import Rule
 from appliance.cache.sealed_stream import SealedStream
@@ -92,7 +98,9 @@ class _Counters:
     rebuilds: int = 0
     corrupt: int = 0
     forged: int = 0  # records no gateway sealed for their key (skipped)
-    invalidated: int = 0  # records stored before an invalidation that covers them (skipped)
+    # Records stored before an invalidation that covers them, and answers generated while one
+    # ran (skipped).
+    invalidated: int = 0
     cancelled: int = 0  # embeddings prepared for lookups an earlier tier answered
 
 
@@ -185,7 +193,8 @@ class SemanticTier(CacheTier):
             "Answers this gateway embedded and indexed.", metric="appliance_semantic_stored"
         ),
         "semantic_store_failures": Series(
-            "Semantic entries Redis did not take (the other gateways will not see them).",
+            "Semantic entries Redis did not take, or not stored because their entry's "
+            "generations could not be read before their generation began.",
             metric="appliance_semantic_store_failures",
         ),
         "semantic_follower_errors": Series(
@@ -204,8 +213,8 @@ class SemanticTier(CacheTier):
             metric="appliance_semantic_forged_records",
         ),
         "semantic_invalidated_records": Series(
-            "Semantic records stored before an invalidation that covers them (skipped, never an "
-            "answer).",
+            "Semantic records stored before an invalidation that covers them, or answers "
+            "generated while one ran (skipped, never an answer).",
             metric="appliance_semantic_invalidated_records",
         ),
         "semantic_refused_messages": Series(
@@ -234,6 +243,7 @@ class SemanticTier(CacheTier):
         if settings.min_score is not None:
             rule.threshold = settings.min_score
         self.index = VectorIndex(embedder.dim, settings.max_entries, settings.max_bytes)
+        self.invalidations = Invalidations()
         self.l2 = l2
         self.counts = _Counters()
         self._all = "*" in settings.namespaces
@@ -316,6 +326,7 @@ class SemanticTier(CacheTier):
         return make_semantic_tier(context.config.semantic, context.find(RedisTier))
 
     async def lookup(self, query: CacheQuery) -> Hit | None:
+        query.marks.setdefault(self.name, self.invalidations.sequence)
         found = self.eligible(query, asking=True)
         if found is None:
             self.counts.skipped += 1
@@ -387,6 +398,9 @@ class SemanticTier(CacheTier):
             del self._embedding[text]
             self.counts.cancelled += 1
 
+    async def mark(self, query: CacheQuery) -> None:
+        query.marks.setdefault(self.name, self.invalidations.sequence)
+
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         found = self.eligible(query, asking=False)
         if found is None:
@@ -398,7 +412,7 @@ class SemanticTier(CacheTier):
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         """Drops local entries, tells every gateway through the stream; the Redis records share
         the L2 key layout, so the L2 tier's invalidation unlinks them."""
-        removed = self.index.invalidate(namespace, model, entry)
+        removed = self._invalidate(namespace, model, entry)
         if self._client is not None and self._seals is not None:
             message = {"inv": namespace, "model": model}
             if entry is not None:
@@ -511,12 +525,22 @@ class SemanticTier(CacheTier):
         vector = await self._embed(text)
         if vector is None:
             return
+        labels = (query.namespace, query.model.name)
+        mark = query.marks.get(self.name)
+        if isinstance(mark, int) and self.invalidations.since(mark, query.key, labels):
+            # Generated while an invalidation that covers it ran: neither indexed nor shared.
+            self.counts.invalidated += 1
+            return
+        known = None if self.l2 is None else self.l2.marked(query)
+        if self.l2 is not None and known is None:
+            self.counts.store_failures += 1
+            return
         entry = Entry(
             entry_id=query.key,
             scope=scope,
             text=text,
             answer=answer,
-            labels=(query.namespace, query.model.name),
+            labels=labels,
             expires=time.monotonic() + self.settings.ttl_s,
         )
         if not self.index.add(entry, vector):
@@ -527,11 +551,8 @@ class SemanticTier(CacheTier):
         # The L2 key layout with the entry's id marked, so L2's GETs never meet a record. Sealed
         # for that key as L2's entries are: the stream carries the same value, and whatever else
         # writes to Redis cannot plant an answer.
+        assert known is not None
         name = self.l2.redis_key(query.namespace, query.model.name, b"") + MARK + query.key.hex()
-        known = await self.l2.generations(query.namespace, query.model.name, query.key)
-        if known is None:
-            self.counts.store_failures += 1
-            return
         record = self.l2.seal(name, encode_record(entry, vector, time.time(), known))
         ttl = max(1, int(self.settings.ttl_s))
         # The record and its message in one round trip (SET, then TIME's millisecond's XADD),
@@ -601,11 +622,15 @@ class SemanticTier(CacheTier):
             except (UnicodeDecodeError, ValueError):
                 self.counts.corrupt += 1
                 return
-            self.index.invalidate(namespace, model, entry)
+            self._invalidate(namespace, model, entry)
             return
         record = self._record(fields.get(b"k", b""), fields.get(b"v", b""), self._heard)
         if record is not None:
             self.index.add(*record)
+
+    def _invalidate(self, namespace: str, model: str, entry: bytes | None) -> int:
+        self.invalidations.note(namespace, model, entry)
+        return self.index.invalidate(namespace, model, entry)
 
     def _parse_key(self, name: bytes) -> tuple[bytes, tuple[str, str]] | None:
         """The entry id and (namespace, model) of a record's Redis key; None for any other key

@@ -24,6 +24,9 @@ class Flight(Generic[T]):
         self.done = False
         self.abandoned = False  # nobody follows it any more; its task is being cancelled
         self.written = False  # its answer was written back to the cache (once per flight)
+        # What its leader set before it began (the cache query whose marks its answer's store
+        # compares against): a follower's own came later.
+        self.owner: object = None
         self.followers = 0
         self._changed = asyncio.Event()
         # Set once the source is being read (its first step has started).

@@ -12,6 +12,12 @@ A tier may say that its lookup of a query overlaps the engine: the gateway then 
 it, and on their miss asks it and the tiers after it while the generation starts (split, then lookup
 with start and stop). The counting and copying are the same either way.
 
+An answer is stored only when no invalidation since its generation began covers it: each tier notes,
+in the query's `marks`, the state its store compares against (L1 the count of its invalidations, L2
+the generations it read) at the lookup that missed; a request that writes without reading
+(REFRESH) has the cascade's `mark` take them before its engine request. A tier that keeps no such
+state ignores `marks`.
+
 A tier is one class: `[cache] tiers` names it (a built-in name, or `package.module:Class`), its
 `build` makes it from the configuration, and its `name` and `series` are all the final message, the
 metrics and CacheAdmin.Stats need to report it.
@@ -24,7 +30,7 @@ import inspect
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Self, TypeVar
 
 from appliance.cache.entry import CachedAnswer
@@ -54,6 +60,10 @@ class CacheQuery:
     sampling: SamplingKey
     # The request's own say on the semantic tier: True asks it, False never, None the default.
     semantic: bool | None = None
+    # By tier name, what that tier's store of this request's answer compares against: its state
+    # before the generation began (noted by its lookup, or by `mark`). Shared by the copies
+    # dataclasses.replace makes (a fallback's key): a tier checks that a mark is of its entry.
+    marks: dict[str, object] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +162,14 @@ class CacheTier(abc.ABC):
         another exception."""
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
-        """Keeps the answer; must not wait on I/O (slow tiers write in the background)."""
+        """Keeps the answer; must not wait on I/O (slow tiers write in the background). A tier
+        whose invalidations an answer under way can overtake refuses it when one since its mark
+        in `query.marks` covers it."""
+        return None
+
+    async def mark(self, query: CacheQuery) -> None:
+        """Notes in `query.marks[self.name]`, unless its lookup did, the state the store of this
+        query's answer compares against: the cascade calls it before the engine is asked."""
         return None
 
     def overlaps_engine(self, query: CacheQuery) -> bool:
@@ -213,9 +230,9 @@ class L1Tier(CacheTier):
         "l1_entries": Series("Entries in the in-process L1 cache.", gauge=True),
         "l1_bytes": Series("Bytes of the answers in L1.", gauge=True),
         "l1_held_puts": (
-            "Answers L1 refused because an invalidation had just named them, or all of L1 was "
-            "held (a burst of invalidations, or L1 emptied after Redis came back): a Redis read "
-            "begun before it must not copy a dropped answer back."
+            "Answers L1 refused because an invalidation named them (or emptied L1) after their "
+            "generation, or the Redis read they were copied from, began; or more invalidations "
+            "came meanwhile than L1 remembers."
         ),
     }
 
@@ -225,18 +242,20 @@ class L1Tier(CacheTier):
     @classmethod
     def build(cls, context: TierContext) -> L1Tier:
         config = context.config
-        # A Redis read under way when an invalidation lands ends within its time budget: past
-        # twice that, its answer can no longer be copied back into L1.
-        hold_s = 1.0 if config.redis is None else max(1.0, 2 * config.redis.timeout_ms / 1000)
-        return cls(
-            LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s, hold_s=hold_s)
-        )
+        return cls(LruCache(config.l1_max_entries, config.l1_max_bytes, config.l1_ttl_s))
 
     async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
+        # Before the generation, and before the later tiers' reads whose hits are copied here.
+        query.marks.setdefault(self.name, self.lru.invalidations.sequence)
         return self.lru.get(query.key)
 
+    async def mark(self, query: CacheQuery) -> None:
+        query.marks.setdefault(self.name, self.lru.invalidations.sequence)
+
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
-        self.lru.put(query.key, answer, (query.namespace, query.model.name))
+        mark = query.marks.get(self.name)
+        since = mark if isinstance(mark, int) else None
+        self.lru.put(query.key, answer, (query.namespace, query.model.name), since)
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         return self.lru.invalidate(namespace, model, entry)
@@ -333,6 +352,12 @@ class TierCascade:
             raise MissUnsure(asked, unavailable)
         return None
 
+    async def mark(self, query: CacheQuery) -> None:
+        """Has every tier note what the store of this query's answer compares against, where its
+        lookup did not (a REFRESH, a fallback model's key): before the engine is asked."""
+        for tier in self.tiers:
+            await tier.mark(query)
+
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         self.metrics.writes += 1
         for tier in self.tiers:
@@ -344,8 +369,8 @@ class TierCascade:
         """Removed entries per tier. Every tier is tried, and the other gateways told, even when
         one fails; then InvalidationIncomplete says which tiers were invalidated, which not and
         why. The first tier (L1) is dropped first, so it stops answering at once, and again once
-        the others are: a lookup that read Redis before its unlink, and ended after L1's hold,
-        may have put a copy back."""
+        the others are: a lookup that marked L1 after its first drop may have read Redis before
+        the unlink; its copy is dropped, or refused, by the second."""
         removed: dict[str, int] = {}
         failed: dict[str, str] = {}
         again = self.tiers[:1] if len(self.tiers) > 1 else ()

@@ -37,7 +37,9 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
   (generated or replayed) once, for every front end (call_reader.py): the Final carries it, and
   text that may still be a call is held back where the front end asks.
 - store: after the Final is out, a complete answer is written to the cache once per flight,
-  under the identity of the model that produced it.
+  under the identity of the model that produced it; each tier refuses it when an invalidation
+  that covers it came after the flight's leader marked the cache (its lookup, or the cascade's
+  mark before the engine was asked).
 
 Errors leave as RequestError with the status the client gets; the facts of every request, however it
 ended, go to the report sink once.
@@ -270,7 +272,7 @@ class Pipeline:
             budget = self.budget(model, checked, deadline_s)
             query = self.cache_query(model, checked)
             cache_plan = self.cache_plan(checked, query)
-            start = functools.partial(self.start, model, checked, cache_plan, budget)
+            start = functools.partial(self.start, model, checked, cache_plan, budget, query)
             found: Hit | Undecided | Generation | None = None
             if query is not None and cache_plan.read:
                 found = await self.lookup(query, cache_plan)
@@ -559,13 +561,23 @@ class Pipeline:
         checked: CheckedRequest,
         cache_plan: CachePlan,
         budget: Budget,
+        looked: CacheQuery | None,
         skip_primary: bool = False,
     ) -> Generation:
-        """failover → tokenize → single flight: the generation under way, not yet followed."""
+        """failover → tokenize → single flight: the generation under way, not yet followed.
+        `looked`: the query the cache was asked; the answer's query takes its marks (what each
+        tier's store compares against), or, for another model's key or a plan that did not
+        read, marks of its own taken before the engine is asked."""
         target = self.failover(model, skip_primary)
         prepared = await self.tokenize(target, checked, budget.expires)
         shared = self.cache_query(target, checked) if cache_plan.write else None
+        if shared is not None and self.cache is not None:
+            if looked is not None and looked.key == shared.key:
+                shared = looked
+            await self.cache.mark(shared)
         flight, led = self.single_flight(target, prepared, shared, budget)
+        if led:
+            flight.owner = shared
         return Generation(target, shared, flight, len(prepared.prompt_ids), follows=not led)
 
     async def tokenize(
@@ -777,6 +789,8 @@ class Pipeline:
         query, flight = generation.shared, generation.flight
         if query is None or self.cache is None:
             return
+        if isinstance(flight.owner, CacheQuery):  # the leader's: marked before the flight began
+            query = flight.owner
         if not flight.done or flight.written or not flight.events:
             return
         outcome = flight.events[-1]

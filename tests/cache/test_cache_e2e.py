@@ -290,6 +290,54 @@ async def test_policies(gw: Gateway, engine: Engine) -> None:
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PausedEngine:
+    """Pauses every generation of a gateway after its first event from the engine (the engine
+    was asked: the generation is under way) until `release` is set."""
+
+    def __init__(self, g: Gateway) -> None:
+        pipeline = g.running.pipeline
+        self.reached = asyncio.Event()
+        self.release = asyncio.Event()
+        real = pipeline.engine
+
+        async def paused(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            first = True
+            async for event in real(*args, **kwargs):
+                if first:
+                    first = False
+                    self.reached.set()
+                    await self.release.wait()
+                yield event
+
+        pipeline.engine = paused  # type: ignore[method-assign]
+
+    async def generating(self) -> None:
+        async with asyncio.timeout(20):
+            await self.reached.wait()
+
+
+@pytest.mark.parametrize("policy", [pb.CACHE_POLICY_DEFAULT, pb.CACHE_POLICY_REFRESH])
+async def test_an_answer_generated_across_an_invalidation_is_never_served(
+    gw: Gateway, policy: int
+) -> None:
+    """The generation began before the invalidation and ends after it: neither L1 nor L2 serves
+    its answer (it was the question's answer before the invalidation)."""
+    r = req(namespace="racing")
+    paused = PausedEngine(gw)
+    call = gw.stub.Complete(dataclasses_replace(r, cache_policy=policy))
+    await paused.generating()
+    await gw.admin.Invalidate(pb.InvalidateRequest(namespace="racing"))
+    paused.release.set()
+    assert (await call).final.cache_tier == MISS
+    await settle()
+    counters = await gw.counters()
+    assert (await gw.stub.Complete(r)).final.cache_tier == MISS
+    # That answer, generated after the invalidation, is stored and served.
+    await settle()
+    assert counters["writes"] >= 1
+    assert (await gw.stub.Complete(r)).final.cache_tier == L1
+
+
 async def test_sampled_requests_without_seed_are_not_cached(gw: Gateway, engine: Engine) -> None:
     r = req(temperature=0.9)
     before = started(engine)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from appliance.cache.entry import CachedAnswer
+from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l2 import RedisSettings, RedisTier
-from appliance.cache.tiers import TierUnavailable
+from appliance.cache.tiers import CacheQuery, TierUnavailable
 from tests.cache.redis_server import RedisServer
 
 MAC_KEY = b"test-cache-mac-key-0123456789abc"
@@ -199,5 +200,43 @@ async def test_an_entry_set_back_after_its_invalidation_is_a_counted_miss(
         assert await other.put("ns", "m", KEY, fresh)
         assert await tier.get("ns", "m", KEY) == fresh
         assert await other.get("ns", "m", KEY) == fresh
+    finally:
+        await other.close()
+
+
+def query(key: bytes = KEY) -> CacheQuery:
+    model = ModelIdentity("m", "e", "t", "v")
+    return CacheQuery(key, "ns", model, "q", (), SamplingKey(8, True, 0, 1, 1, None, ()))
+
+
+async def written(tier: RedisTier) -> None:
+    """Waits for the tier's background writes."""
+    if tier._writes:
+        await asyncio.wait(tier._writes, timeout=10)
+
+
+async def test_an_answer_under_way_during_an_invalidation_is_never_served(
+    tier: RedisTier, redis_server: RedisServer
+) -> None:
+    """The lookup missed (its MGET read the generations), another gateway invalidated, then the
+    answer generated meanwhile is stored: stamped with what the lookup read, it is refused."""
+    other = RedisTier(tier.settings)
+    try:
+        looked = query()
+        assert await tier.lookup(looked) is None
+        writes_only = query(bytes(16))  # a REFRESH: marked before its engine request
+        await tier.mark(writes_only)
+        await other.invalidate("ns", "")
+        tier.store(looked, ANSWER)
+        tier.store(writes_only, ANSWER)
+        await written(tier)
+        assert await tier.lookup(query()) is None
+        assert await tier.lookup(query(bytes(16))) is None
+        # Begun after the invalidation: stored and served.
+        fresh = query()
+        assert await tier.lookup(fresh) is None
+        tier.store(fresh, ANSWER)
+        await written(tier)
+        assert await tier.lookup(query()) == ANSWER
     finally:
         await other.close()

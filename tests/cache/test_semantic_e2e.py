@@ -27,6 +27,7 @@ from tests.cache.redis_server import RedisServer, gateway_acl_rules
 from tests.cache.test_cache_e2e import (
     MAC_KEY,
     Gateway,
+    PausedEngine,
     cache_config,
     counters_until,
     gateway,
@@ -706,43 +707,26 @@ async def test_a_record_set_back_after_its_invalidation_is_never_an_answer(
         await restarted.close()
 
 
-async def test_a_record_stored_while_its_invalidation_ran_never_reaches_an_index(
+async def test_an_answer_generated_while_its_invalidation_ran_never_reaches_an_index(
     gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
 ) -> None:
-    """An answer under way during an invalidation read its generations before it and writes its
-    record (and its stream message) after: neither the followers nor a rebuild index it."""
+    """An answer whose generation began before an invalidation and ended after it is neither
+    indexed here nor written for the other gateways (counted), and no paraphrase gets it."""
     other = await gateway(tiny, engine, semantic_config(redis_server, embedder_dir))
     try:
         await counters_until(other, lambda c: c["semantic_in_sync"] == 1)
-        l2 = semantic_tier(gw).l2
-        assert l2 is not None
-        read = l2.generations
-        reached: list[bytes] = []
-        arrived = asyncio.Event()
-        release = asyncio.Event()
-
-        async def held(namespace: str, model: str, key: bytes) -> list[int] | None:
-            known = await read(namespace, model, key)
-            reached.append(key)
-            if len(reached) == 2:  # the L2 entry's and the semantic record's
-                arrived.set()
-            await release.wait()
-            return known
-
-        l2.generations = held  # type: ignore[method-assign]
-        await gw.stub.Complete(ask(QUESTION))
-        async with asyncio.timeout(10):
-            await arrived.wait()
+        paused = PausedEngine(gw)
+        call = gw.stub.Complete(ask(QUESTION))
+        await paused.generating()
         await gw.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
-        release.set()
-        await until_async(
-            lambda: redis_server.keys("*:*:*:sem-*"), "no semantic record in Redis", 10.0
-        )
+        paused.release.set()
+        assert (await call).final.cache_tier == MISS
+        await counters_until(gw, lambda c: c["semantic_invalidated_records"] == 1)
+        assert not redis_server.keys("*:*:*:sem-*")
         for g in (gw, other):
-            await counters_until(g, lambda c: c["semantic_invalidated_records"] == 1)
             assert len(semantic_tier(g).index) == 0
         await semantic_tier(other)._rebuild()
         assert len(semantic_tier(other).index) == 0
-        assert (await other.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
+        assert (await gw.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
     finally:
         await other.close()

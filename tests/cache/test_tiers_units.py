@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from appliance.cache.entry import CachedAnswer, CorruptEntryError, decode, encode
 from appliance.cache.invalidation_feed import MAX_LEN, InvalidationFeed
-from appliance.cache.l1 import MAX_HOLDS, LruCache
+from appliance.cache.keys import ModelIdentity, SamplingKey
+from appliance.cache.l1 import MAX_RECORD, LruCache
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.singleflight import Flight, SingleFlight
-from appliance.cache.tiers import L1Tier, TierCascade
+from appliance.cache.tiers import CacheQuery, L1Tier, TierCascade
 from appliance.gateway.breaker import CircuitBreaker
 
 
@@ -94,36 +95,64 @@ def test_lru_invalidates_by_namespace_and_model() -> None:
     assert lru.invalidate("", "m") == 1 and len(lru) == 0
 
 
-def test_an_invalidation_holds_back_puts_of_what_it_named_for_a_while() -> None:
-    """A Redis read begun before an invalidation may end after it: its answer is not copied back."""
+def test_a_put_is_refused_when_an_invalidation_since_its_mark_named_it() -> None:
+    """An answer whose generation (or Redis read) began before an invalidation is not stored,
+    however long it took: its mark is the invalidation count before it began."""
     clock = Clock()
-    lru = LruCache(10, 10**6, 60, clock=clock, hold_s=1.0)
+    lru = LruCache(10, 10**6, 60, clock=clock)
+    since = lru.invalidations.sequence
     lru.invalidate("a", "", entry=b"1")
     lru.invalidate("", "m")
-    lru.put(b"1", answer(), ("a", "n"))  # the entry named
-    lru.put(b"2", answer(), ("b", "m"))  # the model named
-    lru.put(b"3", answer(), ("a", "n"))  # another key of that namespace
-    lru.put(b"4", answer(), ("b", "n"))
+    clock.now = 3600.0  # a generation far longer than any time hold
+    lru.put(b"1", answer(), ("a", "n"), since)  # the entry named
+    lru.put(b"2", answer(), ("b", "m"), since)  # the model named
+    lru.put(b"3", answer(), ("a", "n"), since)  # another key of that namespace
+    lru.put(b"4", answer(), ("b", "n"), since)
     assert (lru.get(b"1"), lru.get(b"2")) == (None, None) and lru.held == 2
     assert lru.get(b"3") is not None and lru.get(b"4") is not None
-    clock.now = 1.0
-    lru.put(b"1", answer(), ("a", "n"))
-    lru.put(b"2", answer(), ("b", "m"))
+    # Begun after the invalidations: stored.
+    later = lru.invalidations.sequence
+    lru.put(b"1", answer(), ("a", "n"), later)
+    lru.put(b"2", answer(), ("b", "m"), later)
     assert lru.get(b"1") is not None and lru.get(b"2") is not None and lru.held == 2
-    everything = LruCache(10, 10**6, 60, clock=clock, hold_s=1.0)
+    everything = LruCache(10, 10**6, 60, clock=clock)
+    mark = everything.invalidations.sequence
     everything.invalidate("", "")
-    everything.put(b"5", answer(), ("c", "x"))
+    everything.put(b"5", answer(), ("c", "x"), mark)
     assert everything.get(b"5") is None
-    # A burst of invalidations (a looping script) becomes one hold of everything, briefly.
-    burst = LruCache(10, 10**6, 60, clock=clock, hold_s=1.0)
-    for n in range(MAX_HOLDS + 1):
+    # More invalidations than the record keeps: a put marked before the oldest kept is refused
+    # whatever it names (the record cannot say what the dropped ones named).
+    burst = LruCache(10, 10**6, 60, clock=clock)
+    old = burst.invalidations.sequence
+    for n in range(MAX_RECORD + 1):
         burst.invalidate(f"ns{n}", "")
-    assert len(burst._holds) == 1
-    burst.put(b"6", answer(), ("elsewhere", "x"))
-    assert burst.get(b"6") is None
-    clock.now += 1.0
-    burst.put(b"6", answer(), ("elsewhere", "x"))
+    burst.put(b"6", answer(), ("elsewhere", "x"), old)
+    assert burst.get(b"6") is None and burst.held == 1
+    burst.put(b"6", answer(), ("elsewhere", "x"), burst.invalidations.sequence)
     assert burst.get(b"6") is not None
+
+
+async def test_an_l1_lookup_that_missed_marks_the_store_of_its_answer() -> None:
+    """L1 missed, the generation ran, an invalidation landed meanwhile (however long ago): the
+    answer it produced is not stored; a request whose plan only writes is marked by the cascade."""
+    clock = Clock()
+    lru = LruCache(10, 10**6, 60, clock=clock)
+    cascade = TierCascade([L1Tier(lru)], CacheMetrics())
+    looked, written = query(b"k" * 16), query(b"w" * 16)
+    assert await cascade.lookup(looked) is None
+    await cascade.mark(written)  # REFRESH: no lookup, marked before the engine is asked
+    await cascade.invalidate("ns", "")
+    clock.now = 3600.0
+    cascade.store(looked, answer())
+    cascade.store(written, answer())
+    assert await cascade.lookup(query(b"k" * 16)) is None
+    assert await cascade.lookup(query(b"w" * 16)) is None
+    assert cascade.counters()["l1_held_puts"] == 2
+
+
+def query(key: bytes) -> CacheQuery:
+    model = ModelIdentity("m", "e", "t", "v")
+    return CacheQuery(key, "ns", model, "q", (), SamplingKey(8, True, 0, 1, 1, None, ()))
 
 
 class Recorded(L1Tier):
