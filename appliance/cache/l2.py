@@ -146,7 +146,7 @@ class RedisCounters:
     # of this appliance, or damaged): misses, never answers.
     l2_forged_entries: int = 0
     # Entries stored before an invalidation that covers them (set back by something that is not
-    # a gateway, or generated while it ran by a gateway of the release before marks).
+    # a gateway, or generated while it ran: stamped with the generations before it).
     l2_invalidated_entries: int = 0
     breaker_opened: int = 0
     write_failures: int = 0
@@ -174,7 +174,8 @@ class RedisTier(CacheTier):
             metric="appliance_redis_forged_entries",
         ),
         "l2_invalidated_entries": Series(
-            "Redis entries stored before an invalidation that covers them (refused, misses).",
+            "Redis entries stored before, or generated while, an invalidation that covers "
+            "them (refused, misses).",
             metric="appliance_redis_invalidated_entries",
         ),
         "breaker_opened": Series(
