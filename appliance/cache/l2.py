@@ -15,9 +15,9 @@ MGET as the entry: no extra round trip), or, for a request that writes without r
 fallback model's key), by `mark` before its engine request. A lookup reads the entry and the five
 in one MGET (one round trip) and serves the entry only when none of its generations is below
 Redis's or below the highest this gateway has seen (up to GEN_MEMORY scopes): set back after an
-invalidation, or generated while one ran, it is a counted miss (`l2_invalidated_entries`). A gateway that started after an
-invalidation knows only what Redis holds: whatever can write to Redis can set both the entry and
-its generation back for it.
+invalidation, or generated while one ran, it is a counted miss (`l2_invalidated_entries`). A
+gateway that started after an invalidation knows only what Redis holds: whatever can write to
+Redis can set both the entry and its generation back for it.
 
 With Sentinels configured, the tier asks them which server is the primary of `sentinel_service`
 before each new connection: when the primary dies, calls fail (misses; the breaker opens) until the

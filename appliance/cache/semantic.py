@@ -17,10 +17,10 @@ Sharing: entries persist in Redis next to the exact L2 entries (`PREFIX:NS:MODEL
 L2 invalidation of a namespace or model drops them too), sealed for their key with the gateways' MAC
 key as L2's entries are (a record that fails the check is skipped and counted: whatever else writes
 to Redis cannot plant an answer). A record's seal also covers the generations of its five scopes
-as they were before its answer's generation began (L2's mark of the query, l2.py): a rebuild reads the generations of the
-scopes it meets, once each, in the same MGET as each batch of records (the follower: in one MGET
-per batch of messages it hears), and skips a record that an invalidation superseded (set back
-after the invalidation unlinked it; counted), or
+as they were before its answer's generation began (L2's mark of the query, l2.py): a rebuild
+reads the generations of the scopes it meets, once each, in the same MGET as each batch of records
+(the follower: in one MGET per batch of messages it hears), and skips a record that an
+invalidation superseded (set back after the invalidation unlinked it; counted), or
 that carries no generations (a release before them: skipped, counted nowhere, as L2 does). Every new entry and
 invalidation is appended to a stream that each gateway follows with a blocking XREAD; a gateway
 that starts, or that lost Redis and sees it again, rebuilds its index by scanning the entries. The stream's messages are sealed with the same key,
