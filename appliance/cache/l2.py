@@ -175,7 +175,7 @@ class RedisTier(CacheTier):
         ),
         "l2_invalidated_entries": Series(
             "Redis entries stored before, or generated while, an invalidation that covers "
-            "them (refused, misses).",
+            "them (refused, misses; or not written, where this gateway knew of it).",
             metric="appliance_redis_invalidated_entries",
         ),
         "breaker_opened": Series(
@@ -391,6 +391,12 @@ class RedisTier(CacheTier):
         known = self.marked(query)
         if known is None:
             self.metrics.write_failures += 1
+            return
+        names = self.generation_keys(query.namespace, query.model.name, query.key)
+        if superseded(known, [self._gens.get(name, 0) for name in names]):
+            # An invalidation since that this gateway knows of (made here, or its generation
+            # read since): refused at every lookup, and written it could replace a newer answer.
+            self.metrics.l2_invalidated_entries += 1
             return
         task = asyncio.get_running_loop().create_task(
             self._write(query.namespace, query.model.name, query.key, answer, known)

@@ -240,3 +240,20 @@ async def test_an_answer_under_way_during_an_invalidation_is_never_served(
         assert await tier.lookup(query()) == ANSWER
     finally:
         await other.close()
+
+
+async def test_an_answer_this_gateway_knows_invalidated_is_not_written(tier: RedisTier) -> None:
+    """The invalidation came through this gateway while the answer was generated: the answer is
+    not written at all, so it cannot overwrite an entry stored since."""
+    looked = query()
+    assert await tier.lookup(looked) is None
+    await tier.invalidate("ns", "")
+    fresh = query()
+    assert await tier.lookup(fresh) is None
+    tier.store(fresh, CachedAnswer("fresh", (7,), "stop", 4, 1))
+    await written(tier)
+    before = tier.metrics.l2_invalidated_entries
+    tier.store(looked, ANSWER)
+    await written(tier)
+    assert tier.metrics.l2_invalidated_entries == before + 1
+    assert (await tier.get("ns", "m", KEY)).text == "fresh"  # type: ignore[union-attr]
