@@ -378,6 +378,15 @@ class RedisTier(CacheTier):
                 names = tuple(self.generation_keys(*labels))
                 query.marks[self.name] = Generations(names, tuple(known))
 
+    def overtaken(self, query: CacheQuery) -> bool:
+        """An invalidation since the query's mark that this gateway knows of: made here, or its
+        generation read since."""
+        known = self.marked(query)
+        if known is None:
+            return False
+        names = self.generation_keys(query.namespace, query.model.name, query.key)
+        return superseded(known, [self._gens.get(name, 0) for name in names])
+
     def marked(self, query: CacheQuery) -> tuple[int, ...] | None:
         """The generations of the query's entry as read before its answer's generation began;
         None when none were (Redis failed) or the mark is another entry's (a fallback's key)."""
@@ -392,10 +401,8 @@ class RedisTier(CacheTier):
         if known is None:
             self.metrics.write_failures += 1
             return
-        names = self.generation_keys(query.namespace, query.model.name, query.key)
-        if superseded(known, [self._gens.get(name, 0) for name in names]):
-            # An invalidation since that this gateway knows of (made here, or its generation
-            # read since): refused at every lookup, and written it could replace a newer answer.
+        if self.overtaken(query):
+            # Refused at every lookup, and written it could replace a newer answer.
             self.metrics.l2_invalidated_entries += 1
             return
         task = asyncio.get_running_loop().create_task(

@@ -401,6 +401,11 @@ class SemanticTier(CacheTier):
     async def mark(self, query: CacheQuery) -> None:
         query.marks.setdefault(self.name, self.invalidations.sequence)
 
+    def overtaken(self, query: CacheQuery) -> bool:
+        mark = query.marks.get(self.name)
+        labels = (query.namespace, query.model.name)
+        return isinstance(mark, int) and self.invalidations.since(mark, query.key, labels)
+
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         found = self.eligible(query, asking=False)
         if found is None:
@@ -526,8 +531,7 @@ class SemanticTier(CacheTier):
         if vector is None:
             return
         labels = (query.namespace, query.model.name)
-        mark = query.marks.get(self.name)
-        if isinstance(mark, int) and self.invalidations.since(mark, query.key, labels):
+        if self.overtaken(query) or (self.l2 is not None and self.l2.overtaken(query)):
             # Generated while an invalidation that covers it ran: neither indexed nor shared.
             self.counts.invalidated += 1
             return
@@ -650,6 +654,8 @@ class SemanticTier(CacheTier):
         started = time.monotonic()
         assert self._seals is not None
         position = await self._seals.start_position(self._client)
+        # Invalidations may have been missed meanwhile: an answer under way is not indexed.
+        self.invalidations.note("", "", None)
         self.index.clear()
         added = 0
         batch: list[bytes] = []

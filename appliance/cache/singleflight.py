@@ -112,10 +112,16 @@ class SingleFlight(Generic[T]):
     def __len__(self) -> int:
         return len(self._flights)
 
-    def join(self, key: bytes, start: Callable[[], AsyncIterator[T]]) -> tuple[Flight[T], bool]:
-        """The flight for key, started with `start()` if there is none; True when this call led."""
+    def join(
+        self,
+        key: bytes,
+        start: Callable[[], AsyncIterator[T]],
+        joinable: Callable[[Flight[T]], bool] = lambda _: True,
+    ) -> tuple[Flight[T], bool]:
+        """The flight for key, started with `start()` if there is none or the one there is not
+        `joinable` (its followers keep it); True when this call led."""
         flight = self._flights.get(key)
-        if flight is not None and not flight.done and not flight.abandoned:
+        if flight is not None and not flight.done and not flight.abandoned and joinable(flight):
             self.joined += 1
             return flight, False
         self.started += 1

@@ -16,7 +16,8 @@ An answer is stored only when no invalidation since its generation began covers 
 in the query's `marks`, the state its store compares against (L1 the count of its invalidations, L2
 the generations it read) at the lookup that missed; a request that writes without reading
 (REFRESH) has the cascade's `mark` take them before its engine request. A tier that keeps no such
-state ignores `marks`.
+state ignores `marks`. `overtaken` says the same of a generation under way: a request sent after
+such an invalidation does not follow it (single flight) but starts its own.
 
 A tier is one class: `[cache] tiers` names it (a built-in name, or `package.module:Class`), its
 `build` makes it from the configuration, and its `name` and `series` are all the final message, the
@@ -172,6 +173,11 @@ class CacheTier(abc.ABC):
         query's answer compares against: the cascade calls it before the engine is asked."""
         return None
 
+    def overtaken(self, query: CacheQuery) -> bool:
+        """Whether an invalidation this tier knows of, since the query's mark, covers its entry:
+        the answer generated for it must not be stored, nor given to a request sent since."""
+        return False
+
     def overlaps_engine(self, query: CacheQuery) -> bool:
         """Whether the lookup of this query runs while the engine's generation starts, instead of
         before it: worth it only for a tier slower than starting a generation."""
@@ -253,9 +259,16 @@ class L1Tier(CacheTier):
         query.marks.setdefault(self.name, self.lru.invalidations.sequence)
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
+        self.lru.put(query.key, answer, (query.namespace, query.model.name), self._mark(query))
+
+    def overtaken(self, query: CacheQuery) -> bool:
+        mark = self._mark(query)
+        labels = (query.namespace, query.model.name)
+        return mark is not None and self.lru.invalidations.since(mark, query.key, labels)
+
+    def _mark(self, query: CacheQuery) -> int | None:
         mark = query.marks.get(self.name)
-        since = mark if isinstance(mark, int) else None
-        self.lru.put(query.key, answer, (query.namespace, query.model.name), since)
+        return mark if isinstance(mark, int) else None
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         return self.lru.invalidate(namespace, model, entry)
@@ -362,6 +375,10 @@ class TierCascade:
         self.metrics.writes += 1
         for tier in self.tiers:
             tier.store(query, answer)
+
+    def overtaken(self, query: CacheQuery) -> bool:
+        """Whether a tier knows of an invalidation, since the query's marks, that covers it."""
+        return any(tier.overtaken(query) for tier in self.tiers)
 
     async def invalidate(
         self, namespace: str, model: str, entry: bytes | None = None

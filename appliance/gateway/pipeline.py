@@ -631,7 +631,17 @@ class Pipeline:
         if shared is None:
             timeout = max(0.0, budget.expires - time.monotonic())
             return Flight(self.engine(model, prepared, timeout, budget), lambda _: None), True
-        return self.flights.join(shared.key, lambda: self.engine(model, prepared, None, budget))
+        return self.flights.join(
+            shared.key, lambda: self.engine(model, prepared, None, budget), self._joinable
+        )
+
+    def _joinable(self, flight: Flight[Event]) -> bool:
+        """A flight whose answer an invalidation since it began covers is not followed: a
+        request sent after the invalidation gets a generation of its own."""
+        owner = flight.owner
+        return not (
+            self.cache is not None and isinstance(owner, CacheQuery) and self.cache.overtaken(owner)
+        )
 
     async def engine(
         self,

@@ -338,6 +338,43 @@ async def test_an_answer_generated_across_an_invalidation_is_never_served(
     assert (await gw.stub.Complete(r)).final.cache_tier == L1
 
 
+async def test_a_request_sent_after_an_invalidation_does_not_follow_an_older_generation(
+    gw: Gateway,
+) -> None:
+    """Single flight joins requests for the same answer, but not to a generation that began
+    before an invalidation covering it: the request sent since gets a generation of its own."""
+    r = req(namespace="joining")
+    paused = PausedEngine(gw)
+    flights = gw.running.pipeline.flights
+    led: list[bool] = []
+    joined = asyncio.Event()
+    real_join = flights.join
+
+    def join(*args: Any, **kwargs: Any) -> Any:
+        flight, leads = real_join(*args, **kwargs)
+        led.append(leads)
+        joined.set()
+        return flight, leads
+
+    flights.join = join  # type: ignore[method-assign]
+    before = (await gw.counters())["single_flight_followers"]
+    first = gw.stub.Complete(r)
+    await paused.generating()
+    await gw.admin.Invalidate(pb.InvalidateRequest(namespace="joining"))
+    joined.clear()
+    second = gw.stub.Complete(r)
+    async with asyncio.timeout(20):
+        await joined.wait()  # the second request chose (its generation waits for the slot)
+    paused.release.set()
+    assert led == [True, True]
+    assert (await first).final.cache_tier == MISS
+    assert (await second).final.cache_tier == MISS
+    assert (await gw.counters())["single_flight_followers"] == before
+    await settle()
+    # The second generation began after the invalidation: its answer is stored.
+    assert (await gw.stub.Complete(r)).final.cache_tier == L1
+
+
 async def test_sampled_requests_without_seed_are_not_cached(gw: Gateway, engine: Engine) -> None:
     r = req(temperature=0.9)
     before = started(engine)

@@ -707,6 +707,21 @@ async def test_a_record_set_back_after_its_invalidation_is_never_an_answer(
         await restarted.close()
 
 
+async def test_an_answer_generated_across_a_rebuild_is_not_indexed(gw: Gateway) -> None:
+    """A rebuild (after the follower lost Redis) may have missed invalidations: an answer whose
+    generation began before it is not indexed, and no paraphrase gets it."""
+    tier = semantic_tier(gw)
+    paused = PausedEngine(gw)
+    call = gw.stub.Complete(ask(QUESTION))
+    await paused.generating()
+    await tier._rebuild()  # what the follower does when Redis answers again
+    paused.release.set()
+    assert (await call).final.cache_tier == MISS
+    await counters_until(gw, lambda c: c["semantic_invalidated_records"] == 1)
+    assert len(tier.index) == 0
+    assert (await gw.stub.Complete(ask(PARAPHRASE))).final.cache_tier == MISS
+
+
 async def test_an_answer_generated_while_its_invalidation_ran_never_reaches_an_index(
     gw: Gateway, tiny: Tiny, engine: Engine, redis_server: RedisServer, embedder_dir: Path
 ) -> None:
