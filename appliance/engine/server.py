@@ -121,6 +121,15 @@ class InferError(Exception):
         return ts.ModelStreamInferResponse(error_message=self.message, infer_response=response)
 
 
+def _executor_error(message: str) -> InferError:
+    """A request TensorRT-LLM's executor refuses: the backend answers with the executor's message
+    after its own prefix, as INTERNAL."""
+    return InferError(
+        f"Executor failed process requestId 0 due to the following error: {message}",
+        grpc.StatusCode.INTERNAL,
+    )
+
+
 # Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes
 # nothing (None: any value would change the output). Anything else is refused, not ignored.
 _NOT_IMPLEMENTED: dict[str, float | None] = {
@@ -151,7 +160,7 @@ class EngineModel:
     entry: ModelEntry
     model: LlamaModel
     runner: Runner
-    max_len: int
+    max_len: int  # max_seq_len: prompt and generated tokens
     output_names: frozenset[str] = frozenset()
     grammars: Grammars | None = None  # None: the model has no guided decoder
     # What every request is checked against, read once from the config: protobuf field reads
@@ -160,8 +169,14 @@ class EngineModel:
     required: tuple[str, ...] = field(init=False)
     batch_dim: bool = field(init=False)
     exclude_input_default: bool = field(init=False)
+    # The longest prompt served: the repository's max_input_len, below max_seq_len so that at
+    # least one token can be generated.
+    max_input_len: int = field(init=False)
 
     def __post_init__(self) -> None:
+        given = self.entry.parameter("max_input_len", "")
+        limit = self.max_len - 1
+        self.max_input_len = min(int(given), limit) if given.isdigit() and int(given) else limit
         declared = self.entry.config.input
         self.specs = {i.name: InputSpec(_dtype_name(i.data_type), tuple(i.dims)) for i in declared}
         self.required = tuple(i.name for i in declared if not i.optional)
@@ -292,13 +307,22 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
         if min(ids) < 0 or max(ids) >= vocab:
             raise InferError(f"input_ids must be token ids in [0, {vocab})")
     max_new = int(scalar("request_output_len", 0))
-    if not stop and max_new <= 0:
-        raise InferError(f"request_output_len must be > 0, got {max_new}")
-    if not stop and len(ids) + max_new > model.max_len:
-        raise InferError(
-            f"Prompt length ({len(ids)}) + request_output_len ({max_new}) exceeds the maximum "
-            f"sequence length ({model.max_len})"
-        )
+    end_id = scalar("end_id", None)
+    if not stop:
+        if max_new <= 0:
+            raise InferError(f"request_output_len must be > 0, got {max_new}")
+        # The executor refuses a prompt longer than max_input_len, and shortens a
+        # request_output_len that does not fit max_seq_len after the prompt (a warning, no error).
+        if len(ids) > model.max_input_len:
+            raise _executor_error(
+                f"Prompt length ({len(ids)}) exceeds maximum input length "
+                f"({model.max_input_len}). Set log level to info and check TRTGptModel logs for "
+                "how maximum input length is set"
+            )
+        max_new = min(max_new, model.max_len - len(ids))
+        # The executor accepts an end id in [-1, vocabulary size) only.
+        if end_id is not None and not -1 <= end_id < vocab:
+            raise _executor_error(f"EndId ({end_id}) is not within acceptable range [-1, {vocab}).")
     seed = scalar("random_seed", scalar("seed", None))
     # The backend takes a top_p <= 0 as none given; the executor refuses a negative top_k.
     top_p = float(scalar("runtime_top_p", 0.0))
@@ -323,7 +347,7 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
     return Decoded(
         prompt_ids=ids,
         max_new_tokens=max_new,
-        end_id=scalar("end_id", None),
+        end_id=end_id,
         params=SamplingParams(
             temperature=temperature,
             top_k=top_k,
@@ -362,10 +386,7 @@ def _guide(tensors: dict[str, list[Any]], model: EngineModel) -> Guide | None:
     except GuideError as exc:
         raise InferError(str(exc)) from None
     if guide is not None and model.grammars is None:
-        raise InferError(
-            f"Executor failed process requestId 0 due to the following error: {NOT_SETUP_MESSAGE}",
-            grpc.StatusCode.INTERNAL,
-        )
+        raise _executor_error(NOT_SETUP_MESSAGE)
     return guide
 
 

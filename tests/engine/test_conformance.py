@@ -436,10 +436,11 @@ async def test_repository_index_and_empty_shared_memory_status(
 
 
 async def test_prompt_beyond_the_model_context_is_refused(
-    triton: ts_grpc.GRPCInferenceServiceStub,
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
 ) -> None:
-    responses = await collect(triton, request(max_tokens=5000))
-    assert "exceeds the maximum sequence length" in responses[0].error_message
+    longest = engine.models[MODEL].max_len - 1
+    responses = await collect(triton, request(prompt=[5] * (longest + 1)))
+    assert f"exceeds maximum input length ({longest})" in responses[0].error_message
 
 
 async def test_declared_inputs_the_engine_does_not_compute_are_refused_not_ignored(
@@ -628,3 +629,24 @@ async def test_top_k_and_top_p_out_of_range_are_taken_as_the_backend_takes_them(
     assert await tokens(request("neg-p", max_tokens=6, top_k=0, top_p=-0.5, seed=5)) == greedy
     (nan,) = await collect(triton, request("nan-p", top_p=float("nan")))
     assert nan.error_message.startswith("runtime_top_p must be in [0, 1]")
+
+
+@pytest.mark.parametrize("end_id", [-2, 97, 100_000])
+async def test_an_end_id_outside_the_vocabulary_is_refused_as_the_executor_refuses_it(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub, end_id: int
+) -> None:
+    """The executor accepts an end id in [-1, vocabulary size) and refuses any other before it
+    runs; -1 and the last token id are served."""
+    vocab = engine.models[MODEL].model.config.vocab_size
+    end_id = end_id if end_id != 97 else vocab
+    before = engine.stats().started
+    (refused,) = await collect(triton, request("bad-end", end_id=end_id))
+    assert refused.error_message == (
+        "Executor failed process requestId 0 due to the following error: "
+        f"EndId ({end_id}) is not within acceptable range [-1, {vocab})."
+    )
+    assert refused.infer_response.id == "bad-end"
+    assert engine.stats().started == before
+    for ok in (-1, vocab - 1):
+        responses = await collect(triton, request("ok-end", max_tokens=2, end_id=ok))
+        assert not [r.error_message for r in responses if r.error_message]
