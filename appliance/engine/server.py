@@ -208,6 +208,18 @@ class Decoded:
     top_logprobs: int = 0
 
 
+_BATCH_NOTE = (
+    "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+    "prepended to each input shape. If you want to specify the full shape including the batch dim "
+    "in your input dims config, try setting max_batch_size to zero. See the model configuration "
+    "docs for more info on max_batch_size."
+)
+
+
+def _dims(shape: list[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
 def _read_tensor(
     tensor: ts.ModelInferRequest.InferInputTensor, raw: bytes | None, model: EngineModel
 ) -> tuple[str, list[Any]]:
@@ -225,14 +237,22 @@ def _read_tensor(
     full = list(tensor.shape)
     shape = full
     if model.batch_dim:
-        if not shape or shape[0] != 1:
+        if not shape:
+            raise InferError(
+                f"input '{name}' has no shape but model requires batch dimension for '{model_name}'"
+            )
+        if shape[0] != 1:
             raise InferError(f"inference request batch-size must be <= 1 for '{model_name}'")
         shape = shape[1:]
     dims = spec.dims
     if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape, strict=True)):
+        # Triton core's words: the expected shape with the batch dimension (-1) when the model
+        # batches, both shapes written [d0,d1,...], and its note on the batch dimension.
+        expected = [-1, *dims] if model.batch_dim else list(dims)
         raise InferError(
             f"unexpected shape for input '{name}' for model '{model_name}'. "
-            f"Expected {list(dims)}, got {shape}"
+            f"Expected {_dims(expected)}, got {_dims(full)}. "
+            f"{_BATCH_NOTE if model.batch_dim else ''}"
         )
     try:
         values = wire.read_input(tensor, raw, full).values

@@ -650,3 +650,31 @@ async def test_an_end_id_outside_the_vocabulary_is_refused_as_the_executor_refus
     for ok in (-1, vocab - 1):
         responses = await collect(triton, request("ok-end", max_tokens=2, end_id=ok))
         assert not [r.error_message for r in responses if r.error_message]
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        (
+            [1, 2, 3],
+            "unexpected shape for input 'input_ids' for model 'tensorrt_llm'. Expected [-1,-1], "
+            "got [1,2,3]. NOTE: Setting a non-zero max_batch_size in the model config requires a "
+            "batch dimension to be prepended to each input shape. If you want to specify the full "
+            "shape including the batch dim in your input dims config, try setting max_batch_size "
+            "to zero. See the model configuration docs for more info on max_batch_size.",
+        ),
+        (
+            [],
+            "input 'input_ids' has no shape but model requires batch dimension for 'tensorrt_llm'",
+        ),
+    ],
+    ids=["extra-dim", "no-shape"],
+)
+async def test_a_wrong_shape_is_refused_in_triton_words(
+    triton: ts_grpc.GRPCInferenceServiceStub, shape: list[int], message: str
+) -> None:
+    req = request("bad-shape", max_tokens=2)
+    del req.inputs[0].shape[:]
+    req.inputs[0].shape.extend(shape)
+    (refused,) = await collect(triton, req)
+    assert (refused.error_message, refused.infer_response.id) == (message, "bad-shape")
