@@ -166,37 +166,47 @@ def parse_request(data: dict[str, Any], chat: bool) -> HttpRequest:
         http = _parse(data, chat)
     except RequestError as exc:
         raise error_of(exc, chat) from None
-    _unicode(http.request)
+    _unicode(http)
     return http
 
 
-def _unicode(req: IncomingRequest) -> None:
+def _unicode(http: HttpRequest) -> None:
     """JSON can escape half a UTF-16 pair ("\ud800"), which no UTF-8 text holds: the gRPC API
-    cannot carry it, nor can the tokenizer or the cache key."""
-    texts = [req.model, req.request_id, req.namespace, *req.stop]
+    cannot carry it, nor can the tokenizer or the cache key. The refusal names the body's field."""
+    req = http.request
+    texts = [
+        ("model", req.model),
+        ("appliance.request_id", req.request_id),
+        ("appliance.namespace", req.namespace),
+        *(("stop", s) for s in req.stop),
+    ]
     if req.prompt is not None:
-        texts.append(req.prompt)
-    for role, content in req.messages or ():
-        texts += (role, content)
-    if req.tool_chat is not None:
-        for t in req.tool_chat.turns:
-            texts += (t.call_id, *(f"{c.name}{c.arguments}{c.id}" for c in t.calls))
-        if req.tool_chat.plan is not None:
-            texts += [t.description for t in req.tool_chat.plan.tools]
-            texts += [
-                json.dumps(t.parameters, ensure_ascii=False) for t in req.tool_chat.plan.tools
-            ]
+        texts.append(("prompt", req.prompt))
+    chat = req.tool_chat
+    if chat is None:
+        for i, (role, content) in enumerate(req.messages or ()):
+            texts += ((f"messages[{i}].role", role), (f"messages[{i}].content", content))
+    else:
+        for i, t in enumerate(chat.turns):
+            texts += ((f"messages[{i}].content", t.content), (f"messages[{i}]", t.call_id))
+            texts += (
+                (f"messages[{i}].tool_calls", f"{c.name}{c.arguments}{c.id}") for c in t.calls
+            )
+        for j, tool in enumerate(chat.plan.tools if chat.plan is not None else ()):
+            parameters = json.dumps(tool.parameters, ensure_ascii=False)
+            texts.append((f"tools[{j}]", tool.description + parameters))
     if req.guide is not None:
-        texts.append(req.guide.text)
-    for text in texts:
+        texts.append((http.guide_field or "response_format", req.guide.text))
+    for field, text in texts:
         if text.isascii():
             continue
         try:
             text.encode()
         except UnicodeEncodeError as exc:
             raise invalid(
-                f"the request holds text that is not valid Unicode: an unpaired surrogate "
-                f"{exc.object[exc.start : exc.end]!a}"
+                f"{field} holds text that is not valid Unicode: an unpaired surrogate "
+                f"{exc.object[exc.start : exc.end]!a}",
+                field,
             ) from None
 
 
@@ -209,9 +219,7 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     for name, kind in IGNORED.items():
         _field(data, name, kind)
     for name, allowed in NO_OP.items():
-        value = data.get(name)
-        # true == 1 and false == 0 in Python: a boolean is none of the accepted numbers.
-        if name in data and (isinstance(value, bool) or value not in (*allowed, {}, [])):
+        if name in data and not _no_op(data[name], allowed):
             shown = ", ".join(json.dumps(a) for a in allowed)
             raise invalid(f"{name} is not supported by this server (accepted: {shown})", name)
     req = IncomingRequest(model=_field(data, "model", str, required=True))
@@ -255,6 +263,14 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     if not guided and req.guide is not None:
         guide_field = "appliance.guide"
     return HttpRequest(req, chat, stream, include_usage, deadline_s, guide_field)
+
+
+def _no_op(value: object, allowed: tuple[object, ...]) -> bool:
+    """`value` is one of a NO_OP field's accepted values (or empty); true == 1 and false == 0 in
+    Python, so a boolean matches a boolean only."""
+    return any(
+        value == a and isinstance(value, bool) == isinstance(a, bool) for a in (*allowed, {}, [])
+    )
 
 
 def _length(req: IncomingRequest, data: dict[str, Any]) -> None:
