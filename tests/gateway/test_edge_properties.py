@@ -9,9 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -31,9 +32,11 @@ from appliance.gateway.request import (
     check_top_logprobs,
     tokenize,
 )
+from appliance.gateway.server import RunningGateway
 from appliance.text.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
-from tests.conftest import Tiny
+from tests.conftest import Engine, Tiny
+from tests.gateway.test_http_api import _config, _gateway
 
 LIMITS = Limits(
     max_input_tokens=4096,
@@ -523,3 +526,41 @@ def test_generate_requests_are_passed_or_refused_by_field(
     m: pb.GenerateRequest, text: ModelText
 ) -> None:
     refused_properly(lambda: grpc_edge(m, text))
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def gateway(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+    running = await _gateway(_config(tiny, engine.address))
+    yield running
+    await running.drain(0.5)
+
+
+@settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    body=st.one_of(
+        CHAT.map(lambda b: ("chat/completions", b)), COMPLETION.map(lambda b: ("completions", b))
+    )
+)
+async def test_bodies_over_http_are_answered_or_refused_never_a_500(
+    gateway: RunningGateway, body: tuple[str, dict[str, Any]]
+) -> None:
+    path, data = body
+    try:
+        raw = json.dumps(data).encode()
+    except (RecursionError, ValueError):
+        return
+    assert gateway.http is not None
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://127.0.0.1:{gateway.http.port}/v1/{path}", data=raw) as r,
+    ):
+        answer = await r.read()
+    event(str(r.status))
+    assert r.status == 200 or 400 <= r.status < 500, answer[:300]
