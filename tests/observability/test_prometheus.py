@@ -26,6 +26,7 @@ from appliance.gateway.report import RequestReport
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
+from host_tuning import textfile
 from tests.cache.redis_server import RedisServer
 from tests.cache.test_semantic_e2e import PARAPHRASE, QUESTION
 from tests.conftest import Engine, Tiny
@@ -91,6 +92,8 @@ async def test_dashboard_and_alerts_use_only_exported_metrics(
 ) -> None:
     running, _ = gateway
     exported = exported_names(running.metrics_port) | set(GpuCollector.NAMES)
+    # What host-tune verify writes for node_exporter's textfile collector.
+    exported |= referenced_names(textfile.exposition([], 0, 0.0).decode())
     dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     exprs += " " + " ".join(v.get("query", "") for v in dashboard["templating"]["list"])
