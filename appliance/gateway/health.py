@@ -90,6 +90,8 @@ class HealthMonitor:
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
         self._statuses: dict[str, int] = {}
+        # Models whose engine gave the last round no answer while still reachable.
+        self._unanswered: set[str] = set()
         self.draining = False
 
     def start(self) -> None:
@@ -106,9 +108,26 @@ class HealthMonitor:
             await asyncio.sleep(self._interval)
 
     async def check(self) -> None:
-        """One round: every engine's readiness, then every status."""
+        """One round: every engine's readiness, then every status. An engine that gives one
+        round no answer within its time is busy (a long prefill on a loaded host), not gone: it
+        is unreachable when the next round gets none either, or an answer that says not ready."""
+        loop = asyncio.get_running_loop()
+        timeout_s = min(self._interval, 2.0)
         for name, model in self._models.items():
-            ready, why = await model.backend.readiness(min(self._interval, 2.0))
+            asked = loop.time()
+            ready, why = await model.backend.readiness(timeout_s)
+            unanswered = not ready and loop.time() - asked >= timeout_s
+            if unanswered and model.health.reachable and name not in self._unanswered:
+                self._unanswered.add(name)
+                log.info(
+                    "model '%s': engine at %s gave no answer in %.1f s: %s",
+                    name,
+                    model.backend.address,
+                    timeout_s,
+                    why,
+                )
+                continue
+            self._unanswered.discard(name)
             if ready and not model.health.reachable:
                 log.info("model '%s': engine at %s reachable again", name, model.backend.address)
             elif not ready and model.health.reachable:
