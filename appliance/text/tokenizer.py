@@ -38,6 +38,10 @@ class TokenizerLoadError(ValueError):
     """The tokenizer directory is missing something the gateway needs; the message says what."""
 
 
+# Characters of a template's own error a refusal repeats.
+MAX_REASON = 200
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered with the model's template (e.g. roles out of order)."""
 
@@ -196,9 +200,21 @@ class ModelText:
             raise ChatTemplateError("this model has no chat template: send a prompt, not messages")
         try:
             text = render_chat(self.chat_template, messages, tools, self.bos_token, self.eos_token)
-        except jinja2.TemplateError as exc:
+        except ChatTemplateError:
+            raise
+        except (
+            jinja2.TemplateError,
+            ArithmeticError,
+            AttributeError,
+            LookupError,
+            RecursionError,
+            TypeError,
+            ValueError,
+        ) as exc:
+            # The template's filters and operators run on values the client chose (contents, a
+            # past tool call's arguments): whatever they raise is these messages' refusal.
             raise ChatTemplateError(
-                f"the model's chat template failed on these messages: {exc}"
+                f"the model's chat template failed on these messages: {str(exc)[:MAX_REASON]}"
             ) from exc
         if self.segments is not None and self.segments.takes(text):
             return self.segments.by_pieces(text, namespace)

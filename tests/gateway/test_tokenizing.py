@@ -4,11 +4,18 @@ off."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
-from appliance.text.tokenizer import INLINE_CHARS, ModelText, tokenize_on_calling_thread
+from appliance.text.tokenizer import (
+    INLINE_CHARS,
+    ChatTemplateError,
+    ModelText,
+    chat_environment,
+    tokenize_on_calling_thread,
+)
 from tests.conftest import Tiny
 
 
@@ -54,3 +61,25 @@ def test_a_long_chat_encodes_alike_through_the_pool(text: ModelText) -> None:
     assert (
         text.encode_chat(messages) == text.tokenizer.encode(rendered, add_special_tokens=False).ids
     )
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "message['content'] | length",  # an int's length: TypeError
+        "message['content'] | dictsort",  # AttributeError
+        "'<' + message['content']",  # TypeError
+        "message['content'] // 0",  # ZeroDivisionError
+    ],
+)
+def test_a_template_that_fails_on_what_the_client_sent_refuses_the_chat(
+    text: ModelText, expression: str
+) -> None:
+    """A template applies filters and operators to values the client chose (a past tool call's
+    arguments, say); an error there is the chat's refusal, not the server's fault."""
+    template = chat_environment().from_string(
+        "{% for message in messages %}{{ " + expression + " }}{% endfor %}"
+    )
+    model = dataclasses.replace(text, chat_template=template, segments=None)
+    with pytest.raises(ChatTemplateError, match="chat template failed on these messages"):
+        model.encode_chat([{"role": "user", "content": 5}])
