@@ -33,9 +33,11 @@ from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.generation import TokenLogprob
 from appliance.gateway.reply import Final
 from appliance.gateway.request import (
+    ECHO_CHARS,
     GUIDE_KINDS,
     MAX_TOP_LOGPROBS,
     IncomingRequest,
+    echo,
     too_many_messages,
 )
 from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry
@@ -215,7 +217,12 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     for name in data:
         if name not in known:
             hint = f"; send it as appliance.{name}" if name in EXTENSION_FIELDS else ""
-            raise invalid(f"Unrecognized request argument supplied: {name}{hint}", name)
+            # A plain name as OpenAI writes it; any other quoted, escaped and cut.
+            plain = name.isidentifier() and len(name) <= ECHO_CHARS
+            shown = name if plain else echo(name)
+            raise invalid(
+                f"Unrecognized request argument supplied: {shown}{hint}", name[:ECHO_CHARS]
+            )
     for name, kind in IGNORED.items():
         _field(data, name, kind)
     for name, allowed in NO_OP.items():

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.gateway.errors import RequestError, invalid
-from appliance.gateway.request import check_json_schema, check_role
+from appliance.gateway.request import check_json_schema, check_role, echo
 
 # OpenAI's limits: tools per request and a function name's form.
 MAX_TOOLS = 128
@@ -158,7 +158,8 @@ def plan(tools: object, choice: object) -> ToolPlan | None:
             )
         return plan_of(checked, name, "tools", "tool_choice")
     if choice not in (*CHOICES, "none"):
-        raise _bad(f"tool_choice {choice!r} is not one of {', '.join(CHOICES)}", "tool_choice")
+        shown = echo(choice) if isinstance(choice, str) else f"of type {type(choice).__name__}"
+        raise _bad(f"tool_choice {shown} is not one of {', '.join(CHOICES)}", "tool_choice")
     return plan_of(checked, str(choice), "tools", "tool_choice")
 
 
@@ -179,7 +180,7 @@ def plan_of(tools: Sequence[Tool], choice: str, where: str, choice_field: str) -
     if choice == "none":
         return None
     if choice not in CHOICES and choice not in names:
-        raise _bad(f"{choice_field} names {choice!r}, which is not in {where}", choice_field)
+        raise _bad(f"{choice_field} names {echo(choice)}, which is not in {where}", choice_field)
     return ToolPlan(tuple(tools), choice)
 
 

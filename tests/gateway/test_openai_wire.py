@@ -223,3 +223,16 @@ def test_similarity_is_reported_for_any_tier_that_judged_one() -> None:
     facts = wire.extension("abc", _final(tier="paraphrases", similarity=0.91234))
     assert facts["similarity"] == 0.9123
     assert "similarity" not in wire.extension("abc", _final(tier="l1", similarity=None))
+
+
+def test_an_unknown_field_is_named_in_a_bounded_refusal() -> None:
+    with pytest.raises(wire.HttpError) as err:
+        wire.parse_request({"model": "tiny", "prompt": "x", "bogus": 1}, chat=False)
+    assert err.value.message == "Unrecognized request argument supplied: bogus"
+    assert err.value.param == "bogus"
+    for name in ("k" * 100_000, "two\nlines", ""):
+        with pytest.raises(wire.HttpError) as err:
+            wire.parse_request({"model": "tiny", "prompt": "x", name: 1}, chat=False)
+        assert len(err.value.message) < 200 and "\n" not in err.value.message
+        assert err.value.param is not None and len(err.value.param) < 100
+        assert repr(name[:10])[:-1] in err.value.message  # quoted: where it starts is shown

@@ -237,3 +237,20 @@ def test_a_forced_call_cut_short_is_text() -> None:
         final = replies[-1]
         assert isinstance(final, Final) and final.tool_call is None
         assert "".join(r.text for r in replies if isinstance(r, Delta)) == "".join(CALL_TEXT[:2])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tools": [TIME], "tool_choice": "x" * 100_000},
+        {"tools": [TIME], "tool_choice": ["x" * 1000] * 100},
+        {"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "y" * 100_000}}},
+    ],
+)
+def test_a_refusal_repeats_at_most_a_short_piece_of_what_the_client_sent(
+    fields: dict[str, Any],
+) -> None:
+    with pytest.raises(wire.HttpError) as err:
+        chat(**fields)
+    assert err.value.status == 400 and err.value.param == "tool_choice"
+    assert len(err.value.message) < 400, len(err.value.message)
