@@ -486,8 +486,9 @@ def _fits(chars: int, limits: Limits, field: str) -> None:
     """Text of `chars` characters can fit the model's input (checked before it is normalized;
     NFC composes, so it never makes text longer)."""
     if chars > limits.max_input_chars:
+        subject = "the messages are" if field == "messages" else f"{field} is"
         raise _invalid(
-            f"prompt is {chars} characters, more than fit this model's limit of "
+            f"{subject} {chars} characters, more than fit this model's limit of "
             f"{limits.max_input_tokens} input tokens",
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,

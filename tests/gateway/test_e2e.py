@@ -152,7 +152,16 @@ BAD = [
     # An 8 KB model name is echoed shortened: the status stays NOT_FOUND, never a too-large error.
     (dict(model="m" * 8192), grpc.StatusCode.NOT_FOUND, "(8192 characters); known models: tiny"),
     # Megabytes of text are refused by their length, before the tokenizer runs.
-    (dict(prompt="x" * 3_000_000), grpc.StatusCode.INVALID_ARGUMENT, "characters, more than fit"),
+    (dict(prompt="x" * 3_000_000), grpc.StatusCode.INVALID_ARGUMENT, "prompt is 3000000 char"),
+    (
+        dict(
+            messages=pb.ChatMessages(
+                messages=[pb.ChatMessage(role="user", content="x" * 3_000_000)]
+            )
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the messages are 3000000 characters, more than fit",
+    ),
 ]
 
 
