@@ -100,10 +100,11 @@ def superseded(written: Sequence[int], known: Sequence[int]) -> bool:
 @dataclass(frozen=True, slots=True)
 class Generations:
     """A query's mark in L2: the generation keys of its entry's scopes and their generations,
-    read before its answer's generation began."""
+    read before its answer's generation began; `known` None when the lookup could not read them
+    (Redis failed it: the answer is not written, and no second read delays the engine)."""
 
     names: tuple[str, ...]
-    known: tuple[int, ...]
+    known: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -371,12 +372,14 @@ class RedisTier(CacheTier):
     async def mark(self, query: CacheQuery) -> None:
         """One MGET of the generations, unless the query's lookup read them (none on a fault: its
         answer is then not written)."""
-        if self.marked(query) is None:
-            labels = (query.namespace, query.model.name, query.key)
-            known = await self.generations(*labels)
-            if known is not None:
-                names = tuple(self.generation_keys(*labels))
-                query.marks[self.name] = Generations(names, tuple(known))
+        labels = (query.namespace, query.model.name, query.key)
+        names = tuple(self.generation_keys(*labels))
+        mark = query.marks.get(self.name)
+        if isinstance(mark, Generations) and mark.names == names:
+            return
+        known = await self.generations(*labels)
+        if known is not None:
+            query.marks[self.name] = Generations(names, tuple(known))
 
     def overtaken(self, query: CacheQuery) -> bool:
         """An invalidation since the query's mark that this gateway knows of: made here, or its
@@ -453,7 +456,12 @@ class RedisTier(CacheTier):
         """`marks`: a query's, where the generations read are noted (unless noted already)."""
         name = self.redis_key(namespace, model, key)
         gens = self.generation_keys(namespace, model, key)
-        data, *found = await self._run("MGET", self.client.mget([name, *gens]))
+        try:
+            data, *found = await self._run("MGET", self.client.mget([name, *gens]))
+        except TierUnavailable:
+            if marks is not None:
+                marks.setdefault(self.name, Generations(tuple(gens), None))
+            raise
         known = self._read_generations(gens, found)
         if known is None:
             return None

@@ -257,3 +257,29 @@ async def test_an_answer_this_gateway_knows_invalidated_is_not_written(tier: Red
     await written(tier)
     assert tier.metrics.l2_invalidated_entries == before + 1
     assert (await tier.get("ns", "m", KEY)).text == "fresh"  # type: ignore[union-attr]
+
+
+async def test_a_lookup_that_timed_out_is_not_read_again_before_the_engine(
+    redis_server: RedisServer,
+) -> None:
+    """The lookup's MGET timed out: marking the query for its store does not wait on Redis a
+    second time (the engine would start one time budget later), and its answer is not written."""
+    redis_server.client().flushall()
+    tier = RedisTier(RedisSettings(url=redis_server.url, timeout_ms=100.0, mac_key=MAC_KEY))
+    try:
+        looked = query()
+        redis_server.pause()
+        try:
+            async with asyncio.timeout(30):
+                with pytest.raises(TierUnavailable):
+                    await tier.lookup(looked)
+                await tier.mark(looked)
+        finally:
+            redis_server.resume()
+        assert tier.counters()["l2_timeouts"] == 1
+        tier.store(looked, ANSWER)
+        await written(tier)
+        assert tier.counters()["write_failures"] == 1
+        assert await tier.lookup(query()) is None
+    finally:
+        await tier.close()
