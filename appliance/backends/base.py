@@ -26,10 +26,13 @@ BACKEND_KINDS = {"triton": "appliance.backends.triton:TritonBackend"}
 class BackendError(Exception):
     """A failure talking to the inference server; carries the status the gateway's client gets."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # What a program can branch on, in OpenAI's words (RequestError.reason), where the
+        # engine's words say it: e.g. "context_length_exceeded" for a prompt it refused as too long.
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,21 @@ class Speculation:
 
 
 NO_SPECULATION = Speculation()
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine's own bounds on one request, as its configuration declares them (TensorRT-LLM's
+    `max_input_len` and `max_seq_len` parameters); None: not declared, and the model's context
+    (config.json) bounds a request alone."""
+
+    # Most prompt tokens the engine takes; a longer prompt is refused by it.
+    max_input_len: int | None = None
+    # Most prompt + completion tokens; the engine ends an answer that reaches it.
+    max_seq_len: int | None = None
+
+
+NO_ENGINE_LIMITS = EngineLimits()
 
 
 def top_logprobs_refusal(model: str, limit: int, asked: int) -> str | None:
@@ -215,6 +233,13 @@ class Backend(Protocol):
         `ignore_eos`), each with what its engine lacks, as unserved_refusal words it (empty
         until that is known)."""
         ...
+
+    @property
+    def engine_limits(self) -> EngineLimits:
+        """The engine's bounds on prompt and prompt + completion tokens, where it declares them
+        (NO_ENGINE_LIMITS until they are known, and for a backend that declares none: a class
+        that subclasses Backend inherits this)."""
+        return NO_ENGINE_LIMITS
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Returns once the backend can take requests; BackendError (UNAVAILABLE) after timeout_s."""

@@ -25,9 +25,11 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends import wire
 from appliance.backends.base import (
+    NO_ENGINE_LIMITS,
     NO_SPECULATION,
     Alternative,
     BackendError,
+    EngineLimits,
     GenerationRequest,
     Speculation,
     Tokens,
@@ -36,6 +38,7 @@ from appliance.backends.base import (
 )
 from appliance.backends.stream_pool import StreamPool
 from appliance.backends.stream_socket import SocketStream
+from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,
@@ -98,6 +101,31 @@ def status_for_inband_error(message: str) -> grpc.StatusCode:
     return next((code for key, code in _INBAND_CODES if key in lowered), grpc.StatusCode.INTERNAL)
 
 
+# TensorRT-LLM's words for a prompt longer than the engine's max_input_len ("Prompt length (N)
+# exceeds maximum input length (M).").
+_PROMPT_TOO_LONG = "exceeds maximum input length"
+
+
+def inband_error(message: str) -> BackendError:
+    """The BackendError of an engine's in-band error message."""
+    reason = CONTEXT_LENGTH_EXCEEDED if _PROMPT_TOO_LONG in message else None
+    return BackendError(
+        status_for_inband_error(message), f"inference server: {message}", reason=reason
+    )
+
+
+def engine_limits(params: Mapping[str, mc.ModelParameter]) -> EngineLimits:
+    """The engine's limits from its config.pbtxt parameters max_input_len and max_seq_len (None
+    where one is absent or not a positive number); max_input_len at most max_seq_len - 1, as the
+    engine applies it."""
+    names = ("max_input_len", "max_seq_len")
+    given = [params[name].string_value.strip() if name in params else "" for name in names]
+    max_input, max_seq = (int(v) if v.isdigit() and int(v) > 0 else None for v in given)
+    if max_seq is not None:
+        max_input = max_seq - 1 if max_input is None else min(max_input, max_seq - 1)
+    return EngineLimits(max_input, max_seq)
+
+
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
 LOG_PROBS_INPUT = "return_log_probs"
 # [batch 1, beams, tokens] FP32. Streamed, TensorRT-LLM's executor returns the log-probabilities
@@ -130,6 +158,8 @@ class InputNames:
     # TOP_LOGPROBS_INPUT and both outputs declared (the appliance engine server's models), else 0
     # (the tensorrtllm backend returns the chosen token's log-probability alone).
     top_logprobs: int = 0
+    # The engine's max_input_len and max_seq_len, where its parameters declare them.
+    limits: EngineLimits = NO_ENGINE_LIMITS
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> InputNames:
@@ -159,6 +189,7 @@ class InputNames:
             if TOP_LOGPROBS_INPUT in present
             and {TOP_LOGPROB_IDS_OUTPUT, TOP_LOGPROBS_OUTPUT} <= outputs
             else 0,
+            limits=engine_limits(params),
         )
 
     @functools.cached_property
@@ -350,6 +381,11 @@ class TritonBackend:
         """From the model's configuration as last read (empty before)."""
         return self._names.unserved if self._names is not None else {}
 
+    @property
+    def engine_limits(self) -> EngineLimits:
+        """From the model's configuration as last read (NO_ENGINE_LIMITS before)."""
+        return self._names.limits if self._names is not None else NO_ENGINE_LIMITS
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Waits for ServerReady and ModelReady, then reads and checks the model's configuration.
 
@@ -518,10 +554,7 @@ class TritonBackend:
                     )
                 if message.error_message:
                     finished = True
-                    raise BackendError(
-                        status_for_inband_error(message.error_message),
-                        f"inference server: {message.error_message}",
-                    )
+                    raise inband_error(message.error_message)
                 response = message.infer_response
                 tokens = Tokens(_output_tokens(response))
                 if g.logprobs and tokens:

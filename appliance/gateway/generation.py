@@ -50,7 +50,8 @@ class Delta:
 class Outcome:
     """How a generation ended; the last event of every stream."""
 
-    # "stop" (end token or stop string) or "length" (max_tokens reached).
+    # "stop" (end token or stop string) or "length" (max_tokens or the engine's max_seq_len
+    # reached).
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -127,7 +128,12 @@ async def generate(
     tail = "" if matcher.stopped else matcher.feed(decoder.flush()) + matcher.flush()
     if tail:
         yield Delta(tail, [])
-    stopped = ended_by_stop or completion < request.max_tokens
+    # The engine also ends an answer that reaches its max_seq_len, with no end token.
+    max_seq_len = model.backend.engine_limits.max_seq_len
+    cut = completion >= request.max_tokens or (
+        max_seq_len is not None and len(request.prompt_ids) + completion >= max_seq_len
+    )
+    stopped = ended_by_stop or not cut
     yield Outcome(
         "stop" if stopped else "length",
         len(request.prompt_ids),

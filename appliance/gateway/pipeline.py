@@ -201,6 +201,8 @@ class Generation:
     held: bool = False
     # When this request began to wait on it (time.monotonic_ns()): its queue time ends no earlier.
     since_ns: int = dataclasses.field(default_factory=time.monotonic_ns)
+    # The request field the engine's refusal of its input names: "prompt" or "messages".
+    input_field: str = "prompt"
 
 
 @dataclass(slots=True)
@@ -578,7 +580,10 @@ class Pipeline:
         flight, led = self.single_flight(target, prepared, shared, budget)
         if led:
             flight.owner = shared
-        return Generation(target, shared, flight, len(prepared.prompt_ids), follows=not led)
+        field = "prompt" if checked.prompt is not None else "messages"
+        return Generation(
+            target, shared, flight, len(prepared.prompt_ids), follows=not led, input_field=field
+        )
 
     async def tokenize(
         self, model: ServedModel, checked: CheckedRequest, expires: float
@@ -587,14 +592,17 @@ class Pipeline:
         for one ends at the request's deadline (`expires`, time.monotonic()) or when the drain's
         grace is over (refused like every request still waiting then: a retry hint)."""
         chars = len(checked.prompt or "") + sum(len(c) for _, c in checked.messages)
+        engine = model.backend.engine_limits
         if chars <= INLINE_CHARS:
-            return tokenize(checked, model.text, model.limits)
+            return tokenize(checked, model.text, model.limits, engine)
         if self.draining:
             raise stopping()
         loop = asyncio.get_running_loop()
         if self._grace_over is None:
             self._grace_over = loop.create_future()
-        work = loop.run_in_executor(self._tokenizers, tokenize, checked, model.text, model.limits)
+        work = loop.run_in_executor(
+            self._tokenizers, tokenize, checked, model.text, model.limits, engine
+        )
         try:
             async with asyncio.timeout_at(self._loop_time(expires)):
                 await asyncio.wait((work, self._grace_over), return_when=asyncio.FIRST_COMPLETED)
@@ -777,7 +785,8 @@ class Pipeline:
                 yield final_of(report, received, started, first)
         except BackendError as exc:
             if not (self.draining and exc.code == grpc.StatusCode.CANCELLED):
-                raise RequestError(exc.code, exc.message) from None
+                field = generation.input_field if exc.reason is not None else None
+                raise RequestError(exc.code, exc.message, reason=exc.reason, field=field) from None
             if not first:
                 raise stopping() from None
             report.finish_reason = "cancelled"

@@ -28,6 +28,8 @@ import jsonschema_rs
 
 from appliance.backends.base import (
     GREEDY,
+    NO_ENGINE_LIMITS,
+    EngineLimits,
     Guide,
     Sampling,
     Speculation,
@@ -217,6 +219,9 @@ class CheckedRequest:
     top_logprobs: int = 0
     # A chat with tools: the tokenize stage renders it (`messages` is its fallback rendering).
     tool_chat: ToolChat | None = None
+    # The client set no max_tokens: `max_tokens` is the model's default, which the tokenize stage
+    # lowers to what the context leaves after the prompt.
+    default_max_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -346,6 +351,7 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
         req.speculation,
         top_logprobs,
         tool_chat,
+        req.max_tokens is None,
     )
 
 
@@ -495,8 +501,15 @@ def _fits(chars: int, limits: Limits, field: str) -> None:
         )
 
 
-def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> PreparedRequest:
-    """The prompt's token ids, checked against the model's limits; raises RequestError."""
+def tokenize(
+    checked: CheckedRequest,
+    text: ModelText,
+    limits: Limits,
+    engine: EngineLimits = NO_ENGINE_LIMITS,
+) -> PreparedRequest:
+    """The prompt's token ids, checked against the model's limits and the engine's (`engine`: its
+    backend's, the smaller applies); raises RequestError. A request without max_tokens gets the
+    model's default, lowered to what the context leaves after the prompt."""
     if checked.prompt is not None:
         prompt_ids = text.encode_prompt(checked.prompt)
     else:
@@ -505,25 +518,34 @@ def tokenize(checked: CheckedRequest, text: ModelText, limits: Limits) -> Prepar
         except ChatTemplateError as exc:
             raise _invalid(str(exc), field="messages") from exc
     field = "prompt" if checked.prompt is not None else "messages"
-    if len(prompt_ids) > limits.max_input_tokens:
+    prompt = len(prompt_ids)
+    max_input, input_of = limits.max_input_tokens, ""
+    if engine.max_input_len is not None and engine.max_input_len < max_input:
+        max_input, input_of = engine.max_input_len, " (its engine's max_input_len)"
+    if prompt > max_input:
         raise _invalid(
-            f"prompt is {len(prompt_ids)} tokens; this model accepts at most "
-            f"{limits.max_input_tokens} input tokens",
+            f"prompt is {prompt} tokens; this model accepts at most {max_input} input "
+            f"tokens{input_of}",
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,
         )
-    if len(prompt_ids) + checked.max_tokens > limits.context_length:
+    context, context_of = limits.context_length, "the model's context"
+    if engine.max_seq_len is not None and engine.max_seq_len < context:
+        context, context_of = engine.max_seq_len, "the engine's max_seq_len"
+    max_tokens = checked.max_tokens
+    if checked.default_max_tokens:
+        max_tokens = max(min(max_tokens, context - prompt), checked.min_tokens, 1)
+    if prompt + max_tokens > context:
         raise _invalid(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({checked.max_tokens}) exceeds the "
-            f"model's context of {limits.context_length} tokens; lower max_tokens or shorten the "
-            "prompt",
+            f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds {context_of} of "
+            f"{context} tokens; lower max_tokens or shorten the prompt",
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,
         )
     return PreparedRequest(
         request_id=checked.request_id,
         prompt_ids=prompt_ids,
-        max_tokens=checked.max_tokens,
+        max_tokens=max_tokens,
         sampling=checked.sampling,
         stops=checked.stops,
         guide=checked.guide,

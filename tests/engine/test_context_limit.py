@@ -1,20 +1,34 @@
-"""A prompt longer than what the engine serves: the engine's in-band error reaches the client as
-INVALID_ARGUMENT with the engine's own words.
+"""An engine built for a shorter max_seq_len than the model's context (config.json).
 
-The gateway bounds prompts by the model's context (config.json); an engine built for a shorter
-max_seq_len (the repository's parameter) is the case where only the engine can refuse. A prompt that
-fits with a request_output_len that does not is served with fewer tokens, as TensorRT-LLM serves it.
+The engine server refuses a prompt longer than max_input_len in-band and shortens a
+request_output_len that does not fit max_seq_len, as TensorRT-LLM does. The gateway reads both
+limits from the model's config.pbtxt parameters and refuses what does not fit before the engine,
+as it refuses what does not fit the model's context.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
+import shutil
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
 import grpc
 import pytest
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
+from appliance.backends.base import GREEDY, NO_ENGINE_LIMITS, EngineLimits, GenerationRequest
+from appliance.backends.triton import engine_limits
+from appliance.config import HttpConfig
 from appliance.engine.server import load_repository, start_engine
-from appliance.gateway.models import load_models
-from appliance.gateway.server import start_server
+from appliance.gateway.generation import Outcome, generate
+from appliance.gateway.models import ServedModel, load_models
+from appliance.gateway.server import RunningGateway, start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from engine_build.repo import write_hf_repository
@@ -23,35 +37,8 @@ from tests.engine.test_conformance import collect, request, tokens_of
 from tests.support import gateway_config
 
 SHORT = 64
-
-
-async def test_prompt_beyond_the_engine_limit_is_invalid_argument(
-    tiny: Tiny, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    repo = write_hf_repository(
-        tiny.model_dir, tmp_path_factory.mktemp("short") / "repo", SHORT, guided_decoding=False
-    )
-    models = load_repository(repo)
-    assert models["tensorrt_llm"].max_len == SHORT
-    server, _, port = await start_engine(models, "127.0.0.1:0")
-    config = gateway_config(tiny.tokenizer_dir, f"127.0.0.1:{port}")
-    gateway = await start_server(config, await load_models(config))
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            stub = pb_grpc.InferenceStub(channel)
-            long_prompt = "the cache answers repeated questions " * 12
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Complete(pb.GenerateRequest(model="tiny", prompt=long_prompt))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert f"exceeds maximum input length ({SHORT - 1})" in (err.value.details() or "")
-            # A prompt that fits is served by the same engine.
-            ok = await stub.Complete(pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=4))
-            assert ok.final.usage.completion_tokens == 4
-    finally:
-        await gateway.drain(0.1)
-        await server.stop(grace=None)
-        for m in models.values():
-            m.runner.close()
+# More tokens than SHORT.
+LONG = "the cache answers repeated questions " * 12
 
 
 async def test_request_output_len_beyond_the_engine_limit_is_shortened_not_refused(
@@ -84,3 +71,174 @@ async def test_request_output_len_beyond_the_engine_limit_is_shortened_not_refus
         await server.stop(grace=None)
         for m in models.values():
             m.runner.close()
+
+
+@contextlib.asynccontextmanager
+async def _short_gateway(
+    tiny: Tiny, root: Path
+) -> AsyncIterator[tuple[RunningGateway, ServedModel]]:
+    """The engine server on a repository built for SHORT tokens, and a gateway (gRPC and HTTP)
+    in front of it; the gateway's config.json context is the checkpoint's (2048)."""
+    repo = write_hf_repository(tiny.model_dir, root / "repo", SHORT, guided_decoding=False)
+    models = load_repository(repo)
+    server, _, port = await start_engine(models, "127.0.0.1:0")
+    config = gateway_config(
+        tiny.tokenizer_dir, f"127.0.0.1:{port}", http=HttpConfig(listen="127.0.0.1:0")
+    )
+    served = await load_models(config)
+    gateway = await start_server(config, served)
+    try:
+        yield gateway, served["tiny"]
+    finally:
+        await gateway.drain(0.1)
+        await server.stop(grace=None)
+        for m in models.values():
+            m.runner.close()
+
+
+async def _post(gateway: RunningGateway, path: str, body: Mapping[str, object]) -> tuple[int, Any]:
+    assert gateway.http is not None
+    url = f"http://127.0.0.1:{gateway.http.port}/v1/{path}"
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as reply:
+        return reply.status, await reply.json()
+
+
+async def test_requests_beyond_the_engine_limits_are_refused_as_context_length_exceeded(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """The engine's max_input_len and max_seq_len bound a request as the model's context does:
+    refused by the gateway with OpenAI's 400 context_length_exceeded, naming the limit."""
+    async with _short_gateway(tiny, tmp_path) as (gateway, _):
+        status, body = await _post(gateway, "completions", {"model": "tiny", "prompt": LONG})
+        error = body["error"]
+        assert status == 400, body
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+        assert f"at most {SHORT - 1} input tokens (its engine's max_input_len)" in error["message"]
+
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}
+        status, body = await _post(gateway, "chat/completions", chat)
+        assert status == 400, body
+        assert (body["error"]["code"], body["error"]["param"]) == (
+            "context_length_exceeded",
+            "messages",
+        )
+
+        asked = {"model": "tiny", "prompt": "hi", "max_tokens": SHORT}
+        status, body = await _post(gateway, "completions", asked)
+        error = body["error"]
+        assert status == 400, body
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+        assert (
+            f"max_tokens ({SHORT}) exceeds the engine's max_seq_len of {SHORT}"
+            in (error["message"])
+        )
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Complete(pb.GenerateRequest(model="tiny", prompt=LONG))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_input_len" in (err.value.details() or "")
+            # A prompt that fits is served by the same engine.
+            ok = await stub.Complete(pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=4))
+            assert ok.final.usage.completion_tokens == 4
+
+
+async def test_default_max_tokens_is_what_the_engine_leaves_after_the_prompt(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """No max_tokens: the model's default (256 here) is capped by what max_seq_len leaves after
+    the prompt, served to that length and reported as cut by length."""
+    async with _short_gateway(tiny, tmp_path) as (gateway, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            reply = await stub.Complete(
+                pb.GenerateRequest(model="tiny", prompt="hi there", ignore_eos=True)
+            )
+        usage = reply.final.usage
+        assert usage.prompt_tokens + usage.completion_tokens == SHORT
+        assert reply.final.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_an_answer_the_engine_ends_at_max_seq_len_finishes_by_length(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """A generation the engine shortens to its max_seq_len (a request_output_len past it) ends
+    with finish reason length, not stop."""
+    async with _short_gateway(tiny, tmp_path) as (_, model):
+        prompt = [1, 300, 301, 302, 303, 304]
+        request = GenerationRequest(
+            request_id="past-max-seq-len",
+            prompt_ids=prompt,
+            max_tokens=1000,
+            end_id=model.text.end_id,
+            pad_id=model.text.pad_id,
+            sampling=GREEDY,
+            timeout_s=30.0,
+            ignore_eos=True,
+        )
+        events = [e async for e in generate(model, request, ())]
+        outcome = events[-1]
+        assert isinstance(outcome, Outcome)
+        assert outcome.completion_tokens == SHORT - len(prompt)
+        assert outcome.finish_reason == "length"
+
+
+async def test_the_engine_refusing_a_prompt_is_context_length_exceeded(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """An engine that declares no limits (a config.pbtxt without max_input_len and max_seq_len)
+    but runs a checkpoint of a shorter context than the gateway's tokenizer says: the engine's
+    in-band refusal reaches the client as OpenAI's 400 context_length_exceeded, in its words."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny.model_dir, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(
+        json.dumps({**config, "max_position_embeddings": SHORT})
+    )
+    repo = write_hf_repository(checkpoint, tmp_path / "repo", guided_decoding=False)
+    pbtxt = repo / "tensorrt_llm" / "config.pbtxt"
+    undeclared = re.sub(
+        r'parameters \{\s*key: "max_(input|seq)_len"\s*value \{[^}]*\}\s*\}\s*',
+        "",
+        pbtxt.read_text(),
+    )
+    assert "max_seq_len" not in undeclared
+    pbtxt.write_text(undeclared)
+    models = load_repository(repo)
+    server, _, port = await start_engine(models, "127.0.0.1:0")
+    gateway_cfg = gateway_config(
+        tiny.tokenizer_dir, f"127.0.0.1:{port}", http=HttpConfig(listen="127.0.0.1:0")
+    )
+    served = await load_models(gateway_cfg)
+    gateway = await start_server(gateway_cfg, served)
+    try:
+        assert served["tiny"].backend.engine_limits.max_seq_len is None
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}
+        status, body = await _post(gateway, "chat/completions", chat)
+        error = body["error"]
+        assert status == 400, body
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+        assert f"exceeds maximum input length ({SHORT - 1})" in error["message"]
+    finally:
+        await gateway.drain(0.1)
+        await server.stop(grace=None)
+        for m in models.values():
+            m.runner.close()
+
+
+def test_engine_limits_are_read_from_the_parameters_the_engine_applies() -> None:
+    def limits(**given: str) -> EngineLimits:
+        config = mc.ModelConfig()
+        for name, value in given.items():
+            config.parameters[name].string_value = value
+        return engine_limits(config.parameters)
+
+    assert limits() == NO_ENGINE_LIMITS
+    assert limits(max_seq_len="4096", max_input_len="2048") == EngineLimits(2048, 4096)
+    # The engine serves at most max_seq_len - 1 prompt tokens, whatever max_input_len says.
+    assert limits(max_seq_len="4096", max_input_len="8192") == EngineLimits(4095, 4096)
+    assert limits(max_seq_len="4096") == EngineLimits(4095, 4096)
+    assert limits(max_input_len="2048") == EngineLimits(2048, None)
+    assert limits(max_seq_len="", max_input_len="0") == NO_ENGINE_LIMITS
+    assert limits(max_seq_len="${max_seq_len}") == NO_ENGINE_LIMITS
