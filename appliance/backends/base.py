@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 BACKEND_KINDS = {"triton": "appliance.backends.triton:TritonBackend"}
 
 
+# BackendError.reason of a prompt the engine refused as too long (OpenAI's error code for it).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class BackendError(Exception):
     """A failure talking to the inference server; carries the status the gateway's client gets."""
 

@@ -25,6 +25,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends import wire
 from appliance.backends.base import (
+    CONTEXT_LENGTH_EXCEEDED,
     NO_ENGINE_LIMITS,
     NO_SPECULATION,
     Alternative,
@@ -38,7 +39,6 @@ from appliance.backends.base import (
 )
 from appliance.backends.stream_pool import StreamPool
 from appliance.backends.stream_socket import SocketStream
-from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,

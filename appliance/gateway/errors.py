@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import grpc
 
+from appliance.backends.base import CONTEXT_LENGTH_EXCEEDED as CONTEXT_LENGTH_EXCEEDED
+
 
 class RequestError(Exception):
     """A request the gateway refuses or cannot finish; carries the status the client gets."""
@@ -34,8 +36,7 @@ class RequestError(Exception):
         self.field = field
 
 
-# Reasons a refusal names (OpenAI's error codes).
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Reasons a refusal names (OpenAI's error codes); an engine's refusal can say the first.
 MODEL_NOT_FOUND = "model_not_found"
 
 

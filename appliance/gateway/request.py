@@ -523,8 +523,9 @@ def tokenize(
     if engine.max_input_len is not None and engine.max_input_len < max_input:
         max_input, input_of = engine.max_input_len, " (its engine's max_input_len)"
     if prompt > max_input:
+        subject = "the messages are" if field == "messages" else "prompt is"
         raise _invalid(
-            f"prompt is {prompt} tokens; this model accepts at most {max_input} input "
+            f"{subject} {prompt} tokens; this model accepts at most {max_input} input "
             f"tokens{input_of}",
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,
