@@ -60,6 +60,9 @@ class SamplingKey:
     speculation_off: bool = False
     # A chat with tools: the canonical text of its tools and structured messages.
     tools: str | None = None
+    # The client set no max_tokens: `max_tokens` is the default, lowered to what this many tokens
+    # of context leave after the prompt; 0: the client's own max_tokens.
+    default_within: int = 0
 
 
 def _field(value: str) -> bytes:
@@ -99,21 +102,24 @@ def _float(value: float) -> str:
 
 def _sampling_fields(sampling: SamplingKey) -> bytes:
     """The encoded sampling parameters and stop strings (the last fields of a key)."""
+    limit = f"max={sampling.max_tokens}"
+    if sampling.default_within:
+        limit = f"max=default {sampling.max_tokens} within {sampling.default_within}"
     if sampling.greedy:
-        return _greedy_fields(sampling.max_tokens, sampling.stops)
+        return _greedy_fields(limit, sampling.stops)
     seed = "" if sampling.seed is None else str(sampling.seed)
     params = (
-        f"max={sampling.max_tokens};t={_float(sampling.temperature)};"
+        f"{limit};t={_float(sampling.temperature)};"
         f"p={_float(sampling.top_p)};k={sampling.top_k};seed={seed}"
     )
     return _field(params) + _stop_fields(sampling.stops)
 
 
 @functools.lru_cache(maxsize=256)
-def _greedy_fields(max_tokens: int, stops: tuple[str, ...]) -> bytes:
+def _greedy_fields(limit: str, stops: tuple[str, ...]) -> bytes:
     """A greedy request's sampling fields: the same few for most requests, so encoded once
-    (equal arguments, ints and strings, always encode alike)."""
-    return _field(f"max={max_tokens};greedy") + _stop_fields(stops)
+    (equal arguments, strings, always encode alike)."""
+    return _field(f"{limit};greedy") + _stop_fields(stops)
 
 
 def _stop_fields(stops: tuple[str, ...]) -> bytes:

@@ -82,6 +82,7 @@ from appliance.gateway.request import (
     check_inputs,
     check_speculation,
     check_top_logprobs,
+    context_limit,
     echo,
     tokenize,
     valid_request_id,
@@ -135,10 +136,15 @@ def keyed_by(query: CacheQuery, produced_by: ModelIdentity) -> CacheQuery:
     return dataclasses.replace(query, key=key, model=produced_by)
 
 
-def sampling_key(checked: CheckedRequest) -> SamplingKey:
-    """What of a checked request's sampling changes its answer (the cache key's part)."""
+def sampling_key(checked: CheckedRequest, context: int = 0) -> SamplingKey:
+    """What of a checked request's sampling changes its answer (the cache key's part).
+    `context`: the limit a default max_tokens is lowered within (context_limit)."""
     s = checked.sampling
     key = _sampling_key(checked.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, checked.stops)
+    if checked.default_max_tokens:
+        # Not the client's max_tokens: the default, lowered to what `context` leaves after the
+        # prompt; neither an explicit max_tokens of the same number nor another limit's answer.
+        key = dataclasses.replace(key, default_within=context)
     if checked.guide is not None:  # not in the memo: a guide's text may be 64 KiB
         key = dataclasses.replace(key, guide=(checked.guide.kind, checked.guide.text))
     if checked.min_tokens or checked.ignore_eos:
@@ -398,7 +404,9 @@ class Pipeline:
         if checked.logprobs:
             self.cache.metrics.not_cacheable += 1
             return None
-        sampling = sampling_key(checked)
+        sampling = sampling_key(
+            checked, context_limit(model.limits, model.backend.engine_limits)[0]
+        )
         if not is_deterministic(sampling):
             self.cache.metrics.not_cacheable += 1
             return None

@@ -501,6 +501,14 @@ def _fits(chars: int, limits: Limits, field: str) -> None:
         )
 
 
+def context_limit(limits: Limits, engine: EngineLimits) -> tuple[int, str]:
+    """Most prompt + completion tokens a request may have, and which limit that is: the model's
+    context (config.json) or its engine's max_seq_len, the smaller."""
+    if engine.max_seq_len is not None and engine.max_seq_len < limits.context_length:
+        return engine.max_seq_len, "the engine's max_seq_len"
+    return limits.context_length, "the model's context"
+
+
 def tokenize(
     checked: CheckedRequest,
     text: ModelText,
@@ -530,16 +538,16 @@ def tokenize(
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,
         )
-    context, context_of = limits.context_length, "the model's context"
-    if engine.max_seq_len is not None and engine.max_seq_len < context:
-        context, context_of = engine.max_seq_len, "the engine's max_seq_len"
+    context, context_of = context_limit(limits, engine)
     max_tokens = checked.max_tokens
     if checked.default_max_tokens:
         max_tokens = max(min(max_tokens, context - prompt), checked.min_tokens, 1)
     if prompt + max_tokens > context:
+        # Without max_tokens only min_tokens (or the one token every answer has) can pass it.
+        asked = "max_tokens" if not checked.default_max_tokens else "min_tokens"
         raise _invalid(
-            f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds {context_of} of "
-            f"{context} tokens; lower max_tokens or shorten the prompt",
+            f"prompt ({prompt} tokens) + {asked} ({max_tokens}) exceeds {context_of} of "
+            f"{context} tokens; lower {asked} or shorten the prompt",
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,
         )

@@ -34,7 +34,7 @@ from appliance.v1 import inference_pb2_grpc as pb_grpc
 from engine_build.repo import write_hf_repository
 from tests.conftest import Tiny
 from tests.engine.test_conformance import collect, request, tokens_of
-from tests.support import gateway_config
+from tests.support import gateway_config, until_async
 
 SHORT = 64
 # More tokens than SHORT.
@@ -152,9 +152,20 @@ async def test_default_max_tokens_is_what_the_engine_leaves_after_the_prompt(
     async with _short_gateway(tiny, tmp_path) as (gateway, _):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
-            reply = await stub.Complete(
-                pb.GenerateRequest(model="tiny", prompt="hi there", ignore_eos=True)
+            asked = pb.GenerateRequest(
+                model="tiny", prompt="hi there", ignore_eos=True, temperature=0, seed=1
             )
+            reply = await stub.Complete(asked)
+            cache = gateway.pipeline.cache
+            assert cache is not None
+            await until_async(lambda: cache.metrics.writes == 1, "the answer was never stored")
+            # Cached as the default it was: asked again, an L1 hit; asked with the default's
+            # number as its own max_tokens, refused as it would be uncached.
+            assert (await stub.Complete(asked)).final.cache_tier == pb.CACHE_TIER_EXACT_L1
+            asked.max_tokens = 256
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Complete(asked)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         usage = reply.final.usage
         assert usage.prompt_tokens + usage.completion_tokens == SHORT
         assert reply.final.finish_reason == pb.FINISH_REASON_LENGTH
