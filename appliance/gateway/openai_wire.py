@@ -37,7 +37,8 @@ from appliance.gateway.request import (
     GUIDE_KINDS,
     MAX_TOP_LOGPROBS,
     IncomingRequest,
-    echo,
+    echo_name,
+    echo_value,
     too_many_messages,
 )
 from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry
@@ -217,12 +218,8 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     for name in data:
         if name not in known:
             hint = f"; send it as appliance.{name}" if name in EXTENSION_FIELDS else ""
-            # A plain name as OpenAI writes it; any other quoted, escaped and cut.
-            plain = name.isidentifier() and len(name) <= ECHO_CHARS
-            shown = name if plain else echo(name)
-            raise invalid(
-                f"Unrecognized request argument supplied: {shown}{hint}", name[:ECHO_CHARS]
-            )
+            shown = echo_name(name)
+            raise invalid(f"Unrecognized request argument supplied: {shown}{hint}", _param(name))
     for name, kind in IGNORED.items():
         _field(data, name, kind)
     for name, allowed in NO_OP.items():
@@ -431,7 +428,7 @@ def _response_format(data: dict[str, Any]) -> Guide | None:
         p = "response_format.json_schema."
         for name in spec:
             if name not in ("name", "schema", "strict", "description"):
-                raise invalid(f"unknown field {p}{name}", "response_format")
+                raise invalid(f"unknown field {p}{echo_name(name)}", "response_format")
         _field(spec, "name", str, prefix=p)
         _field(spec, "strict", bool, prefix=p)
         _field(spec, "description", str, prefix=p)
@@ -442,12 +439,12 @@ def _response_format(data: dict[str, Any]) -> Guide | None:
         )
     else:
         raise invalid(
-            f"response_format.type {kind!r} is not one of text, json_object, json_schema",
+            f"response_format.type {echo_value(kind)} is not one of text, json_object, json_schema",
             "response_format",
         )
     for name in form:
         if name not in known:
-            raise invalid(f"unknown field response_format.{name}", "response_format")
+            raise invalid(f"unknown field response_format.{echo_name(name)}", "response_format")
     return guide
 
 
@@ -470,7 +467,9 @@ def _include_usage(data: dict[str, Any], stream: bool) -> bool:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     for name in options:
         if name not in STREAM_OPTIONS:
-            raise invalid(f"Unrecognized stream_options argument: {name}", "stream_options")
+            raise invalid(
+                f"Unrecognized stream_options argument: {echo_name(name)}", "stream_options"
+            )
     _field(options, "include_obfuscation", bool, prefix="stream_options.")
     return bool(_field(options, "include_usage", bool, prefix="stream_options.") or False)
 
@@ -483,7 +482,8 @@ def _extension(req: IncomingRequest, data: dict[str, Any]) -> float | None:
         if name not in EXTENSION_FIELDS:
             known = ", ".join(sorted(EXTENSION_FIELDS))
             raise invalid(
-                f"unknown field appliance.{name}; known fields: {known}", f"appliance.{name}"
+                f"unknown field appliance.{echo_name(name)}; known fields: {known}",
+                f"appliance.{_param(name)}",
             )
     p = "appliance."
     req.request_id = _field(ext, "request_id", str, prefix=p) or ""
@@ -508,11 +508,12 @@ def _extension(req: IncomingRequest, data: dict[str, Any]) -> float | None:
         kind = _field(guide, "type", str, required=True, prefix=p + "guide.")
         if kind not in GUIDE_TYPES:
             raise invalid(
-                f"{p}guide.type {kind!r} is not one of {', '.join(GUIDE_TYPES)}", p + "guide"
+                f"{p}guide.type {echo_value(kind)} is not one of {', '.join(GUIDE_TYPES)}",
+                p + "guide",
             )
         for name in guide:
             if name not in ("type", "guide"):
-                raise invalid(f"unknown field {p}guide.{name}", p + "guide")
+                raise invalid(f"unknown field {p}guide.{echo_name(name)}", p + "guide")
         req.guide = Guide(kind, _field(guide, "guide", str, prefix=p + "guide.") or "")
     deadline_ms = _int(ext, "deadline_ms", 1, UINT32_MAX, prefix=p)
     return None if deadline_ms is None else deadline_ms / 1000
@@ -550,6 +551,11 @@ def _field(
     return value
 
 
+def _param(name: str) -> str:
+    """A field name a client sent, as the error's `param`: printable ASCII, cut."""
+    return name[:ECHO_CHARS] if name.isascii() and name.isprintable() else "(not printable)"
+
+
 def _int(data: dict[str, Any], name: str, low: int, high: int, prefix: str = "") -> int | None:
     """An integer field within the wire's range (beyond it no gRPC client could send it either)."""
     value = data.get(name)
@@ -561,7 +567,8 @@ def _int(data: dict[str, Any], name: str, low: int, high: int, prefix: str = "")
         raise invalid(f"{prefix}{name} must be an integer, got {_kind(value)}", prefix + name)
     if not low <= value <= high:
         raise invalid(
-            f"{prefix}{name} must be between {low} and {high}, got {value}", prefix + name
+            f"{prefix}{name} must be between {low} and {high}, got {echo_value(value)}",
+            prefix + name,
         )
     return value
 

@@ -74,6 +74,23 @@ def echo(value: str) -> str:
     return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
 
 
+def echo_name(name: str) -> str:
+    """A field name a client sent, for an error message: as it is when a plain identifier (as
+    OpenAI names an unknown field), else quoted, escaped and cut (echo)."""
+    return name if name.isidentifier() and len(name) <= ECHO_CHARS else echo(name)
+
+
+def echo_value(value: object) -> str:
+    """Any JSON value a client sent, for an error message: a string as echo shows it, a short
+    integer as it is, anything else by its type."""
+    if isinstance(value, str):
+        return echo(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = len(str(abs(value)))
+        return str(value) if digits <= 20 else f"an integer of {digits} digits"
+    return f"a value of type {type(value).__name__}"
+
+
 @dataclass(frozen=True)
 class Limits:
     max_input_tokens: int

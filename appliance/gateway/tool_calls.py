@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.gateway.errors import RequestError, invalid
-from appliance.gateway.request import check_json_schema, check_role, echo
+from appliance.gateway.request import check_json_schema, check_role, echo, echo_value
 
 # OpenAI's limits: tools per request and a function name's form.
 MAX_TOOLS = 128
@@ -158,8 +158,9 @@ def plan(tools: object, choice: object) -> ToolPlan | None:
             )
         return plan_of(checked, name, "tools", "tool_choice")
     if choice not in (*CHOICES, "none"):
-        shown = echo(choice) if isinstance(choice, str) else f"of type {type(choice).__name__}"
-        raise _bad(f"tool_choice {shown} is not one of {', '.join(CHOICES)}", "tool_choice")
+        raise _bad(
+            f"tool_choice {echo_value(choice)} is not one of {', '.join(CHOICES)}", "tool_choice"
+        )
     return plan_of(checked, str(choice), "tools", "tool_choice")
 
 

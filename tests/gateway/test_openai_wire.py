@@ -236,3 +236,33 @@ def test_an_unknown_field_is_named_in_a_bounded_refusal() -> None:
         assert len(err.value.message) < 200 and "\n" not in err.value.message
         assert err.value.param is not None and len(err.value.param) < 100
         assert repr(name[:10])[:-1] in err.value.message  # quoted: where it starts is shown
+
+
+HUGE = "\x1b[2J\n" + "k" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("chat", "extra"),
+    [
+        (True, {"response_format": {"type": "json_schema", "json_schema": {HUGE: 1}}}),
+        (True, {"response_format": {"type": HUGE}}),
+        (True, {"response_format": {"type": "json_object", HUGE: 1}}),
+        (True, {"stream": True, "stream_options": {HUGE: 1}}),
+        (False, {"appliance": {HUGE: 1}}),
+        (False, {"appliance": {"guide": {"type": HUGE}}}),
+        (False, {"appliance": {"guide": {"type": "regex", HUGE: 1}}}),
+        (False, {"max_tokens": 10**4000}),
+        (False, {HUGE: 1}),
+    ],
+)
+def test_no_refusal_carries_a_clients_long_or_control_text(
+    chat: bool, extra: dict[str, object]
+) -> None:
+    """Names and values a client sent are repeated quoted, escaped and cut, never whole."""
+    body: dict[str, object] = {"model": "tiny", **extra}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "x"})
+    with pytest.raises(wire.HttpError) as err:
+        wire.parse_request(body, chat=chat)
+    message, param = err.value.message, err.value.param or ""
+    assert len(message) < 400 and len(param) < 100, (len(message), len(param))
+    assert message.isprintable() and param.isprintable(), (message[:80], param[:80])
