@@ -250,7 +250,8 @@ class Backend(Protocol):
         ...
 
     async def readiness(self, timeout_s: float) -> tuple[bool, str]:
-        """One readiness check: (ready, why not). Never raises."""
+        """One readiness check, answered or not within `timeout_s` in all: (ready, why not).
+        Never raises."""
         ...
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:

@@ -423,19 +423,27 @@ class TritonBackend:
         """One ServerReady + ModelReady round: (ready, why not). With read_config, or when the
         server's configuration was not read since it was last unreachable (it may have restarted
         with another revision), the model's configuration is read and checked again."""
+        # One time budget for the round, not one per call: an answer (ready or not) comes within
+        # it, and a round that takes all of it got none (HealthMonitor counts on that).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        def left() -> float:
+            return max(0.001, deadline - loop.time())
+
         try:
-            server = await self._stub.ServerReady(ts.ServerReadyRequest(), timeout=timeout_s)
+            server = await self._stub.ServerReady(ts.ServerReadyRequest(), timeout=left())
             if not server.ready:
                 self._streams.close_idle()  # a stopping server waits for its streams to close
                 return False, "server not ready"
             ready = await self._stub.ModelReady(
-                ts.ModelReadyRequest(name=self.model), timeout=timeout_s
+                ts.ModelReadyRequest(name=self.model), timeout=left()
             )
             if not ready.ready:
                 return False, f"model '{self.model}' not ready"
             if read_config or self._names is None:
                 reply = await self._stub.ModelConfig(
-                    ts.ModelConfigRequest(name=self.model), timeout=timeout_s
+                    ts.ModelConfigRequest(name=self.model), timeout=left()
                 )
                 self._names = check_model_config(reply.config, self.address)
                 self.max_batch_size = max(1, reply.config.max_batch_size)
