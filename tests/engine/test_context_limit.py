@@ -73,13 +73,18 @@ async def test_request_output_len_beyond_the_engine_limit_is_shortened_not_refus
             m.runner.close()
 
 
-@contextlib.asynccontextmanager
-async def _short_gateway(
+def _short_gateway(
     tiny: Tiny, root: Path
-) -> AsyncIterator[tuple[RunningGateway, ServedModel]]:
+) -> contextlib.AbstractAsyncContextManager[tuple[RunningGateway, ServedModel]]:
     """The engine server on a repository built for SHORT tokens, and a gateway (gRPC and HTTP)
     in front of it; the gateway's config.json context is the checkpoint's (2048)."""
     repo = write_hf_repository(tiny.model_dir, root / "repo", SHORT, guided_decoding=False)
+    return _gateway_on(tiny, repo)
+
+
+@contextlib.asynccontextmanager
+async def _gateway_on(tiny: Tiny, repo: Path) -> AsyncIterator[tuple[RunningGateway, ServedModel]]:
+    """The engine server on `repo` and a gateway (gRPC and HTTP) in front of it."""
     models = load_repository(repo)
     server, _, port = await start_engine(models, "127.0.0.1:0")
     config = gateway_config(
@@ -216,26 +221,14 @@ async def test_the_engine_refusing_a_prompt_is_context_length_exceeded(
     )
     assert "max_seq_len" not in undeclared
     pbtxt.write_text(undeclared)
-    models = load_repository(repo)
-    server, _, port = await start_engine(models, "127.0.0.1:0")
-    gateway_cfg = gateway_config(
-        tiny.tokenizer_dir, f"127.0.0.1:{port}", http=HttpConfig(listen="127.0.0.1:0")
-    )
-    served = await load_models(gateway_cfg)
-    gateway = await start_server(gateway_cfg, served)
-    try:
-        assert served["tiny"].backend.engine_limits.max_seq_len is None
+    async with _gateway_on(tiny, repo) as (gateway, model):
+        assert model.backend.engine_limits.max_seq_len is None
         chat = {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}
         status, body = await _post(gateway, "chat/completions", chat)
         error = body["error"]
         assert status == 400, body
         assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
         assert f"exceeds maximum input length ({SHORT - 1})" in error["message"]
-    finally:
-        await gateway.drain(0.1)
-        await server.stop(grace=None)
-        for m in models.values():
-            m.runner.close()
 
 
 def test_engine_limits_are_read_from_the_parameters_the_engine_applies() -> None:
