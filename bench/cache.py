@@ -50,7 +50,7 @@ import redis.asyncio as aredis
 import uvloop
 from redis.utils import HIREDIS_AVAILABLE
 
-from appliance.backends.base import NO_SPECULATION, Backend
+from appliance.backends.base import NO_ENGINE_LIMITS, NO_SPECULATION, Backend
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, cache_key
 from appliance.cache.l1 import LruCache
@@ -370,7 +370,11 @@ async def hit_path(
         backend=cast(
             Backend,
             SimpleNamespace(
-                speculation=NO_SPECULATION, max_top_logprobs=0, guided=False, unserved={}
+                speculation=NO_SPECULATION,
+                max_top_logprobs=0,
+                guided=False,
+                unserved={},
+                engine_limits=NO_ENGINE_LIMITS,
             ),
         ),
         identity=identity_of(text, tokenizer_dir, fingerprint),

@@ -136,15 +136,15 @@ def keyed_by(query: CacheQuery, produced_by: ModelIdentity) -> CacheQuery:
     return dataclasses.replace(query, key=key, model=produced_by)
 
 
-def sampling_key(checked: CheckedRequest, context: int = 0) -> SamplingKey:
+def sampling_key(checked: CheckedRequest, within: int = 0) -> SamplingKey:
     """What of a checked request's sampling changes its answer (the cache key's part).
-    `context`: the limit a default max_tokens is lowered within (context_limit)."""
+    `within`: the limit a default max_tokens is lowered within (context_limit)."""
     s = checked.sampling
     key = _sampling_key(checked.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, checked.stops)
     if checked.default_max_tokens:
-        # Not the client's max_tokens: the default, lowered to what `context` leaves after the
+        # Not the client's max_tokens: the default, lowered to what `within` leaves after the
         # prompt; neither an explicit max_tokens of the same number nor another limit's answer.
-        key = dataclasses.replace(key, default_within=context)
+        key = dataclasses.replace(key, default_within=within)
     if checked.guide is not None:  # not in the memo: a guide's text may be 64 KiB
         key = dataclasses.replace(key, guide=(checked.guide.kind, checked.guide.text))
     if checked.min_tokens or checked.ignore_eos:
@@ -404,9 +404,10 @@ class Pipeline:
         if checked.logprobs:
             self.cache.metrics.not_cacheable += 1
             return None
-        sampling = sampling_key(
-            checked, context_limit(model.limits, model.backend.engine_limits)[0]
-        )
+        within = 0
+        if checked.default_max_tokens:
+            within = context_limit(model.limits, model.backend.engine_limits)[0]
+        sampling = sampling_key(checked, within)
         if not is_deterministic(sampling):
             self.cache.metrics.not_cacheable += 1
             return None
