@@ -99,10 +99,12 @@ def superseded(written: Sequence[int], known: Sequence[int]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Generations:
-    """A query's mark in L2: the generation keys of its entry's scopes and their generations,
-    read before its answer's generation began; `known` None when the lookup could not read them
-    (Redis failed it: the answer is not written, and no second read delays the engine)."""
+    """A query's mark in L2: its entry (namespace, model, key), the generation keys of the
+    entry's scopes and their generations, read before its answer's generation began; `known`
+    None when the lookup could not read them (Redis failed it: the answer is not written, and no
+    second read delays the engine)."""
 
+    entry: tuple[str, str, bytes]
     names: tuple[str, ...]
     known: tuple[int, ...] | None
 
@@ -372,44 +374,47 @@ class RedisTier(CacheTier):
     async def mark(self, query: CacheQuery) -> None:
         """One MGET of the generations, unless the query's lookup read them (none on a fault: its
         answer is then not written)."""
-        labels = (query.namespace, query.model.name, query.key)
-        names = tuple(self.generation_keys(*labels))
-        mark = query.marks.get(self.name)
-        if isinstance(mark, Generations) and mark.names == names:
+        if self._mark(query) is not None:
             return
-        known = await self.generations(*labels)
+        entry = (query.namespace, query.model.name, query.key)
+        known = await self.generations(*entry)
         if known is not None:
-            query.marks[self.name] = Generations(names, tuple(known))
+            names = tuple(self.generation_keys(*entry))
+            query.marks[self.name] = Generations(entry, names, tuple(known))
 
     def overtaken(self, query: CacheQuery) -> bool:
         """An invalidation since the query's mark that this gateway knows of: made here, or its
         generation read since."""
-        known = self.marked(query)
-        if known is None:
-            return False
-        names = self.generation_keys(query.namespace, query.model.name, query.key)
-        return superseded(known, [self._gens.get(name, 0) for name in names])
+        mark = self._mark(query)
+        return mark is not None and self._superseded(mark)
 
     def marked(self, query: CacheQuery) -> tuple[int, ...] | None:
         """The generations of the query's entry as read before its answer's generation began;
         None when none were (Redis failed) or the mark is another entry's (a fallback's key)."""
+        mark = self._mark(query)
+        return None if mark is None else mark.known
+
+    def _mark(self, query: CacheQuery) -> Generations | None:
+        """The query's mark in this tier, if it is of the query's own entry."""
         mark = query.marks.get(self.name)
-        if not isinstance(mark, Generations):
-            return None
-        gens = self.generation_keys(query.namespace, query.model.name, query.key)
-        return mark.known if mark.names == tuple(gens) else None
+        entry = (query.namespace, query.model.name, query.key)
+        return mark if isinstance(mark, Generations) and mark.entry == entry else None
+
+    def _superseded(self, mark: Generations) -> bool:
+        known = mark.known
+        return known is not None and superseded(known, [self._gens.get(n, 0) for n in mark.names])
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
-        known = self.marked(query)
-        if known is None:
+        mark = self._mark(query)
+        if mark is None or mark.known is None:
             self.metrics.write_failures += 1
             return
-        if self.overtaken(query):
+        if self._superseded(mark):
             # Refused at every lookup, and written it could replace a newer answer.
             self.metrics.l2_invalidated_entries += 1
             return
         task = asyncio.get_running_loop().create_task(
-            self._write(query.namespace, query.model.name, query.key, answer, known)
+            self._write(query.namespace, query.model.name, query.key, answer, mark.known)
         )
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
@@ -456,17 +461,18 @@ class RedisTier(CacheTier):
         """`marks`: a query's, where the generations read are noted (unless noted already)."""
         name = self.redis_key(namespace, model, key)
         gens = self.generation_keys(namespace, model, key)
+        entry = (namespace, model, key)
         try:
             data, *found = await self._run("MGET", self.client.mget([name, *gens]))
         except TierUnavailable:
             if marks is not None:
-                marks.setdefault(self.name, Generations(tuple(gens), None))
+                marks.setdefault(self.name, Generations(entry, tuple(gens), None))
             raise
         known = self._read_generations(gens, found)
         if known is None:
             return None
         if marks is not None:
-            marks.setdefault(self.name, Generations(tuple(gens), tuple(known)))
+            marks.setdefault(self.name, Generations(entry, tuple(gens), tuple(known)))
         if not isinstance(data, bytes):
             return None
         body = self.open(name, data)

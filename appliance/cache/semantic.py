@@ -71,7 +71,7 @@ from appliance.cache.l2 import RedisTier, StreamClient, stamp, stamped, supersed
 from appliance.cache.paraphrase import Rule
 from appliance.cache.sealed_stream import SealedStream
 from appliance.cache.series import Described, Series
-from appliance.cache.tiers import CacheQuery, CacheTier, Hit, TierContext
+from appliance.cache.tiers import CacheQuery, CacheTier, CountedInvalidations, Hit, TierContext
 from appliance.cache.vectors import Entry, VectorIndex
 from appliance.config import SemanticConfig
 
@@ -153,7 +153,7 @@ def decode_record(
     return generations, created, scope, vector, text, decode(data[start + text_len :])
 
 
-class SemanticTier(CacheTier):
+class SemanticTier(CountedInvalidations, CacheTier):
     """Lookups never touch Redis; stores and the follower do, off the request path. It shares its
     entries through the l2 tier configured before it; without one, its index is this gateway's."""
 
@@ -326,7 +326,7 @@ class SemanticTier(CacheTier):
         return make_semantic_tier(context.config.semantic, context.find(RedisTier))
 
     async def lookup(self, query: CacheQuery) -> Hit | None:
-        query.marks.setdefault(self.name, self.invalidations.sequence)
+        self.note_mark(query)
         found = self.eligible(query, asking=True)
         if found is None:
             self.counts.skipped += 1
@@ -397,14 +397,6 @@ class SemanticTier(CacheTier):
             # Whoever asks for this text from now on starts a new embedding.
             del self._embedding[text]
             self.counts.cancelled += 1
-
-    async def mark(self, query: CacheQuery) -> None:
-        query.marks.setdefault(self.name, self.invalidations.sequence)
-
-    def overtaken(self, query: CacheQuery) -> bool:
-        mark = query.marks.get(self.name)
-        labels = (query.namespace, query.model.name)
-        return isinstance(mark, int) and self.invalidations.since(mark, query.key, labels)
 
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
         found = self.eligible(query, asking=False)
@@ -535,10 +527,12 @@ class SemanticTier(CacheTier):
             # Generated while an invalidation that covers it ran: neither indexed nor shared.
             self.counts.invalidated += 1
             return
-        known = None if self.l2 is None else self.l2.marked(query)
-        if self.l2 is not None and known is None:
-            self.counts.store_failures += 1
-            return
+        known = None
+        if self.l2 is not None:
+            known = self.l2.marked(query)
+            if known is None:  # not read before the generation began: not stored
+                self.counts.store_failures += 1
+                return
         entry = Entry(
             entry_id=query.key,
             scope=scope,
@@ -550,12 +544,11 @@ class SemanticTier(CacheTier):
         if not self.index.add(entry, vector):
             return
         self.counts.stored += 1
-        if self.l2 is None or self._seals is None:
+        if self.l2 is None or self._seals is None or known is None:
             return
         # The L2 key layout with the entry's id marked, so L2's GETs never meet a record. Sealed
         # for that key as L2's entries are: the stream carries the same value, and whatever else
         # writes to Redis cannot plant an answer.
-        assert known is not None
         name = self.l2.redis_key(query.namespace, query.model.name, b"") + MARK + query.key.hex()
         record = self.l2.seal(name, encode_record(entry, vector, time.time(), known))
         ttl = max(1, int(self.settings.ttl_s))

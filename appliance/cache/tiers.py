@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, ClassVar, Self, TypeVar
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
-from appliance.cache.l1 import LruCache
+from appliance.cache.l1 import Invalidations, LruCache
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.series import Described, Series, described
 from appliance.plugins import load_class
@@ -210,6 +210,29 @@ class CacheTier(abc.ABC):
         return None
 
 
+class CountedInvalidations:
+    """For a tier that numbers its invalidations (`invalidations`): a query's mark is their count
+    before its generation began, and its answer is overtaken when one since then covers it."""
+
+    name: ClassVar[str]
+    invalidations: Invalidations
+
+    def note_mark(self, query: CacheQuery) -> None:
+        query.marks.setdefault(self.name, self.invalidations.sequence)
+
+    async def mark(self, query: CacheQuery) -> None:
+        self.note_mark(query)
+
+    def count_mark(self, query: CacheQuery) -> int | None:
+        mark = query.marks.get(self.name)
+        return mark if isinstance(mark, int) else None
+
+    def overtaken(self, query: CacheQuery) -> bool:
+        mark = self.count_mark(query)
+        labels = (query.namespace, query.model.name)
+        return mark is not None and self.invalidations.since(mark, query.key, labels)
+
+
 def tier_class(spec: str) -> type[CacheTier]:
     """The tier class a configuration entry names (a built-in name or `package.module:Class`),
     its name and counters checked; TierError or PluginError (ValueErrors) say what to fix."""
@@ -228,7 +251,7 @@ def tier_class(spec: str) -> type[CacheTier]:
     return found
 
 
-class L1Tier(CacheTier):
+class L1Tier(CountedInvalidations, CacheTier):
     """The in-process LRU as a tier: a hit never leaves the event loop."""
 
     name = "l1"
@@ -244,6 +267,7 @@ class L1Tier(CacheTier):
 
     def __init__(self, lru: LruCache) -> None:
         self.lru = lru
+        self.invalidations = lru.invalidations
 
     @classmethod
     def build(cls, context: TierContext) -> L1Tier:
@@ -252,23 +276,12 @@ class L1Tier(CacheTier):
 
     async def lookup(self, query: CacheQuery) -> CachedAnswer | None:
         # Before the generation, and before the later tiers' reads whose hits are copied here.
-        query.marks.setdefault(self.name, self.lru.invalidations.sequence)
+        self.note_mark(query)
         return self.lru.get(query.key)
 
-    async def mark(self, query: CacheQuery) -> None:
-        query.marks.setdefault(self.name, self.lru.invalidations.sequence)
-
     def store(self, query: CacheQuery, answer: CachedAnswer) -> None:
-        self.lru.put(query.key, answer, (query.namespace, query.model.name), self._mark(query))
-
-    def overtaken(self, query: CacheQuery) -> bool:
-        mark = self._mark(query)
         labels = (query.namespace, query.model.name)
-        return mark is not None and self.lru.invalidations.since(mark, query.key, labels)
-
-    def _mark(self, query: CacheQuery) -> int | None:
-        mark = query.marks.get(self.name)
-        return mark if isinstance(mark, int) else None
+        self.lru.put(query.key, answer, labels, self.count_mark(query))
 
     async def invalidate(self, namespace: str, model: str, entry: bytes | None = None) -> int:
         return self.lru.invalidate(namespace, model, entry)
