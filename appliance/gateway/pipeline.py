@@ -589,9 +589,13 @@ class Pipeline:
         flight, led = self.single_flight(target, prepared, shared, budget)
         if led:
             flight.owner = shared
-        field = "prompt" if checked.prompt is not None else "messages"
         return Generation(
-            target, shared, flight, len(prepared.prompt_ids), follows=not led, input_field=field
+            target,
+            shared,
+            flight,
+            len(prepared.prompt_ids),
+            follows=not led,
+            input_field=checked.input_field,
         )
 
     async def tokenize(

@@ -240,6 +240,11 @@ class CheckedRequest:
     # lowers to what the context leaves after the prompt.
     default_max_tokens: bool = False
 
+    @property
+    def input_field(self) -> str:
+        """The request field its input text is: "prompt" or "messages"."""
+        return "prompt" if self.prompt is not None else "messages"
+
 
 @dataclass(frozen=True)
 class PreparedRequest:
@@ -505,13 +510,17 @@ def check_json_schema(text: str) -> None:
 _KNOWN_DRAFTS_ONLY = jsonschema_rs.Registry([])
 
 
+def _subject(field: str) -> str:
+    """How a refusal of the input's size names it: "prompt is" or "the messages are"."""
+    return "the messages are" if field == "messages" else f"{field} is"
+
+
 def _fits(chars: int, limits: Limits, field: str) -> None:
     """Text of `chars` characters can fit the model's input (checked before it is normalized;
     NFC composes, so it never makes text longer)."""
     if chars > limits.max_input_chars:
-        subject = "the messages are" if field == "messages" else f"{field} is"
         raise _invalid(
-            f"{subject} {chars} characters, more than fit this model's limit of "
+            f"{_subject(field)} {chars} characters, more than fit this model's limit of "
             f"{limits.max_input_tokens} input tokens",
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,
@@ -542,15 +551,14 @@ def tokenize(
             prompt_ids = _encode_chat(checked, text)
         except ChatTemplateError as exc:
             raise _invalid(str(exc), field="messages") from exc
-    field = "prompt" if checked.prompt is not None else "messages"
+    field = checked.input_field
     prompt = len(prompt_ids)
     max_input, input_of = limits.max_input_tokens, ""
     if engine.max_input_len is not None and engine.max_input_len < max_input:
         max_input, input_of = engine.max_input_len, " (its engine's max_input_len)"
     if prompt > max_input:
-        subject = "the messages are" if field == "messages" else "prompt is"
         raise _invalid(
-            f"{subject} {prompt} tokens; this model accepts at most {max_input} input "
+            f"{_subject(field)} {prompt} tokens; this model accepts at most {max_input} input "
             f"tokens{input_of}",
             reason=CONTEXT_LENGTH_EXCEEDED,
             field=field,
