@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from appliance.wholefile import write_whole
+
 RUNS_DIR = Path(__file__).resolve().parent.parent / "docs" / "runs"
 
 
@@ -153,17 +155,11 @@ def write_record(
     }
     if partial:
         record["partial"] = True
+    # Whole or not at all: a run killed while writing keeps its checkpoint.
     path = directory / f"{stem}.json"
-    _replace(path, json.dumps(record, indent=2, default=str) + "\n")
-    _replace(directory / f"{stem}.md", _markdown(record, markdown))
+    write_whole(path, (json.dumps(record, indent=2, default=str) + "\n").encode(), 0o644)
+    write_whole(directory / f"{stem}.md", _markdown(record, markdown).encode(), 0o644)
     return path
-
-
-def _replace(path: Path, text: str) -> None:
-    """Writes the file whole or not at all: a run killed while writing keeps the one before."""
-    staged = path.with_name(f".{path.name}.tmp")
-    staged.write_text(text, encoding="utf-8")
-    staged.replace(path)
 
 
 class _Tee(io.TextIOBase):

@@ -9,13 +9,12 @@ when the model does not fit the GPU (so scripts can tell "fix the spec" from "bu
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from appliance.cliargs import Parser
+from appliance.wholefile import write_whole
 from engine_build import commands, formats, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape, read_shape_for
 from engine_build.errors import BuildError, DoesNotFit, SpecError
@@ -68,25 +67,6 @@ def check_output_dir(path: Path, option: str) -> None:
     if not path.parent.is_dir():
         what = "is not a directory" if path.parent.exists() else "does not exist"
         raise SpecError(f"{option} {path}: the folder {path.parent} {what}; create it first")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all, through a temporary file beside it; a failure is an
-    OSError naming `path`."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    except OSError as err:
-        raise OSError(err.errno, err.strerror, str(path)) from err
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise OSError(err.errno, err.strerror, str(path)) from err
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _capability(spec: BuildSpec, args: argparse.Namespace) -> tuple[int, int] | None:
@@ -152,7 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("\n# commands `engine-build build` runs:")
     print(script, end="")
     if args.commands_out is not None:
-        _write_atomic(args.commands_out, "#!/bin/sh\nset -eu\n" + script)
+        write_whole(args.commands_out, ("#!/bin/sh\nset -eu\n" + script).encode())
     return 0
 
 

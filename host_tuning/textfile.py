@@ -8,9 +8,6 @@ keys that drifted are in verify's own output (the unit's journal).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from appliance.wholefile import write_whole
 from host_tuning.actions import Result
 
 SUFFIX = ".prom"  # node_exporter's textfile collector reads only these
@@ -68,19 +66,6 @@ def refusal(path: Path) -> str | None:
 
 
 def replace(path: Path, data: bytes) -> None:
-    """Write ``path`` whole: a temporary file in its directory (a name the collector skips),
-    renamed over it, so a scrape reads the old file or the new one. An OSError names ``path``."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            os.fchmod(fh.fileno(), MODE)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if tmp is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
-        raise
+    """Write ``path`` whole, readable by node_exporter's user: a scrape reads the old file or the
+    new one. An OSError names ``path``."""
+    write_whole(path, data, MODE)

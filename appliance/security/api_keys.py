@@ -28,14 +28,14 @@ import hashlib
 import hmac
 import json
 import math
-import os
 import secrets
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from appliance.wholefile import write_whole
 
 ANY_NAMESPACE = "*"
 SCOPES = ("generate", "cache:read-only-policy", "admin")
@@ -260,20 +260,9 @@ def write_entries(path: Path, entries: list[dict[str, Any]]) -> None:
     readable by its owner and group only."""
     text = json.dumps({"version": FILE_VERSION, "keys": entries}, indent=2) + "\n"
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        write_whole(path, text.encode(), 0o640)
     except OSError as exc:
         raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o640)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def new_key(
