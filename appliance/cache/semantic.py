@@ -687,7 +687,7 @@ class SemanticTier(CountedInvalidations, CacheTier):
                 records.append(record)
         return self.index.add_many(records)
 
-    async def _read_generations(self, names: list[bytes]) -> dict[str, Any]:
+    async def _scope_generations(self, names: list[bytes]) -> dict[str, Any]:
         """The generations (by key) of the scopes of the records named, in one MGET."""
         assert self._client is not None
         wanted = self._generation_keys(names, {})
@@ -727,7 +727,7 @@ class SemanticTier(CountedInvalidations, CacheTier):
                 for _, messages in reply or ():
                     # Read after the messages: an invalidation appended before a record that an
                     # answer under way during it stored has already raised its generation.
-                    self._heard = await self._read_generations(
+                    self._heard = await self._scope_generations(
                         [fields.get(b"k", b"") for _, fields in messages]
                     )
                     for message_id, fields in messages:
