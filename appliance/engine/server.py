@@ -25,6 +25,7 @@ extensions served here.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
 import functools
@@ -33,6 +34,7 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,10 @@ def _executor_error(message: str) -> InferError:
 
 # Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes
 # nothing (None: any value would change the output). Anything else is refused, not ignored.
+# `pad_id` is not among them: the backend hands it to the executor's Request (TensorRT-LLM
+# triton_backend/inflight_batcher_llm/src/utils.cc, createRequestsFromInputTensors), which pads
+# with it only a beam shorter than the others and an encoder-decoder request without decoder ids;
+# a beam-1 answer of a decoder-only model, streamed or not, holds the same ids whatever it is.
 _NOT_IMPLEMENTED: dict[str, float | None] = {
     "stop_words_list": None,
     "bad_words_list": None,
@@ -220,81 +226,144 @@ def _dims(shape: list[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _read_tensor(
-    tensor: ts.ModelInferRequest.InferInputTensor, raw: bytes | None, model: EngineModel
-) -> tuple[str, list[Any]]:
-    name = tensor.name
-    spec = model.specs.get(name)
-    model_name = model.entry.name
-    if spec is None:
-        raise InferError(f"unexpected inference input '{name}' for model '{model_name}'")
-    datatype = tensor.datatype
-    if datatype != spec.datatype:
-        raise InferError(
-            f"inference input '{name}' data-type is '{datatype}', but model "
-            f"'{model_name}' expects '{spec.datatype}'"
-        )
-    full = list(tensor.shape)
-    shape = full
-    if model.batch_dim:
-        if not shape:
+_LENGTH_PREFIX = 4  # bytes before each BYTES element: its length, little-endian uint32
+
+
+def check_byte_size(name: str, datatype: str, raw: bytes, count: int, model_name: str) -> None:
+    """Triton core's check that an input's bytes hold what its shape and datatype promise
+    (core src/infer_request.cc r25.12: Normalize 1207-1235, ValidateBytesInputs 1308-1417)."""
+    where = f"for inference input '{name}' for model '{model_name}'"
+    if datatype != "BYTES":
+        expected = count * array.array(wire.DATATYPES[datatype]).itemsize
+        if len(raw) != expected:
             raise InferError(
-                f"input '{name}' has no shape but model requires batch dimension for '{model_name}'"
+                f"input byte size mismatch for input '{name}' for model '{model_name}'. "
+                f"Expected {expected}, got {len(raw)}"
             )
-        if shape[0] != 1:
-            raise InferError(f"inference request batch-size must be <= 1 for '{model_name}'")
-        shape = shape[1:]
-    dims = spec.dims
-    if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape, strict=True)):
-        # Triton core's words: the expected shape with the batch dimension (-1) when the model
-        # batches, both shapes written [d0,d1,...], and its note on the batch dimension.
-        expected = [-1, *dims] if model.batch_dim else list(dims)
+        return
+    at = checked = 0
+    while at < len(raw):
+        if len(raw) - at < _LENGTH_PREFIX:
+            raise InferError(
+                f"incomplete string length indicator {where}, expecting {_LENGTH_PREFIX} bytes "
+                f"but only {len(raw) - at} bytes available. Please make sure the string length "
+                "indicator is in one buffer."
+            )
+        checked += 1
+        if checked > count:
+            raise InferError(
+                f"unexpected number of string elements {checked} {where}, expecting {count}"
+            )
+        at += _LENGTH_PREFIX + int.from_bytes(raw[at : at + _LENGTH_PREFIX], "little")
+    if checked != count:
+        raise InferError(f"expected {count} string elements {where}, got {checked}")
+
+
+def _data(
+    tensor: ts.ModelInferRequest.InferInputTensor, raw: list[bytes], index: int, model_name: str
+) -> bytes | None:
+    """Where an input's values are, as Triton's gRPC frontend finds them (grpc/infer_handler.cc
+    r25.12, InferGRPCToInput 441-617): its typed contents (None), or its raw_input_contents entry;
+    entries past the last input are not read."""
+    name = tensor.name
+    if tensor.HasField("contents"):
+        if raw:
+            raise InferError(
+                "contents field must not be specified when using raw_input_contents for "
+                f"'{name}' for model '{model_name}'"
+            )
+        return None
+    if index >= len(raw):
         raise InferError(
-            f"unexpected shape for input '{name}' for model '{model_name}'. "
-            f"Expected {_dims(expected)}, got {_dims(full)}. "
-            f"{_BATCH_NOTE if model.batch_dim else ''}"
+            f"unable to find data for input tensor '{name}' for model '{model_name}' in request."
         )
-    try:
-        values = wire.read_input(tensor, raw, full).values
-    except wire.TensorError as exc:
-        raise InferError(f"input '{name}' for model '{model_name}': {exc}") from exc
-    return name, values
+    return raw[index]
+
+
+def _checked_inputs(
+    request: ts.ModelInferRequest, model: EngineModel, data: list[bytes | None]
+) -> dict[str, list[Any]]:
+    """The request's input values, checked in Triton core's order (src/infer_request.cc r25.12,
+    Normalize): every input's name and batch dimension (1050-1081), the batch size (1088-1094),
+    then input by input its datatype (1105-1113), shape (1115-1164) and byte size (1207-1235).
+    Which error a client sees when several are wrong is therefore Triton's."""
+    model_name = model.entry.name
+    full: list[list[int]] = []
+    for tensor in request.inputs:
+        if tensor.name not in model.specs:
+            raise InferError(f"unexpected inference input '{tensor.name}' for model '{model_name}'")
+        shape = list(tensor.shape)
+        if model.batch_dim and not shape:
+            raise InferError(
+                f"input '{tensor.name}' has no shape but model requires batch dimension for "
+                f"'{model_name}'"
+            )
+        full.append(shape)
+    if model.batch_dim and any(s[0] != 1 for s in full):
+        # Triton admits up to max_batch_size; this server computes one sequence per request.
+        raise InferError(f"inference request batch-size must be <= 1 for '{model_name}'")
+    tensors: dict[str, list[Any]] = {}
+    for tensor, shape, given in zip(request.inputs, full, data, strict=True):
+        name = tensor.name
+        spec = model.specs[name]
+        if tensor.datatype != spec.datatype:
+            raise InferError(
+                f"inference input '{name}' data-type is '{tensor.datatype}', but model "
+                f"'{model_name}' expects '{spec.datatype}'"
+            )
+        dims = shape[1:] if model.batch_dim else shape
+        if len(dims) == len(spec.dims) and -1 in dims:
+            raise InferError(
+                f"All input dimensions should be specified for input '{name}' for model "
+                f"'{model_name}', got {_dims(shape)}"
+            )
+        if len(dims) != len(spec.dims) or any(
+            d != -1 and d != s for d, s in zip(spec.dims, dims, strict=True)
+        ):
+            # Triton core's words: the expected shape with the batch dimension (-1) when the
+            # model batches, both shapes written [d0,d1,...], and its note on the batch dimension.
+            expected = [-1, *spec.dims] if model.batch_dim else list(spec.dims)
+            raise InferError(
+                f"unexpected shape for input '{name}' for model '{model_name}'. "
+                f"Expected {_dims(expected)}, got {_dims(shape)}. "
+                f"{_BATCH_NOTE if model.batch_dim else ''}"
+            )
+        count = prod(shape)
+        if given is not None:
+            check_byte_size(name, spec.datatype, given, count, model_name)
+        try:
+            tensors[name] = wire.read_input(tensor, given, shape).values
+        except wire.TensorError as exc:
+            raise InferError(f"input '{name}' for model '{model_name}': {exc}") from exc
+    return tensors
 
 
 def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded:
-    """Validates a ModelInferRequest against the model's config like Triton core does."""
-    inputs = request.inputs
-    raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(inputs):
-        raise InferError("raw_input_contents must hold one entry per input")
-    tensors: dict[str, list[Any]] = {}
-    for index, tensor in enumerate(inputs):
-        if tensor.name in tensors:
+    """Validates a ModelInferRequest against the model's config like Triton does: its gRPC
+    frontend adds the inputs (a name given twice is refused, core infer_request.cc 700-712) and
+    finds their data; core checks the requested outputs (kept as a set: a name given twice is
+    one output, 834-837), then the inputs (`_checked_inputs`)."""
+    seen: set[str] = set()
+    for tensor in request.inputs:
+        if tensor.name in seen:
             raise InferError(f"input '{tensor.name}' already exists in request")
-        if raw and tensor.HasField("contents"):
-            raise InferError(
-                "contents field must not be specified when using raw_input_contents for "
-                f"'{tensor.name}' for model '{request.model_name}'"
-            )
-        name, values = _read_tensor(tensor, raw[index] if raw else None, model)
-        tensors[name] = values
-    requested: set[str] = set()
+        seen.add(tensor.name)
+    raw = list(request.raw_input_contents)
+    data = [_data(t, raw, i, model.entry.name) for i, t in enumerate(request.inputs)]
     for output in request.outputs:
-        if output.name in requested:
-            raise InferError(f"output '{output.name}' already requested")
-        requested.add(output.name)
         if output.name not in model.output_names:
             raise InferError(
                 f"unexpected inference output '{output.name}' for model '{model.entry.name}'"
             )
     required = model.required
-    missing = [n for n in required if n not in tensors]
+    missing = [n for n in required if n not in seen]
     if missing:
         raise InferError(
-            f"expected {len(required)} inputs but got {len(tensors)} inputs for model "
-            f"'{model.entry.name}'. Got input(s) {sorted(tensors)}, but missing required input(s) "
+            f"expected {len(required)} inputs but got {len(seen)} inputs for model "
+            f"'{model.entry.name}'. Got input(s) {sorted(seen)}, but missing required input(s) "
             f"{missing}. Please provide all required input(s)."
         )
+    tensors = _checked_inputs(request, model, data)
 
     def scalar(name: str, default: Any) -> Any:
         values = tensors.get(name)

@@ -474,12 +474,6 @@ def _asking_unknown_output(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
     return req
 
 
-def _asking_an_output_twice(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
-    req.outputs.add(name="output_ids")
-    req.outputs.add(name="output_ids")
-    return req
-
-
 @pytest.mark.parametrize(
     ("spoil", "message"),
     [
@@ -493,9 +487,8 @@ def _asking_an_output_twice(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
             _asking_unknown_output,
             "unexpected inference output 'nonexistent_output' for model 'tensorrt_llm'",
         ),
-        (_asking_an_output_twice, "output 'output_ids' already requested"),
     ],
-    ids=["duplicate-input", "contents-and-raw", "unknown-output", "output-twice"],
+    ids=["duplicate-input", "contents-and-raw", "unknown-output"],
 )
 async def test_a_request_triton_would_not_issue_is_refused_in_its_words(
     triton: ts_grpc.GRPCInferenceServiceStub,
@@ -678,3 +671,143 @@ async def test_a_wrong_shape_is_refused_in_triton_words(
     req.inputs[0].shape.extend(shape)
     (refused,) = await collect(triton, req)
     assert (refused.error_message, refused.infer_response.id) == (message, "bad-shape")
+
+
+# Triton core's checks of a request's inputs (core src/infer_request.cc, r25.12), in its order:
+# every input's name and batch dimension (lines 1050-1081), the batch size (1088), then per
+# input its datatype (1105), shape (1115-1164) and byte size (1207-1235).
+
+
+def _short_raw(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.raw_input_contents[2] = req.raw_input_contents[2][:3]
+    return req
+
+
+def _bytes_in_int32(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.raw_input_contents[0] = req.raw_input_contents[0] + b"\0\0\0\0"
+    return req
+
+
+def _batch_two_and_wrong_type(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.inputs[1].datatype = "FP32"
+    req.inputs[2].shape[0] = 2
+    return req
+
+
+def _raw_for_fewer_inputs(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    del req.raw_input_contents[-1]
+    return req
+
+
+def _wildcard_dim(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.inputs[0].shape[1] = -1
+    return req
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (
+            _short_raw,
+            "input byte size mismatch for input 'request_output_len' for model 'tensorrt_llm'. "
+            "Expected 4, got 3",
+        ),
+        (
+            _bytes_in_int32,
+            "input byte size mismatch for input 'input_ids' for model 'tensorrt_llm'. "
+            "Expected 24, got 28",
+        ),
+        (_batch_two_and_wrong_type, "inference request batch-size must be <= 1 for 'tensorrt_llm'"),
+        (
+            _raw_for_fewer_inputs,
+            "unable to find data for input tensor 'streaming' for model 'tensorrt_llm' in request.",
+        ),
+        (
+            _wildcard_dim,
+            "All input dimensions should be specified for input 'input_ids' for model "
+            "'tensorrt_llm', got [1,-1]",
+        ),
+    ],
+    ids=["short-raw", "long-raw", "batch-before-type", "raw-missing", "wildcard-dim"],
+)
+async def test_inputs_are_checked_in_triton_core_order_and_words(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+    spoil: Callable[[ts.ModelInferRequest], ts.ModelInferRequest],
+    message: str,
+) -> None:
+    (refused,) = await collect(triton, spoil(request("spoilt", max_tokens=4)))
+    assert (refused.error_message, refused.infer_response.id) == (message, "spoilt")
+
+
+async def test_what_triton_accepts_is_served(triton: ts_grpc.GRPCInferenceServiceStub) -> None:
+    """Triton's gRPC frontend reads raw_input_contents by input (grpc/infer_handler.cc 604-607) and
+    leaves any entry past the last input unread; core keeps requested outputs in a set
+    (AddOriginalRequestedOutput, infer_request.cc 834-837), so one named twice is one output."""
+    extra = request("extra-raw", max_tokens=2)
+    extra.raw_input_contents.append(b"unread")
+    twice = request("output-twice", max_tokens=2)
+    twice.outputs.add(name="output_ids")
+    twice.outputs.add(name="output_ids")
+    for req in (extra, twice):
+        responses = await collect(triton, req)
+        assert not [r.error_message for r in responses if r.error_message]
+        assert sum(len(tokens_of(r.infer_response)) for r in responses) == 2
+    assert [o.name for o in responses[-1].infer_response.outputs] == ["output_ids"]
+
+
+def test_a_bytes_input_in_the_wrong_form_is_refused_in_triton_words() -> None:
+    """ValidateBytesInputs (infer_request.cc 1308-1417): each element is a 4-byte length then its
+    bytes, and the count must match the shape. (The served test models declare no BYTES input.)"""
+    from appliance.backends import wire
+    from appliance.engine.server import InferError, check_byte_size
+
+    where = "for inference input 'guide' for model 'm'"
+    cases = [
+        (
+            wire.encode("BYTES", [b"json", b"regex"]),
+            f"unexpected number of string elements 2 {where}, expecting 1",
+        ),
+        (
+            b"\x04\0",
+            f"incomplete string length indicator {where}, expecting 4 bytes but only 2 "
+            "bytes available. Please make sure the string length indicator is in one buffer.",
+        ),
+        (b"", f"expected 1 string elements {where}, got 0"),
+    ]
+    for raw, message in cases:
+        with pytest.raises(InferError) as refused:
+            check_byte_size("guide", "BYTES", raw, 1, "m")
+        assert refused.value.message == message
+    check_byte_size("guide", "BYTES", wire.encode("BYTES", [b"json"]), 1, "m")
+
+
+async def test_pad_id_is_taken_as_the_backend_takes_it(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """The backend hands pad_id to the executor's Request (TensorRT-LLM
+    triton_backend/inflight_batcher_llm/src/utils.cc, createRequestsFromInputTensors), which pads
+    with it only where a beam is shorter than others or an encoder-decoder model has no decoder
+    input: a beam-1 answer of a decoder-only model holds exactly the generated ids either way. It
+    is checked as every declared input is: INT32, shape [1, 1]."""
+    from appliance.backends import wire
+
+    plain = await collect(triton, request("plain", max_tokens=4, temperature=0.0))
+    padded = request("padded", max_tokens=4, temperature=0.0)
+    wire.add_input(padded, "pad_id", "INT32", [7], batch_dim=True)
+    answered = await collect(triton, padded)
+    assert not [r.error_message for r in answered if r.error_message]
+    assert [tokens_of(r.infer_response) for r in answered] == [
+        tokens_of(r.infer_response) for r in plain
+    ]
+    wrong_type = request("pad-fp32", max_tokens=4)
+    wire.add_input(wrong_type, "pad_id", "FP32", [7.0], batch_dim=True)
+    wrong_shape = request("pad-two", max_tokens=4)
+    wire.add_input(wrong_shape, "pad_id", "INT32", [7, 7], batch_dim=True)
+    (type_refused,) = await collect(triton, wrong_type)
+    (shape_refused,) = await collect(triton, wrong_shape)
+    assert type_refused.error_message == (
+        "inference input 'pad_id' data-type is 'FP32', but model 'tensorrt_llm' expects 'INT32'"
+    )
+    assert shape_refused.error_message.startswith(
+        "unexpected shape for input 'pad_id' for model 'tensorrt_llm'. Expected [-1,1], got [1,2]."
+    )
