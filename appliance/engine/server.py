@@ -231,7 +231,7 @@ _LENGTH_PREFIX = 4  # bytes before each BYTES element: its length, little-endian
 
 def check_byte_size(name: str, datatype: str, raw: bytes, count: int, model_name: str) -> None:
     """Triton core's check that an input's bytes hold what its shape and datatype promise
-    (core src/infer_request.cc r25.12: Normalize 1207-1235, ValidateBytesInputs 1308-1417)."""
+    (core's Normalize and ValidateBytesInputs)."""
     where = f"for inference input '{name}' for model '{model_name}'"
     if datatype != "BYTES":
         expected = count * array.array(wire.DATATYPES[datatype]).itemsize
@@ -262,8 +262,8 @@ def check_byte_size(name: str, datatype: str, raw: bytes, count: int, model_name
 def _data(
     tensor: ts.ModelInferRequest.InferInputTensor, raw: list[bytes], index: int, model_name: str
 ) -> bytes | None:
-    """Where an input's values are, as Triton's gRPC frontend finds them (grpc/infer_handler.cc
-    r25.12, InferGRPCToInput 441-617): its typed contents (None), or its raw_input_contents entry;
+    """Where an input's values are, as Triton's gRPC frontend finds them (its
+    InferGRPCToInput): its typed contents (None), or its raw_input_contents entry;
     entries past the last input are not read."""
     name = tensor.name
     if tensor.HasField("contents"):
@@ -283,9 +283,9 @@ def _data(
 def _checked_inputs(
     request: ts.ModelInferRequest, model: EngineModel, data: list[bytes | None]
 ) -> dict[str, list[Any]]:
-    """The request's input values, checked in Triton core's order (src/infer_request.cc r25.12,
-    Normalize): every input's name and batch dimension (1050-1081), the batch size (1088-1094),
-    then input by input its datatype (1105-1113), shape (1115-1164) and byte size (1207-1235).
+    """The request's input values, checked in Triton core's order (its
+    Normalize): every input's name and batch dimension, the batch size, then input by input its
+    datatype, shape and byte size.
     Which error a client sees when several are wrong is therefore Triton's."""
     model_name = model.entry.name
     full: list[list[int]] = []
@@ -340,9 +340,9 @@ def _checked_inputs(
 
 def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded:
     """Validates a ModelInferRequest against the model's config like Triton does: its gRPC
-    frontend adds the inputs (a name given twice is refused, core infer_request.cc 700-712) and
+    frontend adds the inputs (a name given twice is refused) and
     finds their data; core checks the requested outputs (kept as a set: a name given twice is
-    one output, 834-837), then the inputs (`_checked_inputs`)."""
+    one output), then the inputs (`_checked_inputs`)."""
     seen: set[str] = set()
     for tensor in request.inputs:
         if tensor.name in seen:

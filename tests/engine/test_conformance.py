@@ -673,9 +673,9 @@ async def test_a_wrong_shape_is_refused_in_triton_words(
     assert (refused.error_message, refused.infer_response.id) == (message, "bad-shape")
 
 
-# Triton core's checks of a request's inputs (core src/infer_request.cc, r25.12), in its order:
-# every input's name and batch dimension (lines 1050-1081), the batch size (1088), then per
-# input its datatype (1105), shape (1115-1164) and byte size (1207-1235).
+# Triton core's checks of a request's inputs (its Normalize), in its order:
+# every input's name and batch dimension, the batch size, then per input its datatype, shape
+# and byte size.
 
 
 def _short_raw(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
@@ -740,9 +740,9 @@ async def test_inputs_are_checked_in_triton_core_order_and_words(
 
 
 async def test_what_triton_accepts_is_served(triton: ts_grpc.GRPCInferenceServiceStub) -> None:
-    """Triton's gRPC frontend reads raw_input_contents by input (grpc/infer_handler.cc 604-607) and
+    """Triton's gRPC frontend reads raw_input_contents by input and
     leaves any entry past the last input unread; core keeps requested outputs in a set
-    (AddOriginalRequestedOutput, infer_request.cc 834-837), so one named twice is one output."""
+    (AddOriginalRequestedOutput), so one named twice is one output."""
     extra = request("extra-raw", max_tokens=2)
     extra.raw_input_contents.append(b"unread")
     twice = request("output-twice", max_tokens=2)
@@ -756,7 +756,7 @@ async def test_what_triton_accepts_is_served(triton: ts_grpc.GRPCInferenceServic
 
 
 def test_a_bytes_input_in_the_wrong_form_is_refused_in_triton_words() -> None:
-    """ValidateBytesInputs (infer_request.cc 1308-1417): each element is a 4-byte length then its
+    """Triton's ValidateBytesInputs: each element is a 4-byte length then its
     bytes, and the count must match the shape. (The served test models declare no BYTES input.)"""
     from appliance.backends import wire
     from appliance.engine.server import InferError, check_byte_size
