@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
@@ -39,6 +40,7 @@ from appliance.backends.base import (
 )
 from appliance.backends.stream_pool import StreamPool
 from appliance.backends.stream_socket import SocketStream
+from appliance.textfile import TextFileError, read_text
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,
@@ -114,13 +116,86 @@ def inband_error(message: str) -> BackendError:
     )
 
 
+# The config.pbtxt parameter naming the engine directory (the template's `${engine_dir}`).
+ENGINE_DIR_PARAMETER = "gpt_model_path"
+# Largest engine config.json read; trtllm-build writes a few KiB.
+MAX_ENGINE_CONFIG_BYTES = 2**20
+
+
+class _EngineConfigError(ValueError):
+    """Why an engine directory's config.json gives no limits, in words for the log."""
+
+
+def _positive(value: object, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _EngineConfigError(f"build_config.{key} is {value!r}, not a positive integer")
+    return value
+
+
+def _engine_dir_limits(engine_dir: Path, chunked_context: bool) -> EngineLimits:
+    """The limits TensorRT-LLM's executor applies to an engine built by trtllm-build, from the
+    `build_config` of the engine directory's config.json (Engine.save): max_seq_len, less the
+    max_draft_len a request leaves room for (LlmRequest::validate); the prompt limit
+    (TrtGptModelInflightBatching) max_seq_len - 1 with chunked context, min(max_seq_len - 1,
+    max_num_tokens) with context FMHA on packed input, else the build's max_input_len."""
+    path = engine_dir / "config.json"
+    if not path.is_file():  # not there, or not a plain file (a FIFO would block the read)
+        raise _EngineConfigError("not there, or not a plain file")
+    try:
+        raw = json.loads(read_text(path, MAX_ENGINE_CONFIG_BYTES))
+    except TextFileError as exc:
+        raise _EngineConfigError(str(exc)) from None
+    except json.JSONDecodeError as exc:
+        raise _EngineConfigError(f"not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except RecursionError:
+        raise _EngineConfigError("not valid JSON (nested too deeply)") from None
+    build = raw.get("build_config") if isinstance(raw, dict) else None
+    if not isinstance(build, dict):
+        raise _EngineConfigError("no build_config object; not an engine of trtllm-build")
+    plugin = build.get("plugin_config", {})
+    if not isinstance(plugin, dict):
+        raise _EngineConfigError(f"build_config.plugin_config is {type(plugin).__name__}")
+    max_seq = _positive(build.get("max_seq_len"), "max_seq_len")
+    draft = build.get("max_draft_len") or 0
+    if isinstance(draft, bool) or not isinstance(draft, int) or not 0 <= draft < max_seq - 1:
+        raise _EngineConfigError(f"build_config.max_draft_len is {draft!r}")
+    if chunked_context:
+        max_input = max_seq - 1
+    elif plugin.get("context_fmha") is True and plugin.get("remove_input_padding") is True:
+        max_input = min(max_seq - 1, _positive(build.get("max_num_tokens"), "max_num_tokens"))
+    else:
+        max_input = _positive(build.get("max_input_len"), "max_input_len")
+    return EngineLimits(max_input, max_seq - draft)
+
+
 def engine_limits(params: Mapping[str, mc.ModelParameter]) -> EngineLimits:
     """The engine's limits from its config.pbtxt parameters max_input_len and max_seq_len (None
-    where one is absent or not a positive number); max_input_len at most max_seq_len - 1, as the
-    engine applies it."""
-    names = ("max_input_len", "max_seq_len")
-    given = [params[name].string_value.strip() if name in params else "" for name in names]
+    where one is absent or not a positive number); where one is absent and gpt_model_path names
+    an engine directory, from that engine's config.json (a file that cannot be used: one log
+    line, and the limit stays unknown). max_input_len at most max_seq_len - 1, as the engine
+    applies it."""
+
+    def value(name: str) -> str:
+        return params[name].string_value.strip() if name in params else ""
+
+    given = [value(name) for name in ("max_input_len", "max_seq_len")]
     max_input, max_seq = (int(v) if v.isdigit() and int(v) > 0 else None for v in given)
+    engine_dir = value(ENGINE_DIR_PARAMETER)
+    if (max_input is None or max_seq is None) and engine_dir and not engine_dir.startswith("${"):
+        try:
+            engine = _engine_dir_limits(
+                Path(engine_dir), value("enable_chunked_context").lower() == "true"
+            )
+        except _EngineConfigError as exc:
+            log.warning(
+                "engine config %s: %s; the engine's max_input_len and max_seq_len are unknown "
+                "(set them as config.pbtxt parameters)",
+                Path(engine_dir) / "config.json",
+                exc,
+            )
+        else:
+            max_input = engine.max_input_len if max_input is None else max_input
+            max_seq = engine.max_seq_len if max_seq is None else max_seq
     if max_seq is not None:
         max_input = max_seq - 1 if max_input is None else min(max_input, max_seq - 1)
     return EngineLimits(max_input, max_seq)

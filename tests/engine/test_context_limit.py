@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import re
 import shutil
 from collections.abc import AsyncIterator, Mapping
@@ -80,6 +82,65 @@ def _short_gateway(
     in front of it; the gateway's config.json context is the checkpoint's (2048)."""
     repo = write_hf_repository(tiny.model_dir, root / "repo", SHORT, guided_decoding=False)
     return _gateway_on(tiny, repo)
+
+
+def _undeclare_limits(repo: Path, engine_dir: Path | None = None) -> None:
+    """Takes the max_input_len and max_seq_len parameters out of the repository's config.pbtxt,
+    as in a repository filled from NVIDIA's inflight_batcher_llm template, which has neither;
+    `engine_dir`, when given, becomes its gpt_model_path (the template's `${engine_dir}`)."""
+    pbtxt = repo / "tensorrt_llm" / "config.pbtxt"
+    undeclared = re.sub(
+        r'parameters \{\s*key: "max_(input|seq)_len"\s*value \{[^}]*\}\s*\}\s*',
+        "",
+        pbtxt.read_text(),
+    )
+    assert "max_seq_len" not in undeclared
+    if engine_dir is not None:
+        assert "gpt_model_path" not in undeclared
+        undeclared += (
+            f'parameters {{ key: "gpt_model_path" value {{ string_value: "{engine_dir}" }} }}\n'
+        )
+    pbtxt.write_text(undeclared)
+
+
+def _engine_config(
+    max_input_len: int = SHORT - 1,
+    max_seq_len: int = SHORT,
+    max_num_tokens: int = 8192,
+    context_fmha: bool = True,
+    remove_input_padding: bool = True,
+    max_draft_len: int = 0,
+) -> dict[str, Any]:
+    """The parts of a TensorRT-LLM 1.2 engine's config.json (Engine.save: EngineConfig.to_dict,
+    BuildConfig.to_dict) that bound a request, with the builder's default plugin settings."""
+    return {
+        "version": "1.2.1",
+        "pretrained_config": {"architecture": "LlamaForCausalLM", "dtype": "bfloat16"},
+        "build_config": {
+            "max_input_len": max_input_len,
+            "max_seq_len": max_seq_len,
+            "max_batch_size": 1,
+            "max_beam_width": 1,
+            "max_num_tokens": max_num_tokens,
+            "opt_num_tokens": None,
+            "max_draft_len": max_draft_len,
+            "plugin_config": {
+                "context_fmha": context_fmha,
+                "remove_input_padding": remove_input_padding,
+                "paged_kv_cache": True,
+                "tokens_per_block": 32,
+            },
+        },
+    }
+
+
+def _engine_dir(root: Path, config: object) -> Path:
+    """An engine directory as trtllm-build leaves it: config.json (the engine file itself is
+    not read by the gateway)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "rank0.engine").write_bytes(b"")
+    return root
 
 
 @contextlib.asynccontextmanager
@@ -213,14 +274,7 @@ async def test_the_engine_refusing_a_prompt_is_context_length_exceeded(
         json.dumps({**config, "max_position_embeddings": SHORT})
     )
     repo = write_hf_repository(checkpoint, tmp_path / "repo", guided_decoding=False)
-    pbtxt = repo / "tensorrt_llm" / "config.pbtxt"
-    undeclared = re.sub(
-        r'parameters \{\s*key: "max_(input|seq)_len"\s*value \{[^}]*\}\s*\}\s*',
-        "",
-        pbtxt.read_text(),
-    )
-    assert "max_seq_len" not in undeclared
-    pbtxt.write_text(undeclared)
+    _undeclare_limits(repo)
     async with _gateway_on(tiny, repo) as (gateway, model):
         assert model.backend.engine_limits.max_seq_len is None
         chat = {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}
@@ -246,3 +300,126 @@ def test_engine_limits_are_read_from_the_parameters_the_engine_applies() -> None
     assert limits(max_input_len="2048") == EngineLimits(2048, None)
     assert limits(max_seq_len="", max_input_len="0") == NO_ENGINE_LIMITS
     assert limits(max_seq_len="${max_seq_len}") == NO_ENGINE_LIMITS
+
+
+async def test_limits_of_a_template_repository_are_read_from_its_engine_directory(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """A repository filled from NVIDIA's template declares no max_input_len or max_seq_len; its
+    gpt_model_path names the engine directory, whose config.json holds the limits the engine
+    was built with. The gateway bounds requests by them before the engine (the engine server
+    here runs the checkpoint's whole context, so only the gateway refuses)."""
+    repo = write_hf_repository(tiny.model_dir, tmp_path / "repo", guided_decoding=False)
+    _undeclare_limits(repo, _engine_dir(tmp_path / "engine", _engine_config()))
+    async with _gateway_on(tiny, repo) as (gateway, model):
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}
+        status, body = await _post(gateway, "chat/completions", chat)
+        assert status == 400, body
+        error = body["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+        assert f"at most {SHORT - 1} input tokens (its engine's max_input_len)" in error["message"]
+
+        asked = {"model": "tiny", "prompt": "hi", "max_tokens": SHORT}
+        status, body = await _post(gateway, "completions", asked)
+        assert status == 400, body
+        assert f"exceeds the engine's max_seq_len of {SHORT}" in body["error"]["message"]
+
+        fits = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        status, body = await _post(gateway, "completions", fits)
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 4
+        assert model.backend.engine_limits == EngineLimits(SHORT - 1, SHORT)
+
+
+def _limits_with_engine(engine_dir: Path | str, **given: str) -> EngineLimits:
+    config = mc.ModelConfig()
+    config.parameters["gpt_model_path"].string_value = str(engine_dir)
+    for name, value in given.items():
+        config.parameters[name].string_value = value
+    return engine_limits(config.parameters)
+
+
+def test_engine_directory_limits_follow_what_the_executor_applies(tmp_path: Path) -> None:
+    """TensorRT-LLM's executor (TrtGptModelInflightBatching) takes max_seq_len from the engine;
+    its prompt limit is max_seq_len - 1 with chunked context, min(max_seq_len - 1,
+    max_num_tokens) with context FMHA on packed input, else the build's max_input_len; a
+    request also leaves room for max_draft_len draft tokens (LlmRequest::validate)."""
+
+    def limits(config: dict[str, Any], **given: str) -> EngineLimits:
+        return _limits_with_engine(_engine_dir(tmp_path / "engine", config), **given)
+
+    assert limits(_engine_config(max_input_len=16)) == EngineLimits(SHORT - 1, SHORT)
+    assert limits(_engine_config(max_num_tokens=32)) == EngineLimits(32, SHORT)
+    assert limits(_engine_config(max_input_len=16, context_fmha=False)) == EngineLimits(16, SHORT)
+    assert limits(
+        _engine_config(max_input_len=16, context_fmha=False), enable_chunked_context="true"
+    ) == EngineLimits(SHORT - 1, SHORT)
+    assert limits(_engine_config(max_draft_len=4)) == EngineLimits(SHORT - 5, SHORT - 4)
+    # The config.pbtxt's parameters win where present; the engine fills in what they lack.
+    assert limits(_engine_config(), max_seq_len="4096", max_input_len="2048") == EngineLimits(
+        2048, 4096
+    )
+    assert limits(_engine_config(), max_input_len="16") == EngineLimits(16, SHORT)
+    # The template's placeholder, unfilled, names no directory.
+    assert _limits_with_engine("${engine_dir}") == NO_ENGINE_LIMITS
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"{", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b"[1, 2]", "build_config"),
+        (json.dumps({"version": "1.2.1"}).encode(), "build_config"),
+        (json.dumps(_engine_config(max_seq_len=0)).encode(), "max_seq_len"),
+        (
+            json.dumps(
+                {"build_config": {**_engine_config()["build_config"], "max_seq_len": "64"}}
+            ).encode(),
+            "max_seq_len",
+        ),
+        (
+            json.dumps(
+                {"build_config": {**_engine_config()["build_config"], "max_seq_len": True}}
+            ).encode(),
+            "max_seq_len",
+        ),
+        (
+            json.dumps(
+                {"build_config": {**_engine_config()["build_config"], "plugin_config": []}}
+            ).encode(),
+            "plugin_config",
+        ),
+        (b" " * (2 * 2**20), "bytes"),
+    ],
+)
+def test_an_engine_config_that_cannot_be_used_leaves_the_limits_unknown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, why: str
+) -> None:
+    """A config.json too large, not JSON or of the wrong shape: no limits from it, one log line
+    naming the file and what is wrong, no exception."""
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="appliance.backends.triton"):
+        assert _limits_with_engine(engine) == NO_ENGINE_LIMITS
+    (record,) = caplog.records
+    assert str(engine / "config.json") in record.getMessage()
+    assert why in record.getMessage()
+
+
+def test_an_engine_directory_that_cannot_be_read_leaves_the_limits_unknown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No directory there (Triton on another host), no config.json in it, or one that is not a
+    plain file (a FIFO would block the read): one log line each, no limits, no exception."""
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")
+    for engine in (tmp_path / "absent", tmp_path, fifo):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="appliance.backends.triton"):
+            assert _limits_with_engine(engine) == NO_ENGINE_LIMITS
+        (record,) = caplog.records
+        assert str(engine / "config.json") in record.getMessage()
