@@ -2,6 +2,11 @@
 
 Cache tiers and inference backends are chosen this way. Importing a module the configuration names
 runs its code: the configuration file is the operator's, as trusted as the gateway's own files.
+
+What such a class must define is checked when the configuration is read (`check_members`), against
+its base class alone: the base's abstract members have no default and must be defined; its other
+public members have a default that a subclass inherits. A class missing one is refused at start-up
+in one line naming the members, never by an AttributeError on the first request.
 """
 
 from __future__ import annotations
@@ -36,3 +41,47 @@ def load_class(spec: str, builtin: Mapping[str, str], what: str) -> type:
     if not isinstance(found, type):
         raise PluginError(f"{what} {spec!r}: {module_name} has no class {attribute}")
     return found
+
+
+def members(base: type) -> tuple[list[str], list[str]]:
+    """The public members `base` declares: (those without a default, its abstract ones; those
+    with one, which a subclass inherits)."""
+    required = sorted(getattr(base, "__abstractmethods__", ()))
+    defaulted = sorted(n for n in vars(base) if not n.startswith("_") and n not in required)
+    return required, defaulted
+
+
+def check_members(found: type, base: type, spec: str, what: str, *, structural: bool) -> None:
+    """Refuses, in one PluginError line naming the members and saying what to do, a class the
+    configuration names (`spec`) that lacks a member of `base`: a subclass must define the members
+    `base` has no default for; a class that is not one (accepted only where `structural`) must have
+    every member of `base`, as a method, property or class attribute.
+
+    A class that is not a subclass gets no defaults: they would have to be set on a class the
+    gateway does not own (changing it for every other user of it), or on a subclass made here
+    (which a `from_config` that names its own class would bypass). One line saying to subclass
+    `base` says how to inherit them instead."""
+    name = found.__qualname__
+    path = f"{base.__module__}.{base.__qualname__}"
+    required, defaulted = members(base)
+    if base in found.__mro__:
+        if missing := sorted(getattr(found, "__abstractmethods__", ())):
+            raise PluginError(
+                f"{what} {spec!r}: {name} does not define {', '.join(missing)} "
+                f"({path} has no default for them)"
+            )
+        return
+    if not structural:
+        raise PluginError(
+            f"{what} {spec!r}: {name} is not a subclass of {path}: subclass it to inherit its "
+            f"defaults, and define {', '.join(required)}"
+        )
+    lacking = [m for m in (*required, *defaulted) if not hasattr(found, m)]
+    if not lacking:
+        return
+    undefined = [m for m in lacking if m in required]
+    inherited = [m for m in lacking if m not in required]
+    fix = [f"define {', '.join(undefined)}"] if undefined else []
+    if inherited:
+        fix.append(f"subclass {path} to inherit its defaults for {', '.join(inherited)}")
+    raise PluginError(f"{what} {spec!r}: {name} lacks members: {'; '.join(fix)}")

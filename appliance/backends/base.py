@@ -7,13 +7,15 @@ stop strings and caching stay in the gateway.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, cast
 
 import grpc
 
-from appliance.plugins import PluginError, load_class
+from appliance.plugins import PluginError, check_members, load_class
 from engine_build.guides import GUIDE_TYPES as GUIDE_TYPES
 
 if TYPE_CHECKING:
@@ -101,6 +103,8 @@ class EngineLimits:
 
 
 NO_ENGINE_LIMITS = EngineLimits()
+# Backend.unserved of a backend that serves every field (the default).
+NO_UNSERVED: Mapping[str, str] = MappingProxyType({})
 
 
 def top_logprobs_refusal(model: str, limit: int, asked: int) -> str | None:
@@ -202,74 +206,81 @@ class Tokens(list[int]):
 
 
 class Backend(Protocol):
-    """One served model on one inference server."""
+    """One served model on one inference server.
+
+    A backend of one's own (`backend_kind = "package.module:Class"`) subclasses this class: it
+    defines the abstract members (no default fits every engine), and inherits the others, whose
+    defaults say "not known yet" or "not served". `backend_kind` refuses a class that lacks one.
+    """
 
     @property
+    @abc.abstractmethod
     def address(self) -> str:
         """Where the backend is, for messages an operator reads."""
-        ...
 
     @property
+    @abc.abstractmethod
     def max_batch_size(self) -> int:
-        """Generations the backend runs at once at full speed."""
-        ...
+        """Generations the backend runs at once at full speed (the model's admission slots, unless
+        its max_in_flight says)."""
 
     @property
     def speculation(self) -> Speculation:
-        """What the model does with speculative decoding (NO_SPECULATION until it is known)."""
-        ...
+        """What the model does with speculative decoding (NO_SPECULATION until it is known, and
+        by default: a request asking for drafts is refused)."""
+        return NO_SPECULATION
 
     @property
     def max_top_logprobs(self) -> int:
         """Most alternatives per generated token the model returns with log-probabilities (0: it
-        returns none, or that is not known yet)."""
-        ...
+        returns none, or that is not known yet; the default)."""
+        return 0
 
     @property
     def guided(self) -> bool:
         """Whether the model decodes under a guide (False: it has no guided decoding, or that is
-        not known yet)."""
-        ...
+        not known yet; the default)."""
+        return False
 
     @property
     def unserved(self) -> Mapping[str, str]:
         """The request fields the model takes no input for (`seed`, `min_tokens`, `logprobs`,
         `ignore_eos`), each with what its engine lacks, as unserved_refusal words it (empty
-        until that is known)."""
-        ...
+        until that is known, and by default: the backend serves them all)."""
+        return NO_UNSERVED
 
     @property
     def engine_limits(self) -> EngineLimits:
         """The engine's bounds on prompt and prompt + completion tokens, where it declares them
-        (NO_ENGINE_LIMITS until they are known, and for a backend that declares none: a class
-        that subclasses Backend inherits this)."""
+        (NO_ENGINE_LIMITS until they are known, and by default: the model's context bounds a
+        request alone)."""
         return NO_ENGINE_LIMITS
 
+    @abc.abstractmethod
     async def wait_ready(self, timeout_s: float) -> None:
         """Returns once the backend can take requests; BackendError (UNAVAILABLE) after timeout_s."""
-        ...
 
+    @abc.abstractmethod
     async def readiness(self, timeout_s: float) -> tuple[bool, str]:
         """One readiness check, answered or not within `timeout_s` in all: (ready, why not).
         Never raises."""
-        ...
 
+    @abc.abstractmethod
     def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
         """The new token ids of each step until the generation ends.
 
         Raises BackendError with the status the client should get. Closing the iterator early
         (the caller stopped reading, was cancelled, or hit a stop string) cancels the generation.
         """
-        ...
 
+    @abc.abstractmethod
     def cancel_all(self) -> None:
         """Ends every generation in flight, and every one started from now on (the drain period
         is over): they raise CANCELLED."""
-        ...
 
+    @abc.abstractmethod
     async def close(self) -> None:
         """Releases connections; no call is made afterwards."""
-        ...
 
 
 class BackendKind(Protocol):
@@ -280,10 +291,12 @@ class BackendKind(Protocol):
 
 def backend_kind(spec: str) -> BackendKind:
     """The backend class a model's `backend_kind` names (a BACKEND_KINDS name or
-    `package.module:Class`); PluginError (a ValueError) says what to fix in one line."""
+    `package.module:Class`), with every member of Backend (check_members: a class that is not a
+    subclass of it must have them all); PluginError (a ValueError) says what to fix in one line."""
     found = load_class(spec, BACKEND_KINDS, "backend kind")
     if not callable(getattr(found, "from_config", None)):
         raise PluginError(
             f"backend kind {spec!r}: {found.__qualname__} has no from_config(model_config)"
         )
+    check_members(found, Backend, spec, "backend kind", structural=True)
     return cast(BackendKind, found)

@@ -30,6 +30,7 @@ from appliance.backends.base import (
     NO_ENGINE_LIMITS,
     NO_SPECULATION,
     Alternative,
+    Backend,
     BackendError,
     EngineLimits,
     GenerationRequest,
@@ -404,8 +405,8 @@ def _is_final(response: ts.ModelInferResponse) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
-class TritonBackend:
-    """One model on one Triton-protocol server, behind one persistent channel (a Backend)."""
+class TritonBackend(Backend):
+    """One model on one Triton-protocol server, behind one persistent channel."""
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> TritonBackend:
@@ -414,7 +415,7 @@ class TritonBackend:
     def __init__(self, address: str, model: str, stream_socket: Path | None = None) -> None:
         """stream_socket: the engine server's (stream_socket.py), which then carries every
         generation; gRPC at `address` carries the rest."""
-        self.address = address
+        self._address = address
         self.model = model
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = ts_grpc.GRPCInferenceServiceStub(self._channel)
@@ -434,7 +435,16 @@ class TritonBackend:
         self._shutting_down = False
         self._closed = False
         # Generations the server runs at once (its model's max_batch_size; 1 until read).
-        self.max_batch_size = 1
+        self._max_batch_size = 1
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def max_batch_size(self) -> int:
+        """The model's max_batch_size as last read (1 before)."""
+        return self._max_batch_size
 
     @property
     def speculation(self) -> Speculation:
@@ -521,7 +531,7 @@ class TritonBackend:
                     ts.ModelConfigRequest(name=self.model), timeout=left()
                 )
                 self._names = check_model_config(reply.config, self.address)
-                self.max_batch_size = max(1, reply.config.max_batch_size)
+                self._max_batch_size = max(1, reply.config.max_batch_size)
         except grpc.aio.AioRpcError as exc:
             self._names = None if exc.code() == grpc.StatusCode.UNAVAILABLE else self._names
             self._streams.close_idle()

@@ -27,19 +27,18 @@ metrics and CacheAdmin.Stats need to report it.
 from __future__ import annotations
 
 import abc
-import inspect
 import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Self, TypeVar, cast
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l1 import Invalidations, LruCache
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.series import Described, Series, described
-from appliance.plugins import load_class
+from appliance.plugins import check_members, load_class
 
 if TYPE_CHECKING:  # the feed is built on L2's client, and the configuration on L2's settings
     from appliance.cache.invalidation_feed import InvalidationFeed
@@ -234,13 +233,13 @@ class CountedInvalidations:
 
 
 def tier_class(spec: str) -> type[CacheTier]:
-    """The tier class a configuration entry names (a built-in name or `package.module:Class`),
-    its name and counters checked; TierError or PluginError (ValueErrors) say what to fix."""
-    found = load_class(spec, BUILTIN_TIERS, "cache tier")
-    if not issubclass(found, CacheTier):
-        raise TierError(f"cache tier {spec!r}: {found.__qualname__} is not a CacheTier subclass")
-    if inspect.isabstract(found):
-        raise TierError(f"cache tier {spec!r}: {found.__qualname__} does not define lookup")
+    """The tier class a configuration entry names (a built-in name or `package.module:Class`): a
+    CacheTier subclass that defines CacheTier's abstract members (check_members), its name and
+    counters checked; TierError or PluginError (ValueErrors) say what to fix."""
+    # check_members refuses a class that is not a CacheTier subclass.
+    loaded = load_class(spec, BUILTIN_TIERS, "cache tier")
+    check_members(loaded, CacheTier, spec, "cache tier", structural=False)
+    found = cast("type[CacheTier]", loaded)
     name = getattr(found, "name", None)
     if not (isinstance(name, str) and _NAME.fullmatch(name)) or name == MISS:
         raise TierError(

@@ -238,7 +238,10 @@ def test_cache_tiers_default_to_todays_order(tmp_path: Path) -> None:
         ('["l1", "semantic"]', "'semantic' is listed but \\[cache.semantic\\] is not enabled"),
         ('["l1", "no_such_module:Tier"]', "cannot import no_such_module"),
         ('["l1", "appliance.cache.tiers:Nothing"]', "appliance.cache.tiers has no class Nothing"),
-        ('["l1", "appliance.cache.tiers:CacheQuery"]', "CacheQuery is not a CacheTier subclass"),
+        (
+            '["l1", "appliance.cache.tiers:CacheQuery"]',
+            "CacheQuery is not a subclass of appliance.cache.tiers.CacheTier",
+        ),
         ('["l1", "appliance.cache.tiers:CacheTier"]', "CacheTier does not define lookup"),
         ('["l1", "appliance.cache.tiers:L1Tier"]', "two tiers are named 'l1'"),
     ],
