@@ -38,6 +38,11 @@ Nothing a client sends reaches the log: aiohttp's own records of requests it cou
 the raw bytes (an HTTP/2 preface with its HPACK block holds the `authorization` header) and are
 rewritten as one line naming the refusal and the peer, at most one per interval. aiohttp's own
 answers to such requests (plain text quoting the bytes) are OpenAI's error shape instead.
+
+Every request answered with an error is reported once, as the pipeline reports the requests it
+runs: one access line and one count in appliance_requests_total, model `unknown` when refused
+before the pipeline, its HTTP status as gRPC names it (WIRE_STATUS). /health's own answers are
+probes', no requests.
 """
 
 from __future__ import annotations
@@ -82,17 +87,26 @@ SSE_HEADERS = {
     # Proxies (nginx) must pass events on as they come, not buffer them.
     "X-Accel-Buffering": "no",
 }
-# The status the access log and metrics record for a body refused before the pipeline saw it.
+# The status the access log and metrics record for an error answer the pipeline did not give (a
+# request refused before it reached the pipeline, or one that was never a generation); another
+# status: INVALID_ARGUMENT.
 WIRE_STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    405: grpc.StatusCode.UNIMPLEMENTED,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
 }
+# A request's state (aiohttp's request mapping): when it arrived (monotonic ns), and that its
+# outcome is reported (the pipeline reports every request it runs; the HTTP API the others).
+RECEIVED = web.RequestKey("appliance.received_ns", int)
+REPORTED = web.RequestKey("appliance.reported", bool)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Content-Encodings of a request body the server inflates (within max_body_bytes) or takes as is.
 BODY_ENCODINGS = ("identity", "gzip", "deflate")
@@ -210,9 +224,11 @@ UNPARSED_OTHER = (
 class OpenAIErrorHandler(RequestHandler):
     """aiohttp's connection handler, whose own answers (a request its parser refuses, a handler
     that raised) are OpenAI's error shape without the request's bytes, not aiohttp's text.
-    `ended` runs as its connection ends (None: nothing to run)."""
+    `ended` runs as its connection ends (None: nothing to run); `errored` is told of each of
+    its own answers (the request, its status), which no handler reported."""
 
     ended: Callable[[], None] | None = None
+    errored: Callable[[BaseRequest, int], None] | None = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
         try:
@@ -236,16 +252,22 @@ class OpenAIErrorHandler(RequestHandler):
             err = wire.HttpError(
                 status, "invalid_request_error", f"the HTTP request could not be read: {what}"
             )
+        if self.errored is not None:
+            self.errored(request, status)
         response = error_response(err)
         response.force_close()
         return response
 
 
 class OpenAIErrorServer(web.Server):
-    """aiohttp's Server, whose connections are OpenAIErrorHandlers."""
+    """aiohttp's Server, whose connections are OpenAIErrorHandlers (each told `errored`)."""
+
+    errored: Callable[[BaseRequest, int], None] | None = None
 
     def __call__(self) -> OpenAIErrorHandler:
-        return OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
+        handler = OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
+        handler.errored = self.errored
+        return handler
 
 
 class OpenAIErrorRunner(web.AppRunner):
@@ -586,6 +608,9 @@ class HttpApi:
         assert self.config.listen is not None
         host, _, port = self.config.listen.rpartition(":")
         await self._runner.setup()
+        server = self._runner.server
+        assert isinstance(server, OpenAIErrorServer)
+        server.errored = self._report_error
         site = BoundedSite(
             self._runner,
             host.strip("[]"),
@@ -659,7 +684,9 @@ class HttpApi:
         return None
 
     async def health(self, request: web.Request) -> web.Response:
-        """What grpc.health.v1 answers for the gateway, or for one model with ?model=NAME."""
+        """What grpc.health.v1 answers for the gateway, or for one model with ?model=NAME. Its
+        503 or 404 is a probe's answer, which refuses nothing: no access line, not counted."""
+        request[REPORTED] = True
         model = request.query.get("model")
         service = ""
         if model is not None:
@@ -683,6 +710,14 @@ class HttpApi:
 
     @web.middleware
     async def _openai_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error answer the pipeline did not report is reported once (_report_error)."""
+        request[RECEIVED] = time.monotonic_ns()
+        response = await self._answer_or_refuse(request, handler)
+        if response.status >= 400:
+            self._report_error(request, response.status)
+        return response
+
+    async def _answer_or_refuse(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """aiohttp's own refusals (no such route, wrong method) in OpenAI's error shape, and a
         request to a foreign host name (foreign_host)."""
         refused = self._refused_host(request)
@@ -765,11 +800,9 @@ class HttpApi:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if self.draining:  # refused like every request the drain turns away: a retry hint
             refusal = stopping()
-            self.pipeline.refused("http", refusal.code.name, time.monotonic_ns())
             return error_response(wire.error_of(refusal), refusal.retry_after_ms)
         self._active += 1
         self._idle.clear()
-        received = time.monotonic_ns()
         credentials = self._credentials(request)
         try:
             try:
@@ -788,9 +821,9 @@ class HttpApi:
                     usable = valid_request_id(header_id)
                     http.request.request_id = header_id if usable else new_request_id()
             except wire.HttpError as err:
-                self._report_refusal(err, received)
                 return error_response(err)
             # OpenAI's answer that is a tool call carries no text: the pipeline holds it back.
+            request[REPORTED] = True  # by the pipeline, whatever way it ends
             replies = self.pipeline.run(
                 http.request,
                 http.deadline_s,
@@ -869,10 +902,16 @@ class HttpApi:
                 503, "service_unavailable_error", str(exc), retry_after_ms=UNAVAILABLE_RETRY_MS
             ) from None
 
-    def _report_refusal(self, err: wire.HttpError, received: int) -> None:
-        """A body refused before the pipeline saw it still counts in metrics and the access log."""
-        status = WIRE_STATUS.get(err.status, grpc.StatusCode.INVALID_ARGUMENT)
-        self.pipeline.refused("http", status.name, received)
+    def _report_error(self, request: BaseRequest, status: int) -> None:
+        """An error answer the pipeline did not report (a refusal before it, a request that was
+        never a generation, one the HTTP parser refused) is reported once, as the pipeline
+        reports its own: an access line and appliance_requests_total, model `unknown`, the
+        status as gRPC names it (WIRE_STATUS)."""
+        if request.get(REPORTED):
+            return
+        request[REPORTED] = True
+        code = WIRE_STATUS.get(status, grpc.StatusCode.INVALID_ARGUMENT)
+        self.pipeline.refused("http", code.name, request.get(RECEIVED, time.monotonic_ns()))
 
     async def _answer(
         self,
