@@ -150,3 +150,13 @@ async def test_a_request_without_a_valid_key_is_one_access_line_on_every_route(
         assert await _send(keyed, method, path, headers, body) == 401, (path, headers)
     _assert_logged_and_counted(keyed, caplog, ["UNAUTHENTICATED"] * len(cases))
     assert all(r.key_id == "" for r in _http_reports(caplog))
+
+
+async def test_a_request_the_drain_refuses_is_one_access_line(
+    anonymous: RunningGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="appliance.access")
+    assert anonymous.http is not None
+    anonymous.http.draining = True  # what close() sets first, before its grace
+    assert await _send(anonymous, "POST", "/v1/completions", {}, BODY) == 503
+    _assert_logged_and_counted(anonymous, caplog, ["UNAVAILABLE"])
