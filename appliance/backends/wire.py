@@ -31,6 +31,7 @@ __all__ = [
     "decode",
     "encode",
     "input_tensor",
+    "log_request",
     "output_values",
     "read_input",
 ]
@@ -236,3 +237,10 @@ def output_values(response: ts.ModelInferResponse, name: str) -> list[Any] | Non
         field = _CONTENTS_FIELD.get(output.datatype)
         return list(getattr(output.contents, field)) if field else []
     return None
+
+
+def log_request(request_id: str) -> str:
+    """What starts every message of Triton core's checks of a request (InferenceRequest's
+    LogRequest): the request's id, `<id_unknown>` when it has none. The model's name lookups
+    (Model::GetInput, GetOutput), the gRPC frontend and the backend do not add it."""
+    return f"[request id: {request_id or '<id_unknown>'}] "

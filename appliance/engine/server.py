@@ -32,7 +32,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -121,6 +121,14 @@ class InferError(Exception):
             response.model_name, response.model_version, final = self.issued
             response.parameters["triton_final_response"].bool_param = final
         return ts.ModelStreamInferResponse(error_message=self.message, infer_response=response)
+
+
+def _backend_error(request: ts.ModelInferRequest, message: str) -> InferError:
+    """A request the TensorRT-LLM backend refuses as it reads it (ModelInstanceState::enqueue
+    catches the exception): an error response, INTERNAL, that is the request's final one."""
+    error = InferError(message, grpc.StatusCode.INTERNAL)
+    error.issued = (request.model_name, request.model_version, True)
+    return error
 
 
 def _executor_error(message: str) -> InferError:
@@ -229,15 +237,18 @@ def _dims(shape: list[int]) -> str:
 _LENGTH_PREFIX = 4  # bytes before each BYTES element: its length, little-endian uint32
 
 
-def check_byte_size(name: str, datatype: str, raw: bytes, count: int, model_name: str) -> None:
+def check_byte_size(
+    name: str, datatype: str, raw: bytes, count: int, model_name: str, request_id: str
+) -> None:
     """Triton core's check that an input's bytes hold what its shape and datatype promise
     (core's Normalize and ValidateBytesInputs)."""
     where = f"for inference input '{name}' for model '{model_name}'"
+    logged = wire.log_request(request_id)
     if datatype != "BYTES":
         expected = count * array.array(wire.DATATYPES[datatype]).itemsize
         if len(raw) != expected:
             raise InferError(
-                f"input byte size mismatch for input '{name}' for model '{model_name}'. "
+                f"{logged}input byte size mismatch for input '{name}' for model '{model_name}'. "
                 f"Expected {expected}, got {len(raw)}"
             )
         return
@@ -245,18 +256,18 @@ def check_byte_size(name: str, datatype: str, raw: bytes, count: int, model_name
     while at < len(raw):
         if len(raw) - at < _LENGTH_PREFIX:
             raise InferError(
-                f"incomplete string length indicator {where}, expecting {_LENGTH_PREFIX} bytes "
-                f"but only {len(raw) - at} bytes available. Please make sure the string length "
-                "indicator is in one buffer."
+                f"{logged}incomplete string length indicator {where}, expecting {_LENGTH_PREFIX} "
+                f"bytes but only {len(raw) - at} bytes available. Please make sure the string "
+                "length indicator is in one buffer."
             )
         checked += 1
         if checked > count:
             raise InferError(
-                f"unexpected number of string elements {checked} {where}, expecting {count}"
+                f"{logged}unexpected number of string elements {checked} {where}, expecting {count}"
             )
         at += _LENGTH_PREFIX + int.from_bytes(raw[at : at + _LENGTH_PREFIX], "little")
     if checked != count:
-        raise InferError(f"expected {count} string elements {where}, got {checked}")
+        raise InferError(f"{logged}expected {count} string elements {where}, got {checked}")
 
 
 def _data(
@@ -288,6 +299,7 @@ def _checked_inputs(
     datatype, shape and byte size.
     Which error a client sees when several are wrong is therefore Triton's."""
     model_name = model.entry.name
+    logged = wire.log_request(request.id)
     full: list[list[int]] = []
     for tensor in request.inputs:
         if tensor.name not in model.specs:
@@ -295,26 +307,26 @@ def _checked_inputs(
         shape = list(tensor.shape)
         if model.batch_dim and not shape:
             raise InferError(
-                f"input '{tensor.name}' has no shape but model requires batch dimension for "
+                f"{logged}input '{tensor.name}' has no shape but model requires batch dimension for "
                 f"'{model_name}'"
             )
         full.append(shape)
     if model.batch_dim and any(s[0] != 1 for s in full):
         # Triton admits up to max_batch_size; this server computes one sequence per request.
-        raise InferError(f"inference request batch-size must be <= 1 for '{model_name}'")
+        raise InferError(f"{logged}inference request batch-size must be <= 1 for '{model_name}'")
     tensors: dict[str, list[Any]] = {}
     for tensor, shape, given in zip(request.inputs, full, data, strict=True):
         name = tensor.name
         spec = model.specs[name]
         if tensor.datatype != spec.datatype:
             raise InferError(
-                f"inference input '{name}' data-type is '{tensor.datatype}', but model "
+                f"{logged}inference input '{name}' data-type is '{tensor.datatype}', but model "
                 f"'{model_name}' expects '{spec.datatype}'"
             )
         dims = shape[1:] if model.batch_dim else shape
         if len(dims) == len(spec.dims) and -1 in dims:
             raise InferError(
-                f"All input dimensions should be specified for input '{name}' for model "
+                f"{logged}All input dimensions should be specified for input '{name}' for model "
                 f"'{model_name}', got {_dims(shape)}"
             )
         if len(dims) != len(spec.dims) or any(
@@ -324,18 +336,46 @@ def _checked_inputs(
             # model batches, both shapes written [d0,d1,...], and its note on the batch dimension.
             expected = [-1, *spec.dims] if model.batch_dim else list(spec.dims)
             raise InferError(
-                f"unexpected shape for input '{name}' for model '{model_name}'. "
+                f"{logged}unexpected shape for input '{name}' for model '{model_name}'. "
                 f"Expected {_dims(expected)}, got {_dims(shape)}. "
                 f"{_BATCH_NOTE if model.batch_dim else ''}"
             )
         count = prod(shape)
         if given is not None:
-            check_byte_size(name, spec.datatype, given, count, model_name)
+            check_byte_size(name, spec.datatype, given, count, model_name, request.id)
         try:
             tensors[name] = wire.read_input(tensor, given, shape).values
         except wire.TensorError as exc:
             raise InferError(f"input '{name}' for model '{model_name}': {exc}") from exc
     return tensors
+
+
+def _listed(names: Iterable[str]) -> str:
+    """Names as Triton core lists them: ['a','b'], without spaces."""
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+
+def _check_input_count(request: ts.ModelInferRequest, model: EngineModel, given: set[str]) -> None:
+    """Triton core's ValidateRequestInputs: it refuses a request whose count of inputs is outside
+    [required, declared] only; one within it that lacks a required input is issued, and the
+    backend answers it (`decode_request`). The given inputs are listed sorted (core lists them
+    in its hash map's order, which nothing fixes); the missing ones in the config's order, and,
+    when none is, as core writes an empty list there: `]`."""
+    required, declared = model.required, len(model.specs)
+    if len(required) <= len(given) <= declared:
+        return
+    missing = [n for n in required if n not in given]
+    absent = _listed(missing) if missing else "]"
+    expected = (
+        f"{declared} inputs"
+        if declared == len(required)
+        else f"number of inputs between {len(required)} and {declared}"
+    )
+    raise InferError(
+        f"{wire.log_request(request.id)}expected {expected} but got {len(given)} inputs for model "
+        f"'{model.entry.name}'. Got input(s) {_listed(sorted(given))}, but missing required "
+        f"input(s) {absent}. Please provide all required input(s)."
+    )
 
 
 def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded:
@@ -346,7 +386,10 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
     seen: set[str] = set()
     for tensor in request.inputs:
         if tensor.name in seen:
-            raise InferError(f"input '{tensor.name}' already exists in request")
+            # Triton core's AddOriginalInput, after the gRPC frontend has set the request's id.
+            raise InferError(
+                f"{wire.log_request(request.id)}input '{tensor.name}' already exists in request"
+            )
         seen.add(tensor.name)
     raw = list(request.raw_input_contents)
     data = [_data(t, raw, i, model.entry.name) for i, t in enumerate(request.inputs)]
@@ -355,14 +398,7 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
             raise InferError(
                 f"unexpected inference output '{output.name}' for model '{model.entry.name}'"
             )
-    required = model.required
-    missing = [n for n in required if n not in seen]
-    if missing:
-        raise InferError(
-            f"expected {len(required)} inputs but got {len(seen)} inputs for model "
-            f"'{model.entry.name}'. Got input(s) {sorted(seen)}, but missing required input(s) "
-            f"{missing}. Please provide all required input(s)."
-        )
+    _check_input_count(request, model, seen)
     tensors = _checked_inputs(request, model, data)
 
     def scalar(name: str, default: Any) -> Any:
@@ -377,13 +413,21 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
                 "does not implement it; omit it (stop strings are applied by the gateway)"
             )
     stop = bool(scalar("stop", False))
+    # The backend reads a stop request's `stop` and id only; any other first goes through its
+    # readInputsTensors (splitBatchInputsTensors: input_ids, or encoder_input_features that this
+    # engine does not declare) and createRequestsFromInputTensors (streaming on a model that is
+    # not decoupled, then request_output_len), in this order. (The backend's TLLM_THROW appends
+    # its source file, line and a stack trace to the first two messages; this engine does not.)
+    if not stop and "input_ids" not in tensors:
+        raise _backend_error(request, "inputTokens or encoderInputFeatures tensor not provided")
     streaming = bool(scalar("streaming", False))
     if streaming and not stop and not model.entry.decoupled:
-        raise InferError(
-            "Streaming is only supported if model is deployed using decoupled mode.",
-            grpc.StatusCode.INTERNAL,
+        raise _backend_error(
+            request, "Streaming is only supported if model is deployed using decoupled mode."
         )
-    ids: list[int] = tensors["input_ids"]
+    if not stop and "request_output_len" not in tensors:
+        raise _backend_error(request, "request_output_len is not present in the request")
+    ids: list[int] = tensors.get("input_ids", [])
     if ids and type(ids[0]) is not int:  # a config that declares them other than an integer type
         ids = [int(v) for v in ids]
     length = int(scalar("input_lengths", len(ids)))

@@ -174,11 +174,77 @@ async def test_in_band_error_leaves_the_stream_open(
     assert [r.id for r in good] == ["good", "good"] and is_final(good[-1])
 
 
-async def test_missing_required_input_is_an_in_band_error(
+async def test_too_few_inputs_are_refused_in_triton_core_words(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
+) -> None:
+    """Triton core's ValidateRequestInputs refuses a count of inputs outside [required, declared]
+    and names the inputs given and the required ones missing, each list without spaces."""
+    declared = len(engine.models[MODEL].specs)
+    only_two = request("few", skip=["input_lengths", "request_output_len"])
+    (refused,) = await collect(triton, only_two)
+    assert (refused.error_message, refused.infer_response.id) == (
+        f"[request id: few] expected number of inputs between 3 and {declared} but got 2 inputs "
+        "for model 'tensorrt_llm'. Got input(s) ['input_ids','streaming'], but missing required "
+        "input(s) ['input_lengths','request_output_len']. Please provide all required input(s).",
+        "few",
+    )
+
+
+@pytest.mark.parametrize(
+    ("missing", "message"),
+    [
+        # TensorRT-LLM backend's createRequestsFromInputTensors.
+        ("request_output_len", "request_output_len is not present in the request"),
+        # TensorRT-LLM backend's splitBatchInputsTensors, which runs first.
+        ("input_ids", "inputTokens or encoderInputFeatures tensor not provided"),
+    ],
+)
+async def test_a_required_input_missing_within_the_count_is_refused_by_the_backend(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub, missing: str, message: str
+) -> None:
+    """Four inputs given, one required missing: within [required, declared], so Triton core issues
+    the request and the backend answers with an error response (INTERNAL), final, on the stream
+    with the request's id and model, or as the status of a ModelInfer call."""
+    before = engine.stats().started
+    (refused,) = await collect(triton, request("short", end_id=2, skip=[missing]))
+    assert refused.error_message == message
+    response = refused.infer_response
+    assert (response.id, response.model_name, is_final(response)) == ("short", MODEL, True)
+    sync = request("short", model="sync_llm", streaming=False, end_id=2, skip=[missing])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await triton.ModelInfer(sync)
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INTERNAL, message)
+    assert engine.stats().started == before
+
+
+async def test_a_missing_input_lengths_is_not_refused(
     triton: ts_grpc.GRPCInferenceServiceStub,
 ) -> None:
-    responses = await collect(triton, request(skip=["request_output_len"]))
-    assert "missing required input(s) ['request_output_len']" in responses[0].error_message
+    """The backend reads input_lengths only to split a batch of several requests
+    (splitBatchInputsTensors): a request of one sequence is served without it."""
+    responses = await collect(triton, request("no-lengths", max_tokens=3, skip=["input_lengths"]))
+    assert not [r.error_message for r in responses if r.error_message]
+    assert sum(len(tokens_of(r.infer_response)) for r in responses) == 3
+
+
+async def test_core_messages_name_the_request_or_say_its_id_is_unknown(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """Triton core's request checks start their messages with the request's id (its LogRequest);
+    the model's name lookups (Model::GetInput, GetOutput) do not."""
+    req = request("", max_tokens=2)
+    req.inputs[2].datatype = "FP32"
+    (refused,) = await collect(triton, req)
+    assert refused.error_message.startswith(
+        "[request id: <id_unknown>] inference input 'request_output_len' data-type is 'FP32'"
+    )
+    unknown = request("odd", max_tokens=2)
+    _tensor(unknown, "no_such_input", "INT32", "i", [1])
+    (refused,) = await collect(triton, unknown)
+    assert (
+        refused.error_message
+        == "unexpected inference input 'no_such_input' for model 'tensorrt_llm'"
+    )
 
 
 async def test_wrong_datatype_is_an_in_band_error(triton: ts_grpc.GRPCInferenceServiceStub) -> None:
@@ -477,7 +543,7 @@ def _asking_unknown_output(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
 @pytest.mark.parametrize(
     ("spoil", "message"),
     [
-        (_duplicated, "input 'request_output_len' already exists in request"),
+        (_duplicated, "[request id: spoilt] input 'request_output_len' already exists in request"),
         (
             _with_contents,
             "contents field must not be specified when using raw_input_contents for "
@@ -599,8 +665,11 @@ async def test_streaming_is_refused_for_a_model_that_is_not_decoupled(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await triton.ModelInfer(request("s", model="sync_llm", streaming=True))
     assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INTERNAL, message)
-    responses = await collect(triton, request("s", model="sync_llm", streaming=True))
-    assert [(r.error_message, r.infer_response.id) for r in responses] == [(message, "s")]
+    (refused,) = await collect(triton, request("s", model="sync_llm", streaming=True))
+    # The backend's error response: the request's last, with its id and model.
+    response = refused.infer_response
+    assert (refused.error_message, response.id, response.model_name) == (message, "s", "sync_llm")
+    assert is_final(response)
 
 
 async def test_top_k_and_top_p_out_of_range_are_taken_as_the_backend_takes_them(
@@ -650,7 +719,8 @@ async def test_an_end_id_outside_the_vocabulary_is_refused_as_the_executor_refus
     [
         (
             [1, 2, 3],
-            "unexpected shape for input 'input_ids' for model 'tensorrt_llm'. Expected [-1,-1], "
+            "[request id: bad-shape] unexpected shape for input 'input_ids' for model "
+            "'tensorrt_llm'. Expected [-1,-1], "
             "got [1,2,3]. NOTE: Setting a non-zero max_batch_size in the model config requires a "
             "batch dimension to be prepended to each input shape. If you want to specify the full "
             "shape including the batch dim in your input dims config, try setting max_batch_size "
@@ -658,7 +728,8 @@ async def test_an_end_id_outside_the_vocabulary_is_refused_as_the_executor_refus
         ),
         (
             [],
-            "input 'input_ids' has no shape but model requires batch dimension for 'tensorrt_llm'",
+            "[request id: bad-shape] input 'input_ids' has no shape but model requires batch "
+            "dimension for 'tensorrt_llm'",
         ),
     ],
     ids=["extra-dim", "no-shape"],
@@ -709,23 +780,26 @@ def _wildcard_dim(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
     [
         (
             _short_raw,
-            "input byte size mismatch for input 'request_output_len' for model 'tensorrt_llm'. "
-            "Expected 4, got 3",
+            "[request id: spoilt] input byte size mismatch for input 'request_output_len' for "
+            "model 'tensorrt_llm'. Expected 4, got 3",
         ),
         (
             _bytes_in_int32,
-            "input byte size mismatch for input 'input_ids' for model 'tensorrt_llm'. "
-            "Expected 24, got 28",
+            "[request id: spoilt] input byte size mismatch for input 'input_ids' for model "
+            "'tensorrt_llm'. Expected 24, got 28",
         ),
-        (_batch_two_and_wrong_type, "inference request batch-size must be <= 1 for 'tensorrt_llm'"),
+        (
+            _batch_two_and_wrong_type,
+            "[request id: spoilt] inference request batch-size must be <= 1 for 'tensorrt_llm'",
+        ),
         (
             _raw_for_fewer_inputs,
             "unable to find data for input tensor 'streaming' for model 'tensorrt_llm' in request.",
         ),
         (
             _wildcard_dim,
-            "All input dimensions should be specified for input 'input_ids' for model "
-            "'tensorrt_llm', got [1,-1]",
+            "[request id: spoilt] All input dimensions should be specified for input 'input_ids' "
+            "for model 'tensorrt_llm', got [1,-1]",
         ),
     ],
     ids=["short-raw", "long-raw", "batch-before-type", "raw-missing", "wildcard-dim"],
@@ -762,23 +836,25 @@ def test_a_bytes_input_in_the_wrong_form_is_refused_in_triton_words() -> None:
     from appliance.engine.server import InferError, check_byte_size
 
     where = "for inference input 'guide' for model 'm'"
+    # Triton core's ValidateBytesInputs starts its messages with the request's id (LogRequest).
+    prefix = "[request id: r] "
     cases = [
         (
             wire.encode("BYTES", [b"json", b"regex"]),
-            f"unexpected number of string elements 2 {where}, expecting 1",
+            f"{prefix}unexpected number of string elements 2 {where}, expecting 1",
         ),
         (
             b"\x04\0",
-            f"incomplete string length indicator {where}, expecting 4 bytes but only 2 "
+            f"{prefix}incomplete string length indicator {where}, expecting 4 bytes but only 2 "
             "bytes available. Please make sure the string length indicator is in one buffer.",
         ),
-        (b"", f"expected 1 string elements {where}, got 0"),
+        (b"", f"{prefix}expected 1 string elements {where}, got 0"),
     ]
     for raw, message in cases:
         with pytest.raises(InferError) as refused:
-            check_byte_size("guide", "BYTES", raw, 1, "m")
+            check_byte_size("guide", "BYTES", raw, 1, "m", "r")
         assert refused.value.message == message
-    check_byte_size("guide", "BYTES", wire.encode("BYTES", [b"json"]), 1, "m")
+    check_byte_size("guide", "BYTES", wire.encode("BYTES", [b"json"]), 1, "m", "r")
 
 
 async def test_pad_id_is_taken_as_the_backend_takes_it(
@@ -806,8 +882,10 @@ async def test_pad_id_is_taken_as_the_backend_takes_it(
     (type_refused,) = await collect(triton, wrong_type)
     (shape_refused,) = await collect(triton, wrong_shape)
     assert type_refused.error_message == (
-        "inference input 'pad_id' data-type is 'FP32', but model 'tensorrt_llm' expects 'INT32'"
+        "[request id: pad-fp32] inference input 'pad_id' data-type is 'FP32', but model "
+        "'tensorrt_llm' expects 'INT32'"
     )
     assert shape_refused.error_message.startswith(
-        "unexpected shape for input 'pad_id' for model 'tensorrt_llm'. Expected [-1,1], got [1,2]."
+        "[request id: pad-two] unexpected shape for input 'pad_id' for model 'tensorrt_llm'. "
+        "Expected [-1,1], got [1,2]."
     )
