@@ -99,8 +99,10 @@ _INBAND_CODES = (
 )
 
 
-def status_for_inband_error(message: str) -> grpc.StatusCode:
-    lowered = message.lower()
+def status_for_inband_error(message: str, request_id: str) -> grpc.StatusCode:
+    """The status of an in-band error, from its words; the id that starts Triton core's messages
+    (`wire.log_request`) is not among them, whatever words the id holds."""
+    lowered = message.removeprefix(wire.log_request(request_id)).lower()
     return next((code for key, code in _INBAND_CODES if key in lowered), grpc.StatusCode.INTERNAL)
 
 
@@ -109,11 +111,11 @@ def status_for_inband_error(message: str) -> grpc.StatusCode:
 _PROMPT_TOO_LONG = "exceeds maximum input length"
 
 
-def inband_error(message: str) -> BackendError:
-    """The BackendError of an engine's in-band error message."""
+def inband_error(message: str, request_id: str) -> BackendError:
+    """The BackendError of an engine's in-band error message to the request with this id."""
     reason = CONTEXT_LENGTH_EXCEEDED if _PROMPT_TOO_LONG in message else None
     return BackendError(
-        status_for_inband_error(message), f"inference server: {message}", reason=reason
+        status_for_inband_error(message, request_id), f"inference server: {message}", reason=reason
     )
 
 
@@ -647,7 +649,7 @@ class TritonBackend(Backend):
                     )
                 if message.error_message:
                     finished = True
-                    raise inband_error(message.error_message)
+                    raise inband_error(message.error_message, request.id)
                 response = message.infer_response
                 tokens = Tokens(_output_tokens(response))
                 if g.logprobs and tokens:

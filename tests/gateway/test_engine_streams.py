@@ -15,8 +15,9 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
+from appliance.backends import wire
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
-from appliance.backends.triton import TritonBackend
+from appliance.backends.triton import TritonBackend, inband_error
 from appliance.engine.server import (
     STOPPING,
     EngineService,
@@ -232,3 +233,12 @@ async def test_a_stopping_engine_refuses_new_requests_in_band_and_ends_idle_stre
         running = [m.infer_response for m in seen if not m.error_message]
         assert running and all(r.id == "running" for r in running) and is_final(running[-1])
         await until_async(lambda: idle.done() and busy.done(), "streams did not end")
+
+
+def test_the_request_id_before_a_triton_core_message_does_not_choose_its_status() -> None:
+    """Triton core starts its messages with the request's id; the status comes from the words after
+    it, whatever the id holds."""
+    words = "input byte size mismatch for input 'request_output_len'. Expected 4, got 3"
+    for request_id in ("cancel-not-found", ""):
+        error = inband_error(wire.log_request(request_id) + words, request_id)
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT
