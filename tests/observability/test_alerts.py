@@ -22,7 +22,7 @@ MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 @pytest.mark.parametrize(
     ("command", "expected"),
     [
-        (["check", "rules", "alerts.yml"], "10 rules found"),
+        (["check", "rules", "alerts.yml"], "11 rules found"),
         (["test", "rules", "alerts_test.yml"], "SUCCESS"),
     ],
 )

@@ -34,6 +34,7 @@ from tests.observability.prometheus_server import Prometheus
 from tests.support import gateway_config, until_async
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+ROLES = MONITORING.parent / "ansible/roles"
 
 
 class Reports:
@@ -83,6 +84,17 @@ def exported_names(port: int) -> set[str]:
     return names
 
 
+def role_mark() -> str:
+    """The textfile the host_tuning role writes to mark a host whose drift check reports."""
+    tasks = (ROLES / "host_tuning/tasks/main.yml").read_text()
+    (block,) = re.findall(
+        r"^    content: \|\n((?:      .*\n)+)    dest: .+/appliance-host-tune-expected\.prom\"$",
+        tasks,
+        re.M,
+    )
+    return "".join(line[6:] + "\n" for line in block.splitlines())
+
+
 def referenced_names(text: str) -> set[str]:
     return set(re.findall(r"\b(appliance_[a-z0-9_]+)", text))
 
@@ -92,8 +104,10 @@ async def test_dashboard_and_alerts_use_only_exported_metrics(
 ) -> None:
     running, _ = gateway
     exported = exported_names(running.metrics_port) | set(GpuCollector.NAMES)
-    # What host-tune verify writes for node_exporter's textfile collector.
+    # What host-tune verify writes for node_exporter's textfile collector, and the host_tuning
+    # role's mark beside it.
     exported |= referenced_names(textfile.exposition([], 0, 0.0).decode())
+    exported |= {family.name for family in text_string_to_metric_families(role_mark())}
     dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     exprs += " " + " ".join(v.get("query", "") for v in dashboard["templating"]["list"])
