@@ -15,8 +15,11 @@ from appliance.cliargs import (
     listen_address,
     non_negative,
     non_negative_float,
+    positive,
     positive_float,
     positive_int,
+    threads,
+    utf8_text,
 )
 from appliance.config import ConfigError, load_config
 from appliance.tools import keys_cli as keyscli
@@ -25,6 +28,9 @@ from appliance.tools import keys_cli as keyscli
 # (appliance-engine.service's TimeoutStopSec must exceed the value it is given).
 EXIT_TIMEOUT_SECS = 30
 MAX_EXIT_TIMEOUT_SECS = 3600
+# The widest values GenerateRequest's max_tokens (int32) and ttft_budget_ms (uint32) hold.
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -213,13 +219,6 @@ def _cache(args: argparse.Namespace) -> int:
 def _cache_warm(args: argparse.Namespace) -> int:
     from appliance.tools.warm import WarmInputError, read_prompts, run_warm
 
-    for option, value in (
-        ("--ttft-budget-ms", args.ttft_budget_ms),
-        ("--max-tokens", args.max_tokens),
-    ):
-        if value is not None and value < 1:
-            print(f"appliance cache warm: {option} must be >= 1, got {value}", file=sys.stderr)
-            return 2
     try:
         requests = read_prompts(Path(args.prompts), args.model, args.max_tokens)
     except WarmInputError as exc:
@@ -326,6 +325,7 @@ def parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--metrics",
+        type=listen_address,
         default=None,
         metavar="HOST:PORT",
         help="serve Prometheus /metrics in Triton's names (nv_inference_*) here (default: off)",
@@ -417,7 +417,7 @@ def parser() -> argparse.ArgumentParser:
         "shorter draft replays the next larger one, and --draft-tokens must be among them "
         "(default auto: the powers of two below --draft-tokens, and it)",
     )
-    e.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    e.add_argument("--threads", type=threads, default=1, help="torch CPU threads (default 1)")
     e.add_argument(
         "--exit-timeout-secs",
         type=non_negative(int, at_most=MAX_EXIT_TIMEOUT_SECS),
@@ -458,7 +458,7 @@ def parser() -> argparse.ArgumentParser:
     aq.add_argument("--tokens", type=int, default=512, help="tokens per sequence (default 512)")
     aq.add_argument("--grid", type=int, default=20, help="alphas searched (default 20; 1: RTN)")
     aq.add_argument("--no-clip", action="store_true", help="skip the clip search")
-    aq.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    aq.add_argument("--threads", type=threads, default=1, help="torch CPU threads (default 1)")
     aq.set_defaults(func=_awq_quantize)
 
     c = sub.add_parser("cache", help="operate a gateway's response cache")
@@ -474,11 +474,12 @@ def parser() -> argparse.ArgumentParser:
     add_credential_options(c, "an admin API key")
     csub = c.add_subparsers(dest="cache_command", required=True)
     inv = csub.add_parser("invalidate", help="drop cached answers of a namespace and/or model")
-    inv.add_argument("--namespace", default="", help="tenant namespace")
-    inv.add_argument("--model", default="", help="model name")
+    inv.add_argument("--namespace", type=utf8_text, default="", help="tenant namespace")
+    inv.add_argument("--model", type=utf8_text, default="", help="model name")
     inv.add_argument("--all", action="store_true", help="drop every cached answer")
     inv.add_argument(
         "--entry",
+        type=utf8_text,
         default="",
         help="drop only this answer: its cache key (32 hex digits), the cache_entry its final "
         "message and the access log name; with --namespace",
@@ -492,11 +493,16 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="file: a prompt a line, or a JSON GenerateRequest a line (JSONL)",
     )
-    w.add_argument("--model", required=True, help="model of lines that name none")
-    w.add_argument("--max-tokens", type=int, default=None, help="max_tokens of lines that set none")
+    w.add_argument("--model", type=utf8_text, required=True, help="model of lines that name none")
+    w.add_argument(
+        "--max-tokens",
+        type=positive(int, at_most=INT32_MAX),
+        default=None,
+        help="max_tokens of lines that set none",
+    )
     w.add_argument(
         "--ttft-budget-ms",
-        type=int,
+        type=positive(int, at_most=UINT32_MAX),
         default=500,
         help="TTFT budget of each warm-up request: the gateway refuses it while clients keep the "
         "engine busy longer; keep it above the engine's own TTFT (default 500)",
@@ -512,6 +518,7 @@ def parser() -> argparse.ArgumentParser:
     )
     h.add_argument(
         "--service",
+        type=utf8_text,
         default="appliance.v1.Inference",
         help="health service name: appliance.v1.Inference (default), appliance.v1.Inference/MODEL",
     )
@@ -543,7 +550,7 @@ def parser() -> argparse.ArgumentParser:
     )
     se.add_argument("--pairs", required=True, help='JSON lines {"a", "b", "label"} (gzip accepted)')
     se.add_argument("--embedder", default="var/semantic", help="embedder directory")
-    se.add_argument("--threads", type=positive_int, default=2, help="embedding threads (default 2)")
+    se.add_argument("--threads", type=threads, default=2, help="embedding threads (default 2)")
     se.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     se.set_defaults(func=_semantic_eval)
 

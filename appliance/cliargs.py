@@ -77,6 +77,10 @@ def _ranged(kind: type[int] | type[float], at_most: float, zero: bool) -> Callab
 positive_int = positive(int)
 positive_float = positive(float)
 
+# Torch CPU threads: far past any host's cores, and far below what torch's int32 overflows on.
+MAX_THREADS = 1024
+threads = positive(int, at_most=MAX_THREADS)
+
 
 non_negative_float = non_negative(float)
 
@@ -96,6 +100,16 @@ def listen_address(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"expected HOST:PORT with a port of 0 to 65535, got {text}"
         )
+    return text
+
+
+def utf8_text(text: str) -> str:
+    """A value that goes onto the wire or into a UTF-8 file: argv bytes that are not UTF-8 reach
+    Python as lone surrogates, which no encoder takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not UTF-8 text, got {text!a}") from None
     return text
 
 

@@ -83,6 +83,28 @@ def test_engine_refuses_a_device_it_cannot_use(
         (["demo", "--requests", "0"], "argument --requests: must be an integer greater than 0"),
         (["awq-quantize", "--model", "m", "--text", "t", "--out", "o", "--threads", "0"], "0"),
         (["engine", "--repository", "r", "--listen", "127.0.0.1"], "expected HOST:PORT"),
+        (["engine", "--repository", "r", "--threads", "1" + "0" * 20], "at most 1024"),
+        (["semantic-eval", "--pairs", "p", "--threads", "1" + "0" * 20], "at most 1024"),
+        (["engine", "--repository", "r", "--metrics", "garbage"], "argument --metrics: expected"),
+        (["engine", "--repository", "r", "--metrics", "127.0.0.1:99999"], "port of 0 to 65535"),
+        (
+            ["cache", "warm", "--prompts", "p", "--model", "m", "--max-tokens", "1" + "0" * 20],
+            "argument --max-tokens: must be an integer greater than 0 and at most",
+        ),
+        (
+            ["cache", "warm", "--prompts", "p", "--model", "m", "--max-tokens", "0"],
+            "argument --max-tokens: must be an integer greater than 0",
+        ),
+        (
+            ["cache", "warm", "--prompts", "p", "--model", "m", "--ttft-budget-ms", "1" + "0" * 20],
+            "argument --ttft-budget-ms: must be an integer greater than 0 and at most",
+        ),
+        (["health", "--service", "\udcff"], "argument --service: not UTF-8 text"),
+        (["cache", "invalidate", "--namespace", "\udcff"], "argument --namespace: not UTF-8"),
+        (["cache", "invalidate", "--model", "\udcff"], "argument --model: not UTF-8"),
+        (["cache", "warm", "--prompts", "p", "--model", "\udcff"], "argument --model: not UTF-8"),
+        (["keys", "add", "--namespace", "n" * 65], "argument --namespace: longer than 64"),
+        (["keys", "add", "--namespace", "\udcff"], "argument --namespace: not UTF-8"),
     ],
 )
 def test_an_option_out_of_its_range_is_a_usage_error(
@@ -92,7 +114,9 @@ def test_an_option_out_of_its_range_is_a_usage_error(
         appliance_cli.main(argv)
     assert stopped.value.code == 2
     error = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
-    assert error.startswith(f"appliance {argv[0]}: error: ") and says in error, error
+    # The prog named is that of the (sub)command whose option was wrong.
+    assert error.startswith(f"appliance {argv[0]}") and ": error: " in error, error
+    assert says in error, error
 
 
 def test_files_the_cache_command_cannot_use_are_one_line_each(
@@ -157,3 +181,4 @@ def test_a_usage_error_is_one_line_naming_the_help(
     # The help named is that of the command whose option was wrong.
     prog = says.split(": error: ")[0]
     assert line.startswith(says) and line.endswith(f" (see {prog} --help)"), line
+

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.cliargs import positive
+from appliance.cliargs import positive, utf8_text
 from appliance.security.api_keys import (
     LIMIT_MAX,
     SCOPES,
@@ -116,13 +117,24 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _name(what: str) -> object:
+def _name(what: str, at_most: int | None = None) -> Callable[[str], str]:
     def parse(text: str) -> str:
-        if not text.strip():
+        if not utf8_text(text).strip():
             raise argparse.ArgumentTypeError(f"an empty {what}; give one")
+        if at_most is not None and len(text) > at_most:
+            raise argparse.ArgumentTypeError(
+                f"longer than {at_most} characters, which no request's {what} may be"
+            )
         return text
 
     return parse
+
+
+def _namespace(text: str) -> str:
+    """A namespace a request can name: the gateway refuses a longer one."""
+    from appliance.gateway.request import MAX_NAMESPACE_LENGTH
+
+    return _name("namespace", MAX_NAMESPACE_LENGTH)(text)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -137,7 +149,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--namespace",
         action="append",
         required=True,
-        type=_name("namespace"),
+        type=_namespace,
         help="a namespace the key may use; repeat; * for any",
     )
     a.add_argument("--scope", action="append", choices=SCOPES, help="repeat; default generate")
