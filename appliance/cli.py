@@ -10,6 +10,7 @@ from typing import Any
 
 from appliance import logline
 from appliance.cliargs import (
+    INTERRUPTED_EXIT,
     Parser,
     address,
     listen_address,
@@ -569,7 +570,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.argv = argv
     logline.configure(args.log_level or "info")
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C where the command has no stop of its own (serve before it serves, health, ...).
+        print(f"appliance {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
     return code
 
 

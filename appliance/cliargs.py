@@ -10,6 +10,9 @@ from typing import Any, NoReturn
 
 from appliance.listen import is_address
 
+# A command stopped by Ctrl-C (SIGINT) exits 128 + 2, as a shell reports a process it killed.
+INTERRUPTED_EXIT = 130
+
 
 class Parser(argparse.ArgumentParser):
     """An argument parser whose usage error is one line, what is wrong and where to read more,

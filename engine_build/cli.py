@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from appliance.cliargs import Parser
+from appliance.cliargs import INTERRUPTED_EXIT, Parser
 from appliance.wholefile import write_whole
 from engine_build import commands, formats, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape, read_shape_for
@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("engine-build: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
     return rc
 
 

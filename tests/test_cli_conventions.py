@@ -3,6 +3,10 @@ TOML errors read FILE:LINE: key 'TABLE.KEY': ... in all three."""
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +186,25 @@ def test_a_usage_error_is_one_line_naming_the_help(
     prog = says.split(": error: ")[0]
     assert line.startswith(says) and line.endswith(f" (see {prog} --help)"), line
 
+
+def test_ctrl_c_while_a_command_waits_is_one_line_and_130() -> None:
+    # A listener that accepts and never answers: health is inside its wait once it connects.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        health = ["health", "--gateway", f"127.0.0.1:{port}", "--wait", "600"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "appliance", *health],
+            stderr=subprocess.PIPE,
+            text=True,
+            # A shell's background job starts with SIGINT ignored; a terminal's Ctrl-C does not.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            silent.settimeout(60)
+            connection, _ = silent.accept()
+            with connection:
+                proc.send_signal(signal.SIGINT)
+                _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert (proc.returncode, err) == (130, "appliance health: interrupted\n")

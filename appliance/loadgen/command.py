@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from appliance.cliargs import INTERRUPTED_EXIT
 from appliance.client import add_credential_options
 from appliance.loadgen import report
 from appliance.loadgen.options import BenchInputError, Settings, settings
@@ -32,7 +33,6 @@ from appliance.loadgen.workload import Prompt, load_prompts
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
 PROG = "appliance bench"
-INTERRUPTED_EXIT = 130
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 

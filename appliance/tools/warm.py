@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from appliance.cliargs import INTERRUPTED_EXIT
 from appliance.textfile import TextFileError, read_text
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -183,6 +184,6 @@ def run_warm(
             status = 1
         except KeyboardInterrupt:
             print("appliance cache warm: interrupted; run again to go on", file=sys.stderr)
-            status = 130
+            status = INTERRUPTED_EXIT
     print(tally.line())
     return status
