@@ -16,6 +16,7 @@ from appliance.cliargs import (
     listen_address,
     non_negative,
     non_negative_float,
+    os_error_line,
     positive,
     positive_float,
     positive_int,
@@ -576,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C where the command has no stop of its own (serve before it serves, health, ...).
         print(f"appliance {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    except OSError as exc:
+        # A file or folder the command did not check first (make-model --dest, demo --workdir).
+        print(f"appliance {args.command}: {os_error_line(exc)}", file=sys.stderr)
+        return 1
     return code
 
 

@@ -116,6 +116,13 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def os_error_line(exc: OSError) -> str:
+    """A refusal of the system (a file or folder it could not read or write) as its one line:
+    the path, then the reason."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{exc.strerror or exc}"
+
+
 def integer(text: str) -> int:
     try:
         return int(text)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from appliance.cliargs import INTERRUPTED_EXIT, Parser
+from appliance.cliargs import INTERRUPTED_EXIT, Parser, os_error_line
 from appliance.wholefile import write_whole
 from engine_build import commands, formats, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape, read_shape_for
@@ -247,8 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except OSError as err:
         # Writing an output (--commands-out, --output, work_dir) the system refused.
-        where = f"{err.filename}: " if err.filename else ""
-        print(f"engine-build: error: {where}{err.strerror or err}", file=sys.stderr)
+        print(f"engine-build: error: {os_error_line(err)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("engine-build: interrupted", file=sys.stderr)

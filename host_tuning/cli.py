@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
-from appliance.cliargs import Parser
+from appliance.cliargs import Parser, os_error_line
 from host_tuning import actions, holdlatency, profile, render, textfile
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
@@ -245,5 +245,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return actions.EXIT_FAILED
     except OSError as exc:
         # A read or write outside the per-setting results (state file, sysfs listing, ...).
-        print(f"host-tune: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"host-tune: {os_error_line(exc)}", file=sys.stderr)
         return actions.EXIT_FAILED

@@ -208,3 +208,15 @@ def test_ctrl_c_while_a_command_waits_is_one_line_and_130() -> None:
         finally:
             proc.kill()
     assert (proc.returncode, err) == (130, "appliance health: interrupted\n")
+
+
+@pytest.mark.parametrize("argv", [["make-model", "--dest"], ["demo", "--workdir"]])
+def test_an_output_folder_the_system_refuses_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    for where, why in ((taken, "File exists"), (taken / "sub", "Not a directory")):
+        rc = appliance_cli.main([*argv, str(where)])
+        line = _one_line(capsys.readouterr().err)
+        assert (rc, line) == (1, f"appliance {argv[0]}: {where}: {why}"), line
