@@ -1235,7 +1235,7 @@ async def run_engine(
             raise _socket_refused(stream_socket, problem)
         models = load_repository(repository, options)
         try:
-            server, service, _ = await start_engine(models, listen, stream_socket)
+            server, service, port = await start_engine(models, listen, stream_socket)
         except RepositoryError:
             for model in models.values():
                 model.runner.close()
@@ -1257,7 +1257,8 @@ async def run_engine(
     # Models loaded, graphs captured, compute threads running: what is alive now lives as long
     # as the process, and a full collection walking it would stall the compute thread.
     frozen = freeze_heap()
-    served_on = listen if stream_socket is None else f"{listen} and {stream_socket}"
+    bound = f"{listen.rpartition(':')[0]}:{port}"  # port 0 in --listen: the one picked
+    served_on = bound if stream_socket is None else f"{bound} and {stream_socket}"
     log.info(
         "engine serving %s on %s (loaded in %.1f s; %d objects frozen out of the collector)",
         ", ".join(models),

@@ -102,3 +102,17 @@ def test_a_serving_engine_has_frozen_its_heap(tiny: Tiny, tmp_path: Path) -> Non
     frozen = re.search(r"; ([\d,]+) objects frozen out of the collector\)", serving)
     assert frozen is not None, serving
     assert int(frozen.group(1).replace(",", "")) > 10_000  # torch and the model, at least
+
+
+def test_an_engine_on_port_0_says_the_port_it_serves_on(tiny: Tiny, tmp_path: Path) -> None:
+    """`--listen HOST:0` lets the system pick the port; the serving line names the one picked."""
+    log = tmp_path / "engine.log"
+    args = ["engine", "--repository", str(tiny.repo), "--listen", "127.0.0.1:0"]
+    engine = processes.spawn(args, log)
+    try:
+        serving = processes.wait_for_line(log, "engine serving", engine)
+        port = re.search(r" on 127\.0\.0\.1:(\d+) ", serving)
+        assert port is not None and int(port.group(1)) > 0, serving
+        processes.wait_engine(f"127.0.0.1:{port.group(1)}", engine, log)
+    finally:
+        assert processes.stop(engine) == 0, processes.last_words(log)
