@@ -26,15 +26,32 @@ def is_address(value: object, any_port: bool = False) -> bool:
 
 def taken_address(listen: str) -> str | None:
     """ "cannot listen on HOST:PORT: <reason>" when another process holds the port (or it is
-    privileged and we are not); None otherwise. Other faults (a name that does not resolve, an
-    address family the host lacks) are left to gRPC, which binds what it can."""
+    privileged and we are not), the name does not resolve, or none of its addresses is this
+    host's; None otherwise. Other faults (an address family the host lacks beside one it has)
+    are left to gRPC, which binds what it can."""
     host, _, port = listen.rpartition(":")
     try:
         addresses = socket.getaddrinfo(
             host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
+    except socket.gaierror as exc:
+        return f"cannot listen on {listen}: {exc.strerror}"
     except (OSError, ValueError):
         return None
+    not_ours: list[str] = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    return f"cannot listen on {listen}: {exc.strerror}"
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    not_ours.append(exc.strerror or str(exc))
+    if addresses and len(not_ours) == len(addresses):
+        return f"cannot listen on {listen}: {not_ours[0]} (not an address of this host)"
+    return None
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds

@@ -116,3 +116,15 @@ def test_an_engine_on_port_0_says_the_port_it_serves_on(tiny: Tiny, tmp_path: Pa
         processes.wait_engine(f"127.0.0.1:{port.group(1)}", engine, log)
     finally:
         assert processes.stop(engine) == 0, processes.last_words(log)
+
+
+@pytest.mark.parametrize("listen", ["nosuch.invalid:5000", "192.0.2.1:5000"])
+def test_an_address_the_engine_cannot_listen_on_is_refused_before_loading(
+    tiny: Tiny, tmp_path: Path, listen: str
+) -> None:
+    """A name that does not resolve, or an address this host does not have (TEST-NET-1)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny.repo, repo)
+    done = engine_cli(repo, "--listen", listen)
+    assert done.returncode == 2
+    assert _one_line(done.stderr).startswith(f"appliance engine: cannot listen on {listen}: ")
