@@ -24,15 +24,13 @@ from appliance.cliargs import (
     utf8_text,
 )
 from appliance.config import ConfigError, load_config
+from appliance.grpc_limits import INT32_MAX, UINT32_MAX
 from appliance.tools import keys_cli as keyscli
 
 # `appliance engine --exit-timeout-secs`: Triton's default, and the longest the engine server takes
 # (appliance-engine.service's TimeoutStopSec must exceed the value it is given).
 EXIT_TIMEOUT_SECS = 30
 MAX_EXIT_TIMEOUT_SECS = 3600
-# The widest values GenerateRequest's max_tokens (int32) and ttft_budget_ms (uint32) hold.
-INT32_MAX = 2**31 - 1
-UINT32_MAX = 2**32 - 1
 
 
 def _serve(args: argparse.Namespace) -> int:

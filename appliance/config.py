@@ -14,6 +14,7 @@ from appliance.backends import stream_socket
 from appliance.backends.base import backend_kind
 from appliance.cache.l2 import RedisSettings
 from appliance.cache.tiers import CacheTier, tier_class
+from appliance.grpc_limits import INT32_MAX
 from appliance.listen import is_address, socket_path_problem
 from appliance.security.api_keys import RateLimits
 from appliance.security.secretfile import MAC_PURPOSE, PEPPER_PURPOSE, SecretFileError, read_secret
@@ -275,7 +276,10 @@ def load_config(path: Path) -> GatewayConfig:
             triton_model=r.get("triton_model", str, ModelConfig.triton_model),
             stream_socket=_stream_socket(r, path.parent),
             max_input_tokens=r.positive("max_input_tokens", int, None),
-            max_output_tokens=r.positive("max_output_tokens", int, ModelConfig.max_output_tokens),
+            # Sent to the engine as an int32 (and default_max_tokens is at most this).
+            max_output_tokens=r.positive(
+                "max_output_tokens", int, ModelConfig.max_output_tokens, at_most=INT32_MAX
+            ),
             default_max_tokens=r.positive(
                 "default_max_tokens", int, ModelConfig.default_max_tokens
             ),

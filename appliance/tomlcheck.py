@@ -205,10 +205,12 @@ class Table:
         path = Path(value).expanduser()
         return path if path.is_absolute() else base / path
 
-    def positive(self, key: str, kind: type, default: Any) -> Any:
+    def positive(self, key: str, kind: type, default: Any, at_most: float = math.inf) -> Any:
         value = self.get(key, kind, default)
         if value is not None and value <= 0:
             self.fail(key, f"must be greater than 0, got {value!r}")
+        if value is not None and value > at_most:
+            self.fail(key, f"must be at most {at_most}, got {value!r}")
         return value
 
     def at_least(self, key: str, minimum: int, default: int) -> int:

@@ -42,9 +42,8 @@ from appliance.gateway.request import (
     too_many_messages,
 )
 from appliance.gateway.tool_calls import ToolCall, ToolPlan, call_entry
+from appliance.grpc_limits import INT32_MAX, UINT32_MAX
 
-INT32_MAX = 2**31 - 1
-UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 CACHE_POLICIES = {p.name.lower(): p.value for p in CachePolicy}
 # Roles the chat template knows; OpenAI's "developer" role is its system role.

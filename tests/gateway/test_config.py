@@ -42,6 +42,11 @@ def test_good_config_loads_with_defaults_and_relative_paths(tmp_path: Path) -> N
             GOOD.replace("max_output_tokens = 256", "max_output_tokens = -3"),
             r":9: key 'models.tiny.max_output_tokens': must be greater than 0, got -3",
         ),
+        # max_tokens is an int32 on the wire to the engine: a larger default could never be sent.
+        (
+            GOOD.replace("max_output_tokens = 256", "max_output_tokens = 2147483648"),
+            r":9: key 'models.tiny.max_output_tokens': must be at most 2147483647, got 2147483648",
+        ),
         (
             GOOD.replace("max_output_tokens = 256", 'max_output_tokens = "many"'),
             r":9: key 'models.tiny.max_output_tokens': expected int, got str",
