@@ -52,15 +52,6 @@ def taken_address(listen: str) -> str | None:
     if addresses and len(not_ours) == len(addresses):
         return f"cannot listen on {listen}: {not_ours[0]} (not an address of this host)"
     return None
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                    return f"cannot listen on {listen}: {exc.strerror}"
-    return None
 
 
 def socket_path_problem(path: Path) -> str | None:
