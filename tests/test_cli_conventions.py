@@ -220,3 +220,13 @@ def test_an_output_folder_the_system_refuses_is_one_line(
         rc = appliance_cli.main([*argv, str(where)])
         line = _one_line(capsys.readouterr().err)
         assert (rc, line) == (1, f"appliance {argv[0]}: {where}: {why}"), line
+
+
+@pytest.mark.parametrize("package", ["appliance", "engine_build", "host_tuning"])
+def test_each_command_runs_as_python_dash_m(package: str) -> None:
+    """Where a console script is not on PATH, `python -m PACKAGE` is the same command."""
+    done = subprocess.run(
+        [sys.executable, "-m", package, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: ")
