@@ -123,21 +123,22 @@ class InferError(Exception):
         return ts.ModelStreamInferResponse(error_message=self.message, infer_response=response)
 
 
-def _backend_error(request: ts.ModelInferRequest, message: str) -> InferError:
-    """A request the TensorRT-LLM backend refuses as it reads it (ModelInstanceState::enqueue
-    catches the exception): an error response, INTERNAL, that is the request's final one."""
-    error = InferError(message, grpc.StatusCode.INTERNAL)
+def _refused_after_core(request: ts.ModelInferRequest, error: InferError) -> InferError:
+    """A request refused once Triton core has issued it: by the TensorRT-LLM backend as it reads
+    it (ModelInstanceState::enqueue, handleStopRequest: sendEnqueueResponse), by the executor, or
+    by this server where either would compute. The backend sends an error response flagged final,
+    INTERNAL (TRITONSERVER_ERROR_INTERNAL); Triton's stream handler
+    (StreamInferResponseComplete) writes it as `error_message` with the request's id, model name
+    and version and `triton_final_response`, and ModelInfer ends with its status."""
+    error.code = grpc.StatusCode.INTERNAL
     error.issued = (request.model_name, request.model_version, True)
     return error
 
 
 def _executor_error(message: str) -> InferError:
     """A request TensorRT-LLM's executor refuses: the backend answers with the executor's message
-    after its own prefix, as INTERNAL."""
-    return InferError(
-        f"Executor failed process requestId 0 due to the following error: {message}",
-        grpc.StatusCode.INTERNAL,
-    )
+    after its own prefix."""
+    return InferError(f"Executor failed process requestId 0 due to the following error: {message}")
 
 
 # Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes
@@ -181,6 +182,7 @@ class EngineModel:
     # cost about a microsecond each, and a request has ten inputs or so.
     specs: dict[str, InputSpec] = field(init=False)
     required: tuple[str, ...] = field(init=False)
+    max_batch_size: int = field(init=False)
     batch_dim: bool = field(init=False)
     exclude_input_default: bool = field(init=False)
     # The longest prompt served: the repository's max_input_len, below max_seq_len so that at
@@ -194,7 +196,8 @@ class EngineModel:
         declared = self.entry.config.input
         self.specs = {i.name: InputSpec(_dtype_name(i.data_type), tuple(i.dims)) for i in declared}
         self.required = tuple(i.name for i in declared if not i.optional)
-        self.batch_dim = self.entry.config.max_batch_size > 0
+        self.max_batch_size = self.entry.config.max_batch_size
+        self.batch_dim = self.max_batch_size > 0
         self.exclude_input_default = (
             self.entry.parameter("exclude_input_in_output", "false") == "true"
         )
@@ -295,25 +298,41 @@ def _checked_inputs(
     request: ts.ModelInferRequest, model: EngineModel, data: list[bytes | None]
 ) -> dict[str, list[Any]]:
     """The request's input values, checked in Triton core's order (its
-    Normalize): every input's name and batch dimension, the batch size, then input by input its
+    Normalize): input by input its name, batch dimension and batch size (the first non-zero one,
+    held as core's uint32), the batch size against max_batch_size, then input by input its
     datatype, shape and byte size.
-    Which error a client sees when several are wrong is therefore Triton's."""
+    Which error a client sees when several are wrong is therefore Triton's, except that core
+    walks the inputs in its hash map's order and this server in the request's."""
     model_name = model.entry.name
     logged = wire.log_request(request.id)
     full: list[list[int]] = []
+    batch = 0
     for tensor in request.inputs:
         if tensor.name not in model.specs:
             raise InferError(f"unexpected inference input '{tensor.name}' for model '{model_name}'")
         shape = list(tensor.shape)
-        if model.batch_dim and not shape:
+        full.append(shape)
+        if not model.batch_dim:
+            continue
+        if not shape:
             raise InferError(
                 f"{logged}input '{tensor.name}' has no shape but model requires batch dimension for "
                 f"'{model_name}'"
             )
-        full.append(shape)
-    if model.batch_dim and any(s[0] != 1 for s in full):
-        # Triton admits up to max_batch_size; this server computes one sequence per request.
-        raise InferError(f"{logged}inference request batch-size must be <= 1 for '{model_name}'")
+        if batch == 0:
+            batch = shape[0] & 0xFFFF_FFFF
+        elif shape[0] != batch:
+            raise InferError(
+                f"{logged}input '{tensor.name}' batch size does not match other inputs for "
+                f"'{model_name}'"
+            )
+    if batch > model.max_batch_size:
+        # The repository admits max_batch_size 1 at most (read_repository): this server computes
+        # one sequence per request, so core's own refusal covers every batch of several.
+        raise InferError(
+            f"{logged}inference request batch-size must be <= {model.max_batch_size} for "
+            f"'{model_name}'"
+        )
     tensors: dict[str, list[Any]] = {}
     for tensor, shape, given in zip(request.inputs, full, data, strict=True):
         name = tensor.name
@@ -400,6 +419,15 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
             )
     _check_input_count(request, model, seen)
     tensors = _checked_inputs(request, model, data)
+    try:
+        return _read_tensors(model, tensors)
+    except InferError as exc:
+        raise _refused_after_core(request, exc) from None
+
+
+def _read_tensors(model: EngineModel, tensors: dict[str, list[Any]]) -> Decoded:
+    """The backend's reading of an issued request's inputs, with the executor's checks and this
+    server's; an InferError here is refused after core (`_refused_after_core`)."""
 
     def scalar(name: str, default: Any) -> Any:
         values = tensors.get(name)
@@ -419,23 +447,20 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
     # not decoupled, then request_output_len), in this order. (The backend's TLLM_THROW appends
     # its source file, line and a stack trace to the first two messages; this engine does not.)
     if not stop and "input_ids" not in tensors:
-        raise _backend_error(request, "inputTokens or encoderInputFeatures tensor not provided")
+        raise InferError("inputTokens or encoderInputFeatures tensor not provided")
     streaming = bool(scalar("streaming", False))
     if streaming and not stop and not model.entry.decoupled:
-        raise _backend_error(
-            request, "Streaming is only supported if model is deployed using decoupled mode."
-        )
+        raise InferError("Streaming is only supported if model is deployed using decoupled mode.")
     if not stop and "request_output_len" not in tensors:
-        raise _backend_error(request, "request_output_len is not present in the request")
+        raise InferError("request_output_len is not present in the request")
     ids: list[int] = tensors.get("input_ids", [])
     if ids and type(ids[0]) is not int:  # a config that declares them other than an integer type
         ids = [int(v) for v in ids]
-    length = int(scalar("input_lengths", len(ids)))
+    # input_lengths is not read: the backend reads it only to split a batch of several
+    # sequences (splitBatchInputsTensors), and core refuses any batch of several here.
     if not stop:
-        if length != len(ids) or length == 0:
-            raise InferError(
-                f"input_lengths {length} does not match the {len(ids)} input_ids given"
-            )
+        if not ids:  # the executor's Request refuses an empty prompt
+            raise InferError("input_ids must hold at least one token id")
         vocab = model.model.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InferError(f"input_ids must be token ids in [0, {vocab})")
@@ -462,7 +487,7 @@ def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded
     top_p = 0.0 if top_p <= 0.0 else top_p  # NaN stays, and is refused below
     top_k = int(scalar("runtime_top_k", 0))
     if top_k < 0 and not stop:
-        raise InferError(f"runtime_top_k must be >= 0, got {top_k}", grpc.StatusCode.INTERNAL)
+        raise InferError(f"runtime_top_k must be >= 0, got {top_k}")
     temperature = float(scalar("temperature", 1.0))
     if not 0.0 <= top_p <= 1.0 or not temperature >= 0:  # NaN is refused too
         raise InferError(
@@ -523,15 +548,18 @@ def _guide(tensors: dict[str, list[Any]], model: EngineModel) -> Guide | None:
     return guide
 
 
-async def compile_guide(decoded: Decoded, model: EngineModel) -> None:
+async def compile_guide(
+    decoded: Decoded, model: EngineModel, request: ts.ModelInferRequest
+) -> None:
     """Compile the request's guide (from the model's cache, or off the event loop) before the
-    request is queued, so a guide that does not compile is refused before anything runs."""
+    request is queued, so a guide that does not compile is refused, after core, before anything
+    runs."""
     if decoded.guide is None or model.grammars is None:
         return
     try:
         decoded.compiled = await asyncio.to_thread(model.grammars.compile, decoded.guide)
     except GuideError as exc:
-        raise InferError(str(exc)) from None
+        raise _refused_after_core(request, InferError(str(exc))) from None
 
 
 def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, int | float]]:
@@ -832,7 +860,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             decoded = decode_request(request, model)
             if decoded.stop:
                 return self.stop_request(request, model)
-            await compile_guide(decoded, model)
+            await compile_guide(decoded, model, request)
         except InferError as exc:
             await context.abort(exc.code, exc.message)
         clock.taken()
@@ -945,8 +973,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         """A `stop=true` request, on either RPC: cancels what runs under its id and is answered
         with a response without outputs, flagged final; nothing is generated for it."""
         if not request.id:
-            raise InferError(
-                "Trying to stop a request but request ID is not provided", grpc.StatusCode.INTERNAL
+            raise _refused_after_core(
+                request, InferError("Trying to stop a request but request ID is not provided")
             )
         self.cancel_request(request.id)
         return _response(model.entry.name, request, None, True)
@@ -991,7 +1019,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             if decoded.stop:
                 stop(request, model)
                 return
-            await compile_guide(decoded, model)
+            await compile_guide(decoded, model, request)
             clock.taken()
             statistics = self.statistics[model.entry.name]
 

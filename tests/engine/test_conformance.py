@@ -227,6 +227,92 @@ async def test_a_missing_input_lengths_is_not_refused(
     assert sum(len(tokens_of(r.infer_response)) for r in responses) == 3
 
 
+async def test_input_lengths_is_not_read_for_one_sequence(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """The backend reads input_lengths only to split a batch of several requests
+    (splitBatchInputsTensors): one sequence is served whatever input_lengths says."""
+    req = request("odd-lengths", max_tokens=3, skip=["input_lengths"])
+    _tensor(req, "input_lengths", "INT32", "i", [len(PROMPT) + 40])
+    responses = await collect(triton, req)
+    assert not [r.error_message for r in responses if r.error_message]
+    assert sum(len(tokens_of(r.infer_response)) for r in responses) == 3
+
+
+def _negative_top_k(rid: str, model: str, streaming: bool) -> ts.ModelInferRequest:
+    return request(rid, model=model, streaming=streaming, top_k=-1)
+
+
+def _nan_top_p(rid: str, model: str, streaming: bool) -> ts.ModelInferRequest:
+    return request(rid, model=model, streaming=streaming, top_p=float("nan"))
+
+
+def _end_id_past_vocabulary(rid: str, model: str, streaming: bool) -> ts.ModelInferRequest:
+    return request(rid, model=model, streaming=streaming, end_id=100_000)
+
+
+def _prompt_too_long(rid: str, model: str, streaming: bool) -> ts.ModelInferRequest:
+    return request(rid, [5] * 10_000, model=model, streaming=streaming)
+
+
+def _token_past_vocabulary(rid: str, model: str, streaming: bool) -> ts.ModelInferRequest:
+    return request(rid, [1, 100_000], model=model, streaming=streaming)
+
+
+def _penalised(rid: str, model: str, streaming: bool) -> ts.ModelInferRequest:
+    from appliance.backends import wire
+
+    req = request(rid, model=model, streaming=streaming)
+    wire.add_input(req, "repetition_penalty", "FP32", [1.3], batch_dim=True)
+    return req
+
+
+def _stop_without_id(rid: str, model: str, streaming: bool) -> ts.ModelInferRequest:
+    return request("", model=model, streaming=streaming, stop=True)
+
+
+@pytest.mark.parametrize(
+    ("build", "says"),
+    [
+        (_negative_top_k, "runtime_top_k must be >= 0"),
+        (_nan_top_p, "runtime_top_p must be in [0, 1]"),
+        (_end_id_past_vocabulary, "Executor failed process requestId 0"),
+        (_prompt_too_long, "exceeds maximum input length"),
+        (_token_past_vocabulary, "input_ids must be token ids"),
+        (_penalised, "input 'repetition_penalty' is declared"),
+        (_stop_without_id, "Trying to stop a request but request ID is not provided"),
+    ],
+    ids=["top-k", "top-p", "end-id", "prompt-length", "token-id", "not-implemented", "stop"],
+)
+async def test_a_refusal_after_core_checks_is_a_final_backend_error_response(
+    engine: Engine,
+    triton: ts_grpc.GRPCInferenceServiceStub,
+    build: Callable[[str, str, bool], ts.ModelInferRequest],
+    says: str,
+) -> None:
+    """A request that passed Triton core's checks is refused by the backend's error response,
+    INTERNAL (its sendEnqueueResponse, or the executor's error): on a stream, Triton's
+    StreamInferResponseComplete sends it as error_message with an infer_response holding the
+    request's id, model name and version, and the final flag; a ModelInfer call ends with its
+    status. Nothing runs for it."""
+    before = engine.stats().started
+    req = build("late", MODEL, True)
+    (refused,) = await collect(triton, req)
+    assert says in refused.error_message
+    response = refused.infer_response
+    assert (response.id, response.model_name, response.model_version) == (req.id, MODEL, "")
+    assert is_final(response) and not response.outputs
+    versioned = build("late", MODEL, True)
+    versioned.model_version = "1"
+    (refused,) = await collect(triton, versioned)
+    assert refused.infer_response.model_version == "1"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await triton.ModelInfer(build("late", "sync_llm", False))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert says in (err.value.details() or "")
+    assert engine.stats().started == before
+
+
 async def test_core_messages_name_the_request_or_say_its_id_is_unknown(
     triton: ts_grpc.GRPCInferenceServiceStub,
 ) -> None:
@@ -761,7 +847,20 @@ def _bytes_in_int32(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
 
 def _batch_two_and_wrong_type(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
     req.inputs[1].datatype = "FP32"
+    for tensor in req.inputs:
+        tensor.shape[0] = 2
+    return req
+
+
+def _batches_disagree_and_wrong_type(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.inputs[1].datatype = "FP32"
     req.inputs[2].shape[0] = 2
+    return req
+
+
+def _batches_disagree_then_no_shape(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
+    req.inputs[1].shape[0] = 3
+    del req.inputs[2].shape[:]
     return req
 
 
@@ -793,6 +892,16 @@ def _wildcard_dim(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
             "[request id: spoilt] inference request batch-size must be <= 1 for 'tensorrt_llm'",
         ),
         (
+            _batches_disagree_and_wrong_type,
+            "[request id: spoilt] input 'request_output_len' batch size does not match other "
+            "inputs for 'tensorrt_llm'",
+        ),
+        (
+            _batches_disagree_then_no_shape,
+            "[request id: spoilt] input 'input_lengths' batch size does not match other inputs "
+            "for 'tensorrt_llm'",
+        ),
+        (
             _raw_for_fewer_inputs,
             "unable to find data for input tensor 'streaming' for model 'tensorrt_llm' in request.",
         ),
@@ -802,7 +911,15 @@ def _wildcard_dim(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
             "for model 'tensorrt_llm', got [1,-1]",
         ),
     ],
-    ids=["short-raw", "long-raw", "batch-before-type", "raw-missing", "wildcard-dim"],
+    ids=[
+        "short-raw",
+        "long-raw",
+        "batch-before-type",
+        "batches-disagree",
+        "disagree-before-no-shape",
+        "raw-missing",
+        "wildcard-dim",
+    ],
 )
 async def test_inputs_are_checked_in_triton_core_order_and_words(
     triton: ts_grpc.GRPCInferenceServiceStub,

@@ -462,9 +462,10 @@ async def test_a_bad_guide_is_refused_before_anything_runs(
     message = await refusal(stub, guided(kind, guide))
     assert says in message
     assert "[" not in message.split(":", 1)[0], "no log prefix from the compiler"
+    # Refused after Triton core issued the request: the backend's error response, INTERNAL.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub, guided(kind, guide), metadata=(("triton_grpc_error", "true"),))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.INTERNAL
     assert says in (err.value.details() or "")
     assert stats.started == started
 
@@ -499,7 +500,7 @@ async def test_model_infer_and_non_streaming_requests_take_a_guide(
     assert re.fullmatch("[d-f]{4}", answer(tokens_of(reply)))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.ModelInfer(guided("regex", "a(", model=SYNC, streaming=False))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "the regular expression cannot be compiled" in (err.value.details() or "")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as ts
+from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.backends import stream_socket
 from appliance.backends.base import GREEDY, BackendError, GenerationRequest
@@ -73,9 +74,11 @@ async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
         return await reader.read() == b""
 
 
-async def _stream_over_raw_socket(path: Path, rid: str) -> list[ts.ModelStreamInferResponse]:
+async def _stream_over_raw_socket(
+    path: Path, rid: str, sent: ts.ModelInferRequest | None = None
+) -> list[ts.ModelStreamInferResponse]:
     reader, writer = await _raw(path)
-    writer.write(PREAMBLE + frame(request(rid, max_tokens=3)))
+    writer.write(PREAMBLE + frame(sent if sent is not None else request(rid, max_tokens=3)))
     parser = FrameParser(1 << 20)
     seen: list[ts.ModelStreamInferResponse] = []
     async with asyncio.timeout(30):
@@ -91,6 +94,24 @@ async def test_a_raw_client_gets_triton_responses(engine: Engine) -> None:
     seen = await _stream_over_raw_socket(engine.stream_socket, "raw")
     assert all(m.infer_response.id == "raw" and not m.error_message for m in seen)
     assert is_final(seen[-1].infer_response)
+
+
+async def test_a_refusal_after_core_checks_is_the_final_response_grpc_sends(
+    engine: Engine,
+) -> None:
+    """The backend's error response reaches a socket client as Triton's stream handler writes
+    it, the request's last: its id, model and final flag with the error."""
+    assert engine.stream_socket is not None
+    refused = request("late", top_k=-1)
+    (seen,) = await _stream_over_raw_socket(engine.stream_socket, "late", refused)
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = ts_grpc.GRPCInferenceServiceStub(channel)
+        (over_grpc,) = [m async for m in stub.ModelStreamInfer(iter([refused]), timeout=30)]
+    assert seen == over_grpc
+    assert (seen.error_message, seen.infer_response.model_name) == (
+        "runtime_top_k must be >= 0, got -1",
+        "tensorrt_llm",
+    )
 
 
 @pytest.mark.parametrize(
