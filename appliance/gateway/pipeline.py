@@ -108,6 +108,11 @@ ENGINE_FAULTS = frozenset(
     }
 )
 
+# An engine's statuses that are never the client's to get (errors.py): its own failure.
+UPSTREAM_FAILURES = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+)
+
 # Finish reasons of a complete answer: the only ones cached.
 CACHED_FINISHES = frozenset({"stop", "length"})
 # The shortest retry hint of an UNAVAILABLE refusal (engine unreachable, breaker about to close,
@@ -120,6 +125,18 @@ STOPPING = "the gateway is shutting down; retry on another gateway"
 # microseconds before the pipeline's clock starts: a call cancelled within this much of its
 # deadline, or after it, was ended by the deadline.
 DEADLINE_SLACK_NS = 1_000_000
+
+
+def engine_failure(exc: BackendError, input_field: str) -> RequestError:
+    """What the client is told of a generation the engine ended with an error. The engine's own
+    failure (INTERNAL, UNKNOWN, DATA_LOSS: it broke, or sent a status it should not) is a service
+    that could not answer now, UNAVAILABLE with the retry hint of one, as a proxy tells of a
+    failed upstream: a retry may reach a recovered engine or another gateway. Its words are kept.
+    `input_field`: the prompt's field, named where the engine refused the input itself."""
+    if exc.code in UPSTREAM_FAILURES:
+        return RequestError(grpc.StatusCode.UNAVAILABLE, exc.message, UNAVAILABLE_RETRY_MS)
+    field = input_field if exc.reason is not None else None
+    return RequestError(exc.code, exc.message, reason=exc.reason, field=field)
 
 
 def stopping() -> RequestError:
@@ -798,8 +815,7 @@ class Pipeline:
                 yield final_of(report, received, started, first)
         except BackendError as exc:
             if not (self.draining and exc.code == grpc.StatusCode.CANCELLED):
-                field = generation.input_field if exc.reason is not None else None
-                raise RequestError(exc.code, exc.message, reason=exc.reason, field=field) from None
+                raise engine_failure(exc, generation.input_field) from None
             if not first:
                 raise stopping() from None
             report.finish_reason = "cancelled"

@@ -5,7 +5,7 @@ back, up to max_tokens."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import grpc
 
@@ -107,3 +107,25 @@ class Unnamed(CacheTier):
     """A subclass of CacheTier without a lookup."""
 
     name = "unnamed"
+
+
+class FailsAfterOne(_Echo, Backend):
+    """Streams its prompt's first token id, then fails as an engine does that broke while
+    generating, with the status FAILURES names for the request's max_tokens."""
+
+    FAILURES: ClassVar[dict[int, grpc.StatusCode]] = {
+        2: grpc.StatusCode.INTERNAL,
+        3: grpc.StatusCode.UNKNOWN,
+        4: grpc.StatusCode.DATA_LOSS,
+        5: grpc.StatusCode.INVALID_ARGUMENT,
+    }
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> FailsAfterOne:
+        return cls(config.backend)
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
+        self.streams += 1
+        yield Tokens(list(request.prompt_ids)[:1])
+        code = self.FAILURES[request.max_tokens]
+        raise BackendError(code, "inference server: Executor failed process requestId 3")

@@ -1,0 +1,67 @@
+"""An engine that fails a request it was given (its own fault, or a status the gateway does not
+know) is, to the client, a service that could not answer now: UNAVAILABLE with a retry hint on
+gRPC, 503 on HTTP, the engine's words kept; never INTERNAL or UNKNOWN. A refusal of the request
+itself keeps its status."""
+
+from __future__ import annotations
+
+import aiohttp
+import grpc
+import pytest
+
+from appliance.config import CacheConfig, HttpConfig
+from appliance.gateway.models import load_models
+from appliance.gateway.server import start_server
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Tiny
+from tests.gateway.plugin_classes import FailsAfterOne
+from tests.support import gateway_config
+
+
+async def test_an_engine_failure_is_unavailable_with_a_hint_and_the_engines_words(
+    tiny: Tiny,
+) -> None:
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        "engine.invalid:1",
+        backend_kind="tests.gateway.plugin_classes:FailsAfterOne",
+        cache=CacheConfig(enabled=False),
+        http=HttpConfig(listen="127.0.0.1:0"),
+    )
+    models = await load_models(config)
+    gateway = await start_server(config, models)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for max_tokens, code in FailsAfterOne.FAILURES.items():
+                expected = (
+                    code
+                    if code == grpc.StatusCode.INVALID_ARGUMENT
+                    else grpc.StatusCode.UNAVAILABLE
+                )
+                request = pb.GenerateRequest(
+                    model="tiny", prompt="hello there", max_tokens=max_tokens, temperature=0
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as unary:
+                    await stub.Complete(request)
+                assert unary.value.code() == expected, (code, unary.value.details())
+                assert "Executor failed process requestId 3" in (unary.value.details() or "")
+                streamed = stub.Generate(request)
+                with pytest.raises(grpc.aio.AioRpcError) as stream:
+                    async for _ in streamed:
+                        pass
+                assert stream.value.code() == expected, (code, stream.value.details())
+                if expected == grpc.StatusCode.UNAVAILABLE:
+                    trailers = dict(await streamed.trailing_metadata() or ())
+                    assert int(trailers["grpc-retry-pushback-ms"]) > 0
+        assert gateway.http is not None
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "tiny", "prompt": "hello there", "max_tokens": 2}
+            url = f"http://127.0.0.1:{gateway.http.port}/v1/completions"
+            async with http.post(url, json=body) as answer:
+                assert answer.status == 503, await answer.text()
+                assert "Executor failed" in (await answer.json())["error"]["message"]
+                assert int(answer.headers["Retry-After"]) >= 1
+    finally:
+        await gateway.drain(0.5)
