@@ -8,8 +8,15 @@ waits the gateway's `grpc-retry-pushback-ms` hint before its next request (what 
 does). Reported per level: admitted TTFT P50/P99; the requests refused at arrival (a full line,
 or a wait estimated past the budget) and their time-to-refuse P99; the requests refused after
 waiting in the line (the estimate let them in, then their budget passed: what a good estimate
-keeps rare); goodput (requests that completed with TTFT within the budget, per second). A bare grpc.aio echo round trip
-is measured in the same run: time-to-refuse P99 is compared with its P99.
+keeps rare); goodput (requests that completed with TTFT within the budget, per second).
+
+A refusal's time under load is compared with a baseline under the same load: while each level
+runs, a probe in the same client process makes a bare grpc.aio echo round trip every 5 ms and,
+against the admission gateway, right after it a request that can only be refused by the estimate
+(a 1 ms TTFT budget, one token). The clients' own refusals come in bursts (refused clients retry
+together after their hints), so their P99 holds the queueing of the burst too; the probe's
+refusal against the probe's echo is the gateway's refusal path against a bare round trip. The
+admission gateway's own time for its refusals (its access log) is printed at the end.
 
     python -m bench.admission [--seconds 4] [--budget-ms 300] [--output-tokens 32]
 """
@@ -20,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,6 +60,9 @@ class Level:
     # Bare echo round trips from the same client process while the level runs: the baseline a
     # refusal's time is compared with under the same load (client, gateway and engine share cores).
     echo_s: list[float] = field(default_factory=list)
+    # A request the gateway can only refuse (a 1 ms TTFT budget while the engine is busy), sent by
+    # the same probe after each echo: a refusal by estimate, at the probe's pace, not in a burst.
+    probe_refuse_s: list[float] = field(default_factory=list)
     met_budget: int = 0
     seconds: float = 0.0
 
@@ -105,27 +116,46 @@ async def one(
 Echo: TypeAlias = grpc.aio.UnaryUnaryMultiCallable
 
 
-async def echo_probe(echo: Echo, payload: bytes, level: Level, stop: asyncio.Event) -> None:
-    """Bare echo round trips, one every 5 ms, until `stop`."""
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        await echo(payload)
-        level.echo_s.append(time.perf_counter() - t0)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.005)
+class Probe:
+    """One echo round trip every 5 ms and, where the gateway refuses by estimate, a request that
+    can only be refused right after it; their times go to the level."""
+
+    def __init__(self, echo: Echo, payload: bytes, refused: pb_grpc.InferenceStub | None) -> None:
+        self.echo, self.payload, self.refused = echo, payload, refused
+
+    async def run(self, request: pb.GenerateRequest, level: Level, stop: asyncio.Event) -> None:
+        doomed = pb.GenerateRequest()
+        doomed.CopyFrom(request)
+        doomed.max_tokens, doomed.ttft_budget_ms = 1, 1
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await self.echo(self.payload)
+            level.echo_s.append(time.perf_counter() - t0)
+            if self.refused is not None:
+                t0 = time.perf_counter()
+                try:
+                    await self.refused.Complete(doomed, timeout=30)
+                except grpc.aio.AioRpcError as exc:
+                    at_once = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    if at_once and "waited" not in (exc.details() or ""):
+                        level.probe_refuse_s.append(time.perf_counter() - t0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.005)
 
 
-async def probed(echo: Echo, payload: bytes, level: Level, load: Awaitable[object]) -> Level:
-    """`load` run with an echo probe beside it; the level with its time and echo samples."""
+async def probed(
+    probe: Probe, request: pb.GenerateRequest, level: Level, load: Awaitable[object]
+) -> Level:
+    """`load` run with the probe beside it; the level with its time and the probe's samples."""
     stop = asyncio.Event()
-    probe = asyncio.ensure_future(echo_probe(echo, payload, level, stop))
+    task = asyncio.ensure_future(probe.run(request, level, stop))
     started = time.perf_counter()
     try:
         await load
     finally:
         level.seconds = time.perf_counter() - started
         stop.set()
-        await probe
+        await task
     return level
 
 
@@ -135,7 +165,7 @@ async def closed_loop(
     clients: int,
     seconds: float,
     budget_s: float,
-    echo: Echo,
+    probe: Probe,
 ) -> Level:
     level = Level()
     end = time.perf_counter() + seconds
@@ -147,7 +177,7 @@ async def closed_loop(
                 await asyncio.sleep(pause)
 
     load = asyncio.gather(*(client() for _ in range(clients)))
-    return await probed(echo, request.SerializeToString(), level, load)
+    return await probed(probe, request, level, load)
 
 
 async def open_loop(
@@ -157,7 +187,7 @@ async def open_loop(
     seconds: float,
     budget_s: float,
     seed: int,
-    echo: Echo,
+    probe: Probe,
 ) -> Level:
     level = Level()
     rng = random.Random(seed)
@@ -174,7 +204,14 @@ async def open_loop(
             tasks.append(asyncio.ensure_future(one(stub, request, level, budget_s)))
         await asyncio.gather(*tasks)
 
-    return await probed(echo, request.SerializeToString(), level, arrivals())
+    return await probed(probe, request, level, arrivals())
+
+
+def refusal_ms(log: Path) -> list[float]:
+    """total_ms of each RESOURCE_EXHAUSTED access line in a gateway's log: its own time for a
+    refusal, from the request's arrival to its answer."""
+    found = re.finditer(r"status=RESOURCE_EXHAUSTED .*total_ms=([0-9.]+)", log.read_text())
+    return [float(m.group(1)) for m in found]
 
 
 def ms(values: list[float], q: float) -> str:
@@ -187,7 +224,8 @@ def row(name: str, load: str, level: Level) -> str:
     errors = ",".join(f"{k}:{v}" for k, v in level.errors.items()) or "0"
     return (
         f"| {name} | {load} | {level.sent} | {ms(level.ttft_s, 50)} | {ms(level.ttft_s, 99)} | "
-        f"{at_arrival:6.1%} | {ms(level.refuse_s, 99)} | {ms(level.echo_s, 99)} | {in_line:6.1%} | "
+        f"{at_arrival:6.1%} | {ms(level.refuse_s, 99)} | {ms(level.probe_refuse_s, 99)} | "
+        f"{ms(level.echo_s, 99)} | {in_line:6.1%} | "
         f"{level.met_budget / level.seconds:6.1f} | {errors} |"
     )
 
@@ -247,14 +285,18 @@ async def run(args: argparse.Namespace) -> None:
         single = Level()
         for _ in range(10):
             await one(stubs["no admission"], request, single, budget_s)
+        probes = {
+            m: Probe(echo_call, payload, stub if m == "admission" else None)
+            for m, stub in stubs.items()
+        }
         for clients in (1, 2, 4, 8, 16):
             for m, stub in stubs.items():
-                level = await closed_loop(stub, request, clients, args.seconds, budget_s, echo_call)
+                level = await closed_loop(stub, request, clients, args.seconds, budget_s, probes[m])
                 rows.append(row(m, f"{clients} clients", level))
         rate = args.rate or 1.5 / max(np.median(single.ttft_s) * 4, 1e-3)
         for m, stub in stubs.items():
             level = await open_loop(
-                stub, request, rate, args.seconds, budget_s, seed=7, echo=echo_call
+                stub, request, rate, args.seconds, budget_s, seed=7, probe=probes[m]
             )
             rows.append(row(m, f"Poisson {rate:.0f}/s", level))
         await echo_channel.close()
@@ -273,12 +315,18 @@ async def run(args: argparse.Namespace) -> None:
     )
     print(
         "| gateway | load | requests | admitted TTFT P50 ms | P99 ms | refused at arrival "
-        "| its time-to-refuse P99 ms | echo P99 ms, same load | refused after waiting | goodput/s "
-        "| errors |"
+        "| its time-to-refuse P99 ms | probe's refusal P99 ms | probe's echo P99 ms "
+        "| refused after waiting | goodput/s | errors |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(r)
+    own = refusal_ms(work / "gateway0.log")
+    if own:
+        print(
+            f"the admission gateway's own time for its {len(own)} refusals (access log total_ms, "
+            f"every level): P50 {np.percentile(own, 50):.2f} ms, P99 {np.percentile(own, 99):.2f} ms"
+        )
 
 
 def main() -> None:
