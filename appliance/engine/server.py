@@ -238,6 +238,15 @@ def _dims(shape: list[int]) -> str:
 
 
 _LENGTH_PREFIX = 4  # bytes before each BYTES element: its length, little-endian uint32
+# Bytes per element of the datatypes a config may declare that wire.read_input does not decode
+# (Triton's GetDataTypeByteSize): their byte size is checked as Triton checks it, then read_input
+# refuses them (INVALID_ARGUMENT); it refuses any other datatype (INVALID: none declared) too.
+_UNDECODED_SIZES = {"FP16": 2, "BF16": 2}
+
+
+def _element_size(datatype: str) -> int | None:
+    code = wire.DATATYPES.get(datatype)
+    return array.array(code).itemsize if code else _UNDECODED_SIZES.get(datatype)
 
 
 def check_byte_size(
@@ -248,8 +257,9 @@ def check_byte_size(
     where = f"for inference input '{name}' for model '{model_name}'"
     logged = wire.log_request(request_id)
     if datatype != "BYTES":
-        expected = count * array.array(wire.DATATYPES[datatype]).itemsize
-        if len(raw) != expected:
+        size = _element_size(datatype)
+        expected = count * (size or 0)
+        if size is not None and len(raw) != expected:
             raise InferError(
                 f"{logged}input byte size mismatch for input '{name}' for model '{model_name}'. "
                 f"Expected {expected}, got {len(raw)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.runner import EngineStats
-from tests.conftest import Engine
+from tests.conftest import Engine, Tiny, copy_repository
 from tests.support import until_engine
 
 MODEL = "tensorrt_llm"
@@ -972,6 +973,49 @@ def test_a_bytes_input_in_the_wrong_form_is_refused_in_triton_words() -> None:
             check_byte_size("guide", "BYTES", raw, 1, "m", "r")
         assert refused.value.message == message
     check_byte_size("guide", "BYTES", wire.encode("BYTES", [b"json"]), 1, "m", "r")
+
+
+async def test_an_input_declared_in_a_type_the_engine_does_not_decode_is_refused_in_band(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """A config may declare FP16 or BF16 inputs (the TensorRT-LLM template's
+    prompt_embedding_table): a request sending one gets Triton's byte-size refusal, or, its size
+    right, an in-band INVALID_ARGUMENT; the stream carries on, never ending without an answer."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from appliance.engine.server import load_repository, start_engine, stop_engine
+
+    repo = copy_repository(tiny.repo, tmp_path / "repo")
+    config = repo / MODEL / "config.pbtxt"
+    parsed = text_format.Parse(config.read_text(), mc.ModelConfig())
+    table = "prompt_embedding_table"
+    parsed.input.add(name=table, data_type=mc.TYPE_FP16, dims=[-1, -1], optional=True)
+    config.write_text(text_format.MessageToString(parsed))
+    models = load_repository(repo)
+    server, service, port = await start_engine(models, "127.0.0.1:0")
+    requests = []
+    for request_id, raw in (("short", b"\0"), ("sized", b"\0\0")):
+        req = request(request_id, max_tokens=2)
+        req.inputs.add(name=table, datatype="FP16", shape=[1, 1, 1])
+        req.raw_input_contents.append(raw)
+        requests.append(req)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ts_grpc.GRPCInferenceServiceStub(channel)
+            answers = await collect(stub, *requests, request("after", max_tokens=2))
+    finally:
+        await stop_engine(server, service, 0.0)
+        for m in models.values():
+            m.runner.close()
+    errors = [r.error_message for r in answers if r.error_message]
+    assert errors == [
+        f"[request id: short] input byte size mismatch for input '{table}' for model '{MODEL}'. "
+        "Expected 2, got 1",
+        f"input '{table}' for model '{MODEL}': datatype 'FP16' is not supported; use one of "
+        "BOOL, INT8, UINT8, INT16, UINT16, INT32, UINT32, INT64, UINT64, FP32, FP64, BYTES",
+    ]
+    assert any(is_final(r.infer_response) and r.infer_response.id == "after" for r in answers)
 
 
 async def test_pad_id_is_taken_as_the_backend_takes_it(
