@@ -11,7 +11,9 @@ in one line naming the members, never by an AttributeError on the first request.
 
 from __future__ import annotations
 
+import dis
 import importlib
+import inspect
 from collections.abc import Mapping
 
 
@@ -51,11 +53,29 @@ def members(base: type) -> tuple[list[str], list[str]]:
     return required, defaulted
 
 
+def _has_member(found: type, name: str) -> bool:
+    """Whether instances of `found` have the attribute `name`: on the class, declared in its
+    annotations (a dataclass's fields among them), or set by an `__init__` of its MRO."""
+    if hasattr(found, name):
+        return True
+    for klass in found.__mro__:
+        if name in inspect.get_annotations(klass):
+            return True
+        init = vars(klass).get("__init__")
+        code = getattr(init, "__code__", None)
+        if code is not None and any(
+            i.opname == "STORE_ATTR" and i.argval == name for i in dis.get_instructions(code)
+        ):
+            return True
+    return False
+
+
 def check_members(found: type, base: type, spec: str, what: str, *, structural: bool) -> None:
     """Refuses, in one PluginError line naming the members and saying what to do, a class the
     configuration names (`spec`) that lacks a member of `base`: a subclass must define the members
     `base` has no default for; a class that is not one (accepted only where `structural`) must have
-    every member of `base`, as a method, property or class attribute.
+    every member of `base`, as a method, property or class attribute, or as an attribute its
+    instances have (`_has_member`).
 
     A class that is not a subclass gets no defaults: they would have to be set on a class the
     gateway does not own (changing it for every other user of it), or on a subclass made here
@@ -76,7 +96,7 @@ def check_members(found: type, base: type, spec: str, what: str, *, structural: 
             f"{what} {spec!r}: {name} is not a subclass of {path}: subclass it to inherit its "
             f"defaults, and define {', '.join(required)}"
         )
-    lacking = [m for m in (*required, *defaulted) if not hasattr(found, m)]
+    lacking = [m for m in (*required, *defaulted) if not _has_member(found, m)]
     if not lacking:
         return
     undefined = [m for m in lacking if m in required]

@@ -5,11 +5,21 @@ back, up to max_tokens."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import grpc
 
-from appliance.backends.base import Backend, BackendError, GenerationRequest, Tokens
+from appliance.backends.base import (
+    NO_ENGINE_LIMITS,
+    NO_SPECULATION,
+    Backend,
+    BackendError,
+    EngineLimits,
+    GenerationRequest,
+    Speculation,
+    Tokens,
+)
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.tiers import CacheQuery, CacheTier
 
@@ -129,3 +139,54 @@ class FailsAfterOne(_Echo, Backend):
         yield Tokens(list(request.prompt_ids)[:1])
         code = self.FAILURES[request.max_tokens]
         raise BackendError(code, "inference server: Executor failed process requestId 3")
+
+
+class InstanceAttributes(_Echo):
+    """Not a subclass of Backend, with every member: the ones the gateway reads as values are
+    set in __init__, as a backend written like the built-in TritonBackend before it subclassed
+    Backend sets them."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.speculation = NO_SPECULATION
+        self.max_top_logprobs = 0
+        self.guided = False
+        self.unserved: dict[str, str] = {}
+        self.engine_limits = NO_ENGINE_LIMITS
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> InstanceAttributes:
+        return cls(config.backend)
+
+
+@dataclass
+class DataclassBackend:
+    """Not a subclass of Backend: a dataclass whose fields are the members read as values."""
+
+    address: str
+    max_batch_size: int
+    speculation: Speculation
+    max_top_logprobs: int
+    guided: bool
+    unserved: dict[str, str]
+    engine_limits: EngineLimits
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> DataclassBackend:
+        return cls(config.backend, 4, NO_SPECULATION, 0, False, {}, NO_ENGINE_LIMITS)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        return None
+
+    async def readiness(self, timeout_s: float) -> tuple[bool, str]:
+        return True, ""
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
+        for token_id in list(request.prompt_ids)[: request.max_tokens]:
+            yield Tokens([token_id])
+
+    def cancel_all(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

@@ -124,3 +124,23 @@ async def test_a_minimal_subclass_and_tier_are_served_end_to_end(tiny: Tiny) -> 
         await gateway.drain(0.5)
     backend = models["tiny"].backend
     assert backend.streams == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["InstanceAttributes", "DataclassBackend"])
+async def test_a_backend_with_every_member_as_an_instance_attribute_is_served(
+    tiny: Tiny, kind: str
+) -> None:
+    """A class that is not a subclass has every member when its instances do: set in __init__,
+    or a dataclass's fields, as well as on the class."""
+    backend_kind(f"{PLUGINS}:{kind}")  # accepted when the configuration is read
+    config = gateway_config(tiny.tokenizer_dir, "echo.invalid:1", backend_kind=f"{PLUGINS}:{kind}")
+    models = await load_models(config)
+    gateway = await start_server(config, models)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+            answer = await stub.Complete(request)
+            assert answer.final.usage.completion_tokens == 4
+    finally:
+        await gateway.drain(0.5)
