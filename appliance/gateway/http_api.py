@@ -59,7 +59,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import grpc
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import BadHttpMethod, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
@@ -580,9 +580,11 @@ class HttpApi:
             "/v1/chat/completions", self.chat_completions, expect_handler=self._expect
         )
         app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model)
-        app.router.add_get("/health", self.health)
+        # A route reading no body asks for none; aiohttp's own handler would answer an unmet
+        # expectation in plain text quoting it, unreported (_unmet_expectation).
+        app.router.add_get("/v1/models", self.models, expect_handler=self._unmet_expectation)
+        app.router.add_get("/v1/models/{model}", self.model, expect_handler=self._unmet_expectation)
+        app.router.add_get("/health", self.health, expect_handler=self._unmet_expectation)
         # handle_signals=False: the gateway owns SIGTERM/SIGINT (drain). handler_cancellation:
         # a client's disconnect cancels its handler and so its pipeline stream. keepalive_timeout
         # also closes a connection that sends no complete request head in time. shutdown_timeout:
@@ -740,10 +742,12 @@ class HttpApi:
 
     # -- generation -------------------------------------------------------------------------
 
-    async def _expect(self, request: web.Request) -> None:
+    async def _expect(self, request: web.Request) -> web.Response | None:
         """`Expect: 100-continue`: the body is asked for (aiohttp's answer) only when the handler
         will read it; otherwise the handler's refusal (503, 401, 413) is the only answer and
         the client never sends the body."""
+        if (unmet := await self._unmet_expectation(request)) is not None:
+            return unmet
         if (
             self.draining
             or self._refused_host(request) is not None
@@ -752,8 +756,26 @@ class HttpApi:
             or self._declared_too_large(request)
             or self._over_budget(request)
         ):
-            return
+            return None
         await _default_expect_handler(request)
+        return None
+
+    async def _unmet_expectation(self, request: web.Request) -> web.Response | None:
+        """An HTTP/1.1 `Expect` other than 100-continue: 417 in OpenAI's shape, its value not
+        quoted, reported as every error answer is (it is answered before the middleware runs);
+        None for any other request."""
+        expect = request.headers.get("Expect", "")
+        if request.version != HttpVersion11 or expect.lower() == "100-continue":
+            return None
+        self._report_error(request, 417)
+        return error_response(
+            wire.HttpError(
+                417,
+                "invalid_request_error",
+                "the request's Expect header is not 100-continue, the one expectation this "
+                "server meets; omit it",
+            )
+        )
 
     def _declared_too_large(self, request: web.Request) -> bool:
         length = request.content_length

@@ -160,3 +160,27 @@ async def test_a_request_the_drain_refuses_is_one_access_line(
     anonymous.http.draining = True  # what close() sets first, before its grace
     assert await _send(anonymous, "POST", "/v1/completions", {}, BODY) == 503
     _assert_logged_and_counted(anonymous, caplog, ["UNAVAILABLE"])
+
+
+async def test_an_expectation_the_server_does_not_meet_is_one_access_line_without_its_bytes(
+    anonymous: RunningGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`Expect` other than 100-continue: 417 in OpenAI's shape, its value not echoed, and one
+    access line and count, on a route that reads a body and on one that does not."""
+    caplog.set_level(logging.INFO, logger="appliance.access")
+    assert anonymous.http is not None
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", anonymous.http.port)
+        writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nExpect: {SECRET}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n"
+            "Connection: close\r\n\r\n".encode()
+            + BODY
+        )
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert b" 417 " in head.split(b"\r\n")[0], answer
+        assert SECRET.encode() not in answer
+        assert "error" in json.loads(body)
+    _assert_logged_and_counted(anonymous, caplog, ["INVALID_ARGUMENT"] * 2)
