@@ -40,7 +40,13 @@ def taken_address(listen: str) -> str | None:
         return None
     not_ours: list[str] = []
     for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            # A family this host lacks (IPv6 on a kernel without it): gRPC binds the others, and
+            # `[::]` as 0.0.0.0.
+            continue
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
             try:
                 probe.bind(address)
