@@ -121,6 +121,9 @@ def inband_error(message: str, request_id: str) -> BackendError:
 
 # The config.pbtxt parameter naming the engine directory (the template's `${engine_dir}`).
 ENGINE_DIR_PARAMETER = "gpt_model_path"
+# The values of a bool parameter the tensorrtllm backend reads as true
+# (ModelState::GetParameter<bool>, which neither strips nor folds case).
+BACKEND_TRUE = ("True", "true", "TRUE", "1")
 # Largest engine config.json read; trtllm-build writes a few KiB.
 MAX_ENGINE_CONFIG_BYTES = 2**20
 
@@ -187,7 +190,7 @@ def engine_limits(params: Mapping[str, mc.ModelParameter]) -> EngineLimits:
     if (max_input is None or max_seq is None) and engine_dir and not engine_dir.startswith("${"):
         try:
             engine = _engine_dir_limits(
-                Path(engine_dir), value("enable_chunked_context").lower() == "true"
+                Path(engine_dir), value("enable_chunked_context") in BACKEND_TRUE
             )
         except _EngineConfigError as exc:
             log.warning(

@@ -365,6 +365,21 @@ def test_engine_directory_limits_follow_what_the_executor_applies(tmp_path: Path
 
 
 @pytest.mark.parametrize(
+    ("given", "chunked"),
+    [("true", True), ("True", True), ("TRUE", True), ("1", True), ("false", False), ("0", False)],
+)
+def test_chunked_context_is_on_for_every_value_the_backend_reads_as_true(
+    tmp_path: Path, given: str, chunked: bool
+) -> None:
+    """The tensorrtllm backend's bool parameters (ModelState::GetParameter<bool>) are true for
+    True, true, TRUE and 1: with chunked context on, the engine takes prompts up to
+    max_seq_len - 1, past max_num_tokens."""
+    engine_dir = _engine_dir(tmp_path / "engine", _engine_config(max_num_tokens=32))
+    limits = _limits_with_engine(engine_dir, enable_chunked_context=given)
+    assert limits == EngineLimits(SHORT - 1 if chunked else 32, SHORT)
+
+
+@pytest.mark.parametrize(
     ("content", "why"),
     [
         (b"{", "not valid JSON"),
