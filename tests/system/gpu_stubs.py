@@ -17,7 +17,9 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from host_tuning.facts.gpu import NVIDIA_VENDOR
 from tests.engine_build.conftest import DATA, FAKE, HERE, make_checkpoint, write_spec
+from tests.system.containers import Machine
 
 DRIVER_FILE = "/etc/nvidia-stub/driver-version"
 GOOD_DRIVER = "580.95.05"
@@ -151,3 +153,28 @@ def controller_artifacts(dest: Path) -> GpuArtifacts:
     )
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     return GpuArtifacts(archive, digest, image_config, spec)
+
+
+# The stand-in GPU's PCI address: a bus no VM or CI host uses.
+SYSFS_GPU = "0000:ff:00.0"
+_SYSFS_GPU_SCRIPT = f"""set -e
+d=/run/gpu-stub/pci-devices
+mkdir -p "$d"
+for e in /sys/bus/pci/devices/*; do ln -s "$(readlink -f "$e")" "$d/${{e##*/}}"; done
+g="$d/{SYSFS_GPU}"
+mkdir "$g"
+echo {NVIDIA_VENDOR} > "$g/vendor"
+echo 0x030200 > "$g/class"
+echo 0 > "$g/numa_node"
+cat /sys/devices/system/cpu/online > "$g/local_cpulist"
+mount --bind "$d" /sys/bus/pci/devices
+"""
+
+
+def show_gpu_in_sysfs(machine: Machine) -> None:
+    """host-tune finds GPUs through NVML, else in sysfs (host_tuning.facts.gpu): a 3D controller
+    of NVIDIA's vendor id on node 0, local to every online CPU, is bound over the container's
+    /sys/bus/pci/devices (the real devices stay, as links). Services see it: they share the
+    container's mount namespace."""
+    done = machine.sh("sh", "-c", _SYSFS_GPU_SCRIPT)
+    assert done.returncode == 0, done.stderr

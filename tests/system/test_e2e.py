@@ -426,3 +426,127 @@ def test_an_empty_required_gpu_variable_fails_the_first_task(
     assert result.returncode != 0
     assert _tasks(out) == FIRST_TASKS, out
     assert "value of triton_archive_sha256 must be one of: a non-empty value" in out
+
+
+# --- host_tuning and its drift check under the container's systemd -----------------------------
+
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+VERIFY = "appliance-host-verify.service"
+# The smallest plan (1 housekeeping core, 1 Triton core): fits a 2-CPU CI host.
+CONTAINER_PROFILE = """\
+[serve]
+gpu = 0
+
+[cpu]
+housekeeping_cores = 1
+nic_irq_cores = 0
+gateway_cores = 0
+
+[gpudirect]
+method = "none"
+"""
+APPLY_FAILED = "host_tuning : Fail when a setting did not take"
+
+
+@pytest.fixture(scope="module")
+def tuning(machine: Machine, gpu: gpu_stubs.GpuArtifacts) -> Path:
+    """A GPU host whose host-tune sees a GPU; the inventory with host_tuning on."""
+    gpu_stubs.show_gpu_in_sysfs(machine)
+    profile = machine.workdir / "host-tune-profile.toml"
+    profile.write_text(CONTAINER_PROFILE)
+    return _gpu_inventory(
+        machine, gpu, host_tuning_enabled=True, host_tuning_profile_src=str(profile)
+    )
+
+
+def test_host_tuning_in_a_container_fails_naming_what_it_cannot_set(
+    machine: Machine, tuning: Path
+) -> None:
+    # nspawn mounts /proc/sys, /proc/irq and /sys read-only: apply writes the files under /etc and
+    # is refused every kernel setting. The host is not tuned, so the play fails, in one message.
+    result = machine.playbook(tuning)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert _tasks(out)[-1] == APPLY_FAILED, out[-4000:]
+    assert "setting(s) failed: " in out and "sysctl vm.swappiness" in out, out[-3000:]
+    assert "Read-only file system" in out and "host_tuning_enabled false" in out, out[-3000:]
+    # What apply could write, it wrote: the kernel command line for the next boot.
+    grub = machine.sh("grep", "-rh", "isolcpus", "/etc/default/grub.d").stdout
+    assert "isolcpus=" in grub, grub
+    # The drift check was set up before apply: the host reports its state from now on.
+    marker = machine.sh("cat", f"{TEXTFILE_DIR}/appliance-host-tune-expected.prom").stdout
+    assert "appliance_host_tune_expected 1" in marker, marker
+    assert machine.show("appliance-host-verify.timer", "UnitFileState") == "enabled"
+    assert machine.is_active("appliance-host-verify.timer") == "active"
+    timers = machine.sh("systemctl", "list-timers", "--all", "--no-pager").stdout
+    scheduled = [line for line in timers.splitlines() if "appliance-host-verify.timer" in line]
+    assert scheduled and not scheduled[0].startswith("-"), timers  # NEXT is set
+    assert machine.show(VERIFY, "ReadWritePaths") == TEXTFILE_DIR
+    assert machine.show(VERIFY, "ProtectSystem") == "strict"
+    # Again: nothing changes, and the same task says the same thing.
+    again = machine.playbook(tuning)
+    out = again.stdout + again.stderr
+    assert again.returncode != 0 and _tasks(out)[-1] == APPLY_FAILED, out[-4000:]
+    assert _recap(out)["changed"] == 0, containers.changed_tasks(out)
+
+
+def test_host_tuning_check_mode_runs_the_whole_role(machine: Machine, tuning: Path) -> None:
+    # apply --dry-run reports would-change, no failure: check mode goes through the role, and
+    # would change only the tasks after the one the real runs stopped at.
+    result = machine.playbook(tuning, check=True)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert APPLY_FAILED not in containers.changed_tasks(out)
+    assert [t for t in containers.changed_tasks(out) if t.startswith("host_tuning")] == [
+        "host_tuning : Create the drop-in directories",
+        "host_tuning : Write the CPUAffinity drop-ins",
+        "host_tuning : List the ACS bridges for appliance-acs.service",
+    ]
+
+
+def _textfile(machine: Machine, path: str) -> dict[str, float]:
+    read = machine.sh("cat", path)
+    assert read.returncode == 0, read.stderr
+    return {
+        name: float(value)
+        for name, value in re.findall(r"^(\S+) (\S+)$", read.stdout, re.M)
+        if not name.startswith("#")
+    }
+
+
+def test_drift_check_writes_the_textfile_from_its_sandbox(machine: Machine, tuning: Path) -> None:
+    started = time.time()
+    machine.sh("systemctl", "reset-failed", VERIFY)
+    ran = machine.sh("systemctl", "start", VERIFY, timeout=150)
+    # The kernel settings apply was refused are drift: exit 1 fails the unit, by design.
+    assert ran.returncode != 0
+    assert machine.show(VERIFY, "ExecMainStatus") == "1", machine.journal(VERIFY)[-3000:]
+    assert "setting(s) drifted" in machine.journal(VERIFY)
+    path = f"{TEXTFILE_DIR}/appliance-host-tune.prom"
+    seen = _textfile(machine, path)
+    assert seen["appliance_host_tune_verify_exit_code"] == 1, seen
+    assert seen["appliance_host_tune_verify_timestamp_seconds"] >= started - 1, seen
+    assert seen['appliance_host_tune_settings{plugin="sysctl",status="drift"}'] > 0, seen
+    assert seen['appliance_host_tune_settings{plugin="irqbalance",status="ok"}'] == 1, seen
+    mode = machine.sh("stat", "-c", "%a", path).stdout.strip()
+    assert mode == "644", mode  # node_exporter's user reads it
+
+
+def test_drift_check_may_write_nowhere_else(machine: Machine, tuning: Path) -> None:
+    elsewhere = "/var/lib/appliance-probe"
+    dropin = f"/run/systemd/system/{VERIFY}.d/zz-elsewhere.conf"  # after textfile.conf
+    assert machine.sh("mkdir", "-p", elsewhere, os.path.dirname(dropin)).returncode == 0
+    text = f"[Service]\nEnvironment=HOST_TUNE_TEXTFILE={elsewhere}/appliance-host-tune.prom\n"
+    write = machine.sh("sh", "-c", f"printf '{text}' > {dropin} && systemctl daemon-reload")
+    assert write.returncode == 0, write.stderr
+    try:
+        machine.sh("systemctl", "reset-failed", VERIFY)
+        ran = machine.sh("systemctl", "start", VERIFY, timeout=150)
+        assert ran.returncode != 0
+        journal = machine.journal(VERIFY)
+        assert "Read-only file system" in journal, journal[-3000:]
+        assert machine.sh("ls", "-A", elsewhere).stdout == ""
+    finally:
+        machine.sh("rm", "-f", dropin)
+        machine.sh("systemctl", "daemon-reload")
+        machine.sh("systemctl", "reset-failed", VERIFY)
