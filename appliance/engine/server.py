@@ -135,6 +135,14 @@ def _refused_after_core(request: ts.ModelInferRequest, error: InferError) -> Inf
     return error
 
 
+def _fault_words(exc: Exception) -> str:
+    """A fault of this server's own code while it took a request, in the words of the error
+    response the TensorRT-LLM backend sends for an exception it catches (its type and text, the
+    text cut at 300 characters)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
 def _executor_error(message: str) -> InferError:
     """A request TensorRT-LLM's executor refuses: the backend answers with the executor's message
     after its own prefix."""
@@ -1090,6 +1098,11 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     except InferError as exc:
                         exc.request_id = request.id
                         outbox.put_nowait(exc)
+                    except Exception as exc:  # a fault of this server's code: that request's
+                        log.exception("request %r failed in this server", request.id[:64])
+                        fault = _refused_after_core(request, InferError(_fault_words(exc)))
+                        fault.request_id = request.id
+                        outbox.put_nowait(fault)
             finally:
                 reading = False
                 if not jobs:

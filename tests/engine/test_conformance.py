@@ -1050,3 +1050,29 @@ async def test_pad_id_is_taken_as_the_backend_takes_it(
         "[request id: pad-two] unexpected shape for input 'pad_id' for model 'tensorrt_llm'. "
         "Expected [-1,1], got [1,2]."
     )
+
+
+async def test_a_fault_of_this_server_on_one_request_is_its_error_and_the_stream_goes_on(
+    triton: ts_grpc.GRPCInferenceServiceStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault of this server's own code while it takes a request (a bug: here one injected
+    into the guide step) is answered as the TensorRT-LLM backend answers an exception it
+    catches: that request's final error response, INTERNAL, and the stream serves the next
+    request. It never ends the stream with OK and requests unanswered."""
+    from appliance.engine import server as engine_server
+    from appliance.engine.server import Decoded, EngineModel
+
+    real = engine_server.compile_guide
+
+    async def faulty(decoded: Decoded, model: EngineModel, request: ts.ModelInferRequest) -> None:
+        if request.id == "boom":
+            raise RuntimeError("a fault of the server's own code")
+        await real(decoded, model, request)
+
+    monkeypatch.setattr(engine_server, "compile_guide", faulty)
+    answers = await collect(triton, request("boom", max_tokens=2), request("after", max_tokens=2))
+    errors = [r for r in answers if r.error_message]
+    assert [r.infer_response.id for r in errors] == ["boom"]
+    assert "RuntimeError" in errors[0].error_message
+    assert is_final(errors[0].infer_response)
+    assert any(is_final(r.infer_response) and r.infer_response.id == "after" for r in answers)
