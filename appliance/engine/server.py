@@ -1294,9 +1294,12 @@ async def run_engine(
     except RepositoryError as exc:
         logline.last_line(f"appliance engine: {exc}")
         return 2
+    metrics_on = ""
     if metrics_listen is not None:
         try:
-            serve_metrics(service, models, metrics_listen)
+            metrics = serve_metrics(service, models, metrics_listen)
+            # port 0 in --metrics: the one picked
+            metrics_on = f"; metrics on {metrics_listen.rpartition(':')[0]}:{metrics.server_port}"
         except OSError as exc:
             logline.last_line(
                 f"appliance engine: cannot serve metrics on {metrics_listen}: {exc.strerror or exc}"
@@ -1311,9 +1314,10 @@ async def run_engine(
     bound = f"{listen.rpartition(':')[0]}:{port}"  # port 0 in --listen: the one picked
     served_on = bound if stream_socket is None else f"{bound} and {stream_socket}"
     log.info(
-        "engine serving %s on %s (loaded in %.1f s; %d objects frozen out of the collector)",
+        "engine serving %s on %s%s (loaded in %.1f s; %d objects frozen out of the collector)",
         ", ".join(models),
         served_on,
+        metrics_on,
         time.monotonic() - started,
         frozen,
     )

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -105,15 +106,21 @@ def test_a_serving_engine_has_frozen_its_heap(tiny: Tiny, tmp_path: Path) -> Non
 
 
 def test_an_engine_on_port_0_says_the_port_it_serves_on(tiny: Tiny, tmp_path: Path) -> None:
-    """`--listen HOST:0` lets the system pick the port; the serving line names the one picked."""
+    """`--listen HOST:0` and `--metrics HOST:0` let the system pick the ports; the serving line
+    names the ones picked."""
     log = tmp_path / "engine.log"
     args = ["engine", "--repository", str(tiny.repo), "--listen", "127.0.0.1:0"]
-    engine = processes.spawn(args, log)
+    engine = processes.spawn([*args, "--metrics", "127.0.0.1:0"], log)
     try:
         serving = processes.wait_for_line(log, "engine serving", engine)
-        port = re.search(r" on 127\.0\.0\.1:(\d+) ", serving)
+        port = re.search(r" on 127\.0\.0\.1:(\d+); ", serving)
         assert port is not None and int(port.group(1)) > 0, serving
         processes.wait_engine(f"127.0.0.1:{port.group(1)}", engine, log)
+        metrics = re.search(r"; metrics on 127\.0\.0\.1:(\d+) ", serving)
+        assert metrics is not None, serving
+        url = f"http://127.0.0.1:{metrics.group(1)}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as page:
+            assert b"nv_inference_request_success" in page.read()
     finally:
         assert processes.stop(engine) == 0, processes.last_words(log)
 
