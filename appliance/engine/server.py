@@ -4,7 +4,8 @@ It is the inference process on hosts without the GPU stack and the peer every te
 keeps Triton's semantics on every point the gateway relies on: decoupled streaming with
 `triton_final_response` on every response; in-band `error_message` with the stream left open (or a gRPC
 status with header `triton_grpc_error: true`); ModelInfer refused for decoupled models; `stop=true` with
-the same id cancels; closing the stream cancels what is in flight on it.
+the same id cancels; closing the stream cancels what is in flight on it. Each request is checked and
+read into the engine's request (`Decoded`) by infer_request.py; this module serves, answers and counts.
 
 A stopped or cancelled request ends the way the tensorrtllm backend ends it: the executor returns a final
 result (possibly no new tokens) and the backend sends it as a response with its output tensors and the
@@ -25,16 +26,14 @@ extensions served here.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import dataclasses
 import functools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from math import prod
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +45,15 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 from appliance import logline, sdnotify
 from appliance.backends import wire
 from appliance.backends.stream_socket import SocketInUse, StreamSocketServer, serving_problem
-from appliance.engine.guided import (
-    NOT_SETUP_MESSAGE,
-    CompiledGuide,
-    Grammars,
-    Guide,
-    GuideError,
-    parse_guide,
+from appliance.engine.guided import Grammars
+from appliance.engine.infer_request import (
+    Decoded,
+    InferError,
+    ModelSpec,
+    compile_guide,
+    decode_request,
+    dtype_name,
+    refused_after_core,
 )
 from appliance.engine.llama import CheckpointError, LlamaModel
 from appliance.engine.loading import load_model
@@ -65,7 +66,7 @@ from appliance.engine.repository import (
     read_repository,
 )
 from appliance.engine.runner import Emission, Job, RequestPerf, Runner
-from appliance.engine.sampling import SamplingParams, TopLogprobs
+from appliance.engine.sampling import TopLogprobs
 from appliance.engine.statistics import ModelStatistics, RequestClock
 from appliance.grpc_limits import MAX_REQUEST_BYTES, RECEIVE_LIMIT
 from appliance.heap import freeze_heap
@@ -74,7 +75,6 @@ from engine_build.pbtxt import (
     ACCEPTANCE_RATE_OUTPUT,
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
     DRAFT_TOKENS_OUTPUT,
-    MAX_TOP_LOGPROBS,
     SPECULATION_INPUT,
     TOP_LOGPROB_IDS_OUTPUT,
     TOP_LOGPROBS_INPUT,
@@ -100,41 +100,6 @@ EXITING = "Server exiting"
 NOT_READY = "Server not ready"
 
 
-class InferError(Exception):
-    """A request Triton would answer with an error; `code` is used when errors go out of band."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        # The id of the request it answers: an in-band error carries it, as Triton's do for a
-        # request that could not be issued, so a client with several requests on a stream knows.
-        self.request_id = ""
-        # A failure of an issued request: Triton's in-band error also names the model and says
-        # whether it is the request's last response.
-        self.issued: tuple[str, str, bool] | None = None  # model name, version, final
-
-    def in_band(self) -> ts.ModelStreamInferResponse:
-        """The error as a stream's response (`error_message`, the request's id)."""
-        response = ts.ModelInferResponse(id=self.request_id)
-        if self.issued is not None:
-            response.model_name, response.model_version, final = self.issued
-            response.parameters["triton_final_response"].bool_param = final
-        return ts.ModelStreamInferResponse(error_message=self.message, infer_response=response)
-
-
-def _refused_after_core(request: ts.ModelInferRequest, error: InferError) -> InferError:
-    """A request refused once Triton core has issued it: by the TensorRT-LLM backend as it reads
-    it (ModelInstanceState::enqueue, handleStopRequest: sendEnqueueResponse), by the executor, or
-    by this server where either would compute. The backend sends an error response flagged final,
-    INTERNAL (TRITONSERVER_ERROR_INTERNAL); Triton's stream handler
-    (StreamInferResponseComplete) writes it as `error_message` with the request's id, model name
-    and version and `triton_final_response`, and ModelInfer ends with its status."""
-    error.code = grpc.StatusCode.INTERNAL
-    error.issued = (request.model_name, request.model_version, True)
-    return error
-
-
 def _fault_words(exc: Exception) -> str:
     """A fault of this server's own code while it took a request, in the words of the error
     response the TensorRT-LLM backend sends for an exception it catches (its type and text, the
@@ -143,441 +108,13 @@ def _fault_words(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
-def _executor_error(message: str) -> InferError:
-    """A request TensorRT-LLM's executor refuses: the backend answers with the executor's message
-    after its own prefix."""
-    return InferError(f"Executor failed process requestId 0 due to the following error: {message}")
+@dataclass(kw_only=True)
+class EngineModel(ModelSpec):
+    """One model of the repository as the engine server runs it: what its requests are checked
+    against, and what computes them."""
 
-
-# Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes
-# nothing (None: any value would change the output). Anything else is refused, not ignored.
-# `pad_id` is not among them: the backend hands it to the executor's Request (TensorRT-LLM
-# triton_backend/inflight_batcher_llm/src/utils.cc, createRequestsFromInputTensors), which pads
-# with it only a beam shorter than the others and an encoder-decoder request without decoder ids;
-# a beam-1 answer of a decoder-only model, streamed or not, holds the same ids whatever it is.
-_NOT_IMPLEMENTED: dict[str, float | None] = {
-    "stop_words_list": None,
-    "bad_words_list": None,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
-
-
-def _dtype_name(value: int) -> str:
-    return str(mc.DataType.Name(value)).removeprefix("TYPE_").replace("STRING", "BYTES")
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """A declared input as each request is checked against it."""
-
-    datatype: str  # the wire name: INT32, BOOL, BYTES, ...
-    dims: tuple[int, ...]  # without the batch dimension; -1: any size
-
-
-@dataclass
-class EngineModel:
-    """One model of the repository as the engine server runs it."""
-
-    entry: ModelEntry
     model: LlamaModel
     runner: Runner
-    max_len: int  # max_seq_len: prompt and generated tokens
-    output_names: frozenset[str] = frozenset()
-    grammars: Grammars | None = None  # None: the model has no guided decoder
-    # What every request is checked against, read once from the config: protobuf field reads
-    # cost about a microsecond each, and a request has ten inputs or so.
-    specs: dict[str, InputSpec] = field(init=False)
-    required: tuple[str, ...] = field(init=False)
-    max_batch_size: int = field(init=False)
-    batch_dim: bool = field(init=False)
-    exclude_input_default: bool = field(init=False)
-    # The longest prompt served: the repository's max_input_len, below max_seq_len so that at
-    # least one token can be generated.
-    max_input_len: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        given = self.entry.parameter("max_input_len", "")
-        limit = self.max_len - 1
-        self.max_input_len = min(int(given), limit) if given.isdigit() and int(given) else limit
-        declared = self.entry.config.input
-        self.specs = {i.name: InputSpec(_dtype_name(i.data_type), tuple(i.dims)) for i in declared}
-        self.required = tuple(i.name for i in declared if not i.optional)
-        self.max_batch_size = self.entry.config.max_batch_size
-        self.batch_dim = self.max_batch_size > 0
-        self.exclude_input_default = (
-            self.entry.parameter("exclude_input_in_output", "false") == "true"
-        )
-
-
-@dataclass
-class Decoded:
-    """The tensorrt_llm inputs of one request, with TensorRT-LLM's defaults filled in."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    end_id: int | None
-    params: SamplingParams
-    streaming: bool
-    stop: bool
-    exclude_input: bool
-    return_perf: bool = False
-    guide: Guide | None = None
-    compiled: CompiledGuide | None = None  # the guide, compiled by `compile_guide`
-    min_tokens: int = 0
-    return_log_probs: bool = False
-    # False: decode without drafts (SPECULATION_INPUT); only a speculating model declares it.
-    speculation: bool = True
-    # Alternatives returned per generated token (TOP_LOGPROBS_INPUT; 0: none).
-    top_logprobs: int = 0
-
-
-_BATCH_NOTE = (
-    "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
-    "prepended to each input shape. If you want to specify the full shape including the batch dim "
-    "in your input dims config, try setting max_batch_size to zero. See the model configuration "
-    "docs for more info on max_batch_size."
-)
-
-
-def _dims(shape: list[int]) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
-
-
-_LENGTH_PREFIX = 4  # bytes before each BYTES element: its length, little-endian uint32
-# Bytes per element of the datatypes a config may declare that wire.read_input does not decode
-# (Triton's GetDataTypeByteSize): their byte size is checked as Triton checks it, then read_input
-# refuses them (INVALID_ARGUMENT); it refuses any other datatype (INVALID: none declared) too.
-_UNDECODED_SIZES = {"FP16": 2, "BF16": 2}
-
-
-def _element_size(datatype: str) -> int | None:
-    code = wire.DATATYPES.get(datatype)
-    return array.array(code).itemsize if code else _UNDECODED_SIZES.get(datatype)
-
-
-def check_byte_size(
-    name: str, datatype: str, raw: bytes, count: int, model_name: str, request_id: str
-) -> None:
-    """Triton core's check that an input's bytes hold what its shape and datatype promise
-    (core's Normalize and ValidateBytesInputs)."""
-    where = f"for inference input '{name}' for model '{model_name}'"
-    logged = wire.log_request(request_id)
-    if datatype != "BYTES":
-        size = _element_size(datatype)
-        expected = count * (size or 0)
-        if size is not None and len(raw) != expected:
-            raise InferError(
-                f"{logged}input byte size mismatch for input '{name}' for model '{model_name}'. "
-                f"Expected {expected}, got {len(raw)}"
-            )
-        return
-    at = checked = 0
-    while at < len(raw):
-        if len(raw) - at < _LENGTH_PREFIX:
-            raise InferError(
-                f"{logged}incomplete string length indicator {where}, expecting {_LENGTH_PREFIX} "
-                f"bytes but only {len(raw) - at} bytes available. Please make sure the string "
-                "length indicator is in one buffer."
-            )
-        checked += 1
-        if checked > count:
-            raise InferError(
-                f"{logged}unexpected number of string elements {checked} {where}, expecting {count}"
-            )
-        at += _LENGTH_PREFIX + int.from_bytes(raw[at : at + _LENGTH_PREFIX], "little")
-    if checked != count:
-        raise InferError(f"{logged}expected {count} string elements {where}, got {checked}")
-
-
-def _data(
-    tensor: ts.ModelInferRequest.InferInputTensor, raw: list[bytes], index: int, model_name: str
-) -> bytes | None:
-    """Where an input's values are, as Triton's gRPC frontend finds them (its
-    InferGRPCToInput): its typed contents (None), or its raw_input_contents entry;
-    entries past the last input are not read."""
-    name = tensor.name
-    if tensor.HasField("contents"):
-        if raw:
-            raise InferError(
-                "contents field must not be specified when using raw_input_contents for "
-                f"'{name}' for model '{model_name}'"
-            )
-        return None
-    if index >= len(raw):
-        raise InferError(
-            f"unable to find data for input tensor '{name}' for model '{model_name}' in request."
-        )
-    return raw[index]
-
-
-def _checked_inputs(
-    request: ts.ModelInferRequest, model: EngineModel, data: list[bytes | None]
-) -> dict[str, list[Any]]:
-    """The request's input values, checked in Triton core's order (its
-    Normalize): input by input its name, batch dimension and batch size (the first non-zero one,
-    held as core's uint32), the batch size against max_batch_size, then input by input its
-    datatype, shape and byte size.
-    Which error a client sees when several are wrong is therefore Triton's, except that core
-    walks the inputs in its hash map's order and this server in the request's."""
-    model_name = model.entry.name
-    logged = wire.log_request(request.id)
-    full: list[list[int]] = []
-    batch = 0
-    for tensor in request.inputs:
-        if tensor.name not in model.specs:
-            raise InferError(f"unexpected inference input '{tensor.name}' for model '{model_name}'")
-        shape = list(tensor.shape)
-        full.append(shape)
-        if not model.batch_dim:
-            continue
-        if not shape:
-            raise InferError(
-                f"{logged}input '{tensor.name}' has no shape but model requires batch dimension for "
-                f"'{model_name}'"
-            )
-        if batch == 0:
-            batch = shape[0] & 0xFFFF_FFFF
-        elif shape[0] != batch:
-            raise InferError(
-                f"{logged}input '{tensor.name}' batch size does not match other inputs for "
-                f"'{model_name}'"
-            )
-    if batch > model.max_batch_size:
-        # The repository admits max_batch_size 1 at most (read_repository): this server computes
-        # one sequence per request, so core's own refusal covers every batch of several.
-        raise InferError(
-            f"{logged}inference request batch-size must be <= {model.max_batch_size} for "
-            f"'{model_name}'"
-        )
-    tensors: dict[str, list[Any]] = {}
-    for tensor, shape, given in zip(request.inputs, full, data, strict=True):
-        name = tensor.name
-        spec = model.specs[name]
-        if tensor.datatype != spec.datatype:
-            raise InferError(
-                f"{logged}inference input '{name}' data-type is '{tensor.datatype}', but model "
-                f"'{model_name}' expects '{spec.datatype}'"
-            )
-        dims = shape[1:] if model.batch_dim else shape
-        if len(dims) == len(spec.dims) and -1 in dims:
-            raise InferError(
-                f"{logged}All input dimensions should be specified for input '{name}' for model "
-                f"'{model_name}', got {_dims(shape)}"
-            )
-        if len(dims) != len(spec.dims) or any(
-            d != -1 and d != s for d, s in zip(spec.dims, dims, strict=True)
-        ):
-            # Triton core's words: the expected shape with the batch dimension (-1) when the
-            # model batches, both shapes written [d0,d1,...], and its note on the batch dimension.
-            expected = [-1, *spec.dims] if model.batch_dim else list(spec.dims)
-            raise InferError(
-                f"{logged}unexpected shape for input '{name}' for model '{model_name}'. "
-                f"Expected {_dims(expected)}, got {_dims(shape)}. "
-                f"{_BATCH_NOTE if model.batch_dim else ''}"
-            )
-        count = prod(shape)
-        if given is not None:
-            check_byte_size(name, spec.datatype, given, count, model_name, request.id)
-        try:
-            tensors[name] = wire.read_input(tensor, given, shape).values
-        except wire.TensorError as exc:
-            raise InferError(f"input '{name}' for model '{model_name}': {exc}") from exc
-    return tensors
-
-
-def _listed(names: Iterable[str]) -> str:
-    """Names as Triton core lists them: ['a','b'], without spaces."""
-    return "[" + ",".join(f"'{n}'" for n in names) + "]"
-
-
-def _check_input_count(request: ts.ModelInferRequest, model: EngineModel, given: set[str]) -> None:
-    """Triton core's ValidateRequestInputs: it refuses a request whose count of inputs is outside
-    [required, declared] only; one within it that lacks a required input is issued, and the
-    backend answers it (`decode_request`). The given inputs are listed sorted (core lists them
-    in its hash map's order, which nothing fixes); the missing ones in the config's order, and,
-    when none is, as core writes an empty list there: `]`."""
-    required, declared = model.required, len(model.specs)
-    if len(required) <= len(given) <= declared:
-        return
-    missing = [n for n in required if n not in given]
-    absent = _listed(missing) if missing else "]"
-    expected = (
-        f"{declared} inputs"
-        if declared == len(required)
-        else f"number of inputs between {len(required)} and {declared}"
-    )
-    raise InferError(
-        f"{wire.log_request(request.id)}expected {expected} but got {len(given)} inputs for model "
-        f"'{model.entry.name}'. Got input(s) {_listed(sorted(given))}, but missing required "
-        f"input(s) {absent}. Please provide all required input(s)."
-    )
-
-
-def decode_request(request: ts.ModelInferRequest, model: EngineModel) -> Decoded:
-    """Validates a ModelInferRequest against the model's config like Triton does: its gRPC
-    frontend adds the inputs (a name given twice is refused) and
-    finds their data; core checks the requested outputs (kept as a set: a name given twice is
-    one output), then the inputs (`_checked_inputs`)."""
-    seen: set[str] = set()
-    for tensor in request.inputs:
-        if tensor.name in seen:
-            # Triton core's AddOriginalInput, after the gRPC frontend has set the request's id.
-            raise InferError(
-                f"{wire.log_request(request.id)}input '{tensor.name}' already exists in request"
-            )
-        seen.add(tensor.name)
-    raw = list(request.raw_input_contents)
-    data = [_data(t, raw, i, model.entry.name) for i, t in enumerate(request.inputs)]
-    for output in request.outputs:
-        if output.name not in model.output_names:
-            raise InferError(
-                f"unexpected inference output '{output.name}' for model '{model.entry.name}'"
-            )
-    _check_input_count(request, model, seen)
-    tensors = _checked_inputs(request, model, data)
-    try:
-        return _read_tensors(model, tensors)
-    except InferError as exc:
-        raise _refused_after_core(request, exc) from None
-
-
-def _read_tensors(model: EngineModel, tensors: dict[str, list[Any]]) -> Decoded:
-    """The backend's reading of an issued request's inputs, with the executor's checks and this
-    server's; an InferError here is refused after core (`_refused_after_core`)."""
-
-    def scalar(name: str, default: Any) -> Any:
-        values = tensors.get(name)
-        return values[0] if values else default
-
-    for name, no_op in _NOT_IMPLEMENTED.items():
-        declared = tensors.get(name)
-        if declared and (no_op is None or any(v != no_op for v in declared)):
-            raise InferError(
-                f"input '{name}' is declared by model '{model.entry.name}' but the engine server "
-                "does not implement it; omit it (stop strings are applied by the gateway)"
-            )
-    stop = bool(scalar("stop", False))
-    # The backend reads a stop request's `stop` and id only; any other first goes through its
-    # readInputsTensors (splitBatchInputsTensors: input_ids, or encoder_input_features that this
-    # engine does not declare) and createRequestsFromInputTensors (streaming on a model that is
-    # not decoupled, then request_output_len), in this order. (The backend's TLLM_THROW appends
-    # its source file, line and a stack trace to the first two messages; this engine does not.)
-    if not stop and "input_ids" not in tensors:
-        raise InferError("inputTokens or encoderInputFeatures tensor not provided")
-    streaming = bool(scalar("streaming", False))
-    if streaming and not stop and not model.entry.decoupled:
-        raise InferError("Streaming is only supported if model is deployed using decoupled mode.")
-    if not stop and "request_output_len" not in tensors:
-        raise InferError("request_output_len is not present in the request")
-    ids: list[int] = tensors.get("input_ids", [])
-    if ids and type(ids[0]) is not int:  # a config that declares them other than an integer type
-        ids = [int(v) for v in ids]
-    # input_lengths is not read: the backend reads it only to split a batch of several
-    # sequences (splitBatchInputsTensors), and core refuses any batch of several here.
-    if not stop:
-        if not ids:  # the executor's Request refuses an empty prompt
-            raise InferError("input_ids must hold at least one token id")
-        vocab = model.model.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InferError(f"input_ids must be token ids in [0, {vocab})")
-    max_new = int(scalar("request_output_len", 0))
-    end_id = scalar("end_id", None)
-    if not stop:
-        if max_new <= 0:
-            raise InferError(f"request_output_len must be > 0, got {max_new}")
-        # The executor refuses a prompt longer than max_input_len, and shortens a
-        # request_output_len that does not fit max_seq_len after the prompt (a warning, no error).
-        if len(ids) > model.max_input_len:
-            raise _executor_error(
-                f"Prompt length ({len(ids)}) exceeds maximum input length "
-                f"({model.max_input_len}). Set log level to info and check TRTGptModel logs for "
-                "how maximum input length is set"
-            )
-        max_new = min(max_new, model.max_len - len(ids))
-        # The executor accepts an end id in [-1, vocabulary size) only.
-        if end_id is not None and not -1 <= end_id < vocab:
-            raise _executor_error(f"EndId ({end_id}) is not within acceptable range [-1, {vocab}).")
-    seed = scalar("random_seed", scalar("seed", None))
-    # The backend takes a top_p <= 0 as none given; the executor refuses a negative top_k.
-    top_p = float(scalar("runtime_top_p", 0.0))
-    top_p = 0.0 if top_p <= 0.0 else top_p  # NaN stays, and is refused below
-    top_k = int(scalar("runtime_top_k", 0))
-    if top_k < 0 and not stop:
-        raise InferError(f"runtime_top_k must be >= 0, got {top_k}")
-    temperature = float(scalar("temperature", 1.0))
-    if not 0.0 <= top_p <= 1.0 or not temperature >= 0:  # NaN is refused too
-        raise InferError(
-            f"runtime_top_p must be in [0, 1] and temperature >= 0 for '{model.entry.name}'"
-        )
-    min_tokens = int(scalar("min_tokens", scalar("min_length", 0)))
-    if min_tokens < 0:
-        raise InferError(f"min_tokens must be >= 0, got {min_tokens}")
-    top_logprobs = int(scalar(TOP_LOGPROBS_INPUT, 0))
-    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InferError(
-            f"{TOP_LOGPROBS_INPUT} must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}"
-        )
-    guide = None if stop else _guide(tensors, model)
-    return Decoded(
-        prompt_ids=ids,
-        max_new_tokens=max_new,
-        end_id=end_id,
-        params=SamplingParams(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=int(seed) if seed is not None else None,
-        ),
-        streaming=streaming,
-        stop=stop,
-        exclude_input=bool(scalar("exclude_input_in_output", model.exclude_input_default)),
-        return_perf=bool(scalar("return_perf_metrics", False)),
-        guide=guide,
-        min_tokens=min_tokens,
-        return_log_probs=bool(scalar("return_log_probs", False)),
-        speculation=bool(scalar(SPECULATION_INPUT, True)),
-        top_logprobs=top_logprobs,
-    )
-
-
-def _text(tensors: dict[str, list[Any]], name: str) -> str | None:
-    values = tensors.get(name)
-    if not values:
-        return None
-    try:
-        return bytes(values[0]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise InferError(f"input '{name}' must be UTF-8 text") from None
-
-
-def _guide(tensors: dict[str, list[Any]], model: EngineModel) -> Guide | None:
-    """The request's guided-decoding inputs. A guide on a model without a guided decoder is the
-    executor's error, with the backend's status and wording (it arrives as an error response)."""
-    try:
-        guide = parse_guide(
-            _text(tensors, "guided_decoding_guide_type"), _text(tensors, "guided_decoding_guide")
-        )
-    except GuideError as exc:
-        raise InferError(str(exc)) from None
-    if guide is not None and model.grammars is None:
-        raise _executor_error(NOT_SETUP_MESSAGE)
-    return guide
-
-
-async def compile_guide(
-    decoded: Decoded, model: EngineModel, request: ts.ModelInferRequest
-) -> None:
-    """Compile the request's guide (from the model's cache, or off the event loop) before the
-    request is queued, so a guide that does not compile is refused, after core, before anything
-    runs."""
-    if decoded.guide is None or model.grammars is None:
-        return
-    try:
-        decoded.compiled = await asyncio.to_thread(model.grammars.compile, decoded.guide)
-    except GuideError as exc:
-        raise _refused_after_core(request, InferError(str(exc))) from None
 
 
 def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, int | float]]:
@@ -748,11 +285,11 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         reply = ts.ModelMetadataResponse(name=config.name, versions=["1"], platform=config.backend)
         for i in config.input:
             reply.inputs.add(
-                name=i.name, datatype=_dtype_name(i.data_type), shape=batch + list(i.dims)
+                name=i.name, datatype=dtype_name(i.data_type), shape=batch + list(i.dims)
             )
         for o in config.output:
             reply.outputs.add(
-                name=o.name, datatype=_dtype_name(o.data_type), shape=batch + list(o.dims)
+                name=o.name, datatype=dtype_name(o.data_type), shape=batch + list(o.dims)
             )
         return reply
 
@@ -991,7 +528,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         """A `stop=true` request, on either RPC: cancels what runs under its id and is answered
         with a response without outputs, flagged final; nothing is generated for it."""
         if not request.id:
-            raise _refused_after_core(
+            raise refused_after_core(
                 request, InferError("Trying to stop a request but request ID is not provided")
             )
         self.cancel_request(request.id)
@@ -1100,7 +637,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                         outbox.put_nowait(exc)
                     except Exception as exc:  # a fault of this server's code: that request's
                         log.exception("request %r failed in this server", request.id[:64])
-                        fault = _refused_after_core(request, InferError(_fault_words(exc)))
+                        fault = refused_after_core(request, InferError(_fault_words(exc)))
                         fault.request_id = request.id
                         outbox.put_nowait(fault)
             finally:
@@ -1157,6 +694,7 @@ def _served(entry: ModelEntry, options: EngineOptions) -> EngineModel:
         model=model,
         runner=runner,
         max_len=runner.cache.max_seq_len,
+        vocab_size=model.config.vocab_size,
         output_names=frozenset(o.name for o in entry.config.output),
         grammars=grammars,
     )

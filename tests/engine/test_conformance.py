@@ -951,7 +951,7 @@ def test_a_bytes_input_in_the_wrong_form_is_refused_in_triton_words() -> None:
     """Triton's ValidateBytesInputs: each element is a 4-byte length then its
     bytes, and the count must match the shape. (The served test models declare no BYTES input.)"""
     from appliance.backends import wire
-    from appliance.engine.server import InferError, check_byte_size
+    from appliance.engine.infer_request import InferError, check_byte_size
 
     where = "for inference input 'guide' for model 'm'"
     # Triton core's ValidateBytesInputs starts its messages with the request's id (LogRequest).
@@ -1060,9 +1060,10 @@ async def test_a_fault_of_this_server_on_one_request_is_its_error_and_the_stream
     catches: that request's final error response, INTERNAL, and the stream serves the next
     request. It never ends the stream with OK and requests unanswered."""
     from appliance.engine import server as engine_server
-    from appliance.engine.server import Decoded, EngineModel
+    from appliance.engine.infer_request import Decoded, compile_guide
+    from appliance.engine.server import EngineModel
 
-    real = engine_server.compile_guide
+    real = compile_guide
 
     async def faulty(decoded: Decoded, model: EngineModel, request: ts.ModelInferRequest) -> None:
         if request.id == "boom":
