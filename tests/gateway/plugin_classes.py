@@ -4,9 +4,10 @@ back, up to max_tokens."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import grpc
 
@@ -24,7 +25,10 @@ from appliance.cache.entry import CachedAnswer
 from appliance.cache.tiers import CacheQuery, CacheTier
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from appliance.config import ModelConfig
+    from appliance.gateway.server import RunningGateway
 
 
 class _Echo:
@@ -190,3 +194,23 @@ class DataclassBackend:
 
     async def close(self) -> None:
         return None
+
+
+@asynccontextmanager
+async def plugin_gateway(
+    tokenizer_dir: Path, kind: str, **config: Any
+) -> AsyncIterator[RunningGateway]:
+    """A gateway whose model "tiny" is served by the class `kind` of this module (`config`: more
+    gateway_config arguments); drained on leaving."""
+    from appliance.gateway.models import load_models
+    from appliance.gateway.server import start_server
+    from tests.support import gateway_config
+
+    spec = f"{__name__}:{kind}"
+    settings = gateway_config(tokenizer_dir, "engine.invalid:1", backend_kind=spec, **config)
+    models = await load_models(settings)
+    gateway = await start_server(settings, models)
+    try:
+        yield gateway
+    finally:
+        await gateway.drain(0.5)

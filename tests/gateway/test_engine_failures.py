@@ -10,28 +10,19 @@ import grpc
 import pytest
 
 from appliance.config import CacheConfig, HttpConfig
-from appliance.gateway.models import load_models
-from appliance.gateway.server import start_server
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
-from tests.gateway.plugin_classes import FailsAfterOne
-from tests.support import gateway_config
+from tests.gateway.plugin_classes import FailsAfterOne, plugin_gateway
 
 
 async def test_an_engine_failure_is_unavailable_with_a_hint_and_the_engines_words(
     tiny: Tiny,
 ) -> None:
-    config = gateway_config(
-        tiny.tokenizer_dir,
-        "engine.invalid:1",
-        backend_kind="tests.gateway.plugin_classes:FailsAfterOne",
-        cache=CacheConfig(enabled=False),
-        http=HttpConfig(listen="127.0.0.1:0"),
-    )
-    models = await load_models(config)
-    gateway = await start_server(config, models)
-    try:
+    listen = HttpConfig(listen="127.0.0.1:0")
+    async with plugin_gateway(
+        tiny.tokenizer_dir, "FailsAfterOne", cache=CacheConfig(enabled=False), http=listen
+    ) as gateway:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
             for max_tokens, code in FailsAfterOne.FAILURES.items():
@@ -63,5 +54,3 @@ async def test_an_engine_failure_is_unavailable_with_a_hint_and_the_engines_word
                 assert answer.status == 503, await answer.text()
                 assert "Executor failed" in (await answer.json())["error"]["message"]
                 assert int(answer.headers["Retry-After"]) >= 1
-    finally:
-        await gateway.drain(0.5)

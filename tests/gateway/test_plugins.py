@@ -14,14 +14,12 @@ import pytest
 from appliance.backends.base import Backend, backend_kind
 from appliance.cache.tiers import CacheTier, tier_class
 from appliance.config import CacheConfig
-from appliance.gateway.models import load_models
-from appliance.gateway.server import start_server
 from appliance.plugins import PluginError, members
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
+from tests.gateway.plugin_classes import plugin_gateway
 from tests.gateway.test_config import GOOD
-from tests.support import gateway_config
 
 PLUGINS = "tests.gateway.plugin_classes"
 REQUIRED, DEFAULTED = members(Backend)
@@ -92,37 +90,30 @@ def test_serve_refuses_the_class_in_one_line_and_exits_non_zero(tmp_path: Path) 
 
 async def test_a_minimal_subclass_and_tier_are_served_end_to_end(tiny: Tiny) -> None:
     tiers = (f"{PLUGINS}:MemoTier",)
-    config = gateway_config(
-        tiny.tokenizer_dir,
-        "echo.invalid:1",
-        backend_kind=f"{PLUGINS}:EchoSubclass",
-        cache=CacheConfig(tiers=tiers),
-    )
-    models = await load_models(config)
-    gateway = await start_server(config, models)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            stub = pb_grpc.InferenceStub(channel)
-            request = pb.GenerateRequest(model="tiny", prompt="hello", max_tokens=4, temperature=0)
-            first = await stub.Complete(request)
-            assert first.final.finish_reason == pb.FINISH_REASON_LENGTH
-            assert first.final.usage.completion_tokens == 4
-            assert first.final.cache_tier == pb.CACHE_TIER_MISS
-            # The defaults it inherits refuse what it does not serve, with the right status.
-            for refused in (
-                pb.GenerateRequest(model="tiny", prompt="hello", top_logprobs=2, logprobs=True),
-                pb.GenerateRequest(model="tiny", prompt="hello", speculation=True),
-            ):
-                with pytest.raises(grpc.aio.AioRpcError) as error:
-                    await stub.Complete(refused)
-                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            again = await stub.Complete(request)
-            assert again.text == first.text
-            assert again.final.cache_tier == pb.CACHE_TIER_OTHER
-            assert again.final.cache_tier_name == "memo"
-    finally:
-        await gateway.drain(0.5)
-    backend = models["tiny"].backend
+    cache = CacheConfig(tiers=tiers)
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "EchoSubclass", cache=cache) as gateway,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+        first = await stub.Complete(request)
+        assert first.final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert first.final.usage.completion_tokens == 4
+        assert first.final.cache_tier == pb.CACHE_TIER_MISS
+        # The defaults it inherits refuse what it does not serve, with the right status.
+        for refused in (
+            pb.GenerateRequest(model="tiny", prompt="hello", top_logprobs=2, logprobs=True),
+            pb.GenerateRequest(model="tiny", prompt="hello", speculation=True),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Complete(refused)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        again = await stub.Complete(request)
+        assert again.text == first.text
+        assert again.final.cache_tier == pb.CACHE_TIER_OTHER
+        assert again.final.cache_tier_name == "memo"
+    backend = gateway.models["tiny"].backend
     assert backend.streams == 1  # type: ignore[attr-defined]
 
 
@@ -133,14 +124,11 @@ async def test_a_backend_with_every_member_as_an_instance_attribute_is_served(
     """A class that is not a subclass has every member when its instances do: set in __init__,
     or a dataclass's fields, as well as on the class."""
     backend_kind(f"{PLUGINS}:{kind}")  # accepted when the configuration is read
-    config = gateway_config(tiny.tokenizer_dir, "echo.invalid:1", backend_kind=f"{PLUGINS}:{kind}")
-    models = await load_models(config)
-    gateway = await start_server(config, models)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            stub = pb_grpc.InferenceStub(channel)
-            request = pb.GenerateRequest(model="tiny", prompt="hello", max_tokens=4, temperature=0)
-            answer = await stub.Complete(request)
-            assert answer.final.usage.completion_tokens == 4
-    finally:
-        await gateway.drain(0.5)
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, kind) as gateway,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+        answer = await stub.Complete(request)
+        assert answer.final.usage.completion_tokens == 4
