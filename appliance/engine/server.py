@@ -818,8 +818,9 @@ async def run_engine(
     started = time.monotonic()
     try:
         lock = lock_repository(repository)  # before loading: a second server fails in ms
-        if (taken := taken_address(listen)) is not None:
-            raise RepositoryError(taken)
+        for address in (listen, metrics_listen):
+            if address is not None and (taken := taken_address(address)) is not None:
+                raise RepositoryError(taken)
         if stream_socket is not None and (problem := serving_problem(stream_socket)) is not None:
             raise _socket_refused(stream_socket, problem)
         models = load_repository(repository, options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -135,3 +136,19 @@ def test_an_address_the_engine_cannot_listen_on_is_refused_before_loading(
     done = engine_cli(repo, "--listen", listen)
     assert done.returncode == 2
     assert _one_line(done.stderr).startswith(f"appliance engine: cannot listen on {listen}: ")
+
+
+def test_a_metrics_port_in_use_is_refused_before_loading(tiny: Tiny, tmp_path: Path) -> None:
+    """`--metrics` on a port another process holds is refused as `--listen` is, in one line with
+    exit 2, before the models load (here a missing checkpoint would be named if they did)."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny.model_dir, model_dir)
+    repo = _repo_for(model_dir, tmp_path)
+    shutil.rmtree(model_dir)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        done = engine_cli(repo, "--metrics", taken)
+    assert done.returncode == 2
+    assert _one_line(done.stderr).startswith(f"appliance engine: cannot listen on {taken}: ")
