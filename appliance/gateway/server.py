@@ -183,11 +183,18 @@ def listen(server: grpc.aio.Server, config: GatewayConfig) -> tuple[int, ServerT
     return port, tls
 
 
+def refuse_taken_addresses(config: GatewayConfig) -> None:
+    """StartupError naming the first of the gateway's listen addresses (gRPC, metrics, HTTP)
+    that another process holds, does not resolve or is not this host's."""
+    for address in (config.server.listen, config.metrics.listen, config.http.listen):
+        if address is not None and (taken := taken_address(address)) is not None:
+            raise StartupError(taken)
+
+
 async def start_server(
     config: GatewayConfig, models: dict[str, ServedModel], sink: ReportSink | None = None
 ) -> RunningGateway:
-    if (taken := taken_address(config.server.listen)) is not None:
-        raise StartupError(taken)
+    refuse_taken_addresses(config)
     access = make_access_control(config)
     mutual = config.tls is not None and config.tls.client_ca_file is not None
     # Without this gRPC sets SO_REUSEPORT: a second gateway on the same port would start and
@@ -327,6 +334,8 @@ async def serve(config: GatewayConfig) -> int:
     """Runs the gateway until SIGTERM or SIGINT. Returns the process exit status."""
     tokenize_on_calling_thread()
     try:
+        # Before the models load and the backends are waited for: a port in use is said at once.
+        refuse_taken_addresses(config)
         models = await load_models(config)
         await warm_up(models)
         running = await start_server(config, models)

@@ -303,3 +303,26 @@ def test_the_command_lines_log_level_wins_over_the_files(tiny: Tiny, tmp_path: P
     out = {flag: p.communicate(timeout=60)[1] for flag, p in runs.items()}
     assert "waiting for model" not in out[()]
     assert "waiting for model" in out[("--log-level", "info")]
+
+
+@pytest.mark.parametrize("listener", ["metrics", "http"])
+async def test_a_gateway_port_in_use_is_said_before_the_models_load(
+    engine: Engine, tmp_path: Path, listener: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The metrics and HTTP listen addresses are probed with the gRPC one, before the models
+    load (here a tokenizer directory that is not there would be named if they did)."""
+    from appliance.config import HttpConfig, MetricsConfig
+    from appliance.gateway.server import serve
+    from tests.support import gateway_config
+
+    taken = engine.address  # a port another server holds
+    config = gateway_config(
+        tmp_path / "no-tokenizer",
+        engine.address,
+        metrics=MetricsConfig(listen=taken if listener == "metrics" else None),
+        http=HttpConfig(listen=taken if listener == "http" else None),
+    )
+    assert await serve(config) != 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"appliance serve: cannot listen on {taken}: Address already in use"
+    )
