@@ -100,6 +100,15 @@ EXITING = "Server exiting"
 NOT_READY = "Server not ready"
 
 
+def _fault(request: ts.ModelInferRequest, exc: Exception) -> InferError:
+    """A fault of this server's own code on an issued request, logged with its traceback: that
+    request's final error response."""
+    log.exception("request %r failed in this server", request.id[:64])
+    fault = refused_after_core(request, InferError(_fault_words(exc)))
+    fault.request_id = request.id
+    return fault
+
+
 def _fault_words(exc: Exception) -> str:
     """A fault of this server's own code while it took a request, in the words of the error
     response the TensorRT-LLM backend sends for an exception it catches (its type and text, the
@@ -402,6 +411,18 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelInfer(
         self, request: ts.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelInferResponse:
+        try:
+            return await self._model_infer(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a fault of this server's code: the call's error, as a stream's
+            fault = _fault(request, exc)
+            await context.abort(fault.code, fault.message)
+            raise  # not reached: abort raises
+
+    async def _model_infer(
+        self, request: ts.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> ts.ModelInferResponse:
         clock = RequestClock()
         if self.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
@@ -452,16 +473,20 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         if emission.error:
             statistics.finished(clock, ok=False)
             await context.abort(grpc.StatusCode.INTERNAL, emission.error)
-        response = _response(
-            model.entry.name,
-            request,
-            _output_ids(decoded, emission.tokens or []),
-            True,
-            emission.perf,
-            model.output_names,
-            emission.log_probs,
-            emission.top_logprobs,
-        )
+        try:
+            response = _response(
+                model.entry.name,
+                request,
+                _output_ids(decoded, emission.tokens or []),
+                True,
+                emission.perf,
+                model.output_names,
+                emission.log_probs,
+                emission.top_logprobs,
+            )
+        except Exception:
+            statistics.finished(clock, ok=False)
+            raise
         statistics.finished(clock, ok=True)
         return response
 
@@ -579,6 +604,23 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             statistics = self.statistics[model.entry.name]
 
             def deliver(job: Job, e: Emission) -> None:
+                if job not in jobs:  # answered already: a fault ended it (`fail`)
+                    return
+                try:
+                    respond(job, e)
+                except Exception as exc:  # a fault of this server's code: that request's
+                    fail(job, exc)
+
+            def fail(job: Job, exc: Exception) -> None:
+                """Its final error response, once; the job is cancelled and what it still
+                emits is dropped."""
+                outbox.put_nowait(_fault(request, exc))
+                job.cancel.set()
+                clock.computed()
+                statistics.finished(clock, ok=False)
+                finish(job)
+
+            def respond(job: Job, e: Emission) -> None:
                 if e.final:
                     clock.computed()
                 if e.error:
@@ -636,10 +678,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                         exc.request_id = request.id
                         outbox.put_nowait(exc)
                     except Exception as exc:  # a fault of this server's code: that request's
-                        log.exception("request %r failed in this server", request.id[:64])
-                        fault = refused_after_core(request, InferError(_fault_words(exc)))
-                        fault.request_id = request.id
-                        outbox.put_nowait(fault)
+                        outbox.put_nowait(_fault(request, exc))
             finally:
                 reading = False
                 if not jobs:

@@ -10,6 +10,7 @@ import array
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -1077,3 +1078,48 @@ async def test_a_fault_of_this_server_on_one_request_is_its_error_and_the_stream
     assert "RuntimeError" in errors[0].error_message
     assert is_final(errors[0].infer_response)
     assert any(is_final(r.infer_response) and r.infer_response.id == "after" for r in answers)
+
+
+async def test_a_fault_answering_one_request_is_its_final_error_and_the_stream_goes_on(
+    triton: ts_grpc.GRPCInferenceServiceStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault of this server's own code while it builds a response of an issued request (a
+    bug: here one injected into the response builder) is that request's final error response,
+    INTERNAL, sent once: the request is not left unanswered nor the stream open forever, and
+    the next request on the stream is served."""
+    from appliance.engine import server as engine_server
+
+    real = engine_server._response
+
+    def faulty(name: str, infer: ts.ModelInferRequest, *args: Any) -> ts.ModelInferResponse:
+        if infer.id == "boom":
+            raise RuntimeError("a fault of the server's own code")
+        return real(name, infer, *args)
+
+    monkeypatch.setattr(engine_server, "_response", faulty)
+    answers = await collect(triton, request("boom", max_tokens=4), request("after", max_tokens=2))
+    boom = [r for r in answers if r.infer_response.id == "boom"]
+    assert len(boom) == 1
+    assert "RuntimeError" in boom[0].error_message
+    assert is_final(boom[0].infer_response)
+    assert any(is_final(r.infer_response) and r.infer_response.id == "after" for r in answers)
+
+
+@pytest.mark.parametrize("where", ["compile_guide", "_response"])
+async def test_a_fault_of_this_server_on_a_model_infer_call_is_internal_in_its_words(
+    triton: ts_grpc.GRPCInferenceServiceStub, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """ModelInfer answers a fault of this server's own code (a bug: here one injected before
+    the request is issued, or into the response builder) as the stream does: INTERNAL, its
+    type and text, as the TensorRT-LLM backend's error response for an exception it catches;
+    not grpc's UNKNOWN "Unexpected error"."""
+    from appliance.engine import server as engine_server
+
+    def faulty(*args: Any) -> Any:
+        raise RuntimeError("a fault of the server's own code")
+
+    monkeypatch.setattr(engine_server, where, faulty)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await triton.ModelInfer(request(model="sync_llm", max_tokens=2, streaming=False))
+    assert refused.value.code() == grpc.StatusCode.INTERNAL
+    assert refused.value.details() == "RuntimeError: a fault of the server's own code"
