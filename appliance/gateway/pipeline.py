@@ -97,21 +97,17 @@ from appliance.security.auth import (
 )
 from appliance.text.tokenizer import INLINE_CHARS
 
-# Engine failures that say the engine is unwell (the others are the request's or the client's).
-ENGINE_FAULTS = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-    }
-)
-
 # An engine's statuses that are never the client's to get (errors.py): its own failure.
 UPSTREAM_FAILURES = frozenset(
     {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
 )
+# Engine failures that say the engine is unwell (the others are the request's or the client's):
+# its own failures among them, which the client is told of as the engine's.
+ENGINE_FAULTS = UPSTREAM_FAILURES | {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 # Finish reasons of a complete answer: the only ones cached.
 CACHED_FINISHES = frozenset({"stop", "length"})

@@ -54,3 +54,26 @@ async def test_an_engine_failure_is_unavailable_with_a_hint_and_the_engines_word
                 assert answer.status == 503, await answer.text()
                 assert "Executor failed" in (await answer.json())["error"]["message"]
                 assert int(answer.headers["Retry-After"]) >= 1
+
+
+async def test_every_engine_failure_the_client_is_told_of_as_unavailable_counts_against_it(
+    tiny: Tiny,
+) -> None:
+    """A failure the client is told of as the engine's own (UNAVAILABLE, not its request's
+    status) is one the model's health counts: its breaker opens on them as on any engine fault."""
+    cache = CacheConfig(enabled=False)
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "FailsAfterOne", cache=cache) as gateway,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        health = gateway.models["tiny"].health
+        for max_tokens, code in FailsAfterOne.FAILURES.items():
+            health.last_failure = ""
+            request = pb.GenerateRequest(
+                model="tiny", prompt="hello there", max_tokens=max_tokens, temperature=0
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await stub.Complete(request)
+            counted = health.last_failure.startswith(f"{code.name}:")
+            assert counted == (failed.value.code() == grpc.StatusCode.UNAVAILABLE), code
