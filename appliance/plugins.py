@@ -11,6 +11,7 @@ in one line naming the members, never by an AttributeError on the first request.
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import importlib
 import inspect
@@ -53,21 +54,37 @@ def members(base: type) -> tuple[list[str], list[str]]:
     return required, defaulted
 
 
+def _init_sets(klass: type, name: str) -> bool:
+    """Whether the `__init__` `klass` defines itself sets the attribute `name` on the instance."""
+    code = getattr(vars(klass).get("__init__"), "__code__", None)
+    return code is not None and any(
+        i.opname == "STORE_ATTR" and i.argval == name for i in dis.get_instructions(code)
+    )
+
+
 def _has_member(found: type, name: str) -> bool:
     """Whether instances of `found` have the attribute `name`: on the class, declared in its
     annotations (a dataclass's fields among them), or set by an `__init__` of its MRO."""
     if hasattr(found, name):
         return True
-    for klass in found.__mro__:
-        if name in inspect.get_annotations(klass):
-            return True
-        init = vars(klass).get("__init__")
-        code = getattr(init, "__code__", None)
-        if code is not None and any(
-            i.opname == "STORE_ATTR" and i.argval == name for i in dis.get_instructions(code)
-        ):
-            return True
-    return False
+    return any(
+        name in inspect.get_annotations(klass) or _init_sets(klass, name) for klass in found.__mro__
+    )
+
+
+def _sets_read_only(found: type, base: type, name: str) -> bool:
+    """Whether `found`, a subclass of `base`, sets on its instances (an `__init__` of a class
+    below `base`, or a dataclass field's) a member `base` defines as a property without a setter
+    that `found` leaves in place: Python refuses that assignment when the instance is made."""
+    member = inspect.getattr_static(base, name, None)
+    if not isinstance(member, property) or member.fset is not None:
+        return False
+    if inspect.getattr_static(found, name, None) is not member:
+        return False  # the class overrides it (a property, a class attribute, a field's default)
+    if dataclasses.is_dataclass(found) and name in {f.name for f in dataclasses.fields(found)}:
+        return True
+    below = found.__mro__[: found.__mro__.index(base)]
+    return any(_init_sets(klass, name) for klass in below)
 
 
 def check_members(found: type, base: type, spec: str, what: str, *, structural: bool) -> None:
@@ -85,6 +102,14 @@ def check_members(found: type, base: type, spec: str, what: str, *, structural: 
     path = f"{base.__module__}.{base.__qualname__}"
     required, defaulted = members(base)
     if base in found.__mro__:
+        if shadowed := [m for m in (*required, *defaulted) if _sets_read_only(found, base, m)]:
+            them = "it" if len(shadowed) == 1 else "them"
+            raise PluginError(
+                f"{what} {spec!r}: {name} sets {', '.join(shadowed)} on its instances, "
+                f"{'a read-only property' if len(shadowed) == 1 else 'read-only properties'} "
+                f"of {path}: define {them} as a property or a class attribute (a dataclass "
+                "field with a default)"
+            )
         if missing := sorted(getattr(found, "__abstractmethods__", ())):
             raise PluginError(
                 f"{what} {spec!r}: {name} does not define {', '.join(missing)} "

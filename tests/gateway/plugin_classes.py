@@ -196,6 +196,27 @@ class DataclassBackend:
         return None
 
 
+class SetsGuided(EchoSubclass):
+    """A subclass of Backend that sets on its instances a member Backend defines as a read-only
+    property: Python refuses the assignment when the class is made."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.guided = True  # type: ignore[misc]
+
+
+@dataclass
+class GuidedField(_Echo, Backend):
+    """A dataclass subclass of Backend whose field without a default is a member Backend defines
+    as a read-only property: its __init__ sets it, and Python refuses that."""
+
+    guided: bool
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> GuidedField:
+        return cls(True)
+
+
 @asynccontextmanager
 async def plugin_gateway(
     tokenizer_dir: Path, kind: str, **config: Any

@@ -132,3 +132,18 @@ async def test_a_backend_with_every_member_as_an_instance_attribute_is_served(
         request = pb.GenerateRequest(model="tiny", prompt="hello", max_tokens=4, temperature=0)
         answer = await stub.Complete(request)
         assert answer.final.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("kind", ["SetsGuided", "GuidedField"])
+def test_a_backend_subclass_setting_a_read_only_member_on_instances_is_refused(
+    kind: str,
+) -> None:
+    """Backend's `guided` is a read-only property: a subclass that sets it on its instances (in
+    its __init__, or as a dataclass field without a default) would fail with an AttributeError
+    when from_config makes it; it is refused when configured, in one line saying what to do."""
+    message = _refusal(backend_kind, f"{PLUGINS}:{kind}")
+    assert message.endswith(
+        f"{kind} sets guided on its instances, a read-only property of "
+        "appliance.backends.base.Backend: define it as a property or a class attribute (a "
+        "dataclass field with a default)"
+    )
