@@ -569,7 +569,8 @@ class Pipeline:
         self, model: ServedModel, target: ServedModel, exc: RequestError, report: RequestReport
     ) -> bool:
         """Whether a failed generation may go to the fallback: the requested model's engine was
-        unreachable and the client has seen nothing of an answer yet."""
+        unreachable or failed the request itself (UNAVAILABLE, engine_failure) and the client has
+        seen nothing of an answer yet."""
         fallback = self.models.get(model.policy.fallback or "")
         return (
             target is model
