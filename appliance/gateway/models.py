@@ -133,7 +133,16 @@ async def load_models(config: GatewayConfig) -> dict[str, ServedModel]:
                 text = ModelText.load(cfg.tokenizer_dir)
             except (TokenizerLoadError, ValueError) as exc:
                 raise StartupError(f"model '{name}': {exc}", exit_status=2) from exc
-            backend = backend_kind(cfg.backend_kind).from_config(cfg)
+            kind = backend_kind(cfg.backend_kind)
+            try:
+                backend = kind.from_config(cfg)
+            except Exception as exc:  # a plugin's own code: one line to read, not a traceback
+                why = str(exc).splitlines()[0] if str(exc) else ""
+                raise StartupError(
+                    f"model '{name}': backend kind {cfg.backend_kind!r}: from_config failed: "
+                    f"{type(exc).__name__}{': ' if why else ''}{why[:300]}",
+                    exit_status=2,
+                ) from exc
             models[name] = _served(cfg, text, backend, cached=config.cache.enabled)
             try:
                 await backend.wait_ready(cfg.ready_timeout_s)

@@ -235,3 +235,11 @@ async def plugin_gateway(
         yield gateway
     finally:
         await gateway.drain(0.5)
+
+
+class FailsToStart(EchoSubclass):
+    """A subclass whose from_config fails, as one whose device or file is missing does."""
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> FailsToStart:
+        raise RuntimeError("no device /dev/accel0\n(more detail on a second line)")

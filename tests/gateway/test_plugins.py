@@ -147,3 +147,20 @@ def test_a_backend_subclass_setting_a_read_only_member_on_instances_is_refused(
         "appliance.backends.base.Backend: define it as a property or a class attribute (a "
         "dataclass field with a default)"
     )
+
+
+async def test_a_backend_whose_from_config_fails_is_one_start_up_line(tiny: Tiny) -> None:
+    """An exception a plugin's from_config raises is the gateway's StartupError (exit 2), one
+    line naming the model, the class and the exception's first line; not a traceback."""
+    from appliance.gateway.models import StartupError, load_models
+    from tests.support import gateway_config
+
+    spec = f"{PLUGINS}:FailsToStart"
+    config = gateway_config(tiny.tokenizer_dir, "engine.invalid:1", backend_kind=spec)
+    with pytest.raises(StartupError) as failed:
+        await load_models(config)
+    assert str(failed.value) == (
+        f"model 'tiny': backend kind '{spec}': from_config failed: RuntimeError: "
+        "no device /dev/accel0"
+    )
+    assert failed.value.exit_status == 2
