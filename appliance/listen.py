@@ -60,6 +60,12 @@ def taken_address(listen: str) -> str | None:
     return None
 
 
+def first_taken(*listens: str | None) -> str | None:
+    """`taken_address` of the first of a process's listen addresses that has a problem (None:
+    an address not configured), or None."""
+    return next((t for a in listens if a is not None and (t := taken_address(a))), None)
+
+
 def socket_path_problem(path: Path) -> str | None:
     """Why `path` cannot name a Unix socket (too long for sun_path), or None."""
     if len(os.fsencode(path)) > UNIX_PATH_MAX:

@@ -70,7 +70,7 @@ from appliance.engine.sampling import TopLogprobs
 from appliance.engine.statistics import ModelStatistics, RequestClock
 from appliance.grpc_limits import MAX_REQUEST_BYTES, RECEIVE_LIMIT
 from appliance.heap import freeze_heap
-from appliance.listen import taken_address
+from appliance.listen import first_taken
 from engine_build.pbtxt import (
     ACCEPTANCE_RATE_OUTPUT,
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
@@ -857,9 +857,8 @@ async def run_engine(
     started = time.monotonic()
     try:
         lock = lock_repository(repository)  # before loading: a second server fails in ms
-        for address in (listen, metrics_listen):
-            if address is not None and (taken := taken_address(address)) is not None:
-                raise RepositoryError(taken)
+        if (taken := first_taken(listen, metrics_listen)) is not None:
+            raise RepositoryError(taken)
         if stream_socket is not None and (problem := serving_problem(stream_socket)) is not None:
             raise _socket_refused(stream_socket, problem)
         models = load_repository(repository, options)

@@ -32,7 +32,7 @@ from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
 from appliance.grpc_limits import RECEIVE_LIMIT
 from appliance.heap import freeze_heap
-from appliance.listen import taken_address
+from appliance.listen import first_taken
 from appliance.security.api_keys import KeyRing, KeysFileError
 from appliance.security.auth import AccessControl
 from appliance.security.tls import ServerTls, TlsError
@@ -186,9 +186,10 @@ def listen(server: grpc.aio.Server, config: GatewayConfig) -> tuple[int, ServerT
 def refuse_taken_addresses(config: GatewayConfig) -> None:
     """StartupError naming the first of the gateway's listen addresses (gRPC, metrics, HTTP)
     that another process holds, does not resolve or is not this host's."""
-    for address in (config.server.listen, config.metrics.listen, config.http.listen):
-        if address is not None and (taken := taken_address(address)) is not None:
-            raise StartupError(taken)
+    if (
+        taken := first_taken(config.server.listen, config.metrics.listen, config.http.listen)
+    ) is not None:
+        raise StartupError(taken)
 
 
 async def start_server(
