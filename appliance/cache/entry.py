@@ -16,6 +16,11 @@ _HEADER = struct.Struct("<BBIII")
 # Only complete answers are cached: ended by a stop condition or by max_tokens.
 FINISH_CODES = {"stop": 1, "length": 2}
 _FINISH_NAMES = {code: name for name, code in FINISH_CODES.items()}
+# An int object of a token id as the allocator hands it out (28 bytes, in blocks of 16).
+_INT_BYTES = 32
+# The answer object, its attribute dict and two ints, and what a store keeps beside it per entry
+# (its key, the tuple of expiry and labels, the ordered dict's slot).
+_OBJECT_BYTES = 512
 
 
 class CorruptEntryError(ValueError):
@@ -31,9 +36,12 @@ class CachedAnswer:
     completion_tokens: int
 
     def size(self) -> int:
-        """Bytes this entry holds in L1 (what its L1 byte budget counts): the object and its
-        tuple's overhead, the text's UTF-8 bytes and a pointer + small int per token id."""
-        return 96 + len(self.text.encode()) + 8 * len(self.token_ids)
+        """Bytes the process holds for this entry (what L1's and the semantic index's byte
+        bounds count): the object, its text as Python stores it (1, 2 or 4 bytes a character,
+        the widest deciding), the tuple of token ids and an int object per id (ids decoded
+        from Redis or read from the engine are each their own object)."""
+        ids = self.token_ids
+        return _OBJECT_BYTES + sys.getsizeof(self.text) + sys.getsizeof(ids) + _INT_BYTES * len(ids)
 
 
 def encode(answer: CachedAnswer) -> bytes:

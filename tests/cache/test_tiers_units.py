@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import AsyncIterator
 
 import pytest
@@ -55,9 +56,30 @@ def test_unknown_finish_reason_is_corrupt() -> None:
         decode(bytes(data))
 
 
-def test_entry_size_counts_utf8_bytes_not_characters() -> None:
-    ascii_text, wide_text = answer("a" * 100), answer("日" * 100)  # 1 vs 3 bytes a character
-    assert wide_text.size() - ascii_text.size() == 200
+def test_entry_size_counts_the_bytes_python_holds_the_text_in() -> None:
+    # 1, 2 and 4 bytes a character: one character past U+FFFF widens the whole string.
+    ascii_text, wide_text = answer("a" * 100), answer("日" * 100)
+    assert wide_text.size() - ascii_text.size() >= 100
+    assert answer("a" * 100 + "\U0001f600").size() - ascii_text.size() >= 300
+
+
+@pytest.mark.parametrize("text", ["abcd", "日本", "ab\U0001f600"])
+def test_l1_holds_no_more_memory_than_its_byte_bound_counts(text: str) -> None:
+    """Many long answers decoded from Redis (every token id its own int object): what L1
+    counts is at least what the process holds for them."""
+    ids = tuple(range(1000, 3000))
+    lru = LruCache(max_entries=10**6, max_bytes=10**9, ttl_s=60)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(40):
+            answer = decode(encode(CachedAnswer(text * 1000 + str(i), ids, "length", 9, 2000)))
+            lru.put(i.to_bytes(16, "big"), answer, ("ns", "m"))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(lru) == 40
+    assert held <= lru.bytes
 
 
 def test_lru_evicts_least_recently_used_by_entries_and_bytes() -> None:
