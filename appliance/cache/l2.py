@@ -565,7 +565,8 @@ class RedisTier(CacheTier):
     async def _raise(self, gen: str) -> int:
         """Raises generation key `gen` atomically (INCR) above the highest this gateway has seen
         of it (Redis may hold less: a replica promoted before the raise reached it); returns the
-        new generation. A value that is not a generation (overwritten) is replaced."""
+        new generation. A value that is not a generation (overwritten, or a key of another type) is
+        replaced."""
         seen = self._gens.get(gen, 0)
         try:
             raised = int(await self.client.incr(gen))
@@ -578,7 +579,9 @@ class RedisTier(CacheTier):
             await self.client.set(gen, str(raised))
             return raised
         except ResponseError as exc:
-            if "not an integer" not in str(exc):
+            # A value that is no integer, or a key of another type (a list...): no gateway
+            # wrote it, and SET replaces either.
+            if "not an integer" not in str(exc) and not str(exc).startswith("WRONGTYPE"):
                 raise
             raised = seen + 1
             await self.client.set(gen, str(raised))

@@ -283,3 +283,21 @@ async def test_a_lookup_that_timed_out_is_not_read_again_before_the_engine(
         assert await tier.lookup(query()) is None
     finally:
         await tier.close()
+
+
+async def test_an_invalidation_raises_a_generation_key_that_holds_another_type(
+    tier: RedisTier, redis_server: RedisServer
+) -> None:
+    """A list written at the scope's generation key (INCR refuses it: WRONGTYPE) is replaced by
+    the raised generation, so an entry set back after the unlink is still refused."""
+    client = redis_server.client()
+    name = tier.redis_key("ns", "m", KEY)
+    gen = tier.generation_keys("ns", "m", KEY)[1]
+    assert await tier.put("ns", "m", KEY, ANSWER)
+    copy = client.get(name)
+    assert copy is not None
+    client.rpush(gen, b"x")
+    await tier.invalidate("ns", "")
+    client.set(name, copy)
+    assert await tier.get("ns", "m", KEY) is None
+    assert client.get(gen) == b"1"
