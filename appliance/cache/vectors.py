@@ -30,6 +30,14 @@ from appliance.cache.entry import CachedAnswer
 # links at the default connectivity (about 2 × 16 neighbours × 4 bytes at level 0), and the Python
 # objects.
 ENTRY_OVERHEAD = 384 * 4 + 384 + 160 + 400
+# Bytes a scope costs beyond its entries: its own usearch index, which reserves room for a few
+# hundred nodes and one search context at its first add (measured: 48 KB of RSS for a one-entry
+# scope, searched). Every chat history and set of sampling parameters is a scope of its own.
+SCOPE_OVERHEAD = 64 * 1024
+# Threads of a usearch call. usearch keeps a search context per thread a call may use (0: every
+# core) in each index for good (measured: 18 KB a thread; over 1 MB a scope at 64 cores). One
+# question's search is one thread's work; a rebuild's batch adds run on the event loop either way.
+USEARCH_THREADS = 1
 # Graph candidates per candidate returned: the int8 ranking is re-done with the float32 vectors.
 WIDEN = 2
 # The float32 vectors live in blocks of this many rows, allocated as needed and never moved (a grown
@@ -103,6 +111,10 @@ class VectorIndex:
                 self._insert(pending)  # the entry it replaces may be among them
                 pending = {}
                 self._drop(self._lru[entry.entry_id])
+            if entry.scope not in self._scopes and entry.scope not in pending:
+                if entry.size + SCOPE_OVERHEAD > self.max_bytes:
+                    continue
+                self.bytes += SCOPE_OVERHEAD
             entry.label = next(self._labels)
             entry.slot = self._slot()
             self._row(entry.slot)[:] = vector
@@ -134,7 +146,8 @@ class VectorIndex:
             if index is None:
                 index = self._scopes[scope] = _new_index(self.dim)
             labels = np.array([label for label, _ in rows], dtype=np.uint64)
-            index.add(labels, np.ascontiguousarray(np.stack([v for _, v in rows]), np.float32))
+            rows_in = np.ascontiguousarray(np.stack([v for _, v in rows]), np.float32)
+            index.add(labels, rows_in, threads=USEARCH_THREADS)
 
     def search(
         self, scope: bytes, vector: Vector, k: int, exact: bool | None = None
@@ -147,7 +160,9 @@ class VectorIndex:
             return []
         if exact is None:
             exact = len(index) <= EXACT_SEARCH_UP_TO
-        found = index.search(vector, min(WIDEN * k, len(index)), exact=exact)
+        found = index.search(
+            vector, min(WIDEN * k, len(index)), exact=exact, threads=USEARCH_THREADS
+        )
         now = self._clock()
         live: list[Entry] = []
         for label in found.keys.tolist():
@@ -215,6 +230,7 @@ class VectorIndex:
         index.remove(entry.label)
         if len(index) == 0:
             del self._scopes[entry.scope]
+            self.bytes -= SCOPE_OVERHEAD
 
     def memory_bytes(self) -> int:
         """What the vectors and graphs hold, for the benchmark's memory figure."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
+import psutil
 import pytest
 
 from appliance.cache.entry import CachedAnswer, CorruptEntryError
@@ -12,7 +15,7 @@ from appliance.cache.l2 import stamp
 from appliance.cache.metrics import CacheMetrics
 from appliance.cache.semantic import OlderRecordError, decode_record, encode_record
 from appliance.cache.tiers import CacheQuery, CacheTier, Hit, L1Tier, TierCascade
-from appliance.cache.vectors import Entry, VectorIndex
+from appliance.cache.vectors import SCOPE_OVERHEAD, Entry, VectorIndex
 
 
 class Clock:
@@ -53,8 +56,8 @@ def test_a_batch_of_entries_in_several_scopes_with_a_replacement() -> None:
     batch = [(entry(n, b"ab"[n % 2 : n % 2 + 1]), unit(n)) for n in range(6)]
     batch.append((entry(2, b"a"), unit(7)))  # entry 2 again, now with another vector
     assert index.add_many(batch) == 7 and len(index) == 6
-    one = index.bytes // 6
-    assert index.bytes == 6 * one
+    one = (index.bytes - 2 * SCOPE_OVERHEAD) // 6  # two scopes
+    assert index.bytes == 6 * one + 2 * SCOPE_OVERHEAD
     for n in (0, 4):
         found = index.search(entry(n, b"a").scope, unit(n), 1)
         assert [e.entry_id for e, _ in found] == [entry(n).entry_id]
@@ -98,11 +101,11 @@ def test_bounds_entries_bytes_and_ttl() -> None:
     for n in range(5):
         index.add(entry(n, ttl=60), unit(n))
     assert len(index) == 3 and entry(0).entry_id not in index and entry(4).entry_id in index
-    one = index.bytes // 3
-    small = VectorIndex(384, 100, 2 * one + 10, clock=clock)
+    one = (index.bytes - SCOPE_OVERHEAD) // 3  # one scope
+    small = VectorIndex(384, 100, SCOPE_OVERHEAD + 2 * one + 10, clock=clock)
     for n in range(4):
         small.add(entry(n), unit(n))
-    assert len(small) == 2 and small.bytes <= 2 * one + 10
+    assert len(small) == 2 and small.bytes <= SCOPE_OVERHEAD + 2 * one + 10
     clock.now = 61.0
     assert index.search(entry(0).scope, unit(4), 4) == [] and len(index) == 0
 
@@ -247,3 +250,26 @@ async def test_a_hit_before_a_prepared_tier_lets_it_forgo_its_work() -> None:
     hit = await cascade.lookup(query)  # now from L1 (copied there): nothing prepared or forgone
     assert hit is not None and hit.tier == "l1"
     assert semantic.prepared == semantic.forgone == [query.key]
+
+
+def test_entries_each_in_a_scope_of_its_own_keep_to_the_byte_bound() -> None:
+    """Every scope is a graph of its own (each chat history, each set of sampling parameters):
+    what the process holds for many one-entry scopes, searched once each, is what the index
+    counts against its byte bound."""
+    process = psutil.Process()
+    index = VectorIndex(384, 10**6, 10**10)
+    # The first add imports usearch and allocates the first block of vectors.
+    index.add(entry(10**6, b"first"), unit(0))
+    gc.collect()
+    before, counted = process.memory_info().rss, index.bytes
+    for n in range(400):
+        index.add(entry(n, n.to_bytes(4, "big")), unit(n))
+        index.search(entry(n, n.to_bytes(4, "big")).scope, unit(n), 4, exact=False)
+    gc.collect()
+    held = process.memory_info().rss - before
+    assert len(index) == 401
+    assert held <= index.bytes - counted
+    # The scopes' cost goes with their last entry.
+    for n in (*range(400), 10**6):
+        index.remove(entry(n).entry_id)
+    assert index.bytes == 0
