@@ -187,6 +187,18 @@ def test_triton_unit_gpu_access() -> None:
     assert not re.search(r"^MemoryDenyWriteExecute=", text, re.M)
 
 
+def test_triton_listens_on_loopback_only() -> None:
+    """Triton binds gRPC (and HTTP) to 0.0.0.0 unless told otherwise, and its metrics to the HTTP
+    address: without these flags every host that reaches the port runs inference with no API key,
+    rate limit or token bound. The gateway on the same host is its only client."""
+    text = (UNITS / "appliance-triton.service").read_text()
+    (start,) = re.findall(r"^ExecStart=(.*)$", text, re.M)
+    flags = dict(re.findall(r"--([a-z-]+)=(\S+)", start))
+    assert flags.get("grpc-address") == "127.0.0.1", start
+    assert flags.get("http-address") == "127.0.0.1", start
+    assert flags.get("metrics-address", "127.0.0.1") == "127.0.0.1", start
+
+
 def _exposure(root: Path, unit: str, threshold: float | None) -> tuple[int, float, str]:
     assert ANALYZE is not None
     argv = [ANALYZE, "security", "--offline=yes", f"--root={root}", "--no-pager"]
