@@ -130,7 +130,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         # process_resident_memory_bytes, process_open_fds, CPU seconds: read from /proc at scrape.
-        ProcessCollector(registry=self.registry)
+        ProcessSeries(registry=self.registry)
         self.ttft = Histograms(
             "appliance_time_to_first_token_seconds",
             "From arrival at the gateway to the first token sent to the client.",
@@ -248,6 +248,16 @@ class GatewayMetrics:
         shutdown = getattr(self._server, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+class ProcessSeries(ProcessCollector):
+    """prometheus-client's process_* series, also where /proc shows processes only: the gateway's
+    unit mounts it with ProcSubset=pid, which hides /proc/stat, whose boot time prometheus-client
+    adds to a process's start and without which it exports none of the series. The boot time
+    comes from the clocks instead (what the kernel writes as btime)."""
+
+    def _boot_time(self) -> float:
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class GpuCollector(Collector):
