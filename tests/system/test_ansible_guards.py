@@ -203,3 +203,24 @@ def test_a_semantic_tier_the_gateway_could_not_load_fails_before_changes(
     assert why in out, out
     assert _tasks(out)[-1] == "appliance : Check the semantic tier's files are all there", out
     assert "changed=0" in out, out
+
+
+@pytest.mark.parametrize(
+    "listen",
+    [{"appliance_http_listen": "0.0.0.0:8080"}, {"appliance_listen": "0.0.0.0:50051"}],
+)
+def test_a_public_front_end_without_tls_and_keys_fails_first(
+    tmp_path: Path, listen: dict[str, object]
+) -> None:
+    """The gateway refuses to start with a non-loopback gRPC or HTTP listener that has neither
+    TLS nor API keys (nor allow_plaintext/allow_anonymous): the role stops before any change,
+    naming the variables, rather than leave a host whose gateway does not start."""
+    required = {"appliance_profile": "cpu", "appliance_wheelhouse": {"dir": "/srv/wheelhouse"}}
+    result = _role_alone(tmp_path, "appliance", {**required, **listen})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "set appliance_tls_cert_src and" in out, out
+    assert (
+        _tasks(out)[-1] == "appliance : Check a non-loopback listen address has TLS and API keys"
+    ), out
+    assert "changed=0" in out, out
