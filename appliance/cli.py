@@ -514,7 +514,8 @@ def parser() -> argparse.ArgumentParser:
         "--gateway",
         type=address,
         default="127.0.0.1:50051",
-        help="gateway HOST:PORT (default 127.0.0.1:50051)",
+        help="gateway HOST:PORT, or unix:PATH of its [server] health_socket "
+        "(default 127.0.0.1:50051)",
     )
     h.add_argument(
         "--service",

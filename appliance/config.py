@@ -43,6 +43,11 @@ class ServerConfig:
     # A gRPC connection with no call for this long is sent GOAWAY and closed (a channel connects
     # again for its next call); below a load balancer's idle timeout, the gateway closes first.
     idle_connection_s: float = 300.0
+    # A Unix socket that serves the gRPC health service alone, without TLS or keys: local
+    # checks (`appliance health --gateway unix:PATH`, the Ansible role) on a host whose public
+    # port takes only TLS or mutual TLS. Who may connect is the socket file's permission (the
+    # process umask). None: no such socket.
+    health_socket: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,7 @@ def load_config(path: Path) -> GatewayConfig:
             "allow_plaintext",
             "max_connections",
             "idle_connection_s",
+            "health_socket",
         },
     )
     server = ServerConfig(
@@ -246,6 +252,7 @@ def load_config(path: Path) -> GatewayConfig:
         allow_plaintext=srv.get("allow_plaintext", bool, False),
         max_connections=srv.positive("max_connections", int, ServerConfig.max_connections),
         idle_connection_s=srv.positive("idle_connection_s", float, ServerConfig.idle_connection_s),
+        health_socket=_socket_path(srv, "health_socket", path.parent),
     )
     metrics_data = top.get("metrics", dict, {})
     met = _Reader(path, text, "metrics", metrics_data, {"listen"})
@@ -420,13 +427,16 @@ def _auth(r: _Reader, path: Path) -> AuthConfig:
 
 
 def _stream_socket(r: _Reader, base: Path) -> Path | None:
-    socket = r.file_path("stream_socket", base)
-    if socket is None:
-        return None
-    if r.data.get("backend_kind", "triton") != "triton":
+    socket = _socket_path(r, "stream_socket", base)
+    if socket is not None and r.data.get("backend_kind", "triton") != "triton":
         r.fail("stream_socket", 'needs backend_kind = "triton" (the engine server is one)')
-    if (problem := socket_path_problem(socket)) is not None:
-        r.fail("stream_socket", problem)
+    return socket
+
+
+def _socket_path(r: _Reader, key: str, base: Path) -> Path | None:
+    socket = r.file_path(key, base)
+    if socket is not None and (problem := socket_path_problem(socket)) is not None:
+        r.fail(key, problem)
     return socket
 
 

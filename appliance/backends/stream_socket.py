@@ -25,11 +25,9 @@ import asyncio
 import collections
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import socket
-import stat
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
@@ -40,6 +38,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as ts
 
 from appliance.backends.base import BackendError
+from appliance.listen import locked_for_this_process, serving_problem
 from appliance.logline import Throttled
 
 log = logging.getLogger(__name__)
@@ -279,54 +278,6 @@ class SocketInUse(Exception):
     pass
 
 
-def lock_path(path: Path) -> Path:
-    """The lock file beside socket `path`: a server holds it locked while it serves the path,
-    so two servers started at once cannot both take it (looking for a live server and binding
-    are two steps). It is left in place when the server stops."""
-    return path.with_name(path.name + ".lock")
-
-
-def _locked(path: Path) -> int | None:
-    """A descriptor of `path`'s lock file, locked for this process; None when another process
-    holds it."""
-    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def serving_problem(path: Path, locked: bool = False) -> str | None:
-    """Why a server cannot take `path`: its folder is missing or not writable, another process
-    serves it, or it is not a socket. None when it is free or holds the socket of a server that
-    died, which `start` replaces. `locked`: this process holds the path's lock."""
-    if not path.parent.is_dir():
-        return f"its folder {path.parent} does not exist"
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        return f"this user cannot create files in {path.parent}"
-    if not locked and lock_path(path).exists():
-        fd = _locked(path)
-        if fd is None:
-            return "another process serves it"
-        os.close(fd)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISSOCK(mode):
-        return "it exists and is not a socket"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError as exc:
-            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-                return None
-            return exc.strerror or str(exc)
-    return "another process serves it"
-
-
 class StreamSocketServer:
     """Serves `streamer` (one call per connection) on a Unix socket at `path`, readable and
     writable by the owner and group only."""
@@ -346,7 +297,7 @@ class StreamSocketServer:
         problem = serving_problem(self.path)
         if problem is not None:
             raise SocketInUse(problem)
-        self._lock = _locked(self.path)
+        self._lock = locked_for_this_process(self.path)
         if self._lock is None:
             raise SocketInUse("another process serves it")
         try:

@@ -44,7 +44,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance import logline, sdnotify
 from appliance.backends import wire
-from appliance.backends.stream_socket import SocketInUse, StreamSocketServer, serving_problem
+from appliance.backends.stream_socket import SocketInUse, StreamSocketServer
 from appliance.engine.guided import Grammars
 from appliance.engine.infer_request import (
     Decoded,
@@ -70,7 +70,7 @@ from appliance.engine.sampling import TopLogprobs
 from appliance.engine.statistics import ModelStatistics, RequestClock
 from appliance.grpc_limits import MAX_REQUEST_BYTES, RECEIVE_LIMIT
 from appliance.heap import freeze_heap
-from appliance.listen import first_taken
+from appliance.listen import first_taken, serving_problem
 from engine_build.pbtxt import (
     ACCEPTANCE_RATE_OUTPUT,
     ACCEPTED_DRAFT_TOKENS_OUTPUT,

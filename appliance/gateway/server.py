@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,7 +33,7 @@ from appliance.gateway.report import AccessLog, ReportSink, Sinks
 from appliance.gateway.service import CacheAdminService, InferenceService
 from appliance.grpc_limits import RECEIVE_LIMIT
 from appliance.heap import freeze_heap
-from appliance.listen import first_taken
+from appliance.listen import first_taken, serving_problem
 from appliance.security.api_keys import KeyRing, KeysFileError
 from appliance.security.auth import AccessControl
 from appliance.security.tls import ServerTls, TlsError
@@ -103,6 +104,8 @@ class RunningGateway:
     metrics_port: int = 0
     # The OpenAI-compatible HTTP API (None: not configured).
     http: HttpApi | None = None
+    # The health service alone on `[server] health_socket` (None: not configured).
+    health_socket: grpc.aio.Server | None = None
     access: AccessControl | None = None
     tls: ServerTls | None = None
 
@@ -144,6 +147,8 @@ class RunningGateway:
         await stopping
         if http_stopping is not None:
             await http_stopping
+        if self.health_socket is not None:
+            await self.health_socket.stop(grace=None)
         for m in self.models.values():
             await m.backend.close()
         if self.pipeline.cache is not None:
@@ -190,6 +195,23 @@ def refuse_taken_addresses(config: GatewayConfig) -> None:
         taken := first_taken(config.server.listen, config.metrics.listen, config.http.listen)
     ) is not None:
         raise StartupError(taken)
+    socket = config.server.health_socket
+    if socket is not None and (problem := serving_problem(socket)) is not None:
+        raise StartupError(f"cannot serve health on {socket}: {problem}")
+
+
+async def serve_health_socket(path: Path, servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    """The health service alone on a Unix socket, plaintext: who may ask is the socket file's
+    permission (the process umask; gRPC replaces a dead server's socket and removes its own at
+    stop)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), RECEIVE_LIMIT])
+    decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, servicer, server)
+    try:
+        server.add_insecure_port(f"unix:{path}")
+    except RuntimeError as exc:
+        raise StartupError(f"cannot serve health on {path}: {exc}") from exc
+    await server.start()
+    return server
 
 
 async def start_server(
@@ -262,6 +284,15 @@ async def start_server(
     running = RunningGateway(
         server, service, health_servicer, monitor, models, port, metrics, access=access, tls=tls
     )
+    if config.server.health_socket is not None:
+        try:
+            running.health_socket = await serve_health_socket(
+                config.server.health_socket, health_servicer
+            )
+        except StartupError:
+            await running.drain(0)
+            raise
+        log.info("health on unix:%s", config.server.health_socket)
     if config.metrics.listen is not None:
         try:
             running.metrics_port = metrics.serve(config.metrics.listen)

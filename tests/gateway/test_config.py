@@ -53,7 +53,7 @@ def test_good_config_loads_with_defaults_and_relative_paths(tmp_path: Path) -> N
         ),
         (
             GOOD.replace("drain_seconds = 3", "drain_secs = 3"),
-            r":4: key 'server.drain_secs': unknown key; known keys are access_log, allow_plaintext, drain_seconds, idle_connection_s, listen, log_format, log_level, max_connections",
+            r":4: key 'server.drain_secs': unknown key; known keys are access_log, allow_plaintext, drain_seconds, health_socket, idle_connection_s, listen, log_format, log_level, max_connections",
         ),
         (
             GOOD.replace('backend = "127.0.0.1:8001"', 'backend = "localhost"'),

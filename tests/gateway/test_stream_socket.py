@@ -31,13 +31,12 @@ from appliance.backends.stream_socket import (
     SocketStream,
     StreamSocketServer,
     frame,
-    lock_path,
-    serving_problem,
 )
 from appliance.backends.triton import TritonBackend
 from appliance.client import generate
 from appliance.config import ConfigError, load_config
 from appliance.grpc_limits import MAX_REQUEST_BYTES
+from appliance.listen import lock_path, serving_problem
 from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
