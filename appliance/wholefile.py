@@ -15,9 +15,11 @@ from pathlib import Path
 __all__ = ["write_whole"]
 
 
-def write_whole(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Replaces `path` with `data`; `mode`: its permissions (None: the temporary file's, 0600).
-    An OSError names `path`."""
+def write_whole(
+    path: Path, data: bytes, mode: int | None = None, owner: tuple[int, int] | None = None
+) -> None:
+    """Replaces `path` with `data`; `mode`: its permissions (None: the temporary file's, 0600);
+    `owner`: its (uid, gid) (None: the writer's). An OSError names `path`."""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except OSError as err:
@@ -25,6 +27,8 @@ def write_whole(path: Path, data: bytes, mode: int | None = None) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if owner is not None:
+                os.fchown(f.fileno(), *owner)
             if mode is not None:
                 os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)

@@ -257,10 +257,26 @@ def read_entries(path: Path) -> list[dict[str, Any]]:
 
 def write_entries(path: Path, entries: list[dict[str, Any]]) -> None:
     """Replaces the file atomically (a reader sees the old or the new file, never half of one),
-    readable by its owner and group only."""
+    readable by its owner and group only. A file that exists keeps its owner and group: the
+    gateway reads it through its group (root:appliance), whoever rewrites it."""
     text = json.dumps({"version": FILE_VERSION, "keys": entries}, indent=2) + "\n"
     try:
-        write_whole(path, text.encode(), 0o640)
+        st = path.stat()
+    except FileNotFoundError:
+        owner = None
+    except OSError as exc:
+        raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
+    else:
+        owner = (st.st_uid, st.st_gid)
+    try:
+        write_whole(path, text.encode(), 0o640, owner)
+    except PermissionError as exc:
+        if owner is None:
+            raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
+        raise KeysFileError(
+            f"cannot write keys file {path}: {exc.strerror or exc} (a rewrite keeps its owner "
+            f"{owner[0]} and group {owner[1]}: run as root or as its owner in that group)"
+        ) from None
     except OSError as exc:
         raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
 

@@ -7,8 +7,11 @@ gateway picks the change up on `systemctl reload appliance-gateway` (SIGHUP).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,21 @@ class _Refused(Exception):
     """One line for stderr; exit status 2 (fix the input and rerun)."""
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Holds the lock of the keys file's folder while a command reads and rewrites the file, so
+    two commands at once (`add` and `add`, `add` and `revoke`) each keep the other's change."""
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise _Refused(f"cannot write keys file {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _entries(path: Path, create: bool) -> list[dict[str, Any]]:
     if create and not path.exists():
         return []
@@ -49,14 +67,14 @@ def _add(args: argparse.Namespace) -> int:
     except SecretFileError as exc:
         raise _Refused(f"--pepper-file: {exc}") from None
     path = Path(args.keys_file)
-    entries = _entries(path, create=True)
     limits = RateLimits(args.rate_per_s, args.burst, args.max_streams)
     token, entry = new_key(
         pepper, args.namespace, args.scope or ["generate"], args.identity, limits, args.note
     )
     try:
         check_entry(path, entry)  # nothing is written that the file's readers would refuse
-        write_keys(path, [*entries, entry])
+        with _locked(path):
+            write_keys(path, [*_entries(path, create=True), entry])
     except KeysFileError as exc:
         raise _Refused(str(exc)) from None
     print(token)
@@ -82,14 +100,15 @@ def _list(args: argparse.Namespace) -> int:
 
 def _revoke(args: argparse.Namespace) -> int:
     path = Path(args.keys_file)
-    entries = _entries(path, create=False)
-    kept = [e for e in entries if e["id"] != args.key_id]
-    if len(kept) == len(entries):
-        raise _Refused(f"no key {args.key_id!r} in {path} (`appliance keys list` shows them)")
-    try:
-        write_keys(path, kept)
-    except KeysFileError as exc:
-        raise _Refused(str(exc)) from None
+    with _locked(path):
+        entries = _entries(path, create=False)
+        kept = [e for e in entries if e["id"] != args.key_id]
+        if len(kept) == len(entries):
+            raise _Refused(f"no key {args.key_id!r} in {path} (`appliance keys list` shows them)")
+        try:
+            write_keys(path, kept)
+        except KeysFileError as exc:
+            raise _Refused(str(exc)) from None
     print(f"appliance keys: revoked key {args.key_id}; {RELOAD_HINT}", file=sys.stderr)
     return 0
 

@@ -3,15 +3,22 @@ stored; secrets come from systemd's credentials directory."""
 
 from __future__ import annotations
 
+import argparse
+import fcntl
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from appliance.config import ConfigError, load_config
-from appliance.security.api_keys import KeyRing, RateLimits
+from appliance.security.api_keys import KeyRing, RateLimits, read_entries
+from appliance.security.secretfile import write_secret
+from appliance.tools import keys_cli as keyscli
 
 
 def keys(*args: str) -> subprocess.CompletedProcess[str]:
@@ -149,3 +156,63 @@ def test_redis_needs_a_mac_key(tmp_path: Path) -> None:
         ConfigError, match=r"key 'cache.redis': missing required key 'mac_key_file'"
     ):
         load_config(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another owner needs root")
+def test_a_rewrite_keeps_the_owner_and_group_the_gateway_reads_it_as(tmp_path: Path) -> None:
+    # /etc/appliance/api-keys.json is root:appliance 0640; `sudo appliance keys revoke` must leave
+    # it readable by the gateway's group, or the reload keeps the revoked key in use.
+    pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
+    assert keys("secret", str(pepper)).returncode == 0
+    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
+    assert add.returncode == 0, add.stderr
+    os.chown(path, 4242, 4243)
+    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "b")
+    assert add.returncode == 0, add.stderr
+    assert (path.stat().st_uid, path.stat().st_gid) == (4242, 4243)
+    revoke = keys("--keys-file", str(path), "revoke", add.stdout.strip()[3:15])
+    assert revoke.returncode == 0, revoke.stderr
+    assert (path.stat().st_uid, path.stat().st_gid) == (4242, 4243)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_two_adds_at_once_keep_both_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
+    write_secret(pepper)
+    first_writing, first_may_write, second_waits = (threading.Event() for _ in range(3))
+    real_write, real_flock = keyscli.write_keys, fcntl.flock
+
+    def write(p: Path, entries: list[dict[str, Any]]) -> None:
+        if threading.current_thread().name == "first":
+            first_writing.set()
+            assert first_may_write.wait(30)
+        real_write(p, entries)
+
+    def flock(fd: int, op: int) -> None:
+        if threading.current_thread().name == "second" and op & fcntl.LOCK_EX:
+            second_waits.set()
+        real_flock(fd, op)
+
+    monkeypatch.setattr(keyscli, "write_keys", write)
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+    def add(namespace: str) -> None:
+        args = argparse.Namespace(
+            keys_file=str(path), pepper_file=str(pepper), namespace=[namespace], scope=None,
+            identity=None, rate_per_s=None, burst=None, max_streams=None, note="",
+        )  # fmt: skip
+        assert keyscli._add(args) == 0
+
+    first = threading.Thread(target=add, args=("a",), name="first")
+    first.start()
+    assert first_writing.wait(30)
+    second = threading.Thread(target=lambda: (add("b"), second_waits.set()), name="second")
+    second.start()
+    assert second_waits.wait(30)  # blocked on the keys file's lock, or (unlocked) done
+    first_may_write.set()
+    first.join(30)
+    second.join(30)
+    assert sorted(e["namespaces"][0] for e in read_entries(path)) == ["a", "b"]
+    assert len(capsys.readouterr().out.split()) == 2
