@@ -217,14 +217,19 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _cache_warm(args: argparse.Namespace) -> int:
+    from appliance.client import client_credentials
     from appliance.tools.warm import WarmInputError, read_prompts, run_warm
 
     try:
+        credentials = client_credentials(args)
         requests = read_prompts(Path(args.prompts), args.model, args.max_tokens)
-    except WarmInputError as exc:
+    except OSError as exc:
+        print(f"appliance cache warm: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except (WarmInputError, ValueError) as exc:
         print(f"appliance cache warm: {exc}", file=sys.stderr)
         return 2
-    return run_warm(args.gateway, requests, args.ttft_budget_ms, args.timeout)
+    return run_warm(args.gateway, requests, args.ttft_budget_ms, args.timeout, credentials)
 
 
 def _health(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf import json_format
 
 from appliance.cliargs import INTERRUPTED_EXIT
+from appliance.client import ClientCredentials, Metadata
 from appliance.textfile import TextFileError, read_text
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -109,6 +110,14 @@ def _pushback_s(exc: grpc.RpcError) -> float:
     return BACKOFF_S[0]
 
 
+# Answers that every further question would get too.
+UNUSABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
 class GatewayUnusable(Exception):
     """The gateway cannot take warm-up requests now (down, draining, cache off)."""
 
@@ -120,13 +129,14 @@ def warm_one(
     timeout_s: float,
     tally: Tally,
     sleep: Callable[[float], None] = time.sleep,
+    metadata: Metadata = (),
 ) -> str:
     """Asks the cache, then the engine when the gateway is free. Returns '' or why it failed."""
     probe = pb.GenerateRequest()
     probe.CopyFrom(request)
     probe.cache_policy = pb.CACHE_POLICY_ONLY
     try:
-        stub.Complete(probe, timeout=timeout_s)
+        stub.Complete(probe, timeout=timeout_s, metadata=metadata)
         tally.cached += 1
         return ""
     except grpc.RpcError as exc:
@@ -138,7 +148,7 @@ def warm_one(
     request.ttft_budget_ms = ttft_budget_ms
     while True:
         try:
-            stub.Complete(request, timeout=timeout_s)
+            stub.Complete(request, timeout=timeout_s, metadata=metadata)
             tally.warmed += 1
             return ""
         except grpc.RpcError as exc:
@@ -149,9 +159,16 @@ def warm_one(
 
 
 def _failure(exc: grpc.RpcError) -> str:
-    """The reason of a failed question; GatewayUnusable when no other question can do better."""
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        raise GatewayUnusable(f"{exc.code().name}: {exc.details()}")
+    """The reason of a failed question; GatewayUnusable when no other question can do better
+    (the gateway is down, or refuses the API key)."""
+    if exc.code() in UNUSABLE:
+        hint = ""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            hint = (
+                " (the key, from --api-key-file or $APPLIANCE_API_KEY, needs the scopes generate "
+                "and cache:read-only-policy)"
+            )
+        raise GatewayUnusable(f"{exc.code().name}: {exc.details()}{hint}")
     return f"{exc.code().name}: {exc.details()}"
 
 
@@ -160,6 +177,7 @@ def run_warm(
     requests: list[pb.GenerateRequest],
     ttft_budget_ms: int,
     timeout_s: float,
+    credentials: ClientCredentials | None = None,
     progress_s: float = 1.0,
 ) -> int:
     """Warms every request in order; prints progress to stderr and a summary. Exit status: 0 all
@@ -167,11 +185,18 @@ def run_warm(
     tally = Tally(len(requests))
     said = time.monotonic()
     status = 0
-    with grpc.insecure_channel(gateway) as channel:
+    tls = credentials.tls if credentials is not None else None
+    metadata = credentials.metadata if credentials is not None else ()
+    if tls is None:
+        channel = grpc.insecure_channel(gateway)
+    else:
+        assert credentials is not None
+        channel = grpc.secure_channel(gateway, tls, options=credentials.options)
+    with channel:
         stub = pb_grpc.InferenceStub(channel)
         try:
             for number, request in enumerate(requests, start=1):
-                why = warm_one(stub, request, ttft_budget_ms, timeout_s, tally)
+                why = warm_one(stub, request, ttft_budget_ms, timeout_s, tally, metadata=metadata)
                 if why:
                     tally.failed += 1
                     status = 1
