@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["TextFileError", "read_text"]
+__all__ = ["TextFileError", "numbered_lines", "read_text"]
 
 
 class TextFileError(ValueError):
@@ -17,8 +17,8 @@ class TextFileError(ValueError):
 
 
 def read_text(path: Path, max_bytes: int) -> str:
-    """The file's UTF-8 text; TextFileError when it cannot be read, holds more than
-    `max_bytes` bytes, or is not UTF-8."""
+    """The file's UTF-8 text, without the byte order mark some editors put first; TextFileError
+    when it cannot be read, holds more than `max_bytes` bytes, or is not UTF-8."""
     try:
         with path.open("rb") as file:
             data = file.read(max_bytes + 1)
@@ -27,6 +27,16 @@ def read_text(path: Path, max_bytes: int) -> str:
     if len(data) > max_bytes:
         raise TextFileError(f"more than {max_bytes:,} bytes")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise TextFileError(f"not UTF-8 text (byte {exc.start:,})") from None
+
+
+def numbered_lines(text: str) -> list[tuple[int, str]]:
+    """The lines of `text` with their numbers from 1, as an editor counts them: split at "\n"
+    (a "\r" before it dropped) only, not at the form feeds, U+0085 or U+2028 that str.splitlines
+    also splits at, which a line of text or a JSON string may hold."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [(n, line.removesuffix("\r")) for n, line in enumerate(lines, 1)]

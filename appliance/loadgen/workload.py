@@ -16,7 +16,7 @@ import numpy as np
 
 from appliance.grpc_limits import MAX_REQUEST_BYTES
 from appliance.loadgen.options import MAX_LENGTH, BenchInputError, Lengths, Settings
-from appliance.textfile import TextFileError, read_text
+from appliance.textfile import TextFileError, numbered_lines, read_text
 from appliance.v1 import inference_pb2 as pb
 
 COMMON_WORDS = (
@@ -138,7 +138,7 @@ def load_prompts(path: Path) -> list[Prompt]:
         content = read_text(path, MAX_PROMPT_FILE_BYTES)
     except TextFileError as exc:
         raise BenchInputError(f"--prompts {path}: {exc}") from None
-    lines = [(n, line) for n, line in enumerate(content.splitlines(), 1) if line.strip()]
+    lines = [(n, line) for n, line in numbered_lines(content) if line.strip()]
     if not lines:
         raise BenchInputError(f"--prompts {path}: no prompts (the file is empty)")
     if lines[0][1].lstrip().startswith("{"):

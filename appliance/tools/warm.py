@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from appliance.cliargs import INTERRUPTED_EXIT
 from appliance.client import ClientCredentials, Metadata
-from appliance.textfile import TextFileError, read_text
+from appliance.textfile import TextFileError, numbered_lines, read_text
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -66,7 +66,7 @@ def read_prompts(path: Path, model: str, max_tokens: int | None) -> list[pb.Gene
     except TextFileError as exc:
         raise WarmInputError(f"{path}: {exc}") from None
     requests = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in numbered_lines(text):
         if not line.strip():
             continue
         try:

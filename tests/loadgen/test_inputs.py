@@ -269,3 +269,23 @@ def test_the_longest_synthetic_prompt_fits_a_request() -> None:
     lengths = parse_lengths("--prompt-tokens", "normal:100,1000000", MAX_SYNTHETIC_WORDS)
     rng = np.random.default_rng(0)
     assert max(lengths.draw(rng) for _ in range(100)) == MAX_SYNTHETIC_WORDS
+
+
+def test_a_prompt_file_is_split_at_newlines_only(tmp_path: Path) -> None:
+    # JSON strings may hold U+2028, U+0085 or a form feed unescaped (json.dumps with
+    # ensure_ascii=False writes them so); str.splitlines would cut the line there.
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(
+        '{"prompt": "a\u2028b"}\r\n{"prompt": "c\u0085d"}\n\n{"prompt": "e"}\n', newline=""
+    )
+    assert [p.text for p in load_prompts(jsonl)] == ["a\u2028b", "c\u0085d", "e"]
+    plain = tmp_path / "p.txt"
+    plain.write_text("page\x0cbreak\r\nsecond\n", newline="")
+    assert [p.text for p in load_prompts(plain)] == ["page\x0cbreak", "second"]
+
+
+def test_a_prompt_file_with_a_byte_order_mark_is_read_as_jsonl(tmp_path: Path) -> None:
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"prompt": "hi", "max_tokens": 3}\n')
+    [prompt] = load_prompts(jsonl)
+    assert (prompt.text, prompt.max_tokens) == ("hi", 3)
