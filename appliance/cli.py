@@ -233,10 +233,21 @@ def _cache_warm(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
+    from appliance.client import client_credentials
     from appliance.tools.processes import wait_serving
 
     try:
-        wait_serving(args.gateway, timeout_s=args.wait, service=args.service)
+        credentials = client_credentials(args)
+    except OSError as exc:
+        print(f"appliance health: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"appliance health: {exc}", file=sys.stderr)
+        return 2
+    try:
+        wait_serving(
+            args.gateway, timeout_s=args.wait, service=args.service, credentials=credentials
+        )
     except RuntimeError as exc:
         print(f"appliance health: {exc}", file=sys.stderr)
         return 1
@@ -534,6 +545,7 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds to wait for SERVING (default 0: ask once)",
     )
+    add_credential_options(h, "an API key (a health check needs none)")
     h.set_defaults(func=_health)
 
     b = sub.add_parser(

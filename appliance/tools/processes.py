@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from appliance.client import ClientCredentials
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -79,13 +81,19 @@ def wait_serving(
     timeout_s: float = 90.0,
     service: str = "",
     log: Path | None = None,
+    credentials: ClientCredentials | None = None,
 ) -> None:
     """Waits until the gRPC health service says SERVING for `service` ("": the whole server);
     fails early if `proc` exits, with the last line of its `log`. RuntimeError says what was
-    last seen."""
+    last seen. `credentials`: how to connect (None: plaintext, no key)."""
     deadline = time.monotonic() + timeout_s
     seen = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    metadata = credentials.metadata if credentials is not None else ()
+    if credentials is None or credentials.tls is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = grpc.secure_channel(address, credentials.tls, options=credentials.options)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:  # at least one check, even with no time to wait
             if proc is not None and proc.poll() is not None:
@@ -93,7 +101,9 @@ def wait_serving(
                     f"process {proc.args!r} exited with {proc.returncode}: {last_words(log)}"
                 )
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=1.0, metadata=metadata
+                )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 seen = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
