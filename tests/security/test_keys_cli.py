@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from appliance.config import ConfigError, load_config
+from appliance.security import api_keys
 from appliance.security.api_keys import KeyRing, RateLimits, read_entries
 from appliance.security.secretfile import write_secret
 from appliance.tools import keys_cli as keyscli
@@ -182,7 +183,7 @@ def test_two_adds_at_once_keep_both_keys(
     pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
     write_secret(pepper)
     first_writing, first_may_write, second_waits = (threading.Event() for _ in range(3))
-    real_write, real_flock = keyscli.write_keys, fcntl.flock
+    real_write, real_flock = api_keys.write_entries, fcntl.flock
 
     def write(p: Path, entries: list[dict[str, Any]]) -> None:
         if threading.current_thread().name == "first":
@@ -208,7 +209,12 @@ def test_two_adds_at_once_keep_both_keys(
     first = threading.Thread(target=add, args=("a",), name="first")
     first.start()
     assert first_writing.wait(30)
-    second = threading.Thread(target=lambda: (add("b"), second_waits.set()), name="second")
+
+    def add_second() -> None:
+        add("b")
+        second_waits.set()
+
+    second = threading.Thread(target=add_second, name="second")
     second.start()
     assert second_waits.wait(30)  # blocked on the keys file's lock, or (unlocked) done
     first_may_write.set()
