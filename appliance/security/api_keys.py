@@ -24,10 +24,12 @@ are optional (absent: the gateway's `[auth]` defaults).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import math
+import os
 import secrets
 import time
 from collections.abc import Iterable
@@ -257,26 +259,30 @@ def read_entries(path: Path) -> list[dict[str, Any]]:
 
 def write_entries(path: Path, entries: list[dict[str, Any]]) -> None:
     """Replaces the file atomically (a reader sees the old or the new file, never half of one),
-    readable by its owner and group only. A file that exists keeps its owner and group: the
-    gateway reads it through its group (root:appliance), whoever rewrites it."""
+    readable by its owner and group only. The gateway reads it through its group
+    (root:appliance): a file that exists keeps its owner and group, whoever rewrites it, and a new
+    one made by root takes its folder's group (/etc/appliance is root:appliance)."""
     text = json.dumps({"version": FILE_VERSION, "keys": entries}, indent=2) + "\n"
+    owner: tuple[int, int] | None = None
     try:
         st = path.stat()
     except FileNotFoundError:
-        owner = None
+        with contextlib.suppress(OSError):  # a missing folder: the write says so
+            if os.geteuid() == 0:
+                owner = (0, path.parent.stat().st_gid)
     except OSError as exc:
         raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
     else:
         owner = (st.st_uid, st.st_gid)
+        if os.geteuid() != 0 and (
+            st.st_uid != os.geteuid() or st.st_gid not in {os.getegid(), *os.getgroups()}
+        ):
+            raise KeysFileError(
+                f"cannot write keys file {path}: a rewrite keeps its owner {st.st_uid} and group "
+                f"{st.st_gid}, which only root or its owner in that group can: run as one of them"
+            )
     try:
         write_whole(path, text.encode(), 0o640, owner)
-    except PermissionError as exc:
-        if owner is None:
-            raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
-        raise KeysFileError(
-            f"cannot write keys file {path}: {exc.strerror or exc} (a rewrite keeps its owner "
-            f"{owner[0]} and group {owner[1]}: run as root or as its owner in that group)"
-        ) from None
     except OSError as exc:
         raise KeysFileError(f"cannot write keys file {path}: {exc.strerror or exc}") from None
 

@@ -177,6 +177,19 @@ def test_a_rewrite_keeps_the_owner_and_group_the_gateway_reads_it_as(tmp_path: P
     assert path.stat().st_mode & 0o777 == 0o640
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another group needs root")
+def test_a_new_keys_file_made_by_root_takes_its_folders_group(tmp_path: Path) -> None:
+    # /etc/appliance is root:appliance 0750: the gateway reads a new keys file through its group.
+    pepper, folder = tmp_path / "pepper", tmp_path / "appliance"
+    folder.mkdir()
+    os.chown(folder, 0, 4243)
+    assert keys("secret", str(pepper)).returncode == 0
+    path = folder / "keys.json"
+    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
+    assert add.returncode == 0, add.stderr
+    assert (path.stat().st_uid, path.stat().st_gid) == (0, 4243)
+
+
 def test_two_adds_at_once_keep_both_keys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -222,3 +235,18 @@ def test_two_adds_at_once_keep_both_keys(
     second.join(30)
     assert sorted(e["namespaces"][0] for e in read_entries(path)) == ["a", "b"]
     assert len(capsys.readouterr().out.split()) == 2
+
+
+def test_a_rewrite_that_would_change_the_owner_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "keys.json"
+    api_keys.write_entries(path, [])
+    st = path.stat()
+    monkeypatch.setattr(os, "geteuid", lambda: st.st_uid + 1)  # another user, not root
+    with pytest.raises(api_keys.KeysFileError) as refused:
+        api_keys.write_entries(path, [])
+    assert str(refused.value) == (
+        f"cannot write keys file {path}: a rewrite keeps its owner {st.st_uid} and group "
+        f"{st.st_gid}, which only root or its owner in that group can: run as one of them"
+    )
