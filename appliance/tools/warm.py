@@ -135,15 +135,21 @@ def warm_one(
     probe = pb.GenerateRequest()
     probe.CopyFrom(request)
     probe.cache_policy = pb.CACHE_POLICY_ONLY
-    try:
-        stub.Complete(probe, timeout=timeout_s, metadata=metadata)
-        tally.cached += 1
-        return ""
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            raise GatewayUnusable(exc.details()) from None
-        if exc.code() != grpc.StatusCode.NOT_FOUND:
-            return _failure(exc)
+    while True:
+        try:
+            stub.Complete(probe, timeout=timeout_s, metadata=metadata)
+            tally.cached += 1
+            return ""
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise GatewayUnusable(exc.details()) from None
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                break
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return _failure(exc)
+            # The key over its rate limit: asked again after the gateway's pushback.
+            tally.refused += 1
+            sleep(_pushback_s(exc))
     request.cache_policy = pb.CACHE_POLICY_DEFAULT
     request.ttft_budget_ms = ttft_budget_ms
     while True:
