@@ -67,6 +67,8 @@ def _entry(where: str, line: str) -> Prompt:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise BenchInputError(f"{where}: not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise BenchInputError(f"{where}: not JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise BenchInputError(f"{where}: expected an object with 'prompt' or 'messages'")
     unknown = sorted(set(obj) - {"prompt", "messages", "max_tokens"})

@@ -150,6 +150,7 @@ def test_a_prompt_file_and_synthetic_lengths_exclude_each_other(
             "{}:1: 'max_tokens' must be a whole number from 1 to",
         ),
         ('{"prompt": "a"}\n{oops\n', "{}:2: not JSON ("),
+        ('{"prompt": "a"}\n' + "[" * 100_000 + "\n", "{}:2: not JSON (nested too deeply)"),
         (
             '{"prompt": "a", "max_tokens": 99999999999999999999}\n',
             "{}:1: 'max_tokens' must be a whole number from 1 to 1000000",
