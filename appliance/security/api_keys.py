@@ -245,6 +245,8 @@ def read_entries(path: Path) -> list[dict[str, Any]]:
         raise KeysFileError(f"cannot read keys file {path}: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KeysFileError(f"{path}: not a JSON keys file: {exc}") from None
+    except RecursionError:
+        raise KeysFileError(f"{path}: not a JSON keys file: nested too deeply") from None
     if not isinstance(data, dict) or data.get("version") != FILE_VERSION:
         raise KeysFileError(f'{path}: expected an object with "version": {FILE_VERSION}')
     entries = data.get("keys", [])

@@ -250,3 +250,11 @@ def test_a_rewrite_that_would_change_the_owner_is_refused_in_one_line(
         f"cannot write keys file {path}: a rewrite keeps its owner {st.st_uid} and group "
         f"{st.st_gid}, which only root or its owner in that group can: run as one of them"
     )
+
+
+def test_a_keys_file_nested_too_deeply_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text('{"version": 1, "keys": ' + "[" * 100_000 + "\n")
+    listed = keys("--keys-file", str(path), "list")
+    assert listed.returncode == 2
+    assert listed.stderr == f"appliance keys: {path}: not a JSON keys file: nested too deeply\n"
