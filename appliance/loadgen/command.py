@@ -177,7 +177,8 @@ def _write(s: Settings, outcome: SweepResult, argv: list[str]) -> str | None:
 
     def summary_md(path: Path) -> None:
         tables = [report.level_table(x) for x in outcome.summaries]
-        path.write_text("\n\n".join([*tables, report.sweep_table(outcome.summaries)]) + "\n")
+        text = "\n\n".join([*tables, report.sweep_table(outcome.summaries)]) + "\n"
+        report.write_file(path, text.encode())
 
     files: list[tuple[str, Callable[[Path], None]]] = [
         (

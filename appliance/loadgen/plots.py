@@ -3,17 +3,26 @@ every request. Figures are drawn without pyplot, so no display or global backend
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
 
+from appliance.loadgen.report import write_file
 from appliance.loadgen.stats import OK, LevelSummary, Record
 
 logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font cache notices are not ours
 SIZE = (9.0, 5.0)
 DPI = 100
+
+
+def _save(fig: Figure, path: Path) -> None:
+    """The figure as a PNG file, written whole or not at all."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_file(path, png.getvalue())
 
 
 def _figure() -> Figure:
@@ -37,7 +46,7 @@ def _cdf(path: Path, title: str, xlabel: str, series: list[Series]) -> None:
     ax.grid(alpha=0.3)
     if any(values for _, values, _, _ in series):
         ax.legend(fontsize="small")
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def _vs_load(path: Path, summaries: list[LevelSummary]) -> None:
@@ -61,7 +70,7 @@ def _vs_load(path: Path, summaries: list[LevelSummary]) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def _timeline(path: Path, records: list[Record]) -> None:
@@ -91,7 +100,7 @@ def _timeline(path: Path, records: list[Record]) -> None:
         )
     ax.set(title="requests over time", xlabel="seconds since the run started", ylabel="request")
     ax.legend(fontsize="small", loc="lower right")
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def draw(out: Path, summaries: list[LevelSummary], records: list[Record]) -> list[Path]:

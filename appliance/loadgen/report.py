@@ -1,9 +1,11 @@
 """The bench's tables (text) and its files: JSON with every record and the summaries, CSV with one
-row per request."""
+row per request. A file is written whole or not at all (`write_file`): an interrupted write never
+leaves a cut-off file that passes for a whole one."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 
 from appliance.loadgen.stats import METRICS, NOT_SENT, LevelSummary, Record
 from appliance.logline import escape
+from appliance.wholefile import write_whole
 
 DEFINITIONS = (
     "TTFT = first non-empty response − request sent; inter-token latency = (request latency − TTFT)"
@@ -106,14 +109,20 @@ def write_json(
         "levels": [s.as_dict() for s in summaries],
         "requests": [record_dict(r) for r in records],
     }
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    write_file(path, (json.dumps(document, indent=1) + "\n").encode())
 
 
 def write_csv(path: Path, records: list[Record]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, CSV_COLUMNS)
-        writer.writeheader()
-        for r in records:
-            row = record_dict(r)
-            row["chunks"] = len(row.pop("gaps_s")) + (r.ttft_s is not None)
-            writer.writerow(row)
+    f = io.StringIO(newline="")
+    writer = csv.DictWriter(f, CSV_COLUMNS)
+    writer.writeheader()
+    for r in records:
+        row = record_dict(r)
+        row["chunks"] = len(row.pop("gaps_s")) + (r.ttft_s is not None)
+        writer.writerow(row)
+    write_file(path, f.getvalue().encode())
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Replaces `path` with `data` whole (readable by all, as a results file is)."""
+    write_whole(path, data, 0o644)

@@ -239,6 +239,29 @@ def test_ctrl_c_while_the_results_are_written_is_one_line(
     )
 
 
+def test_ctrl_c_in_the_middle_of_a_file_leaves_no_cut_off_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = 0
+    record_dict = report.record_dict
+
+    def ctrl_c_at_the_fourth_row(r: Any) -> dict[str, Any]:
+        # bench.json takes the first two, requests.csv is cut after its first row.
+        nonlocal rows
+        rows += 1
+        if rows == 4:
+            raise KeyboardInterrupt
+        return record_dict(r)
+
+    monkeypatch.setattr(report, "record_dict", ctrl_c_at_the_fourth_row)
+    out = tmp_path / "run"
+    with fake_gateway(answers_at_once) as (address, _, _):
+        rc = bench(address, out, "--requests", "2")
+    assert rc == 130
+    assert len(json.loads((out / "bench.json").read_text())["requests"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json"]
+
+
 def test_an_answer_the_server_cancelled_is_counted_as_its_own_outcome(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
