@@ -195,7 +195,7 @@ def _write(s: Settings, outcome: SweepResult, argv: list[str]) -> str | None:
             write(s.out / name)
         except OSError as exc:
             with contextlib.suppress(OSError):
-                (s.out / name).unlink(missing_ok=True)  # a cut-off file would pass for a whole one
+                (s.out / name).unlink(missing_ok=True)  # an earlier run's would pass for this one's
             return f"--out {s.out}: writing {name} failed: {exc.strerror or exc}"
     try:
         plots.draw(s.out, outcome.summaries, outcome.records)
