@@ -100,14 +100,17 @@ def _request(line: str, model: str, max_tokens: int | None) -> pb.GenerateReques
     return request
 
 
-def _pushback_s(exc: grpc.RpcError) -> float:
+def _pushback_s(exc: grpc.RpcError) -> float | None:
+    """How long the gateway asked to wait before asking again, within BACKOFF_S; None when it
+    did not ask (a RESOURCE_EXHAUSTED of gRPC's own, such as a message over the server's limit,
+    which no retry gets past)."""
     for key, value in exc.trailing_metadata() or ():
         if key == "grpc-retry-pushback-ms":
             try:
                 return min(max(int(value) / 1000, BACKOFF_S[0]), BACKOFF_S[1])
             except ValueError:
-                break
-    return BACKOFF_S[0]
+                return BACKOFF_S[0]
+    return None
 
 
 # Answers that every further question would get too.
@@ -145,11 +148,14 @@ def warm_one(
                 raise GatewayUnusable(exc.details()) from None
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 break
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if (
+                exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+                or (wait_s := _pushback_s(exc)) is None
+            ):
                 return _failure(exc)
             # The key over its rate limit: asked again after the gateway's pushback.
             tally.refused += 1
-            sleep(_pushback_s(exc))
+            sleep(wait_s)
     request.cache_policy = pb.CACHE_POLICY_DEFAULT
     request.ttft_budget_ms = ttft_budget_ms
     while True:
@@ -158,10 +164,13 @@ def warm_one(
             tally.warmed += 1
             return ""
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if (
+                exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+                or (wait_s := _pushback_s(exc)) is None
+            ):
                 return _failure(exc)
             tally.refused += 1
-            sleep(_pushback_s(exc))
+            sleep(wait_s)
 
 
 def _failure(exc: grpc.RpcError) -> str:

@@ -64,3 +64,30 @@ def test_a_rate_limited_cache_probe_is_sent_again_after_the_pushback(cached: boo
     assert why == ""
     assert (tally.cached, tally.warmed) == ((1, 0) if cached else (0, 1))
     assert waits == [0.1] * (1 if cached else 2)
+
+
+class TooLarge(Refusal):
+    def details(self) -> str:
+        return "Received message larger than max (5242880 vs. 4194304)"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+class TooLargeStub:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def Complete(self, request: pb.GenerateRequest, **kw: object) -> pb.GenerateResponse:
+        self.calls += 1
+        if self.calls > 3:
+            raise AssertionError("asked again and again")
+        raise TooLarge(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def test_resource_exhausted_without_a_pushback_is_a_failure_not_a_wait() -> None:
+    # gRPC's own refusal of a message over the server's limit: asking again never helps.
+    stub, tally = TooLargeStub(), Tally(1)
+    why = warm_one(stub, pb.GenerateRequest(model="m", prompt="x"), 500, 10.0, tally, sleep=print)
+    assert why.startswith("RESOURCE_EXHAUSTED: Received message larger than max")
+    assert stub.calls == 1
