@@ -13,6 +13,8 @@ import secrets
 from pathlib import Path
 
 MIN_SECRET_CHARS = 32
+# Larger is no secret file (a wrong path: a log, a device that never ends); read no further.
+MAX_SECRET_BYTES = 64 * 1024
 # What a secret file's key is derived for: the same file used twice gives two unrelated keys.
 PEPPER_PURPOSE = b"api-key-pepper"
 MAC_PURPOSE = b"cache-mac-key"
@@ -25,9 +27,16 @@ class SecretFileError(ValueError):
 def read_secret(path: Path, purpose: bytes) -> bytes:
     """The 32-byte key derived from the file's secret for `purpose` (one file, one use)."""
     try:
-        data = path.read_bytes().strip()
+        with path.open("rb") as f:
+            data = f.read(MAX_SECRET_BYTES + 1)
     except OSError as exc:
         raise SecretFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SECRET_BYTES:
+        raise SecretFileError(
+            f"{path} holds more than {MAX_SECRET_BYTES:,} bytes: not a secret file (write one "
+            "with `appliance keys secret FILE`)"
+        )
+    data = data.strip()
     if len(data) < MIN_SECRET_CHARS:
         raise SecretFileError(
             f"{path} holds {len(data)} characters; a secret needs at least {MIN_SECRET_CHARS} "

@@ -74,6 +74,14 @@ def test_a_short_pepper_is_refused(tmp_path: Path) -> None:
     assert add.stderr.count("\n") == 1 and "needs at least 32" in add.stderr
 
 
+def test_a_pepper_that_never_ends_is_refused_after_a_bounded_read() -> None:
+    """/dev/zero as the pepper: one line, not a read that fills the memory."""
+    add = keys("--keys-file", "/nonexistent/k.json", "add", "--pepper-file", "/dev/zero",
+               "--namespace", "a")  # fmt: skip
+    assert add.returncode == 2
+    assert add.stderr.count("\n") == 1 and "not a secret file" in add.stderr, add.stderr
+
+
 @pytest.mark.parametrize(
     ("option", "says"),
     [
