@@ -13,7 +13,7 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
   of a generated answer and never needs the engine, so of the stages after this one only read
-  call runs for it. A tier that overlaps the engine (the semantic tier with `overlap_engine` on)
+  call runs for it (and, for a semantic hit, tokenize: its usage counts the request's own prompt). A tier that overlaps the engine (the semantic tier with `overlap_engine` on)
   is asked after the exact tiers missed, while failover, tokenize and single flight start the
   generation: its miss finds the generation under way, its hit leaves it (cancelled when nobody
   else follows it). The client sees nothing of the generation before the tier's decision; a
@@ -300,7 +300,11 @@ class Pipeline:
             if isinstance(found, Undecided):
                 found = await self.overlap(found, start, report)
             if isinstance(found, Hit):
-                for reply in self.replay(found, report, received):
+                prompt_tokens = found.answer.prompt_tokens
+                if found.similarity is not None:  # another question's answer: count this one's
+                    prompted = await self.tokenize(model, checked, budget.expires)
+                    prompt_tokens = len(prompted.prompt_ids)
+                for reply in self.replay(found, report, received, prompt_tokens):
                     for shown in self.shown(calls, reply):
                         yield shown
                 return
@@ -518,14 +522,18 @@ class Pipeline:
             return "cancelled"
         return "ended" if generation.flight.done else "shared"
 
-    def replay(self, hit: Hit, report: RequestReport, received: int) -> tuple[Delta, Final]:
-        """A cached answer in the shape of a generated one: one delta, then the Final."""
+    def replay(
+        self, hit: Hit, report: RequestReport, received: int, prompt_tokens: int
+    ) -> tuple[Delta, Final]:
+        """A cached answer in the shape of a generated one: one delta, then the Final, which
+        counts `prompt_tokens` (the request's own: a semantic hit's answer was cached for
+        another question)."""
         answer, report.tier, report.cache_entry = hit.answer, hit.tier, hit.entry.hex()
         report.similarity = hit.similarity
         started = time.monotonic_ns()
         report.answered_by = report.model
         report.finish_reason = answer.finish_reason
-        report.prompt_tokens = answer.prompt_tokens
+        report.prompt_tokens = prompt_tokens
         report.completion_tokens = answer.completion_tokens
         delta = Delta(answer.text, answer.token_ids)
         return delta, final_of(report, received, started, time.monotonic_ns())

@@ -149,6 +149,21 @@ async def test_a_paraphrase_is_answered_from_the_semantic_tier_with_its_audit_fi
     assert exact.final.cache_entry == key.hex()
 
 
+async def test_a_semantic_hit_counts_the_askers_own_prompt_tokens(gw: Gateway, tiny: Tiny) -> None:
+    """usage.prompt_tokens is what the asker sent, not the question the answer was cached for."""
+    question = "How do I get rid of acne?"
+    longer = "How do I get rid of acne quickly and for good, please?"
+    first = await gw.stub.Complete(ask(question))
+    await stored(gw, 1)
+    hit = await gw.stub.Complete(ask(longer))
+    assert hit.final.cache_tier == SEMANTIC
+    text = gw.running.pipeline.models["tiny"].text
+    assert first.final.usage.prompt_tokens == len(text.encode_prompt(question))
+    assert hit.final.usage.prompt_tokens == len(text.encode_prompt(longer))
+    assert hit.final.usage.prompt_tokens != first.final.usage.prompt_tokens
+    assert hit.final.usage.completion_tokens == first.final.usage.completion_tokens
+
+
 async def test_near_identical_questions_with_other_answers_miss(gw: Gateway) -> None:
     await gw.stub.Complete(ask("How do I convert Celsius to Fahrenheit?"))
     await gw.stub.Complete(ask("How do I reverse a list in Python?"))
