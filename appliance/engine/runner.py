@@ -325,20 +325,22 @@ class Runner:
         # A verify step whose first accepted token is the end id yields nothing: its counts are
         # published here, before the final response that reports them.
         self._publish(spec, published)
-        if not finished and job.cancel.is_set():
-            self._count(cancelled=1)
-            job.emit(Emission(None, final=True))
-        elif not finished:
-            finished = True
-            self._count(completed=1)
+        cancelled = not finished and job.cancel.is_set()
+        if not finished:
+            # Ended by the end id, or cancelled: the executor's final result either way, holding
+            # every token generated so far (non-streaming) or none not yet sent (streaming; not a
+            # null response).
+            if cancelled:
+                self._count(cancelled=1)
+            else:
+                self._count(completed=1)
             if not job.streaming:
                 job.emit(Emission(produced, True, None, perf(), _copy(log_probs), _since(top, 0)))
             else:
-                # Ended by the end id: a final response with no new tokens (not a null response).
                 job.emit(
                     Emission([], True, None, perf(), _copy(log_probs), _since(top, len(produced)))
                 )
-        self._account(job, kv, produced, history if finished else None)
+        self._account(job, kv, produced, None if cancelled else history)
 
     def _publish(self, spec: SpecCounts, published: SpecCounts, tokens: int = 0) -> SpecCounts:
         """Adds `tokens` and the speculation counts since `published` to the engine's counters;

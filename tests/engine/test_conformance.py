@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
 from appliance.engine.runner import EngineStats
 from tests.conftest import Engine, Tiny, copy_repository
-from tests.support import until_engine
+from tests.support import until_async, until_engine
 
 MODEL = "tensorrt_llm"
 PROMPT = [1, 300, 301, 302, 303, 304]
@@ -468,6 +468,33 @@ async def test_a_stopped_stream_ends_without_empty_final_responses_enabled(
         rest = [r for r in rest if r.outputs]
     _final_of_stopped(rest, rid)
     assert tokens_of(rest[-1]) == []
+
+
+@pytest.mark.parametrize("model", [MODEL, "sync_llm"])
+async def test_a_stopped_request_that_does_not_stream_returns_what_it_generated(
+    engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub, model: str
+) -> None:
+    """The executor's final result of a cancelled request holds every token generated so far:
+    a non-streaming answer to a stopped request carries them, not nothing."""
+    stats = engine.stats(model)
+
+    async def answer(req: ts.ModelInferRequest) -> ts.ModelInferResponse:
+        if model == MODEL:
+            return (await collect(triton, req))[-1].infer_response
+        return await triton.ModelInfer(req, timeout=60)
+
+    expected = tokens_of(await answer(request(model=model, top_k=1, streaming=False)))
+    rid = f"partial-{model}"
+    before = stats.tokens_generated
+    stopped = asyncio.ensure_future(
+        answer(request(rid, model=model, max_tokens=1500, top_k=1, streaming=False))
+    )
+    await until_async(lambda: stats.running == rid and stats.tokens_generated > before + 2)
+    await answer(request(rid, model=model, stop=True))
+    response = await stopped
+    generated = tokens_of(response)
+    assert is_final(response) and 2 < len(generated) < 1500
+    assert generated[: len(expected)] == expected[: len(generated)]
 
 
 async def test_stop_without_a_request_id_is_an_in_band_error(
