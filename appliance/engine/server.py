@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -98,6 +99,30 @@ STOPPING = "GRPC server is shutting down and has stopped accepting new requests.
 # (InferenceServer::IsLive, IsReady), and to ModelReady (ModelIsReady) (core src/server.cc).
 EXITING = "Server exiting"
 NOT_READY = "Server not ready"
+
+
+# What std::stol reads of a version string: C whitespace, a sign, digits (the rest is ignored).
+_VERSION = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+_INT64_MAX = 2**63 - 1
+
+
+def model_version(version: str) -> int:
+    """The version a call names, read as Triton's frontends read it (GetModelVersionFromString:
+    std::stol); -1, the latest, when empty. Anything else is refused INVALID_ARGUMENT."""
+    if not version:
+        return -1
+    digits = _VERSION.match(version)
+    number = int(digits.group(1)) if digits else None
+    if number is None or not -_INT64_MAX - 1 <= number <= _INT64_MAX:
+        raise InferError(
+            f"failed to get model version from specified version string '{version}' (details: "
+            "stol), version should be an integral value > 0"
+        )
+    if number < 0:
+        raise InferError(
+            f"invalid model version specified '{version}' , version should be an integral value > 0"
+        )
+    return number
 
 
 def _fault(request: ts.ModelInferRequest, exc: Exception) -> InferError:
@@ -268,22 +293,36 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelReady(
         self, request: ts.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelReadyResponse:
+        # Triton looks the model up first: an unknown one is NOT_FOUND, not `ready: false`.
+        await self._model(request.name, request.version, context)
         if self.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
-        ok = request.name in self.models and request.version in ("", "1")
-        return ts.ModelReadyResponse(ready=ok)
+        return ts.ModelReadyResponse(ready=True)
+
+    def lookup(self, name: str, version: str) -> EngineModel:
+        """The model a call names, or Triton's refusal (core's GetModel): the version string
+        first, then the name, then the version (only version 1 is served)."""
+        number = model_version(version)
+        model = self.models.get(name)
+        if model is None:
+            raise InferError(
+                f"Request for unknown model: '{name}' is not found", grpc.StatusCode.NOT_FOUND
+            )
+        if number not in (-1, 1):
+            raise InferError(
+                f"Request for unknown model: '{name}' version {number} is not found",
+                grpc.StatusCode.NOT_FOUND,
+            )
+        return model
 
     async def _model(
         self, name: str, version: str, context: grpc.aio.ServicerContext
     ) -> EngineModel:
-        model = self.models.get(name)
-        if model is None or version not in ("", "1"):
-            what = f"'{name}'" + (f" version {version}" if version else "")
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"Request for unknown model: {what} is not found"
-            )
-        assert model is not None
-        return model
+        try:
+            return self.lookup(name, version)
+        except InferError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # not reached: abort raises
 
     async def ModelMetadata(
         self, request: ts.ModelMetadataRequest, context: grpc.aio.ServicerContext
@@ -311,10 +350,25 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelStatistics(
         self, request: ts.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelStatisticsResponse:
+        try:
+            version = model_version(request.version)
+        except InferError as exc:
+            await context.abort(exc.code, exc.message)
+        # Triton core's refusals (TRITONSERVER_ServerModelStatistics); without a name, every
+        # model's, whatever the version.
+        if request.name and request.name not in self.models:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"requested model '{request.name}' is not available",
+            )
+        if request.name and version not in (-1, 1):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"requested model version is not available for model '{request.name}'",
+            )
         names = [request.name] if request.name else sorted(self.models)
         reply = ts.ModelStatisticsResponse()
         for name in names:
-            await self._model(name, request.version, context)
             self.statistics[name].write(reply.model_stats.add(name=name, version="1"))
         return reply
 
@@ -589,12 +643,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             clock = RequestClock()
             if self.stopping:
                 raise InferError(STOPPING, grpc.StatusCode.UNAVAILABLE)
-            model = self.models.get(request.model_name)
-            if model is None or request.model_version not in ("", "1"):
-                raise InferError(
-                    f"Request for unknown model: '{request.model_name}' is not found",
-                    grpc.StatusCode.NOT_FOUND,
-                )
+            model = self.lookup(request.model_name, request.model_version)
             decoded = decode_request(request, model)
             if decoded.stop:
                 stop(request, model)

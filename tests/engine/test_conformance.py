@@ -109,7 +109,85 @@ async def test_server_and_model_readiness(triton: ts_grpc.GRPCInferenceServiceSt
     assert (await triton.ServerLive(ts.ServerLiveRequest())).live
     assert (await triton.ServerReady(ts.ServerReadyRequest())).ready
     assert (await triton.ModelReady(ts.ModelReadyRequest(name=MODEL))).ready
-    assert not (await triton.ModelReady(ts.ModelReadyRequest(name="nope"))).ready
+    # The version is read as Triton reads it (std::stol): "01" is version 1.
+    assert (await triton.ModelReady(ts.ModelReadyRequest(name=MODEL, version="01"))).ready
+
+
+async def _refusal(call: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code(), err.value.details() or ""
+
+
+async def test_readiness_of_an_unknown_model_or_version_is_not_found(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """Triton looks the model up before it says whether it is ready: an unknown one is an
+    error, not `ready: false`."""
+    assert await _refusal(triton.ModelReady(ts.ModelReadyRequest(name="nope"))) == (
+        grpc.StatusCode.NOT_FOUND,
+        "Request for unknown model: 'nope' is not found",
+    )
+    assert await _refusal(triton.ModelReady(ts.ModelReadyRequest(name=MODEL, version="2"))) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"Request for unknown model: '{MODEL}' version 2 is not found",
+    )
+
+
+NOT_A_VERSION = (
+    "failed to get model version from specified version string 'x' (details: stol), version "
+    "should be an integral value > 0"
+)
+NEGATIVE_VERSION = "invalid model version specified '-1' , version should be an integral value > 0"
+
+
+@pytest.mark.parametrize(("version", "message"), [("x", NOT_A_VERSION), ("-1", NEGATIVE_VERSION)])
+async def test_a_version_that_is_not_a_positive_integer_is_refused_in_triton_words(
+    triton: ts_grpc.GRPCInferenceServiceStub, version: str, message: str
+) -> None:
+    calls = {
+        "ModelReady": triton.ModelReady(ts.ModelReadyRequest(name=MODEL, version=version)),
+        "ModelMetadata": triton.ModelMetadata(ts.ModelMetadataRequest(name=MODEL, version=version)),
+        "ModelConfig": triton.ModelConfig(ts.ModelConfigRequest(name=MODEL, version=version)),
+        "ModelStatistics": triton.ModelStatistics(
+            ts.ModelStatisticsRequest(name=MODEL, version=version)
+        ),
+    }
+    req = request(model="sync_llm", streaming=False)
+    req.model_version = version
+    calls["ModelInfer"] = triton.ModelInfer(req, timeout=60)
+    for name, call in calls.items():
+        assert await _refusal(call) == (grpc.StatusCode.INVALID_ARGUMENT, message), name
+    streamed = request("versioned")
+    streamed.model_version = version
+    (refused,) = await collect(triton, streamed)
+    assert (refused.error_message, refused.infer_response.id) == (message, "versioned")
+
+
+async def test_an_unknown_version_on_a_stream_is_refused_naming_it(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    versioned = request("v2")
+    versioned.model_version = "2"
+    (refused,) = await collect(triton, versioned)
+    assert refused.error_message == f"Request for unknown model: '{MODEL}' version 2 is not found"
+
+
+async def test_statistics_of_an_unknown_model_or_version_are_refused_in_triton_words(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    assert await _refusal(triton.ModelStatistics(ts.ModelStatisticsRequest(name="nope"))) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "requested model 'nope' is not available",
+    )
+    unknown_version = ts.ModelStatisticsRequest(name=MODEL, version="2")
+    assert await _refusal(triton.ModelStatistics(unknown_version)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"requested model version is not available for model '{MODEL}'",
+    )
+    # Without a name: every model, whatever the version says.
+    every = await triton.ModelStatistics(ts.ModelStatisticsRequest(version="2"))
+    assert MODEL in {m.name for m in every.model_stats}
 
 
 async def test_model_config_and_metadata(triton: ts_grpc.GRPCInferenceServiceStub) -> None:
