@@ -346,11 +346,48 @@ def _check_input_count(request: ts.ModelInferRequest, model: ModelSpec, given: s
     )
 
 
+# The request parameters Triton's gRPC frontend reads itself (SetInferenceRequestMetadata), with
+# the value types it takes for each; of the keys starting with "triton_" it allows only these.
+_PARAMETER_TYPES = {
+    "sequence_id": ("int64_param", "string_param"),
+    "sequence_start": ("bool_param",),
+    "sequence_end": ("bool_param",),
+    "priority": ("int64_param", "uint64_param"),
+    "timeout": ("int64_param",),
+    "triton_enable_empty_final_response": ("bool_param",),
+}
+_ANY_PARAMETER = ("int64_param", "bool_param", "string_param", "double_param")
+
+
+def _check_parameters(request: ts.ModelInferRequest) -> None:
+    """Triton's gRPC frontend's checks of a request's parameters, before its inputs."""
+    for key, value in request.parameters.items():
+        kind = value.WhichOneof("parameter_choice")
+        if key.startswith("triton_") and key not in _PARAMETER_TYPES:
+            allowed = " ".join(k for k in _PARAMETER_TYPES if k.startswith("triton_"))
+            raise InferError(
+                "parameter keys starting with 'triton_' are reserved for Triton usage. Only the "
+                f"following keys starting with 'triton_' are allowed: {allowed}"
+            )
+        kinds = _PARAMETER_TYPES.get(key, _ANY_PARAMETER)
+        if kind not in kinds:
+            # Triton's words list the types it takes, but for other keys not double_param.
+            expected = (
+                " or ".join(kinds)
+                if key in _PARAMETER_TYPES
+                else ("int64_param, bool_param, or string_param")
+            )
+            raise InferError(f"invalid value type for '{key}' parameter, expected {expected}.")
+        if key == "priority" and kind == "int64_param" and value.int64_param < 0:
+            raise InferError("invalid value for 'priority', expected value >= 0.")
+
+
 def decode_request(request: ts.ModelInferRequest, model: ModelSpec) -> Decoded:
     """Validates a ModelInferRequest against the model's config like Triton does: its gRPC
-    frontend adds the inputs (a name given twice is refused) and
+    frontend checks the parameters, adds the inputs (a name given twice is refused) and
     finds their data; core checks the requested outputs (kept as a set: a name given twice is
     one output), then the inputs (`_checked_inputs`)."""
+    _check_parameters(request)
     seen: set[str] = set()
     for tensor in request.inputs:
         if tensor.name in seen:

@@ -718,6 +718,72 @@ async def test_declared_inputs_the_engine_does_not_compute_are_refused_not_ignor
     assert "does not implement it; omit it" in responses[0].error_message
 
 
+RESERVED = (
+    "parameter keys starting with 'triton_' are reserved for Triton usage. Only the following "
+    "keys starting with 'triton_' are allowed: triton_enable_empty_final_response"
+)
+ANY_TYPE = "expected int64_param, bool_param, or string_param."
+BAD_PARAMETERS: list[tuple[str, str, Any, str]] = [
+    ("triton_stream", "bool_param", True, RESERVED),
+    (
+        "triton_enable_empty_final_response",
+        "string_param",
+        "true",
+        "invalid value type for 'triton_enable_empty_final_response' parameter, expected "
+        "bool_param.",
+    ),
+    ("priority", "int64_param", -1, "invalid value for 'priority', expected value >= 0."),
+    (
+        "sequence_start",
+        "int64_param",
+        1,
+        "invalid value type for 'sequence_start' parameter, expected bool_param.",
+    ),
+    (
+        "timeout",
+        "string_param",
+        "5s",
+        "invalid value type for 'timeout' parameter, expected int64_param.",
+    ),
+    ("custom", "uint64_param", 3, f"invalid value type for 'custom' parameter, {ANY_TYPE}"),
+    ("unset", "", None, f"invalid value type for 'unset' parameter, {ANY_TYPE}"),
+]
+
+
+@pytest.mark.parametrize(("key", "kind", "value", "message"), BAD_PARAMETERS)
+async def test_request_parameters_are_checked_as_triton_checks_them(
+    triton: ts_grpc.GRPCInferenceServiceStub, key: str, kind: str, value: Any, message: str
+) -> None:
+    """Triton's gRPC frontend reads a request's parameters before its inputs: reserved keys and
+    the value types of those it reads itself are refused INVALID_ARGUMENT."""
+
+    def spoilt(model: str, streaming: bool) -> ts.ModelInferRequest:
+        req = _duplicated(request("params", model=model, streaming=streaming))  # inputs later
+        if kind:
+            setattr(req.parameters[key], kind, value)
+        else:
+            req.parameters[key].SetInParent()
+        return req
+
+    (refused,) = await collect(triton, spoilt(MODEL, True))
+    assert (refused.error_message, refused.infer_response.id) == (message, "params")
+    assert not refused.infer_response.parameters  # not issued: no final flag
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await triton.ModelInfer(spoilt("sync_llm", False))
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+async def test_parameters_triton_takes_are_served(triton: ts_grpc.GRPCInferenceServiceStub) -> None:
+    req = request("taken", max_tokens=2)
+    req.parameters["custom"].double_param = 1.5
+    req.parameters["priority"].uint64_param = 2
+    req.parameters["sequence_id"].string_param = "s"
+    req.parameters["timeout"].int64_param = 10_000_000
+    responses = await collect(triton, req)
+    assert not [m.error_message for m in responses if m.error_message]
+    assert is_final(responses[-1].infer_response)
+
+
 def _duplicated(req: ts.ModelInferRequest) -> ts.ModelInferRequest:
     _tensor(req, "request_output_len", "INT32", "i", [50])
     return req
