@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,10 @@ def _response(
             if name in declared and (not wanted or name in wanted):
                 wire.add_output(response, name, datatype, [value], [1, 1])
     return response
+
+
+# One answer on a stream: a response, or an error to send in-band (or out of band).
+_Answer = ts.ModelStreamInferResponse | InferError
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:
@@ -613,6 +618,15 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self.cancel_request(request.id)
         return _response(model.entry.name, request, None, True)
 
+    def _decoupled(self, request: ts.ModelInferRequest) -> bool:
+        """Whether Triton's stream handler takes the request to be for a decoupled model: the
+        server is not stopping and the model it names is found and decoupled."""
+        try:
+            model = self.lookup(request.model_name, request.model_version)
+        except InferError:
+            return False
+        return not self.stopping and model.entry.decoupled
+
     async def ModelStreamInfer(
         self,
         request_iterator: AsyncIterator[ts.ModelInferRequest],
@@ -635,18 +649,34 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         (Triton's `triton_grpc_error` header: the stream ends with the error's status). Leaving
         early (the client closed or cancelled the stream) cancels whatever runs on it."""
         loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[ts.ModelStreamInferResponse | InferError | None] = asyncio.Queue()
+        outbox: asyncio.Queue[_Answer | None] = asyncio.Queue()
         jobs: set[Job] = set()
         reading = True
+        # The answers to requests Triton does not know to be for a decoupled model, one each,
+        # leave in the order the requests came (its stream handler queues them:
+        # EnqueueForResponse); a decoupled model's leave as they come.
+        ordered: deque[list[_Answer]] = deque()
 
-        async def start(request: ts.ModelInferRequest) -> None:
+        def in_order() -> Callable[[_Answer], None]:
+            slot: list[_Answer] = []
+            ordered.append(slot)
+
+            def put(answer: _Answer) -> None:
+                slot.append(answer)
+                while ordered and ordered[0]:
+                    outbox.put_nowait(ordered.popleft()[0])
+
+            return put
+
+        async def start(request: ts.ModelInferRequest, put: Callable[[_Answer], None]) -> None:
             clock = RequestClock()
             if self.stopping:
                 raise InferError(STOPPING, grpc.StatusCode.UNAVAILABLE)
             model = self.lookup(request.model_name, request.model_version)
             decoded = decode_request(request, model)
             if decoded.stop:
-                stop(request, model)
+                response = self.stop_request(request, model)
+                put(ts.ModelStreamInferResponse(infer_response=response))
                 return
             await compile_guide(decoded, model, request)
             clock.taken()
@@ -663,7 +693,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             def fail(job: Job, exc: Exception) -> None:
                 """Its final error response, once; the job is cancelled and what it still
                 emits is dropped."""
-                outbox.put_nowait(_fault(request, exc))
+                put(_fault(request, exc))
                 job.cancel.set()
                 clock.computed()
                 statistics.finished(clock, ok=False)
@@ -676,7 +706,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                     failure = InferError(e.error, grpc.StatusCode.INTERNAL)
                     failure.request_id = request.id
                     failure.issued = (request.model_name, request.model_version, e.final)
-                    outbox.put_nowait(failure)
+                    put(failure)
                 else:
                     # A final emission without tokens is a stopped or cancelled request: the
                     # executor's final result, sent with (empty) outputs, never dropped.
@@ -691,7 +721,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                         e.log_probs,
                         e.top_logprobs,
                     )
-                    outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
+                    put(ts.ModelStreamInferResponse(infer_response=response))
                 if e.final:
                     statistics.finished(clock, ok=not e.error)
                     finish(job)
@@ -702,10 +732,6 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             job = self._submit(model, request, decoded, emit)
             jobs.add(job)
             clock.enqueued()
-
-        def stop(request: ts.ModelInferRequest, model: EngineModel) -> None:
-            response = self.stop_request(request, model)
-            outbox.put_nowait(ts.ModelStreamInferResponse(infer_response=response))
 
         def finish(job: Job) -> None:
             jobs.discard(job)
@@ -721,13 +747,14 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             nonlocal reading
             try:
                 async for request in request_iterator:
+                    put = outbox.put_nowait if self._decoupled(request) else in_order()
                     try:
-                        await start(request)
+                        await start(request, put)
                     except InferError as exc:
                         exc.request_id = request.id
-                        outbox.put_nowait(exc)
+                        put(exc)
                     except Exception as exc:  # a fault of this server's code: that request's
-                        outbox.put_nowait(_fault(request, exc))
+                        put(_fault(request, exc))
             finally:
                 reading = False
                 if not jobs:

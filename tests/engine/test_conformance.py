@@ -891,6 +891,27 @@ async def test_stop_through_model_infer_cancels_and_generates_nothing(
     assert err.value.details() == "Trying to stop a request but request ID is not provided"
 
 
+async def test_responses_for_a_model_that_is_not_decoupled_keep_the_request_order(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """Triton's stream handler queues a request for a model that is not decoupled (or one it
+    could not look up) so that its response leaves in request order; a decoupled model's
+    responses leave as they come."""
+    bad_parameter = request("bad-parameter", model="sync_llm", streaming=False)
+    bad_parameter.parameters["triton_x"].bool_param = True
+    requests = [
+        request("long", model="sync_llm", max_tokens=1000, streaming=False),
+        request("unknown-model", model="nope"),
+        bad_parameter,
+        request("decoupled", max_tokens=1),
+        request("short", model="sync_llm", max_tokens=1, streaming=False),
+    ]
+    ids = [m.infer_response.id for m in await collect(triton, *requests)]
+    assert ids.index("decoupled") < ids.index("long")
+    ids.remove("decoupled")
+    assert ids == ["long", "unknown-model", "bad-parameter", "short"]
+
+
 async def test_a_cancelled_model_infer_call_is_counted_once(
     engine: Engine, triton: ts_grpc.GRPCInferenceServiceStub
 ) -> None:
