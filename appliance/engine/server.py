@@ -471,7 +471,11 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self, request: ts.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelInferResponse:
         try:
-            return await self._model_infer(request, context)
+            response = await self._model_infer(request, context)
+            # The final flag is a stream's (Triton's stream handler sets it); ModelInfer's
+            # response carries none.
+            del response.parameters["triton_final_response"]
+            return response
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # a fault of this server's code: the call's error, as a stream's
