@@ -243,9 +243,11 @@ async def _no_region(context: grpc.aio.ServicerContext, kind: str, name: str) ->
 class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     def __init__(self, models: dict[str, EngineModel]) -> None:
         self.models = models
-        # Request id -> the jobs running or queued under it (for stop=true). A set: a client may
-        # send any number of requests under one id, and each is forgotten in constant time.
-        self._by_id: dict[str, set[Job]] = {}
+        # (Model, request id) -> the jobs running or queued under it (for stop=true, which
+        # reaches the model it is sent to only, as each model's backend keeps its own ids). A
+        # set: a client may send any number of requests under one id, and each is forgotten in
+        # constant time.
+        self._by_id: dict[tuple[str, str], set[Job]] = {}
         # Every job queued or running, with its model (jobs compare by identity).
         self._live: dict[Job, str] = {}
         self.statistics = {name: ModelStatistics() for name in models}
@@ -579,18 +581,21 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         )
         job.emit = functools.partial(emit, job)
         if request.id:
-            self._by_id.setdefault(request.id, set()).add(job)
-        self._live[job] = request.model_name
+            self._by_id.setdefault((model.entry.name, request.id), set()).add(job)
+        self._live[job] = model.entry.name
         model.runner.submit(job)
         return job
 
     def _forget(self, job: Job) -> None:
-        self._live.pop(job, None)
-        jobs = self._by_id.get(job.request_id)
+        model = self._live.pop(job, None)
+        if model is None:  # forgotten already
+            return
+        key = (model, job.request_id)
+        jobs = self._by_id.get(key)
         if jobs is not None and job in jobs:
             jobs.discard(job)
             if not jobs:
-                del self._by_id[job.request_id]
+                del self._by_id[key]
 
     def pending_by_model(self) -> dict[str, int]:
         """Requests queued or running, by model (Triton's pending request count)."""
@@ -603,9 +608,10 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         """Requests queued or running under an id (what `stop=true` can reach)."""
         return sum(len(jobs) for jobs in self._by_id.values())
 
-    def cancel_request(self, request_id: str) -> int:
-        """What `stop=true` does: cancels every job queued or running under this id."""
-        jobs = self._by_id.get(request_id, set())
+    def cancel_request(self, model: str, request_id: str) -> int:
+        """What `stop=true` does: cancels every job of the model queued or running under this
+        id."""
+        jobs = self._by_id.get((model, request_id), set())
         for job in jobs:
             job.cancel.set()
         return len(jobs)
@@ -619,7 +625,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             raise refused_after_core(
                 request, InferError("Trying to stop a request but request ID is not provided")
             )
-        self.cancel_request(request.id)
+        self.cancel_request(model.entry.name, request.id)
         return _response(model.entry.name, request, None, True)
 
     def _decoupled(self, request: ts.ModelInferRequest) -> bool:

@@ -578,6 +578,19 @@ async def test_a_stopped_request_that_does_not_stream_returns_what_it_generated(
     assert generated[: len(expected)] == expected[: len(generated)]
 
 
+async def test_a_stop_reaches_only_the_model_it_is_sent_to(
+    triton: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """Each model's backend keeps its own ids: a stop sent to one model leaves a request under
+    the same id on another running."""
+    call, outgoing = await _first_token_then(triton, request("shared-id", max_tokens=300))
+    (answer,) = await collect(triton, request("shared-id", model="sync_llm", stop=True))
+    assert not answer.error_message
+    await outgoing.put(None)
+    rest = await read_rest(call)
+    assert sum(len(tokens_of(r)) for r in rest) == 299  # the first one was read before
+
+
 async def test_stop_without_a_request_id_is_an_in_band_error(
     triton: ts_grpc.GRPCInferenceServiceStub,
 ) -> None:

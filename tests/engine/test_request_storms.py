@@ -84,7 +84,7 @@ async def test_storms_of_streams_cancels_and_stops_leave_the_engine_idle(
     twins = [
         asyncio.ensure_future(collect(triton, request("twin", max_tokens=LONG))) for _ in range(2)
     ]
-    await until_async(lambda: len(service._by_id.get("twin", [])) == 2)
+    await until_async(lambda: len(service._by_id.get((MODEL, "twin"), [])) == 2)
     for stop_id in ("twin", "never-sent", "stopped-0"):
         (answer,) = await collect(triton, request(stop_id, stop=True))
         assert is_final(answer.infer_response) and not answer.infer_response.outputs
@@ -157,7 +157,7 @@ async def test_closing_a_stream_of_many_requests_under_one_id_is_linear(
     await until_async(lambda: service.pending_requests() == count)
     await first
     await responses.aclose()
-    assert service.pending_requests() == 0 and "one-id" not in service._by_id
+    assert service.pending_requests() == 0 and (MODEL, "one-id") not in service._by_id
     assert compared <= count
     runner = engine.models[MODEL].runner
     await until_engine(runner.stats, lambda: runner._jobs.empty() and runner.stats.running is None)
