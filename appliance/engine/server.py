@@ -97,7 +97,8 @@ EXTENSIONS = ("model_configuration", "statistics", "parameters")
 # grpc/infer_handler.cc, while `accepting_new_conn_` is false).
 STOPPING = "GRPC server is shutting down and has stopped accepting new requests."
 # Triton core's answers (UNAVAILABLE) once it is exiting: to ServerLive and ServerReady
-# (InferenceServer::IsLive, IsReady), and to ModelReady (ModelIsReady) (core src/server.cc).
+# (InferenceServer::IsLive, IsReady), and to ModelReady, ModelMetadata, ModelStatistics and
+# RepositoryIndex (ModelIsReady, ModelReadyVersions, RepositoryIndex) (core src/server.cc).
 EXITING = "Server exiting"
 NOT_READY = "Server not ready"
 
@@ -335,6 +336,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self, request: ts.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelMetadataResponse:
         model = await self._model(request.name, request.version, context)
+        if self.stopping:  # core's ModelReadyVersions
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
         config = model.entry.config
         batch = [-1] if config.max_batch_size > 0 else []
         reply = ts.ModelMetadataResponse(name=config.name, versions=["1"], platform=config.backend)
@@ -361,6 +364,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             version = model_version(request.version)
         except InferError as exc:
             await context.abort(exc.code, exc.message)
+        if self.stopping:  # core's ModelReadyVersions
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
         # Triton core's refusals (TRITONSERVER_ServerModelStatistics); without a name, every
         # model's, whatever the version.
         if request.name and request.name not in self.models:
@@ -390,6 +395,8 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "'repository_name' specification is not supported"
             )
+        if self.stopping:  # core's RepositoryIndex
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
         reply = ts.RepositoryIndexResponse()
         for name in sorted(self.models):
             reply.models.add(name=name, version="1", state="READY")

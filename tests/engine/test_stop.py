@@ -191,6 +191,11 @@ async def test_a_request_sent_while_stopping_is_refused_as_triton_refuses_it(
             "ServerLive": await _refused(stub.ServerLive(ts.ServerLiveRequest())),
             "ServerReady": await _refused(stub.ServerReady(ts.ServerReadyRequest())),
             "ModelReady": await _refused(stub.ModelReady(ts.ModelReadyRequest(name=MODEL))),
+            "ModelMetadata": await _refused(
+                stub.ModelMetadata(ts.ModelMetadataRequest(name=MODEL))
+            ),
+            "ModelStatistics": await _refused(stub.ModelStatistics(ts.ModelStatisticsRequest())),
+            "RepositoryIndex": await _refused(stub.RepositoryIndex(ts.RepositoryIndexRequest())),
             "ModelInfer": await _refused(
                 stub.ModelInfer(request("unary", model="sync_llm", streaming=False))
             ),
@@ -199,8 +204,14 @@ async def test_a_request_sent_while_stopping_is_refused_as_triton_refuses_it(
             "ServerLive": (grpc.StatusCode.UNAVAILABLE, EXITING),
             "ServerReady": (grpc.StatusCode.UNAVAILABLE, EXITING),
             "ModelReady": (grpc.StatusCode.UNAVAILABLE, NOT_READY),
+            "ModelMetadata": (grpc.StatusCode.UNAVAILABLE, NOT_READY),
+            "ModelStatistics": (grpc.StatusCode.UNAVAILABLE, NOT_READY),
+            "RepositoryIndex": (grpc.StatusCode.UNAVAILABLE, NOT_READY),
             "ModelInfer": (grpc.StatusCode.UNAVAILABLE, STOPPING),
         }
+        # Core looks a model's config up without asking whether the server is ready.
+        config = await stub.ModelConfig(ts.ModelConfigRequest(name=MODEL))
+        assert config.config.name == MODEL
         # On a stream already open: refused in-band, naming the request; the request in flight
         # on it goes on.
         await running.write(request("late", max_tokens=2))
