@@ -64,6 +64,10 @@ class ModelStatistics:
     compute_input: _Duration = field(default_factory=_Duration)
     compute_infer: _Duration = field(default_factory=_Duration)
     compute_output: _Duration = field(default_factory=_Duration)
+    # The batch statistics (batch size 1): every request reported, failed ones too.
+    batch_input: _Duration = field(default_factory=_Duration)
+    batch_infer: _Duration = field(default_factory=_Duration)
+    batch_output: _Duration = field(default_factory=_Duration)
     last_inference_ms: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -76,6 +80,11 @@ class ModelStatistics:
         compute_end = clock.compute_end or compute_start
         with self.lock:
             self.last_inference_ms = time.time_ns() // 1_000_000
+            # The backend reports the batch (TRITONBACKEND_ModelInstanceReportBatchStatistics)
+            # whether the request failed or not.
+            self.batch_input.add(compute_start - exec_start)
+            self.batch_infer.add(compute_end - compute_start)
+            self.batch_output.add(end - compute_end)
             if not ok:
                 self.fail.add(end - clock.arrival)
                 return
@@ -108,9 +117,9 @@ class ModelStatistics:
             self.compute_input.write(stats.compute_input)
             self.compute_infer.write(stats.compute_infer)
             self.compute_output.write(stats.compute_output)
-            if self.success.count:
+            if self.batch_infer.count:
                 # Every execution is one request (batch size 1).
                 batch = out.batch_stats.add(batch_size=1)
-                self.compute_input.write(batch.compute_input)
-                self.compute_infer.write(batch.compute_infer)
-                self.compute_output.write(batch.compute_output)
+                self.batch_input.write(batch.compute_input)
+                self.batch_infer.write(batch.compute_infer)
+                self.batch_output.write(batch.compute_output)

@@ -578,6 +578,38 @@ async def test_a_stopped_request_that_does_not_stream_returns_what_it_generated(
     assert generated[: len(expected)] == expected[: len(generated)]
 
 
+async def test_a_request_failed_while_computing_counts_as_a_failed_execution(
+    triton: ts_grpc.GRPCInferenceServiceStub, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend reports a failed request's statistics and its batch's (size 1): Triton
+    counts it as a failure and an execution, in batch_stats too, but not as an inference."""
+
+    async def snapshot() -> ts.ModelStatistics:
+        reply = await triton.ModelStatistics(ts.ModelStatisticsRequest(name="legacy_names_llm"))
+        return reply.model_stats[0]
+
+    def fail(job: object) -> None:
+        raise RuntimeError("injected")
+
+    def counts(stats: ts.ModelStatistics) -> tuple[int, ...]:
+        batches = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
+        inference = stats.inference_stats
+        return (
+            stats.inference_count,
+            stats.execution_count,
+            inference.success.count,
+            inference.fail.count,
+            batches.get(1, 0),
+        )
+
+    before = counts(await snapshot())
+    monkeypatch.setattr(engine.models["legacy_names_llm"].runner, "_run", fail)
+    (failed,) = await collect(triton, request("doomed", model="legacy_names_llm"))
+    assert failed.error_message == "engine failure: injected"
+    after = counts(await snapshot())
+    assert [a - b for a, b in zip(after, before, strict=True)] == [0, 1, 0, 1, 1]
+
+
 async def test_a_stop_reaches_only_the_model_it_is_sent_to(
     triton: ts_grpc.GRPCInferenceServiceStub,
 ) -> None:
