@@ -650,7 +650,7 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ts.ModelStreamInferResponse]:
         metadata = dict(context.invocation_metadata() or ())
-        errors_out_of_band = str(metadata.get("triton_grpc_error", "")).lower() == "true"
+        errors_out_of_band = metadata.get("triton_grpc_error") == "true"  # exactly, as Triton
         async for response in self.stream(
             request_iterator, context.abort if errors_out_of_band else None
         ):

@@ -429,6 +429,11 @@ async def test_error_header_turns_errors_into_a_grpc_status(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(triton, request(model="nope"), metadata=(("triton_grpc_error", "true"),))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # Triton compares the header's value with "true" exactly: any other leaves errors in-band.
+    (refused,) = await collect(
+        triton, request(model="nope"), metadata=(("triton_grpc_error", "True"),)
+    )
+    assert refused.error_message == "Request for unknown model: 'nope' is not found"
 
 
 async def test_model_infer_is_refused_for_a_decoupled_model(
