@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from tritonclient.grpc import model_config_pb2 as mc
@@ -220,7 +220,7 @@ def _response(
 
 
 # One answer on a stream: a response, or an error to send in-band (or out of band).
-_Answer = ts.ModelStreamInferResponse | InferError
+_Answer: TypeAlias = ts.ModelStreamInferResponse | InferError
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

@@ -41,6 +41,7 @@ from appliance.tools import processes
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Engine, Tiny
+from tests.engine.test_conformance import MODEL as ENGINE_MODEL
 from tests.engine.test_conformance import is_final, request
 from tests.engine.test_engine_process import engine_cli
 from tests.gateway.stack import MODEL, engine_and_gateway
@@ -243,9 +244,11 @@ async def test_closing_the_connection_cancels_a_request_still_queued(engine: Eng
     await running_reader.read(1)
     _, queued = await _raw(engine.stream_socket)
     queued.write(PREAMBLE + frame(request("queued", max_tokens=4)))
-    await until_async(lambda: set(engine.service._by_id) == {"running", "queued"})
+    await until_async(
+        lambda: set(engine.service._by_id) == {(ENGINE_MODEL, "running"), (ENGINE_MODEL, "queued")}
+    )
     queued.close()
-    await until_async(lambda: set(engine.service._by_id) == {"running"})
+    await until_async(lambda: set(engine.service._by_id) == {(ENGINE_MODEL, "running")})
     running.close()
     await until_async(lambda: not engine.service._by_id)
 
