@@ -53,6 +53,9 @@ class InferError(Exception):
         # A failure of an issued request: Triton's in-band error also names the model and says
         # whether it is the request's last response.
         self.issued: tuple[str, str, bool] | None = None  # model name, version, final
+        # Refused by TensorRT-LLM's executor: it arrives as the request's error response, whose
+        # statistics the backend reports (a failed execution); nothing else refused is counted.
+        self.executor = False
 
     def in_band(self) -> ts.ModelStreamInferResponse:
         """The error as a stream's response (`error_message`, the request's id)."""
@@ -78,7 +81,9 @@ def refused_after_core(request: ts.ModelInferRequest, error: InferError) -> Infe
 def _executor_error(message: str) -> InferError:
     """A request TensorRT-LLM's executor refuses: the backend answers with the executor's message
     after its own prefix."""
-    return InferError(f"Executor failed process requestId 0 due to the following error: {message}")
+    error = InferError(f"Executor failed process requestId 0 due to the following error: {message}")
+    error.executor = True
+    return error
 
 
 # Inputs of the TensorRT-LLM template this engine does not compute, with the value that changes

@@ -504,17 +504,19 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 grpc.StatusCode.UNIMPLEMENTED,
                 "ModelInfer RPC doesn't support models with decoupled transaction policy",
             )
+        statistics = self.statistics[model.entry.name]
         try:
             decoded = decode_request(request, model)
             if decoded.stop:
                 return self.stop_request(request, model)
             await compile_guide(decoded, model, request)
         except InferError as exc:
+            if exc.executor:
+                statistics.finished(clock, ok=False)
             await context.abort(exc.code, exc.message)
         clock.taken()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Emission] = loop.create_future()
-        statistics = self.statistics[model.entry.name]
 
         def ended(e: Emission) -> None:
             if done.cancelled():
@@ -690,14 +692,19 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             if self.stopping:
                 raise InferError(STOPPING, grpc.StatusCode.UNAVAILABLE)
             model = self.lookup(request.model_name, request.model_version)
-            decoded = decode_request(request, model)
+            statistics = self.statistics[model.entry.name]
+            try:
+                decoded = decode_request(request, model)
+            except InferError as exc:
+                if exc.executor:
+                    statistics.finished(clock, ok=False)
+                raise
             if decoded.stop:
                 response = self.stop_request(request, model)
                 put(ts.ModelStreamInferResponse(infer_response=response))
                 return
             await compile_guide(decoded, model, request)
             clock.taken()
-            statistics = self.statistics[model.entry.name]
 
             def deliver(job: Job, e: Emission) -> None:
                 if job not in jobs:  # answered already: a fault ended it (`fail`)

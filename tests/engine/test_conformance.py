@@ -615,6 +615,36 @@ async def test_a_request_failed_while_computing_counts_as_a_failed_execution(
     assert [a - b for a, b in zip(after, before, strict=True)] == [0, 1, 0, 1, 1]
 
 
+async def test_a_request_the_executor_refuses_counts_as_a_failed_execution(
+    triton: ts_grpc.GRPCInferenceServiceStub, engine: Engine
+) -> None:
+    """The executor refuses a request with an error response, whose statistics the backend
+    reports (a failure and an execution); a request the backend itself refuses as it reads it is
+    never reported."""
+
+    async def counts() -> tuple[int, ...]:
+        reply = await triton.ModelStatistics(ts.ModelStatisticsRequest(name="legacy_names_llm"))
+        stats = reply.model_stats[0]
+        batches = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
+        inference = stats.inference_stats
+        return (
+            stats.execution_count,
+            inference.success.count,
+            inference.fail.count,
+            batches.get(1, 0),
+        )
+
+    vocab = engine.models["legacy_names_llm"].vocab_size
+    before = await counts()
+    (refused,) = await collect(triton, request("far-end", model="legacy_names_llm", end_id=vocab))
+    assert "is not within acceptable range" in refused.error_message
+    executor = await counts()
+    assert [a - b for a, b in zip(executor, before, strict=True)] == [1, 0, 1, 1]
+    (refused,) = await collect(triton, request("", model="legacy_names_llm", stop=True))
+    assert refused.error_message == "Trying to stop a request but request ID is not provided"
+    assert await counts() == executor
+
+
 async def test_a_stop_reaches_only_the_model_it_is_sent_to(
     triton: ts_grpc.GRPCInferenceServiceStub,
 ) -> None:
@@ -676,7 +706,8 @@ async def test_statistics_count_finished_requests_with_triton_breakdown(
     assert stats.compute_infer.ns > before.inference_stats.compute_infer.ns
     assert after.last_inference >= before.last_inference
     assert [b.batch_size for b in after.batch_stats] == [1]
-    assert after.batch_stats[0].compute_infer.count == stats.success.count
+    # Every execution, failed ones too, is one batch of size 1.
+    assert after.batch_stats[0].compute_infer.count == after.execution_count
 
 
 async def test_server_metadata_lists_the_extensions_served(
