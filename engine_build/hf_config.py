@@ -10,6 +10,7 @@ handle (the torch decoder runs only ``LlamaForCausalLM``) is refused by that con
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,12 +100,19 @@ def _int(raw: Mapping[str, Any], key: str, where: Path, default: int | None = No
 
 
 def _float(raw: Mapping[str, Any], key: str, where: Path, default: float) -> float:
+    """A finite positive JSON number (an integer too large for a float is refused too)."""
     value = raw.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    number = None
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = None
+    if number is None or not math.isfinite(number) or number <= 0:
         raise CheckpointError(f"{where}: {key!r} must be a positive number, got {value!r}")
-    return float(value)
+    return number
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -123,8 +131,8 @@ def _rope(raw: Mapping[str, Any], where: Path) -> tuple[float, str, Llama3RopeSc
     """
     params = raw.get("rope_parameters")
     theta_default = 10000.0
-    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
-        theta_default = float(params["rope_theta"])
+    if isinstance(params, Mapping):
+        theta_default = _float(params, "rope_theta", where, theta_default)
     theta = _float(raw, "rope_theta", where, theta_default)
     scaling = raw.get("rope_scaling")
     if scaling is None:
@@ -136,18 +144,19 @@ def _rope(raw: Mapping[str, Any], where: Path) -> tuple[float, str, Llama3RopeSc
     kind = scaling.get("rope_type", scaling.get("type")) or "default"
     if kind != "llama3":
         return theta, str(kind), None
-    try:
-        llama3 = Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [name for name in names if scaling.get(name) is None]
+    if missing:
         raise CheckpointError(
             f"{where}: llama3 rope_scaling needs numeric factor, low_freq_factor, "
-            f"high_freq_factor and original_max_position_embeddings; got {dict(scaling)!r}"
-        ) from exc
+            f"high_freq_factor and original_max_position_embeddings; missing {', '.join(missing)}"
+        )
+    llama3 = Llama3RopeScaling(
+        factor=_float(scaling, "factor", where, 0.0),
+        low_freq_factor=_float(scaling, "low_freq_factor", where, 0.0),
+        high_freq_factor=_float(scaling, "high_freq_factor", where, 0.0),
+        original_max_position_embeddings=_int(scaling, "original_max_position_embeddings", where),
+    )
     return theta, kind, llama3
 
 

@@ -20,6 +20,7 @@ Llama-3.1-70B: H=8192, I=28672, L=80, heads 64, KV 8.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,42 @@ def test_more_memory_never_unfits_and_fp8_never_costs_more(
     if tp > 1:
         half = spec(tp_size=tp // 2, quantization=s.quantization, kv_cache_dtype=s.kv_cache_dtype)
         assert planner.weight_bytes_per_gpu(sh, s) <= planner.weight_bytes_per_gpu(sh, half)
+
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": [1]}}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10**400}}, "rope_theta"),
+        ({"rope_theta": 10**400}, "rope_theta"),
+        ({"rms_norm_eps": 10**400}, "rms_norm_eps"),
+        ({"rope_scaling": {**LLAMA3_SCALING, "factor": 10**400}}, "factor"),
+        ({"rope_scaling": {**LLAMA3_SCALING, "factor": "nan"}}, "factor"),
+        ({"rope_scaling": {**LLAMA3_SCALING, "low_freq_factor": True}}, "low_freq_factor"),
+        (
+            {"rope_scaling": {**LLAMA3_SCALING, "original_max_position_embeddings": 8192.5}},
+            "original_max_position_embeddings",
+        ),
+    ],
+)
+def test_config_numbers_out_of_any_range_are_one_line_errors(
+    overrides: dict[str, Any], key: str
+) -> None:
+    """A config.json number that is not a finite positive number is a CheckpointError naming
+    the key, never a ValueError/OverflowError traceback or a NaN carried into RoPE."""
+    cfg = json.loads((DATA / "llama-3.1-8b" / "config.json").read_text())
+    cfg.update(overrides)
+    if "rope_parameters" in overrides:
+        del cfg["rope_scaling"], cfg["rope_theta"]
+    with pytest.raises(BuildError, match=key):
+        shape_from_config(cfg, Path("c.json"))
