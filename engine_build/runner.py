@@ -27,7 +27,7 @@ from typing import TextIO
 
 from engine_build import commands
 from engine_build.checkpoint import fingerprint_tree
-from engine_build.errors import BuildError
+from engine_build.errors import BuildError, SpecError
 from engine_build.spec import BuildSpec
 
 STAMP = ".engine_build_stamp.json"
@@ -147,6 +147,52 @@ def probe_version(spec: BuildSpec) -> str:
     return full
 
 
+def calib_dataset_problem(value: str) -> str | None:
+    """Why quantize.py cannot load this ``--calib_dataset`` (None: it can).
+
+    Its calibration loader knows ``pileval``, names containing ``cnn_dailymail`` or
+    ``scienceqa``/``science_qa`` (fetched from the hub) and local dataset directories (a train
+    split with a text column); anything else raises NotImplementedError, after the model has
+    been loaded. A relative directory is relative to where ``build`` runs, as for quantize.py.
+    """
+    lowered = value.lower()
+    if value == "pileval" or "cnn_dailymail" in value:
+        return None
+    if "scienceqa" in lowered or "science_qa" in lowered or Path(value).is_dir():
+        return None
+    return (
+        f"{value!r} is neither a dataset quantize.py knows by name (cnn_dailymail, pileval, "
+        "scienceqa) nor an existing directory; give a local dataset directory (train split, "
+        "text column)"
+    )
+
+
+def check_stage_inputs(spec: BuildSpec, stage: Stage) -> None:
+    """Refuse, before any output is removed, a stage whose tool or input is missing on this host:
+    the venv's python/trtllm-build, the script it runs, the calibration dataset. A container's
+    tools are not checked (they live in its image)."""
+    argv = stage.argv_for(stage.output)
+    where = spec.source
+    t = spec.trtllm
+    if t.venv is not None:
+        tool = Path(argv[0])
+        if not tool.is_file():
+            raise SpecError(
+                f"{where}: key 'trtllm.venv': {tool} missing: {t.venv} is not a TensorRT-LLM "
+                "1.2 virtual environment (bin/python, bin/trtllm-build)"
+            )
+        if tool.name.startswith("python") and not Path(argv[1]).is_file():
+            raise SpecError(
+                f"{where}: key 'trtllm.quantize_script': {argv[1]} is not a file (the "
+                "examples/ of the TensorRT-LLM 1.2 sources: quantization/quantize.py, and "
+                "<mode>/convert_checkpoint.py beside it)"
+            )
+    if "--calib_dataset" in argv:
+        why = calib_dataset_problem(argv[argv.index("--calib_dataset") + 1])
+        if why:
+            raise SpecError(f"{where}: key 'precision.calib_dataset': {why}")
+
+
 def read_stamp(directory: Path) -> str | None:
     try:
         data = json.loads((directory / STAMP).read_text(encoding="utf-8"))
@@ -202,6 +248,9 @@ class BuildRunner:
                 self._say(f"==> {label} running ({fp[:12]})")
                 # This stage's old output and everything downstream are stale: an engine built
                 # from other inputs must not survive a failed rebuild and then be served.
+                # A stage that cannot start must not cost the outputs that still work.
+                for later in all_stages[index - 1 :]:
+                    check_stage_inputs(self.spec, later)
                 for later in all_stages[index - 1 :]:
                     _remove(later.output)
                 seconds = self._run_stage(stage, fp, label)

@@ -311,6 +311,11 @@ def _parse_trtllm(top: _Table, base: Path) -> TrtllmInstall:
             "from the TensorRT-LLM 1.2 sources; inside the container for 'container')",
         )
     script = str(t.get("quantize_script", str, ""))
+    # An empty path would resolve to the spec's own folder.
+    if not script:
+        t.fail("quantize_script", "must not be empty")
+    if venv == "":
+        t.fail("venv", "must not be empty")
     if venv is not None:
         return TrtllmInstall(_resolve(base, venv), (), str(_resolve(base, script)))
     assert container is not None
@@ -382,6 +387,9 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
             else:
                 assert isinstance(kind, type)
                 values[name] = t.get(key, kind, None)
+                if values[name] == "":
+                    # An empty name or path is never meant: quantize.py cannot load "".
+                    t.fail(key, "must not be empty")
     values["trtllm"] = _parse_trtllm(top, base)
     values["speculative"] = _parse_speculative(top, base)
     model = tables["model"]

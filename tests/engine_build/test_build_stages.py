@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from engine_build import runner
-from engine_build.errors import BuildError
+from engine_build.errors import BuildError, SpecError
 from engine_build.spec import BuildSpec, load_spec
 
-from .conftest import read_calls, spec_sections, write_spec
+from .conftest import make_fake_trtllm, read_calls, spec_sections, write_spec
 
 
 def make_spec(
@@ -283,3 +283,55 @@ def test_failed_stand_in_engine_rebuild_removes_the_stale_engine(
         run(changed)
     assert (changed.checkpoint_dir / "rank0.safetensors").is_file()  # still valid, kept
     assert not changed.engine_dir.exists()  # built with the other GEMM plugin: gone
+
+
+def test_missing_quantize_script_refused_before_the_built_engine_is_removed(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
+) -> None:
+    run(make_spec(tmp_path, checkpoint, fake_trtllm))
+    moved = make_spec(
+        tmp_path,
+        checkpoint,
+        fake_trtllm,
+        trtllm={"quantize_script": str(tmp_path / "TensorRT-LLM" / "quantize.py")},
+    )
+    with pytest.raises(SpecError, match=r"key 'trtllm\.quantize_script': .*quantize\.py") as info:
+        run(moved)
+    assert "\n" not in str(info.value)
+    assert tools(calls) == ["quantize.py", "trtllm-build"]  # nothing ran the second time
+    assert (moved.engine_dir / "rank0.engine").is_file()  # and nothing was removed
+
+
+def test_venv_without_trtllm_build_refused_before_any_stage(
+    tmp_path: Path, checkpoint: Path, calls: Path
+) -> None:
+    venv_dir = make_fake_trtllm(tmp_path / "trtllm")
+    (venv_dir / "bin" / "trtllm-build").unlink()
+    spec = make_spec(tmp_path, checkpoint, venv_dir)
+    with pytest.raises(SpecError, match=r"key 'trtllm\.venv': .*bin/trtllm-build"):
+        run(spec)
+    assert read_calls(calls) == []
+    assert not spec.checkpoint_dir.exists()
+
+
+@pytest.mark.parametrize("dataset", ["/nonexistent/calibration", "wikitext"])
+def test_calibration_dataset_quantize_py_cannot_load_refused_before_any_stage(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path, dataset: str
+) -> None:
+    """quantize.py loads the model for minutes, then raises NotImplementedError for a dataset
+    that is neither one it knows by name nor a directory."""
+    spec = make_spec(tmp_path, checkpoint, fake_trtllm, precision={"calib_dataset": dataset})
+    with pytest.raises(SpecError, match=r"key 'precision\.calib_dataset': .*directory"):
+        run(spec)
+    assert read_calls(calls) == []
+
+
+def test_calibration_dataset_directory_and_hub_names_pass(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path, calls: Path
+) -> None:
+    local = tmp_path / "calib"
+    local.mkdir()
+    for dataset in (str(local), "cnn_dailymail", "abisee/cnn_dailymail", "pileval"):
+        spec = make_spec(tmp_path, checkpoint, fake_trtllm, precision={"calib_dataset": dataset})
+        run(spec)
+    assert tools(calls).count("quantize.py") == 4

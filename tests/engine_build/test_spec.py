@@ -139,6 +139,10 @@ BAD: list[tuple[dict[str, dict[str, Any]], str]] = [
     # Byte sizes carry their unit: a bare number would be bytes.
     ({"plan": {"runtime_overhead": 1024}}, "key 'plan.runtime_overhead': expected str, got int"),
     ({"plan": {"runtime_overhead": "1024"}}, "expected a number with a unit, such as 80GiB"),
+    # An empty path would name the spec's own folder (or pass --calib_dataset "").
+    ({"precision": {"calib_dataset": ""}}, "key 'precision.calib_dataset': must not be empty"),
+    ({"trtllm": {"venv": ""}}, "key 'trtllm.venv': must not be empty"),
+    ({"trtllm": {"quantize_script": ""}}, "key 'trtllm.quantize_script': must not be empty"),
 ]
 
 

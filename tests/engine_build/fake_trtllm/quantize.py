@@ -1,7 +1,8 @@
 """Stand-in for TensorRT-LLM's examples/quantization/quantize.py (tests only).
 
 Parses its argv with the recorded real argument list, prints a banner like the real tool,
-writes a checkpoint (config.json + rank{N}.safetensors) and fails on demand
+refuses a --calib_dataset its calibration loader cannot load, writes a checkpoint
+(config.json + rank{N}.safetensors) and fails on demand
 (FAKE_TRTLLM_FAIL=quantize) after writing part of its output, like a crash mid-export.
 Every call is appended to $FAKE_TRTLLM_CALLS.
 """
@@ -27,6 +28,17 @@ print("[TensorRT-LLM] TensorRT LLM version: fake", flush=True)
 os.makedirs(args.output_dir, exist_ok=True)
 with open(os.path.join(args.model_dir, "config.json")) as f:
     hf = json.load(f)
+dataset = args.calib_dataset
+# As the real calibration loader, after the model is loaded: names it knows, or a directory.
+if dataset is not None and not (
+    dataset == "pileval"
+    or "cnn_dailymail" in dataset
+    or "scienceqa" in dataset.lower()
+    or "science_qa" in dataset.lower()
+    or os.path.isdir(dataset)
+):
+    print(f"NotImplementedError: Unsupported dataset name or local repo directory: {dataset}.")
+    sys.exit(1)
 if os.environ.get("FAKE_TRTLLM_FAIL") == "quantize":
     with open(os.path.join(args.output_dir, "rank0.safetensors"), "wb") as f:
         f.write(b"half")
