@@ -108,6 +108,16 @@ _OUTPUTS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("sequence_index", mc.TYPE_INT32, (1,)),
 )
 REQUIRED_OUTPUTS = ("output_ids", "sequence_length")
+# Type and dims of every input above and of the required outputs, as the template declares them
+# and the gateway sends and reads them (`verify` checks a declared one against these).
+TENSOR_SHAPES: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {
+    **{("input", name): (dtype, dims) for name, dtype, dims, _, _ in _INPUTS},
+    **{
+        ("output", name): (dtype, dims)
+        for name, dtype, dims in _OUTPUTS
+        if name in REQUIRED_OUTPUTS
+    },
+}
 
 # Parameters the tensorrtllm backend (1.2 line, inflight_batcher_llm model_instance_state.cc) reads
 # with no fallback when a model instance is created: `getBatchingTypeFromParams` reads

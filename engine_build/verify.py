@@ -127,6 +127,14 @@ def cross_check_engine(
     return problems
 
 
+def _type_name(value: int) -> str:
+    """TYPE_INT32 for its number; the number itself when no DataType has it."""
+    try:
+        return str(mc.DataType.Name(value))
+    except ValueError:
+        return f"data_type {value}"
+
+
 def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]:
     """Structural and latency checks that need nothing but the parsed config."""
     problems: list[str] = []
@@ -151,6 +159,19 @@ def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]
     for name in pbtxt.REQUIRED_OUTPUTS:
         if name not in outputs:
             problems.append(f"output {name} missing")
+    for kind, tensors in (("input", cfg.input), ("output", cfg.output)):
+        for t in tensors:
+            expected = pbtxt.TENSOR_SHAPES.get((kind, t.name))
+            if expected is None:
+                continue
+            dtype, dims = expected
+            if t.data_type != dtype:
+                problems.append(
+                    f"{kind} {t.name} is {_type_name(t.data_type)}, expected "
+                    f"{_type_name(dtype)} (the type the gateway sends and reads)"
+                )
+            if tuple(t.dims) != dims:
+                problems.append(f"{kind} {t.name} has dims {list(t.dims)}, expected {list(dims)}")
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     for key in pbtxt.BACKEND_REQUIRED_PARAMETERS:
         if key not in params:

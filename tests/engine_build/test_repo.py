@@ -219,6 +219,33 @@ TEXT_EDITS = [
     ('backend: "tensorrtllm"', 'backend: "python"', "backend is 'python'"),
     ('name: "input_lengths"', 'name: "input_length"', "input input_lengths missing"),
     ("model_transaction_policy {", "model_transaction_policy {{", "does not parse"),
+    # The gateway sends these tensors as the template declares them; another type or shape
+    # loads, then Triton refuses every request.
+    (
+        'name: "input_ids"\n  data_type: TYPE_INT32',
+        'name: "input_ids"\n  data_type: TYPE_INT64',
+        "input input_ids is TYPE_INT64, expected TYPE_INT32",
+    ),
+    (
+        'name: "input_ids"\n  data_type: TYPE_INT32\n  dims: -1',
+        'name: "input_ids"\n  data_type: TYPE_INT32\n  dims: 1',
+        "input input_ids has dims [1], expected [-1]",
+    ),
+    (
+        'name: "temperature"\n  data_type: TYPE_FP32',
+        'name: "temperature"\n  data_type: TYPE_FP16',
+        "input temperature is TYPE_FP16, expected TYPE_FP32",
+    ),
+    (
+        'name: "output_ids"\n  data_type: TYPE_INT32',
+        'name: "output_ids"\n  data_type: TYPE_INT64',
+        "output output_ids is TYPE_INT64, expected TYPE_INT32",
+    ),
+    (
+        'name: "input_lengths"\n  data_type: TYPE_INT32',
+        'name: "input_lengths"\n  data_type: 99',
+        "input input_lengths is data_type 99, expected TYPE_INT32",
+    ),
 ]
 
 
