@@ -330,6 +330,16 @@ def _choices(t: _Table, key: str) -> tuple[tuple[int, ...], ...]:
     )
     if not ok:
         t.fail(key, f"expected a list of integer lists, e.g. [[0], [0, 0], [1]], got {value!r}")
+    # Bounded before the tree is walked (its parent checks cost paths x depth): every path is a
+    # draft token, and the backend reads the indices as int32.
+    if len(value) > DRAFT_LEN_MAX:
+        t.fail(key, f"has {len(value)} paths; at most {DRAFT_LEN_MAX} (one draft token each)")
+    deepest = max((len(path) for path in value), default=0)
+    if deepest > DRAFT_LEN_MAX:
+        t.fail(key, f"has a path of {deepest} indices; at most {DRAFT_LEN_MAX}")
+    wide = next((i for path in value for i in path if i > INT32_MAX), None)
+    if wide is not None:
+        t.fail(key, f"index {wide} is larger than {INT32_MAX} (the backend reads int32)")
     return tuple(tuple(path) for path in value)
 
 

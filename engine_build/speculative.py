@@ -148,6 +148,7 @@ def tree_problem(choices: Choices, what: str) -> str | None:
     if not choices:
         return f"{what} must list at least one path, e.g. [[0], [0, 0], [1]]"
     seen: set[tuple[int, ...]] = set()
+    nodes = set(choices)
     for path in choices:
         if not path:
             return f"{what} has an empty path; every path names at least one top-k index"
@@ -155,7 +156,7 @@ def tree_problem(choices: Choices, what: str) -> str | None:
             return f"{what} path {list(path)} has a negative index"
         if path in seen:
             return f"{what} lists {list(path)} twice"
-        if len(path) > 1 and path[:-1] not in set(choices):
+        if len(path) > 1 and path[:-1] not in nodes:
             return f"{what} path {list(path)} has no parent {list(path[:-1])} in the tree"
         seen.add(path)
     return None

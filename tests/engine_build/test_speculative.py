@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine_build import commands, pbtxt, planner, repo
+from engine_build import spec as spec_module
 from engine_build.checkpoint import read_shape
 from engine_build.errors import SpecError
 from engine_build.spec import BuildSpec, TrtllmInstall, load_spec, validate
@@ -312,3 +314,33 @@ def test_draft_with_another_tokenizer_refused(tmp_path: Path) -> None:
         (tmp_path / "target" / "tokenizer.json").read_bytes()
     )
     assert _load(tmp_path, section, kv_cache={"enable_reuse": True}).speculative.draft_len == 4
+
+
+@pytest.mark.parametrize(
+    ("choices", "message"),
+    [
+        ([[0] * k for k in range(1, 300)], "299 paths; at most 256"),
+        ([[0], [0] * 300], "a path of 300 indices; at most 256"),
+        ([[2**31]], "index 2147483648 is larger than 2147483647"),
+    ],
+)
+def test_choices_trees_are_bounded_before_they_are_walked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, choices: list[list[int]], message: str
+) -> None:
+    """Checking a tree's parents costs paths x depth; a spec with thousands of deep paths
+    must be refused by its size, not walked."""
+    walked: list[int] = []
+    real = spec_module.tree_problem
+
+    def counting(tree: tuple[tuple[int, ...], ...], what: str) -> str | None:
+        walked.append(len(tree))
+        return real(tree, what)
+
+    monkeypatch.setattr(spec_module, "tree_problem", counting)
+    section = {"mode": "medusa", "medusa_model_dir": "/h", "medusa_choices": choices}
+    over = {"precision": {"quantization": "none", "kv_cache_dtype": "auto"}}
+    with pytest.raises(
+        SpecError, match=r"key 'speculative\.medusa_choices': .*" + re.escape(message)
+    ):
+        _load(tmp_path, section, **over)
+    assert walked == []
