@@ -29,6 +29,7 @@ from engine_build.tokenizer_info import check_tokenizer_info
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
 _BOOL = ("true", "false")
+_INT = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
 
 
 def _resolve(model_dir: Path, value: str) -> Path:
@@ -40,11 +41,12 @@ def _int_param(params: dict[str, str], key: str, problems: list[str]) -> int | N
     raw = params.get(key)
     if raw is None:
         return None
-    try:
-        return int(raw)
-    except ValueError:
+    # ASCII digits only: Python's int() also reads "1_000" and other scripts' digits, which the
+    # backend's std::stoi reads as 1 or refuses (then it uses its default).
+    if not _INT.fullmatch(raw):
         problems.append(f"parameter {key} = {raw!r} is not an integer")
         return None
+    return int(raw)
 
 
 def engine_limits(engine_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +209,7 @@ def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]
                 f"got {params.get(key)!r}"
             )
     ids = params.get("gpu_device_ids", "")
-    if not re.fullmatch(r"\d+(,\d+)*", ids):
+    if not re.fullmatch(r"\d+(,\d+)*", ids, re.ASCII):
         problems.append(f"parameter gpu_device_ids {ids!r} is not a comma-separated id list")
     if params.get("exclude_input_in_output") not in _BOOL:
         problems.append("parameter exclude_input_in_output must be 'true' or 'false'")

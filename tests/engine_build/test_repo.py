@@ -278,6 +278,10 @@ PARAM_EDITS: list[tuple[dict[str, str | None], str]] = [
         "got '99999999999999999999'",
     ),
     ({"cuda_graph_cache_size": "0"}, "parameter cuda_graph_cache_size must be an integer between"),
+    # Python's int() reads these; the backend's std::stoi reads 1 and fails (default 100).
+    ({"cancellation_check_period_ms": "1_000"}, "cancellation_check_period_ms = '1_000' is not"),
+    ({"cancellation_check_period_ms": "\uff15"}, "is not an integer"),
+    ({"gpu_device_ids": "\uff10"}, "is not a comma-separated id list"),
     ({"gpu_device_ids": "0,1"}, "lists 2 GPUs but the engine has 1 ranks"),
     ({"engine_dir": "/elsewhere"}, "gpt_model_path and engine_dir disagree"),
     (
