@@ -19,7 +19,7 @@ from engine_build import commands, formats, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape, read_shape_for
 from engine_build.errors import BuildError, DoesNotFit, SpecError
 from engine_build.repo import write_repository
-from engine_build.spec import BuildSpec, load_spec
+from engine_build.spec import BuildSpec, load_spec, plugin_problem
 from engine_build.verify import verify_repository
 
 EXIT_ERROR = 1
@@ -90,7 +90,9 @@ def check_gpu(spec: BuildSpec, capability: tuple[int, int] | None) -> None:
             f"{spec.quantization} / KV {spec.kv_cache_dtype} against the GPU)"
         )
         return
-    why = formats.capability_problem(spec.quantization, spec.kv_cache_dtype, capability)
+    why = formats.capability_problem(
+        spec.quantization, spec.kv_cache_dtype, capability
+    ) or plugin_problem(spec, capability)
     if why:
         raise SpecError(why)
 

@@ -51,6 +51,10 @@ SWIGLU_FOR_GEMM = {
     "low_latency_gemm_plugin": "low_latency_gemm_swiglu_plugin",
 }
 SWIGLU_CHOICES = ("none", *SWIGLU_FOR_GEMM.values())
+# trtllm-build's PluginConfig.validate raises NotImplementedError for these plugins on SM 100
+# (compute capability 10.0 exactly) when they are set.
+SM100 = (10, 0)
+SM100_REFUSED = ("low_latency_gemm_plugin", "gemm_swiglu_plugin", "low_latency_gemm_swiglu_plugin")
 
 
 @dataclass(frozen=True)
@@ -624,6 +628,20 @@ def validate_speculative(spec: BuildSpec, fail: Fail = _REFUSE) -> None:
             f"{spec.max_num_tokens} < max_batch_size x (draft length + 1) = {need}: "
             "a verification step would not fit; raise it",
         )
+
+
+def plugin_problem(spec: BuildSpec, capability: tuple[int, int]) -> str | None:
+    """Why trtllm-build would refuse the spec's GEMM plugins on this GPU (None: it would not)."""
+    if capability != SM100:
+        return None
+    for key, value in (("plugins.gemm", spec.gemm), ("plugins.gemm_swiglu", spec.gemm_swiglu)):
+        if value in SM100_REFUSED:
+            return f"{key} = {value!r}: trtllm-build refuses it on compute capability 10.0; " + (
+                "use plugins.gemm = 'gemm_plugin'"
+                if key == "plugins.gemm"
+                else "set plugins.gemm_swiglu = 'none'"
+            )
+    return None
 
 
 def load_spec(path: Path) -> BuildSpec:

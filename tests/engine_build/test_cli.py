@@ -491,3 +491,31 @@ def test_verify_triton_root_option(
     capsys.readouterr()
     assert cli.main(["verify", repo, "--triton-root", str(root)]) == 1
     assert "runs 1.2.0" in one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("plugins", "key"),
+    [
+        ({"gemm": "low_latency_gemm_plugin"}, "plugins.gemm"),
+        ({"gemm_swiglu": "gemm_swiglu_plugin"}, "plugins.gemm_swiglu"),
+    ],
+)
+def test_plugins_trtllm_build_refuses_on_sm100_are_refused_by_plan(
+    tmp_path: Path,
+    checkpoint: Path,
+    fake_trtllm: Path,
+    capsys: pytest.CaptureFixture[str],
+    plugins: dict[str, str],
+    key: str,
+) -> None:
+    """trtllm-build's PluginConfig.validate raises NotImplementedError for these plugins on
+    SM 100, after quantize.py has calibrated; the GPU check refuses them before any stage."""
+    spec = spec_file(tmp_path, checkpoint, fake_trtllm, plugins=plugins)
+    argv = ["plan", "--spec", spec, "--gpu-memory", "180GiB", "--compute-capability", "10.0"]
+    assert cli.main(argv) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert f"{key} = " in line and "10.0" in line
+    # Hopper and later Blackwell parts take them.
+    for cc in ("9.0", "10.3"):
+        argv[-1] = cc
+        assert cli.main(argv) == 0
