@@ -177,6 +177,9 @@ class RepoParams:
     draft_logits: bool = False
     name: str = MODEL_NAME
     max_tokens_in_paged_kv_cache: int | None = None
+    # The engine's max_seq_len when it differs from `max_seq_len` (speculation adds the draft
+    # tokens written past a request's last token): attention must cover the whole KV sequence.
+    attention_window: int | None = None
 
 
 def _bool(v: bool) -> str:
@@ -199,7 +202,7 @@ def parameters(p: RepoParams) -> dict[str, str]:
         "kv_cache_free_gpu_mem_fraction": f"{p.kv_cache_free_gpu_mem_fraction:g}",
         "enable_kv_cache_reuse": _bool(p.enable_kv_cache_reuse),
         "enable_chunked_context": "false",
-        "max_attention_window_size": str(p.max_seq_len),
+        "max_attention_window_size": str(p.attention_window or p.max_seq_len),
         "exclude_input_in_output": _bool(p.exclude_input_in_output),
         "cancellation_check_period_ms": str(p.cancellation_check_period_ms),
         "cuda_graph_mode": _bool(p.cuda_graph_mode),

@@ -119,6 +119,7 @@ def repo_params(
         hf_model_dir=str(spec.hf_model_dir),
         engine_dir=str(engine_dir) if engine_dir is not None else None,
         guided_decoding=guided_decoding(spec, model_dir),
+        attention_window=spec.engine_max_seq_len if speculative else None,
     )
 
 

@@ -104,14 +104,18 @@ def cross_check_engine(
             "(rewrite the repository with `engine-build repo` from the spec that built it)"
         )
     window = _int_param(params, "max_attention_window_size", problems)
-    if (
-        window is not None
-        and isinstance(limits["max_seq_len"], int)
-        and window > limits["max_seq_len"]
-    ):
+    engine_seq = limits["max_seq_len"]
+    if window is not None and isinstance(engine_seq, int) and window > engine_seq:
         problems.append(
-            f"parameter max_attention_window_size = {window} > engine max_seq_len "
-            f"{limits['max_seq_len']}"
+            f"parameter max_attention_window_size = {window} > engine max_seq_len {engine_seq}"
+        )
+    elif window is not None and isinstance(engine_seq, int) and window < engine_seq:
+        # A shorter window turns the KV cache cyclic for the last tokens of a long request
+        # (with speculation: the draft tokens written past the request's last token).
+        problems.append(
+            f"parameter max_attention_window_size = {window} < engine max_seq_len {engine_seq}: "
+            "attention would slide over the end of a long sequence (rewrite the repository "
+            "with `engine-build repo`)"
         )
     if (
         params.get("enable_kv_cache_reuse") == "true"

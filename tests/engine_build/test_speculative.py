@@ -19,7 +19,7 @@ from engine_build.speculative import (
     lookahead_draft_len,
     parse_choices,
 )
-from engine_build.verify import check_speculative
+from engine_build.verify import check_speculative, cross_check_engine
 
 from .conftest import make_checkpoint, spec_sections, write_spec
 from .recorded_cli import parse
@@ -344,3 +344,33 @@ def test_choices_trees_are_bounded_before_they_are_walked(
     ):
         _load(tmp_path, section, **over)
     assert walked == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_window_covers_the_engine_sequence_with_its_drafts(mode: str) -> None:
+    """trtllm-build adds the draft length (and EAGLE's layers) to the engine's max_seq_len
+    because draft tokens are written to the KV cache past the request's last token; a window
+    of the spec's max_seq_len makes the cache cyclic for the last tokens of a full request."""
+    s, kw = MODES[mode]
+    target = spec(s, **kw)
+    cfg = pbtxt.model_config(repo.repo_params(target, ENGINE, Path("/r/tensorrt_llm")))
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params["max_attention_window_size"] == str(target.engine_max_seq_len)
+    assert params["max_seq_len"] == str(target.max_seq_len)  # what requests may use
+    engine = {
+        "max_batch_size": 1,
+        "max_input_len": target.max_input_len,
+        "max_seq_len": target.engine_max_seq_len,
+        "max_draft_len": s.draft_len,
+        "num_eagle_layers": s.num_eagle_layers if mode == "eagle" else 0,
+        "use_paged_context_fmha": True,
+        "world_size": 1,
+    }
+    assert cross_check_engine(cfg, params, engine) == []
+    # A window short of the engine's sequence (a repository written before) is a problem.
+    params["max_attention_window_size"] = str(target.max_seq_len)
+    assert any("max_attention_window_size" in p for p in cross_check_engine(cfg, params, engine))
+    draft = repo.draft_repo_params(target) if mode == "draft_target" else None
+    if draft is not None:
+        draft_params = pbtxt.parameters(draft)
+        assert draft_params["max_attention_window_size"] == str(target.max_seq_len)
