@@ -345,6 +345,11 @@ def _check_draft_model(repo: Path, name: str, target: dict[str, str]) -> list[st
     engine = params.get("gpt_model_path", "")
     if not engine:
         problems.append("draft model: parameter gpt_model_path missing")
+    elif not Path(engine).is_absolute():
+        problems.append(
+            f"draft model: parameter gpt_model_path {engine!r} is relative: the tensorrtllm "
+            "backend opens it from tritonserver's working directory; write an absolute path"
+        )
     else:
         try:
             limits = engine_limits(
@@ -438,8 +443,14 @@ def verify_repository(
         problems.append(
             "neither gpt_model_path/engine_dir nor hf_model_dir is set: nothing to serve"
         )
-    if engine:
-        engine_dir = _resolve(model_dir, engine)
+    if engine and not Path(engine).is_absolute():
+        key = "gpt_model_path" if gpt_path else "engine_dir"
+        problems.append(
+            f"parameter {key} {engine!r} is relative: the tensorrtllm backend opens it from "
+            "tritonserver's working directory; write an absolute path"
+        )
+    elif engine:
+        engine_dir = Path(engine)
         try:
             limits = engine_limits(read_json(engine_dir / "config.json", "engine config.json"))
         except BuildError as err:

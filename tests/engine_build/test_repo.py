@@ -550,3 +550,17 @@ def test_multi_gpu_engines_are_refused_until_triton_launches_them(
     _edit_params(repo, gpu_device_ids="0,1")
     problems = verify_repository(repo)
     assert any("does not launch multi-GPU engines" in p for p in problems), problems
+
+
+def test_verify_refuses_a_relative_engine_path(
+    tmp_path: Path, built: Callable[..., BuildSpec]
+) -> None:
+    """The tensorrtllm backend opens gpt_model_path as written, from tritonserver's working
+    directory, not from the model's directory: an engine found beside config.pbtxt is not
+    the one the backend loads."""
+    spec = built()
+    repo = write_repository(spec, tmp_path / "repo")
+    (repo / "tensorrt_llm" / "engine").symlink_to(spec.engine_dir)
+    _edit_params(repo, gpt_model_path="engine", engine_dir="engine")
+    problems = verify_repository(repo)
+    assert any("gpt_model_path 'engine' is relative" in p for p in problems), problems
