@@ -15,7 +15,7 @@ from typing import Any
 
 from engine_build import pbtxt, runner, runtime
 from engine_build.checkpoint import content_fingerprint, fingerprint_tree, read_json, read_shape_for
-from engine_build.errors import BuildError
+from engine_build.errors import BuildError, SpecError
 from engine_build.hf_config import read_config
 from engine_build.spec import BuildSpec, validate
 from engine_build.speculative import DECODING_MODE, DRAFT_MODEL_NAME, choices_text
@@ -162,6 +162,7 @@ def write_repository(
 ) -> Path:
     """Write ``output`` for the spec's engine (or, with ``hf_only``, for its HF checkpoint)."""
     output = Path(output).absolute()
+    _refuse_output_over_sources(spec, output)
     read_shape_for(spec)
     engine_dir: Path | None = None
     limits: dict[str, Any] = {}
@@ -237,6 +238,28 @@ def write_repository(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return output
+
+
+def _refuse_output_over_sources(spec: BuildSpec, output: Path) -> None:
+    """Refuse an output that is, or holds, what the repository is made from: replacing it
+    (--force) would delete the engine or checkpoint the new repository names."""
+    s = spec.speculative
+    sources = [
+        ("work directory (engine, checkpoint)", spec.work_dir),
+        ("engine", spec.engine_dir),
+        ("draft engine", spec.draft_engine_dir),
+        ("checkpoint", spec.hf_model_dir),
+        ("draft checkpoint", s.draft_hf_model_dir),
+        ("Medusa heads", s.medusa_model_dir),
+        ("EAGLE drafter", s.eagle_model_dir),
+    ]
+    resolved = output.resolve()
+    for what, path in sources:
+        if path is not None and Path(path).resolve().is_relative_to(resolved):
+            raise SpecError(
+                f"--output {output} holds the {what} {path} the repository is made from; "
+                "write the repository to another folder"
+            )
 
 
 def _write_draft_model(spec: BuildSpec, tmp: Path) -> None:

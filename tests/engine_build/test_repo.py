@@ -564,3 +564,23 @@ def test_verify_refuses_a_relative_engine_path(
     _edit_params(repo, gpt_model_path="engine", engine_dir="engine")
     problems = verify_repository(repo)
     assert any("gpt_model_path 'engine' is relative" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("target", ["work_dir", "engine_dir", "hf_model_dir", "hf_parent"])
+def test_repo_force_never_replaces_the_engine_or_checkpoint_it_serves(
+    tmp_path: Path, built: Callable[..., BuildSpec], target: str
+) -> None:
+    """--force replaces the output folder: pointed at the work directory or the checkpoint
+    (or a folder holding them), it would delete the engine the new repository names."""
+    spec = built()
+    output = {
+        "work_dir": spec.work_dir,
+        "engine_dir": spec.engine_dir,
+        "hf_model_dir": spec.hf_model_dir,
+        "hf_parent": spec.hf_model_dir.parent,
+    }[target]
+    with pytest.raises(BuildError, match="holds the") as info:
+        write_repository(spec, output, force=True)
+    assert str(output) in str(info.value)
+    assert (spec.engine_dir / "rank0.engine").is_file()
+    assert (spec.hf_model_dir / "config.json").is_file()
