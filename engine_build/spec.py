@@ -409,6 +409,14 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
     model = tables["model"]
     values["hf_model_dir"] = _resolve(base, model.require("hf_model_dir"))
     values["work_dir"] = _resolve(base, model.require("work_dir"))
+    if values["work_dir"].is_relative_to(values["hf_model_dir"]):
+        # The checkpoint's fingerprint covers every file under it, so outputs written there
+        # would make every build start again from the checkpoint stage.
+        model.fail(
+            "work_dir",
+            f"{values['work_dir']} is inside hf_model_dir {values['hf_model_dir']}; "
+            "put the build outputs beside the checkpoint, not in it",
+        )
     if "gpu_ids" not in values and values.get("tp_size", 1) > 1:
         # Capped so that an out-of-range tp_size reaches validate(), which names it.
         values["gpu_ids"] = tuple(range(min(values["tp_size"], GPUS_MAX)))

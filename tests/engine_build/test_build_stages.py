@@ -335,3 +335,14 @@ def test_calibration_dataset_directory_and_hub_names_pass(
         spec = make_spec(tmp_path, checkpoint, fake_trtllm, precision={"calib_dataset": dataset})
         run(spec)
     assert tools(calls).count("quantize.py") == 4
+
+
+def test_work_dir_inside_the_checkpoint_is_refused(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path
+) -> None:
+    """The checkpoint's fingerprint covers every file under it: build outputs written there
+    would change it on every run, and every build would start again from quantize.py."""
+    for work in (checkpoint, checkpoint / "build"):
+        sections = spec_sections(checkpoint, work, fake_trtllm)
+        with pytest.raises(SpecError, match=r"key 'model\.work_dir': .*inside"):
+            load_spec(write_spec(tmp_path / "spec.toml", sections))
