@@ -421,6 +421,14 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
         # Capped so that an out-of-range tp_size reaches validate(), which names it.
         values["gpu_ids"] = tuple(range(min(values["tp_size"], GPUS_MAX)))
     spec = BuildSpec(source=source, **values)
+    outputs = (spec.checkpoint_dir, spec.engine_dir, spec.draft_checkpoint_dir)
+    for output in (*outputs, spec.draft_engine_dir):
+        if spec.hf_model_dir.is_relative_to(output):
+            model.fail(
+                "hf_model_dir",
+                f"{spec.hf_model_dir} is inside {output}, which `build` removes before it "
+                "writes it; keep the checkpoint outside work_dir's outputs",
+            )
 
     speculative = top.sub("speculative", {"mode", *_SPECULATIVE_KEYS})
     validate(spec, tomlcheck.refusal_in({**tables, "speculative": speculative}))

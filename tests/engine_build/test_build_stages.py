@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -346,3 +347,19 @@ def test_work_dir_inside_the_checkpoint_is_refused(
         sections = spec_sections(checkpoint, work, fake_trtllm)
         with pytest.raises(SpecError, match=r"key 'model\.work_dir': .*inside"):
             load_spec(write_spec(tmp_path / "spec.toml", sections))
+
+
+def test_checkpoint_inside_a_build_output_is_refused(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path
+) -> None:
+    """A stage removes its output folder before it runs: a checkpoint kept there is deleted."""
+    work = tmp_path / "work"
+    hf = make_checkpoint_copy(checkpoint, work / "checkpoint" / "hf")
+    sections = spec_sections(hf, work, fake_trtllm)
+    with pytest.raises(SpecError, match=r"key 'model\.hf_model_dir': .*removes"):
+        load_spec(write_spec(tmp_path / "spec.toml", sections))
+
+
+def make_checkpoint_copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
