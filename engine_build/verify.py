@@ -141,6 +141,28 @@ def _type_name(value: int) -> str:
         return f"data_type {value}"
 
 
+def _instance_problems(cfg: mc.ModelConfig) -> list[str]:
+    """One model instance: each is an executor that loads the whole engine and takes its own
+    KV pool. Triton starts one instance per GPU when instance_group is absent or a GPU group
+    lists no GPUs; a count of 0 means 1."""
+    if not cfg.instance_group:
+        return ["instance_group missing: Triton then starts one instance per GPU"]
+    per_gpu = (mc.ModelInstanceGroup.KIND_GPU, mc.ModelInstanceGroup.KIND_AUTO)
+    if any(g.kind in per_gpu and not g.gpus for g in cfg.instance_group):
+        return [
+            "instance_group of kind KIND_GPU/KIND_AUTO without gpus starts one instance per "
+            "GPU; write one group {count: 1, kind: KIND_CPU} (the engine's gpu_device_ids "
+            "parameter places it)"
+        ]
+    total = sum((g.count or 1) * max(1, len(g.gpus)) for g in cfg.instance_group)
+    if total != 1:
+        return [
+            f"instance_group declares {total} model instances; the appliance runs one "
+            "(each loads the whole engine and takes its own KV pool)"
+        ]
+    return []
+
+
 def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]:
     """Structural and latency checks that need nothing but the parsed config."""
     problems: list[str] = []
@@ -157,6 +179,7 @@ def check_config(cfg: mc.ModelConfig, name: str = pbtxt.MODEL_NAME) -> list[str]
             "dynamic_batching.max_queue_delay_microseconds is "
             f"{cfg.dynamic_batching.max_queue_delay_microseconds}, must be 0"
         )
+    problems += _instance_problems(cfg)
     inputs = {t.name for t in cfg.input}
     outputs = {t.name for t in cfg.output}
     for name in pbtxt.REQUIRED_INPUTS:

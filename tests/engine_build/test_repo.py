@@ -246,6 +246,20 @@ TEXT_EDITS = [
         'name: "input_lengths"\n  data_type: 99',
         "input input_lengths is data_type 99, expected TYPE_INT32",
     ),
+    # Each instance is an executor loading the whole engine and taking its own KV pool.
+    (
+        "instance_group {\n  count: 1",
+        "instance_group {\n  count: 2",
+        "instance_group declares 2 model instances",
+    ),
+    (
+        "instance_group {\n  count: 1\n  kind: KIND_CPU\n}",
+        "instance_group {\n  count: 1\n  kind: KIND_CPU\n}\n"
+        "instance_group {\n  count: 1\n  kind: KIND_CPU\n}",
+        "instance_group declares 2 model instances",
+    ),
+    ("kind: KIND_CPU", "kind: KIND_GPU", "without gpus starts one instance per GPU"),
+    ("instance_group {\n  count: 1\n  kind: KIND_CPU\n}", "", "instance_group missing"),
 ]
 
 
