@@ -167,10 +167,17 @@ def calib_dataset_problem(value: str) -> str | None:
     )
 
 
+# Input folders a convert stage opens only after loading the base model, by its flag.
+_INPUT_DIRS = {
+    "--medusa_model_dir": "speculative.medusa_model_dir",
+    "--eagle_model_dir": "speculative.eagle_model_dir",
+}
+
+
 def check_stage_inputs(spec: BuildSpec, stage: Stage) -> None:
     """Refuse, before any output is removed, a stage whose tool or input is missing on this host:
-    the venv's python/trtllm-build, the script it runs, the calibration dataset. A container's
-    tools are not checked (they live in its image)."""
+    the venv's python/trtllm-build, the script it runs, the Medusa/EAGLE folders, the
+    calibration dataset. A container's tools are not checked (they live in its image)."""
     argv = stage.argv_for(stage.output)
     where = spec.source
     t = spec.trtllm
@@ -186,6 +193,11 @@ def check_stage_inputs(spec: BuildSpec, stage: Stage) -> None:
                 f"{where}: key 'trtllm.quantize_script': {argv[1]} is not a file (the "
                 "examples/ of the TensorRT-LLM 1.2 sources: quantization/quantize.py, and "
                 "<mode>/convert_checkpoint.py beside it)"
+            )
+    for flag, key in _INPUT_DIRS.items():
+        if flag in argv and not Path(argv[argv.index(flag) + 1]).is_dir():
+            raise SpecError(
+                f"{where}: key '{key}': {argv[argv.index(flag) + 1]} is not a directory"
             )
     if "--calib_dataset" in argv:
         why = calib_dataset_problem(argv[argv.index("--calib_dataset") + 1])

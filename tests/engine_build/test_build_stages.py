@@ -363,3 +363,27 @@ def test_checkpoint_inside_a_build_output_is_refused(
 def make_checkpoint_copy(src: Path, dest: Path) -> Path:
     shutil.copytree(src, dest)
     return dest
+
+
+def test_missing_medusa_heads_refused_before_the_convert_stage(
+    tmp_path: Path, checkpoint: Path, calls: Path
+) -> None:
+    """convert_checkpoint.py loads the base model before it opens the heads' folder."""
+    venv_dir = make_fake_trtllm(tmp_path / "trtllm")
+    medusa = venv_dir / "examples" / "medusa"
+    medusa.mkdir()
+    (medusa / "convert_checkpoint.py").write_text("raise SystemExit(1)\n")
+    spec = make_spec(
+        tmp_path,
+        checkpoint,
+        venv_dir,
+        precision={"quantization": "none", "kv_cache_dtype": "auto"},
+        speculative={
+            "mode": "medusa",
+            "medusa_model_dir": str(tmp_path / "no-heads"),
+            "medusa_choices": [[0], [1]],
+        },
+    )
+    with pytest.raises(SpecError, match=r"key 'speculative\.medusa_model_dir': .*no-heads"):
+        run(spec)
+    assert read_calls(calls) == []
