@@ -18,6 +18,7 @@ from engine_build.speculative import (
     choices_text,
     lookahead_draft_len,
     parse_choices,
+    tree_problem,
 )
 from engine_build.verify import check_speculative, cross_check_engine
 
@@ -330,7 +331,7 @@ def test_choices_trees_are_bounded_before_they_are_walked(
     """Checking a tree's parents costs paths x depth; a spec with thousands of deep paths
     must be refused by its size, not walked."""
     walked: list[int] = []
-    real = spec_module.tree_problem
+    real = tree_problem
 
     def counting(tree: tuple[tuple[int, ...], ...], what: str) -> str | None:
         walked.append(len(tree))
