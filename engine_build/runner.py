@@ -42,6 +42,9 @@ class Stage:
     output: Path
     argv_for: Callable[[Path], list[str]]
     expected: Callable[[Path], list[str]]
+    # Folders the stage reads besides its upstream stage (the draft model, Medusa heads,
+    # EAGLE drafter): their identity is part of the fingerprint like the target checkpoint's.
+    inputs: tuple[Path, ...] = ()
 
     def fingerprint(self, upstream: str, version: str) -> str:
         h = hashlib.sha256()
@@ -51,6 +54,9 @@ class Stage:
             "upstream": upstream,
             "trtllm": version,
         }
+        if self.inputs:
+            # Only when there are some: stamps of stages without inputs stay valid.
+            payload["inputs"] = [fingerprint_tree(p) for p in self.inputs]
         h.update(json.dumps(payload, sort_keys=True).encode())
         return h.hexdigest()
 
@@ -65,13 +71,16 @@ def _rank_files(spec: BuildSpec, pattern: str) -> Callable[[Path], list[str]]:
 def stages(spec: BuildSpec) -> list[Stage]:
     """The checkpoint stage (quantize.py, or convert_checkpoint.py for Medusa/EAGLE) then
     trtllm-build; draft-target speculation adds the draft model's two stages after them."""
-    mode = spec.speculative.mode
+    s = spec.speculative
+    mode = s.mode
+    heads = s.medusa_model_dir if mode == "medusa" else s.eagle_model_dir
     out = [
         Stage(
             "convert" if mode in ("medusa", "eagle") else "quantize",
             spec.checkpoint_dir,
             lambda out: commands.checkpoint_command(spec, out),
             _rank_files(spec, "rank{rank}.safetensors"),
+            (heads,) if mode in ("medusa", "eagle") and heads is not None else (),
         ),
         Stage(
             "trtllm-build",
@@ -87,6 +96,7 @@ def stages(spec: BuildSpec) -> list[Stage]:
                 spec.draft_checkpoint_dir,
                 lambda out: commands.draft_quantize_command(spec, out),
                 _rank_files(spec, "rank{rank}.safetensors"),
+                (s.draft_hf_model_dir,) if s.draft_hf_model_dir is not None else (),
             ),
             Stage(
                 "draft-trtllm-build",

@@ -23,7 +23,13 @@ from engine_build import runner
 from engine_build.errors import BuildError, SpecError
 from engine_build.spec import BuildSpec, load_spec
 
-from .conftest import make_fake_trtllm, read_calls, spec_sections, write_spec
+from .conftest import (
+    make_checkpoint,
+    make_fake_trtllm,
+    read_calls,
+    spec_sections,
+    write_spec,
+)
 
 
 def make_spec(
@@ -387,3 +393,57 @@ def test_missing_medusa_heads_refused_before_the_convert_stage(
     with pytest.raises(SpecError, match=r"key 'speculative\.medusa_model_dir': .*no-heads"):
         run(spec)
     assert read_calls(calls) == []
+
+
+@pytest.mark.parametrize("changed", ["draft", "medusa"])
+def test_a_changed_draft_or_heads_folder_rebuilds_its_stages(
+    tmp_path: Path, checkpoint: Path, calls: Path, changed: str
+) -> None:
+    """The draft model and the Medusa heads are inputs like the target checkpoint: replaced
+    in place (retrained, re-downloaded), the stages built from them must run again."""
+    venv_dir = make_fake_trtllm(tmp_path / "trtllm")
+    if changed == "draft":
+        inputs = make_checkpoint(tmp_path / "draft")
+        overrides: dict[str, dict[str, Any]] = {
+            "kv_cache": {"enable_reuse": True},
+            "speculative": {
+                "mode": "draft_target",
+                "draft_hf_model_dir": str(inputs),
+                "max_draft_len": 4,
+            },
+        }
+        weights = inputs / "model.safetensors"
+        expected = [True, True, False, False]
+    else:
+        inputs = tmp_path / "heads"
+        inputs.mkdir()
+        weights = inputs / "medusa_lm_head.safetensors"
+        weights.write_bytes(b"\0" * 8)
+        medusa = venv_dir / "examples" / "medusa"
+        medusa.mkdir()
+        # The stand-in converter: the quantize stand-in's checkpoint, heads ignored.
+        shutil.copy(venv_dir / "examples" / "quantization" / "quantize.py", medusa / "x.py")
+        (medusa / "convert_checkpoint.py").write_text(
+            "import sys, runpy\n"
+            "a = sys.argv[1:]\n"
+            "keep = ['--model_dir', '--dtype', '--tp_size', '--output_dir']\n"
+            "sys.argv = [sys.argv[0]] + [x for i in range(0, len(a), 2) if a[i] in keep "
+            "for x in a[i:i + 2]] + ['--qformat', 'full_prec']\n"
+            f"runpy.run_path({str(medusa / 'x.py')!r}, run_name='__main__')\n"
+        )
+        overrides = {
+            "precision": {"quantization": "none", "kv_cache_dtype": "auto"},
+            "speculative": {
+                "mode": "medusa",
+                "medusa_model_dir": str(inputs),
+                "medusa_choices": [[0], [1]],
+            },
+        }
+        expected = [False, False]
+    spec = make_spec(tmp_path, checkpoint, venv_dir, **overrides)
+    first, _ = run(spec)
+    assert not any(r.skipped for r in first)
+    assert all(r.skipped for r in run(spec)[0])
+    weights.write_bytes(b"\1" * 16)
+    again, _ = run(spec)
+    assert [r.skipped for r in again] == expected
