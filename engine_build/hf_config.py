@@ -157,6 +157,12 @@ def _rope(raw: Mapping[str, Any], where: Path) -> tuple[float, str, Llama3RopeSc
         high_freq_factor=_float(scaling, "high_freq_factor", where, 0.0),
         original_max_position_embeddings=_int(scaling, "original_max_position_embeddings", where),
     )
+    if llama3.high_freq_factor <= llama3.low_freq_factor:
+        # The frequencies between the two wavelengths are blended by 1 / (high - low).
+        raise CheckpointError(
+            f"{where}: llama3 rope_scaling high_freq_factor {llama3.high_freq_factor:g} must "
+            f"exceed low_freq_factor {llama3.low_freq_factor:g}"
+        )
     return theta, kind, llama3
 
 

@@ -209,6 +209,10 @@ LLAMA3_SCALING = {
             {"rope_scaling": {**LLAMA3_SCALING, "original_max_position_embeddings": 8192.5}},
             "original_max_position_embeddings",
         ),
+        (
+            {"rope_scaling": {**LLAMA3_SCALING, "low_freq_factor": 4.0, "high_freq_factor": 4.0}},
+            "high_freq_factor 4 must exceed low_freq_factor 4",
+        ),
     ],
 )
 def test_config_numbers_out_of_any_range_are_one_line_errors(
