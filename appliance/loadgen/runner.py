@@ -46,6 +46,8 @@ class BenchRunError(Exception):
 # would fail the same way at once. The time keeps a blip (an engine restart, a breaker's probe) from
 # ending a run at a high rate, where 20 answers take milliseconds.
 UNAVAILABLE_FOR_S = 3.0
+# The request id of the request sent before the run (`Runner.preflight`).
+PREFLIGHT_ID = "bench-preflight"
 UNAVAILABLE_RUN = 20
 
 INPUT_STATUSES = {
@@ -156,12 +158,13 @@ class LoadRunner:
             )
 
     async def preflight(self) -> None:
-        """One short request (max_tokens 1, cache bypassed): a wrong model or an API that is not
-        ours stops the run before any load, with the deployment's own message."""
+        """One request of the workload (cache bypassed), left after its first message: a wrong
+        model, a length the model does not take or an API that is not ours stops the run before
+        any load, with the deployment's own message."""
         request = Workload(self.settings, self.prompts, len(self.settings.levels) + 1).next()
-        request.max_tokens = 1
         request.cache_policy = pb.CACHE_POLICY_BYPASS
-        call = asyncio.create_task(self._generate(request))
+        request.request_id = PREFLIGHT_ID
+        call = asyncio.create_task(self._first_message(request))
         self.in_flight.add(call)
         try:
             await call
@@ -180,6 +183,19 @@ class LoadRunner:
             raise BenchRunError(f"the first request failed: {line}") from None
         finally:
             self.in_flight.discard(call)
+
+    async def _first_message(self, request: pb.GenerateRequest) -> None:
+        """Streams `request` until its first message, then cancels the rest of it."""
+        call = self.stub.Generate(
+            request,
+            timeout=self.settings.timeout_s,
+            metadata=self.settings.target.credentials.metadata,
+        )
+        try:
+            async for _ in call:
+                break
+        finally:
+            call.cancel()
 
     async def _generate(self, request: pb.GenerateRequest) -> StreamResult:
         return await generate(

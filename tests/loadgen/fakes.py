@@ -1,5 +1,5 @@
 """A stand-in for the gateway's gRPC API in a thread of the test process: it answers the bench's
-first request (max_tokens 1) like the gateway, and every other one as the test says."""
+first request (`PREFLIGHT_ID`) like the gateway, and every other one as the test says."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import grpc
 
+from appliance.loadgen.runner import PREFLIGHT_ID
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
@@ -42,7 +43,7 @@ class FakeGateway(pb_grpc.InferenceServicer):  # type: ignore[misc]
     def Generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
-        if request.max_tokens == 1:
+        if request.request_id == PREFLIGHT_ID:
             yield final_answer("preflight")
             return
         yield from self.answer(self, request, context)

@@ -151,6 +151,20 @@ def test_an_unknown_model_gets_the_gateways_not_found(
     assert "tiny" in err  # the gateway lists the models it serves
 
 
+def test_output_tokens_over_the_models_limit_stop_the_run_before_any_load(
+    gateway_address: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first request asks for what the workload asks for: a length the gateway refuses is
+    one line before the run, not a run of nothing but INVALID_ARGUMENT."""
+    out = tmp_path / "out"
+    rc = run_bench(gateway_address, out, "--output-tokens", "5000", "--duration", "30")
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"appliance bench: {gateway_address}: INVALID_ARGUMENT: "), err
+    assert "max_tokens" in err and not (out / "bench.json").exists()
+
+
 def interrupted_run(
     address: str, model: str, out: Path, stop: signal.Signals
 ) -> tuple[int, str, str]:
