@@ -711,6 +711,11 @@ def finish_reason(final: Final) -> str:
     return ABORTED if final.finish_reason == "cancelled" else final.finish_reason
 
 
+# OpenAI's log-probability of a token "very unlikely": JSON has no -Infinity (Python's json
+# writes it; orjson, JavaScript's JSON.parse and Go refuse it) and vLLM writes -inf as this too.
+LOGPROB_FLOOR = -9999.0
+
+
 class Answer:
     """One request's answer in OpenAI's shapes: chunk by chunk for SSE, or whole."""
 
@@ -768,12 +773,12 @@ class Answer:
             content = [
                 {
                     "token": t,
-                    "logprob": e.logprob,
+                    "logprob": _logprob(e.logprob),
                     "bytes": list(e.token),
                     "top_logprobs": [
                         {
                             "token": a.token.decode(errors="replace"),
-                            "logprob": a.logprob,
+                            "logprob": _logprob(a.logprob),
                             "bytes": list(a.token),
                         }
                         for a in e.top
@@ -788,7 +793,7 @@ class Answer:
             self._offset += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
+            "token_logprobs": [_logprob(e.logprob) for e in entries],
             "top_logprobs": [_top_of(t, e) for t, e in zip(tokens, entries, strict=True)]
             if self.top_logprobs
             else None,
@@ -863,9 +868,15 @@ def _top_of(text: str, entry: TokenLogprob) -> dict[str, float]:
     with the chosen token's text added when none of them has it."""
     top: dict[str, float] = {}
     for a in entry.top:
-        top.setdefault(a.token.decode(errors="replace"), a.logprob)
-    top.setdefault(text, entry.logprob)
+        top.setdefault(a.token.decode(errors="replace"), _logprob(a.logprob))
+    top.setdefault(text, _logprob(entry.logprob))
     return top
+
+
+def _logprob(value: float) -> float:
+    """A log-probability as JSON can carry it: -inf (a token a grammar's mask or min_tokens
+    banned) and NaN are LOGPROB_FLOOR, as OpenAI writes a token too unlikely to be scored."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def stream_error(err: HttpError) -> bytes:

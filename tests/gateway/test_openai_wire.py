@@ -266,3 +266,40 @@ def test_no_refusal_carries_a_clients_long_or_control_text(
     message, param = err.value.message, err.value.param or ""
     assert len(message) < 400 and len(param) < 100, (len(message), len(param))
     assert message.isprintable() and param.isprintable(), (message[:80], param[:80])
+
+
+def _strict(data: bytes) -> object:
+    """JSON as RFC 8259 defines it: no NaN, Infinity or -Infinity (orjson's, JavaScript's)."""
+
+    def refuse(name: str) -> object:
+        raise AssertionError(f"{name} is no JSON value")
+
+    return json.loads(data, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_log_probability_of_minus_infinity_is_openais_floor_in_strict_json(chat: bool) -> None:
+    """A grammar's mask (and min_tokens' ban of the end token) gives tokens a log-probability of
+    -inf, and the N most likely alternatives of a step the grammar forces hold them: OpenAI writes
+    such a value as -9999.0, and JSON has no -Infinity (orjson and JSON.parse refuse it)."""
+    from appliance.gateway.generation import TokenLogprob, TopLogprob
+
+    ninf, nan = float("-inf"), float("nan")
+    entry = TokenLogprob(3, b"c", ninf, (TopLogprob(7, b"a", -0.0), TopLogprob(8, b"b", nan)))
+    body: dict[str, object] = {"model": "m", "stream": True, "logprobs": True if chat else 2}
+    body.update({"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"})
+    if chat:
+        body["top_logprobs"] = 2
+    answer = wire.Answer(wire.parse_request(body, chat), "abc", 1)
+    chunk = _strict(answer.chunk("c", [entry])[len(b"data: ") :])
+    whole = _strict(wire.dumps(answer.whole("c", _final(), [entry])))
+    for rendered in (chunk, whole):
+        assert isinstance(rendered, dict)
+        logprobs = rendered["choices"][0]["logprobs"]
+        if chat:
+            token = logprobs["content"][0]
+            assert token["logprob"] == -9999.0
+            assert [t["logprob"] for t in token["top_logprobs"]] == [-0.0, -9999.0]
+        else:
+            assert logprobs["token_logprobs"] == [-9999.0]
+            assert logprobs["top_logprobs"] == [{"a": -0.0, "b": -9999.0, "c": -9999.0}]
