@@ -63,10 +63,16 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
+def _constant(name: str) -> float:
+    """NaN, Infinity and -Infinity, which Python's json reads and JSON does not have: a proxy
+    or a client's own parser that checked the body would refuse it."""
+    raise BodyError(f"the request body is not valid JSON: {name} is no JSON value")
+
+
 def decode(body: bytes) -> dict[str, Any]:
     """The body as a JSON object; BodyError says why it is not one."""
     try:
-        data = json.loads(body, object_pairs_hook=_object)
+        data = json.loads(body, object_pairs_hook=_object, parse_constant=_constant)
     except BodyError:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

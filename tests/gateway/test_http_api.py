@@ -357,6 +357,10 @@ REFUSED: list[tuple[bytes, str]] = [
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "unpaired"),
     (b'{"model": "ti\\udfffny", "messages": []}', "unpaired surrogate '\\udfff'"),
     (b'{"model": "tiny", "messages": [], "\\ud800": 1}', "Unrecognized request argument"),
+    # Python's json reads these; JSON has no such values (a strict proxy refuses the body).
+    (b'{"model": "tiny", "messages": [], "metadata": {"a": NaN}}', "NaN is no JSON value"),
+    (b'{"model": "tiny", "messages": [], "temperature": Infinity}', "Infinity is no JSON"),
+    (b'{"model": "tiny", "messages": [], "top_p": -Infinity}', "-Infinity is no JSON value"),
 ]
 
 
