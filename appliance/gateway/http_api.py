@@ -738,7 +738,10 @@ class HttpApi:
                     "GET /v1/models, GET /health"
                 )
             kind = "invalid_request_error" if exc.status < 500 else "server_error"
-            return error_response(wire.HttpError(exc.status, kind, message))
+            response = error_response(wire.HttpError(exc.status, kind, message))
+            if "Allow" in exc.headers:  # a 405 names the methods its route takes (RFC 9110)
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
 
     # -- generation -------------------------------------------------------------------------
 

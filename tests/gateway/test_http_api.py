@@ -395,6 +395,7 @@ async def test_huge_body_is_413_and_unknown_routes_404(gateway: RunningGateway) 
         session.get(_url(gateway) + "/v1/completions") as r,
     ):
         assert r.status == 405 and "error" in await r.json()
+        assert r.headers["Allow"] == "POST"  # a 405 names the methods the route takes
 
 
 # Requests aiohttp's parser refuses before any handler runs, each with bytes it used to echo.
