@@ -583,7 +583,10 @@ class HttpApi:
         # A route reading no body asks for none; aiohttp's own handler would answer an unmet
         # expectation in plain text quoting it, unreported (_unmet_expectation).
         app.router.add_get("/v1/models", self.models, expect_handler=self._unmet_expectation)
-        app.router.add_get("/v1/models/{model}", self.model, expect_handler=self._unmet_expectation)
+        # A model's name may hold slashes (Hugging Face's org/name), sent encoded or as they are.
+        app.router.add_get(
+            "/v1/models/{model:.+}", self.model, expect_handler=self._unmet_expectation
+        )
         app.router.add_get("/health", self.health, expect_handler=self._unmet_expectation)
         # handle_signals=False: the gateway owns SIGTERM/SIGINT (drain). handler_cancellation:
         # a client's disconnect cancels its handler and so its pipeline stream. keepalive_timeout

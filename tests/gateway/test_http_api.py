@@ -43,7 +43,7 @@ LONG_ARGS: dict[str, Any] = dict(
 )
 
 
-def _config(tiny: Tiny, backend: str, **kw: Any) -> GatewayConfig:
+def _config(tiny: Tiny, backend: str | dict[str, str], **kw: Any) -> GatewayConfig:
     return gateway_config(
         tiny.tokenizer_dir,
         backend,
@@ -224,6 +224,25 @@ async def test_models_and_health(client: AsyncOpenAI, gateway: RunningGateway) -
         await gateway.health.enter_graceful_shutdown()  # what a draining gateway publishes
         async with session.get(_url(gateway) + "/health") as r:
             assert (r.status, await r.json()) == (503, {"status": "NOT_SERVING"})
+
+
+async def test_a_model_named_with_a_slash_is_retrieved_by_its_raw_path(
+    tiny: Tiny, engine: Engine
+) -> None:
+    """Hugging Face names hold a slash: the openai SDK 3.x sends it encoded (%2F), curl and the
+    1.x SDK as it is; both are the model, not a route the server lacks."""
+    name = "org/tiny"
+    running = await _gateway(_config(tiny, {name: engine.address}))
+    try:
+        async with _client(running) as client:
+            assert (await client.models.retrieve(name)).id == name
+        async with aiohttp.ClientSession() as session:
+            async with session.get(_url(running) + "/v1/models/" + name) as r:
+                assert (r.status, (await r.json())["id"]) == (200, name)
+            async with session.get(_url(running) + "/v1/models/org/other") as r:
+                assert (r.status, (await r.json())["error"]["code"]) == (404, "model_not_found")
+    finally:
+        await running.drain(0.5)
 
 
 # -- errors ------------------------------------------------------------------------------------
