@@ -30,6 +30,12 @@ INLINE_BYTES = 64 * 1024
 # JSON values (objects, arrays, strings, numbers, literals, object keys not counted) a body may
 # hold: a chat of the longest accepted history in text parts stays well below it.
 MAX_VALUES = 32_768
+# Arrays and objects a body may nest one in another: far more than a request needs (a tool's
+# schema nests tens), and one limit whatever decodes the body. Python's parser alone stops near
+# its recursion limit less the stack it runs on (deeper in the worker process than on the event
+# loop), and what the gateway does with a body next recurses too: pickling the worker's result
+# back, writing a schema out.
+MAX_DEPTH = 256
 
 
 class BodyError(ValueError):
@@ -83,10 +89,37 @@ def decode(body: bytes) -> dict[str, Any]:
             "digits; no field takes one"
         ) from None
     except RecursionError:
-        raise BodyError("the request body is not valid JSON: nested too deeply") from None
+        raise _too_deep() from None
     if not isinstance(data, dict):
         raise BodyError(f"the request body must be a JSON object, got {_kind(data)}")
+    # A body nests no deeper than it has brackets: most bodies need no walk.
+    if body.count(b"{") + body.count(b"[") > MAX_DEPTH and depth_over(data, MAX_DEPTH):
+        raise _too_deep()
     return data
+
+
+def _too_deep() -> BodyError:
+    return BodyError(
+        f"the request body is nested too deeply: arrays and objects at most {MAX_DEPTH} deep"
+    )
+
+
+def depth_over(data: object, limit: int) -> bool:
+    """Whether `data` (as json.loads makes it) nests arrays and objects more than `limit` deep;
+    walked a level at a time, looking at containers only, and stopped past `limit`."""
+    level: list[Any] = [data] if type(data) in (dict, list) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        for value in level:
+            for child in value.values() if type(value) is dict else value:
+                if type(child) is dict or type(child) is list:
+                    below.append(child)
+        level = below
+    return False
 
 
 def count_values(data: object, limit: int) -> int:

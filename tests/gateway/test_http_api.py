@@ -24,6 +24,7 @@ from appliance.config import GatewayConfig, HttpConfig, ServerConfig
 from appliance.engine.runner import EngineStats
 from appliance.gateway.admission import GatedAdmission
 from appliance.gateway.http_api import BODY_BUDGET
+from appliance.gateway.json_body import INLINE_BYTES
 from appliance.gateway.models import load_models
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.security.secretfile import write_secret
@@ -392,6 +393,41 @@ async def test_malformed_bodies_are_400_in_openai_shape(
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert message in reply["error"]["message"]
     assert reply["error"]["type"] == "invalid_request_error"
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        b'"metadata":' + _nested(300),
+        b'"metadata":' + _nested(900),
+        b'"tools":[{"type":"function","function":{"name":"f","parameters":' + _nested(900) + b"}}]",
+    ],
+    ids=["ignored", "ignored-deeper", "tools"],
+)
+async def test_a_deeply_nested_body_is_400_decoded_inline_or_in_the_worker(
+    tiny: Tiny, engine: Engine, field: bytes
+) -> None:
+    """A body past INLINE_BYTES is decoded in a worker process, whose stack is shallow: nesting
+    that decodes there failed as its result was pickled back, or as the gateway wrote a schema
+    out (RecursionError: 500). Both paths refuse the same nesting, before anything reads it."""
+    config = _config(tiny, engine.address)
+    config = dataclasses.replace(
+        config, http=dataclasses.replace(config.http, max_body_bytes=4 * INLINE_BYTES)
+    )
+    running = await _gateway(config)
+    try:
+        head = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+        for pad in (b"", b'"user": "' + b"u" * INLINE_BYTES + b'", '):
+            body = head + pad + field + b"}"
+            status, _, reply = await _post(running, "/v1/chat/completions", body)
+            assert status == 400, reply
+            assert "nested too deeply" in reply["error"]["message"]
+    finally:
+        await running.drain(0.1)
 
 
 async def test_huge_body_is_413_and_unknown_routes_404(gateway: RunningGateway) -> None:
