@@ -1003,11 +1003,13 @@ class HttpApi:
                 # The status line is gone: the error travels as an event (the SDKs raise it).
                 err = wire.error_of(exc)
                 await self._write(request, response, out + wire.stream_error(err))
-        except StoppedReading:
-            # Its connection is aborted: the handler ends like one whose client disconnected
-            # (the pipeline's stream is closed by the caller), not as a handler that failed.
+            await response.write_eof()
+        except (StoppedReading, ConnectionResetError):
+            # Its connection is aborted, or the client disconnected as a write began (aiohttp
+            # refuses a write to a closing transport before the handler's cancellation is
+            # delivered): the handler ends like one whose client disconnected (the pipeline's
+            # stream is closed by the caller), not as a handler that failed.
             return response
-        await response.write_eof()
         return response
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:

@@ -5,9 +5,11 @@ in the test's event loop so a test can look at the engine's statistics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gzip
 import json
+import logging
 import zlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -17,6 +19,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
+from aiohttp import ClientConnectionResetError, web
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -574,6 +577,47 @@ async def test_client_disconnect_mid_stream_cancels_the_engine_request(
         await stream.close()
     await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
     assert stats.tokens_generated - tokens < 1500
+
+
+async def test_a_write_to_a_client_gone_ends_the_stream_as_a_disconnect(
+    tiny: Tiny, engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that disconnects as a token arrives: the handler writes before its cancellation
+    is delivered, and aiohttp refuses the write to the closing transport. That is the client
+    gone, as a cancelled handler is (the engine request cancelled, reported CANCELLED), not a
+    failure of the server's logged as one."""
+    written = 0
+    write = web.StreamResponse.write
+
+    async def closing(response: web.StreamResponse, data: bytes) -> None:
+        nonlocal written
+        written += 1
+        if written == 3:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        await write(response, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", closing)
+    sink = RecordingSink()
+    config = _config(tiny, engine.address)
+    running = await start_server(config, await load_models(config), sink)
+    stats: EngineStats = engine.models["tensorrt_llm"].runner.stats
+    cancelled = stats.cancelled
+    try:
+        body = {**LONG_ARGS, "stream": True, "appliance": {"cache_policy": "bypass"}}
+        del body["extra_body"]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(_url(running) + "/v1/completions", json=body) as r,
+        ):
+            assert r.status == 200
+            with contextlib.suppress(aiohttp.ClientPayloadError):  # what it got is no matter
+                await r.read()
+        (report,) = await sink.wait_for(1)
+        await until_engine(stats, lambda: stats.cancelled > cancelled and stats.running is None)
+    finally:
+        await running.drain(0.5)
+    assert report.status == "CANCELLED"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 async def test_disconnect_while_queued_leaves_the_line(tiny: Tiny, engine: Engine) -> None:
