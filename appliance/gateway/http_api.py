@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import ssl as ssl_module
 import time
 import urllib.parse
@@ -151,6 +152,10 @@ class StoppedReading(Exception):
     is aborted."""
 
 
+# Where aiohttp's message template takes an argument (" from %s"): dropped with the argument.
+_ARGUMENT = re.compile(r"(?:\s+from)?\s*%[-#0 +]*[0-9.]*[a-zA-Z]")
+
+
 class WithoutRequestBytes(logging.Filter):
     """Replaces an aiohttp record by one throttled line without its arguments or exception text,
     both of which may hold request bytes (headers, a body, an HTTP/2 connection's frames)."""
@@ -163,9 +168,10 @@ class WithoutRequestBytes(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         what = type(exc).__name__ if exc is not None else "no exception"
         if record.levelno >= logging.WARNING:
+            template = record.msg if isinstance(record.msg, str) else ""
             self._throttled.warning(
                 "HTTP request refused by the HTTP server (%s: %s); its bytes are not logged",
-                record.msg if isinstance(record.msg, str) else "error",
+                _ARGUMENT.sub("", template).strip() or "error",
                 what,
             )
         return False

@@ -23,6 +23,7 @@ from appliance import logline
 from appliance.config import GatewayConfig, ServerConfig
 from appliance.engine.repository import RepositoryError
 from appliance.engine.server import start_engine
+from appliance.gateway.http_api import WithoutRequestBytes
 from appliance.gateway.models import StartupError
 from appliance.gateway.server import start_server
 from appliance.logline import OneLineFormatter, Throttled
@@ -191,6 +192,22 @@ def test_a_flood_of_one_warning_is_one_line_per_interval(
         "bad body 0",
         "bad body 100 (99 more since the last such line, not logged)",
     ]
+
+
+def test_an_http_server_error_line_holds_neither_its_arguments_nor_placeholders(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    record = logging.LogRecord(
+        "aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+        ("203.0.113.9 GET /secret-path",), None,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        assert not WithoutRequestBytes().filter(record)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "HTTP request refused by the HTTP server (Error handling request: no exception); its "
+        "bytes are not logged"
+    )
 
 
 def test_a_second_gateway_on_a_taken_port_exits_with_one_line(
