@@ -25,13 +25,19 @@ verify steps and those accepted (`appliance_engine_spec_draft_tokens_total`,
 (`appliance_engine_spec_verify_steps_total`) and the times a request's speculation switched itself
 off for low acceptance (`appliance_engine_spec_switched_off_total`); acceptance rate = accepted /
 proposed, accepted tokens per verify step = accepted / verify steps.
+
+On a GPU (`--device cuda` or `cuda:N`) the page also has Triton's GPU families for the GPUs the
+models run on, labelled `gpu_uuid` as Triton labels them: `nv_gpu_utilization` (0.0 to 1.0),
+`nv_gpu_memory_total_bytes`, `nv_gpu_memory_used_bytes` and `nv_gpu_power_usage` (watts), read
+through NVML at scrape time. On the CPU, or where NVML does not start, there are none.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -43,6 +49,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from appliance.engine.server import EngineModel, EngineService
 
+log = logging.getLogger(__name__)
 _LABELS = ("model", "version")
 # Triton's `reason` label of nv_inference_request_failure; each is exported from the start.
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
@@ -218,6 +225,67 @@ class EngineCollector(Collector):
         yield from (compiles, hits, seconds, matchers)
 
 
+class GpuCollector(Collector):
+    """Triton's GPU families for these GPUs (NVML UUIDs, `GPU-...`), read through NVML at scrape
+    time. NVML is opened once, here; no GPUs, no driver or an unknown UUID: no GPU series (a
+    warning says why), and the rest of the page is served."""
+
+    # (family, help) as Triton's core registers them.
+    FAMILIES = (
+        ("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)"),
+        ("nv_gpu_memory_total_bytes", "GPU total memory, in bytes"),
+        ("nv_gpu_memory_used_bytes", "GPU used memory, in bytes"),
+        ("nv_gpu_power_usage", "GPU power usage in watts"),
+    )
+
+    def __init__(self, uuids: Sequence[str]) -> None:
+        self._nvml: Any = None
+        self._handles: list[tuple[str, object]] = []
+        if not uuids:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handles = [(u, pynvml.nvmlDeviceGetHandleByUUID(u)) for u in uuids]
+            self._nvml = pynvml
+        except Exception as exc:  # no driver, no library, a GPU NVML does not know
+            log.warning("no GPU metrics for %s: %s", ", ".join(uuids), exc)
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        nvml = self._nvml
+        if nvml is None:
+            return
+        util, total, used, power = (
+            GaugeMetricFamily(name, doc, labels=("gpu_uuid",)) for name, doc in self.FAMILIES
+        )
+        try:
+            for uuid, handle in self._handles:
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                util.add_metric((uuid,), nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
+                total.add_metric((uuid,), memory.total)
+                used.add_metric((uuid,), memory.used)
+                power.add_metric((uuid,), nvml.nvmlDeviceGetPowerUsage(handle) / 1000)
+        except Exception as exc:  # a GPU that fell off the bus: say so, serve the rest
+            log.warning("GPU metrics unavailable: %s", exc)
+            return
+        yield from (util, total, used, power)
+
+
+def gpu_uuids(models: Mapping[str, EngineModel]) -> list[str]:
+    """The NVML UUIDs of the CUDA devices the models run on (none on the CPU)."""
+    devices = {m.model.device for m in models.values()}
+    indexes = sorted({d.index for d in devices if d.type == "cuda" and d.index is not None})
+    if not indexes:
+        return []
+    import torch
+
+    return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in indexes]
+
+
 def exposition(registry: CollectorRegistry) -> bytes:
     """The registry in Prometheus' text format 0.0.4, as Triton writes it. prometheus-client's own
     writer names a counter `NAME_total` in `# HELP` and `# TYPE` whatever its samples are named:
@@ -253,6 +321,7 @@ def serve_metrics(
     """Starts the /metrics listener in its own thread; `server_address` has the bound port."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(service, models))
+    registry.register(GpuCollector(gpu_uuids(models)))
     ProcessCollector(registry=registry)  # the process's memory, file descriptors, CPU seconds
 
     def app(environ: dict[str, Any], start: Callable[..., object]) -> list[bytes]:

@@ -18,7 +18,6 @@ only on DEADLINE_EXCEEDED outcomes, empty (no label, to Prometheus) on the other
 from __future__ import annotations
 
 import bisect
-import logging
 import math
 import threading
 import time
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from appliance.gateway.admission import Admission, ModelGate
     from appliance.gateway.models import ServedModel
 
-log = logging.getLogger(__name__)
 # Why the HTTP front end answered 403 before a request existed (the `reason` label of
 # appliance_http_requests_refused_total): a Host that is no loopback name on a gateway without API
 # keys on loopback (DNS rebinding), a browser's POST for a page of another origin.
@@ -231,9 +229,10 @@ class GatewayMetrics:
         cache: TierCascade | None,
         in_flight: dict[str, int],
     ) -> None:
-        """Registers the scrape-time collectors over the gateway's own state and the GPUs."""
+        """Registers the scrape-time collector over the gateway's own state. GPU series come
+        from the inference server's page (Triton's, or the engine server's): the gateway's unit
+        hides every device from it."""
         self.registry.register(_StateCollector(models, admission, cache, in_flight))
-        self.registry.register(GpuCollector())
 
     def serve(self, listen: str) -> int:
         """Starts the /metrics HTTP listener in its own thread; returns the port."""
@@ -258,64 +257,6 @@ class ProcessSeries(ProcessCollector):
 
     def _boot_time(self) -> float:
         return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-class GpuCollector(Collector):
-    """GPU utilization, memory and power through NVML (nvidia-ml-py), read at scrape time.
-
-    On a host without an NVIDIA driver NVML does not initialize and the collector yields nothing:
-    no GPU series, no error."""
-
-    NAMES = (
-        "appliance_gpu_utilization_ratio",
-        "appliance_gpu_memory_used_bytes",
-        "appliance_gpu_memory_total_bytes",
-        "appliance_gpu_power_watts",
-    )
-
-    def __init__(self) -> None:
-        self._nvml: object | None = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-        except Exception as exc:  # no driver, no library: no GPU series
-            log.debug("no GPU metrics: %s", exc)
-
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        return []
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        nvml = self._nvml
-        if nvml is None:
-            return
-        util, used, total, power = (
-            GaugeMetricFamily(name, doc, labels=("gpu",))
-            for name, doc in zip(
-                self.NAMES,
-                (
-                    "GPU busy fraction over the driver's last sample period.",
-                    "GPU memory in use.",
-                    "GPU memory in all.",
-                    "GPU power draw.",
-                ),
-                strict=True,
-            )
-        )
-        try:
-            for i in range(nvml.nvmlDeviceGetCount()):  # type: ignore[attr-defined]
-                h = nvml.nvmlDeviceGetHandleByIndex(i)  # type: ignore[attr-defined]
-                rates = nvml.nvmlDeviceGetUtilizationRates(h)  # type: ignore[attr-defined]
-                memory = nvml.nvmlDeviceGetMemoryInfo(h)  # type: ignore[attr-defined]
-                util.add_metric((str(i),), rates.gpu / 100)
-                used.add_metric((str(i),), memory.used)
-                total.add_metric((str(i),), memory.total)
-                power.add_metric((str(i),), nvml.nvmlDeviceGetPowerUsage(h) / 1000)  # type: ignore[attr-defined]
-        except Exception as exc:  # a GPU that fell off the bus: say so, keep serving
-            log.warning("GPU metrics unavailable: %s", exc)
-            return
-        yield from (util, used, total, power)
 
 
 class _Bound:

@@ -1,21 +1,33 @@
 """The engine server's /metrics and ModelStatistics count a failed request as Triton does: a
 failure by reason (a backend's is BACKEND; REJECTED, CANCELED and OTHER are there at 0), an
 execution (the TensorRT-LLM backend reports batch statistics for it), and no inference
-(Triton's inference count grows with successes only)."""
+(Triton's inference count grows with successes only). On a GPU the page has Triton's GPU
+families, read through NVML."""
 
 from __future__ import annotations
 
+import types
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.engine.metrics import FAILURE_REASONS, serve_metrics
+from appliance.engine import metrics as engine_metrics
+from appliance.engine.metrics import (
+    FAILURE_REASONS,
+    GpuCollector,
+    exposition,
+    gpu_uuids,
+    serve_metrics,
+)
 from tests.conftest import Engine
 from tests.engine.test_conformance import MODEL, collect, request
+from tests.observability.conftest import UUID
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -98,3 +110,119 @@ async def test_a_backend_failure_counts_as_tritons_does(
     assert rpc_after.inference_stats.fail.count == rpc_before.inference_stats.fail.count + 1
     assert value(after, "nv_inference_count") == rpc_after.inference_count
     assert value(after, "nv_inference_exec_count") == rpc_after.execution_count
+
+
+# Triton's GPU families (triton-inference-server/core src/metrics.cc), one series per GPU by
+# `gpu_uuid`: what Triton dashboards, and this repository's, query.
+TRITON_GPU_FAMILIES = {
+    "nv_gpu_utilization": "gauge",
+    "nv_gpu_memory_total_bytes": "gauge",
+    "nv_gpu_memory_used_bytes": "gauge",
+    "nv_gpu_power_usage": "gauge",
+}
+
+
+def page(registry: CollectorRegistry) -> dict[str, tuple[str, dict[str, float]]]:
+    """family -> (type, {gpu_uuid: value}) of the exposition's GPU families."""
+    found: dict[str, tuple[str, dict[str, float]]] = {}
+    for family in text_string_to_metric_families(exposition(registry).decode()):
+        if family.name.startswith("nv_gpu_"):
+            found[family.name] = (
+                family.type,
+                {s.labels["gpu_uuid"]: s.value for s in family.samples},
+            )
+    return found
+
+
+def test_a_gpu_is_exported_in_tritons_names_and_units(nvml: dict[str, int]) -> None:
+    registry = CollectorRegistry()
+    registry.register(GpuCollector([UUID]))
+    assert page(registry) == {
+        "nv_gpu_utilization": ("gauge", {UUID: 0.37}),
+        "nv_gpu_memory_total_bytes": ("gauge", {UUID: float(141 << 30)}),
+        "nv_gpu_memory_used_bytes": ("gauge", {UUID: float(20 << 30)}),
+        "nv_gpu_power_usage": ("gauge", {UUID: 412.5}),
+    }
+    assert {name for name, _ in GpuCollector.FAMILIES} == set(TRITON_GPU_FAMILIES)
+    page(registry)
+    assert nvml["init"] == 1  # once, not per scrape
+
+
+def test_no_gpu_or_no_driver_exports_no_gpu_series(
+    nvml: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pynvml
+
+    cpu = CollectorRegistry()
+    cpu.register(GpuCollector([]))
+    assert page(cpu) == {}
+    assert nvml["init"] == 0  # an engine on the CPU never opens the driver
+
+    def no_driver() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    missing = CollectorRegistry()
+    missing.register(GpuCollector([UUID]))
+    assert page(missing) == {}
+
+
+def test_a_gpu_that_fails_a_read_leaves_the_rest_of_the_page(
+    nvml: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pynvml
+
+    registry = CollectorRegistry()
+    registry.register(GpuCollector([UUID]))
+
+    def lost(h: object) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", lost)
+    assert page(registry) == {}
+
+
+def test_the_gpus_are_those_the_models_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cuda:1` is the GPU whose UUID CUDA reports for index 1; NVML names it with a `GPU-`
+    prefix, as Triton's label does. CPU models name none."""
+    seen: list[int] = []
+
+    def properties(index: int) -> object:
+        seen.append(index)
+        return types.SimpleNamespace(uuid=UUID.removeprefix("GPU-"))
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+
+    def on(device: str) -> object:
+        return types.SimpleNamespace(model=types.SimpleNamespace(device=torch.device(device)))
+
+    assert gpu_uuids({"a": on("cpu")}) == []  # type: ignore[dict-item]
+    assert seen == []
+    assert gpu_uuids({"a": on("cuda:1"), "b": on("cuda:1")}) == [UUID]  # type: ignore[dict-item]
+    assert seen == [1]
+
+
+def test_the_engine_page_has_its_gpus(
+    engine: Engine, nvml: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`appliance engine --metrics` on a GPU: its page carries the GPU families beside
+    nv_inference_*; on the CPU (the test engine) none."""
+    families = _served_families(engine)
+    assert "nv_inference_count" in families
+    assert not any(name.startswith("nv_gpu_") for name in families)
+    monkeypatch.setattr(engine_metrics, "gpu_uuids", lambda models: [UUID])
+    assert {n: t for n, t in _served_families(engine).items() if n.startswith("nv_gpu_")} == (
+        TRITON_GPU_FAMILIES
+    )
+
+
+def _served_families(engine: Engine) -> dict[str, str]:
+    server = serve_metrics(engine.service, engine.models, "127.0.0.1:0")
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    return {f.name: f.type for f in text_string_to_metric_families(text)}

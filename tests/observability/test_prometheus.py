@@ -19,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.cache.l2 import RedisSettings
 from appliance.config import CacheConfig, MetricsConfig, SemanticConfig
+from appliance.engine import metrics as engine_metrics
 from appliance.engine.metrics import serve_metrics
-from appliance.gateway.metrics import LATENCY_BUCKETS, GpuCollector
+from appliance.gateway.metrics import LATENCY_BUCKETS
 from appliance.gateway.models import load_models
 from appliance.gateway.report import RequestReport
 from appliance.gateway.server import RunningGateway, start_server
@@ -30,6 +31,7 @@ from host_tuning import textfile
 from tests.cache.redis_server import RedisServer
 from tests.cache.test_semantic_e2e import PARAPHRASE, QUESTION
 from tests.conftest import Engine, Tiny
+from tests.observability.conftest import UUID
 from tests.observability.prometheus_server import Prometheus
 from tests.support import gateway_config, until_async
 
@@ -72,7 +74,8 @@ async def gateway(
 
 
 def exported_names(port: int) -> set[str]:
-    """Every series name the gateway's /metrics exposes (with _bucket, _total, ... suffixes)."""
+    """Every series name a /metrics page on this port exposes (with _bucket, _total, ...
+    suffixes)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
     names = set()
@@ -96,14 +99,28 @@ def role_mark() -> str:
 
 
 def referenced_names(text: str) -> set[str]:
-    return set(re.findall(r"\b(appliance_[a-z0-9_]+)", text))
+    return set(re.findall(r"\b((?:appliance|nv)_[a-z0-9_]+)", text))
 
 
 async def test_dashboard_and_alerts_use_only_exported_metrics(
     gateway: tuple[RunningGateway, Reports],
+    engine: Engine,
+    nvml: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Every name a panel or an alert reads is on a page the role's scrape targets serve: the
+    gateway's, and the inference server's (here the engine server's, on a GPU that NVML is
+    faked for; Triton's GPU families have the same names). The gateway's unit hides every
+    device, so a GPU series can only come from the inference server."""
     running, _ = gateway
-    exported = exported_names(running.metrics_port) | set(GpuCollector.NAMES)
+    exported = exported_names(running.metrics_port)
+    monkeypatch.setattr(engine_metrics, "gpu_uuids", lambda models: [UUID])
+    inference = serve_metrics(engine.service, engine.models, "127.0.0.1:0")
+    try:
+        exported |= exported_names(inference.server_address[1])
+    finally:
+        inference.shutdown()
+        inference.server_close()
     # What host-tune verify writes for node_exporter's textfile collector, and the host_tuning
     # role's mark beside it.
     exported |= referenced_names(textfile.exposition([], 0, 0.0).decode())
