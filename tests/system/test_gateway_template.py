@@ -17,8 +17,12 @@ ANSIBLE = REPO / "ansible"
 ANSIBLE_BIN = REPO / ".venv-ansible" / "bin"
 
 
-def _render(tmp_path: Path, variables: dict[str, object]) -> Path:
-    out = tmp_path / "gateway.toml"
+def _render(
+    tmp_path: Path, variables: dict[str, object], template: str = "gateway.toml.j2"
+) -> Path:
+    """One of the appliance role's templates, rendered with the role's defaults and vars and
+    these variables (profile cpu unless they say otherwise)."""
+    out = tmp_path / template.removesuffix(".j2")
     extra = tmp_path / "vars.json"
     extra.write_text(json.dumps({"appliance_profile": "cpu", **variables}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PIP_"))}
@@ -43,11 +47,13 @@ def _render(tmp_path: Path, variables: dict[str, object]) -> Path:
             "-e",
             "@roles/appliance/defaults/main.yml",
             "-e",
+            "@roles/appliance/vars/main.yml",
+            "-e",
             f"@{extra}",
             "-m",
             "ansible.builtin.template",
             "-a",
-            f"src=roles/appliance/templates/gateway.toml.j2 dest={out}",
+            f"src=roles/appliance/templates/{template} dest={out}",
         ],
         cwd=ANSIBLE,
         env=env,
