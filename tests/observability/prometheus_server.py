@@ -14,12 +14,17 @@ from tests.support import until
 
 
 class Prometheus:
-    def __init__(self, workdir: Path, targets: dict[str, str]) -> None:
+    def __init__(self, workdir: Path, targets: dict[str, str], jobs_yaml: str = "") -> None:
+        """Scrapes `targets` (job -> HOST:PORT), and the jobs of `jobs_yaml` (a list of scrape
+        configs, as monitoring/prometheus-scrape.yml writes them)."""
         self.port = free_port()
         config = workdir / "prometheus.yml"
         jobs = "\n".join(
-            f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']"
-            for job, target in targets.items()
+            [
+                f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']"
+                for job, target in targets.items()
+            ]
+            + ["  " + line for line in jobs_yaml.splitlines()]
         )
         config.write_text(
             f"global:\n  scrape_interval: 200ms\n  scrape_timeout: 150ms\nscrape_configs:\n{jobs}\n"

@@ -224,3 +224,20 @@ def test_a_public_front_end_without_tls_and_keys_fails_first(
         _tasks(out)[-1] == "appliance : Check a non-loopback listen address has TLS and API keys"
     ), out
     assert "changed=0" in out, out
+
+
+@pytest.mark.parametrize("metrics", ["", "0.0.0.0", "127.0.0.1:port", "0.0.0.0:8002", "[::]:8002"])
+def test_an_inference_server_metrics_address_without_a_port_fails_first(
+    tmp_path: Path, metrics: str
+) -> None:
+    """appliance_backend_metrics is where the engine server listens and what Prometheus is told
+    to scrape: a value that is no HOST:PORT would leave an engine server that does not start,
+    and a wildcard host a target no Prometheus reaches. The role stops before any change,
+    naming it."""
+    required = {"appliance_profile": "cpu", "appliance_wheelhouse": {"dir": "/srv/wheelhouse"}}
+    result = _role_alone(tmp_path, "appliance", {**required, "appliance_backend_metrics": metrics})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert f"appliance_backend_metrics ({metrics}) is not HOST:PORT" in out, out
+    assert _tasks(out)[-1] == "appliance : Check the inference server's metrics address", out
+    assert "changed=0" in out, out

@@ -196,7 +196,26 @@ def test_triton_listens_on_loopback_only() -> None:
     flags = dict(re.findall(r"--([a-z-]+)=(\S+)", start))
     assert flags.get("grpc-address") == "127.0.0.1", start
     assert flags.get("http-address") == "127.0.0.1", start
-    assert flags.get("metrics-address", "127.0.0.1") == "127.0.0.1", start
+    # Its metrics' address is the triton role's triton_metrics_address (a remote Prometheus
+    # scrapes the host's address), loopback unless set.
+    assert flags.get("metrics-address") == "${TRITON_METRICS_ADDRESS}", start
+    assert re.search(r"^Environment=TRITON_METRICS_ADDRESS=127\.0\.0\.1$", text, re.M), text
+    env = (REPO / "ansible/roles/triton/templates/triton.env.j2").read_text()
+    assert "\nTRITON_METRICS_ADDRESS={{ triton_metrics_address }}\n" in env
+    defaults = (REPO / "ansible/roles/triton/defaults/main.yml").read_text()
+    assert "\ntriton_metrics_address: 127.0.0.1\n" in defaults
+
+
+def test_the_engine_server_serves_its_metrics_on_loopback_by_default() -> None:
+    """The inference server's own page (nv_inference_*, nv_gpu_* on a GPU) is what Prometheus
+    scrapes beside the gateway's: the engine server serves it where ENGINE_METRICS says, on
+    loopback and Triton's metrics port unless engine.env says otherwise."""
+    text = (UNITS / "appliance-engine.service").read_text()
+    (start,) = re.findall(r"^ExecStart=(.*)$", text, re.M)
+    assert " --metrics ${ENGINE_METRICS} " in start, start
+    assert re.search(r"^Environment=.*\bENGINE_METRICS=127\.0\.0\.1:8002\b", text, re.M), text
+    env = (REPO / "ansible/roles/appliance/templates/engine.env.j2").read_text()
+    assert "\nENGINE_METRICS={{ appliance_backend_metrics }}\n" in env
 
 
 def _exposure(root: Path, unit: str, threshold: float | None) -> tuple[int, float, str]:
