@@ -283,7 +283,9 @@ def gpu_uuids(models: Mapping[str, EngineModel]) -> list[str]:
         return []
     import torch
 
-    return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in indexes]
+    # CUDA writes the UUID bare (8-4-4-4-12 hex), NVML and Triton's label with a `GPU-` prefix.
+    uuids = (str(torch.cuda.get_device_properties(i).uuid) for i in indexes)
+    return [f"GPU-{u.removeprefix('GPU-')}" for u in uuids]
 
 
 def exposition(registry: CollectorRegistry) -> bytes:
