@@ -89,7 +89,7 @@ def _reset_note() -> str:
 
 def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Result]:
     st = state_mod.load(ctx.root)
-    loaded = st.to_json()
+    on_disk = st.to_json()
     _forget_earlier_boot(ctx, st)
     results: list[Result] = []
     try:
@@ -128,6 +128,12 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
             if entry is None:
                 entry = st.entries[item.key] = state_mod.Entry(item.plugin, item.target, snap)
                 new_entry = True
+                # On disk before the write: a process killed outright (SIGKILL, the OOM killer)
+                # runs no finally, and the next apply would save the tuned value as the prior
+                # one. Runtime settings need no fsync: a power cut resets them with the record.
+                st.boot_id = state_mod.boot_id(ctx.root)
+                state_mod.save(ctx.root, st, durable=plugin.persistent)
+                on_disk = st.to_json()
             else:
                 new_entry = False
             try:
@@ -162,7 +168,7 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
             note = plugin.pending(ctx, item) or ""
             results.append(Result(item.key, item.plugin, CHANGED, item.desired, cur, note))
     finally:
-        if not dry_run and st.to_json() != loaded:
+        if not dry_run and st.to_json() != on_disk:
             st.boot_id = state_mod.boot_id(ctx.root)
             if st.entries or st.managed:
                 state_mod.save(ctx.root, st)

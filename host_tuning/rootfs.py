@@ -83,8 +83,12 @@ class Root:
         with open(target, "w") as fh:
             fh.write(data)
 
-    def create(self, rel: str, data: str) -> list[str]:
-        """Write a file we own, creating parents; answer the directories created (for revert)."""
+    def create(self, rel: str, data: str, durable: bool = False) -> list[str]:
+        """Write a file we own, creating parents; answer the directories created (for revert).
+
+        The file is replaced whole (a reader sees the old or the new text); ``durable`` also
+        flushes it and its directory to disk before answering, so a power cut keeps it.
+        """
         target = self.path(rel)
         created: list[str] = []
         parent = target.parent
@@ -96,8 +100,18 @@ class Root:
             d.mkdir()
             created.append("/" + str(d.relative_to(self.base)))
         tmp = target.with_name(target.name + ".host-tune.tmp")
-        tmp.write_text(data)
+        with open(tmp, "w") as fh:
+            fh.write(data)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, target)
+        if durable:
+            fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         return created
 
     def remove(self, rel: str) -> None:

@@ -158,12 +158,13 @@ def _signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def save(root: Root, state: State) -> None:
+def save(root: Root, state: State, durable: bool = True) -> None:
+    """Replace the state file whole; ``durable``: on disk before answering (fsync)."""
     with _signals_held():
-        created = root.create(STATE_FILE, state.to_json())
+        created = root.create(STATE_FILE, state.to_json(), durable)
         state.own_dirs += [d for d in created if d not in state.own_dirs]
         if created:
-            root.create(STATE_FILE, state.to_json())
+            root.create(STATE_FILE, state.to_json(), durable)
 
 
 def remove(root: Root, state: State) -> None:

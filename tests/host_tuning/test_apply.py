@@ -350,3 +350,23 @@ def test_a_governor_the_kernel_does_not_offer_is_unsupported_not_written(
     table = capsys.readouterr().out
     row = next(ln for ln in table.splitlines() if "cpu{0-15} governor" in ln)
     assert row.startswith("unsupported") and "failed" not in table
+
+
+def test_a_refused_write_leaves_no_entry_when_nothing_else_changed(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (box.root / "proc/sys/net/core/somaxconn").write_text("4096\n")
+    before = snapshot(box.root)
+    root = str(box.root)
+    assert main(["apply", "--root", root, "--profile", str(write_profile(""))]) == 0
+    # A second apply whose only new setting the kernel refuses changes nothing else.
+    rules = (box.root / KERNEL_MARKER).read_text()
+    _kernel_rule(box, "proc/sys/net/core/somaxconn EPERM")
+    prof = write_profile('[sysctl]\n"net.core.somaxconn" = 128\n')
+    assert main(["apply", "--root", root, "--profile", str(prof)]) == 1
+    state = json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
+    assert "sysctl net.core.somaxconn" not in {e["key"] for e in state["entries"]}
+    capsys.readouterr()
+    assert main(["revert", "--root", root]) == 0
+    (box.root / KERNEL_MARKER).write_text(rules)
+    assert snapshot(box.root) == before

@@ -106,3 +106,20 @@ def test_a_forked_helper_ends_on_sigterm_as_without_host_tune(box: Machine) -> N
     os.close(ready_r)
     os.close(ready_w)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+def test_apply_killed_outright_leaves_a_record_revert_undoes(
+    box: Machine, write_profile: Callable[[str], Path]
+) -> None:
+    # SIGKILL (systemd's stop timeout, the OOM killer) runs no handler: each prior value must be
+    # on disk before its setting is written, or a second apply saves the tuned value as prior.
+    before = snapshot(box.root)
+    prof = write_profile(PROFILE)
+    code, _ = _apply_stopped_at_swappiness(box, prof, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert (box.root / GOVERNOR).read_text() == "performance\n"  # changed before the kill
+    state = json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
+    assert {"cpu0 governor", "sysctl kernel.nmi_watchdog"} <= {e["key"] for e in state["entries"]}
+    assert main(["apply", "--root", str(box.root), "--profile", str(prof)]) == 0
+    assert main(["revert", "--root", str(box.root)]) == 0
+    assert snapshot(box.root) == before
