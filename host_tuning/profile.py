@@ -162,6 +162,12 @@ def _typed(t: _Table, key: str, expected: type | tuple[type, ...]) -> Any:
     return value
 
 
+def sysctl_path(key: str) -> str:
+    """``/proc/sys`` path of a sysctl; like sysctl(8), a name with '/' is already a path (that
+    spelling keeps dots inside interface names such as ``net/ipv4/conf/eth0.100/rp_filter``)."""
+    return "/proc/sys/" + (key if "/" in key else key.replace(".", "/"))
+
+
 def is_sched_sysctl(key: str) -> bool:
     """``kernel.sched_*`` in the dotted or the slash spelling."""
     parts = re.split(r"[./]", key, maxsplit=2)
@@ -185,11 +191,14 @@ def _parse(text: str, data: dict[str, Any], source: Path) -> Profile:
             kwargs[name] = str(value) if name == "energy_perf_bias" else value
     s = tables["sysctl"] = top.sub("sysctl", set(top.get("sysctl", dict, {})))
     sysctl: dict[str, str] = {}
+    spelt: dict[str, str] = {}  # /proc/sys path -> the key naming it
     for k, v in s.data.items():
         if isinstance(v, bool) or not isinstance(v, (int, str)):
             s.fail(k, f"value must be an integer or a string, got {v!r}")
         if not _SYSCTL_KEY.match(k) or ".." in k:
             s.fail(k, "not a sysctl name (e.g. net.core.somaxconn)")
+        if (other := spelt.setdefault(sysctl_path(k), k)) != k:
+            s.fail(k, f"the same sysctl as {other}: keep one of them")
         sysctl[k] = str(v)
     kwargs["sysctl"] = sysctl
     profile = Profile(**kwargs)

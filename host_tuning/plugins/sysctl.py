@@ -6,7 +6,7 @@ from host_tuning.cores import CorePlan
 from host_tuning.facts.model import Facts
 from host_tuning.items import Advice, Item
 from host_tuning.plugins.base import FilePlugin
-from host_tuning.profile import Profile, is_sched_sysctl
+from host_tuning.profile import Profile, is_sched_sysctl, sysctl_path
 
 # key -> (value, reason). Never kernel.sched_*: moved to debugfs in 5.13, renamed in 6.6.
 DEFAULTS: dict[str, tuple[str, str]] = {
@@ -24,12 +24,6 @@ DEFAULTS: dict[str, tuple[str, str]] = {
 }
 
 
-def path(key: str) -> str:
-    """``/proc/sys`` path of a sysctl; like sysctl(8), a name with '/' is already a path (that
-    spelling keeps dots inside interface names such as ``net/ipv4/conf/eth0.100/rp_filter``)."""
-    return "/proc/sys/" + (key if "/" in key else key.replace(".", "/"))
-
-
 class Sysctl(FilePlugin):
     name = "sysctl"
 
@@ -38,9 +32,12 @@ class Sysctl(FilePlugin):
     ) -> tuple[list[Item], list[Advice]]:
         chosen = {k: v for k, v in DEFAULTS.items()}
         for key, value in profile.sysctl.items():
+            # A default named in the other spelling (vm/swappiness) is the same file: one item.
+            for default in [k for k in chosen if sysctl_path(k) == sysctl_path(key)]:
+                del chosen[default]
             chosen[key] = (value, "set by profile [sysctl]")
         items = [
-            Item(self.name, f"sysctl {k}", path(k), v, why)
+            Item(self.name, f"sysctl {k}", sysctl_path(k), v, why)
             for k, (v, why) in sorted(chosen.items())
             if not is_sched_sysctl(k)
         ]

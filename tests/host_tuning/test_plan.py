@@ -189,6 +189,10 @@ def test_unknown_gpu(box: Machine) -> None:
             "2: key 'sysctl.../../etc/shadow': not a sysctl name",
         ),
         ('[sysctl]\n"vm.swappiness" = true\n', "integer or a string"),
+        (
+            '[sysctl]\n"vm.swappiness" = 1\n"vm/swappiness" = 2\n',
+            "key 'sysctl.vm/swappiness': the same sysctl as vm.swappiness",
+        ),
         ('[kernel]\nextra_cmdline = ["a b"]\n', "one kernel parameter per entry"),
         ('[kernel]\nextra_cmdline = ["x=$(reboot)"]\n', "one kernel parameter per entry"),
         ("[nic]\nrx_ring = 0\n", "rx_ring"),
@@ -206,6 +210,13 @@ def test_energy_perf_bias_number_and_slash_sysctl_accepted(box: Machine) -> None
     plan = make_plan(collect(Root(box.root)), p)
     item = next(i for i in plan.items if i.key == "sysctl net/ipv4/conf/eth0.100/rp_filter")
     assert item.target == "/proc/sys/net/ipv4/conf/eth0.100/rp_filter"
+
+
+def test_a_slash_spelt_sysctl_overrides_the_default_of_the_same_file(box: Machine) -> None:
+    # Two items on one file would each write their value: verify would find one drifted forever.
+    plan = make_plan(collect(Root(box.root)), parse('[sysctl]\n"vm/swappiness" = 1\n'))
+    on_file = [i for i in plan.items if i.target == "/proc/sys/vm/swappiness"]
+    assert [(i.key, i.desired) for i in on_file] == [("sysctl vm/swappiness", "1")]
 
 
 def test_extra_cmdline_repeating_a_planned_parameter_is_a_plan_error(
