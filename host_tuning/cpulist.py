@@ -7,29 +7,36 @@ may have re-formatted.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+
+#: The kernel's largest NR_CPUS: a CPU number at or above it is a typo, never expanded.
+MAX_CPUS = 8192
+# One part of a list: N, START-END, or the group form START-END:USED/GROUP (kernel-parameters
+# "cpu lists": 100-2000:2/25 is 100,101,125,126,...). The kernel takes no other form.
+_PART = re.compile(r"(\d+)(?:-(\d+)(?::(\d+)/(\d+))?)?", re.ASCII)
 
 
 def parse(text: str) -> frozenset[int]:
-    """Parse ``"0-3,8,10-11"`` (sysfs/procfs list form); an empty string is the empty set."""
+    """Parse ``"0-3,8,10-11"`` (sysfs/procfs/kernel command line list form); an empty string is
+    the empty set. ValueError for what the kernel would refuse, and for CPUs at or beyond
+    ``MAX_CPUS``."""
     cpus: set[int] = set()
     for part in text.strip().split(","):
         part = part.strip()
         if not part:
             continue
-        if "-" in part:
-            lo_s, hi_s = part.split("-", 1)
-            # Ranges may carry a stride (``0-7:2``) on newer kernels' isolcpus syntax.
-            stride = 1
-            if ":" in hi_s:
-                hi_s, stride_s = hi_s.split(":", 1)
-                stride = int(stride_s)
-            lo, hi = int(lo_s), int(hi_s)
-            if hi < lo:
-                raise ValueError(f"bad CPU range {part!r}")
-            cpus.update(range(lo, hi + 1, stride))
-        else:
-            cpus.add(int(part))
+        m = _PART.fullmatch(part)
+        if m is None:
+            raise ValueError(f"bad CPU list part {part!r}")
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else int(m.group(2))
+        used, group = (1, 1) if m.group(3) is None else (int(m.group(3)), int(m.group(4)))
+        if hi < lo or group == 0 or used > group:
+            raise ValueError(f"bad CPU range {part!r}")
+        if hi >= MAX_CPUS:
+            raise ValueError(f"CPU {hi} in {part!r} is beyond the kernel's {MAX_CPUS} CPUs")
+        cpus.update(c for c in range(lo, hi + 1) if (c - lo) % group < used)
     return frozenset(cpus)
 
 

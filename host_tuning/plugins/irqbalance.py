@@ -61,7 +61,11 @@ class Irqbalance(FilePlugin):
         return system.env_var(ctx.root.read(item.target), VAR)
 
     def same(self, item: Item, current: str | None) -> bool:
-        return current is not None and cpulist.parse(current) == cpulist.parse(item.desired)
+        # The operator's file: a value that is no CPU list ("$VAR", a typo) is drift to rewrite.
+        try:
+            return current is not None and cpulist.parse(current) == cpulist.parse(item.desired)
+        except ValueError:
+            return False
 
     def set(self, ctx: Context, item: Item) -> list[str]:
         text = ctx.root.read(item.target) or ""

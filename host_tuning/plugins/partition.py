@@ -79,7 +79,11 @@ class SystemdAffinity(FilePlugin):
         return None
 
     def same(self, item: Item, current: str | None) -> bool:
-        return current is not None and cpulist.parse(current) == cpulist.parse(item.desired)
+        # A hand-edited value that is no CPU list is drift to rewrite.
+        try:
+            return current is not None and cpulist.parse(current) == cpulist.parse(item.desired)
+        except ValueError:
+            return False
 
     def set(self, ctx: Context, item: Item) -> list[str]:
         return ctx.root.create(item.target, f"{_SYSTEMD_HEADER}CPUAffinity={item.desired}\n")

@@ -370,3 +370,19 @@ def test_a_refused_write_leaves_no_entry_when_nothing_else_changed(
     assert main(["revert", "--root", root]) == 0
     (box.root / KERNEL_MARKER).write_text(rules)
     assert snapshot(box.root) == before
+
+
+def test_a_hand_edited_irqbalance_list_that_is_no_cpu_list_is_drift(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    conf = box.root / "etc/default/irqbalance"
+    conf.write_text('IRQBALANCE_BANNED_CPULIST="$ISOLATED"\n')
+    before = snapshot(box.root)
+    root, prof = str(box.root), str(write_profile(""))
+    code, data = run(capsys, "verify", "--root", root, "--profile", prof)
+    assert code == 1 and statuses(data)["irqbalance banned cpus"] == "drift"
+    code, data = run(capsys, "apply", "--root", root, "--profile", prof)
+    assert statuses(data)["irqbalance banned cpus"] == "changed"
+    assert 'IRQBALANCE_BANNED_CPULIST="2-7,10-15"' in conf.read_text()
+    assert main(["revert", "--root", root]) == 0
+    assert snapshot(box.root) == before

@@ -30,7 +30,32 @@ def test_mask_round_trip(cpus: set[int], n: int) -> None:
 def test_cpulist_examples() -> None:
     assert cpulist.parse("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert cpulist.format([3, 1, 2, 7]) == "1-3,7"
-    assert cpulist.parse("0-6:2") == {0, 2, 4, 6}
+    # The kernel's group form START-END:USED/GROUP (kernel-parameters "cpu lists").
+    assert cpulist.parse("100-200:2/25") == {100, 101, 125, 126, 150, 151, 175, 176, 200}
+    assert cpulist.parse("0-6:1/2") == {0, 2, 4, 6}
+    assert cpulist.format_mask([0, 33], 64) == "00000002,00000001"
+    assert cpulist.from_words([0b101, 1]) == {0, 2, 64}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0-6:2",  # no group size: the kernel refuses it
+        "3-1",
+        "0-7:3/2",
+        "0-7:1/0",
+        "1_0",
+        "+3",
+        "0-8192",  # the kernel has at most 8192 CPUs: a typo, never a list to expand
+        "4000000000",
+    ],
+)
+def test_cpulist_refuses_what_the_kernel_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        cpulist.parse(text)
+
+
+def test_cpulist_mask_examples() -> None:
     assert cpulist.format_mask([0, 33], 64) == "00000002,00000001"
     assert cpulist.from_words([0b101, 1]) == {0, 2, 64}
 

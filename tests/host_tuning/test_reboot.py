@@ -221,3 +221,19 @@ def test_a_state_file_of_an_older_host_tune_written_before_this_boot_is_stale(
     assert main(args) == 0
     capsys.readouterr()
     assert saved(box)["sysctl vm.swappiness"] == "30\n"
+
+
+def test_hand_set_isolation_in_the_kernels_group_form_or_past_its_cpus(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = str(write_profile(""))  # plans isolated 2-7,10-15 on this box
+    grub = box.root / "etc/default/grub"
+    # The plan's own CPUs in the kernel's START-END:USED/GROUP form: no conflict.
+    grub.write_text('GRUB_CMDLINE_LINUX="nohz_full=2-15:6/8"\n')
+    _, plan = run(capsys, "plan", "--root", str(box.root), "--profile", prof)
+    assert plan["conflicts"] == []
+    # A fat-fingered range is reported as no CPU list, at once, not expanded CPU by CPU.
+    grub.write_text('GRUB_CMDLINE_LINUX="isolcpus=2-4000000000"\n')
+    _, plan = run(capsys, "plan", "--root", str(box.root), "--profile", prof)
+    (c,) = plan["conflicts"]
+    assert (c["param"], c["found"]) == ("isolcpus", "") and "no CPU list" in c["text"]
