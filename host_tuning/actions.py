@@ -229,7 +229,7 @@ def revert(ctx: Context, dry_run: bool = False) -> list[Result]:
             continue
         try:
             plugin.restore(ctx, entry.target, entry.snapshot)
-            status, note = RESTORED, ""
+            status, note = RESTORED, plugin.restored_pending(ctx, key, entry.target) or ""
         except FileNotFoundError as exc:
             if plugin.owns_files:
                 results.append(Result(key, entry.plugin, FAILED, entry.snapshot, None, str(exc)))

@@ -70,6 +70,10 @@ class Plugin(ABC):
         """Why an applied setting is not yet in effect (e.g. reboot required), or None."""
         return None
 
+    def restored_pending(self, ctx: Context, key: str, target: str) -> str | None:
+        """Why a restored setting is not yet back in effect (e.g. reboot required), or None."""
+        return None
+
 
 class FilePlugin(Plugin):
     """Settings that are one kernel attribute or file each; ``item.target`` is its path."""

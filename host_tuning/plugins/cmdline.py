@@ -12,6 +12,7 @@ import shlex
 from host_tuning import cpulist
 from host_tuning.cores import CorePlan, PlanError
 from host_tuning.facts.model import Facts
+from host_tuning.facts.system import boot_cmdline
 from host_tuning.items import Advice, Conflict, Item
 from host_tuning.plugins.base import Context, FilePlugin
 from host_tuning.profile import Profile
@@ -220,3 +221,16 @@ class Cmdline(FilePlugin):
         if item.desired in running:
             return None
         return f"reboot required: {item.desired} not in /proc/cmdline"
+
+    def restored_pending(self, ctx: Context, key: str, target: str) -> str | None:
+        """The running kernel keeps the parameter as it booted with it until the next boot."""
+        name = key.split(" ", 1)[1]  # the item key is "cmdline NAME"
+        running = {t for t in (ctx.root.read_value("/proc/cmdline") or "").split()}
+        at_boot = {t for text in boot_cmdline(ctx.root).values() for t in text.split()}
+        now = sorted(t for t in running if param(t) == name)
+        if now == sorted(t for t in at_boot if param(t) == name):
+            return None
+        return (
+            f"reboot required: the running kernel keeps {' '.join(now) or 'no ' + name} until "
+            "update-grub (or grub2-mkconfig) and a reboot"
+        )

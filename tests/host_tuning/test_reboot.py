@@ -237,3 +237,31 @@ def test_hand_set_isolation_in_the_kernels_group_form_or_past_its_cpus(
     _, plan = run(capsys, "plan", "--root", str(box.root), "--profile", prof)
     (c,) = plan["conflicts"]
     assert (c["param"], c["found"]) == ("isolcpus", "") and "no CPU list" in c["text"]
+
+
+def test_revert_says_the_running_kernel_keeps_its_command_line_until_a_reboot(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(box.root)
+    (box.root / "etc/default/grub").write_text('GRUB_CMDLINE_LINUX="quiet iommu=pt"\n')
+    assert main(["apply", "--root", root, "--profile", str(write_profile(""))]) == 0
+    ours = (box.root / DROPIN).read_text().split('"')[1].split()[1:]
+    reboot(box, " ".join(["quiet", "iommu=pt", *ours]))
+    capsys.readouterr()
+    code, data = run(capsys, "revert", "--root", root)
+    assert code == 0 and data["reboot_required"] is True
+    notes = {r["key"]: r["note"] for r in data["results"] if r["plugin"] == "cmdline"}
+    assert "reboot required" in notes["cmdline nohz_full"]
+    assert "nohz_full=" in notes["cmdline nohz_full"]
+    # iommu=pt stays at the next boot too (/etc/default/grub sets it): nothing waits for a reboot.
+    assert notes["cmdline iommu"] == ""
+
+
+def test_revert_before_any_reboot_needs_none(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(box.root)
+    assert main(["apply", "--root", root, "--profile", str(write_profile(""))]) == 0
+    capsys.readouterr()
+    code, data = run(capsys, "revert", "--root", root)
+    assert code == 0 and data["reboot_required"] is False
