@@ -89,6 +89,18 @@ class State:
         return json.dumps(data, indent=1) + "\n"
 
 
+def _str(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _strs(value: object) -> list[str]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {value!r}")
+    return [_str(v) for v in value]
+
+
 def load(root: Root) -> State:
     text = root.read(STATE_FILE)
     if text is None:
@@ -96,16 +108,19 @@ def load(root: Root) -> State:
     try:
         data = json.loads(text)
         entries = {
-            e["key"]: Entry(
-                e["plugin"], e["target"], e["snapshot"], list(e.get("created_dirs", []))
+            _str(e["key"]): Entry(
+                _str(e["plugin"]),
+                _str(e["target"]),
+                None if e["snapshot"] is None else _str(e["snapshot"]),
+                _strs(e.get("created_dirs", [])),
             )
             for e in data.get("entries", [])
         }
         boot = data.get("boot_id")
         return State(
             entries,
-            list(data.get("managed", [])),
-            list(data.get("own_dirs", [])),
+            _strs(data.get("managed", [])),
+            _strs(data.get("own_dirs", [])),
             str(boot) if boot is not None else None,
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

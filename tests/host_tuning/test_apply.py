@@ -197,12 +197,31 @@ def test_refuses_real_host_without_root(
     assert "must run as root" in capsys.readouterr().err
 
 
+def _one_entry(**fields: Any) -> str:
+    entry: dict[str, Any] = {"key": "sysctl vm.swappiness", "plugin": "sysctl"}
+    entry.update(target="/proc/sys/vm/swappiness", snapshot="60\n")
+    entry.update(fields)
+    return json.dumps({"entries": [entry]})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"entries": [{"plugin": "sysctl"}]}',
+        # Wrong types inside an entry: refused before anything is written, not a traceback.
+        _one_entry(snapshot=60),
+        _one_entry(target=7),
+        _one_entry(created_dirs=[1]),
+        '{"entries": [], "managed": [3]}',
+        "[]",
+    ],
+)
 def test_damaged_state_file_is_refused_in_one_line(
-    box: Machine, capsys: pytest.CaptureFixture[str]
+    box: Machine, capsys: pytest.CaptureFixture[str], text: str
 ) -> None:
     state = box.root / STATE_FILE.lstrip("/")
     state.parent.mkdir(parents=True)
-    state.write_text('{"entries": [{"plugin": "sysctl"}]}')
+    state.write_text(text)
     before = snapshot(box.root)
     assert main(["revert", "--root", str(box.root)]) == 2
     err = capsys.readouterr().err
