@@ -28,7 +28,12 @@ def param(token: str) -> str:
 
 def tokens_of(text: str | None) -> list[str]:
     m = _LINE.search(text or "")
-    return shlex.split(m.group(1)) if m else []
+    if m is None:
+        return []
+    try:
+        return shlex.split(m.group(1))
+    except ValueError:  # a hand edit left a quote open: read it word by word, as written
+        return m.group(1).split()
 
 
 def render(tokens: list[str]) -> str:

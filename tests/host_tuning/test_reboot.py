@@ -265,3 +265,18 @@ def test_revert_before_any_reboot_needs_none(
     capsys.readouterr()
     code, data = run(capsys, "revert", "--root", root)
     assert code == 0 and data["reboot_required"] is False
+
+
+def test_a_hand_edited_dropin_with_an_unbalanced_quote_is_read_not_a_traceback(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, prof = str(box.root), str(write_profile(""))
+    assert main(["apply", "--root", root, "--profile", prof]) == 0
+    dropin = box.root / DROPIN
+    dropin.write_text(dropin.read_text().replace("skew_tick=1", "skew_tick=1 acpi='x"))
+    capsys.readouterr()
+    code, data = run(capsys, "verify", "--root", root, "--profile", prof)
+    assert code == 3 and statuses(data)["cmdline skew_tick"] == "reboot-required"
+    assert main(["apply", "--root", root, "--profile", prof]) == 0
+    assert main(["revert", "--root", root]) == 0
+    assert not dropin.exists()
