@@ -188,7 +188,11 @@ def _parse(text: str, data: dict[str, Any], source: Path) -> Profile:
         for key in t.data:
             name: str = _RENAMED.get((section, key), key)
             value = _typed(t, key, _TYPES[name])
-            kwargs[name] = str(value) if name == "energy_perf_bias" else value
+            if name == "energy_perf_bias":
+                # A number is planned as the kernel reads it back ("04" shows as 4).
+                value = str(value)
+                value = str(int(value)) if re.fullmatch(r"[0-9]{1,2}", value) else value
+            kwargs[name] = value
     s = tables["sysctl"] = top.sub("sysctl", set(top.get("sysctl", dict, {})))
     sysctl: dict[str, str] = {}
     spelt: dict[str, str] = {}  # /proc/sys path -> the key naming it

@@ -204,6 +204,11 @@ def test_profile_refusals(text: str, message: str) -> None:
     assert str(info.value).startswith("p.toml:") and message in str(info.value)
 
 
+def test_energy_perf_bias_number_is_planned_as_the_kernel_reads_it_back() -> None:
+    # The kernel shows "4" for a write of "04": planning "04" would be drift at every verify.
+    assert parse('[cpu]\nenergy_perf_bias = "04"\n').energy_perf_bias == "4"
+
+
 def test_energy_perf_bias_number_and_slash_sysctl_accepted(box: Machine) -> None:
     p = parse('[cpu]\nenergy_perf_bias = 4\n[sysctl]\n"net/ipv4/conf/eth0.100/rp_filter" = 2\n')
     assert p.energy_perf_bias == "4"
