@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from host_tuning import cpulist
 from host_tuning.cores import CorePlan
+from host_tuning.facts.cpu import online
 from host_tuning.facts.model import Facts
 from host_tuning.items import Advice, Item
 from host_tuning.plugins.base import Context, FilePlugin
@@ -94,7 +95,9 @@ class SystemdAffinity(FilePlugin):
         for line in status.splitlines():
             if line.startswith("Cpus_allowed_list:"):
                 running = cpulist.parse(line.split(":", 1)[1])
-                if running == cpulist.parse(item.desired):
+                wanted = cpulist.parse(item.desired)
+                # The kernel leaves offline CPUs out of a task's allowed CPUs.
+                if running in (wanted, wanted & online(ctx.root)):
                     return None
                 return "systemctl daemon-reexec (or reboot) required: PID 1 still runs on " + (
                     cpulist.format(running)

@@ -13,6 +13,7 @@ from host_tuning.cli import main
 from host_tuning.state import STATE_FILE
 from tests.host_tuning.hostbuilder import Machine
 from tests.host_tuning.test_apply import run, statuses
+from tests.host_tuning.test_plan import _take_offline
 
 SWAPPINESS = "proc/sys/vm/swappiness"
 DROPIN = "etc/default/grub.d/99-host-tune.cfg"
@@ -280,3 +281,17 @@ def test_a_hand_edited_dropin_with_an_unbalanced_quote_is_read_not_a_traceback(
     assert main(["apply", "--root", root, "--profile", prof]) == 0
     assert main(["revert", "--root", root]) == 0
     assert not dropin.exists()
+
+
+def test_systemd_affinity_with_an_offline_housekeeping_cpu_is_in_effect_after_reexec(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _take_offline(box, 9, sibling_lists_it=True)  # core 1's second thread: housekeeping
+    root, prof = str(box.root), str(write_profile(""))
+    assert main(["apply", "--root", root, "--profile", prof]) == 0
+    # After daemon-reexec PID 1 runs on the online part of CPUAffinity= (the kernel leaves
+    # offline CPUs out of a task's allowed CPUs).
+    (box.root / "proc/1/status").write_text("Name:\tsystemd\nCpus_allowed_list:\t0-1,8\n")
+    capsys.readouterr()
+    _, data = run(capsys, "verify", "--root", root, "--profile", prof)
+    assert statuses(data)["systemd default CPUAffinity"] == "ok"
