@@ -91,12 +91,14 @@ def irqbalance_config(root: Root) -> str:
 
 
 def env_var(text: str | None, var: str) -> str | None:
-    """Value of ``VAR=...`` in a shell environment file, quotes removed; None when unset."""
+    """Value of ``VAR=...`` in a shell environment file, quotes removed; None when unset. The
+    last assignment wins, as when a shell sources the file."""
+    found = None
     for line in (text or "").splitlines():
         m = re.match(rf"^\s*{re.escape(var)}=(.*)$", line)
         if m:
-            return m.group(1).strip().strip("\"'")
-    return None
+            found = m.group(1).strip().strip("\"'")
+    return found
 
 
 def irqbalance(root: Root) -> dict[str, str | bool | None]:

@@ -16,11 +16,12 @@ VAR = "IRQBALANCE_BANNED_CPULIST"
 
 
 def set_var(text: str, var: str, value: str) -> str:
-    """Replace or append ``VAR="value"`` in a shell environment file, keeping everything else."""
+    """Replace (every assignment: a shell takes the last) or append ``VAR="value"`` in a shell
+    environment file, keeping everything else."""
     line = f'{var}="{value}"'
     pattern = re.compile(rf"^\s*{re.escape(var)}=.*$", re.MULTILINE)
     if pattern.search(text):
-        return pattern.sub(line, text, count=1)
+        return pattern.sub(line, text)
     if text and not text.endswith("\n"):
         text += "\n"
     return text + line + "\n"

@@ -405,3 +405,22 @@ def test_a_hand_edited_irqbalance_list_that_is_no_cpu_list_is_drift(
     assert 'IRQBALANCE_BANNED_CPULIST="2-7,10-15"' in conf.read_text()
     assert main(["revert", "--root", root]) == 0
     assert snapshot(box.root) == before
+
+
+def test_irqbalance_list_set_twice_in_its_file_is_read_as_the_shell_does(
+    box: Machine, write_profile: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The file is sourced by a shell: the last assignment is the one irqbalance gets.
+    conf = box.root / "etc/default/irqbalance"
+    conf.write_text('IRQBALANCE_BANNED_CPULIST="2-7,10-15"\nIRQBALANCE_BANNED_CPULIST="3"\n')
+    before = snapshot(box.root)
+    root, prof = str(box.root), str(write_profile(""))
+    _, data = run(capsys, "verify", "--root", root, "--profile", prof)
+    assert statuses(data)["irqbalance banned cpus"] == "drift"
+    _, data = run(capsys, "apply", "--root", root, "--profile", prof)
+    assert statuses(data)["irqbalance banned cpus"] == "changed"
+    _, data = run(capsys, "verify", "--root", root, "--profile", prof)
+    assert statuses(data)["irqbalance banned cpus"] == "ok"
+    assert '"3"' not in conf.read_text()
+    assert main(["revert", "--root", root]) == 0
+    assert snapshot(box.root) == before
