@@ -43,6 +43,10 @@ def render(tokens: list[str]) -> str:
     )
 
 
+#: Parameters host-tune derives from the core split; never taken from extra_cmdline.
+SPLIT_PARAMS = ("isolcpus", "nohz_full", "rcu_nocbs", "irqaffinity")
+
+
 def planned_tokens(facts: Facts, profile: Profile, cores: CorePlan) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = [
         ("skew_tick=1", "tuned network-latency: offset per-CPU ticks to avoid lock contention"),
@@ -86,6 +90,13 @@ def planned_tokens(facts: Facts, profile: Profile, cores: CorePlan) -> list[tupl
             (f"hugepagesz={size}", f"enable the {size} pool (count is set per node at runtime)"),
         ]
     for token in profile.extra_cmdline:
+        if param(token) in SPLIT_PARAMS and not (profile.isolate and cores.isolated):
+            # Behind a plan that isolates none, these would split the cores where neither the
+            # plan nor the conflict check (which trusts host-tune's own drop-in) can see it.
+            raise PlanError(
+                f"[kernel] extra_cmdline {token}: host-tune sets {param(token)} from the plan's "
+                "core split; set [kernel] isolate = true instead"
+            )
         out.append((token, "set by profile [kernel] extra_cmdline"))
     for token in profile.irreversible:
         out.append((token, "opted in by profile: polling idle costs power and heat; not reverted"))

@@ -236,6 +236,19 @@ def test_extra_cmdline_repeating_a_planned_parameter_is_a_plan_error(
     assert err.count("\n") == 1 and "nohz_full is planned twice" in err
 
 
+@pytest.mark.parametrize(
+    "token", ["isolcpus=0-15", "nohz_full=0-15", "rcu_nocbs=1", "irqaffinity=3"]
+)
+def test_extra_cmdline_cannot_split_cores_behind_a_plan_that_isolates_none(
+    box: Machine, token: str
+) -> None:
+    # isolcpus=0-15 would isolate every CPU, housekeeping included, and the conflict check
+    # never looks at host-tune's own drop-in: the split is the plan's alone.
+    p = parse(f'[kernel]\nisolate = false\nextra_cmdline = ["{token}"]\n')
+    with pytest.raises(PlanError, match=f"{token.split('=')[0]} .*isolate = true"):
+        make_plan(collect(Root(box.root)), p)
+
+
 def test_pcie_aspm_off_gets_a_warning(box: Machine) -> None:
     p = parse('[kernel]\nextra_cmdline = ["pcie_aspm=off"]\n')
     plan = make_plan(collect(Root(box.root)), p)
