@@ -89,7 +89,8 @@ def _reset_note() -> str:
 
 def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Result]:
     st = state_mod.load(ctx.root)
-    on_disk = st.to_json()
+    on_disk: str | None = st.to_json()  # None: the journal holds entries st.to_json() has too
+    journaling = False
     _forget_earlier_boot(ctx, st)
     results: list[Result] = []
     try:
@@ -131,9 +132,15 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
                 # On disk before the write: a process killed outright (SIGKILL, the OOM killer)
                 # runs no finally, and the next apply would save the tuned value as the prior
                 # one. Runtime settings need no fsync: a power cut resets them with the record.
-                st.boot_id = state_mod.boot_id(ctx.root)
-                state_mod.save(ctx.root, st, durable=plugin.persistent)
-                on_disk = st.to_json()
+                # The first new entry writes the whole state (this boot's id, stale entries
+                # dropped); later ones are appended to the journal.
+                if journaling:
+                    state_mod.record(ctx.root, st, item.key, durable=plugin.persistent)
+                    on_disk = None
+                else:
+                    st.boot_id = state_mod.boot_id(ctx.root)
+                    state_mod.save(ctx.root, st, durable=plugin.persistent)
+                    on_disk, journaling = st.to_json(), True
             else:
                 new_entry = False
             try:

@@ -114,6 +114,14 @@ class Root:
                 os.close(fd)
         return created
 
+    def append(self, rel: str, data: str, durable: bool = False) -> None:
+        """Append to a file we own in an existing directory; ``durable`` as for ``create``."""
+        with open(self.path(rel), "a") as fh:
+            fh.write(data)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path(rel).unlink()

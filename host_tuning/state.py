@@ -27,6 +27,9 @@ from host_tuning.rootfs import Root
 
 STATE_DIR = "/var/lib/host-tune"
 STATE_FILE = f"{STATE_DIR}/state.json"
+#: Entries apply added since it last wrote STATE_FILE, one JSON line each, appended before their
+#: setting is written (rewriting the whole file per setting is quadratic on a many-CPU host).
+JOURNAL = f"{STATE_DIR}/state.json.journal"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 PROC_STAT = "/proc/stat"  # its btime line: when this boot began, in seconds since the epoch
 
@@ -101,21 +104,28 @@ def _strs(value: object) -> list[str]:
     return [_str(v) for v in value]
 
 
+def _entry(e: Any) -> tuple[str, Entry]:
+    return _str(e["key"]), Entry(
+        _str(e["plugin"]),
+        _str(e["target"]),
+        None if e["snapshot"] is None else _str(e["snapshot"]),
+        _strs(e.get("created_dirs", [])),
+    )
+
+
 def load(root: Root) -> State:
     text = root.read(STATE_FILE)
-    if text is None:
+    journal = root.read(JOURNAL)
+    if text is None and journal is None:
         return State()
     try:
-        data = json.loads(text)
-        entries = {
-            _str(e["key"]): Entry(
-                _str(e["plugin"]),
-                _str(e["target"]),
-                None if e["snapshot"] is None else _str(e["snapshot"]),
-                _strs(e.get("created_dirs", [])),
-            )
-            for e in data.get("entries", [])
-        }
+        data = json.loads(text) if text is not None else {}
+        entries = dict(_entry(e) for e in data.get("entries", []))
+        # The last line lacks its newline when apply died appending it: its setting was never
+        # written, as apply writes a setting only once its line is complete.
+        for line in (journal or "").split("\n")[:-1]:
+            key, entry = _entry(json.loads(line))
+            entries.setdefault(key, entry)
         boot = data.get("boot_id")
         return State(
             entries,
@@ -124,8 +134,9 @@ def load(root: Root) -> State:
             str(boot) if boot is not None else None,
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        also = f" (with {root.path(JOURNAL)})" if journal is not None else ""
         raise StateError(
-            f"{root.path(STATE_FILE)} is damaged ({exc!r}); restore it from a backup or "
+            f"{root.path(STATE_FILE)}{also} is damaged ({exc!r}); restore it from a backup or "
             "revert by hand: the prior values it holds cannot be guessed"
         ) from exc
 
@@ -174,15 +185,25 @@ def _signals_held() -> Iterator[None]:
 
 
 def save(root: Root, state: State, durable: bool = True) -> None:
-    """Replace the state file whole; ``durable``: on disk before answering (fsync)."""
+    """Replace the state file whole (the journal's entries with it); ``durable``: on disk before
+    answering (fsync)."""
     with _signals_held():
         created = root.create(STATE_FILE, state.to_json(), durable)
         state.own_dirs += [d for d in created if d not in state.own_dirs]
         if created:
             root.create(STATE_FILE, state.to_json(), durable)
+        root.remove(JOURNAL)
+
+
+def record(root: Root, state: State, key: str, durable: bool) -> None:
+    """Append the new entry ``key`` to the journal; the state file must already be on disk."""
+    line = json.dumps({"key": key, **vars(state.entries[key])}) + "\n"
+    with _signals_held():
+        root.append(JOURNAL, line, durable)
 
 
 def remove(root: Root, state: State) -> None:
+    root.remove(JOURNAL)
     root.remove(STATE_FILE)
     for d in reversed(state.own_dirs):
         root.rmdir_if_empty(d)

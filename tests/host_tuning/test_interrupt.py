@@ -18,7 +18,17 @@ import pytest
 
 from host_tuning.cli import _stoppable, main
 from host_tuning.rootfs import Root
-from host_tuning.state import STATE_FILE, locked
+from host_tuning.state import (
+    JOURNAL,
+    STATE_FILE,
+    Entry,
+    State,
+    StateError,
+    load,
+    locked,
+    record,
+    save,
+)
 from tests.host_tuning.hostbuilder import Machine
 from tests.host_tuning.test_apply import snapshot
 
@@ -118,8 +128,22 @@ def test_apply_killed_outright_leaves_a_record_revert_undoes(
     code, _ = _apply_stopped_at_swappiness(box, prof, signal.SIGKILL)
     assert code == -signal.SIGKILL
     assert (box.root / GOVERNOR).read_text() == "performance\n"  # changed before the kill
-    state = json.loads((box.root / STATE_FILE.lstrip("/")).read_text())
-    assert {"cpu0 governor", "sysctl kernel.nmi_watchdog"} <= {e["key"] for e in state["entries"]}
+    assert {"cpu0 governor", "sysctl kernel.nmi_watchdog"} <= set(load(Root(box.root)).entries)
     assert main(["apply", "--root", str(box.root), "--profile", str(prof)]) == 0
     assert main(["revert", "--root", str(box.root)]) == 0
     assert snapshot(box.root) == before
+
+
+def test_a_journal_line_cut_short_by_a_kill_is_no_entry(box: Machine) -> None:
+    root = Root(box.root)
+    state = State()
+    state.entries["sysctl vm.swappiness"] = Entry("sysctl", "/proc/sys/vm/swappiness", "60\n")
+    save(root, state)
+    state.entries["sysctl vm.stat_interval"] = Entry("sysctl", "/proc/sys/vm/stat_interval", "1\n")
+    record(root, state, "sysctl vm.stat_interval", durable=False)
+    journal = box.root / JOURNAL.lstrip("/")
+    journal.write_text(journal.read_text() + '{"key": "sysctl net.core.busy_read", "plug')
+    assert list(load(root).entries) == ["sysctl vm.swappiness", "sysctl vm.stat_interval"]
+    journal.write_text('{"key": 1}\n')
+    with pytest.raises(StateError, match="damaged"):
+        load(root)
