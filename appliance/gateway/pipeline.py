@@ -128,8 +128,10 @@ def engine_failure(exc: BackendError, input_field: str) -> RequestError:
     failure (INTERNAL, UNKNOWN, DATA_LOSS: it broke, or sent a status it should not) is a service
     that could not answer now, UNAVAILABLE with the retry hint of one, as a proxy tells of a
     failed upstream: a retry may reach a recovered engine or another gateway. Its words are kept.
+    An engine that was or became unreachable (UNAVAILABLE: it restarted under the stream) is the
+    same to the client, retry hint included.
     `input_field`: the prompt's field, named where the engine refused the input itself."""
-    if exc.code in UPSTREAM_FAILURES:
+    if exc.code in UPSTREAM_FAILURES or exc.code == grpc.StatusCode.UNAVAILABLE:
         return RequestError(grpc.StatusCode.UNAVAILABLE, exc.message, UNAVAILABLE_RETRY_MS)
     field = input_field if exc.reason is not None else None
     return RequestError(exc.code, exc.message, reason=exc.reason, field=field)

@@ -4,6 +4,7 @@ back, up to max_tokens."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -243,3 +244,45 @@ class FailsToStart(EchoSubclass):
     @classmethod
     def from_config(cls, config: ModelConfig) -> FailsToStart:
         raise RuntimeError("no device /dev/accel0\n(more detail on a second line)")
+
+
+class ResetsMidStream(_Echo, Backend):
+    """Streams its prompt's first token id, then fails as the Triton client does when the engine
+    restarts under a stream (the connection reset): UNAVAILABLE."""
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> ResetsMidStream:
+        return cls(config.backend)
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
+        self.streams += 1
+        yield Tokens(list(request.prompt_ids)[:1])
+        raise BackendError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"inference server at {self.address} closed the stream before the end",
+        )
+
+
+class Stalls(_Echo, Backend):
+    """Accepts every stream and then sends nothing more, forever: no token at all for a request
+    with max_tokens 2, its prompt's first token id for any other. Counts the streams ended under
+    it (the gateway's cancellation of the engine request)."""
+
+    max_batch_size = 1
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.ended = 0
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> Stalls:
+        return cls(config.backend)
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
+        self.streams += 1
+        try:
+            if request.max_tokens != 2:
+                yield Tokens(list(request.prompt_ids)[:1])
+            await asyncio.Event().wait()
+        finally:
+            self.ended += 1

@@ -1,0 +1,101 @@
+"""An engine that misbehaves under the gateway: one whose stream breaks partway (it restarted) is,
+to the client, a service to retry shortly (UNAVAILABLE with a retry hint, 503 with Retry-After);
+one that accepts streams and then sends nothing holds no client past its deadline, leaks no
+admission slot and has every engine request it was given ended."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import grpc
+import pytest
+
+from appliance.config import CacheConfig, HttpConfig
+from appliance.gateway.server import RunningGateway
+from appliance.v1 import inference_pb2 as pb
+from appliance.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import Tiny
+from tests.gateway.plugin_classes import Stalls, plugin_gateway
+from tests.support import until_async
+
+NO_CACHE = CacheConfig(enabled=False)
+
+
+def complete(max_tokens: int, prompt: str = "hello there") -> pb.GenerateRequest:
+    return pb.GenerateRequest(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+
+def settled(gateway: RunningGateway) -> bool:
+    """Nothing of any request is left: no slot held, nobody waiting, nothing in flight."""
+    gate = gateway.pipeline.admission.gates["tiny"]  # type: ignore[attr-defined]
+    return not gate.running and not gate.waiting and gateway.pipeline.in_flight["tiny"] == 0
+
+
+async def test_a_stream_the_engine_breaks_partway_is_unavailable_with_a_retry_hint(
+    tiny: Tiny,
+) -> None:
+    listen = HttpConfig(listen="127.0.0.1:0")
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "ResetsMidStream", cache=NO_CACHE, http=listen) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        streamed = stub.Generate(complete(4))
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in streamed:
+                pass
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        assert "closed the stream before the end" in (failed.value.details() or "")
+        trailers = dict(await streamed.trailing_metadata() or ())
+        assert int(trailers["grpc-retry-pushback-ms"]) >= 1000
+        assert gw.http is not None
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+            url = f"http://127.0.0.1:{gw.http.port}/v1/completions"
+            async with http.post(url, json=body) as answer:
+                assert answer.status == 503, await answer.text()
+                assert int(answer.headers["Retry-After"]) >= 1
+        await until_async(lambda: settled(gw), "a broken stream left its request behind")
+
+
+async def test_an_engine_that_never_answers_holds_nobody_past_the_deadline_nor_a_slot(
+    tiny: Tiny,
+) -> None:
+    """One slot; three clients without a deadline of their own (the model's is theirs): the one
+    at the engine gets no token, the two behind it wait in line. Each ends by the deadline, every
+    engine request is ended, and the slot goes to the next request."""
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "Stalls", cache=NO_CACHE, default_deadline_s=0.5) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        backend = gw.models["tiny"].backend
+        assert isinstance(backend, Stalls)
+        calls = [stub.Complete(complete(2, f"prompt {n}")) for n in range(3)]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        codes = []
+        for outcome in outcomes:
+            assert isinstance(outcome, grpc.aio.AioRpcError), outcome
+            codes.append(outcome.code())
+        assert codes[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        # A waiter leaves the line when its first token could no longer come in time.
+        assert set(codes[1:]) <= {
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        }, codes
+        await until_async(lambda: settled(gw), "a stalled engine kept a slot or a request")
+        assert backend.ended == backend.streams >= 1
+        # The slot is free: the next request reaches the engine, gets its token, then the
+        # deadline.
+        before = backend.streams
+        streamed = stub.Generate(complete(3))
+        first = await streamed.read()
+        assert isinstance(first, pb.GenerateResponse) and list(first.token_ids)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            while await streamed.read() is not grpc.aio.EOF:
+                pass
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert backend.streams == before + 1
+        await until_async(lambda: settled(gw), "a stall after a token kept a slot or a request")
+        assert backend.ended == backend.streams
