@@ -41,6 +41,7 @@ from appliance.backends.base import (
 )
 from appliance.backends.stream_pool import StreamPool
 from appliance.backends.stream_socket import SocketStream
+from appliance.logline import Throttled
 from appliance.textfile import TextFileError, read_text
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
     from appliance.config import ModelConfig
 
 log = logging.getLogger(__name__)
+# An engine that answers for requests it was not sent on a stream does it for many.
+_foreign = Throttled(log)
 
 StreamCall: TypeAlias = (
     "grpc.aio.StreamStreamCall[ts.ModelInferRequest, ts.ModelStreamInferResponse] | SocketStream"
@@ -650,6 +653,17 @@ class TritonBackend(Backend):
                         grpc.StatusCode.UNAVAILABLE,
                         f"inference server at {self.address} closed the stream before the end",
                     )
+                if message.infer_response.id not in ("", request.id):
+                    # Another request's (a duplicate final of the one this kept stream carried
+                    # before, or an id never sent): none of it is this request's answer.
+                    _foreign.warning(
+                        "inference server at %s sent a response for another request on the "
+                        "stream of request %s; ignored",
+                        self.address,
+                        request.id,
+                    )
+                    message = await self._read(call, deadline)
+                    continue
                 if message.error_message:
                     finished = True
                     raise inband_error(message.error_message, request.id)

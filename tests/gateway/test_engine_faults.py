@@ -6,11 +6,20 @@ admission slot and has every engine request it was given ended."""
 from __future__ import annotations
 
 import asyncio
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
+from tritonclient.grpc import service_pb2 as ts
 
+from appliance.backends import wire
+from appliance.backends.base import GREEDY, GenerationRequest
+from appliance.backends.stream_socket import PREAMBLE, frame
+from appliance.backends.triton import REQUIRED_INPUTS, InputNames, TritonBackend
 from appliance.config import CacheConfig, HttpConfig
 from appliance.gateway.server import RunningGateway
 from appliance.v1 import inference_pb2 as pb
@@ -99,3 +108,81 @@ async def test_an_engine_that_never_answers_holds_nobody_past_the_deadline_nor_a
         assert backend.streams == before + 1
         await until_async(lambda: settled(gw), "a stall after a token kept a slot or a request")
         assert backend.ended == backend.streams
+
+
+class ReplayingEngine:
+    """A stream socket engine that answers each request with one token, 7, and its final response,
+    then once more with a copy of that final (`duplicate_final`) or, before its own answer, with a
+    token, 99, for a request id it was never sent (`foreign`)."""
+
+    def __init__(self, duplicate_final: bool = False, foreign: bool = False) -> None:
+        self.duplicate_final = duplicate_final
+        self.foreign = foreign
+        self.connections = 0
+
+    def answer(self, request: ts.ModelInferRequest) -> list[ts.ModelStreamInferResponse]:
+        def response(rid: str, tokens: list[int], final: bool) -> ts.ModelStreamInferResponse:
+            out = ts.ModelInferResponse(model_name=request.model_name, id=rid)
+            out.parameters["triton_final_response"].bool_param = final
+            if tokens:
+                wire.add_output(out, "output_ids", "INT32", tokens, [1, 1, len(tokens)])
+            return ts.ModelStreamInferResponse(infer_response=out)
+
+        answer = [response(request.id, [7], False), response(request.id, [], True)]
+        if self.foreign:
+            answer.insert(0, response("someone-else", [99], False))
+        if self.duplicate_final:
+            answer.append(response(request.id, [], True))
+        return answer
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await reader.readexactly(len(PREAMBLE))
+            while True:
+                (size,) = struct.unpack("<I", await reader.readexactly(4))
+                request = ts.ModelInferRequest.FromString(await reader.readexactly(size))
+                for response in self.answer(request):
+                    writer.write(frame(response))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client closed the stream, or the test ended (Python 3.11 logs a cancel)
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def socket_backend(engine: ReplayingEngine, tmp_path: Path) -> AsyncIterator[TritonBackend]:
+    path = tmp_path / "engine.sock"
+    server = await asyncio.start_unix_server(engine.serve, str(path))
+    backend = TritonBackend("127.0.0.1:1", "tensorrt_llm", path)
+    backend._names = InputNames(
+        present=frozenset(REQUIRED_INPUTS), seed=None, min_tokens=None, batch_dim=True
+    )
+    try:
+        yield backend
+    finally:
+        await backend.close()
+        server.close()
+
+
+def generation(rid: str) -> GenerationRequest:
+    return GenerationRequest(rid, [1, 2, 3], 4, None, None, GREEDY, 10.0)
+
+
+async def tokens(backend: TritonBackend, rid: str) -> list[int]:
+    return [t async for step in backend.stream(generation(rid)) for t in step]
+
+
+@pytest.mark.parametrize("fault", ["duplicate_final", "foreign"])
+async def test_a_response_for_another_request_is_never_taken_as_this_ones(
+    fault: str, tmp_path: Path
+) -> None:
+    """A duplicate final left on a kept stream, or a response naming a request id the stream
+    never carried, is not the answer of the request that reads it."""
+    engine = ReplayingEngine(**{fault: True})
+    async with socket_backend(engine, tmp_path) as backend:
+        assert await tokens(backend, "gw-1") == [7]
+        assert await tokens(backend, "gw-2") == [7]
+        assert await tokens(backend, "gw-3") == [7]
+        assert engine.connections == 1  # one kept stream carried them all
