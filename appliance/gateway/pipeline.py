@@ -51,9 +51,11 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import secrets
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,6 +99,8 @@ from appliance.security.auth import (
 )
 from appliance.text.tokenizer import INLINE_CHARS
 
+log = logging.getLogger(__name__)
+
 # An engine's statuses that are never the client's to get (errors.py): its own failure.
 UPSTREAM_FAILURES = frozenset(
     {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
@@ -135,6 +139,23 @@ def engine_failure(exc: BackendError, input_field: str) -> RequestError:
         return RequestError(grpc.StatusCode.UNAVAILABLE, exc.message, UNAVAILABLE_RETRY_MS)
     field = input_field if exc.reason is not None else None
     return RequestError(exc.code, exc.message, reason=exc.reason, field=field)
+
+
+def backend_bug(model: ServedModel, exc: Exception) -> BackendError:
+    """The engine failure a backend's own exception (no BackendError) stands for; the log says
+    where it was raised (its words are not logged: they may hold a request's bytes)."""
+    where = traceback.extract_tb(exc.__traceback__)[-1:]
+    at = f"{where[0].filename}:{where[0].lineno}" if where else "an unknown place"
+    log.error(
+        "model '%s': its backend raised %s at %s, not a BackendError",
+        model.name,
+        type(exc).__name__,
+        at,
+    )
+    return BackendError(
+        grpc.StatusCode.INTERNAL,
+        f"the backend of model '{model.name}' failed ({type(exc).__name__})",
+    )
 
 
 def stopping() -> RequestError:
@@ -749,6 +770,13 @@ class Pipeline:
                 model.health.failed(f"{exc.code.name}: {exc.message}")
                 judged = True
             raise
+        except Exception as exc:
+            # A backend that raised what is no BackendError (a bug of its own, against the
+            # Backend contract): the engine's failure, not the client's, and told as one.
+            failure = backend_bug(model, exc)
+            model.health.failed(f"{failure.code.name}: {failure.message}")
+            judged = True
+            raise failure from exc
         except (asyncio.CancelledError, GeneratorExit):
             waited = time.monotonic() - started
             if not first and budget.engine_ttft_s is not None and waited > budget.engine_ttft_s:

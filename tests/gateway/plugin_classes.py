@@ -286,3 +286,19 @@ class Stalls(_Echo, Backend):
             await asyncio.Event().wait()
         finally:
             self.ended += 1
+
+
+class Breaks(_Echo, Backend):
+    """Streams its prompt's first token id, then fails with an exception that is no BackendError
+    (a bug of its own, against the Backend contract), or fails so before any token for a request
+    with max_tokens 2."""
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> Breaks:
+        return cls(config.backend)
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
+        self.streams += 1
+        if request.max_tokens != 2:
+            yield Tokens(list(request.prompt_ids)[:1])
+        raise RuntimeError("a bug of the backend's own")

@@ -186,3 +186,57 @@ async def test_a_response_for_another_request_is_never_taken_as_this_ones(
         assert await tokens(backend, "gw-2") == [7]
         assert await tokens(backend, "gw-3") == [7]
         assert engine.connections == 1  # one kept stream carried them all
+
+
+async def test_a_flight_goes_on_while_anyone_follows_it_and_ends_at_the_engine_after(
+    tiny: Tiny,
+) -> None:
+    """Two clients ask the same cacheable question: one generation. Its leader's client leaving
+    leaves it running for the other; the other leaving too ends the engine request."""
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "Stalls") as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        backend = gw.models["tiny"].backend
+        assert isinstance(backend, Stalls)
+        leader = stub.Generate(complete(3))
+        assert list((await leader.read()).token_ids)
+        follower = stub.Generate(complete(3))
+        assert list((await follower.read()).token_ids)  # the token generated before it came
+        assert backend.streams == 1
+        leader.cancel()
+        await until_async(lambda: gw.pipeline.in_flight["tiny"] == 1, "the leader never left")
+        assert backend.ended == 0
+        follower.cancel()
+        await until_async(lambda: settled(gw), "an abandoned flight kept its slot")
+        assert backend.ended == 1
+
+
+async def test_a_backend_that_breaks_its_contract_fails_no_request_with_unknown(
+    tiny: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend that raises what is no BackendError (a bug of its own), before its first token
+    or after: the client is told the engine could not answer (UNAVAILABLE, a retry hint), the
+    model's health counts it, and the log says where it broke."""
+    settings = {"cache": NO_CACHE, "breaker_failures": 10}
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "Breaks", **settings) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+    ):
+        stub = pb_grpc.InferenceStub(channel)
+        health = gw.models["tiny"].health
+        for max_tokens in (2, 3):
+            streamed = stub.Generate(complete(max_tokens))
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for _ in streamed:
+                    pass
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+            assert "RuntimeError" in (failed.value.details() or "")
+            trailers = dict(await streamed.trailing_metadata() or ())
+            assert int(trailers["grpc-retry-pushback-ms"]) >= 1000
+            assert "RuntimeError" in health.last_failure
+            health.last_failure = ""
+        await until_async(lambda: settled(gw), "a broken backend left its request behind")
+    assert any("plugin_classes.py" in r.getMessage() for r in caplog.records)
+    assert not any("a bug of the backend's own" in r.getMessage() for r in caplog.records)
