@@ -6,6 +6,7 @@ admission slot and has every engine request it was given ended."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,14 @@ from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import Tiny
 from tests.gateway.plugin_classes import Stalls, plugin_gateway
+from tests.gateway.test_latency_discipline import (  # noqa: F401  (fixtures)
+    LONG,
+    EngineProcess,
+    channel,
+    engines,
+    gateway,
+    req,
+)
 from tests.support import until_async
 
 NO_CACHE = CacheConfig(enabled=False)
@@ -35,10 +44,10 @@ def complete(max_tokens: int, prompt: str = "hello there") -> pb.GenerateRequest
     return pb.GenerateRequest(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
 
 
-def settled(gateway: RunningGateway) -> bool:
+def settled(running: RunningGateway, model: str = "tiny") -> bool:
     """Nothing of any request is left: no slot held, nobody waiting, nothing in flight."""
-    gate = gateway.pipeline.admission.gates["tiny"]  # type: ignore[attr-defined]
-    return not gate.running and not gate.waiting and gateway.pipeline.in_flight["tiny"] == 0
+    gate = running.pipeline.admission.gates[model]  # type: ignore[attr-defined]
+    return not gate.running and not gate.waiting and running.pipeline.in_flight[model] == 0
 
 
 async def test_a_stream_the_engine_breaks_partway_is_unavailable_with_a_retry_hint(
@@ -47,9 +56,9 @@ async def test_a_stream_the_engine_breaks_partway_is_unavailable_with_a_retry_hi
     listen = HttpConfig(listen="127.0.0.1:0")
     async with (
         plugin_gateway(tiny.tokenizer_dir, "ResetsMidStream", cache=NO_CACHE, http=listen) as gw,
-        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
     ):
-        stub = pb_grpc.InferenceStub(channel)
+        stub = pb_grpc.InferenceStub(to)
         streamed = stub.Generate(complete(4))
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             async for _ in streamed:
@@ -76,9 +85,9 @@ async def test_an_engine_that_never_answers_holds_nobody_past_the_deadline_nor_a
     engine request is ended, and the slot goes to the next request."""
     async with (
         plugin_gateway(tiny.tokenizer_dir, "Stalls", cache=NO_CACHE, default_deadline_s=0.5) as gw,
-        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
     ):
-        stub = pb_grpc.InferenceStub(channel)
+        stub = pb_grpc.InferenceStub(to)
         backend = gw.models["tiny"].backend
         assert isinstance(backend, Stalls)
         calls = [stub.Complete(complete(2, f"prompt {n}")) for n in range(3)]
@@ -195,9 +204,9 @@ async def test_a_flight_goes_on_while_anyone_follows_it_and_ends_at_the_engine_a
     leaves it running for the other; the other leaving too ends the engine request."""
     async with (
         plugin_gateway(tiny.tokenizer_dir, "Stalls") as gw,
-        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
     ):
-        stub = pb_grpc.InferenceStub(channel)
+        stub = pb_grpc.InferenceStub(to)
         backend = gw.models["tiny"].backend
         assert isinstance(backend, Stalls)
         leader = stub.Generate(complete(3))
@@ -222,9 +231,9 @@ async def test_a_backend_that_breaks_its_contract_fails_no_request_with_unknown(
     settings = {"cache": NO_CACHE, "breaker_failures": 10}
     async with (
         plugin_gateway(tiny.tokenizer_dir, "Breaks", **settings) as gw,
-        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
     ):
-        stub = pb_grpc.InferenceStub(channel)
+        stub = pb_grpc.InferenceStub(to)
         health = gw.models["tiny"].health
         for max_tokens in (2, 3):
             streamed = stub.Generate(complete(max_tokens))
@@ -240,3 +249,41 @@ async def test_a_backend_that_breaks_its_contract_fails_no_request_with_unknown(
         await until_async(lambda: settled(gw), "a broken backend left its request behind")
     assert any("plugin_classes.py" in r.getMessage() for r in caplog.records)
     assert not any("a bug of the backend's own" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "gateway", [({"breaker_failures": 1, "breaker_reset_s": 0.3}, {})], indirect=True
+)
+async def test_an_engine_killed_mid_stream_fails_its_stream_with_a_hint_then_recovers(
+    gateway: RunningGateway,  # noqa: F811
+    channel: grpc.aio.Channel,  # noqa: F811
+    engines: tuple[EngineProcess, ...],  # noqa: F811
+) -> None:
+    stub = pb_grpc.InferenceStub(channel)
+    primary = gateway.pipeline.models["primary"]
+    long = stub.Generate(req(**LONG))
+    assert list((await long.read()).token_ids)
+    engines[0].signal(signal.SIGKILL)
+    engines[0].proc.wait()  # type: ignore[union-attr]
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        while await long.read() is not grpc.aio.EOF:
+            pass
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+    trailers = dict(await long.trailing_metadata() or ())
+    assert int(trailers["grpc-retry-pushback-ms"]) >= 1000
+    assert primary.health.breaker.opened == 1
+    await until_async(lambda: settled(gateway, "primary"), "the broken stream kept its slot")
+    engines[0].start()  # same port
+    await engines[0].wait_ready()
+
+    async def from_primary() -> pb.CompleteResponse | None:
+        try:
+            reply = await stub.Complete(req(cache_policy=pb.CACHE_POLICY_BYPASS))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+            return None
+        return reply
+
+    again = await until_async(from_primary, "the engine never answered again", 30.0, 0.1)
+    assert again.final.model == "primary"
+    assert primary.health.breaker.state == "closed"
