@@ -98,6 +98,11 @@ async def generate(
                 tokens, logprobs = tokens[:cut], logprobs[:cut] if logprobs else logprobs
                 top = top[:cut] if top else top
                 ended_by_stop = True
+            left = request.max_tokens - completion
+            overrun = len(tokens) > left  # an engine sending more than it was asked is cut
+            if overrun:
+                tokens, logprobs = tokens[:left], logprobs[:left] if logprobs else logprobs
+                top = top[:left] if top else top
             entries = None
             if logprobs is not None:
                 entries = [
@@ -122,6 +127,8 @@ async def generate(
                 yield Delta(text, tokens, entries)
             if matcher.stopped or ended_by_stop:
                 ended_by_stop = True
+                break
+            if overrun:
                 break
     finally:
         await tokens_stream.aclose()

@@ -302,3 +302,25 @@ class Breaks(_Echo, Backend):
         if request.max_tokens != 2:
             yield Tokens(list(request.prompt_ids)[:1])
         raise RuntimeError("a bug of the backend's own")
+
+
+class Overruns(_Echo, Backend):
+    """Sends its prompt's first token id three at a time and never ends, whatever max_tokens
+    says (an engine that ignores request_output_len). Counts the streams ended under it."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.ended = 0
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> Overruns:
+        return cls(config.backend)
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
+        self.streams += 1
+        try:
+            while True:
+                yield Tokens(list(request.prompt_ids)[:1] * 3)
+                await asyncio.sleep(0)
+        finally:
+            self.ended += 1

@@ -287,3 +287,20 @@ async def test_an_engine_killed_mid_stream_fails_its_stream_with_a_hint_then_rec
     again = await until_async(from_primary, "the engine never answered again", 30.0, 0.1)
     assert again.final.model == "primary"
     assert primary.health.breaker.state == "closed"
+
+
+async def test_tokens_past_max_tokens_are_neither_sent_nor_kept(tiny: Tiny) -> None:
+    """An engine that goes on past the request's max_tokens: the answer stops at max_tokens
+    (finish reason length, usage counting what was sent) and the engine request is ended."""
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "Overruns", cache=NO_CACHE) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
+    ):
+        stub = pb_grpc.InferenceStub(to)
+        backend = gw.models["tiny"].backend
+        reply = await stub.Complete(complete(7), timeout=30)
+        assert len(reply.token_ids) == 7
+        assert reply.final.usage.completion_tokens == 7
+        assert reply.final.finish_reason == pb.FINISH_REASON_LENGTH
+        await until_async(lambda: settled(gw), "an overrunning engine kept its slot")
+        assert backend.ended == backend.streams == 1  # type: ignore[attr-defined]
