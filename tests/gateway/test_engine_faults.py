@@ -278,7 +278,9 @@ async def test_an_engine_killed_mid_stream_fails_its_stream_with_a_hint_then_rec
 
     async def from_primary() -> pb.CompleteResponse | None:
         try:
-            reply = await stub.Complete(req(cache_policy=pb.CACHE_POLICY_BYPASS))
+            reply: pb.CompleteResponse = await stub.Complete(
+                req(cache_policy=pb.CACHE_POLICY_BYPASS)
+            )
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
             return None
