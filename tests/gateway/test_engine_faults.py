@@ -306,3 +306,42 @@ async def test_tokens_past_max_tokens_are_neither_sent_nor_kept(tiny: Tiny) -> N
         assert reply.final.finish_reason == pb.FINISH_REASON_LENGTH
         await until_async(lambda: settled(gw), "an overrunning engine kept its slot")
         assert backend.ended == backend.streams == 1  # type: ignore[attr-defined]
+
+
+async def test_a_half_open_breaker_lets_one_of_a_hundred_concurrent_requests_probe(
+    tiny: Tiny,
+) -> None:
+    """A hundred requests arrive together once the breaker's open time has passed: one reaches
+    the engine, the others are refused as while it was open, with a retry hint."""
+    settings = {
+        "cache": NO_CACHE,
+        "breaker_failures": 1,
+        "breaker_reset_s": 0.1,
+        "max_in_flight": 4,
+        "max_queue": 200,
+        "default_deadline_s": 30.0,
+    }
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "Stalls", **settings) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
+    ):
+        stub = pb_grpc.InferenceStub(to)
+        backend = gw.models["tiny"].backend
+        assert isinstance(backend, Stalls)
+        breaker = gw.models["tiny"].health.breaker
+        gw.models["tiny"].health.failed("a test opened it")
+        await until_async(lambda: breaker.state == "half-open", "the breaker never half-opened")
+        calls = [stub.Complete(complete(2, f"prompt {n}")) for n in range(100)]
+        await until_async(lambda: sum(c.done() for c in calls) == 99, "not 99 were refused")
+        probe = next(c for c in calls if not c.done())
+        for call in calls:
+            if call is probe:
+                continue
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+            trailers = dict(refused.value.trailing_metadata() or ())
+            assert int(trailers["grpc-retry-pushback-ms"]) >= 1000
+        assert backend.streams == 1  # only the probe reached the engine
+        probe.cancel()
+        await until_async(lambda: settled(gw), "the probe kept its slot")
