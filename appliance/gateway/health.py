@@ -115,7 +115,12 @@ class HealthMonitor:
         timeout_s = min(self._interval, 2.0)
         for name, model in self._models.items():
             asked = loop.time()
-            ready, why = await model.backend.readiness(timeout_s)
+            try:
+                ready, why = await model.backend.readiness(timeout_s)
+            except Exception as exc:
+                # A backend whose check raises (against its contract) cannot be called ready;
+                # the monitor goes on for every model.
+                ready, why = False, f"its readiness check raised {type(exc).__name__}"
             # gRPC's deadline and this loop's clock differ by a little: nine tenths is all of it.
             unanswered = not ready and loop.time() - asked >= 0.9 * timeout_s
             if unanswered and model.health.reachable and name not in self._unanswered:

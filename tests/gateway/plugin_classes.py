@@ -324,3 +324,15 @@ class Overruns(_Echo, Backend):
                 await asyncio.sleep(0)
         finally:
             self.ended += 1
+
+
+class ReadinessBreaks(EchoSubclass):
+    """Ready at start-up; every readiness check after that raises (a bug of its own, against the
+    Backend contract, which says a readiness check never raises)."""
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> ReadinessBreaks:
+        return cls(config.backend)
+
+    async def readiness(self, timeout_s: float) -> tuple[bool, str]:
+        raise RuntimeError("a bug of the backend's own")

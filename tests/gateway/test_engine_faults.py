@@ -345,3 +345,14 @@ async def test_a_half_open_breaker_lets_one_of_a_hundred_concurrent_requests_pro
         assert backend.streams == 1  # only the probe reached the engine
         probe.cancel()
         await until_async(lambda: settled(gw), "the probe kept its slot")
+
+
+async def test_a_readiness_check_that_raises_marks_the_engine_unreachable(tiny: Tiny) -> None:
+    """The health monitor outlives a backend whose readiness check raises: the model is not
+    serving, and says why."""
+    async with plugin_gateway(tiny.tokenizer_dir, "ReadinessBreaks", cache=NO_CACHE) as gw:
+        health = gw.models["tiny"].health
+        await until_async(lambda: not health.reachable, "the engine never became unreachable")
+        assert "RuntimeError" in health.describe()
+        await gw.monitor.check()  # another round: the monitor goes on
+        assert not health.reachable
