@@ -725,6 +725,16 @@ class Pipeline:
         )
         breaker = model.health.breaker
         probe = breaker.state == "half-open"
+
+        def fault(why: str) -> None:
+            """The engine failed this generation. One let through before the breaker opened
+            that fails while a probe is out says nothing the probe does not: the probe decides
+            (counted, it would reopen the breaker and let a second probe through)."""
+            if probe or not breaker.probing:
+                model.health.failed(why)
+            else:
+                model.health.last_failure = why
+
         if not breaker.allow():
             ticket.release(0)
             raise RequestError(
@@ -757,7 +767,7 @@ class Pipeline:
                 if not first and (isinstance(event, Outcome) or event.token_ids):
                     first = judged = True
                     ticket.first_token()
-                    self._first_token(model, time.monotonic() - started, budget)
+                    self._first_token(model, time.monotonic() - started, budget, fault)
                 if isinstance(event, Outcome):
                     completion = event.completion_tokens
                 else:
@@ -767,20 +777,20 @@ class Pipeline:
             if exc.code in ENGINE_FAULTS and not (
                 first and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
             ):
-                model.health.failed(f"{exc.code.name}: {exc.message}")
+                fault(f"{exc.code.name}: {exc.message}")
                 judged = True
             raise
         except Exception as exc:
             # A backend that raised what is no BackendError (a bug of its own, against the
             # Backend contract): the engine's failure, not the client's, and told as one.
             failure = backend_bug(model, exc)
-            model.health.failed(f"{failure.code.name}: {failure.message}")
+            fault(f"{failure.code.name}: {failure.message}")
             judged = True
             raise failure from exc
         except (asyncio.CancelledError, GeneratorExit):
             waited = time.monotonic() - started
             if not first and budget.engine_ttft_s is not None and waited > budget.engine_ttft_s:
-                model.health.failed(f"no first token in {waited:.1f} s")
+                fault(f"no first token in {waited:.1f} s")
                 judged = True
             raise
         finally:
@@ -789,9 +799,11 @@ class Pipeline:
                 breaker.release()
 
     @staticmethod
-    def _first_token(model: ServedModel, ttft_s: float, budget: Budget) -> None:
+    def _first_token(
+        model: ServedModel, ttft_s: float, budget: Budget, fault: Callable[[str], None]
+    ) -> None:
         if budget.engine_ttft_s is not None and ttft_s > budget.engine_ttft_s:
-            model.health.failed(
+            fault(
                 f"first token after {ttft_s * 1000:.0f} ms, over the budget of "
                 f"{budget.engine_ttft_s * 1000:.0f} ms"
             )

@@ -356,3 +356,41 @@ async def test_a_readiness_check_that_raises_marks_the_engine_unreachable(tiny: 
         assert "RuntimeError" in health.describe()
         await gw.monitor.check()  # another round: the monitor goes on
         assert not health.reachable
+
+
+async def test_a_request_let_through_before_the_probe_failing_lets_no_second_probe(
+    tiny: Tiny,
+) -> None:
+    """A request let through while the breaker was closed fails while the probe is out: the
+    probe still decides, so once the open time passes again no second request probes."""
+    settings = {
+        "cache": NO_CACHE,
+        "breaker_failures": 1,
+        "breaker_reset_s": 0.1,
+        "max_in_flight": 4,
+        "ttft_budget_ms": 1.0,  # a stalled request its client leaves counts against the engine
+        "default_deadline_s": 5.0,
+    }
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "Stalls", **settings) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
+    ):
+        stub = pb_grpc.InferenceStub(to)
+        backend = gw.models["tiny"].backend
+        assert isinstance(backend, Stalls)
+        health = gw.models["tiny"].health
+        straggler = stub.Generate(complete(2, "let through while closed"))
+        await until_async(lambda: backend.streams == 1, "the first never reached the engine")
+        health.failed("a test opened it")
+        await until_async(lambda: health.breaker.state == "half-open", "never half-opened")
+        probe = stub.Generate(complete(2, "the probe"))
+        await until_async(lambda: backend.streams == 2, "the probe never reached the engine")
+        straggler.cancel()
+        await until_async(lambda: backend.ended == 1, "the first never ended")
+        await until_async(lambda: health.breaker.state != "open", "the breaker stayed open")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Complete(complete(2, "while the probe is out"))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        assert backend.streams == 2
+        probe.cancel()
+        await until_async(lambda: settled(gw), "the probe kept its slot")
