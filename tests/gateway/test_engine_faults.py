@@ -394,3 +394,29 @@ async def test_a_request_let_through_before_the_probe_failing_lets_no_second_pro
         assert backend.streams == 2
         probe.cancel()
         await until_async(lambda: settled(gw), "the probe kept its slot")
+
+
+async def test_a_flight_waiting_for_a_slot_leaves_the_line_when_its_last_client_leaves(
+    tiny: Tiny,
+) -> None:
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "Stalls", max_queue=4) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
+    ):
+        stub = pb_grpc.InferenceStub(to)
+        backend = gw.models["tiny"].backend
+        assert isinstance(backend, Stalls)
+        gate = gw.pipeline.admission.gates["tiny"]  # type: ignore[attr-defined]
+        holder = stub.Generate(complete(2, "holds the only slot"))
+        await until_async(lambda: backend.streams == 1, "the slot was never taken")
+        waiting = [stub.Generate(complete(3, "one answer for both")) for _ in range(2)]
+        await until_async(
+            lambda: gw.pipeline.flights.joined == 1 and len(gate.waiting) == 1,
+            "the two never waited on one flight",
+        )
+        for call in waiting:
+            call.cancel()
+        await until_async(lambda: not gate.waiting, "the abandoned flight stayed in line")
+        holder.cancel()
+        await until_async(lambda: settled(gw), "a request was left behind")
+        assert backend.streams == backend.ended == 1
