@@ -236,16 +236,22 @@ class PrefixCache:
         recently used block of another chain. Returns how many blocks were newly stored.
         """
         count = min(len(tokens) // self.tokens_per_block, self.stats.max_blocks)
+        chain = self._blocks(tokens, count)
         keys: list[bytes] = []
+        parent = self.root
+        for block in chain:
+            keys.append(self._key(parent, block))
+            parent = keys[-1]
+        # The chain's pooled blocks go to the recent end before any slot is taken: `match` touched
+        # only the prompt's, and a block the answer recomputed may be the least recently used.
+        self._touch([key for key in keys if key in self._index])
         new: list[tuple[int, int]] = []  # (block of the working cache, its slot)
         parent = self.root
-        for i, block in enumerate(self._blocks(tokens, count)):
-            key = self._key(parent, block)
+        for i, (key, block) in enumerate(zip(keys, chain, strict=True)):
             if key not in self._index:
                 slot = self._take_slot()
                 self._index[key] = _Entry(slot, parent, block)
                 new.append((i, slot))
-            keys.append(key)
             parent = key
         with torch.inference_mode():
             for first, slot, run in _runs(new):
@@ -261,8 +267,8 @@ class PrefixCache:
     def _take_slot(self) -> int:
         if self._free:
             return self._free.pop()
-        # The chain being stored was touched by `match` at the start of this request and its new
-        # blocks go to the recent end, so with count <= max_blocks the LRU end is another chain's.
+        # The chain being stored was touched by `store` and its new blocks go to the recent end,
+        # so with count <= max_blocks the LRU end is another chain's.
         _, victim = self._index.popitem(last=False)
         self.stats.evicted_blocks += 1
         return victim.slot

@@ -186,6 +186,24 @@ def test_lru_eviction_keeps_recent_chains_and_parents(micro_model: LlamaModel) -
         reuse.close()
 
 
+def test_a_full_pool_never_evicts_the_stored_chains_own_blocks(micro_model: LlamaModel) -> None:
+    """A one-token prompt matches no block, yet its greedy answer recomputes a pooled block (the
+    least recently used one) and then a new one: storing must evict another chain's block, and
+    the request ends with one final response, completed, not failed."""
+    reuse = prefix_runner(micro_model, blocks=2)
+    try:
+        short, _ = run(reuse, [5], n=5)  # stores [5, 3 answer tokens]: 1 of 2 blocks
+        run(reuse, [50, 51, 52, 53, 54], n=1)  # another chain's block: the pool is full
+        longer, perf = run(reuse, [5], n=9)  # 2 blocks: the first pooled, the second new
+        assert longer[:5] == short
+        assert perf.kv.reused_blocks == 0
+        assert (reuse.stats.completed, reuse.stats.failed) == (3, 0)
+        assert reuse.stats.kv.evicted_blocks == 1
+        assert run(reuse, [5, *longer[:8]], n=1)[1].kv.reused_blocks == 2
+    finally:
+        reuse.close()
+
+
 def test_another_fingerprint_never_matches(micro_model: LlamaModel) -> None:
     """Blocks are keyed from the engine fingerprint: other weights' K/V are never found."""
     old = PrefixCache(micro_model.config, 8, B, "engine-1", micro_model.device, micro_model.dtype)
