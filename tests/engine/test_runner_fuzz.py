@@ -33,6 +33,7 @@ class Request:
     scored: bool  # log-probabilities and 3 alternatives
     end_id: int | None
     streaming: bool = True
+    min_tokens: int = 0
 
 
 @dataclass
@@ -68,6 +69,7 @@ def run(runner: Runner, req: Request) -> Result:
         emit=emit,
         return_log_probs=req.scored,
         top_logprobs=3 if req.scored else 0,
+        min_tokens=req.min_tokens,
     )
     if req.cancel_after == 0:
         job.cancel.set()
@@ -142,7 +144,9 @@ def requests(draw: st.DrawFn) -> list[Request]:
         streaming = draw(st.booleans())
         if not streaming and cancel:  # a non-streaming request is cancelled before it starts
             cancel = 0
-        out.append(Request(prompt, n, cancel, draw(st.booleans()), end_id, streaming))
+        min_tokens = draw(st.integers(0, n + 1))
+        scored = draw(st.booleans())
+        out.append(Request(prompt, n, cancel, scored, end_id, streaming, min_tokens))
         texts.append(prompt)
     return out
 
@@ -173,7 +177,7 @@ def test_reuse_cancellation_and_speculation_keep_the_answer(
     runners: Runners, seq: list[Request]
 ) -> None:
     for req in seq:
-        full = Request(req.prompt, req.n, None, req.scored, req.end_id)
+        full = Request(req.prompt, req.n, None, req.scored, req.end_id, True, req.min_tokens)
         want = run(runners.plain, full)
         for runner in (runners.reuse, runners.spec, runners.graphs):
             got = run(runner, req)
@@ -191,3 +195,19 @@ def test_prompt_one_short_of_the_cache(runners: Runners, n: int) -> None:
     for runner in (runners.reuse, runners.spec, runners.graphs):
         check(run(runner, req), want, req)
         check(run(runner, req), want, req)  # its prompt reused, all but the last token
+
+
+def test_end_id_as_the_first_token_then_its_prompt_again(runners: Runners) -> None:
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    want = run(runners.plain, Request(prompt, 6, None, True, None))
+    first = want.tokens[0]
+    for runner in (runners.reuse, runners.spec, runners.graphs):
+        for streaming in (True, False):
+            ended = run(runner, Request(prompt, 6, None, True, first, streaming))
+            assert (ended.tokens, ended.errors, ended.finals) == ([], [], 1)
+        # The prompt's blocks were stored by the request that ended at once.
+        check(
+            run(runner, Request(prompt, 6, None, True, None)),
+            want,
+            Request(prompt, 6, None, True, None),
+        )
