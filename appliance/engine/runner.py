@@ -109,6 +109,21 @@ class Job:
     top_logprobs: int = 0
 
 
+def _watch_final(job: Job) -> threading.Event:
+    """Set once the job's final response is emitted: a fault after it is no failure of the
+    request, which has its answer (a second final would be dropped, and counted twice)."""
+    answered = threading.Event()
+    emit = job.emit
+
+    def emitting(e: Emission) -> None:
+        if e.final:
+            answered.set()
+        emit(e)
+
+    job.emit = emitting
+    return answered
+
+
 @dataclass
 class EngineStats:
     """What tests and ModelStatistics read: counts only move forward."""
@@ -237,12 +252,16 @@ class Runner:
             self._current = job
             if self._closed:  # close() may have looked before this job became current
                 job.cancel.set()
+            answered = _watch_final(job)
             try:
                 self._run(job)
             except Exception as exc:  # a failed request must not take the engine down
-                log.exception("request %s failed", job.request_id)
-                self._count(failed=1)
-                job.emit(Emission(None, final=True, error=f"engine failure: {exc}"))
+                if answered.is_set():  # its bookkeeping after the final response failed
+                    log.exception("request %s: after its final response", job.request_id)
+                else:
+                    log.exception("request %s failed", job.request_id)
+                    self._count(failed=1)
+                    job.emit(Emission(None, final=True, error=f"engine failure: {exc}"))
             finally:
                 self._current = None
                 with self.stats.changed:

@@ -313,3 +313,33 @@ def test_pool_budget_counts_the_running_request(micro_model: LlamaModel) -> None
     assert pool_blocks(c, dtype, cpu, 4, 64, 64 + 4 * 7 + 3, 0.9) == 7
     assert pool_blocks(c, dtype, cpu, 4, 64, 32, 0.9) == 0
     assert pool_blocks(c, dtype, cpu, 4, 64, None, 0.9) > 0  # a share of free memory
+
+
+def test_a_fault_after_the_final_response_sends_no_second_final(
+    micro_model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose bookkeeping fails after its final response went out is that response's:
+    no second final (with an error) and no failure counted; the fault is logged."""
+    runner = prefix_runner(micro_model)
+    try:
+
+        def broken(*args: Any) -> NoReturn:
+            raise KeyError("pool")
+
+        monkeypatch.setattr(runner, "_account", broken)
+        finals: list[Emission] = []
+        done = threading.Event()
+
+        def emit(e: Emission) -> None:
+            if e.final:
+                finals.append(e)
+                done.set()
+
+        runner.submit(Job("t", BASE, 4, None, GREEDY, streaming=False, emit=emit))
+        assert done.wait(60)
+        with runner.stats.changed:
+            runner.stats.changed.wait_for(lambda: runner.stats.running is None, timeout=60)
+        assert [e.error for e in finals] == [None]
+        assert (runner.stats.completed, runner.stats.failed) == (1, 0)
+    finally:
+        runner.close()
