@@ -97,9 +97,11 @@ def hash_secret(secret: str, salt: bytes, pepper: bytes) -> bytes:
 
 
 def parse_token(token: str) -> tuple[str, str] | None:
-    """(id, secret) of a well-formed token, else None."""
+    """(id, secret) of a well-formed token, else None. A token is ASCII: a header's bytes that
+    are not UTF-8 reach here as lone surrogates (aiohttp), which no encoder takes."""
     if (
         len(token) > MAX_TOKEN_CHARS
+        or not token.isascii()
         or not token.startswith(TOKEN_PREFIX)
         or token[3 + ID_HEX : 4 + ID_HEX] != "_"
     ):
@@ -214,17 +216,23 @@ def _check_entry(path: Path, n: int, entry: object) -> dict[str, Any]:
     identities = entry.get("identities", [])
     if not (isinstance(identities, list) and all(isinstance(v, str) and v for v in identities)):
         raise KeysFileError(f"{where}: 'identities' must be a list of certificate names")
-    for name in ("rate_per_s", "burst", "max_streams"):
+    value = entry.get("rate_per_s")
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not math.isfinite(value))  # Python's JSON: NaN
+        or not 0 < value <= LIMIT_MAX
+    ):
+        raise KeysFileError(
+            f"{where}: 'rate_per_s' must be a number greater than 0 and at most {LIMIT_MAX:g}"
+        )
+    # Counts: a burst under 1 never holds the token a request takes (refused for ever).
+    for name in ("burst", "max_streams"):
         value = entry.get(name)
         if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or (isinstance(value, float) and not math.isfinite(value))  # Python's JSON: NaN
-            or not 0 < value <= LIMIT_MAX
+            isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= LIMIT_MAX
         ):
-            raise KeysFileError(
-                f"{where}: '{name}' must be a number greater than 0 and at most {LIMIT_MAX:g}"
-            )
+            raise KeysFileError(f"{where}: '{name}' must be a whole number from 1 to {LIMIT_MAX:g}")
     return entry
 
 

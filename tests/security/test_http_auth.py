@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -97,3 +98,22 @@ async def test_a_generation_without_a_key_is_refused_before_its_body_is_read(
 
 def bearer_header(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+async def test_an_authorization_header_that_is_not_utf8_is_unauthenticated(
+    tiny: Tiny, engine: Engine, keys: Keys
+) -> None:
+    token = keys.add(["team-a"], ["generate"])
+    async with _keyed_http(tiny, engine, keys) as base:
+        port = int(base.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        bad = token[:16].encode() + b"\xff" * 43
+        writer.write(
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            b"Authorization: Bearer " + bad + b"\r\n\r\n"
+        )
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+        assert b"\xff" not in answer
