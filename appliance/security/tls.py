@@ -199,9 +199,12 @@ def certificate_names(common_names: list[str], dns: list[str], uris: list[str]) 
 def grpc_peer_names(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
     """The verified client certificate's names of a gRPC call (empty without mutual TLS)."""
     auth = context.auth_context() or {}
-    cns = [v.decode(errors="replace") for v in auth.get("x509_common_name", ())]
-    sans = [v.decode(errors="replace") for v in auth.get("x509_subject_alternative_name", ())]
-    return certificate_names(cns, sans, [])
+
+    def names(prop: str) -> list[str]:
+        return [v.decode(errors="replace") for v in auth.get(prop, ())]
+
+    # Not x509_subject_alternative_name: it holds the email and IP address SANs too.
+    return certificate_names(names("x509_common_name"), names("peer_dns"), names("peer_uri"))
 
 
 def peercert_names(peercert: dict[str, Any] | None) -> tuple[str, ...]:

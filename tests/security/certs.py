@@ -73,6 +73,8 @@ class CA:
         hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
         client: bool = False,
         expired: bool = False,
+        emails: tuple[str, ...] = (),
+        uris: tuple[str, ...] = (),
     ) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
         sans: list[x509.GeneralName] = []
@@ -81,6 +83,8 @@ class CA:
                 sans.append(x509.IPAddress(ipaddress.ip_address(host)))
             except ValueError:
                 sans.append(x509.DNSName(host))
+        sans.extend(x509.RFC822Name(email) for email in emails)
+        sans.extend(x509.UniformResourceIdentifier(uri) for uri in uris)
         start, end = (
             (NOW - datetime.timedelta(days=10), NOW - datetime.timedelta(days=1))
             if expired

@@ -130,6 +130,28 @@ async def test_a_client_certificate_stands_for_its_key(
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+async def test_only_the_cn_and_dns_or_uri_sans_stand_for_a_key(
+    tiny: Tiny, engine: Engine, ca: CA, server_cert: Issued, keys: Keys
+) -> None:
+    """An email or IP address SAN stands for no key, over gRPC as over HTTP: a CA that puts a
+    client's own email address in its certificate lets it name no key by that."""
+    keys.add(["tenant-a"], ["generate"], identities=["client-a.example"])
+    keys.add(["tenant-b"], ["generate"], identities=["10.9.8.7"])
+    tls = TlsSettings(server_cert.cert, server_cert.key, client_ca_file=ca.path)
+    by_email = ca.issue("email", "client-z", hosts=(), emails=("client-a.example",), client=True)
+    by_ip = ca.issue("ip", "client-y", hosts=("10.9.8.7",), client=True)
+    keys.add(["tenant-c"], ["generate"], identities=["spiffe://example/client-c"])
+    by_uri = ca.issue("uri", "client-x", hosts=(), uris=("spiffe://example/client-c",), client=True)
+    async with running(
+        gateway_config(tiny.tokenizer_dir, engine.address, tls=tls, auth=keys.auth())
+    ) as gw:
+        for issued in (by_email, by_ip):
+            channel = tls_channel(gw.port, ca.pem, issued.cert_pem, issued.key_pem)
+            assert await _refused(channel) == grpc.StatusCode.UNAUTHENTICATED, issued.cert
+        async with tls_channel(gw.port, ca.pem, by_uri.cert_pem, by_uri.key_pem) as channel:
+            await _complete(channel)
+
+
 def test_a_certificate_that_does_not_match_its_key_is_refused(ca: CA) -> None:
     a, b = ca.issue("a", "a"), ca.issue("b", "b")
     with pytest.raises(TlsError, match=r"a\.crt with key .*b\.key: not a certificate and its"):
