@@ -78,20 +78,28 @@ def _stamp(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int], ...]:
     return tuple(stamps)
 
 
-def _load(settings: TlsSettings) -> _Material:
-    """Reads and checks the files; TlsError says which one is wrong."""
+def _load(settings: TlsSettings) -> tuple[_Material, ssl.SSLContext]:
+    """Reads and checks the files: their bytes (what gRPC is handed) and the HTTP listener's
+    context of them. TlsError says which one is wrong."""
+    named = {str(path): name for name, path in vars(settings).items() if path is not None}
     try:
         stamp = _stamp(settings.files)
         cert, key = settings.cert_file.read_bytes(), settings.key_file.read_bytes()
         ca = settings.client_ca_file.read_bytes() if settings.client_ca_file else None
+        # The check reads the files again: what it proves holds for the bytes above only
+        # when no file was replaced in between (a renewal renames one file, then the other).
+        context = _http_context(settings)
+        if _stamp(settings.files) != stamp:
+            raise TlsError(
+                f"{settings.cert_file} or {settings.key_file} changed while being read "
+                "(a renewal under way); they are read again at the next handshake"
+            )
     except OSError as exc:
-        named = {str(path): name for name, path in vars(settings).items() if path is not None}
         raise TlsError(
             f"cannot read {exc.filename}: {exc.strerror or exc}",
             named.get(str(exc.filename), "cert_file"),
         ) from None
-    _check(settings)
-    return _Material(cert, key, ca, stamp)
+    return _Material(cert, key, ca, stamp), context
 
 
 def _check(settings: TlsSettings) -> ssl.SSLContext:
@@ -129,10 +137,10 @@ class ServerTls:
     def __init__(self, settings: TlsSettings) -> None:
         self.settings = settings
         self._lock = threading.Lock()  # gRPC asks for certificates from its own threads
-        self._material = _load(settings)
+        self._material, current = _load(settings)
         self.generation = 0
         # The context new HTTP handshakes are switched onto; rebuilt from the files on each change.
-        self._current = _http_context(settings)
+        self._current = current
 
     @property
     def mutual(self) -> bool:
@@ -145,13 +153,8 @@ class ServerTls:
             try:
                 if _stamp(self.settings.files) == self._material.stamp:
                     return False
-                material = _load(self.settings)
+                material, current = _load(self.settings)
             except (OSError, TlsError) as exc:
-                _throttled.warning("TLS files not reloaded, the previous ones stay: %s", exc)
-                return False
-            try:
-                current = _http_context(self.settings)
-            except TlsError as exc:
                 _throttled.warning("TLS files not reloaded, the previous ones stay: %s", exc)
                 return False
             self._material = material

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from appliance.config import HttpConfig
+from appliance.security import tls as tls_module
 from appliance.security.tls import ServerTls, TlsSettings
 from tests.conftest import Engine, Tiny
 from tests.security.certs import CA, Issued
@@ -133,3 +134,32 @@ async def test_a_tls_handshake_that_never_finishes_is_dropped_on_both_ports(
             # EOF well before the library defaults; nothing was sent, so nothing comes back.
             assert await asyncio.wait_for(reader.read(), 20) == b""
             writer.close()
+
+
+def test_a_pair_renewed_while_it_is_read_is_never_served_mismatched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The certificate renamed into place, the reload reads it and the old key, then the key is
+    renamed into place before the pair is checked: the check passes on the files, so the bytes
+    read (a new certificate with the old key, which gRPC serves) must not be taken."""
+    ca = CA(tmp_path, "ca")
+    old, new = ca.issue("old", "gateway"), ca.issue("new", "gateway")
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    replace(cert, old.cert_pem)
+    replace(key, old.key_pem)
+    tls = ServerTls(TlsSettings(cert, key))
+    replace(cert, new.cert_pem)
+    check = tls_module._check
+
+    def key_renamed_meanwhile(settings: TlsSettings) -> ssl.SSLContext:
+        if key.read_bytes() != new.key_pem:
+            replace(key, new.key_pem)
+        return check(settings)
+
+    monkeypatch.setattr(tls_module, "_check", key_renamed_meanwhile)
+    pairs = {(old.cert_pem, old.key_pem), (new.cert_pem, new.key_pem)}
+    for _ in range(2):  # the second reload, if needed, reads the pair as it now is
+        tls.refresh()
+        material = tls._material  # what gRPC is handed
+        assert (material.cert, material.key) in pairs
+    assert (material.cert, material.key) == (new.cert_pem, new.key_pem)
