@@ -5,8 +5,8 @@ server, `ServerTls.ssl_context()` for an asyncio/aiohttp server. The files are c
 (the certificate must match its key; the client CA must parse). A renewed certificate is picked
 up without a restart and without touching open connections: before each new handshake the files'
 sizes and modification times are compared with the loaded ones (a few stat calls), and changed
-files are loaded and checked first; a half-written or mismatched pair is logged and the previous
-certificate stays in use. Replace files atomically (write a new file, then rename it over the old).
+files are loaded and checked first; a half-written or mismatched pair, or an expired certificate
+replacing one that is not, is logged and the previous certificate stays in use. Replace files atomically (write a new file, then rename it over the old).
 
 A reload replaces everything the files hold, the client CAs included: an SSLContext can add trusted
 CAs but never drop one, so the HTTP listener's context is rebuilt from the files on every change, and
@@ -28,6 +28,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,23 @@ class _Material:
     key: bytes
     client_ca: bytes | None
     stamp: tuple[tuple[int, int, int], ...]
+    # The certificate's notAfter (seconds since the epoch); None: not known.
+    not_after: float | None = None
+
+    def expired(self) -> bool:
+        return self.not_after is not None and self.not_after < time.time()
+
+
+def _not_after(cert_file: Path) -> float | None:
+    """The notAfter of the file's first certificate (the server's own; a chain follows it).
+    Read with CPython's certificate decoder, the one getpeercert() uses; None without it."""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None
+    try:
+        return float(ssl.cert_time_to_seconds(decode(str(cert_file))["notAfter"]))
+    except (ssl.SSLError, OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _stamp(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int], ...]:
@@ -89,6 +107,7 @@ def _load(settings: TlsSettings) -> tuple[_Material, ssl.SSLContext]:
         # The check reads the files again: what it proves holds for the bytes above only
         # when no file was replaced in between (a renewal renames one file, then the other).
         context = _http_context(settings)
+        not_after = _not_after(settings.cert_file)
         if _stamp(settings.files) != stamp:
             raise TlsError(
                 f"{settings.cert_file} or {settings.key_file} changed while being read "
@@ -99,7 +118,12 @@ def _load(settings: TlsSettings) -> tuple[_Material, ssl.SSLContext]:
             f"cannot read {exc.filename}: {exc.strerror or exc}",
             named.get(str(exc.filename), "cert_file"),
         ) from None
-    return _Material(cert, key, ca, stamp), context
+    return _Material(cert, key, ca, stamp, not_after), context
+
+
+def _expired(settings: TlsSettings, material: _Material) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(material.not_after or 0))
+    return f"TLS certificate {settings.cert_file} expired on {when}: clients refuse it"
 
 
 def _check(settings: TlsSettings) -> ssl.SSLContext:
@@ -138,6 +162,8 @@ class ServerTls:
         self.settings = settings
         self._lock = threading.Lock()  # gRPC asks for certificates from its own threads
         self._material, current = _load(settings)
+        if self._material.expired():
+            log.warning("%s; renew it", _expired(settings, self._material))
         self.generation = 0
         # The context new HTTP handshakes are switched onto; rebuilt from the files on each change.
         self._current = current
@@ -156,6 +182,11 @@ class ServerTls:
                 material, current = _load(self.settings)
             except (OSError, TlsError) as exc:
                 _throttled.warning("TLS files not reloaded, the previous ones stay: %s", exc)
+                return False
+            if material.expired() and not self._material.expired():
+                _throttled.warning(
+                    "%s; not reloaded, the previous one stays", _expired(self.settings, material)
+                )
                 return False
             self._material = material
             self._current = current

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import ssl
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from appliance.config import HttpConfig
+from appliance.logline import Throttled
 from appliance.security import tls as tls_module
 from appliance.security.tls import ServerTls, TlsSettings
 from tests.conftest import Engine, Tiny
@@ -163,3 +165,28 @@ def test_a_pair_renewed_while_it_is_read_is_never_served_mismatched(
         material = tls._material  # what gRPC is handed
         assert (material.cert, material.key) in pairs
     assert (material.cert, material.key) == (new.cert_pem, new.key_pem)
+
+
+def test_an_expired_certificate_is_said_and_never_replaces_a_valid_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tls_module, "_throttled", Throttled(tls_module.log))
+    ca = CA(tmp_path, "ca")
+    valid, expired = ca.issue("valid", "gateway"), ca.issue("expired", "gateway", expired=True)
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    replace(cert, valid.cert_pem)
+    replace(key, valid.key_pem)
+    tls = ServerTls(TlsSettings(cert, key))
+    # A renewal that copied the wrong (expired) files: the valid certificate stays.
+    replace(cert, expired.cert_pem)
+    replace(key, expired.key_pem)
+    with caplog.at_level(logging.WARNING, logger="appliance.security.tls"):
+        assert not tls.refresh()
+    assert tls._material.cert == valid.cert_pem
+    assert any("expired" in r.getMessage() and str(cert) in r.getMessage() for r in caplog.records)
+    # Served anyway when it is all there is, and said at start-up.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="appliance.security.tls"):
+        started = ServerTls(TlsSettings(cert, key))
+    assert started._material.cert == expired.cert_pem
+    assert any("expired" in r.getMessage() and str(cert) in r.getMessage() for r in caplog.records)
