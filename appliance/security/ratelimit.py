@@ -18,6 +18,9 @@ from appliance.security.api_keys import RateLimits
 
 # A stream slot frees when some stream ends: no better estimate than "soon".
 STREAM_RETRY_MS = 100
+# The longest retry hint: a rate a keys file may hold (any above 0) can put the next token
+# further away than a float holds.
+MAX_RETRY_MS = 86_400_000
 
 
 class _Bucket:
@@ -50,7 +53,7 @@ class RateLimiter:
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
             return
-        wait_ms = math.ceil((1.0 - bucket.tokens) / rate * 1000)
+        wait_ms = math.ceil(min((1.0 - bucket.tokens) / rate * 1000, MAX_RETRY_MS))
         raise RequestError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"key '{key_id}' is over its rate limit of {rate:g} requests/s (burst {burst:g}); "

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import grpc
 import pytest
 
+from appliance.gateway.errors import RequestError
 from appliance.security.api_keys import KeyRing, KeysFileError, RateLimits, new_key, read_entries
+from appliance.security.ratelimit import RateLimiter
 
 PEPPER = b"p" * 32
 
@@ -44,3 +47,16 @@ def test_a_burst_or_stream_count_that_is_not_a_whole_number_is_refused(
     path.write_text(json.dumps({"version": 1, "keys": [entry]}))
     with pytest.raises(KeysFileError, match=f"'{name}' must be a whole number"):
         read_entries(path)
+
+
+def test_a_rate_too_small_to_wait_for_is_refused_with_a_bounded_hint() -> None:
+    """The keys file takes any rate above 0: one so small that the wait overflows a float must
+    still be a RESOURCE_EXHAUSTED refusal (not an OverflowError: INTERNAL, HTTP 500)."""
+    limiter = RateLimiter()
+    limits = RateLimits(rate_per_s=5e-324)
+    limiter.take("000000000001", limits)  # the burst
+    with pytest.raises(RequestError) as refused:
+        limiter.take("000000000001", limits)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.retry_after_ms is not None
+    assert 0 < refused.value.retry_after_ms <= 86_400_000
