@@ -297,3 +297,12 @@ def test_the_build_spec_sample_is_a_spec_and_shows_the_defaults(tmp_path: Path) 
                 # Read and judged by its value (opt_num_tokens beside multiple_profiles).
                 assert f"key '{key}': " in str(exc) and "unknown key" not in str(exc), str(exc)
     assert not_default == []
+
+
+def test_the_fleet_service_config_shown_is_the_one_shipped() -> None:
+    import json
+
+    doc = (ROOT / "docs/OPERATIONS.md").read_text()
+    shown = doc.split("### Clients: balancing on health", 1)[1].split("```json\n", 1)[1]
+    shipped = (ROOT / "appliance/data/fleet-service-config.json").read_text()
+    assert json.loads(shown.split("```", 1)[0]) == json.loads(shipped)
