@@ -306,3 +306,15 @@ def test_the_fleet_service_config_shown_is_the_one_shipped() -> None:
     shown = doc.split("### Clients: balancing on health", 1)[1].split("```json\n", 1)[1]
     shipped = (ROOT / "appliance/data/fleet-service-config.json").read_text()
     assert json.loads(shown.split("```", 1)[0]) == json.loads(shipped)
+
+
+def test_the_hardening_table_gives_the_exposures_the_unit_tests_hold() -> None:
+    from tests.system.test_units import EXPOSURE_LIMITS
+
+    doc = (ROOT / "docs/OPERATIONS.md").read_text()
+    section = doc.split("## Hardening", 1)[1].split("\n## ", 1)[0]
+    shown = {
+        unit: float(exposure)
+        for unit, exposure in re.findall(r"^\| `([\w.-]+)` \| (\d+\.\d+)", section, re.M)
+    }
+    assert {u: shown.get(u) for u in EXPOSURE_LIMITS} == EXPOSURE_LIMITS
