@@ -301,11 +301,16 @@ class EngineService(ts_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelReady(
         self, request: ts.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> ts.ModelReadyResponse:
-        # Triton looks the model up first: an unknown one is NOT_FOUND, not `ready: false`.
-        await self._model(request.name, request.version, context)
+        # Triton's frontend reads the version string first; core (ModelIsReady) then refuses a
+        # server that is not ready and answers `ready: false` for a model or version it does not
+        # serve (its failed lookup is no error).
+        try:
+            version = model_version(request.version)
+        except InferError as exc:
+            await context.abort(exc.code, exc.message)
         if self.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
-        return ts.ModelReadyResponse(ready=True)
+        return ts.ModelReadyResponse(ready=request.name in self.models and version in (-1, 1))
 
     def lookup(self, name: str, version: str) -> EngineModel:
         """The model a call names, or Triton's refusal (core's GetModel): the version string
