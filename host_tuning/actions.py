@@ -131,15 +131,17 @@ def apply(ctx: Context, items: Iterable[Item], dry_run: bool = False) -> list[Re
                 new_entry = True
                 # On disk before the write: a process killed outright (SIGKILL, the OOM killer)
                 # runs no finally, and the next apply would save the tuned value as the prior
-                # one. Runtime settings need no fsync: a power cut resets them with the record.
-                # The first new entry writes the whole state (this boot's id, stale entries
-                # dropped); later ones are appended to the journal.
+                # one. Runtime settings' lines need no fsync: a power cut resets them with the
+                # record. The first new entry writes the whole state (this boot's id, stale
+                # entries dropped), flushed whatever its setting: the file it replaces may hold
+                # an earlier apply's records of files under /etc, which a rename that reached
+                # the disk before its data would lose. Later ones are appended to the journal.
                 if journaling:
                     state_mod.record(ctx.root, st, item.key, durable=plugin.persistent)
                     on_disk = None
                 else:
                     st.boot_id = state_mod.boot_id(ctx.root)
-                    state_mod.save(ctx.root, st, durable=plugin.persistent)
+                    state_mod.save(ctx.root, st)
                     on_disk, journaling = st.to_json(), True
             else:
                 new_entry = False

@@ -107,20 +107,28 @@ class Root:
                 os.fsync(fh.fileno())
         os.replace(tmp, target)
         if durable:
-            fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._sync_dir(target.parent)
         return created
+
+    @staticmethod
+    def _sync_dir(folder: Path) -> None:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def append(self, rel: str, data: str, durable: bool = False) -> None:
         """Append to a file we own in an existing directory; ``durable`` as for ``create``."""
-        with open(self.path(rel), "a") as fh:
+        target = self.path(rel)
+        new = not target.exists()
+        with open(target, "a") as fh:
             fh.write(data)
             if durable:
                 fh.flush()
                 os.fsync(fh.fileno())
+        if durable and new:  # the new file's name is on disk once its folder is
+            self._sync_dir(target.parent)
 
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -147,3 +147,57 @@ def test_a_journal_line_cut_short_by_a_kill_is_no_entry(box: Machine) -> None:
     journal.write_text('{"key": 1}\n')
     with pytest.raises(StateError, match="damaged"):
         load(root)
+
+
+def _fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths os.fsync is called on from now on (a folder's path ends in '/')."""
+    paths: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        paths.append(path + "/" if os.path.isdir(path) else path)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return paths
+
+
+def test_a_durable_record_that_starts_the_journal_flushes_its_folder(
+    box: Machine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new file's name is on disk only once its folder is flushed: without it a power cut can
+    # lose the journal, and with it the prior value of a setting under /etc written since.
+    root = Root(box.root)
+    state = State()
+    save(root, state)
+    state.entries["grub iommu"] = Entry("cmdline", "/etc/default/grub.d/iommu.cfg", None)
+    synced = _fsynced(monkeypatch)
+    record(root, state, "grub iommu", durable=True)
+    folder = str((box.root / JOURNAL.lstrip("/")).parent) + "/"
+    assert str(box.root / JOURNAL.lstrip("/")) in synced
+    assert folder in synced
+
+
+def test_apply_flushes_the_state_file_it_replaces_before_its_first_write(
+    box: Machine, write_profile: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The state file apply replaces may hold the prior values of files under /etc from an
+    # earlier apply: its replacement must be on disk before any setting is written, or a power
+    # cut mid-apply can leave an empty state file where the rename reached the disk and its
+    # data did not.
+    prof = write_profile(PROFILE)
+    state_file = str(box.root / STATE_FILE.lstrip("/"))
+    first: list[list[str]] = []
+    real_write = Root.write
+    synced = _fsynced(monkeypatch)
+
+    def write(self: Root, rel: str, data: str) -> None:
+        if not first:
+            first.append(list(synced))
+        real_write(self, rel, data)
+
+    monkeypatch.setattr(Root, "write", write)
+    assert main(["apply", "--root", str(box.root), "--profile", str(prof)]) == 0
+    assert first, "apply wrote no setting"
+    assert any(p.startswith(state_file) for p in first[0]), first[0]
