@@ -409,7 +409,8 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
     model = tables["model"]
     values["hf_model_dir"] = _resolve(base, model.require("hf_model_dir"))
     values["work_dir"] = _resolve(base, model.require("work_dir"))
-    if values["work_dir"].is_relative_to(values["hf_model_dir"]):
+    # Compared as the file system resolves them: an absolute path may hold ".." or a link.
+    if values["work_dir"].resolve().is_relative_to(values["hf_model_dir"].resolve()):
         # The checkpoint's fingerprint covers every file under it, so outputs written there
         # would make every build start again from the checkpoint stage.
         model.fail(
@@ -423,7 +424,7 @@ def parse_spec(text: str, data: dict[str, Any], source: Path) -> BuildSpec:
     spec = BuildSpec(source=source, **values)
     outputs = (spec.checkpoint_dir, spec.engine_dir, spec.draft_checkpoint_dir)
     for output in (*outputs, spec.draft_engine_dir):
-        if spec.hf_model_dir.is_relative_to(output):
+        if spec.hf_model_dir.resolve().is_relative_to(output.resolve()):
             model.fail(
                 "hf_model_dir",
                 f"{spec.hf_model_dir} is inside {output}, which `build` removes before it "

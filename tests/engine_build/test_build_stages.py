@@ -447,3 +447,15 @@ def test_a_changed_draft_or_heads_folder_rebuilds_its_stages(
     weights.write_bytes(b"\1" * 16)
     again, _ = run(spec)
     assert [r.skipped for r in again] == expected
+
+
+def test_a_work_dir_beside_the_checkpoint_written_with_dot_dot_passes(
+    tmp_path: Path, checkpoint: Path, fake_trtllm: Path
+) -> None:
+    """`CHECKPOINT/../work` is a folder beside the checkpoint, not in it: paths are compared
+    as the file system resolves them, not by their text."""
+    work = checkpoint / ".." / "work-beside"
+    spec = load_spec(
+        write_spec(tmp_path / "spec.toml", spec_sections(checkpoint, work, fake_trtllm))
+    )
+    assert not spec.work_dir.resolve().is_relative_to(spec.hf_model_dir.resolve())
