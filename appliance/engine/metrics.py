@@ -29,7 +29,8 @@ proposed, accepted tokens per verify step = accepted / verify steps.
 On a GPU (`--device cuda` or `cuda:N`) the page also has Triton's GPU families for the GPUs the
 models run on, labelled `gpu_uuid` as Triton labels them: `nv_gpu_utilization` (0.0 to 1.0),
 `nv_gpu_memory_total_bytes`, `nv_gpu_memory_used_bytes` and `nv_gpu_power_usage` (watts), read
-through NVML at scrape time. On the CPU, or where NVML does not start, there are none.
+through NVML at scrape time (a reading the GPU does not support, say power on a vGPU, is left
+out). On the CPU, or where NVML does not start, there are none.
 """
 
 from __future__ import annotations
@@ -241,6 +242,7 @@ class GpuCollector(Collector):
     def __init__(self, uuids: Sequence[str]) -> None:
         self._nvml: Any = None
         self._handles: list[tuple[str, object]] = []
+        self._unsupported: set[tuple[str, str]] = set()  # (GPU, family) said to have no reading
         if not uuids:
             return
         try:
@@ -264,15 +266,33 @@ class GpuCollector(Collector):
         )
         try:
             for uuid, handle in self._handles:
-                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-                util.add_metric((uuid,), nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
-                total.add_metric((uuid,), memory.total)
-                used.add_metric((uuid,), memory.used)
-                power.add_metric((uuid,), nvml.nvmlDeviceGetPowerUsage(handle) / 1000)
+                memory = self._read(uuid, total.name, nvml.nvmlDeviceGetMemoryInfo, handle)
+                rates = self._read(uuid, util.name, nvml.nvmlDeviceGetUtilizationRates, handle)
+                watts = self._read(uuid, power.name, nvml.nvmlDeviceGetPowerUsage, handle)
+                if rates is not None:
+                    util.add_metric((uuid,), rates.gpu / 100)
+                if memory is not None:
+                    total.add_metric((uuid,), memory.total)
+                    used.add_metric((uuid,), memory.used)
+                if watts is not None:
+                    power.add_metric((uuid,), watts / 1000)
         except Exception as exc:  # a GPU that fell off the bus: say so, serve the rest
             log.warning("GPU metrics unavailable: %s", exc)
             return
-        yield from (util, total, used, power)
+        yield from (f for f in (util, total, used, power) if f.samples)
+
+    def _read(self, uuid: str, family: str, query: Callable[[object], Any], handle: object) -> Any:
+        """One NVML reading; None where this GPU does not support it (a vGPU guest has no power
+        reading, for one), said once per GPU and family. Any other error is raised."""
+        try:
+            return query(handle)
+        except self._nvml.NVMLError as exc:
+            if exc.value != self._nvml.NVML_ERROR_NOT_SUPPORTED:
+                raise
+            if (uuid, family) not in self._unsupported:
+                self._unsupported.add((uuid, family))
+                log.warning("GPU %s: no %s (%s)", uuid, family, exc)
+            return None
 
 
 def gpu_uuids(models: Mapping[str, EngineModel]) -> list[str]:

@@ -6,6 +6,7 @@ families, read through NVML."""
 
 from __future__ import annotations
 
+import logging
 import types
 import urllib.request
 from collections.abc import Iterator
@@ -180,6 +181,29 @@ def test_a_gpu_that_fails_a_read_leaves_the_rest_of_the_page(
 
     monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", lost)
     assert page(registry) == {}
+
+
+def test_a_reading_the_gpu_does_not_support_leaves_its_other_series(
+    nvml: dict[str, int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A GPU that has no power reading (a vGPU guest, some boards) still has its utilization and
+    # memory, as on Triton's page; the missing reading is said once, not at every scrape.
+    import pynvml
+
+    def unsupported(h: object) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", unsupported)
+    registry = CollectorRegistry()
+    registry.register(GpuCollector([UUID]))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert page(registry) == {
+                "nv_gpu_utilization": ("gauge", {UUID: 0.37}),
+                "nv_gpu_memory_total_bytes": ("gauge", {UUID: float(141 << 30)}),
+                "nv_gpu_memory_used_bytes": ("gauge", {UUID: float(20 << 30)}),
+            }
+    assert len([r for r in caplog.records if "nv_gpu_power_usage" in r.getMessage()]) == 1
 
 
 def test_the_gpus_are_those_the_models_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
