@@ -165,6 +165,9 @@ class ServerTls:
         if self._material.expired():
             log.warning("%s; renew it", _expired(settings, self._material))
         self.generation = 0
+        # The stamp of files refused as a whole (an expired certificate): not read again until
+        # they change once more.
+        self._refused: tuple[tuple[int, int, int], ...] | None = None
         # The context new HTTP handshakes are switched onto; rebuilt from the files on each change.
         self._current = current
 
@@ -177,7 +180,8 @@ class ServerTls:
         is in use. A file that cannot be used is logged; the previous certificate stays."""
         with self._lock:
             try:
-                if _stamp(self.settings.files) == self._material.stamp:
+                stamp = _stamp(self.settings.files)
+                if stamp in (self._material.stamp, self._refused):
                     return False
                 material, current = _load(self.settings)
             except (OSError, TlsError) as exc:
@@ -187,6 +191,7 @@ class ServerTls:
                 _throttled.warning(
                     "%s; not reloaded, the previous one stays", _expired(self.settings, material)
                 )
+                self._refused = material.stamp
                 return False
             self._material = material
             self._current = current

@@ -190,3 +190,36 @@ def test_an_expired_certificate_is_said_and_never_replaces_a_valid_one(
         started = ServerTls(TlsSettings(cert, key))
     assert started._material.cert == expired.cert_pem
     assert any("expired" in r.getMessage() and str(cert) in r.getMessage() for r in caplog.records)
+
+
+def test_an_expired_renewal_is_read_once_not_at_every_handshake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each handshake asks whether the files changed; an expired pair refused once is not read,
+    parsed and refused again at every handshake until the files change once more."""
+    monkeypatch.setattr(tls_module, "_throttled", Throttled(tls_module.log))
+    ca = CA(tmp_path, "ca")
+    valid, expired = ca.issue("valid", "gateway"), ca.issue("expired", "gateway", expired=True)
+    renewed = ca.issue("renewed", "gateway")
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    replace(cert, valid.cert_pem)
+    replace(key, valid.key_pem)
+    tls = ServerTls(TlsSettings(cert, key))
+    replace(cert, expired.cert_pem)
+    replace(key, expired.key_pem)
+    loads = []
+    load = tls_module._load
+
+    def counted(settings: TlsSettings) -> object:
+        loads.append(settings)
+        return load(settings)
+
+    monkeypatch.setattr(tls_module, "_load", counted)
+    for _ in range(3):  # three handshakes
+        assert not tls.refresh()
+    assert len(loads) == 1
+    assert tls._material.cert == valid.cert_pem
+    replace(cert, renewed.cert_pem)
+    replace(key, renewed.key_pem)
+    assert tls.refresh()
+    assert tls._material.cert == renewed.cert_pem
