@@ -93,16 +93,18 @@ async def generate(
             top = step.top
             if step.draft_tokens is not None:  # the generation's counts so far
                 drafts, accepted = step.draft_tokens, step.accepted_draft_tokens or 0
+            left = request.max_tokens - completion
+            # An engine sending more than it was asked is cut first: an end id past max_tokens
+            # did not end the answer.
+            overrun = len(tokens) > left
+            if overrun:
+                tokens, logprobs = tokens[:left], logprobs[:left] if logprobs else logprobs
+                top = top[:left] if top else top
             if end_id is not None and end_id in tokens:
                 cut = tokens.index(end_id)
                 tokens, logprobs = tokens[:cut], logprobs[:cut] if logprobs else logprobs
                 top = top[:cut] if top else top
                 ended_by_stop = True
-            left = request.max_tokens - completion
-            overrun = len(tokens) > left  # an engine sending more than it was asked is cut
-            if overrun:
-                tokens, logprobs = tokens[:left], logprobs[:left] if logprobs else logprobs
-                top = top[:left] if top else top
             entries = None
             if logprobs is not None:
                 entries = [

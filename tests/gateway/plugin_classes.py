@@ -336,3 +336,17 @@ class ReadinessBreaks(EchoSubclass):
 
     async def readiness(self, timeout_s: float) -> tuple[bool, str]:
         raise RuntimeError("a bug of the backend's own")
+
+
+class OverrunsToItsEnd(_Echo, Backend):
+    """Sends its prompt's first token id three times and then the end id in one response,
+    whatever max_tokens says: the end comes after more tokens than the request asked for."""
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> OverrunsToItsEnd:
+        return cls(config.backend)
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Tokens, None]:
+        self.streams += 1
+        assert request.end_id is not None
+        yield Tokens([*list(request.prompt_ids)[:1] * 3, request.end_id])

@@ -420,3 +420,15 @@ async def test_a_flight_waiting_for_a_slot_leaves_the_line_when_its_last_client_
         holder.cancel()
         await until_async(lambda: settled(gw), "a request was left behind")
         assert backend.streams == backend.ended == 1
+
+
+async def test_an_end_past_max_tokens_does_not_make_the_cut_answer_stopped(tiny: Tiny) -> None:
+    """The engine's end id comes after more tokens than max_tokens: the answer is cut at
+    max_tokens, which is what ended it (finish reason length, not stop)."""
+    async with (
+        plugin_gateway(tiny.tokenizer_dir, "OverrunsToItsEnd", cache=NO_CACHE) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as to,
+    ):
+        reply = await pb_grpc.InferenceStub(to).Complete(complete(2), timeout=30)
+        assert len(reply.token_ids) == 2
+        assert reply.final.finish_reason == pb.FINISH_REASON_LENGTH
