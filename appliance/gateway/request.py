@@ -60,9 +60,13 @@ MAX_MODEL_NAME_LENGTH = 256
 # Bytes of a guide's schema, expression or grammar.
 MAX_GUIDE_BYTES = 64 * 1024
 # Python's regular-expression parser without its compiler (typeshed knows it only by its old
-# name, sre_parse). A regex guide is parsed, in time linear in its text: compiling folds every
+# name, sre_parse). A regex guide is parsed on the event loop, not compiled: compiling folds every
 # character of a case-insensitive class (3,700 classes of every code point: over a minute).
 REGEX_PARSER: Any = importlib.import_module("re._parser")
+# Bytes of a regex guide: parsing alternatives that share a long prefix takes time growing with
+# the square of the text, so a regex is kept short; longer structures are JSON Schema or EBNF
+# guides (checked by jsonschema-rs, compiled by the engine).
+MAX_REGEX_GUIDE_BYTES = 2048
 GUIDE_KINDS = ("json", "json_schema", "regex", "ebnf_grammar")
 # Below this, logits / temperature overflows float32 for ordinary logits: 0 means greedy instead.
 MIN_TEMPERATURE = 1e-2
@@ -523,6 +527,12 @@ def _guide(asked: Guide) -> Guide:
     if kind == "json_schema":
         check_json_schema(text)
     elif kind == "regex":
+        if len(text.encode()) > MAX_REGEX_GUIDE_BYTES:
+            raise _invalid(
+                f"a regex guide is at most {MAX_REGEX_GUIDE_BYTES} bytes (a longer structure: "
+                "a json_schema or ebnf_grammar guide)",
+                field="guide",
+            )
         try:
             REGEX_PARSER.parse(text)
         except (re.error, RecursionError, OverflowError) as exc:
