@@ -343,7 +343,7 @@ class RedisTier(CacheTier):
     def _refused(self, what: str, exc: ResponseError) -> None:
         """A write Redis refused (each is counted), logged once per QUIET_LOG_S."""
         fix = (
-            ": raise its maxmemory or set an evicting maxmemory-policy such as allkeys-lru"
+            ": raise its maxmemory or set maxmemory-policy volatile-lru (evicts answers only)"
             if isinstance(exc, OutOfMemoryError)
             else ""
         )

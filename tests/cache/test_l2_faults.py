@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
@@ -300,4 +301,32 @@ async def test_an_invalidation_raises_a_generation_key_that_holds_another_type(
     await tier.invalidate("ns", "")
     client.set(name, copy)
     assert await tier.get("ns", "m", KEY) is None
+    assert client.get(gen) == b"1"
+
+
+async def test_the_redis_roles_eviction_policy_never_evicts_a_generation(
+    tier: RedisTier, redis_server: RedisServer
+) -> None:
+    """A full Redis evicts answers (they carry a TTL), never the generation an invalidation raised:
+    evicted, it reads as 0 again, and an answer generated while the invalidation ran (stamped
+    with the generation before it) would be served as current."""
+    defaults = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "ansible/roles/redis/defaults/main.yml").read_text()
+    )
+    client = redis_server.client()
+    await tier.invalidate("ns", "")
+    [gen] = [g for g in tier.generation_keys("ns", "", KEY) if g.endswith(":gen-ns-ns")]
+    assert client.get(gen) == b"1"
+    used = int(client.info("memory")["used_memory"])
+    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory-policy", defaults["redis_maxmemory_policy"])
+    client.config_set("maxmemory", str(used + 2_000_000))
+    big = CachedAnswer("x" * 20_000, (1, 2, 3), "stop", 4, 3)
+    try:
+        for n in range(400):
+            await tier.put("ns", f"m{n}", KEY, big)
+    finally:
+        client.config_set("maxmemory", "0")
+        client.config_set("maxmemory-policy", policy)
+    assert int(client.info("stats")["evicted_keys"]) > 0
     assert client.get(gen) == b"1"
