@@ -241,3 +241,58 @@ def test_an_inference_server_metrics_address_without_a_port_fails_first(
     assert f"appliance_backend_metrics ({metrics}) is not HOST:PORT" in out, out
     assert _tasks(out)[-1] == "appliance : Check the inference server's metrics address", out
     assert "changed=0" in out, out
+
+
+SHARED_PASSWORDS = {
+    "redis_replication_password_src": "/srv/replication",
+    "redis_sentinel_password_src": "/srv/sentinel",
+    "appliance_redis_password_src": "/srv/appliance",
+}
+SENTINEL = {"redis_sentinel": True, "redis_sentinel_primary": "10.0.0.1 6379", **SHARED_PASSWORDS}
+
+
+def _redis_on_localhost(
+    tmp_path: Path, variables: dict[str, object], others: dict[str, dict[str, object]]
+) -> subprocess.CompletedProcess[str]:
+    """The redis role on the controller (host vars `variables`), in an inventory that also holds
+    `others` (never contacted)."""
+    play = [
+        {
+            "name": "The redis role",
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "roles": ["redis"],
+        }
+    ]
+    (tmp_path / "redis.yml").write_text(json.dumps(play))
+    local = {"ansible_python_interpreter": str(ANSIBLE_BIN / "python"), **variables}
+    hosts = {"localhost": local, **others}
+    return _playbook(tmp_path, {"all": {"hosts": hosts}}, str(tmp_path / "redis.yml"))
+
+
+@pytest.mark.parametrize(
+    ("quorum", "others"),
+    [
+        (2, {}),  # one Sentinel, the default quorum 2: it never fails over
+        (3, {"b": {"redis_sentinel": True}, "c": {"redis_sentinel": False}}),
+        (0, {"b": {"redis_sentinel": True}}),
+    ],
+)
+def test_a_sentinel_quorum_the_inventory_cannot_meet_fails_first(
+    tmp_path: Path, quorum: int, others: dict[str, dict[str, object]]
+) -> None:
+    result = _redis_on_localhost(tmp_path, {**SENTINEL, "redis_sentinel_quorum": quorum}, others)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert f"redis_sentinel_quorum is {quorum} with" in out, out
+    assert _tasks(out)[-1] == "redis : Check the Sentinel quorum can be met", out
+
+
+def test_a_sentinel_quorum_of_the_inventorys_sentinels_passes(tmp_path: Path) -> None:
+    others = {name: {"redis_sentinel": True} for name in ("b", "c")}
+    result = _redis_on_localhost(tmp_path, {**SENTINEL, "redis_sentinel_quorum": 3}, others)
+    out = result.stdout + result.stderr
+    assert "redis_sentinel_quorum is" not in out, out
+    tasks = _tasks(out)
+    assert "redis : Check the Sentinel quorum can be met" in tasks[:-1], out
