@@ -14,7 +14,7 @@ from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.tiers import CacheQuery, TierUnavailable
-from tests.cache.redis_server import RedisServer
+from tests.cache.redis_server import RedisServer, gateway_acl_rules
 
 MAC_KEY = b"test-cache-mac-key-0123456789abc"
 ANSWER = CachedAnswer("an answer", (1, 2, 3), "stop", 4, 3)
@@ -330,3 +330,60 @@ async def test_the_redis_roles_eviction_policy_never_evicts_a_generation(
         client.config_set("maxmemory-policy", policy)
     assert int(client.info("stats")["evicted_keys"]) > 0
     assert client.get(gen) == b"1"
+
+
+SENT_BY_GATEWAYS = [
+    ["PING"],
+    ["HELLO", "2"],
+    ["SELECT", "0"],
+    ["CLIENT", "SETNAME", "gw"],
+    ["GET", "appliance:k"],
+    ["SET", "appliance:k", "v", "EX", "10"],
+    ["MGET", "appliance:k", "appliance:gen"],
+    ["SCAN", "0", "MATCH", "appliance:*", "COUNT", "1000"],
+    ["UNLINK", "appliance:k"],
+    ["INCR", "appliance:gen"],
+    ["INCRBY", "appliance:gen", "2"],
+    ["XADD", "appliance:s", "MAXLEN", "~", "10", "1-*", "f", "v"],
+    ["XREAD", "COUNT", "1", "STREAMS", "appliance:s", "0-0"],
+    ["XREVRANGE", "appliance:s", "+", "-", "COUNT", "1"],
+    ["TIME"],
+]
+NOT_FOR_GATEWAYS = [
+    ["CLIENT", "KILL", "TYPE", "replica"],
+    ["CLIENT", "PAUSE", "100000", "WRITE"],
+    ["CLIENT", "LIST"],
+    ["CLIENT", "UNBLOCK", "1"],
+    ["CLIENT", "NO-EVICT", "on"],
+    ["GET", "other:k"],
+    ["FLUSHALL"],
+    ["CONFIG", "SET", "maxmemory", "1"],
+]
+
+
+def test_the_gateways_acl_allows_what_they_send_and_nothing_of_a_server_admin(
+    tmp_path: Path,
+) -> None:
+    """The rules the redis role writes: every command a gateway sends, and none that would let a
+    gateway's password kill the replication link, pause the primary or list other clients."""
+    acl = tmp_path / "users.acl"
+    acl.write_text(
+        "user default on nopass ~* &* +@all\n"
+        f"user appliance on >gateway-password {gateway_acl_rules()}\n"
+    )
+    server = RedisServer(tmp_path)
+    server.start(["--aclfile", str(acl)])
+    try:
+        client = server.client()
+
+        def dry_run(command: list[str]) -> str:
+            reply = client.execute_command("ACL", "DRYRUN", "appliance", *command)
+            return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+        assert {" ".join(c): dry_run(c) for c in SENT_BY_GATEWAYS} == {
+            " ".join(c): "OK" for c in SENT_BY_GATEWAYS
+        }
+        allowed = [" ".join(c) for c in NOT_FOR_GATEWAYS if dry_run(c) == "OK"]
+        assert allowed == []
+    finally:
+        server.kill()
