@@ -290,7 +290,7 @@ def test_a_sentinel_quorum_the_inventory_cannot_meet_fails_first(
 
 
 def test_a_sentinel_quorum_of_the_inventorys_sentinels_passes(tmp_path: Path) -> None:
-    others = {name: {"redis_sentinel": True} for name in ("b", "c")}
+    others: dict[str, dict[str, object]] = {n: {"redis_sentinel": True} for n in ("b", "c")}
     result = _redis_on_localhost(tmp_path, {**SENTINEL, "redis_sentinel_quorum": 3}, others)
     out = result.stdout + result.stderr
     assert "redis_sentinel_quorum is" not in out, out
