@@ -22,6 +22,9 @@ Redis can set both the entry and its generation back for it.
 With Sentinels configured, the tier asks them which server is the primary of `sentinel_service`
 before each new connection: when the primary dies, calls fail (misses; the breaker opens) until the
 Sentinels have promoted a replica, and the next probe connects to the new primary, with no restart.
+Replication is asynchronous, so an invalidation waits (WAIT) for a replica to take its generation
+and reports the invalidation incomplete when none did: promoted without it, a replica would serve
+the answers the invalidation removed.
 Redis Cluster is not supported: every key of the cache lives in one keyspace (SCAN invalidation).
 """
 
@@ -67,6 +70,9 @@ _LAYOUT = 2
 _BEFORE_GENERATIONS = 1  # the first byte of an entry or record of the release before them
 # Scopes whose highest generation seen a gateway remembers (the oldest are forgotten past this).
 GEN_MEMORY = 100_000
+# With Sentinels, how long an invalidation waits for a replica to take its generation (a replica
+# promoted without it would serve what the invalidation removed).
+REPLICA_WAIT_MS = 500
 
 
 def stamp(known: Sequence[int]) -> bytes:
@@ -543,10 +549,22 @@ class RedisTier(CacheTier):
         TierUnavailable says why when Redis is not asked (breaker open), does not answer in time
         or fails; the keys unlinked before stay unlinked. First raises the generation of the
         invalidation's scope: the entries stored before it are refused even where Redis keeps
-        them."""
+        them. With Sentinels, TierUnavailable also when no replica took the generation within
+        REPLICA_WAIT_MS (the keys are unlinked all the same)."""
         scope = 4 if entry is not None else (2 if namespace else 0) + (1 if model else 0)
         gen = self.generation_keys(namespace, model, entry or b"")[(0, 2, 1, 3, 4)[scope]]
-        self.known([gen], [await self._run("INCR", self._raise(gen))])
+        replicated = True
+        if self.settings.sentinels:
+            # WAIT counts the replicas that took the writes of its own connection: the INCR's.
+            pinned = self.client.client()
+            try:
+                raised = await self._run("INCR", self._raise(gen, pinned))
+                replicated = await self._replicated(pinned)
+            finally:
+                await pinned.aclose()
+        else:
+            raised = await self._run("INCR", self._raise(gen, self.client))
+        self.known([gen], [raised])
         ns = _key_part(namespace) if namespace else "*"
         m = _key_part(model) if model else "*"
         last = "*" if entry is None else f"*{entry.hex()}"
@@ -560,23 +578,41 @@ class RedisTier(CacheTier):
             if names:
                 removed += await self._run("UNLINK", self.client.unlink(*names))
             if not cursor:
-                return removed
+                break
+        if not replicated:
+            raise self._unavailable(
+                f"raised generation {gen} and unlinked {removed} keys on the primary, but no "
+                f"replica acknowledged the generation within {REPLICA_WAIT_MS} ms (none "
+                "connected, or behind): a failover before it replicates would serve the "
+                "invalidated answers again; invalidate again once a replica is in step"
+            )
+        return removed
 
-    async def _raise(self, gen: str) -> int:
+    async def _replicated(self, client: redis.Redis) -> bool:
+        """Whether a replica took the writes of `client`'s connection within REPLICA_WAIT_MS
+        (WAIT 1); False on any fault (the invalidation then says so)."""
+        try:
+            async with asyncio.timeout(REPLICA_WAIT_MS / 1000 + self._budget):
+                return int(await client.wait(1, REPLICA_WAIT_MS)) >= 1
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._denied(exc)
+            return False
+
+    async def _raise(self, gen: str, client: redis.Redis) -> int:
         """Raises generation key `gen` atomically (INCR) above the highest this gateway has seen
         of it (Redis may hold less: a replica promoted before the raise reached it); returns the
         new generation. A value that is not a generation (overwritten, or a key of another type) is
         replaced."""
         seen = self._gens.get(gen, 0)
         try:
-            raised = int(await self.client.incr(gen))
+            raised = int(await client.incr(gen))
         except NoPermissionError as exc:
             # An ACL of an older release: GET then SET, which two gateways raising the same
             # generation at once may set back by one.
             self._denied(exc)
-            current: Any = await self.client.get(gen)
+            current: Any = await client.get(gen)
             raised = max(seen, int(current) if (current or b"").isdigit() else 0) + 1
-            await self.client.set(gen, str(raised))
+            await client.set(gen, str(raised))
             return raised
         except ResponseError as exc:
             # A value that is no integer, or a key of another type (a list...): no gateway
@@ -584,10 +620,10 @@ class RedisTier(CacheTier):
             if "not an integer" not in str(exc) and not str(exc).startswith("WRONGTYPE"):
                 raise
             raised = seen + 1
-            await self.client.set(gen, str(raised))
+            await client.set(gen, str(raised))
             return raised
         if raised <= seen:
-            raised = int(await self.client.incrby(gen, seen + 1 - raised))
+            raised = int(await client.incrby(gen, seen + 1 - raised))
         return raised
 
     async def close(self) -> None:

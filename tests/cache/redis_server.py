@@ -106,7 +106,8 @@ class SentinelGroup:
     def start(self) -> None:
         for server in (self.primary, self.replica):
             server.workdir.mkdir(parents=True, exist_ok=True)
-        self.primary.start()
+        # The replica's first sync starts at once, not after the default 5 s delay.
+        self.primary.start(["--repl-diskless-sync-delay", "0"])
         self.replica.start(["--replicaof", "127.0.0.1", str(self.primary.port)])
         for port in self.sentinel_ports:
             conf = self.workdir / f"sentinel-{port}.conf"
@@ -127,6 +128,13 @@ class SentinelGroup:
         until(
             lambda: all(self._knows_replica(port) for port in self.sentinel_ports),
             "the Sentinels did not find the replica",
+            timeout=30.0,
+            interval=0.1,
+        )
+        # In step: an invalidation waits for the replica to take its generation.
+        until(
+            lambda: self.replica.client().info("replication")["master_link_status"] == "up",
+            "the replica did not finish its first sync",
             timeout=30.0,
             interval=0.1,
         )

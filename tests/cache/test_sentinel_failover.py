@@ -17,7 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance.cache.l2 import RedisSettings
+from appliance.cache.l2 import RedisSettings, RedisTier
+from appliance.cache.tiers import TierUnavailable
 from appliance.config import CacheConfig
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import SentinelGroup
@@ -160,3 +161,30 @@ async def test_the_stream_followers_use_the_primary_the_sentinels_name(
     finally:
         await other.close()
         await first.close()
+
+
+async def test_an_invalidation_no_replica_acknowledged_is_reported(group: SentinelGroup) -> None:
+    """Replication is asynchronous: a generation raised on the primary and lost with it would
+    come back lower on the promoted replica, and the answers it refused would be served again.
+    An invalidation reports whether a replica has taken it."""
+    settings = RedisSettings(
+        sentinels=group.addresses,
+        sentinel_service=group.name,
+        timeout_ms=200.0,  # a loaded 2-core CI machine
+        mac_key=MAC_KEY,
+    )
+    tier = RedisTier(settings)
+    gen = tier.generation_keys("ns", "", b"")[1]
+    try:
+        assert await tier.invalidate("ns", "") == 0
+        assert group.replica.client().get(gen) == b"1"
+        group.replica.pause()
+        try:
+            with pytest.raises(TierUnavailable, match="no replica acknowledged"):
+                await tier.invalidate("ns", "")
+        finally:
+            group.replica.resume()
+        assert group.primary.client().get(gen) == b"2"
+        assert tier.counters()["breaker_open"] == 0
+    finally:
+        await tier.close()
