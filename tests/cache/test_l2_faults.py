@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from appliance.cache.entry import CachedAnswer
 from appliance.cache.keys import ModelIdentity, SamplingKey
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.tiers import CacheQuery, TierUnavailable
+from appliance.tools.processes import free_port
 from tests.cache.redis_server import RedisServer, gateway_acl_rules
+from tests.support import until
 
 MAC_KEY = b"test-cache-mac-key-0123456789abc"
 ANSWER = CachedAnswer("an answer", (1, 2, 3), "stop", 4, 3)
@@ -388,3 +393,72 @@ def test_the_gateways_acl_allows_what_they_send_and_nothing_of_a_server_admin(
         assert allowed == []
     finally:
         server.kill()
+
+
+def _role_persistence() -> list[str]:
+    """The persistence settings the redis role writes to redis.conf, as redis-server arguments
+    (none: Redis's own defaults)."""
+    role = Path(__file__).resolve().parents[2] / "ansible/roles/redis"
+    found = re.findall(
+        r'^ *- \{ key: (appendonly|appendfsync|save), value: "?(.*?)"? \}$',
+        (role / "tasks/main.yml").read_text(),
+        re.M,
+    )
+    defaults = (role / "defaults/main.yml").read_text()
+    args = []
+    for key, value in found:
+        # "{{ 'yes' if VARIABLE | bool else 'no' }}": the variable's default.
+        flag = re.fullmatch(r"\{\{ 'yes' if (\w+) \| bool else 'no' \}\}", value)
+        if flag is not None:
+            default = re.search(rf"^{flag.group(1)}: (\S+)$", defaults, re.M)
+            assert default is not None, flag.group(1)
+            value = "yes" if default.group(1) == "true" else "no"
+        args += [f"--{key}", value]
+    return args
+
+
+def test_a_redis_that_crashes_keeps_the_generations_it_raised(tmp_path: Path) -> None:
+    """Killed (OOM killer, crash) and restarted, Redis must come back with every generation it
+    had taken: loaded from a snapshot taken before an invalidation, it would hold the old
+    generation and the answers the invalidation unlinked, which every gateway that had not read
+    the raised generation would serve again."""
+    binary = shutil.which("redis-server")
+    assert binary is not None
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    argv += _role_persistence()
+    client = redis.Redis(port=port)
+
+    def started() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def loaded() -> bool:
+            try:
+                return int(client.info("persistence")["loading"]) == 0
+            except redis.RedisError:
+                return False
+
+        until(loaded, "redis-server did not start", timeout=10.0)
+        return proc
+
+    proc = started()
+    try:
+        client.set("appliance:ns:m:00", b"an answer")
+        client.bgsave()
+        until(
+            lambda: int(client.info("persistence")["rdb_bgsave_in_progress"]) == 0,
+            "BGSAVE did not end",
+            timeout=10.0,
+        )
+        client.incr("appliance:gen-ns-ns")
+        client.unlink("appliance:ns:m:00")
+        proc.kill()
+        proc.wait()
+        proc = started()
+        assert (client.get("appliance:gen-ns-ns"), client.exists("appliance:ns:m:00")) == (
+            b"1",
+            0,
+        )
+    finally:
+        proc.kill()
+        proc.wait()
