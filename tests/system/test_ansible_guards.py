@@ -296,3 +296,31 @@ def test_a_sentinel_quorum_of_the_inventorys_sentinels_passes(tmp_path: Path) ->
     assert "redis_sentinel_quorum is" not in out, out
     tasks = _tasks(out)
     assert "redis : Check the Sentinel quorum can be met" in tasks[:-1], out
+
+
+@pytest.mark.parametrize(
+    ("variables", "why"),
+    [
+        ({"redis_acl_user": "cache"}, "redis_acl_user (cache) must be appliance_redis_user"),
+        (
+            {"redis_acl_key_prefix": "cache"},
+            "redis_acl_key_prefix (cache) must be the gateways' key prefix",
+        ),
+        (
+            {"redis_acl_password_file": "/srv/redis-password"},
+            "redis_acl_password_file (/srv/redis-password) must be the gateway's",
+        ),
+    ],
+)
+def test_a_redis_acl_user_the_gateways_cannot_log_in_as_fails_first(
+    tmp_path: Path, variables: dict[str, object], why: str
+) -> None:
+    """The gateways log in as appliance_redis_user with the password the appliance role installs,
+    and use keys `appliance:*`: an ACL user of another name, password file or key prefix would
+    refuse every L2 call (every lookup a miss, on every gateway)."""
+    gateway = {"appliance_redis_user": "appliance", "appliance_config_dir": "/etc/appliance"}
+    result = _role_alone(tmp_path, "redis", {**gateway, **variables})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert why in out, out
+    assert _tasks(out)[-1] == "redis : Check the gateways can log in as the ACL user", out
