@@ -324,3 +324,15 @@ def test_a_redis_acl_user_the_gateways_cannot_log_in_as_fails_first(
     assert result.returncode != 0, out
     assert why in out, out
     assert _tasks(out)[-1] == "redis : Check the gateways can log in as the ACL user", out
+
+
+@pytest.mark.parametrize("primary", ["redis-1.internal 6379", "10.0.0.1", "10.0.0.1:6379"])
+def test_a_sentinel_primary_sentinel_cannot_read_fails_first(tmp_path: Path, primary: str) -> None:
+    """Sentinel resolves no host names (Debian's sentinel.conf: resolve-hostnames no): with one in
+    its monitor line it refuses its whole configuration and never starts."""
+    variables = {**SENTINEL, "redis_sentinel_primary": primary, "redis_sentinel_quorum": 1}
+    result = _redis_on_localhost(tmp_path, variables, {})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert f'redis_sentinel_primary must be "IP PORT" of the primary, got "{primary}"' in out, out
+    assert _tasks(out)[-1] == "redis : Check the Sentinel's primary is given", out
