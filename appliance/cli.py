@@ -237,7 +237,7 @@ def _health(args: argparse.Namespace) -> int:
     from appliance.tools.processes import wait_serving
 
     try:
-        credentials = client_credentials(args)
+        credentials = client_credentials(args, with_key=False)
     except OSError as exc:
         print(f"appliance health: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 2
@@ -315,7 +315,7 @@ def _semantic_eval(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from appliance.client import add_credential_options
+    from appliance.client import add_credential_options, add_tls_options
     from appliance.loadgen.command import add_arguments as add_bench_arguments
 
     p = Parser(prog="appliance", description=__doc__)
@@ -545,7 +545,7 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds to wait for SERVING (default 0: ask once)",
     )
-    add_credential_options(h, "an API key (a health check needs none)")
+    add_tls_options(h)
     h.set_defaults(func=_health)
 
     b = sub.add_parser(

@@ -96,6 +96,12 @@ def add_credential_options(p: argparse.ArgumentParser, key: str) -> None:
     """The options of a client command's credentials (see `client_credentials`); `key` says what
     the API key is for."""
     p.add_argument("--api-key-file", help=f"file holding {key} ($APPLIANCE_API_KEY)")
+    add_tls_options(p)
+
+
+def add_tls_options(p: argparse.ArgumentParser) -> None:
+    """The TLS options of `add_credential_options`, for a command that presents no API key
+    (`client_credentials` with `with_key` False)."""
     p.add_argument("--ca-file", help="CA bundle of the gateway's certificate: connect with TLS")
     p.add_argument("--cert-file", help="client certificate (mutual TLS)")
     p.add_argument("--key-file", help="client certificate's private key (mutual TLS)")
@@ -113,14 +119,14 @@ class ClientCredentials:
     metadata: Metadata = field(default=(), repr=False)  # presents the key with every call
 
 
-def client_credentials(args: argparse.Namespace) -> ClientCredentials:
-    """The credentials of `add_credential_options`' options. The key comes from --api-key-file,
-    else $APPLIANCE_API_KEY, never the command line (which `ps` shows). The files are checked
-    first (gRPC would take any bytes and fail each connection with its own log lines): OSError
-    for a file that cannot be read; ValueError naming the option for one that holds no key, CA
-    bundle or certificate and key, and for TLS options without --ca-file. No message holds the
-    key."""
-    key = _api_key(args.api_key_file)
+def client_credentials(args: argparse.Namespace, with_key: bool = True) -> ClientCredentials:
+    """The credentials of `add_credential_options`' options (`add_tls_options`' without
+    `with_key`: no key is read). The key comes from --api-key-file, else $APPLIANCE_API_KEY,
+    never the command line (which `ps` shows). The files are checked first (gRPC would take any
+    bytes and fail each connection with its own log lines): OSError for a file that cannot be
+    read; ValueError naming the option for one that holds no key, CA bundle or certificate and
+    key, and for TLS options without --ca-file. No message holds the key."""
+    key = _api_key(args.api_key_file) if with_key else ""
     parsed = parse_token(key)
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
     key_id = parsed[0] if parsed else None

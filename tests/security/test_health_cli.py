@@ -46,3 +46,19 @@ def test_a_tls_option_without_the_ca_file_is_one_line(capsys: pytest.CaptureFixt
     assert err == (
         "appliance health: --server-name: a TLS option; give --ca-file too (connect with TLS)\n"
     )
+
+
+def test_health_reads_no_api_key(
+    tls_health: tuple[str, CA],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A health check needs no key: a stale value in $APPLIANCE_API_KEY changes nothing, and
+    there is no --api-key-file to give."""
+    address, ca = tls_health
+    monkeypatch.setenv("APPLIANCE_API_KEY", "not a key")
+    code = main(["health", "--gateway", address, "--ca-file", str(ca.path), "--service", ""])
+    out, err = capsys.readouterr()
+    assert (code, out) == (0, "SERVING\n"), err
+    with pytest.raises(SystemExit):
+        main(["health", "--api-key-file", "/dev/null"])
