@@ -364,7 +364,8 @@ def test_runner_close_cancels_the_running_job_and_joins(micro_model: LlamaModel)
     release.set()
     closing.join(15)
     assert closed == [True] and not runner._thread.is_alive()
-    assert [(e.tokens, e.final) for e in finals] == [(None, True)]  # ended as a cancelled job
+    # Ended as a cancelled streaming job: the executor's final result, with no new tokens.
+    assert [(e.tokens, e.final) for e in finals] == [([], True)]
     assert runner.stats.cancelled == 1
     late = Job("late", TOKENS, 1, None, GREEDY_PARAMS, False, lambda e: None)
     runner.submit(late)
