@@ -138,37 +138,43 @@ def warm_one(
     probe = pb.GenerateRequest()
     probe.CopyFrom(request)
     probe.cache_policy = pb.CACHE_POLICY_ONLY
-    while True:
-        try:
-            stub.Complete(probe, timeout=timeout_s, metadata=metadata)
-            tally.cached += 1
-            return ""
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise GatewayUnusable(exc.details()) from None
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                break
-            if (
-                exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
-                or (wait_s := _pushback_s(exc)) is None
-            ):
-                return _failure(exc)
-            # The key over its rate limit: asked again after the gateway's pushback.
-            tally.refused += 1
-            sleep(wait_s)
+    failed = _complete_paced(stub, probe, timeout_s, metadata, tally, sleep)
+    if failed is None:
+        tally.cached += 1
+        return ""
+    if failed.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        raise GatewayUnusable(failed.details()) from None
+    if failed.code() != grpc.StatusCode.NOT_FOUND:
+        return _failure(failed)
     request.cache_policy = pb.CACHE_POLICY_DEFAULT
     request.ttft_budget_ms = ttft_budget_ms
+    failed = _complete_paced(stub, request, timeout_s, metadata, tally, sleep)
+    if failed is None:
+        tally.warmed += 1
+        return ""
+    return _failure(failed)
+
+
+def _complete_paced(
+    stub: pb_grpc.InferenceStub,
+    request: pb.GenerateRequest,
+    timeout_s: float,
+    metadata: Metadata,
+    tally: Tally,
+    sleep: Callable[[float], None],
+) -> grpc.RpcError | None:
+    """Asks `request` until it is answered (None) or refused for a reason other than the key's
+    rate limit (that error): a refusal with the gateway's pushback is asked again after it."""
     while True:
         try:
             stub.Complete(request, timeout=timeout_s, metadata=metadata)
-            tally.warmed += 1
-            return ""
+            return None
         except grpc.RpcError as exc:
             if (
                 exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
                 or (wait_s := _pushback_s(exc)) is None
             ):
-                return _failure(exc)
+                return exc
             tally.refused += 1
             sleep(wait_s)
 
