@@ -184,12 +184,8 @@ def _cache(args: argparse.Namespace) -> int:
 
     try:
         channel, metadata = _admin_channel(args)
-    except OSError as exc:
-        print(f"appliance cache: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"appliance cache: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as exc:
+        return _input_refused("cache", exc)
     with channel:
         admin = pb_grpc.CacheAdminStub(channel)
         try:
@@ -216,6 +212,13 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input_refused(command: str, exc: Exception) -> int:
+    """One line saying which of the command's files or options cannot be used; exit status 2."""
+    line = os_error_line(exc) if isinstance(exc, OSError) else str(exc)
+    print(f"appliance {command}: {line}", file=sys.stderr)
+    return 2
+
+
 def _cache_warm(args: argparse.Namespace) -> int:
     from appliance.client import client_credentials
     from appliance.tools.warm import WarmInputError, read_prompts, run_warm
@@ -223,12 +226,8 @@ def _cache_warm(args: argparse.Namespace) -> int:
     try:
         credentials = client_credentials(args)
         requests = read_prompts(Path(args.prompts), args.model, args.max_tokens)
-    except OSError as exc:
-        print(f"appliance cache warm: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    except (WarmInputError, ValueError) as exc:
-        print(f"appliance cache warm: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, WarmInputError, ValueError) as exc:
+        return _input_refused("cache warm", exc)
     return run_warm(args.gateway, requests, args.ttft_budget_ms, args.timeout, credentials)
 
 
@@ -238,12 +237,8 @@ def _health(args: argparse.Namespace) -> int:
 
     try:
         credentials = client_credentials(args, with_key=False)
-    except OSError as exc:
-        print(f"appliance health: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"appliance health: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as exc:
+        return _input_refused("health", exc)
     try:
         wait_serving(
             args.gateway, timeout_s=args.wait, service=args.service, credentials=credentials
