@@ -563,4 +563,14 @@ async def test_bodies_over_http_are_answered_or_refused_never_a_500(
     ):
         answer = await r.read()
     event(str(r.status))
+    if r.status == 504:
+        # A deadline the client set (1-70 ms here) may pass on a busy machine: the right answer.
+        assert _client_deadline(data) is not None, answer[:300]
+        assert json.loads(answer)["error"]["type"] == "timeout_error", answer[:300]
+        return
     assert r.status == 200 or 400 <= r.status < 500, answer[:300]
+
+
+def _client_deadline(data: dict[str, Any]) -> object:
+    extension = data.get("appliance")
+    return extension.get("deadline_ms") if isinstance(extension, dict) else None
