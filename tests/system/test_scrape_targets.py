@@ -19,6 +19,7 @@ from appliance.gateway.metrics import GatewayMetrics
 from tests.conftest import Engine
 from tests.observability.conftest import UUID, nvml  # noqa: F401 (the fixture)
 from tests.observability.prometheus_server import Prometheus
+from tests.observability.test_alerts import _alert_expr
 from tests.support import until
 from tests.system.test_gateway_template import _render
 
@@ -119,6 +120,18 @@ def test_prometheus_fills_the_dashboards_gpu_panels_from_the_roles_targets(
             (series,) = until(answered, f"no series for {expr}", 60, 0.2)
             assert series["metric"] == {"host": "localhost", "gpu_uuid": UUID}, expr
         prom.wait_value('up{job="appliance-gateway",host="localhost"}', 1, 60)
+        # The gateway stops answering scrapes: the target-down alert's expression names it alone.
+        gateway.close()
+        down = _alert_expr("ApplianceTargetDown")
+
+        def gateway_down() -> list[dict[str, Any]]:
+            return prom.query(down)
+
+        (series,) = until(gateway_down, "the stopped gateway is not reported down", 60, 0.2)
+        assert (series["metric"]["job"], series["metric"]["host"]) == (
+            "appliance-gateway",
+            "localhost",
+        )
     finally:
         prom.stop()
         inference.shutdown()
