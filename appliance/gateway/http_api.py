@@ -979,7 +979,7 @@ class HttpApi:
         )
 
     def _refused(self, http: wire.HttpRequest, exc: RequestError) -> web.Response:
-        err = wire.error_of(exc, http.chat, http.guide_field)
+        err = wire.error_of(exc, http.chat, http.guide_field, http.max_tokens_field)
         return error_response(err, exc.retry_after_ms)
 
     async def _stream(

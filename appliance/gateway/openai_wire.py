@@ -20,6 +20,7 @@ in an `"appliance"` object too.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import grpc
 from appliance.backends.base import Guide
 from appliance.cache.policy import CachePolicy
 from appliance.gateway import tool_calls
-from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
+from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, MODEL_NOT_FOUND, RequestError
 from appliance.gateway.generation import TokenLogprob
 from appliance.gateway.reply import Final
 from appliance.gateway.request import (
@@ -156,6 +157,8 @@ class HttpRequest:
     deadline_s: float | None
     # The body's field the request's guide came from (`param` of a refused guide); None: none.
     guide_field: str | None = None
+    # The body's field the answer's length came from: a chat may send `max_completion_tokens`.
+    max_tokens_field: str = "max_tokens"
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -233,6 +236,7 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     else:
         req.prompt = _prompt(data)
     max_tokens = _int(data, "max_tokens", -INT32_MAX, INT32_MAX)
+    max_tokens_field = "max_tokens"
     if chat:
         other = _int(data, "max_completion_tokens", -INT32_MAX, INT32_MAX)
         if max_tokens is not None and other is not None and max_tokens != other:
@@ -240,7 +244,8 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
                 "max_tokens and max_completion_tokens differ; send one of them",
                 "max_completion_tokens",
             )
-        max_tokens = other if other is not None else max_tokens
+        if other is not None:
+            max_tokens, max_tokens_field = other, "max_completion_tokens"
     req.max_tokens = max_tokens
     req.temperature = _number(data, "temperature")
     req.top_p = _number(data, "top_p")
@@ -265,7 +270,7 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
     deadline_s = _extension(req, data)
     if not guided and req.guide is not None:
         guide_field = "appliance.guide"
-    return HttpRequest(req, chat, stream, include_usage, deadline_s, guide_field)
+    return HttpRequest(req, chat, stream, include_usage, deadline_s, guide_field, max_tokens_field)
 
 
 def _no_op(value: object, allowed: tuple[object, ...]) -> bool:
@@ -624,21 +629,40 @@ EXTENSION_PARAMS = {
 }
 
 
-def error_of(exc: RequestError, chat: bool = True, guide_field: str | None = None) -> HttpError:
+# The checks' word for the answer's length, in the refusals of it and of what it bounds.
+_MAX_TOKENS_WORD = re.compile(r"\bmax_tokens\b")
+
+
+def error_of(
+    exc: RequestError,
+    chat: bool = True,
+    guide_field: str | None = None,
+    max_tokens_field: str = "max_tokens",
+) -> HttpError:
     """A pipeline refusal as its HTTP status, OpenAI error type, `param` and `code`; `param` is
     the body's field: the alternatives per token are chat's `top_logprobs` and completions'
-    `logprobs`, a guide is the field it came from (`guide_field`)."""
+    `logprobs`, a guide is the field it came from (`guide_field`), the answer's length the field
+    it came from (`max_tokens_field`), which the refusals of the length, of `min_tokens` and of
+    the context's size also name in their message."""
     status, kind = STATUS.get(exc.code, (502, "server_error"))
     if exc.reason == MODEL_NOT_FOUND:
         kind = MODEL_NOT_FOUND_KIND
     param = exc.field
+    message = exc.message
+    if max_tokens_field != "max_tokens" and (
+        param in ("max_tokens", "min_tokens") or exc.reason == CONTEXT_LENGTH_EXCEEDED
+    ):
+        # These messages hold numbers and field names only, never the client's text.
+        message = _MAX_TOKENS_WORD.sub(max_tokens_field, message)
+        if param == "max_tokens":
+            param = max_tokens_field
     if not chat and param == "top_logprobs":
         param = "logprobs"
     elif param == "guide" and guide_field is not None:
         param = guide_field
     elif param is not None:
         param = EXTENSION_PARAMS.get(param, param)
-    return HttpError(status, kind, exc.message, param, exc.reason)
+    return HttpError(status, kind, message, param, exc.reason)
 
 
 def unknown_model(known: list[str]) -> HttpError:

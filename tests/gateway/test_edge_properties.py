@@ -358,7 +358,7 @@ def http_edge(data: Any, chat: bool, text: ModelText) -> None:
     try:
         checks(http.request, text)
     except RequestError as exc:
-        raise error_of(exc, chat, http.guide_field) from None
+        raise error_of(exc, chat, http.guide_field, http.max_tokens_field) from None
 
 
 @PROPERTY

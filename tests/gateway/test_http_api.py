@@ -300,6 +300,46 @@ async def test_invalid_fields_get_the_grpc_message(
     }
 
 
+# A chat's length sent as `max_completion_tokens` (the SDK's current field, aiperf's default):
+# each refusal of the length, and of what it bounds, names that field and never `max_tokens`.
+MAX_COMPLETION_REFUSALS: list[tuple[dict[str, Any], str, str]] = [
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
+    (
+        {"max_completion_tokens": 100000},
+        "max_completion_tokens",
+        "max_completion_tokens 100000 exceeds this model's limit",
+    ),
+    (
+        {"max_completion_tokens": 4, "min_tokens": 8},
+        "min_tokens",
+        "min_tokens must be between 0 and max_completion_tokens (4)",
+    ),
+    (
+        {"max_completion_tokens": 2000, "messages": [{"role": "user", "content": "word " * 300}]},
+        "messages",
+        "lower max_completion_tokens or shorten the prompt",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), MAX_COMPLETION_REFUSALS)
+async def test_refusals_name_max_completion_tokens_when_sent(
+    gateway: RunningGateway, body: dict[str, Any], param: str, message: str
+) -> None:
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body}
+    status, _, answer = await _post(gateway, "/v1/chat/completions", json.dumps(chat).encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+    assert message in answer["error"]["message"]
+    assert "max_tokens" not in answer["error"]["message"]
+    # The same refusal of a request that sent max_tokens names max_tokens, as the gRPC API does.
+    chat["max_tokens"] = chat.pop("max_completion_tokens")
+    status, _, answer = await _post(gateway, "/v1/chat/completions", json.dumps(chat).encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param.replace("max_completion_tokens", "max_tokens")
+    assert message.replace("max_completion_tokens", "max_tokens") in answer["error"]["message"]
+
+
 async def test_unknown_model_and_chat_role(client: AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         await client.chat.completions.create(
