@@ -17,8 +17,15 @@ from appliance.cache.tiers import CacheTier, tier_class
 from appliance.grpc_limits import INT32_MAX
 from appliance.listen import is_address, socket_path_problem
 from appliance.security.api_keys import RateLimits
-from appliance.security.secretfile import MAC_PURPOSE, PEPPER_PURPOSE, SecretFileError, read_secret
+from appliance.security.secretfile import (
+    MAC_PURPOSE,
+    MAX_SECRET_BYTES,
+    PEPPER_PURPOSE,
+    SecretFileError,
+    read_secret,
+)
 from appliance.security.tls import ServerTls, TlsError, TlsSettings
+from appliance.textfile import TextFileError, read_text
 from appliance.tomlcheck import Table
 
 
@@ -590,9 +597,9 @@ def _redis(r: _Reader, path: Path) -> RedisSettings:
     password_file = r.file_path("password_file", path.parent)
     if password_file is not None:
         try:
-            password = password_file.read_text().strip()
-        except OSError as exc:
-            r.fail("password_file", f"cannot read {password_file}: {exc.strerror}")
+            password = read_text(password_file, MAX_SECRET_BYTES).strip()
+        except TextFileError as exc:
+            r.fail("password_file", f"cannot read {password_file}: {exc}")
     ca = r.file_path("tls_ca_file", path.parent)
     if ca is not None and not ca.is_file():
         r.fail("tls_ca_file", f"{ca} not found")

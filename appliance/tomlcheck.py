@@ -18,7 +18,12 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Self
 
+from appliance.textfile import TextFileError, read_bytes
+
 CREDENTIALS_PREFIX = "$CREDENTIALS_DIRECTORY/"
+# Larger is no configuration, spec or profile (the largest real ones are a few KiB): a wrong path
+# (a log, /dev/zero) is refused after reading this much.
+MAX_FILE_BYTES = 1 << 20
 
 
 class TomlError(ValueError):
@@ -62,9 +67,9 @@ def loads(text: str, source: Path, error: type[Exception] = TomlError) -> dict[s
 def read(path: Path, what: str, error: type[Exception] = TomlError) -> tuple[str, dict[str, Any]]:
     """The text and the decoded document of `path`; `what` names the file in the messages."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
+        text = read_bytes(path, MAX_FILE_BYTES).decode("utf-8")
+    except TextFileError as exc:
+        raise error(f"{path}: cannot read {what}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise error(f"{path}: {what} is not UTF-8 text: {exc.reason}") from exc
     return text, loads(text, path, error)

@@ -15,6 +15,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from appliance.text.tokenizer import ModelText, TokenizerLoadError
+from appliance.textfile import TextFileError, read_bytes
 from engine_build import commands, pbtxt, runtime
 from engine_build.checkpoint import read_json
 from engine_build.errors import BuildError
@@ -27,6 +28,10 @@ from engine_build.speculative import (
 )
 from engine_build.tokenizer_info import check_tokenizer_info
 
+# Larger is no config.pbtxt (a built one is a few KiB) and no fingerprint (a digest): a wrong
+# path is refused after reading this much.
+MAX_PBTXT_BYTES = 1 << 20
+MAX_FINGERPRINT_BYTES = 64 << 10
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
 _BOOL = ("true", "false")
 _INT = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
@@ -348,9 +353,9 @@ def _check_draft_model(repo: Path, name: str, target: dict[str, str]) -> list[st
         return [f"parameter speculative_draft_model is {name!r}, expected {DRAFT_MODEL_NAME!r}"]
     path = repo / name / "config.pbtxt"
     try:
-        cfg = pbtxt.parse(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        return [f"draft model: cannot read {path}: {err.strerror or err}"]
+        cfg = pbtxt.parse(read_bytes(path, MAX_PBTXT_BYTES).decode("utf-8"))
+    except TextFileError as err:
+        return [f"draft model: cannot read {path}: {err}"]
     except UnicodeDecodeError as err:
         return [f"draft model: {path} is not UTF-8 text: {err.reason}"]
     except text_format.ParseError as err:
@@ -409,9 +414,9 @@ def verify_repository(
     model_dir = repo / pbtxt.MODEL_NAME
     config_path = model_dir / "config.pbtxt"
     try:
-        text = config_path.read_text(encoding="utf-8")
-    except OSError as err:
-        return [f"cannot read {config_path}: {err.strerror or err}"]
+        text = read_bytes(config_path, MAX_PBTXT_BYTES).decode("utf-8")
+    except TextFileError as err:
+        return [f"cannot read {config_path}: {err}"]
     except UnicodeDecodeError as err:
         return [f"{config_path} is not UTF-8 text: {err.reason}"]
     problems: list[str] = []
@@ -436,13 +441,13 @@ def verify_repository(
         problems += _tokenizer_problems(model_dir / "tokenizer")
     fp_path = model_dir / "engine_fingerprint"
     try:
-        fp = fp_path.read_text(encoding="utf-8").strip()
+        fp = read_bytes(fp_path, MAX_FINGERPRINT_BYTES).decode("utf-8").strip()
         if not _HEX.match(fp):
             problems.append(f"{fp_path} is not one line of lowercase hex")
     except UnicodeDecodeError:
         problems.append(f"{fp_path} is not one line of lowercase hex")
-    except OSError:
-        problems.append(f"{fp_path} missing")
+    except TextFileError as err:
+        problems.append(f"{fp_path}: {err}")
 
     if guided_decoding_on(params) and Path(params["xgrammar_tokenizer_info_path"]).is_absolute():
         info = Path(params["xgrammar_tokenizer_info_path"])

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from google.protobuf import text_format
 
+from appliance.textfile import TextFileError, read_text
+
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
 
@@ -17,6 +19,9 @@ HF_MODEL_DIR = "hf_model_dir"
 # Optional: an AWQ checkpoint of the hf_model_dir model whose weights the engine serves.
 AWQ_CHECKPOINT = "awq_checkpoint"
 FINGERPRINT_FILE = "engine_fingerprint"
+# Larger is no config.pbtxt (engine_build writes a few KiB) and no fingerprint (a digest).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_FINGERPRINT_BYTES = 64 << 10
 # TensorRT-LLM 1.2's build default (PluginConfig.tokens_per_block); a repository that was built with
 # another value records it in the `tokens_per_block` parameter.
 DEFAULT_TOKENS_PER_BLOCK = 32
@@ -168,8 +173,8 @@ class ModelEntry:
     def fingerprint(self) -> str:
         """The repository's engine fingerprint (changes whenever generated tokens could); "" if none."""
         try:
-            return (self.directory / FINGERPRINT_FILE).read_text(encoding="utf-8").strip()
-        except OSError:
+            return read_text(self.directory / FINGERPRINT_FILE, MAX_FINGERPRINT_BYTES).strip()
+        except TextFileError:
             return ""
 
 
@@ -180,9 +185,9 @@ def _load_entry(directory: Path) -> ModelEntry:
 
     path = directory / "config.pbtxt"
     try:
-        config = text_format.Parse(path.read_text(), mc.ModelConfig())
-    except OSError as exc:
-        raise RepositoryError(f"{path}: cannot read: {exc.strerror}") from exc
+        config = text_format.Parse(read_text(path, MAX_CONFIG_BYTES), mc.ModelConfig())
+    except TextFileError as exc:
+        raise RepositoryError(f"{path}: cannot read: {exc}") from None
     except text_format.ParseError as exc:
         raise RepositoryError(f"{path}: not a valid ModelConfig: {exc}") from exc
     name = config.name or directory.name

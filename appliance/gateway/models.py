@@ -17,6 +17,10 @@ from appliance.gateway.breaker import CircuitBreaker
 from appliance.gateway.health import ModelHealth
 from appliance.gateway.request import Limits
 from appliance.text.tokenizer import ModelText, TokenizerLoadError
+from appliance.textfile import TextFileError, read_text
+
+# An engine fingerprint is a digest: a larger file is a wrong path, refused after this much.
+MAX_FINGERPRINT_BYTES = 64 << 10
 
 
 class StartupError(Exception):
@@ -81,11 +85,11 @@ def model_identity(cfg: ModelConfig, text: ModelText, need_fingerprint: bool) ->
     engine = ""
     if need_fingerprint:
         try:
-            engine = cfg.fingerprint_path.read_text().strip()
-        except OSError as exc:
+            engine = read_text(cfg.fingerprint_path, MAX_FINGERPRINT_BYTES).strip()
+        except TextFileError as exc:
             raise StartupError(
                 f"model '{cfg.name}': engine fingerprint {cfg.fingerprint_path} unreadable "
-                f"({exc.strerror}); cache keys need it so a rebuilt engine never serves old "
+                f"({exc}); cache keys need it so a rebuilt engine never serves old "
                 "answers (set fingerprint_file, or [cache] enabled = false)"
             ) from exc
         if not engine:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.textfile import TextFileError, read_bytes
 from appliance.wholefile import write_whole
 
 ANY_NAMESPACE = "*"
@@ -47,6 +48,8 @@ ID_HEX = 12
 MAX_TOKEN_CHARS = 128
 _PERSON = b"appliance-apikey"
 FILE_VERSION = 1
+# An entry is a few hundred bytes: this holds over a hundred thousand keys. Larger is no keys file.
+MAX_KEYS_FILE_BYTES = 64 << 20
 # The largest rate, burst or stream count a key may hold: past any gateway's throughput.
 LIMIT_MAX = 1e9
 
@@ -248,9 +251,9 @@ def is_hex(text: str) -> bool:
 def read_entries(path: Path) -> list[dict[str, Any]]:
     """The checked entries of a keys file; KeysFileError names what is wrong."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise KeysFileError(f"cannot read keys file {path}: {exc.strerror or exc}") from None
+        data = json.loads(read_bytes(path, MAX_KEYS_FILE_BYTES).decode("utf-8"))
+    except TextFileError as exc:
+        raise KeysFileError(f"cannot read keys file {path}: {exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KeysFileError(f"{path}: not a JSON keys file: {exc}") from None
     except RecursionError:

@@ -36,9 +36,12 @@ from typing import Any
 import grpc
 
 from appliance.logline import Throttled
+from appliance.textfile import TextFileError, read_bytes
 
 log = logging.getLogger(__name__)
 _throttled = Throttled(log)
+# A CA bundle, a certificate chain or a private key; the largest public CA bundles are ~250 KiB.
+MAX_PEM_BYTES = 4 << 20
 
 
 class TlsError(ValueError):
@@ -96,14 +99,23 @@ def _stamp(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int], ...]:
     return tuple(stamps)
 
 
+def _pem(path: Path, named: dict[str, str]) -> bytes:
+    """The file's bytes, read at most MAX_PEM_BYTES + 1 of them (a wrong path costs a bounded
+    read, and OpenSSL is handed no file larger)."""
+    try:
+        return read_bytes(path, MAX_PEM_BYTES)
+    except TextFileError as exc:
+        raise TlsError(f"cannot read {path}: {exc}", named.get(str(path), "cert_file")) from None
+
+
 def _load(settings: TlsSettings) -> tuple[_Material, ssl.SSLContext]:
     """Reads and checks the files: their bytes (what gRPC is handed) and the HTTP listener's
     context of them. TlsError says which one is wrong."""
     named = {str(path): name for name, path in vars(settings).items() if path is not None}
     try:
         stamp = _stamp(settings.files)
-        cert, key = settings.cert_file.read_bytes(), settings.key_file.read_bytes()
-        ca = settings.client_ca_file.read_bytes() if settings.client_ca_file else None
+        cert, key = _pem(settings.cert_file, named), _pem(settings.key_file, named)
+        ca = _pem(settings.client_ca_file, named) if settings.client_ca_file else None
         # The check reads the files again: what it proves holds for the bytes above only
         # when no file was replaced in between (a renewal renames one file, then the other).
         context = _http_context(settings)
