@@ -37,7 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(Path(args.config))
     except ConfigError as exc:
-        print(f"appliance serve: {exc}", file=sys.stderr)
+        print(logline.escape(f"appliance serve: {exc}"), file=sys.stderr)
         return 2
     # The command line's --log-level wins over the file's.
     logline.configure(args.log_level or config.server.log_level, config.server.log_format)
@@ -61,12 +61,18 @@ def _engine(args: argparse.Namespace) -> int:
     try:
         prefill_buckets = parse_buckets(args.prefill_buckets)
     except ValueError as exc:
-        print(f"appliance engine: --prefill-buckets {args.prefill_buckets}: {exc}", file=sys.stderr)
+        print(
+            logline.escape(f"appliance engine: --prefill-buckets {args.prefill_buckets}: {exc}"),
+            file=sys.stderr,
+        )
         return 2
     try:
         verify_graphs = parse_verify_graphs(args.verify_graphs)
     except ValueError as exc:
-        print(f"appliance engine: --verify-graphs {args.verify_graphs}: {exc}", file=sys.stderr)
+        print(
+            logline.escape(f"appliance engine: --verify-graphs {args.verify_graphs}: {exc}"),
+            file=sys.stderr,
+        )
         return 2
     options = EngineOptions(
         device=args.device,
@@ -88,11 +94,11 @@ def _engine(args: argparse.Namespace) -> int:
     problem = options.problem()
     if problem:
         option, why = problem
-        print(f"appliance engine: {option}: {why}", file=sys.stderr)
+        print(logline.escape(f"appliance engine: {option}: {why}"), file=sys.stderr)
         return 2
     stream_socket = None if args.stream_socket is None else Path(args.stream_socket).absolute()
     if stream_socket is not None and (unusable := socket_path_problem(stream_socket)):
-        print(f"appliance engine: --stream-socket: {unusable}", file=sys.stderr)
+        print(logline.escape(f"appliance engine: --stream-socket: {unusable}"), file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     return uvloop.run(
@@ -114,7 +120,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
         model_dir, repo_dir = ensure_tiny_model(Path(args.dest))
     except OSError as exc:
         print(
-            f"appliance make-tiny-model: --dest {args.dest}: {exc.strerror or exc}",
+            logline.escape(f"appliance make-tiny-model: --dest {args.dest}: {exc.strerror or exc}"),
             file=sys.stderr,
         )
         return 2
@@ -133,7 +139,7 @@ def _make_model(args: argparse.Namespace) -> int:
         gguf = Path(args.gguf) if args.gguf else None
         model_dir, repo_dir = ensure_instruct_model(Path(args.dest), gguf, say)
     except (ModelError, BuildError) as exc:
-        print(f"appliance make-model: {exc}", file=sys.stderr)
+        print(logline.escape(f"appliance make-model: {exc}"), file=sys.stderr)
         return 1
     print(f"model: {model_dir}\nrepository: {repo_dir}")
     return 0
@@ -158,7 +164,7 @@ def _awq_quantize(args: argparse.Namespace) -> int:
             lambda line: print(line, flush=True),
         )
     except AwqError as exc:
-        print(f"appliance awq-quantize: {exc}", file=sys.stderr)
+        print(logline.escape(f"appliance awq-quantize: {exc}"), file=sys.stderr)
         return 2
     print(
         f"wrote {args.out}: {summary.calibration_tokens} calibration tokens, "
@@ -202,7 +208,10 @@ def _cache(args: argparse.Namespace) -> int:
                 metadata=metadata,
             )
         except grpc.RpcError as exc:
-            print(f"appliance cache: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(
+                logline.escape(f"appliance cache: {exc.code().name}: {exc.details()}"),
+                file=sys.stderr,
+            )
             return 1
     print(
         f"removed {removed.l1_removed} from L1, {removed.l2_removed} from Redis, "
@@ -215,7 +224,7 @@ def _cache(args: argparse.Namespace) -> int:
 def _input_refused(command: str, exc: Exception) -> int:
     """One line saying which of the command's files or options cannot be used; exit status 2."""
     line = os_error_line(exc) if isinstance(exc, OSError) else str(exc)
-    print(f"appliance {command}: {line}", file=sys.stderr)
+    print(logline.escape(f"appliance {command}: {line}"), file=sys.stderr)
     return 2
 
 
@@ -244,7 +253,7 @@ def _health(args: argparse.Namespace) -> int:
             args.gateway, timeout_s=args.wait, service=args.service, credentials=credentials
         )
     except RuntimeError as exc:
-        print(f"appliance health: {exc}", file=sys.stderr)
+        print(logline.escape(f"appliance health: {exc}"), file=sys.stderr)
         return 1
     print("SERVING")
     return 0
@@ -276,7 +285,7 @@ def _semantic_setup(args: argparse.Namespace) -> int:
     try:
         dest = export_embedder(Path(args.dest))
     except ExportError as exc:
-        print(f"appliance semantic-setup: {exc}", file=sys.stderr)
+        print(logline.escape(f"appliance semantic-setup: {exc}"), file=sys.stderr)
         return 1
     print(f"embedder: {dest}")
     return 0
@@ -300,7 +309,7 @@ def _semantic_eval(args: argparse.Namespace) -> int:
         pairs = read_pairs(Path(args.pairs))
         embedder = Embedder(Path(args.embedder), threads=args.threads)
     except (PairsError, EmbedderUnavailable) as exc:
-        print(f"appliance semantic-eval: {exc}", file=sys.stderr)
+        print(logline.escape(f"appliance semantic-eval: {exc}"), file=sys.stderr)
         return 2
     rule, _ = load_rule(Path(args.embedder))
     va, vb, fits = embed_pairs(embedder, pairs)
@@ -586,11 +595,11 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
     except KeyboardInterrupt:
         # Ctrl-C where the command has no stop of its own (serve before it serves, health, ...).
-        print(f"appliance {args.command}: interrupted", file=sys.stderr)
+        print(logline.escape(f"appliance {args.command}: interrupted"), file=sys.stderr)
         return INTERRUPTED_EXIT
     except OSError as exc:
         # A file or folder the command did not check first (make-model --dest, demo --workdir).
-        print(f"appliance {args.command}: {os_error_line(exc)}", file=sys.stderr)
+        print(logline.escape(f"appliance {args.command}: {os_error_line(exc)}"), file=sys.stderr)
         return 1
     return code
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from appliance.listen import is_address
+from appliance.logline import escape
 
 # A command stopped by Ctrl-C (SIGINT) exits 128 + 2, as a shell reports a process it killed.
 INTERRUPTED_EXIT = 130
@@ -25,7 +26,7 @@ class Parser(argparse.ArgumentParser):
         self.register("action", "parsers", _Subcommands)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, escape(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
 class _Subcommands(argparse._SubParsersAction):  # type: ignore[type-arg]

@@ -235,7 +235,7 @@ def flush() -> None:
 def last_line(text: str) -> None:
     """A process's last words on stderr (why it stops), after every line it logged before."""
     flush()
-    print(text, file=sys.stderr, flush=True)
+    print(escape(text), file=sys.stderr, flush=True)
 
 
 def configure(level: str, log_format: str = "text") -> None:

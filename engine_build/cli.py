@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from appliance.cliargs import INTERRUPTED_EXIT, Parser, os_error_line
+from appliance.logline import escape
 from appliance.wholefile import write_whole
 from engine_build import commands, formats, gpu, planner, runner, runtime
 from engine_build.checkpoint import read_shape, read_shape_for
@@ -162,7 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise SpecError(f"--triton-root {args.triton_root}: not a directory")
     problems = verify_repository(args.repository, args.triton_root)
     for p in problems:
-        print(f"engine-build: error: {args.repository}: {p}", file=sys.stderr)
+        print(escape(f"engine-build: error: {args.repository}: {p}"), file=sys.stderr)
     if problems:
         return EXIT_ERROR
     print(f"ok: {args.repository}")
@@ -239,17 +240,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
     except DoesNotFit as err:
-        print(f"engine-build: error: {err}", file=sys.stderr)
+        print(escape(f"engine-build: error: {err}"), file=sys.stderr)
         return EXIT_NOFIT
     except SpecError as err:
-        print(f"engine-build: error: {err}", file=sys.stderr)
+        print(escape(f"engine-build: error: {err}"), file=sys.stderr)
         return EXIT_INPUT
     except BuildError as err:
-        print(f"engine-build: error: {err}", file=sys.stderr)
+        print(escape(f"engine-build: error: {err}"), file=sys.stderr)
         return EXIT_ERROR
     except OSError as err:
         # Writing an output (--commands-out, --output, work_dir) the system refused.
-        print(f"engine-build: error: {os_error_line(err)}", file=sys.stderr)
+        print(escape(f"engine-build: error: {os_error_line(err)}"), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("engine-build: interrupted", file=sys.stderr)

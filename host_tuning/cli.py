@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 
 from appliance.cliargs import Parser, os_error_line
+from appliance.logline import escape
 from host_tuning import actions, holdlatency, profile, render, textfile
 from host_tuning.cores import PlanError, cpu_affinity_dropin
 from host_tuning.facts.collect import collect
@@ -222,7 +223,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         pending = [r for r in results if r.status == actions.REBOOT]
         if pending:
             # The JSON says so too, but `host-tune verify && ...` reads only the exit status.
-            print(f"host-tune: {render.pending_line(pending)}", file=sys.stderr)
+            print(escape(f"host-tune: {render.pending_line(pending)}"), file=sys.stderr)
         return code
     if args.cmd == "revert":
         if args.dry_run:
@@ -238,12 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(argv)
     except (CliError, profile.ProfileError, PlanError, StateError) as exc:
-        print(f"host-tune: {exc}", file=sys.stderr)
+        print(escape(f"host-tune: {exc}"), file=sys.stderr)
         return actions.EXIT_USAGE
     except (Interrupted, Busy) as exc:
-        print(f"host-tune: {exc}", file=sys.stderr)
+        print(escape(f"host-tune: {exc}"), file=sys.stderr)
         return actions.EXIT_FAILED
     except OSError as exc:
         # A read or write outside the per-setting results (state file, sysfs listing, ...).
-        print(f"host-tune: {os_error_line(exc)}", file=sys.stderr)
+        print(escape(f"host-tune: {os_error_line(exc)}"), file=sys.stderr)
         return actions.EXIT_FAILED

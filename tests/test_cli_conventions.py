@@ -230,3 +230,52 @@ def test_each_command_runs_as_python_dash_m(package: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ")
+
+
+# A path or value holding a line break (or another control character) is shown escaped, as
+# Python writes it in a string: the error stays one line, and what was given can be read back.
+NL = "bad\nname"
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "prog"),
+    [
+        (appliance_cli.main, ["serve", "--config", "{dir}/" + NL], "appliance serve"),
+        (appliance_cli.main, ["engine", "--repository", "{dir}/" + NL], "appliance engine"),
+        (
+            appliance_cli.main,
+            ["bench", "--address", "127.0.0.1:1", "--model", "m", "--prompts", "{dir}/" + NL],
+            "appliance bench",
+        ),
+        (
+            appliance_cli.main,
+            ["cache", "warm", "--prompts", "{dir}/" + NL, "--model", "m"],
+            "appliance cache warm",
+        ),
+        (appliance_cli.main, ["cache", "--ca-file", "{dir}/" + NL, "stats"], "appliance cache"),
+        (appliance_cli.main, ["keys", "--keys-file", "{dir}/" + NL, "list"], "appliance keys"),
+        (appliance_cli.main, ["keys", "secret", "{dir}/" + NL + "/s"], "appliance keys"),
+        (appliance_cli.main, ["make-tiny-model", "--dest", "{dir}/taken/" + NL], "appliance"),
+        (engine_build_cli.main, ["plan", "--spec", "{dir}/" + NL], "engine-build"),
+        (host_tune_cli.main, ["plan", "--profile", "{dir}/" + NL], "host-tune"),
+        (appliance_cli.main, ["health", "--gateway", NL], "appliance health"),
+        (
+            appliance_cli.main,
+            ["keys", "add", "--namespace", "n", "--burst", "a\x1b[2Jb"],
+            "appliance keys add",
+        ),
+    ],
+)
+def test_a_value_with_a_line_break_stays_on_the_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], main: Any, argv: list[str], prog: str
+) -> None:
+    (tmp_path / "taken").write_text("")
+    argv = [a.replace("{dir}", str(tmp_path)) for a in argv]
+    try:
+        rc = main(argv)
+    except SystemExit as stopped:
+        rc = stopped.code
+    assert rc not in (0, None)
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"{prog}"), line
+    assert "bad\\nname" in line or "a\\x1b[2Jb" in line, line

@@ -30,6 +30,7 @@ from appliance.loadgen.progress import Progress
 from appliance.loadgen.runner import BenchRunError, LoadRunner, open_channel
 from appliance.loadgen.stats import LevelSummary, Record, summarize
 from appliance.loadgen.workload import Prompt, load_prompts
+from appliance.logline import escape
 from appliance.v1 import inference_pb2_grpc as pb_grpc
 
 PROG = "appliance bench"
@@ -213,22 +214,22 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         prompts = load_prompts(s.prompts_file) if s.prompts_file else None
         _out_dir(s.out)
     except BenchInputError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(escape(f"{PROG}: {exc}"), file=sys.stderr)
         return 2
     outcome = SweepResult()
     started = time.monotonic()
     try:
         uvloop.run(_sweep(s, prompts, outcome))
     except BenchInputError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(escape(f"{PROG}: {exc}"), file=sys.stderr)
         return 2
     except BenchRunError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(escape(f"{PROG}: {exc}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         # Ctrl-C while connecting, or a second Ctrl-C: stop at once, nothing is written.
         why = "again: stopped at once" if outcome.interrupted else "while connecting"
-        print(f"{PROG}: interrupted {why}; nothing written", file=sys.stderr)
+        print(escape(f"{PROG}: interrupted {why}; nothing written"), file=sys.stderr)
         return INTERRUPTED_EXIT
     try:
         print(f"\n{report.sweep_table(outcome.summaries)}")
@@ -238,16 +239,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     except KeyboardInterrupt:
         # Ctrl-C (a second one, or the first after the last level) while the results go out.
         where = f"; the files in {s.out} may be incomplete" if s.out is not None else ""
-        print(f"{PROG}: interrupted while writing the results{where}", file=sys.stderr)
+        print(escape(f"{PROG}: interrupted while writing the results{where}"), file=sys.stderr)
         return INTERRUPTED_EXIT
     if unwritten is not None:
-        print(f"{PROG}: {unwritten}; the tables are printed above", file=sys.stderr)
+        print(escape(f"{PROG}: {unwritten}; the tables are printed above"), file=sys.stderr)
     if outcome.interrupted:
         return 128 + outcome.signal
     if unwritten is not None:
         return 1
     if outcome.lost is not None:
         kept = "printed above" + (f" and written to {s.out}" if s.out is not None else "")
-        print(f"{PROG}: {outcome.lost}; what was measured before is {kept}", file=sys.stderr)
+        print(
+            escape(f"{PROG}: {outcome.lost}; what was measured before is {kept}"), file=sys.stderr
+        )
         return 1
     return 0

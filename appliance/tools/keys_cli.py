@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.cliargs import positive, utf8_text
+from appliance.logline import escape
 from appliance.security.api_keys import (
     LIMIT_MAX,
     SCOPES,
@@ -79,8 +80,10 @@ def _add(args: argparse.Namespace) -> int:
         raise _Refused(str(exc)) from None
     print(token)
     print(
-        f"appliance keys: added key {entry['id']} to {path}; this is the only time the key is "
-        f"shown; {RELOAD_HINT}",
+        escape(
+            f"appliance keys: added key {entry['id']} to {path}; this is the only time the key "
+            f"is shown; {RELOAD_HINT}"
+        ),
         file=sys.stderr,
     )
     return 0
@@ -109,7 +112,7 @@ def _revoke(args: argparse.Namespace) -> int:
             write_keys(path, kept)
         except KeysFileError as exc:
             raise _Refused(str(exc)) from None
-    print(f"appliance keys: revoked key {args.key_id}; {RELOAD_HINT}", file=sys.stderr)
+    print(escape(f"appliance keys: revoked key {args.key_id}; {RELOAD_HINT}"), file=sys.stderr)
     return 0
 
 
@@ -120,7 +123,7 @@ def _secret(args: argparse.Namespace) -> int:
         raise _Refused(f"{args.file} exists; a secret is never overwritten") from None
     except OSError as exc:
         raise _Refused(f"cannot write {args.file}: {exc.strerror or exc}") from None
-    print(f"appliance keys: wrote a new secret to {args.file} (mode 0600)", file=sys.stderr)
+    print(escape(f"appliance keys: wrote a new secret to {args.file} (mode 0600)"), file=sys.stderr)
     return 0
 
 
@@ -128,10 +131,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         code: int = args.keys_func(args)
     except _Refused as exc:
-        print(f"appliance keys: {exc}", file=sys.stderr)
+        print(escape(f"appliance keys: {exc}"), file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"appliance keys: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        print(escape(f"appliance keys: {exc.filename}: {exc.strerror or exc}"), file=sys.stderr)
         return 1
     return code
 

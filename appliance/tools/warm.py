@@ -25,6 +25,7 @@ from google.protobuf import json_format
 
 from appliance.cliargs import INTERRUPTED_EXIT
 from appliance.client import ClientCredentials, Metadata
+from appliance.logline import escape
 from appliance.textfile import TextFileError, numbered_lines, read_text
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -221,12 +222,15 @@ def run_warm(
                 if why:
                     tally.failed += 1
                     status = 1
-                    print(f"appliance cache warm: prompt {number}: {why}", file=sys.stderr)
+                    print(escape(f"appliance cache warm: prompt {number}: {why}"), file=sys.stderr)
                 if time.monotonic() - said >= progress_s:
                     print(tally.line(), file=sys.stderr, flush=True)
                     said = time.monotonic()
         except GatewayUnusable as exc:
-            print(f"appliance cache warm: {gateway}: {exc}; run again to go on", file=sys.stderr)
+            print(
+                escape(f"appliance cache warm: {gateway}: {exc}; run again to go on"),
+                file=sys.stderr,
+            )
             status = 1
         except KeyboardInterrupt:
             print("appliance cache warm: interrupted; run again to go on", file=sys.stderr)
