@@ -61,9 +61,11 @@ async def generate(
     request: pb.GenerateRequest,
     timeout: float | None = 60.0,
     metadata: Metadata = (),
+    result: StreamResult | None = None,
 ) -> StreamResult:
-    """Streams one request to completion and measures it."""
-    result = StreamResult()
+    """Streams one request to completion and measures it, into `result` when given (what it
+    holds tells how far a failed stream got)."""
+    result = StreamResult() if result is None else result
     parts: list[str] = []
     sent = time.perf_counter()
     last = 0.0

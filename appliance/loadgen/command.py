@@ -2,8 +2,8 @@
 
 Exit status: 0 done (request errors are results, counted in the tables), 1 the deployment failed
 the first request for a reason of its own, or during the run became unreachable, answered only
-UNAVAILABLE or refused the API key (revoked, or its scopes changed), 2 a wrong option, input file,
-address or API key, 130 interrupted by SIGINT and 143 by SIGTERM (in the cases after the first
+UNAVAILABLE, stopped answering (--stop-after-timeouts) or refused the API key (revoked, or its
+scopes changed), 2 a wrong option, input file, address or API key, 130 interrupted by SIGINT and 143 by SIGTERM (in the cases after the first
 request what was measured is still printed and written).
 """
 
@@ -78,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1000,
         help="open loop: outstanding requests at most; an arrival over it is counted as NOT_SENT "
         "(default 1000)",
+    )
+    p.add_argument(
+        "--stop-after-timeouts",
+        default=3,
+        help="end the run once this many requests in a row got no answer at all within "
+        "--timeout (a gateway that stopped answering); 0: never (default 3)",
     )
     p.add_argument("--out", help="directory for bench.json, requests.csv and the PNG plots")
     add_credential_options(p, "the API key every request presents")

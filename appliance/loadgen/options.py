@@ -179,6 +179,8 @@ class Settings:
     timeout_s: float
     out: Path | None
     max_in_flight: int = 1000  # open loop: outstanding requests at most
+    # Requests in a row that got no message within timeout_s that end the run (0: never).
+    stop_after_timeouts: int = 3
 
 
 NUMBERS: dict[str, Callable[[str], float]] = {
@@ -190,6 +192,7 @@ NUMBERS: dict[str, Callable[[str], float]] = {
     "timeout": number,
     "connect_timeout": number,
     "max_in_flight": integer,
+    "stop_after_timeouts": integer,
 }
 
 
@@ -257,6 +260,10 @@ def settings(a: argparse.Namespace) -> Settings:
         raise BenchInputError(
             f"--max-in-flight {a.max_in_flight}: expected 1 to 100000 outstanding requests"
         )
+    if not 0 <= a.stop_after_timeouts <= 1_000_000:
+        raise BenchInputError(
+            f"--stop-after-timeouts {a.stop_after_timeouts}: expected 0 (never) to 1000000"
+        )
     if not 0 <= a.seed < 2**63:
         raise BenchInputError(f"--seed {a.seed}: expected 0 to 2**63-1")
     return Settings(
@@ -280,4 +287,5 @@ def settings(a: argparse.Namespace) -> Settings:
         timeout_s=a.timeout,
         out=Path(a.out) if a.out is not None else None,
         max_in_flight=a.max_in_flight,
+        stop_after_timeouts=a.stop_after_timeouts,
     )

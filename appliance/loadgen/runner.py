@@ -5,9 +5,10 @@ ended. Open loop (`rate R`): arrivals are a Poisson process of R per second, sen
 earlier answers have ended, so a slow server meets a growing queue, as with independent users;
 the client keeps at most `--max-in-flight` of them outstanding, and counts an arrival over that
 as NOT_SENT. A target whose connection is refused or lost, or that answers only UNAVAILABLE for
-UNAVAILABLE_FOR_S (and UNAVAILABLE_RUN answers at least), or that refuses the API key
-(UNAUTHENTICATED or PERMISSION_DENIED: revoked, or its scopes changed), ends the run
-(`LoadRunner.lost`): nothing more is sent, and the requests in flight end on their own.
+UNAVAILABLE_FOR_S (and UNAVAILABLE_RUN answers at least), that leaves `--stop-after-timeouts`
+requests in a row without a single message until their deadline (it stopped answering), or that
+refuses the API key (UNAUTHENTICATED or PERMISSION_DENIED: revoked, or its scopes changed), ends the
+run (`LoadRunner.lost`): nothing more is sent, and the requests in flight end on their own.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class LoadRunner:
         self.lost: str | None = None
         self.unavailable_run = 0  # answers in a row that were UNAVAILABLE
         self.unavailable_since = 0.0  # when the first of them ended (time.perf_counter())
+        self.unanswered_run = 0  # requests in a row that got no message before their deadline
         self.cancelling = False  # interrupted: the bench cancels the requests in flight
 
     def interrupt(self) -> None:
@@ -197,12 +199,15 @@ class LoadRunner:
         finally:
             call.cancel()
 
-    async def _generate(self, request: pb.GenerateRequest) -> StreamResult:
+    async def _generate(
+        self, request: pb.GenerateRequest, result: StreamResult | None = None
+    ) -> StreamResult:
         return await generate(
             self.stub,
             request,
             timeout=self.settings.timeout_s,
             metadata=self.settings.target.credentials.metadata,
+            result=result,
         )
 
     async def warmup(self) -> dict[str, int]:
@@ -306,7 +311,8 @@ class LoadRunner:
         record = Record(level, index, time.perf_counter() - self.t0, max_tokens=request.max_tokens)
         if level != "warmup":
             self.records.append(record)
-        call = asyncio.create_task(self._generate(request))
+        partial = StreamResult()  # how far a stream that fails got
+        call = asyncio.create_task(self._generate(request, partial))
         self.in_flight.add(call)
         try:
             result = await call
@@ -322,6 +328,7 @@ class LoadRunner:
                 return record
             self._check_reachable(exc)
             self._count_unavailable(exc)
+            self._count_unanswered(exc, partial)
             if exc.code() in KEY_STATUSES and not self.stopping.is_set():
                 self._lose(self._key_refused(exc))
             record.status = exc.code().name
@@ -334,7 +341,7 @@ class LoadRunner:
             if level != "warmup":
                 self.level_done += record.status != INTERRUPTED
                 self._show()
-        self.unavailable_run = 0
+        self.unavailable_run = self.unanswered_run = 0
         final = result.final
         record.status = OK
         if final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -407,6 +414,24 @@ class LoadRunner:
         self._lose(
             f"{self.settings.target.address}: the last {self.unavailable_run} answers, over "
             f"{lasted:.1f} s, were UNAVAILABLE ({exc.details()}): the deployment stopped serving"
+        )
+
+    def _count_unanswered(self, exc: grpc.aio.AioRpcError, partial: StreamResult) -> None:
+        """`--stop-after-timeouts` requests in a row that got not one message before their
+        deadline stop the run: the gateway accepts requests but no longer answers them, and every
+        further request would wait out its --timeout the same way. Any other outcome (an answer,
+        an error answer, a stream that timed out after it began) starts the count again."""
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or partial.messages:
+            self.unanswered_run = 0
+            return
+        self.unanswered_run += 1
+        limit = self.settings.stop_after_timeouts
+        if not limit or self.unanswered_run < limit or self.stopping.is_set():
+            return
+        self._lose(
+            f"{self.settings.target.address}: the last {self.unanswered_run} requests got no "
+            f"answer within --timeout {self.settings.timeout_s:g} s: the gateway stopped "
+            "answering (see --stop-after-timeouts)"
         )
 
     async def _tick(self) -> None:

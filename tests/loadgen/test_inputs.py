@@ -57,6 +57,8 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--prompts", "/nonexistent/p.txt"], "--prompts /nonexistent/p.txt: No such file"),
         (["--model", " "], "--model: give the model name the deployment serves"),
         (["--max-in-flight", "0"], "--max-in-flight 0: expected 1 to 100000 outstanding"),
+        (["--stop-after-timeouts", "-1"], "--stop-after-timeouts -1: expected 0 (never) to"),
+        (["--stop-after-timeouts", "2.5"], "--stop-after-timeouts: expected an integer, got 2.5"),
         (["--warmup", "1e3"], "--warmup: expected an integer, got 1e3"),
         (["--duration", "5s"], "--duration: expected a number, got 5s"),
         (["--connect-timeout", "soon"], "--connect-timeout: expected a number, got soon"),

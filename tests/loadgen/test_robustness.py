@@ -59,6 +59,7 @@ def test_open_loop_arrivals_over_max_in_flight_are_counted_not_sent(
             address,
             out,
             *("--rate", "10000", "--requests", "10", "--max-in-flight", "3", "--timeout", "1"),
+            *("--stop-after-timeouts", "0"),  # the 3 held requests time out in a row
         )
     assert rc == 0
     printed = capsys.readouterr().out
@@ -397,3 +398,72 @@ def test_the_answers_in_flight_when_the_gateway_goes_away_are_still_measured(
     assert "UNAVAILABLE" in level["errors"] and set(level["errors"]) <= {"UNAVAILABLE", "CANCELLED"}
     rows = json.loads((out / "bench.json").read_text())["requests"]
     assert [r["status"] for r in rows if r["request_id"] == "drained"] == ["OK"]
+
+
+def answering_then_held(
+    answers: int, every: int = 0, first_message: bool = False
+) -> Callable[
+    [FakeGateway, pb.GenerateRequest, grpc.ServicerContext], Iterator[pb.GenerateResponse]
+]:
+    """A fake gateway's answer: the first `answers` requests answered, the rest held until the
+    client's deadline (every `every`-th of them still answered, when set); `first_message`: a
+    held request gets its first message before it is held (an answer slower than --timeout)."""
+    count = 0
+    lock = threading.Lock()
+
+    def answer(
+        fake: FakeGateway, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        nonlocal count
+        with lock:
+            count += 1
+            answered = count <= answers or (every and count % every == 0)
+        if not answered:
+            if first_message:
+                yield pb.GenerateResponse(request_id="slow", text="x", token_ids=[1])
+            fake.hold(context)
+            return
+        yield final_answer()
+
+    return answer
+
+
+@pytest.mark.timeout(60)
+def test_a_gateway_that_stops_answering_ends_the_run_after_a_few_timeouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    with fake_gateway(answering_then_held(2)) as (address, _, _):
+        rc = bench(address, out, "--requests", "1000", "--timeout", "0.5")
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 1
+    assert err[-1] == (
+        f"appliance bench: {address}: the last 3 requests got no answer within --timeout 0.5 s: "
+        "the gateway stopped answering (see --stop-after-timeouts); what was measured before is "
+        f"printed above and written to {out}"
+    ), err[-1]
+    (level,) = levels(out)
+    assert (level["sent"], level["ok"], level["errors"]) == (5, 2, {"DEADLINE_EXCEEDED": 3})
+    run = json.loads((out / "bench.json").read_text())["run"]
+    assert run["unreachable"].startswith(f"{address}: the last 3 requests got no answer")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("answer", "option"),
+    [
+        (answering_then_held(0, every=2), ("--stop-after-timeouts", "2")),  # an answer between
+        (answering_then_held(0, first_message=True), ()),  # answering, slower than --timeout
+        (answering_then_held(0), ("--stop-after-timeouts", "0")),  # never stop
+    ],
+    ids=["answer-between", "slow-answers", "option-0"],
+)
+def test_timeouts_that_are_not_a_silent_gateway_do_not_end_the_run(
+    tmp_path: Path, answer: Any, option: tuple[str, ...]
+) -> None:
+    out = tmp_path / "run"
+    with fake_gateway(answer) as (address, _, _):
+        rc = bench(address, out, "--requests", "4", "--timeout", "0.3", *option)
+    assert rc == 0
+    (level,) = levels(out)
+    assert level["sent"] == 4 and level["errors"]["DEADLINE_EXCEEDED"] >= 2
