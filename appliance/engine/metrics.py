@@ -28,13 +28,15 @@ proposed, accepted tokens per verify step = accepted / verify steps.
 
 On a GPU (`--device cuda` or `cuda:N`) the page also has Triton's GPU families for the GPUs the
 models run on, labelled `gpu_uuid` as Triton labels them: `nv_gpu_utilization` (0.0 to 1.0),
-`nv_gpu_memory_total_bytes`, `nv_gpu_memory_used_bytes` and `nv_gpu_power_usage` (watts), read
-through NVML at scrape time (a reading the GPU does not support, say power on a vGPU, is left
-out). On the CPU, or where NVML does not start, there are none.
+`nv_gpu_memory_total_bytes`, `nv_gpu_memory_used_bytes`, `nv_gpu_power_usage` and
+`nv_gpu_power_limit` (watts), and the counter `nv_energy_consumption` (joules since the server
+started), read through NVML at scrape time (a reading the GPU does not support, say power on a
+vGPU, is left out). On the CPU, or where NVML does not start, there are none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -237,12 +239,21 @@ class GpuCollector(Collector):
         ("nv_gpu_memory_total_bytes", "GPU total memory, in bytes"),
         ("nv_gpu_memory_used_bytes", "GPU used memory, in bytes"),
         ("nv_gpu_power_usage", "GPU power usage in watts"),
+        ("nv_gpu_power_limit", "GPU power management limit in watts"),
+        # A counter; the rest are gauges.
+        (
+            "nv_energy_consumption",
+            "GPU energy consumption in joules since the Triton Server started",
+        ),
     )
 
     def __init__(self, uuids: Sequence[str]) -> None:
         self._nvml: Any = None
         self._handles: list[tuple[str, object]] = []
         self._unsupported: set[tuple[str, str]] = set()  # (GPU, family) said to have no reading
+        # Per GPU, NVML's energy counter (millijoules since the driver loaded) when this server
+        # started: nv_energy_consumption counts from there, as Triton's does.
+        self._energy_start: dict[str, int] = {}
         if not uuids:
             return
         try:
@@ -253,22 +264,31 @@ class GpuCollector(Collector):
             self._nvml = pynvml
         except Exception as exc:  # no driver, no library, a GPU NVML does not know
             log.warning("no GPU metrics for %s: %s", ", ".join(uuids), exc)
+            return
+        for uuid, handle in self._handles:
+            with contextlib.suppress(pynvml.NVMLError):  # none: counted from the first scrape
+                self._energy_start[uuid] = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return []
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         nvml = self._nvml
         if nvml is None:
             return
-        util, total, used, power = (
-            GaugeMetricFamily(name, doc, labels=("gpu_uuid",)) for name, doc in self.FAMILIES
+        util, total, used, power, limit = (
+            GaugeMetricFamily(name, doc, labels=("gpu_uuid",)) for name, doc in self.FAMILIES[:5]
         )
+        energy = _Counter(*self.FAMILIES[5], labels=("gpu_uuid",))
         try:
             for uuid, handle in self._handles:
                 memory = self._read(uuid, total.name, nvml.nvmlDeviceGetMemoryInfo, handle)
                 rates = self._read(uuid, util.name, nvml.nvmlDeviceGetUtilizationRates, handle)
                 watts = self._read(uuid, power.name, nvml.nvmlDeviceGetPowerUsage, handle)
+                cap = self._read(uuid, limit.name, nvml.nvmlDeviceGetPowerManagementLimit, handle)
+                millijoules = self._read(
+                    uuid, energy.metric.name, nvml.nvmlDeviceGetTotalEnergyConsumption, handle
+                )
                 if rates is not None:
                     util.add_metric((uuid,), rates.gpu / 100)
                 if memory is not None:
@@ -276,10 +296,22 @@ class GpuCollector(Collector):
                     used.add_metric((uuid,), memory.used)
                 if watts is not None:
                     power.add_metric((uuid,), watts / 1000)
+                if cap is not None:
+                    limit.add_metric((uuid,), cap / 1000)
+                if millijoules is not None:
+                    energy.add_metric((uuid,), self._joules(uuid, millijoules))
         except Exception as exc:  # a GPU that fell off the bus: say so, serve the rest
             log.warning("GPU metrics unavailable: %s", exc)
             return
-        yield from (f for f in (util, total, used, power) if f.samples)
+        yield from (f for f in (util, total, used, power, limit, energy.metric) if f.samples)
+
+    def _joules(self, uuid: str, millijoules: int) -> float:
+        """Energy used since the server started. NVML's counter restarts when the driver is
+        reloaded: below the start, it counts from there again (a counter reset to Prometheus)."""
+        start = self._energy_start.setdefault(uuid, millijoules)
+        if millijoules < start:
+            start = self._energy_start[uuid] = millijoules
+        return (millijoules - start) / 1000
 
     def _read(self, uuid: str, family: str, query: Callable[[object], Any], handle: object) -> Any:
         """One NVML reading; None where this GPU does not support it (a vGPU guest has no power

@@ -12,10 +12,11 @@ UUID = "GPU-8d6c9d0e-3c2a-4a4e-9f0e-1f2e3d4c5b6a"
 @pytest.fixture
 def nvml(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """NVML faked at the pynvml call boundary: one GPU, UUID, 37 % busy, 20 of 141 GiB in use,
-    412.5 W; the dict counts the calls that open the library."""
+    412.5 W of a 700 W limit; the dict counts the calls that open the library ("init") and holds
+    the GPU's energy counter, in millijoules since the driver loaded ("energy_mj")."""
     import pynvml
 
-    calls = {"init": 0}
+    calls = {"init": 0, "energy_mj": 9_000_000}
 
     def init() -> None:
         calls["init"] += 1
@@ -33,6 +34,8 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             total=141 << 30, used=20 << 30, free=121 << 30
         ),
         "nvmlDeviceGetPowerUsage": lambda h: 412_500,
+        "nvmlDeviceGetPowerManagementLimit": lambda h: 700_000,
+        "nvmlDeviceGetTotalEnergyConsumption": lambda h: calls["energy_mj"],
     }
     for name, fn in fakes.items():
         monkeypatch.setattr(pynvml, name, fn)

@@ -120,6 +120,8 @@ TRITON_GPU_FAMILIES = {
     "nv_gpu_memory_total_bytes": "gauge",
     "nv_gpu_memory_used_bytes": "gauge",
     "nv_gpu_power_usage": "gauge",
+    "nv_gpu_power_limit": "gauge",
+    "nv_energy_consumption": "counter",
 }
 
 
@@ -127,7 +129,7 @@ def page(registry: CollectorRegistry) -> dict[str, tuple[str, dict[str, float]]]
     """family -> (type, {gpu_uuid: value}) of the exposition's GPU families."""
     found: dict[str, tuple[str, dict[str, float]]] = {}
     for family in text_string_to_metric_families(exposition(registry).decode()):
-        if family.name.startswith("nv_gpu_"):
+        if family.name in TRITON_GPU_FAMILIES:
             found[family.name] = (
                 family.type,
                 {s.labels["gpu_uuid"]: s.value for s in family.samples},
@@ -143,9 +145,15 @@ def test_a_gpu_is_exported_in_tritons_names_and_units(nvml: dict[str, int]) -> N
         "nv_gpu_memory_total_bytes": ("gauge", {UUID: float(141 << 30)}),
         "nv_gpu_memory_used_bytes": ("gauge", {UUID: float(20 << 30)}),
         "nv_gpu_power_usage": ("gauge", {UUID: 412.5}),
+        "nv_gpu_power_limit": ("gauge", {UUID: 700.0}),
+        # Joules since the server started: the counter NVML keeps since the driver loaded, less
+        # its reading when the collector was made.
+        "nv_energy_consumption": ("counter", {UUID: 0.0}),
     }
     assert {name for name, _ in GpuCollector.FAMILIES} == set(TRITON_GPU_FAMILIES)
-    page(registry)
+    nvml["energy_mj"] += 250_500
+    assert page(registry)["nv_energy_consumption"] == ("counter", {UUID: 250.5})
+    assert b"\nnv_energy_consumption{" in exposition(registry)  # Triton's name, no _total
     assert nvml["init"] == 1  # once, not per scrape
 
 
@@ -193,7 +201,12 @@ def test_a_reading_the_gpu_does_not_support_leaves_its_other_series(
     def unsupported(h: object) -> int:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", unsupported)
+    for name in (
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetPowerManagementLimit",
+        "nvmlDeviceGetTotalEnergyConsumption",  # no energy counter before Volta
+    ):
+        monkeypatch.setattr(pynvml, name, unsupported)
     registry = CollectorRegistry()
     registry.register(GpuCollector([UUID]))
     with caplog.at_level(logging.WARNING):
@@ -203,7 +216,8 @@ def test_a_reading_the_gpu_does_not_support_leaves_its_other_series(
                 "nv_gpu_memory_total_bytes": ("gauge", {UUID: float(141 << 30)}),
                 "nv_gpu_memory_used_bytes": ("gauge", {UUID: float(20 << 30)}),
             }
-    assert len([r for r in caplog.records if "nv_gpu_power_usage" in r.getMessage()]) == 1
+    for family in ("nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption"):
+        assert len([r for r in caplog.records if family in r.getMessage()]) == 1, family
 
 
 def test_the_gpus_are_those_the_models_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,9 +247,9 @@ def test_the_engine_page_has_its_gpus(
     nv_inference_*; on the CPU (the test engine) none."""
     families = _served_families(engine)
     assert "nv_inference_count" in families
-    assert not any(name.startswith("nv_gpu_") for name in families)
+    assert not any(name in TRITON_GPU_FAMILIES for name in families)
     monkeypatch.setattr(engine_metrics, "gpu_uuids", lambda models: [UUID])
-    assert {n: t for n, t in _served_families(engine).items() if n.startswith("nv_gpu_")} == (
+    assert {n: t for n, t in _served_families(engine).items() if n in TRITON_GPU_FAMILIES} == (
         TRITON_GPU_FAMILIES
     )
 

@@ -111,7 +111,7 @@ def test_prometheus_fills_the_dashboards_gpu_panels_from_the_roles_targets(
         dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
         gpu = [p for p in dashboard["panels"] if p["title"].startswith("GPU")]
         exprs = [t["expr"] for p in gpu for t in p["targets"]]
-        assert len(exprs) == 4, exprs
+        assert len(exprs) == 5, exprs
         for expr in exprs:
 
             def answered(e: str = expr) -> list[dict[str, Any]]:
