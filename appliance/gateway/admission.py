@@ -230,10 +230,13 @@ class ModelGate:
     closed: RequestError | None = None
 
     def estimated_wait(self, now: float) -> float:
-        """Seconds until a request joining the back of the line would start."""
+        """Seconds until a request joining the back of the line would start. A scrape asks it
+        from the metrics thread while the event loop changes the line: the line is copied first
+        (one step, which no thread switch splits) and the copy is what is read."""
         est = self.estimate
-        left = sum(w.remaining_s(est, now) for w in self.running)
-        left += sum(est.service_s(w.prompt_tokens, w.max_tokens) for w in self.waiting)
+        running, waiting = tuple(self.running), tuple(self.waiting)
+        left = sum(w.remaining_s(est, now) for w in running)
+        left += sum(est.service_s(w.prompt_tokens, w.max_tokens) for w in waiting)
         return left / self.slots
 
     async def admit(
