@@ -33,6 +33,11 @@ import grpc
 
 from appliance.gateway.errors import RequestError
 
+# The retry hint of a full line while the gate has learned nothing (no generation has finished):
+# its wait estimate is then zero, which says nothing of when a slot frees, and a hint of a
+# millisecond has a client that follows it spend its retries before any generation could end.
+UNKNOWN_WAIT_RETRY_MS = 1000
+
 
 class OverBudget(RequestError):
     """A refusal that judged the request's own time-to-first-token budget (another request for
@@ -254,7 +259,7 @@ class ModelGate:
             raise self._busy(
                 f"model '{self.name}' is overloaded: {len(self.running)} generating and "
                 f"{len(self.waiting)} waiting, the most this gateway queues",
-                wait,
+                wait if self.estimate.samples else UNKNOWN_WAIT_RETRY_MS / 1000,
             )
         prefill = self.estimate.first_token_s(prompt_tokens)
         ttft = wait + prefill

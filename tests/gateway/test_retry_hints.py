@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance.gateway.admission import ModelGate, ServiceEstimate
+from appliance.gateway.admission import UNKNOWN_WAIT_RETRY_MS, ModelGate, ServiceEstimate
 from appliance.gateway.errors import RequestError
 from appliance.gateway.json_body import INLINE_BYTES
 from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS
@@ -145,6 +145,44 @@ async def test_a_closed_gate_refuses_waiters_and_newcomers_with_a_hint() -> None
     assert gate.running == [] and not gate.waiting
     with pytest.raises(RequestError, match="stopping"):
         await gate.admit(10, 10, None)
+
+
+# -- a full line before the gate has learned anything ---------------------------------------------
+
+
+async def test_a_full_line_with_nothing_learned_yet_is_refused_with_a_sane_retry_hint(
+    tiny: Tiny, engine: Engine
+) -> None:
+    """No generation has finished, so the gate knows nothing of how long one takes: its wait
+    estimate is zero, which is no reason to have the client retry at once."""
+    running = await _gateway(_config(tiny, engine.address, max_in_flight=1, max_queue=0))
+    gate = running.pipeline.admission.gates["tiny"]  # type: ignore[attr-defined]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            # Greedy, it runs all 1500 tokens: it holds the only slot while the others ask.
+            holder = stub.Generate(
+                pb.GenerateRequest(
+                    model="tiny", prompt="Tell me everything", max_tokens=1500, temperature=0,
+                    cache_policy=pb.CACHE_POLICY_BYPASS,
+                )
+            )  # fmt: skip
+            await holder.read()
+            assert gate.estimate.samples == 0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Complete(pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=4))
+            status, headers, _ = await _post(
+                running, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4}'
+            )
+            holder.cancel()
+    finally:
+        await running.drain(0.1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "overloaded" in (err.value.details() or "")
+    trailers = dict(err.value.trailing_metadata() or ())
+    assert int(trailers["grpc-retry-pushback-ms"]) >= UNKNOWN_WAIT_RETRY_MS
+    assert status == 429
+    assert int(headers["retry-after-ms"]) >= UNKNOWN_WAIT_RETRY_MS
 
 
 # -- UNAVAILABLE while the engine is down ---------------------------------------------------------
