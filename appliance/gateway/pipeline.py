@@ -920,10 +920,18 @@ class Pipeline:
         report.draft_tokens = outcome.draft_tokens
         report.accepted_draft_tokens = outcome.accepted_draft_tokens
 
-    def refused(self, front_end: str, status: str, received_ns: int) -> None:
+    def refused(
+        self, front_end: str, status: str, received_ns: int, key_id: str = "", namespace: str = ""
+    ) -> None:
         """A request its front end refused before the pipeline could read it still counts in the
-        metrics and the access log."""
-        report = RequestReport(front_end=front_end, status=status)
+        metrics and the access log (with the key id it claimed and the namespace it named, where
+        the front end read them)."""
+        report = RequestReport(
+            front_end=front_end,
+            status=status,
+            key_id=key_id,
+            namespace=namespace[:MAX_NAMESPACE_LENGTH],
+        )
         report.total_us = (time.monotonic_ns() - received_ns) // 1000
         self.sink.report(report)
 

@@ -94,10 +94,9 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._begin()
         try:
-            incoming = self._incoming(request)
-            replies = self.pipeline.run(
-                incoming, context.time_remaining(), credentials(context, self.mutual_tls)
-            )
+            presented = credentials(context, self.mutual_tls)
+            incoming = self._incoming(request, presented)
+            replies = self.pipeline.run(incoming, context.time_remaining(), presented)
             request_id = incoming.request_id
             async for reply in replies:
                 if isinstance(reply, Delta):
@@ -118,11 +117,10 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         reply = pb.CompleteResponse()
         self._begin()
         try:
-            incoming = self._incoming(request)
+            presented = credentials(context, self.mutual_tls)
+            incoming = self._incoming(request, presented)
             reply.request_id = incoming.request_id
-            async for part in self.pipeline.run(
-                incoming, context.time_remaining(), credentials(context, self.mutual_tls)
-            ):
+            async for part in self.pipeline.run(incoming, context.time_remaining(), presented):
                 if isinstance(part, Delta):
                     text.append(part.text)
                     reply.token_ids.extend(part.token_ids)
@@ -138,13 +136,19 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         reply.text = "".join(text)
         return reply
 
-    def _incoming(self, request: pb.GenerateRequest) -> IncomingRequest:
-        """The message in the pipeline's terms; a refusal here is reported as the pipeline's."""
+    def _incoming(self, request: pb.GenerateRequest, presented: Credentials) -> IncomingRequest:
+        """The message in the pipeline's terms; a refusal here is reported as the pipeline's.
+        Credentials the gateway's keys do not know are refused before any of the message is
+        translated (its tools and chat cost work to read), as the HTTP API reads no body of
+        such a request."""
         received = time.monotonic_ns()
         try:
+            self.pipeline.access.authenticate(presented)
             return messages.request_of(request)
         except RequestError as exc:
-            self.pipeline.refused("grpc", exc.code.name, received)
+            self.pipeline.refused(
+                "grpc", exc.code.name, received, presented.claimed_key_id(), request.namespace
+            )
             raise
 
     def _begin(self) -> None:

@@ -228,6 +228,24 @@ async def test_the_access_log_names_the_key_and_namespace(
     assert not any(token[16:] in x for x in lines)
 
 
+async def test_a_caller_without_a_valid_key_is_refused_before_its_message_is_read(
+    gateway: Client, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Translating a message's tools and chat costs work: a caller the keys do not know is
+    refused UNAUTHENTICATED whatever its message holds (the HTTP API reads no body of one)."""
+    keys.add(["t"], ["generate"])
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
+    caplog.set_level(logging.INFO, logger="appliance.access")
+    # Tools beside a prompt: a message whose translation refuses it.
+    translated = req("t", tools=pb.Tools(tools=[pb.Tool(name="f")]))
+    for token in (None, "ak_000000000000_not-a-key"):
+        err = await gateway.refused(translated, token)
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err.details()
+    lines = [r.getMessage() for r in caplog.records if r.name == "appliance.access"]
+    assert sum("namespace='t'" in x and "status=UNAUTHENTICATED" in x for x in lines) == 2
+
+
 async def test_rate_and_stream_limits_per_key(gateway: Client, keys: Keys) -> None:
     limited = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=1000.0, max_streams=1))
     slow = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=0.2, burst=2))
