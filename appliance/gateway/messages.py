@@ -4,6 +4,7 @@ GenerateRequest into an IncomingRequest, and the pipeline's replies into Generat
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from appliance.backends.base import Guide
@@ -101,20 +102,7 @@ def _plan(m: pb.GenerateRequest) -> tool_calls.ToolPlan | None:
     """The request's Tools checked (tool_calls.plan_of); None when the answer is text."""
     given = m.tools
     tool_calls.check_count(len(given.tools), "tools.tools")
-    tools = []
-    for i, t in enumerate(given.tools):
-        where = f"tools.tools[{i}]"
-        parameters = None
-        if t.parameters:
-            if len(t.parameters) > MAX_GUIDE_BYTES:
-                raise invalid(
-                    f"{where}.parameters is longer than {MAX_GUIDE_BYTES} bytes", field=where
-                )
-            try:
-                parameters = json.loads(t.parameters)
-            except (ValueError, RecursionError) as exc:
-                raise invalid(f"{where}.parameters is not valid JSON: {exc}", field=where) from None
-        tools.append(tool_calls.tool_of(t.name, t.description, parameters, where))
+    tools = tool_calls.within_schema_bytes(_tools(given), "tools.tools")
     choice = TOOL_CHOICES.get(given.choice)
     if choice is None:
         raise invalid(f"tools.choice {given.choice} is not a ToolChoice", field="tools.choice")
@@ -130,6 +118,23 @@ def _plan(m: pb.GenerateRequest) -> tool_calls.ToolPlan | None:
     if not tools:
         return None
     return tool_calls.plan_of(tools, choice, "tools.tools", "tools.function_name")
+
+
+def _tools(given: pb.Tools) -> Iterator[tool_calls.Tool]:
+    """Each Tool checked, as it is asked for."""
+    for i, t in enumerate(given.tools):
+        where = f"tools.tools[{i}]"
+        parameters = None
+        if t.parameters:
+            if len(t.parameters) > MAX_GUIDE_BYTES:
+                raise invalid(
+                    f"{where}.parameters is longer than {MAX_GUIDE_BYTES} bytes", field=where
+                )
+            try:
+                parameters = json.loads(t.parameters)
+            except (ValueError, RecursionError) as exc:
+                raise invalid(f"{where}.parameters is not valid JSON: {exc}", field=where) from None
+        yield tool_calls.tool_of(t.name, t.description, parameters, where)
 
 
 def _turn(c: pb.ChatMessage, i: int) -> tool_calls.Turn:

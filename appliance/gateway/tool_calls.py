@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +144,7 @@ def plan(tools: object, choice: object) -> ToolPlan | None:
     if not isinstance(tools, list):
         raise _bad("tools must be an array of function tools", "tools")
     check_count(len(tools), "tools")
-    checked = [_tool(t, i) for i, t in enumerate(tools)]
+    checked = within_schema_bytes((_tool(t, i) for i, t in enumerate(tools)), "tools")
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
@@ -171,18 +171,30 @@ def plan_of(tools: Sequence[Tool], choice: str, where: str, choice_field: str) -
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise _bad(f"{where} name the same function twice", where)
-    size = sum(len(json.dumps(t.parameters)) for t in tools)
-    if size > MAX_SCHEMA_BYTES:
-        raise _bad(
-            f"the tools' parameters schemas are {size} bytes in all; at most {MAX_SCHEMA_BYTES} "
-            "are accepted",
-            where,
-        )
+    within_schema_bytes(tools, where)
     if choice == "none":
         return None
     if choice not in CHOICES and choice not in names:
         raise _bad(f"{choice_field} names {echo(choice)}, which is not in {where}", choice_field)
     return ToolPlan(tuple(tools), choice)
+
+
+def within_schema_bytes(tools: Iterable[Tool], where: str) -> list[Tool]:
+    """The tools, each read (checked) only while those before it leave room under
+    MAX_SCHEMA_BYTES: a request of many large schemas is refused once the bound is passed, not
+    after every schema was parsed and checked."""
+    read: list[Tool] = []
+    size = 0
+    for tool in tools:
+        read.append(tool)
+        size += len(json.dumps(tool.parameters))
+        if size > MAX_SCHEMA_BYTES:
+            raise _bad(
+                f"the tools' parameters schemas are more than {MAX_SCHEMA_BYTES} bytes in all "
+                f"({size} in the first {len(read)}); at most {MAX_SCHEMA_BYTES} are accepted",
+                where,
+            )
+    return read
 
 
 def check_count(count: int, where: str) -> None:

@@ -19,8 +19,9 @@ import pytest
 
 from appliance.config import HttpConfig, ServerConfig
 from appliance.gateway import openai_wire as wire
+from appliance.gateway import tool_calls
 from appliance.gateway.models import load_models
-from appliance.gateway.request import Limits, check, tokenize
+from appliance.gateway.request import Limits, check, check_json_schema, tokenize
 from appliance.gateway.server import RunningGateway, start_server
 from appliance.text.tokenizer import ModelText
 from appliance.v1 import inference_pb2 as pb
@@ -308,6 +309,27 @@ async def test_bad_tools_are_invalid_argument_saying_what_is_wrong(
         await stub.Complete(chat(tools=tools))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in (err.value.details() or "")
+
+
+async def test_the_tools_schemas_are_bounded_before_every_one_is_checked(
+    stub: pb_grpc.InferenceStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each schema is parsed and checked against its draft's metaschema: a message of many large
+    ones is refused once those read pass the bound on them all, not after every one was checked."""
+    checked: list[int] = []
+
+    def counted(text: str) -> None:
+        checked.append(len(text))
+        check_json_schema(text)
+
+    monkeypatch.setattr(tool_calls, "check_json_schema", counted)
+    schema = json.dumps({"type": "object", "description": "x" * 30_000})
+    tools = pb.Tools(tools=[pb.Tool(name=f"f{i}", parameters=schema) for i in range(128)])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Complete(chat(tools=tools))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameters schemas are" in (err.value.details() or "")
+    assert len(checked) <= 3  # 30 kB each: the third passes 64 KiB
 
 
 async def test_tools_with_a_prompt_or_a_guide_are_refused(stub: pb_grpc.InferenceStub) -> None:
