@@ -11,6 +11,7 @@ import signal
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -53,7 +54,7 @@ async def test_a_scrape_answers_while_a_request_joins_the_line(
     # switch threads) until a request has joined it on the event loop.
     loop_thread = threading.get_ident()
     reading, joined = threading.Event(), threading.Event()
-    service_s = gate.estimate.service_s
+    service_s: Callable[[int, int], float] = gate.estimate.service_s
 
     def paused(prompt_tokens: int, max_tokens: int) -> float:
         if threading.get_ident() != loop_thread and not reading.is_set():
