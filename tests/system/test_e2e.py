@@ -7,6 +7,7 @@ Steps, in order (each test is one step; they share one container):
   generate    -> a streamed Generate through the gateway in the container returns tokens
   semantic    -> a question, then its paraphrase answered by the semantic tier (Redis as the role's
                  ACL user, the embedder exported on the controller and copied by the role)
+  access log  -> every request's access line reaches the journal past journald's rate limit
   second run  -> changed=0
   bad units   -> a missing config file / program fails the unit with a journal line naming it
   watchdog    -> SIGSTOP to the gateway: killed by the watchdog, restarted by systemd, answers again
@@ -180,6 +181,52 @@ def test_a_paraphrase_is_answered_by_the_semantic_tier(machine: Machine) -> None
     seen = answer["metrics"]
     assert seen["appliance_semantic_follower_errors_total"] == 0, seen
     assert seen["appliance_semantic_store_failures_total"] == 0, seen
+
+
+def test_every_access_line_reaches_the_journal(machine: Machine) -> None:
+    """journald drops a unit's lines past its rate limit (by default 10,000 in 30 s): at a few
+    hundred requests a second, access lines would be lost. The gateway's unit lifts the limit;
+    shown with journald's own limit lowered to 5 lines (journald raises it with the free disk
+    space, about 4 x for 10 GB) and a run of 60 requests."""
+    dropin = "/etc/systemd/journald.conf.d/appliance-test-burst.conf"
+    written = machine.sh(
+        "sh",
+        "-c",
+        f"mkdir -p {dropin.rsplit('/', 1)[0]} && "
+        f"printf '[Journal]\\nRateLimitIntervalSec=30s\\nRateLimitBurst=5\\n' > {dropin}",
+    )
+    assert written.returncode == 0, written.stderr
+    unit = "appliance-gateway.service"
+    try:
+        assert machine.sh("systemctl", "restart", "systemd-journald.service").returncode == 0
+        before = machine.journal(unit).count("front_end=")
+        options = ["--address", "127.0.0.1:50051", "--model", "tiny-llama", "--requests", "60"]
+        options += ["--warmup", "0", "--prompt-tokens", "8", "--output-tokens", "1"]
+        bench = _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                machine.netns,
+                sys.executable,
+                "-m",
+                "appliance",
+                "bench",
+                *options,
+            ],
+            timeout=240,
+            cwd=REPO,
+        )
+        assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+
+        def logged() -> int:
+            return machine.journal(unit).count("front_end=") - before
+
+        # The bench's own first request (its preflight) is logged too.
+        machine.wait_for("61 access lines", lambda: logged() >= 61, 30)
+    finally:
+        machine.sh("rm", "-f", dropin)
+        machine.sh("systemctl", "restart", "systemd-journald.service")
 
 
 def test_second_run_changes_nothing(machine: Machine, inventory: Callable[..., Path]) -> None:
