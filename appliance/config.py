@@ -577,7 +577,23 @@ _REDIS_KEYS = {
     "mac_key_file",
     "sentinels",
     "sentinel_service",
+    "sentinel_username",
+    "sentinel_password_file",
 }
+
+
+def _password(r: _Reader, key: str, base: Path) -> str | None:
+    """The password in the file `key` names (surrounding whitespace dropped); None without one."""
+    path = r.file_path(key, base)
+    if path is None:
+        return None
+    try:
+        password = read_text(path, MAX_SECRET_BYTES).strip()
+    except TextFileError as exc:
+        r.fail(key, f"cannot read {path}: {exc}")
+    if not password:
+        r.fail(key, f"{path} is empty: it must hold the password")
+    return password
 
 
 def _sentinels(r: _Reader) -> tuple[str, ...]:
@@ -593,13 +609,7 @@ def _redis(r: _Reader, path: Path) -> RedisSettings:
     url = r.get("url", str, d.url)
     if not url.startswith(("redis://", "rediss://", "unix://")):
         r.fail("url", f"expected redis://, rediss:// (TLS) or unix:// URL, got {url!r}")
-    password = None
-    password_file = r.file_path("password_file", path.parent)
-    if password_file is not None:
-        try:
-            password = read_text(password_file, MAX_SECRET_BYTES).strip()
-        except TextFileError as exc:
-            r.fail("password_file", f"cannot read {password_file}: {exc}")
+    password = _password(r, "password_file", path.parent)
     ca = r.file_path("tls_ca_file", path.parent)
     if ca is not None and not ca.is_file():
         r.fail("tls_ca_file", f"{ca} not found")
@@ -632,4 +642,6 @@ def _redis(r: _Reader, path: Path) -> RedisSettings:
         sentinels=_sentinels(r),
         sentinel_service=r.get("sentinel_service", str, d.sentinel_service)
         or r.fail("sentinel_service", "must be the non-empty name the Sentinels monitor"),
+        sentinel_username=r.get("sentinel_username", str, None) or None,
+        sentinel_password=_password(r, "sentinel_password_file", path.parent),
     )

@@ -40,7 +40,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import redis.asyncio as redis
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.exceptions import (
     AuthenticationError,
@@ -119,7 +121,7 @@ class Generations:
 class RedisSettings:
     url: str = "redis://127.0.0.1:6379/0"
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     tls_ca_file: str | None = None
     key_prefix: str = "appliance"
     ttl_s: int = 86400
@@ -136,6 +138,11 @@ class RedisSettings:
     # gives the database number and TLS (rediss://); its host and port are not used.
     sentinels: tuple[str, ...] = ()
     sentinel_service: str = "appliance"
+    # What the gateway presents to the Sentinels (their ACL user and its password: they require
+    # one where they are deployed by the redis role); None: no AUTH. `username` and `password`
+    # are presented to the primary they name.
+    sentinel_username: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
 
 
 def _key_part(value: str) -> str:
@@ -339,8 +346,9 @@ class RedisTier(CacheTier):
         """What Redis said (without a credential); when it refused this gateway's credentials
         or its ACL user's rights, also said once per QUIET_LOG_S with what to fix."""
         why = _reason(exc)
-        if self.settings.password:
-            why = why.replace(self.settings.password, "***")
+        for password in (self.settings.password, self.settings.sentinel_password):
+            if password:
+                why = why.replace(password, "***")
         fix = _credentials_fix(exc)
         if fix:
             self._credentials.warning("redis refused this gateway (%s): %s", why, fix)
@@ -660,12 +668,31 @@ class StreamClient:
 def _reason(exc: BaseException) -> str:
     """What Redis or the connection said, for a log line: without the command a pipeline's error
     quotes (a key names a namespace; a value holds a question and its answer)."""
+    if isinstance(exc, MasterNotFoundError):
+        # redis-py lists each Sentinel's client (its whole repr) with what it raised: only the
+        # errors, each once.
+        head, _, rest = str(exc).partition(" : ")
+        errors = dict.fromkeys(re.findall(r"\)> - (.+?)(?=, <|$)", rest))
+        return f"{head}: {'; '.join(errors)}" if errors else head
     return str(exc).rpartition(" of pipeline caused error: ")[2] or type(exc).__name__
 
 
 def _credentials_fix(exc: BaseException) -> str:
-    """What to fix when Redis refused this gateway's credentials or its ACL user's rights; ""
-    for any other fault."""
+    """What to fix when Redis or its Sentinels refused this gateway's credentials or its ACL
+    user's rights; "" for any other fault."""
+    # redis-py reports a Sentinel that refused the login among the reasons no primary was found,
+    # and raises a Sentinel's NOPERM as it is.
+    said = str(exc)
+    if isinstance(exc, MasterNotFoundError) and "AuthenticationError" in said:
+        return (
+            "[cache.redis] sentinel_password_file (and sentinel_username) must hold the "
+            "password of the ACL user the Sentinels give the gateways (sentinel-users.acl)"
+        )
+    if isinstance(exc, NoPermissionError) and "'sentinel|" in said:
+        return (
+            "the Sentinels' ACL user [cache.redis] sentinel_username names lacks this command: "
+            "give it the rules the ansible redis role writes to sentinel-users.acl"
+        )
     if isinstance(exc, AuthenticationError):
         return (
             "[cache.redis] password_file (and username, for an ACL user) must hold what this "
@@ -710,7 +737,16 @@ def _primary_of(
     timeout = kwargs["socket_connect_timeout"]
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         addresses,
-        sentinel_kwargs={"socket_connect_timeout": timeout, "socket_timeout": timeout},
+        # The Sentinels' own login, apart from the primary's (`kwargs`). Each Sentinel is asked
+        # once: redis-py's default retries (with a backoff of up to seconds) would spend every
+        # call's time budget on a Sentinel that is down, and never reach the ones that answer.
+        sentinel_kwargs={
+            "socket_connect_timeout": timeout,
+            "socket_timeout": timeout,
+            "retry": Retry(NoBackoff(), 0),
+            "username": settings.sentinel_username,
+            "password": settings.sentinel_password,
+        },
     )
     url = parse_url(settings.url)  # type: ignore[no-untyped-call]
     client = sentinel.master_for(

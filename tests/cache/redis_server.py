@@ -7,8 +7,11 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import ClassVar
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from appliance.tools.processes import free_port
 from tests.support import until
@@ -25,6 +28,8 @@ class RedisServer:
         self.workdir = workdir
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        # The ACL user and password the test's own clients log in as (none: the default user).
+        self.auth: dict[str, str] = {}
 
     @property
     def url(self) -> str:
@@ -49,7 +54,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
+        client = self.client()
 
         def answers() -> bool:
             try:
@@ -75,7 +80,9 @@ class RedisServer:
         self.proc.send_signal(signal.SIGCONT)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+        return redis.Redis(
+            port=self.port, username=self.auth.get("username"), password=self.auth.get("password")
+        )
 
     def keys(self, pattern: str) -> list[bytes]:
         """The keys matching `pattern`, as stored: the client does not decode responses."""
@@ -90,10 +97,21 @@ class SentinelGroup:
     """A primary, a replica and three Sentinels (quorum 2) watching them as service `name`, all
     real processes on loopback; `down_after_ms` is how long a silent primary takes to be down."""
 
+    # The passwords of the redis role's users (the gateways', replication's, the Sentinels') and
+    # of the test's own user of every server.
+    PASSWORDS: ClassVar[dict[str, str]] = {
+        "appliance": "gateway-password",
+        "replication": "replication-password",
+        "sentinel": "sentinel-password",
+        "admin": "admin-password",
+    }
+
     def __init__(self, workdir: Path, name: str = "appliance", down_after_ms: int = 1000) -> None:
         self.name = name
         self.primary = RedisServer(workdir / "primary")
         self.replica = RedisServer(workdir / "replica")
+        for server in (self.primary, self.replica):
+            server.auth = {"username": "admin", "password": self.PASSWORDS["admin"]}
         self.workdir = workdir
         self.down_after_ms = down_after_ms
         self.sentinel_ports = [free_port() for _ in range(3)]
@@ -103,20 +121,65 @@ class SentinelGroup:
     def addresses(self) -> tuple[str, ...]:
         return tuple(f"127.0.0.1:{port}" for port in self.sentinel_ports)
 
+    @property
+    def gateway_auth(self) -> dict[str, str]:
+        """The gateways' ACL user, at the servers and at the Sentinels."""
+        return {"username": "appliance", "password": self.PASSWORDS["appliance"]}
+
+    def sentinel(self, port: int, **auth: str) -> redis.Redis:
+        """A client of the Sentinel at `port`, logged in as `auth` (the gateways' user unless
+        given; {"username": "", "password": ""} for none)."""
+        auth = auth or self.gateway_auth
+        # Each refusal at once, not after redis-py's retries.
+        return redis.Redis(
+            port=port,
+            retry=Retry(NoBackoff(), 0),
+            username=auth.get("username") or None,
+            password=auth.get("password") or None,
+        )
+
+    def kill_sentinel(self, port: int) -> None:
+        proc = self.sentinels[self.sentinel_ports.index(port)]
+        proc.kill()
+        proc.wait()
+
     def start(self) -> None:
+        """As the redis role configures them: on every server the role's users (with the
+        default user off), on every Sentinel the role's Sentinel ACL, and each logs in."""
+        pw = self.PASSWORDS
+        users = self.workdir / "users.acl"
+        users.write_text(
+            "user default off\n"
+            f"user appliance on >{pw['appliance']} {gateway_acl_rules()}\n"
+            f"user replication on >{pw['replication']} {role_rules('__redis_replication_rules')}\n"
+            f"user sentinel on >{pw['sentinel']} {role_rules('__redis_sentinel_rules')}\n"
+            f"user admin on >{pw['admin']} ~* &* +@all\n"
+        )
+        sentinel_users = self.workdir / "sentinel-users.acl"
+        sentinel_users.write_text(
+            "user default off resetpass -@all\n"
+            f"user appliance on >{pw['appliance']} {role_rules('__redis_sentinel_client_rules')}\n"
+            f"user sentinel on >{pw['sentinel']} {role_rules('__redis_sentinel_peer_rules')}\n"
+        )
         for server in (self.primary, self.replica):
             server.workdir.mkdir(parents=True, exist_ok=True)
+        servers = ["--aclfile", str(users), "--masteruser", "replication"]
+        servers += ["--masterauth", pw["replication"]]
         # The replica's first sync starts at once, not after the default 5 s delay.
-        self.primary.start(["--repl-diskless-sync-delay", "0"])
-        self.replica.start(["--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.primary.start([*servers, "--repl-diskless-sync-delay", "0"])
+        self.replica.start([*servers, "--replicaof", "127.0.0.1", str(self.primary.port)])
         for port in self.sentinel_ports:
             conf = self.workdir / f"sentinel-{port}.conf"
             # Sentinel rewrites its own file (the replicas and peers it learns): one file each.
             conf.write_text(
                 f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {self.workdir}\n"
+                f'protected-mode yes\naclfile "{sentinel_users}"\n'
                 f"sentinel monitor {self.name} 127.0.0.1 {self.primary.port} 2\n"
                 f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
                 f"sentinel failover-timeout {self.name} 10000\n"
+                f"sentinel auth-user {self.name} sentinel\n"
+                f"sentinel auth-pass {self.name} {pw['sentinel']}\n"
+                f"sentinel sentinel-user sentinel\nsentinel sentinel-pass {pw['sentinel']}\n"
             )
             self.sentinels.append(
                 subprocess.Popen(
@@ -148,14 +211,14 @@ class SentinelGroup:
 
     def _knows_replica(self, port: int) -> bool:
         try:
-            replicas = redis.Redis(port=port).sentinel_slaves(self.name)
+            replicas = self.sentinel(port).sentinel_slaves(self.name)
         except redis.RedisError:
             return False
         return any(r.get("port") == self.replica.port for r in replicas)
 
     def primary_port(self) -> int:
         """The port of the server the Sentinels now name as primary."""
-        sentinel = redis.Redis(port=self.sentinel_ports[0])
+        sentinel = self.sentinel(self.sentinel_ports[0])
         address = sentinel.execute_command(  # type: ignore[no-untyped-call]
             "SENTINEL GET-MASTER-ADDR-BY-NAME", self.name
         )
@@ -169,17 +232,28 @@ class SentinelGroup:
         self.replica.kill()
 
 
+ROLE = Path(__file__).resolve().parents[2] / "ansible" / "roles" / "redis"
+
+
+def role_rules(variable: str) -> str:
+    """The ACL rules the redis role's tasks hold in `variable` (a plain or folded scalar)."""
+    for tasks in sorted((ROLE / "tasks").glob("*.yml")):
+        text = tasks.read_text()
+        # A folded scalar (>-): its lines, indented under the variable, joined by spaces.
+        found = re.search(rf"^( *){variable}: >-\n((?:\1 +\S.*\n)+)", text, re.M)
+        found = found or re.search(rf"^ *{variable}: ()(\S.*)$", text, re.M)
+        if found is not None:
+            return " ".join(found.group(2).split())
+    raise AssertionError(f"no {variable} in {ROLE / 'tasks'}")
+
+
 def gateway_acl_rules(*without: str) -> str:
     """The Redis ACL rules the redis role gives the gateways' user, with the role's key prefix;
     `without`: those rules left out (an ACL of an older release)."""
-    role = Path(__file__).resolve().parents[2] / "ansible" / "roles" / "redis"
-    tasks = (role / "tasks" / "main.yml").read_text()
-    # A folded scalar (>-): its lines, indented under the variable, joined by spaces.
-    found = re.search(r"^( *)__redis_gateway_rules: >-\n((?:\1 +\S.*\n)+)", tasks, re.M)
     prefix = re.search(
-        r"^redis_acl_key_prefix: (\S+)$", (role / "defaults" / "main.yml").read_text(), re.M
+        r"^redis_acl_key_prefix: (\S+)$", (ROLE / "defaults" / "main.yml").read_text(), re.M
     )
-    assert found is not None and prefix is not None
-    rules = " ".join(found.group(2).split())
+    assert prefix is not None
+    rules = role_rules("__redis_gateway_rules")
     rules = rules.replace("{{ redis_acl_key_prefix }}", prefix.group(1))
     return " ".join(rule for rule in rules.split() if rule not in without)

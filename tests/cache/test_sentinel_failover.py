@@ -1,13 +1,15 @@
 """The L2 tier through Redis Sentinel: the primary is killed under load, the Sentinels promote the
 replica, and the gateway goes on answering (L1 and the engine while no primary answers), then finds
 the new primary and answers from L2 again, without a restart. Real redis-server and
-redis-sentinel processes on loopback; the gateway and engine server in this process.
+redis-sentinel processes on loopback, with the redis role's ACL users (the Sentinels require a
+login, from the gateways and from each other); the gateway and engine server in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.tiers import TierUnavailable
@@ -23,6 +26,7 @@ from appliance.config import CacheConfig
 from appliance.v1 import inference_pb2 as pb
 from tests.cache.redis_server import SentinelGroup
 from tests.cache.test_cache_e2e import MAC_KEY, Gateway, counters_until, gateway
+from tests.cache.test_l2_faults import ANSWER, KEY
 from tests.cache.test_semantic_e2e import QUESTION, ask, semantic_config
 from tests.conftest import Engine, Tiny
 
@@ -38,6 +42,24 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
         yield g
     finally:
         g.stop()
+
+
+def _settings(group: SentinelGroup, **changes: object) -> RedisSettings:
+    """The gateway's settings as the appliance role writes them: its ACL user at the primary
+    and at the Sentinels."""
+    auth = group.gateway_auth
+    settings = RedisSettings(
+        username=auth["username"],
+        password=auth["password"],
+        sentinels=group.addresses,
+        sentinel_service=group.name,
+        sentinel_username=auth["username"],
+        sentinel_password=auth["password"],
+        timeout_ms=200.0,  # a loaded 2-core CI machine
+        breaker_reset_s=0.2,
+        mac_key=MAC_KEY,
+    )
+    return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -79,13 +101,7 @@ class Load:
 async def test_losing_the_primary_degrades_to_l1_then_l2_resumes(
     tiny: Tiny, engine: Engine, group: SentinelGroup
 ) -> None:
-    settings = RedisSettings(
-        sentinels=group.addresses,
-        sentinel_service=group.name,
-        timeout_ms=200.0,  # a loaded 2-core CI machine
-        breaker_reset_s=0.2,
-        mac_key=MAC_KEY,
-    )
+    settings = _settings(group)
     # L1 off: every repeated question is an L2 lookup, so the answers show when L2 answers.
     gw = await gateway(tiny, engine, CacheConfig(l1_max_entries=0, redis=settings))
     load = Load(gw)
@@ -133,14 +149,7 @@ async def test_the_stream_followers_use_the_primary_the_sentinels_name(
 ) -> None:
     """Not the host in `url` (nothing listens there): the semantic tier's entries and every
     invalidation reach the other gateway through the primary the Sentinels name."""
-    settings = RedisSettings(
-        url="redis://127.0.0.1:1/0",
-        sentinels=group.addresses,
-        sentinel_service=group.name,
-        timeout_ms=200.0,
-        breaker_reset_s=0.2,
-        mac_key=MAC_KEY,
-    )
+    settings = _settings(group, url="redis://127.0.0.1:1/0")
     config = dataclasses.replace(semantic_config(None, embedder_dir), redis=settings)
     first = await gateway(tiny, engine, config)
     other = await gateway(tiny, engine, config)
@@ -167,13 +176,7 @@ async def test_an_invalidation_no_replica_acknowledged_is_reported(group: Sentin
     """Replication is asynchronous: a generation raised on the primary and lost with it would
     come back lower on the promoted replica, and the answers it refused would be served again.
     An invalidation reports whether a replica has taken it."""
-    settings = RedisSettings(
-        sentinels=group.addresses,
-        sentinel_service=group.name,
-        timeout_ms=200.0,  # a loaded 2-core CI machine
-        mac_key=MAC_KEY,
-    )
-    tier = RedisTier(settings)
+    tier = RedisTier(_settings(group, breaker_reset_s=RedisSettings.breaker_reset_s))
     gen = tier.generation_keys("ns", "", b"")[1]
     try:
         assert await tier.invalidate("ns", "") == 0
@@ -186,5 +189,87 @@ async def test_an_invalidation_no_replica_acknowledged_is_reported(group: Sentin
             group.replica.resume()
         assert group.primary.client().get(gen) == b"2"
         assert tier.counters()["breaker_open"] == 0
+    finally:
+        await tier.close()
+
+
+# What would point the gateways at another Redis, or take theirs away.
+REPOINTING = [
+    ("SENTINEL", "SET", "appliance", "quorum", "1"),
+    ("SENTINEL", "REMOVE", "appliance"),
+    ("SENTINEL", "MONITOR", "other", "127.0.0.1", "1", "1"),
+    ("SENTINEL", "FAILOVER", "appliance"),
+    ("SENTINEL", "RESET", "*"),
+    ("SENTINEL", "CONFIG", "SET", "resolve-hostnames", "yes"),
+    ("SENTINEL", "FLUSHCONFIG"),
+    ("ACL", "SETUSER", "default", "on", "nopass", "+@all"),
+    ("SHUTDOWN",),
+]
+
+
+def test_the_sentinels_refuse_whoever_would_repoint_the_gateways(group: SentinelGroup) -> None:
+    """Without a login nothing is answered; the gateways' user and the Sentinels' own may read
+    where the primary is (and the Sentinels vote), never change what they monitor."""
+    port = group.sentinel_ports[0]
+    # A client that sends commands without AUTH (redis-py would open with HELLO).
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as anonymous:
+        replies = anonymous.makefile("rb")
+        for command in [("PING",), *REPOINTING]:
+            anonymous.sendall(
+                b"*%d\r\n" % len(command)
+                + b"".join(b"$%d\r\n%s\r\n" % (len(a), a.encode()) for a in command)
+            )
+            assert replies.readline().startswith(b"-NOAUTH"), command
+    wrong = group.sentinel(port, username="appliance", password="guess")
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+    peer = group.sentinel(port, username="sentinel", password=group.PASSWORDS["sentinel"])
+    for who in (group.sentinel(port), peer):
+        assert who.ping()
+        for command in REPOINTING:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                who.execute_command(*command)  # type: ignore[no-untyped-call]
+    address = group.sentinel(port).execute_command(  # type: ignore[no-untyped-call]
+        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", group.name
+    )
+    assert int(address[1]) == group.primary.port
+    assert group.sentinel(port).sentinel_slaves(group.name)
+
+
+@pytest.mark.parametrize("password", [None, "guess"])
+async def test_a_gateway_the_sentinels_refuse_says_which_setting_to_fix(
+    group: SentinelGroup, caplog: pytest.LogCaptureFixture, password: str | None
+) -> None:
+    """L2 is unavailable (misses), and the log line names the Sentinels' credential, never a
+    password."""
+    settings = _settings(group, sentinel_password=password)
+    tier = RedisTier(settings)
+    try:
+        told = await tier.check()
+    finally:
+        await tier.close()
+    assert told.startswith(f"redis at '{group.name}' of Sentinels ")
+    assert f"unreachable (No master found for '{group.name}': " in told
+    assert "AuthenticationError" in told and "<redis" not in told, told  # no client's repr
+    lines = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
+    assert any("sentinel_password_file" in line for line in lines), lines
+    secrets = [s for s in (settings.password, password) if s]
+    assert not any(s in line for s in secrets for line in [*lines, told])
+
+
+async def test_a_dead_sentinel_is_passed_over(group: SentinelGroup) -> None:
+    """One Sentinel down (its host lost, or stopped for maintenance) while the other two
+    answer: the gateway asks the next one, and L2 keeps answering."""
+    tier = RedisTier(_settings(group))
+    try:
+        assert await tier.check() == ""
+        assert tier._sentinel is not None
+        # The Sentinel the gateway asks first: the one that answered last.
+        first = tier._sentinel.sentinels[0].connection_pool.connection_kwargs["port"]
+        group.kill_sentinel(first)
+        await tier.client.connection_pool.disconnect()
+        assert await tier.put("ns", "m", KEY, ANSWER)
+        assert await tier.get("ns", "m", KEY) == ANSWER
+        assert tier.counters()["l2_timeouts"] == 0
     finally:
         await tier.close()

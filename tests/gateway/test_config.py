@@ -268,3 +268,63 @@ def test_backend_kind_defaults_to_triton_and_unknown_kinds_are_refused(tmp_path:
         )
         with pytest.raises(ConfigError, match=f":9: key 'models.tiny.backend_kind': {expected}"):
             load_config(_write(tmp_path, text))
+
+
+def test_the_sentinels_credential_is_read_from_its_own_file(tmp_path: Path) -> None:
+    from appliance.security.secretfile import write_secret
+
+    write_secret(tmp_path / "mac")
+    (tmp_path / "redis-password").write_text("data-password\n")
+    (tmp_path / "sentinel-password").write_text("sentinel-password\n")
+    redis = (
+        '\n[cache.redis]\nmac_key_file = "mac"\nusername = "appliance"\n'
+        'password_file = "redis-password"\nsentinels = ["10.0.0.2:26379"]\n'
+        'sentinel_username = "gateway"\nsentinel_password_file = "sentinel-password"\n'
+    )
+    settings = load_config(_write(tmp_path, GOOD + redis)).cache.redis
+    assert settings is not None
+    assert (settings.username, settings.password) == ("appliance", "data-password")
+    assert (settings.sentinel_username, settings.sentinel_password) == (
+        "gateway",
+        "sentinel-password",
+    )
+    # Neither password is shown where the settings are.
+    assert "data-password" not in repr(settings)
+    assert "sentinel-password" not in repr(settings)
+
+
+@pytest.mark.parametrize("key", ["password_file", "sentinel_password_file"])
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "cannot read .*: "),
+        (b"", "is empty"),
+        (b"\n", "is empty"),
+        (b"x" * 5000, "more than 4,096 bytes"),
+        (b"\xff\xfe", "not UTF-8 text"),
+    ],
+)
+def test_a_redis_password_file_is_checked_and_bounded(
+    tmp_path: Path, key: str, content: bytes | None, expected: str
+) -> None:
+    """A wrong path (a log, /dev/zero) costs a bounded read and one line naming the key."""
+    from appliance.security.secretfile import write_secret
+
+    write_secret(tmp_path / "mac")
+    if content is not None:
+        (tmp_path / "secret").write_bytes(content)
+    redis = (
+        f'\n[cache.redis]\nmac_key_file = "mac"\nsentinels = ["10.0.0.2:26379"]\n{key} = "secret"\n'
+    )
+    with pytest.raises(ConfigError, match=f"key 'cache.redis.{key}': .*{expected}") as refused:
+        load_config(_write(tmp_path, GOOD + redis))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_redis_password_file_that_never_ends_is_refused(tmp_path: Path) -> None:
+    from appliance.security.secretfile import write_secret
+
+    write_secret(tmp_path / "mac")
+    redis = '\n[cache.redis]\nmac_key_file = "mac"\npassword_file = "/dev/zero"\n'
+    with pytest.raises(ConfigError, match=r"key 'cache.redis.password_file': .*more than"):
+        load_config(_write(tmp_path, GOOD + redis))

@@ -165,11 +165,23 @@ def _replication(m: Machine) -> dict[str, str]:
     return dict(line.strip().split(":", 1) for line in out.splitlines() if ":" in line)
 
 
+GATEWAY_PASSWORD = "/etc/appliance/credentials/redis-password"
+
+
 def _primary_named(m: Machine) -> list[str]:
-    """HOST PORT of the primary, as the container's Sentinel names it."""
+    """HOST PORT of the primary, as the container's Sentinel names it to the gateways' ACL user
+    (the Sentinel answers nobody who does not log in)."""
     return m.sh(
-        "redis-cli", "-p", "26379", "sentinel", "get-master-addr-by-name", "appliance"
+        "sh",
+        "-c",
+        f'REDISCLI_AUTH="$(cat {GATEWAY_PASSWORD})" redis-cli --no-auth-warning --user appliance'
+        " -p 26379 sentinel get-master-addr-by-name appliance",
     ).stdout.split()
+
+
+def _sentinel_refuses(m: Machine, *command: str) -> str:
+    """What the container's Sentinel answers a client that does not log in."""
+    return m.sh("redis-cli", "-h", HOSTS[m.name], "-p", "26379", *command).stdout.strip()
 
 
 def _ip(*argv: str) -> None:
@@ -249,6 +261,7 @@ def test_provision_two_hosts(fleet: Fleet) -> None:
     assert _replication(replica)["master_host"] == a_ip
     for m in fleet.machines.values():
         assert _primary_named(m) == [a_ip, "6379"]
+        assert _sentinel_refuses(m, "sentinel", "remove", "appliance").startswith("NOAUTH")
     _warm_up_on_one_host_is_cached_for_the_other(fleet)
     _a_question_on_one_host_answers_its_paraphrase_on_the_other(fleet)
 

@@ -90,3 +90,27 @@ def test_a_redis_ca_bundle_reaches_the_gateway(
 
     assert plain.cache.redis is not None and plain.cache.redis.tls_ca_file is None
     assert rediss.cache.redis is not None and rediss.cache.redis.tls_ca_file == str(ca)
+
+
+def test_the_gateway_logs_in_to_the_sentinels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The redis role's Sentinels require a login: the gateways' ACL user with its password (the
+    same credential as at the primary)."""
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    (credentials / "redis-password").write_text("p" * 32 + "\n")
+    (credentials / "cache-mac-key").write_bytes(b"k" * 32)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+
+    config = load_config(
+        _render(
+            tmp_path,
+            {"appliance_redis_sentinels": ["10.0.0.2:26379", "10.0.0.3:26379", "10.0.0.4:26379"]},
+        )
+    )
+
+    redis = config.cache.redis
+    assert redis is not None and len(redis.sentinels) == 3
+    assert (redis.username, redis.password) == ("appliance", "p" * 32)
+    assert (redis.sentinel_username, redis.sentinel_password) == ("appliance", "p" * 32)
