@@ -273,3 +273,21 @@ async def test_a_dead_sentinel_is_passed_over(group: SentinelGroup) -> None:
         assert tier.counters()["l2_timeouts"] == 0
     finally:
         await tier.close()
+
+
+async def test_a_sentinel_user_without_discovery_says_which_rules_to_give(
+    group: SentinelGroup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Logged in as a Sentinel user the Sentinels do not let ask where the primary is (here the
+    Sentinels' own): L2 is unavailable and the log line says which user lacks what."""
+    settings = _settings(
+        group, sentinel_username="sentinel", sentinel_password=group.PASSWORDS["sentinel"]
+    )
+    tier = RedisTier(settings)
+    try:
+        told = await tier.check()
+    finally:
+        await tier.close()
+    assert "unreachable" in told and "'sentinel|masters'" in told, told
+    lines = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
+    assert any("sentinel_username names lacks this command" in line for line in lines), lines
