@@ -300,7 +300,7 @@ def test_the_sentinels_credential_is_read_from_its_own_file(tmp_path: Path) -> N
         (None, "cannot read .*: "),
         (b"", "is empty"),
         (b"\n", "is empty"),
-        (b"x" * 5000, "more than 4,096 bytes"),
+        (b"x" * (64 * 1024 + 1), "more than 65,536 bytes"),
         (b"\xff\xfe", "not UTF-8 text"),
     ],
 )
