@@ -79,9 +79,8 @@ def _translate(m: pb.GenerateRequest, fields: dict[str, Any]) -> None:
         tool_calls.check_past_calls(sum(len(c.tool_calls) for c in listed))
         turns = [_turn(c, i) for i, c in enumerate(listed)]
         if plan is not None or tool_calls.has_tool_parts(turns):
-            chat = tool_calls.ToolChat(plan, tuple(turns))
-            fields["messages"] = chat.fallback()
-            fields["tool_chat"] = chat
+            # Written as messages by the check stage, once its size is known to fit.
+            fields["tool_chat"] = tool_calls.ToolChat(plan, tuple(turns))
         else:
             fields["messages"] = [(t.role, t.content) for t in turns]
     guide = None

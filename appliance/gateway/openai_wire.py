@@ -309,7 +309,7 @@ def _tools(data: dict[str, Any]) -> ToolPlan | None:
 
 
 def _messages(data: dict[str, Any], tools: ToolPlan | None, req: IncomingRequest) -> None:
-    """The chat as (role, content), and as a ToolChat when it has tools or tool-call history; an
+    """The chat as (role, content), or as a ToolChat when it has tools or tool-call history; an
     empty list reaches the check stage, which names it."""
     messages = _field(data, "messages", list, required=True)
     refusal = too_many_messages(len(messages))
@@ -340,9 +340,7 @@ def _messages(data: dict[str, Any], tools: ToolPlan | None, req: IncomingRequest
     if tools is None and not tool_calls.has_tool_parts(turns):
         req.messages = [(t.role, t.content) for t in turns]
         return
-    chat = tool_calls.ToolChat(tools, tuple(turns))
-    req.messages = chat.fallback()
-    req.tool_chat = chat
+    req.tool_chat = tool_calls.ToolChat(tools, tuple(turns))  # written by the check stage
 
 
 def _past_calls(message: dict[str, Any], i: int) -> list[tool_calls.PastCall]:

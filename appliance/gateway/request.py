@@ -148,8 +148,8 @@ class IncomingRequest:
     top_logprobs: int | None = None
     # Speculative decoding: False off, True asked for, None the model's default.
     speculation: bool | None = None
-    # A chat with tools or tool-call history, in structure; `messages` then holds its fallback
-    # rendering (tool_calls.ToolChat.fallback), which the check validates.
+    # A chat with tools or tool-call history, in structure, in place of `messages`: the check
+    # bounds its size, then writes it as messages (tool_calls.ToolChat.fallback) and validates them.
     tool_chat: ToolChat | None = None
 
 
@@ -404,8 +404,13 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
     tool_chat = None
-    if req.messages is not None:
-        raw = _messages(req.messages)
+    listed = req.messages
+    if req.tool_chat is not None:
+        # Writing it parses every past call's arguments: its size as sent is bounded first.
+        _fits(req.tool_chat.chars(), limits, "messages")
+        listed = req.tool_chat.fallback()
+    if listed is not None:
+        raw = _messages(listed)
         _fits(sum(len(c) for _, c in raw), limits, "messages")
         messages = tuple([(r, nfc(c)) for r, c in raw])
         if req.tool_chat is not None:

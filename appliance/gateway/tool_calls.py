@@ -26,6 +26,7 @@ message as a user message that names the call it answers.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -253,6 +254,12 @@ class PastCall:
     id: str = ""
 
     def parsed_arguments(self) -> Any:
+        """The arguments as a JSON value, or as the text they are where it does not parse."""
+        return self._parsed
+
+    @functools.cached_property
+    def _parsed(self) -> Any:
+        """Parsed once: the chat is written (fallback) and keyed (ToolChat.with_text) from it."""
         try:
             return json.loads(self.arguments) if self.arguments else {}
         except (ValueError, RecursionError):
@@ -304,6 +311,15 @@ class ToolChat:
     turns: tuple[Turn, ...]
     # The canonical text of everything above (what the cache key holds).
     key: str = field(default="", compare=False)
+
+    def chars(self) -> int:
+        """Characters of the chat as the client sent it: its messages' text, its calls' names and
+        arguments, the call ids its tool messages name. Counted before any call's arguments are
+        parsed (fallback, with_text parse them all), to bound the chat's size first."""
+        return sum(
+            len(t.content) + len(t.call_id) + sum(len(c.name) + len(c.arguments) for c in t.calls)
+            for t in self.turns
+        )
 
     def fallback(self) -> list[tuple[str, str]]:
         """The chat for any template: (role, content) with roles system, user and assistant."""

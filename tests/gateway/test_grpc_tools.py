@@ -400,6 +400,8 @@ def test_the_cache_key_tells_a_tool_message_from_its_fallback_text() -> None:
     from appliance.gateway.pipeline import sampling_key
 
     tool = wire.parse_request({"model": "m", "messages": HTTP_HISTORY}, chat=True).request
+    assert tool.tool_chat is not None
+    written = tool.tool_chat.fallback()
     imitation = wire.parse_request(
         {
             "model": "m",
@@ -407,10 +409,11 @@ def test_the_cache_key_tells_a_tool_message_from_its_fallback_text() -> None:
                 {"role": "user", "content": role_content[1]}
                 if role_content[0] == "user"
                 else {"role": role_content[0], "content": role_content[1]}
-                for role_content in (tool.messages or ())
+                for role_content in written
             ],
         },
         chat=True,
     ).request
-    assert tool.messages == imitation.messages
-    assert sampling_key(check(tool, LIMITS)) != sampling_key(check(imitation, LIMITS))
+    checked, imitated = check(tool, LIMITS), check(imitation, LIMITS)
+    assert checked.messages == imitated.messages
+    assert sampling_key(checked) != sampling_key(imitated)

@@ -5,16 +5,20 @@ both front ends' wire formats."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from appliance.gateway import messages
+from appliance.gateway import messages, tool_calls
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.call_reader import CallReader
+from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from appliance.gateway.generation import Delta
 from appliance.gateway.reply import Final, Reply
+from appliance.gateway.request import IncomingRequest, Limits, check
 from appliance.gateway.tool_calls import HeldText, ToolCall, parse_call, plan
+from appliance.v1 import inference_pb2 as pb
 
 WEATHER = {
     "type": "function",
@@ -36,13 +40,18 @@ def chat(**fields: Any) -> wire.HttpRequest:
     return wire.parse_request(body, chat=True)
 
 
+def written(http: wire.HttpRequest) -> list[tuple[str, str]]:
+    """The chat as the check stage writes it for any template."""
+    assert http.request.messages is None and http.request.tool_chat is not None
+    return http.request.tool_chat.fallback()
+
+
 def test_auto_adds_a_system_message_and_no_guide() -> None:
     http = chat(tools=[WEATHER, TIME])
     tool_chat = http.request.tool_chat
     assert tool_chat is not None and tool_chat.plan is not None
     assert tool_chat.plan.choice == "auto"
-    assert http.request.messages is not None
-    role, content = http.request.messages[0]
+    role, content = written(http)[0]
     assert role == "system" and '"name": "get_weather"' in content
     assert http.request.guide is None
 
@@ -65,8 +74,8 @@ def test_an_existing_system_message_keeps_its_text_after_the_tools() -> None:
         tools=[TIME],
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
     )
-    messages = http.request.messages
-    assert messages is not None and [role for role, _ in messages] == ["system", "user"]
+    messages = written(http)
+    assert [role for role, _ in messages] == ["system", "user"]
     assert messages[0][1].endswith("\n\nBe brief.")
 
 
@@ -95,8 +104,7 @@ def test_the_history_is_written_for_any_template() -> None:
             {"role": "tool", "tool_call_id": "call_1", "content": "4 C, rain"},
         ],
     )
-    assert http.request.messages is not None
-    roles = list(http.request.messages)
+    roles = written(http)
     assert roles[2] == ("assistant", '{"name": "get_weather", "arguments": {"city": "Oslo"}}')
     assert roles[3] == ("user", "Result of tool call call_1:\n4 C, rain")
 
@@ -254,3 +262,106 @@ def test_a_refusal_repeats_at_most_a_short_piece_of_what_the_client_sent(
         chat(**fields)
     assert err.value.status == 400 and err.value.param == "tool_choice"
     assert len(err.value.message) < 400, len(err.value.message)
+
+
+# -- past calls: parsed once, and only once the chat's size is known to fit -----------------------
+
+
+class CountingJson:
+    """tool_calls' `json`, counting the characters it is given to parse."""
+
+    def __init__(self) -> None:
+        self.parsed = 0
+
+    def loads(self, text: str) -> Any:
+        self.parsed += len(text)
+        return json.loads(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(json, name)
+
+
+ARGUMENTS = json.dumps({"rows": list(range(2000))})
+
+
+def long_history(calls: int) -> tuple[dict[str, Any], pb.GenerateRequest]:
+    """An assistant turn of `calls` calls with the same arguments, as an HTTP body and a gRPC
+    message."""
+    body = {
+        "model": "tiny",
+        "messages": [
+            {"role": "user", "content": "Sum them"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": f"c{i}", "function": {"name": "f", "arguments": ARGUMENTS}}
+                    for i in range(calls)
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c0", "content": "done"},
+        ],
+    }
+    grpc_calls = [pb.ToolCall(name="f", arguments=ARGUMENTS, id=f"c{i}") for i in range(calls)]
+    message = pb.GenerateRequest(
+        model="tiny",
+        messages=pb.ChatMessages(
+            messages=[
+                pb.ChatMessage(role="user", content="Sum them"),
+                pb.ChatMessage(role="assistant", tool_calls=grpc_calls),
+                pb.ChatMessage(role="tool", tool_call_id="c0", content="done"),
+            ]
+        ),
+    )
+    return body, message
+
+
+def received(
+    body: dict[str, Any], message: pb.GenerateRequest
+) -> list[Callable[[], IncomingRequest]]:
+    """Each front end's reading of the same chat."""
+    return [
+        lambda: wire.parse_request(body, chat=True).request,
+        lambda: messages.request_of(message),
+    ]
+
+
+def test_past_calls_over_the_input_bound_are_refused_before_any_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each past call's arguments are parsed to be written into the chat: a history over what the
+    model can take is refused for its size before any of them is parsed, on both front ends."""
+    counting = CountingJson()
+    monkeypatch.setattr(tool_calls, "json", counting)
+    limits = Limits(
+        max_input_tokens=100,
+        max_output_tokens=16,
+        default_max_tokens=16,
+        context_length=128,
+        max_input_chars=10_000,
+    )
+    for receive in received(*long_history(50)):
+        with pytest.raises(RequestError) as err:
+            check(receive(), limits)
+        assert err.value.reason == CONTEXT_LENGTH_EXCEEDED
+        assert counting.parsed == 0
+
+
+def test_each_past_call_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chat is written for any template and keyed for the cache from one parse of each."""
+    counting = CountingJson()
+    monkeypatch.setattr(tool_calls, "json", counting)
+    limits = Limits(
+        max_input_tokens=100_000,
+        max_output_tokens=16,
+        default_max_tokens=16,
+        context_length=200_000,
+    )
+    for receive in received(*long_history(3)):
+        counting.parsed = 0
+        checked = check(receive(), limits)
+        assert checked.tool_chat is not None and checked.tool_chat.key
+        assert checked.messages[1] == (
+            "assistant",
+            "\n".join([f'{{"name": "f", "arguments": {ARGUMENTS}}}'] * 3),
+        )
+        assert counting.parsed == 3 * len(ARGUMENTS)
