@@ -45,6 +45,23 @@ class OverBudget(RequestError):
     every request alike (a full line, a closed gate) are plain RequestErrors."""
 
 
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """What bounds a request's time to its first token, as a refusal names it (`name`) with what
+    the client can change (`change`). A deadline's (`deadline`) that passes while the request
+    waits in line is DEADLINE_EXCEEDED, as it is at every other stage; a refusal before the limit
+    passes (its expected wait or prefill would pass it) is RESOURCE_EXHAUSTED with a retry hint."""
+
+    name: str
+    change: str
+    deadline: bool = False
+
+
+TTFT_BUDGET = Limit(
+    "the request's time-to-first-token budget", "raise ttft_budget_ms, or retry later"
+)
+
+
 class Ticket(Protocol):
     def first_token(self) -> None:
         """The generation's first token arrived (feeds the prefill estimate)."""
@@ -61,10 +78,15 @@ class Ticket(Protocol):
 
 class Admission(Protocol):
     async def admit(
-        self, model: str, prompt_tokens: int, max_tokens: int, first_token_by: float | None
+        self,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        first_token_by: float | None,
+        limit: Limit = TTFT_BUDGET,
     ) -> Ticket:
         """A ticket once the request may start; RequestError when it may not. `first_token_by`:
-        time.monotonic() by which the first token must arrive, or None."""
+        time.monotonic() by which the first token must arrive, or None; `limit`: what sets it."""
         ...
 
     def close(self, message: str, retry_after_ms: int) -> None:
@@ -93,7 +115,12 @@ class AdmitAll:
         self._closed: RequestError | None = None
 
     async def admit(
-        self, model: str, prompt_tokens: int, max_tokens: int, first_token_by: float | None
+        self,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        first_token_by: float | None,
+        limit: Limit = TTFT_BUDGET,
     ) -> Ticket:
         if self._closed is not None:
             raise _closed_error(self._closed)
@@ -173,6 +200,7 @@ class _Work:
     prompt_tokens: int
     max_tokens: int
     first_token_by: float | None = None
+    limit: Limit = TTFT_BUDGET
     # When it joined the line and when it got its slot (gate clock).
     joined: float = 0.0
     started: float = 0.0
@@ -245,12 +273,16 @@ class ModelGate:
         return left / self.slots
 
     async def admit(
-        self, prompt_tokens: int, max_tokens: int, first_token_by: float | None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        first_token_by: float | None,
+        limit: Limit = TTFT_BUDGET,
     ) -> _GateTicket:
         if self.closed is not None:
             raise _closed_error(self.closed)
         now = self.clock()
-        work = _Work(prompt_tokens, max_tokens, first_token_by, joined=now)
+        work = _Work(prompt_tokens, max_tokens, first_token_by, limit, joined=now)
         if len(self.running) < self.slots and not self.waiting:
             return self._start(work, now)
         wait = self.estimated_wait(now)
@@ -268,8 +300,8 @@ class ModelGate:
             budget_ms = max(0.0, first_token_by - now) * 1000
             raise self._busy(
                 f"model '{self.name}' is busy: estimated time to first token {ttft * 1000:.0f} ms "
-                f"({len(self.running) + len(self.waiting)} requests ahead) exceeds this "
-                f"request's budget of {budget_ms:.0f} ms",
+                f"({len(self.running) + len(self.waiting)} requests ahead) exceeds the "
+                f"{budget_ms:.0f} ms left of {limit.name}; {limit.change}",
                 now + ttft - first_token_by,
                 OverBudget,
             )
@@ -287,23 +319,28 @@ class ModelGate:
             raise self._expired(work) from None
 
     def _expired(self, work: _Work) -> RequestError:
-        """The refusal of a waiter whose first token can no longer come within its budget. The
-        line held it this long without reaching it: the retry hint is no shorter than that."""
+        """The refusal of a waiter whose first token can no longer come within its limit. The
+        line held it this long without reaching it: the retry hint is no shorter than that. A
+        deadline that passed (no prefill expected to shorten the wait) is DEADLINE_EXCEEDED."""
         self.expired += 1
         now = self.clock()
         waited = now - work.joined
         prefill = self.estimate.first_token_s(work.prompt_tokens)
-        why = (
-            "the time-to-first-token budget passed"
-            if prefill < 0.001
-            else "the time-to-first-token budget passed or would pass during the expected "
-            f"prefill of {prefill * 1000:.0f} ms"
+        limit = work.limit
+        if prefill < 0.001:
+            why = f"{limit.name} passed"
+        else:
+            why = (
+                f"{limit.name} passed or would pass during the expected prefill of "
+                f"{prefill * 1000:.0f} ms"
+            )
+        message = (
+            f"model '{self.name}' is busy: waited {waited * 1000:.0f} ms for the engine and "
+            f"{why}; {limit.change}"
         )
-        return self._busy(
-            f"model '{self.name}' is busy: waited {waited * 1000:.0f} ms for the engine and {why}",
-            max(self.estimated_wait(now), waited),
-            OverBudget,
-        )
+        if limit.deadline and prefill < 0.001:
+            return OverBudget(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+        return self._busy(message, max(self.estimated_wait(now), waited), OverBudget)
 
     def _abandon(self, work: _Work) -> None:
         """A waiter left (deadline, budget, client gone): out of the line, or its slot back if
@@ -362,9 +399,14 @@ class GatedAdmission:
         self.gates = gates
 
     async def admit(
-        self, model: str, prompt_tokens: int, max_tokens: int, first_token_by: float | None
+        self,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        first_token_by: float | None,
+        limit: Limit = TTFT_BUDGET,
     ) -> Ticket:
-        return await self.gates[model].admit(prompt_tokens, max_tokens, first_token_by)
+        return await self.gates[model].admit(prompt_tokens, max_tokens, first_token_by, limit)
 
     def close(self, message: str, retry_after_ms: int) -> None:
         for gate in self.gates.values():

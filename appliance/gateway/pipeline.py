@@ -67,7 +67,7 @@ from appliance.cache.keys import ModelIdentity, SamplingKey, cache_key, is_deter
 from appliance.cache.policy import CachePlan, CachePolicy, OnlyNotPossible, plan
 from appliance.cache.singleflight import Flight, SingleFlight
 from appliance.cache.tiers import CacheQuery, Hit, MissUnsure, TierCascade
-from appliance.gateway.admission import Admission, OverBudget
+from appliance.gateway.admission import TTFT_BUDGET, Admission, Limit, OverBudget
 from appliance.gateway.call_reader import CallReader
 from appliance.gateway.errors import MODEL_NOT_FOUND, RequestError
 from appliance.gateway.generation import Delta, Event, Outcome, Started, answer_of, generate
@@ -125,6 +125,20 @@ STOPPING = "the gateway is shutting down; retry on another gateway"
 # microseconds before the pipeline's clock starts: a call cancelled within this much of its
 # deadline, or after it, was ended by the deadline.
 DEADLINE_SLACK_NS = 1_000_000
+
+# The limits a request's first token may be held to, as admission's refusals name them.
+MODEL_TTFT_BUDGET = Limit(
+    "the model's default time-to-first-token budget (the request set no ttft_budget_ms)",
+    "send a larger ttft_budget_ms, or retry later",
+)
+CLIENT_DEADLINE = Limit(
+    "the request's deadline", "give the request a longer deadline, or retry later", deadline=True
+)
+MODEL_DEADLINE = Limit(
+    "the model's default deadline (default_deadline_s; the request set none)",
+    "give the request a deadline of its own, or retry later",
+    deadline=True,
+)
 
 
 def engine_failure(exc: BackendError, input_field: str) -> RequestError:
@@ -224,6 +238,8 @@ class Budget:
     # Seconds the engine itself may take to the first token before the breaker counts it a fault:
     # the model's TTFT budget, never a client's (a budget below the engine's TTFT is the client's).
     engine_ttft_s: float | None
+    # What sets first_token_by, as admission's refusal names it.
+    limit: Limit = TTFT_BUDGET
 
 
 @dataclass(slots=True)
@@ -433,8 +449,11 @@ class Pipeline:
             if checked.ttft_budget_ms is not None
             else model.policy.ttft_budget_s
         )
-        first_by = expires if ttft_s is None else min(expires, now + ttft_s)
-        return Budget(expires, first_by, model.policy.ttft_budget_s)
+        if ttft_s is not None and now + ttft_s < expires:
+            limit = TTFT_BUDGET if checked.ttft_budget_ms is not None else MODEL_TTFT_BUDGET
+            return Budget(expires, now + ttft_s, model.policy.ttft_budget_s, limit)
+        limit = CLIENT_DEADLINE if deadline_s is not None else MODEL_DEADLINE
+        return Budget(expires, expires, model.policy.ttft_budget_s, limit)
 
     def cache_query(self, model: ServedModel, checked: CheckedRequest) -> CacheQuery | None:
         """The request as the cache sees it; None when its answer may not be cached. An answer
@@ -721,7 +740,11 @@ class Pipeline:
         breaker's time open has passed, one generation at a time probes the engine; the others
         are refused as while it was open (a fallback answers them where there is one)."""
         ticket = await self.admission.admit(
-            model.name, len(prepared.prompt_ids), prepared.max_tokens, budget.first_token_by
+            model.name,
+            len(prepared.prompt_ids),
+            prepared.max_tokens,
+            budget.first_token_by,
+            budget.limit,
         )
         breaker = model.health.breaker
         probe = breaker.state == "half-open"

@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from appliance.gateway.admission import GatedAdmission, Ticket
+from appliance.gateway.admission import (
+    TTFT_BUDGET,
+    GatedAdmission,
+    Limit,
+    ServiceEstimate,
+    Ticket,
+)
 from appliance.gateway.models import load_models
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.server import RunningGateway, start_server
@@ -31,18 +37,20 @@ async def one_slot(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
     await running.drain(0.2)
 
 
+def hold_the_slot_request() -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        model="tiny",
+        prompt="Tell me everything",
+        max_tokens=1500,
+        temperature=0,
+        cache_policy=pb.CACHE_POLICY_BYPASS,
+    )
+
+
 def hold_the_slot(stub: pb_grpc.InferenceStub) -> grpc.aio.UnaryStreamCall:
     """A long generation, never cached: once its first message is read it holds the engine's
     slot until the test cancels it."""
-    return stub.Generate(
-        pb.GenerateRequest(
-            model="tiny",
-            prompt="Tell me everything",
-            max_tokens=1500,
-            temperature=0,
-            cache_policy=pb.CACHE_POLICY_BYPASS,
-        )
-    )
+    return stub.Generate(hold_the_slot_request())
 
 
 async def test_a_follower_is_not_refused_for_its_leaders_ttft_budget(
@@ -117,11 +125,15 @@ async def test_a_refusal_for_any_request_reaches_each_follower_once(
         admit = admission.admit
 
         async def admit_when_joined(
-            model: str, prompt_tokens: int, max_tokens: int, first_token_by: float | None
+            model: str,
+            prompt_tokens: int,
+            max_tokens: int,
+            first_token_by: float | None,
+            limit: Limit = TTFT_BUDGET,
         ) -> Ticket:
             asked.append(model)
             await joined.wait()
-            return await admit(model, prompt_tokens, max_tokens, first_token_by)
+            return await admit(model, prompt_tokens, max_tokens, first_token_by, limit)
 
         monkeypatch.setattr(admission, "admit", admit_when_joined)
         ask = pb.GenerateRequest(model="tiny", prompt="a full line", max_tokens=8, temperature=0)
@@ -148,3 +160,61 @@ async def test_a_refusal_for_any_request_reaches_each_follower_once(
     assert (asked, gate.refused) == (["tiny"], 1)
     assert pipeline.cache is not None
     assert pipeline.cache.metrics.single_flight_followers == FOLLOWERS
+
+
+@pytest.fixture
+async def one_slot_short_default(tiny: Tiny, engine: Engine) -> AsyncIterator[RunningGateway]:
+    """One generation at the engine at a time; a request that sets no deadline gets 2.5 s."""
+    config = gateway_config(
+        tiny.tokenizer_dir,
+        engine.address,
+        cache=cache_config(None),
+        max_in_flight=1,
+        default_deadline_s=2.5,
+    )
+    running = await start_server(config, await load_models(config))
+    yield running
+    await running.drain(0.2)
+
+
+@pytest.mark.parametrize(
+    ("ask", "timeout", "named"),
+    [
+        ({}, 2.0, "the request's deadline"),
+        ({}, None, "the model's default deadline"),
+        ({"ttft_budget_ms": 2000}, 60.0, "the request's time-to-first-token budget"),
+    ],
+)
+async def test_a_waiter_refused_in_line_is_told_which_limit_its_wait_would_pass(
+    one_slot_short_default: RunningGateway,
+    ask: dict[str, int],
+    timeout: float | None,
+    named: str,
+) -> None:
+    """A request that sets no TTFT budget waits in line within its deadline (its own, or the
+    model's default): its refusal names that limit, not a budget it never set, and what to change.
+    The status is the gate's: RESOURCE_EXHAUSTED with a retry hint, since it leaves the line
+    before the limit passes (once its expected prefill no longer fits)."""
+    pipeline: Pipeline = one_slot_short_default.service.pipeline
+    admission = pipeline.admission
+    assert isinstance(admission, GatedAdmission)
+    gate = admission.gates["tiny"]
+    # A learned estimate: the running generation ends at once, a prefill takes 0.2 s a token.
+    gate.estimate = ServiceEstimate(
+        prefill_s_per_token=0.2, decode_s_per_token=0.0, token_fraction=0.0, samples=5
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{one_slot_short_default.port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        blocker = stub.Generate(hold_the_slot_request(), timeout=60)
+        await blocker.read()
+        request = pb.GenerateRequest(
+            model="tiny", prompt="hi", max_tokens=8, cache_policy=pb.CACHE_POLICY_BYPASS, **ask
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Complete(request, timeout=timeout)
+        blocker.cancel()
+    assert gate.expired == 1
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = refused.value.details() or ""
+    assert named in details, details
+    assert ("deadline" in details) == ("deadline" in named), details

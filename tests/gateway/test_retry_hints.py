@@ -16,7 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from appliance.gateway.admission import UNKNOWN_WAIT_RETRY_MS, ModelGate, ServiceEstimate
+from appliance.gateway.admission import (
+    UNKNOWN_WAIT_RETRY_MS,
+    Limit,
+    ModelGate,
+    OverBudget,
+    ServiceEstimate,
+)
 from appliance.gateway.errors import RequestError
 from appliance.gateway.json_body import INLINE_BYTES
 from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS
@@ -126,6 +132,20 @@ async def test_a_waiter_leaves_the_line_when_its_prefill_would_pass_the_budget()
     assert "budget passed" in err.value.message
     # No estimate says when the line moves: the hint is at least the time it waited in vain.
     assert err.value.retry_after_ms is not None and err.value.retry_after_ms >= 50
+    assert (gate.expired, len(gate.waiting)) == (1, 0)
+
+
+async def test_a_waiter_whose_deadline_passes_in_line_is_told_so() -> None:
+    """A deadline (no TTFT budget) that passes while the request waits, with no prefill expected
+    to end the wait sooner, is DEADLINE_EXCEEDED as at every other stage, naming the deadline."""
+    gate = ModelGate("m", slots=1, max_queue=4)  # the real clock; no estimate learned yet
+    await gate.admit(10, 10, None)
+    deadline = Limit("the request's deadline", "give the request a longer deadline", True)
+    with pytest.raises(RequestError) as err:
+        await gate.admit(10, 10, gate.clock() + 0.05, deadline)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "the request's deadline passed; give the request a longer deadline" in err.value.message
+    assert isinstance(err.value, OverBudget)  # the request's own: a follower may still be admitted
     assert (gate.expired, len(gate.waiting)) == (1, 0)
 
 
