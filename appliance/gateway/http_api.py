@@ -78,7 +78,7 @@ from appliance.gateway.pipeline import UNAVAILABLE_RETRY_MS, Pipeline, stopping
 from appliance.gateway.reply import Reply
 from appliance.gateway.request import echo, new_request_id, valid_request_id
 from appliance.logline import Throttled
-from appliance.security.auth import Credentials, bearer_token
+from appliance.security.auth import CACHE_ONLY, GENERATE, Credentials, Grant, bearer_token
 from appliance.security.tls import ServerTls, peercert_names
 
 log = logging.getLogger(__name__)
@@ -687,7 +687,7 @@ class HttpApi:
     def _unauthenticated(self, credentials: Credentials) -> wire.HttpError | None:
         """The 401 of a request whose credentials the gateway's keys do not know (None: known, or
         no keys configured). Listing models needs a valid key, no particular scope; a generation
-        is asked for one before its body is read (the pipeline then checks its scope)."""
+        is admitted before its body is read (_admit; the pipeline then checks its scope)."""
         try:
             self.pipeline.access.authenticate(credentials)
         except RequestError as exc:
@@ -838,15 +838,17 @@ class HttpApi:
         self._active += 1
         self._idle.clear()
         credentials = self._credentials(request)
+        grant: Grant | None = None
         try:
             try:
                 refused = cross_origin(request)
                 if refused is not None:
                     self._count_refusal(request, REFUSED_CROSS_ORIGIN)
                     raise refused
-                refused = self._unauthenticated(credentials)
-                if refused is not None:  # nothing of the body is read for a client without a key
-                    raise refused
+                # Nothing of the body is read for a key the gateway does not know, one over its
+                # rate limits, or one that may not generate at all; the scope and namespace the
+                # body names are the pipeline's to check.
+                grant = self._admit(request, credentials)
                 http = wire.parse_request(await self._read(request), chat)
                 if not http.request.request_id:
                     # The client's (or its proxy's) id when the body sets none and it is one
@@ -864,6 +866,7 @@ class HttpApi:
                 credentials,
                 front_end="http",
                 hold_call_text=True,
+                admitted=grant,
             )
             assert isinstance(replies, AsyncGenerator)  # closed below, whatever happens
             try:
@@ -871,9 +874,26 @@ class HttpApi:
             finally:
                 await replies.aclose()
         finally:
+            if grant is not None:
+                grant.release()  # the pipeline's once it ran; not when the body was refused
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
+
+    def _admit(self, request: web.Request, credentials: Credentials) -> Grant:
+        """AccessControl.admit for a generation, whose body says which scope it needs. A refusal
+        of a known key (its rate limits, its scopes) is reported with its key id; an unknown
+        key's with none, as every route's 401."""
+        try:
+            return self.pipeline.access.admit(credentials, (GENERATE, CACHE_ONLY))
+        except RequestError as exc:
+            request[REPORTED] = True
+            known = exc.code != grpc.StatusCode.UNAUTHENTICATED
+            key_id = credentials.claimed_key_id() if known else ""
+            self.pipeline.refused("http", exc.code.name, request[RECEIVED], key_id)
+            err = wire.error_of(exc)
+            err.retry_after_ms = exc.retry_after_ms
+            raise err from None
 
     def _credentials(self, request: web.Request) -> Credentials:
         """What the request presents, read as the gRPC service reads its metadata: a Bearer key

@@ -8,7 +8,9 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
 
 - authorize: who is asking and whether they may (security.auth): the API key or client
   certificate, the key's rate limits, its scope and the namespace it may use; before anything else
-  is looked at.
+  is looked at. A front end checks what it can before it reads the request (the gRPC API all of
+  it, the HTTP API all but the scope and namespace its body names) and hands the Grant over; they
+  are checked here (again).
 - route: the model the request names.
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
@@ -139,6 +141,11 @@ MODEL_DEADLINE = Limit(
     "give the request a deadline of its own, or retry later",
     deadline=True,
 )
+
+
+def scope_of(cache_policy: int) -> str:
+    """The scope a request of this cache policy (the number the client sent) needs."""
+    return CACHE_ONLY if cache_policy == CachePolicy.ONLY.value else GENERATE
 
 
 def engine_failure(exc: BackendError, input_field: str) -> RequestError:
@@ -306,13 +313,16 @@ class Pipeline:
         credentials: Credentials = NO_CREDENTIALS,
         front_end: str = "grpc",
         hold_call_text: bool = False,
+        admitted: Grant | None = None,
     ) -> AsyncIterator[Reply]:
         """The request's replies: text deltas, then the Final; raises RequestError.
         `deadline_s`: seconds the client gives; `credentials`: what the client presented (none:
         refused when the gateway has keys); `front_end`: which one received it, for metrics and
         the access log; `hold_call_text`: a request with tools gets no text of an answer that is
         a tool call, only the call in its Final (else the text streams as generated and the
-        Final carries the call too; call_reader.py)."""
+        Final carries the call too; call_reader.py); `admitted`: the grant the front end got for
+        the credentials before it read the request (AccessControl.admit or authorize), whose
+        scope and namespace are checked here and which is released here."""
         received = time.monotonic_ns()
         # A request id the check would refuse (control characters, non-ASCII) is not logged.
         request_id = request.request_id if valid_request_id(request.request_id) else ""
@@ -320,10 +330,10 @@ class Pipeline:
             request_id=request_id,
             front_end=front_end,
         )
-        grant: Grant | None = None
+        grant = admitted
         routed: str | None = None
         try:
-            grant = self.authorize(request, credentials, report)
+            grant = self.authorize(request, credentials, report, admitted)
             model = self.route(request.model)
             report.model = routed = model.name
             self.in_flight[routed] += 1
@@ -387,14 +397,24 @@ class Pipeline:
     # -- stages -------------------------------------------------------------------------------
 
     def authorize(
-        self, request: IncomingRequest, credentials: Credentials, report: RequestReport
+        self,
+        request: IncomingRequest,
+        credentials: Credentials,
+        report: RequestReport,
+        admitted: Grant | None = None,
     ) -> Grant:
         """Access control: who is asking, whether they may, and the namespace they may use (a
-        key holding one namespace may leave it out)."""
-        scope = CACHE_ONLY if request.cache_policy == CachePolicy.ONLY.value else GENERATE
+        key holding one namespace may leave it out). `admitted`: the front end's grant for the
+        credentials; the scope and namespace the request names are checked on it."""
+        scope = scope_of(request.cache_policy)
         report.key_id = credentials.claimed_key_id()
         report.namespace = request.namespace[:MAX_NAMESPACE_LENGTH]  # refused later when longer
-        grant = self.access.authorize(credentials, request.namespace, scope)
+        if admitted is None:
+            grant = self.access.authorize(credentials, request.namespace, scope)
+        else:
+            report.key_id = admitted.key_id
+            self.access.permit(admitted, request.namespace, scope)
+            grant = admitted
         report.key_id = grant.key_id
         report.namespace = grant.namespace[:MAX_NAMESPACE_LENGTH]
         return grant

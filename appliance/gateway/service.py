@@ -20,9 +20,9 @@ from appliance.cache.tiers import TierCascade
 from appliance.gateway import messages, report
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta
-from appliance.gateway.pipeline import Pipeline
+from appliance.gateway.pipeline import Pipeline, scope_of
 from appliance.gateway.request import MAX_MODEL_NAME_LENGTH, MAX_NAMESPACE_LENGTH, IncomingRequest
-from appliance.security.auth import AccessControl, Credentials, bearer_token
+from appliance.security.auth import AccessControl, Credentials, Grant, bearer_token
 from appliance.security.tls import grpc_peer_names
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -93,10 +93,13 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._begin()
+        grant: Grant | None = None
         try:
             presented = credentials(context, self.mutual_tls)
-            incoming = self._incoming(request, presented)
-            replies = self.pipeline.run(incoming, context.time_remaining(), presented)
+            incoming, grant = self._incoming(request, presented)
+            replies = self.pipeline.run(
+                incoming, context.time_remaining(), presented, admitted=grant
+            )
             request_id = incoming.request_id
             async for reply in replies:
                 if isinstance(reply, Delta):
@@ -107,6 +110,8 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
         finally:
+            if grant is not None:
+                grant.release()  # the pipeline's, done already unless its replies were left
             self._end()
 
     async def Complete(
@@ -116,11 +121,13 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         text: list[str] = []
         reply = pb.CompleteResponse()
         self._begin()
+        grant: Grant | None = None
         try:
             presented = credentials(context, self.mutual_tls)
-            incoming = self._incoming(request, presented)
+            incoming, grant = self._incoming(request, presented)
             reply.request_id = incoming.request_id
-            async for part in self.pipeline.run(incoming, context.time_remaining(), presented):
+            deadline_s = context.time_remaining()
+            async for part in self.pipeline.run(incoming, deadline_s, presented, admitted=grant):
                 if isinstance(part, Delta):
                     text.append(part.text)
                     reply.token_ids.extend(part.token_ids)
@@ -132,23 +139,31 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
             _set_pushback(context, exc)
             await context.abort(exc.code, exc.message)
         finally:
+            if grant is not None:
+                grant.release()
             self._end()
         reply.text = "".join(text)
         return reply
 
-    def _incoming(self, request: pb.GenerateRequest, presented: Credentials) -> IncomingRequest:
-        """The message in the pipeline's terms; a refusal here is reported as the pipeline's.
-        Credentials the gateway's keys do not know are refused before any of the message is
-        translated (its tools and chat cost work to read), as the HTTP API reads no body of
-        such a request."""
+    def _incoming(
+        self, request: pb.GenerateRequest, presented: Credentials
+    ) -> tuple[IncomingRequest, Grant]:
+        """The message in the pipeline's terms, and the caller's grant; a refusal here is
+        reported as the pipeline's. All of access control (the key, its rate limits, the scope
+        its cache_policy needs, its namespace: fields read as they are) comes before any of the
+        message is translated (its tools and chat cost work to read)."""
         received = time.monotonic_ns()
+        grant: Grant | None = None
         try:
-            self.pipeline.access.authenticate(presented)
-            return messages.request_of(request)
-        except RequestError as exc:
-            self.pipeline.refused(
-                "grpc", exc.code.name, received, presented.claimed_key_id(), request.namespace
+            grant = self.pipeline.access.authorize(
+                presented, request.namespace, scope_of(request.cache_policy)
             )
+            return messages.request_of(request), grant
+        except RequestError as exc:
+            key_id = presented.claimed_key_id() if grant is None else grant.key_id
+            if grant is not None:
+                grant.release()
+            self.pipeline.refused("grpc", exc.code.name, received, key_id, request.namespace)
             raise
 
     def _begin(self) -> None:

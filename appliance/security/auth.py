@@ -2,8 +2,11 @@
 namespace), and not too often (rate limits) — before validation, the cache or the engine.
 
 Front ends (gRPC, HTTP) turn what their protocol carries into Credentials (a bearer token, the client
-certificate's names) and call `AccessControl.admit`; the pipeline and CacheAdmin only ever see the Grant it
-returns. Refusals are RequestErrors: UNAUTHENTICATED for a missing or unknown key, PERMISSION_DENIED
+certificate's names). What needs nothing of the request but its credentials (the key, its rate
+limits, whether it may generate at all) is checked by `AccessControl.admit` before a front end
+reads or translates the request; the scope and namespace the request names, by `permit` once they
+are read (`authorize`: both at once, where the front end reads them without translating anything).
+The pipeline and CacheAdmin only ever see the Grant they return. Refusals are RequestErrors: UNAUTHENTICATED for a missing or unknown key, PERMISSION_DENIED
 for a key that may not do this (scope or namespace), RESOURCE_EXHAUSTED over a rate limit. A
 refusal's message names only the caller's own key and what it sent, never another tenant's.
 """
@@ -51,12 +54,14 @@ def bearer_token(authorization: str) -> str | None:
 
 
 class Grant:
-    """An authorized request: its key id and namespace; `release` once it ends (frees its stream)."""
+    """An admitted request: its key and, once permitted, its namespace; `release` once it ends
+    (frees its stream; releasing again does nothing)."""
 
-    __slots__ = ("_limiter", "key_id", "namespace")
+    __slots__ = ("_limiter", "key_id", "namespace", "principal")
 
-    def __init__(self, key_id: str, namespace: str, limiter: RateLimiter | None) -> None:
-        self.key_id = key_id
+    def __init__(self, principal: Principal, namespace: str, limiter: RateLimiter | None) -> None:
+        self.principal = principal
+        self.key_id = principal.key_id
         self.namespace = namespace
         self._limiter = limiter
 
@@ -112,20 +117,45 @@ class AccessControl:
         """A request for `namespace` ("": the key's only one, else "default") needing `scope`."""
         principal = self.authenticate(credentials)
         if principal is ANONYMOUS:
-            return Grant(principal.key_id, namespace, None)
+            return Grant(principal, namespace, None)
         limits = principal.limits
         self.limiter.take(principal.key_id, limits)
         self._scope(principal, scope)
         namespace = self._namespace(principal, namespace)
         counted = self.limiter.open_stream(principal.key_id, limits)
-        return Grant(principal.key_id, namespace, self.limiter if counted else None)
+        return Grant(principal, namespace, self.limiter if counted else None)
+
+    def admit(self, credentials: Credentials, scopes: tuple[str, ...]) -> Grant:
+        """What is checked before a request is read: the key, its rate (one request taken), one of
+        `scopes` (those the request may need: which one, it says itself), its requests open at
+        once (this one counted). `permit` then checks the scope and namespace the request names."""
+        principal = self.authenticate(credentials)
+        if principal is ANONYMOUS:
+            return Grant(principal, "", None)
+        limits = principal.limits
+        self.limiter.take(principal.key_id, limits)
+        if principal.scopes.isdisjoint(scopes):
+            self._scope(principal, scopes[0])
+        counted = self.limiter.open_stream(principal.key_id, limits)
+        return Grant(principal, "", self.limiter if counted else None)
+
+    def permit(self, grant: Grant, namespace: str, scope: str) -> None:
+        """The admitted request may use `namespace` ("": the key's only one, else "default") and
+        needs `scope`; the grant's namespace is set. Checking again (a grant from `authorize`)
+        gives the same answer. The caller releases the grant on a refusal."""
+        principal = grant.principal
+        if principal is ANONYMOUS:
+            grant.namespace = namespace
+            return
+        self._scope(principal, scope)
+        grant.namespace = self._namespace(principal, namespace)
 
     def authorize_admin(self, credentials: Credentials, namespace: str) -> Grant:
         """A CacheAdmin call: the `admin` scope; a namespace the key holds, or any namespace
         (every namespace's entries or counters) only for a key that holds "*"."""
         principal = self.authenticate(credentials)
         if principal is ANONYMOUS:
-            return Grant(principal.key_id, namespace, None)
+            return Grant(principal, namespace, None)
         self.limiter.take(principal.key_id, principal.limits)
         self._scope(principal, ADMIN)
         if not principal.any_namespace and (not namespace or namespace not in principal.namespaces):
@@ -134,7 +164,7 @@ class AccessControl:
                 f"({', '.join(sorted(principal.namespaces))}): name one of them"
                 + ("" if namespace else '; all namespaces need a key holding "*"')
             )
-        return Grant(principal.key_id, namespace, None)
+        return Grant(principal, namespace, None)
 
     @staticmethod
     def _scope(principal: Principal, scope: str) -> None:

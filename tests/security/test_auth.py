@@ -246,6 +246,32 @@ async def test_a_caller_without_a_valid_key_is_refused_before_its_message_is_rea
     assert sum("namespace='t'" in x and "status=UNAUTHENTICATED" in x for x in lines) == 2
 
 
+async def test_a_key_refused_by_rate_scope_or_namespace_is_refused_before_translation(
+    gateway: Client, keys: Keys
+) -> None:
+    """The message's namespace and cache_policy are read as they are, without translating the
+    rest: a key over its rate, without the scope or without the namespace is refused for that,
+    whatever its message holds (here: tools beside a prompt, which translation refuses)."""
+    slow = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=0.01, burst=1))
+    prober = keys.add(["t"], ["cache:read-only-policy"])
+    other = keys.add(["u"], ["generate"])
+    assert gateway.gw.access is not None and gateway.gw.access.keys is not None
+    gateway.gw.access.keys.reload()
+    tools = pb.Tools(tools=[pb.Tool(name="f")])
+    await gateway.complete(req("t"), slow)  # its burst
+    err = await gateway.refused(req("t", tools=tools), slow)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+    err = await gateway.refused(req("t", tools=tools), prober)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err.details()
+    assert "lacks the scope 'generate'" in (err.details() or "")
+    err = await gateway.refused(req("t", tools=tools), other)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err.details()
+    assert "may not use namespace 't'" in (err.details() or "")
+    # Allowed, the same message is translated and refused for what it holds.
+    err = await gateway.refused(req("u", tools=tools), other)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+
+
 async def test_rate_and_stream_limits_per_key(gateway: Client, keys: Keys) -> None:
     limited = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=1000.0, max_streams=1))
     slow = keys.add(["t"], ["generate"], limits=RateLimits(rate_per_s=0.2, burst=2))

@@ -12,9 +12,10 @@ import openai
 import pytest
 
 from appliance.config import HttpConfig
+from appliance.security.api_keys import RateLimits
 from tests.conftest import Engine, Tiny
 from tests.security.conftest import Keys, running
-from tests.support import gateway_config
+from tests.support import gateway_config, until_async
 
 
 @contextlib.asynccontextmanager
@@ -94,6 +95,51 @@ async def test_a_generation_without_a_key_is_refused_before_its_body_is_read(
                     "authentication_error",
                     "invalid_request_error",
                 )
+
+
+async def test_a_key_over_its_rates_or_without_a_generating_scope_is_refused_before_its_body(
+    tiny: Tiny, engine: Engine, keys: Keys
+) -> None:
+    """Rates (requests/s, requests open at once) and whether the key may generate at all need no
+    body: such a key is refused for that, and nothing it sent is read."""
+    slow = keys.add(["team-a"], ["generate"], limits=RateLimits(rate_per_s=0.01, burst=1))
+    one_stream = keys.add(["team-a"], ["generate"], limits=RateLimits(max_streams=1))
+    admin = keys.add(["team-a"], ["admin"])
+    async with _keyed_http(tiny, engine, keys) as base, aiohttp.ClientSession() as session:
+        url = f"{base}/v1/chat/completions"
+        unread = {"Content-Encoding": "br"}  # read, the body would be refused with a 415
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with session.post(url, json=ask, headers=bearer_header(slow)) as r:
+            assert r.status == 200, await r.text()  # its burst
+        async with session.post(
+            url, data=b"{not json", headers={**bearer_header(slow), **unread}
+        ) as r:
+            assert r.status == 429, await r.text()
+            assert "rate limit" in (await r.json())["error"]["message"]
+            assert "Retry-After" in r.headers
+        async with session.post(
+            url, data=b"{not json", headers={**bearer_header(admin), **unread}
+        ) as r:
+            assert r.status == 403, await r.text()
+        # One request open: a second is refused while the first waits for its body.
+        _, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n"
+            b"Authorization: Bearer " + one_stream.encode() + b"\r\n\r\n{"
+        )
+        await writer.drain()
+        try:
+
+            async def refused_while_open() -> bool:
+                async with session.post(
+                    url, data=b"{not json", headers={**bearer_header(one_stream), **unread}
+                ) as r:
+                    return r.status == 429
+
+            await until_async(refused_while_open, "a second request was never refused", 10.0)
+        finally:
+            writer.close()
 
 
 def bearer_header(token: str) -> dict[str, str]:
