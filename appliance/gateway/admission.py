@@ -308,9 +308,9 @@ class ModelGate:
         work.ticket = asyncio.get_running_loop().create_future()
         self.waiting.append(work)
         # It leaves the line once its expected prefill no longer fits in its budget.
-        limit = None if first_token_by is None else max(0.0, first_token_by - prefill - now)
+        waits_s = None if first_token_by is None else max(0.0, first_token_by - prefill - now)
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(waits_s):
                 return await work.ticket
         except BaseException as exc:
             self._abandon(work)

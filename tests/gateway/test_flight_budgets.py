@@ -178,16 +178,16 @@ async def one_slot_short_default(tiny: Tiny, engine: Engine) -> AsyncIterator[Ru
 
 
 @pytest.mark.parametrize(
-    ("ask", "timeout", "named"),
+    ("ttft_budget_ms", "timeout", "named"),
     [
-        ({}, 2.0, "the request's deadline"),
-        ({}, None, "the model's default deadline"),
-        ({"ttft_budget_ms": 2000}, 60.0, "the request's time-to-first-token budget"),
+        (None, 2.5, "the request's deadline"),
+        (None, None, "the model's default deadline"),
+        (2500, 60.0, "the request's time-to-first-token budget"),
     ],
 )
 async def test_a_waiter_refused_in_line_is_told_which_limit_its_wait_would_pass(
     one_slot_short_default: RunningGateway,
-    ask: dict[str, int],
+    ttft_budget_ms: int | None,
     timeout: float | None,
     named: str,
 ) -> None:
@@ -199,17 +199,24 @@ async def test_a_waiter_refused_in_line_is_told_which_limit_its_wait_would_pass(
     admission = pipeline.admission
     assert isinstance(admission, GatedAdmission)
     gate = admission.gates["tiny"]
-    # A learned estimate: the running generation ends at once, a prefill takes 0.2 s a token.
+    # A learned estimate: the running generation ends at once, the waiter's prefill takes 2.2 s
+    # of its 2.5: it joins the line, and leaves it within a third of a second.
+    prompt_tokens = len(pipeline.models["tiny"].text.encode_prompt("hi"))
     gate.estimate = ServiceEstimate(
-        prefill_s_per_token=0.2, decode_s_per_token=0.0, token_fraction=0.0, samples=5
+        prefill_s_per_token=2.2 / prompt_tokens,
+        decode_s_per_token=0.0,
+        token_fraction=0.0,
+        samples=5,
     )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{one_slot_short_default.port}") as channel:
         stub = pb_grpc.InferenceStub(channel)
         blocker = stub.Generate(hold_the_slot_request(), timeout=60)
         await blocker.read()
         request = pb.GenerateRequest(
-            model="tiny", prompt="hi", max_tokens=8, cache_policy=pb.CACHE_POLICY_BYPASS, **ask
+            model="tiny", prompt="hi", max_tokens=8, cache_policy=pb.CACHE_POLICY_BYPASS
         )
+        if ttft_budget_ms is not None:
+            request.ttft_budget_ms = ttft_budget_ms
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Complete(request, timeout=timeout)
         blocker.cancel()
