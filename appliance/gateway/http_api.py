@@ -756,15 +756,17 @@ class HttpApi:
 
     async def _expect(self, request: web.Request) -> web.Response | None:
         """`Expect: 100-continue`: the body is asked for (aiohttp's answer) only when the handler
-        will read it; otherwise the handler's refusal (503, 401, 413) is the only answer and
-        the client never sends the body."""
+        will read it; otherwise the handler's refusal (503, 401, 403, 413, 429) is the only
+        answer and the client never sends the body."""
         if (unmet := await self._unmet_expectation(request)) is not None:
             return unmet
         if (
             self.draining
             or self._refused_host(request) is not None
             or cross_origin(request) is not None
-            or self._unauthenticated(self._credentials(request)) is not None
+            or not self.pipeline.access.would_admit(
+                self._credentials(request), (GENERATE, CACHE_ONLY)
+            )
             or self._declared_too_large(request)
             or self._over_budget(request)
         ):

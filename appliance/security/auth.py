@@ -139,6 +139,19 @@ class AccessControl:
         counted = self.limiter.open_stream(principal.key_id, limits)
         return Grant(principal, "", self.limiter if counted else None)
 
+    def would_admit(self, credentials: Credentials, scopes: tuple[str, ...]) -> bool:
+        """Whether `admit` would pass now; nothing is taken or counted (a client that waits for
+        100 Continue is not asked for a body that would be refused unread)."""
+        try:
+            principal = self.authenticate(credentials)
+        except RequestError:
+            return False
+        if principal is ANONYMOUS:
+            return True
+        if principal.scopes.isdisjoint(scopes):
+            return False
+        return self.limiter.has_room(principal.key_id, principal.limits)
+
     def permit(self, grant: Grant, namespace: str, scope: str) -> None:
         """The admitted request may use `namespace` ("": the key's only one, else "default") and
         needs `scope`; the grant's namespace is set. Checking again (a grant from `authorize`)

@@ -61,6 +61,19 @@ class RateLimiter:
             retry_after_ms=wait_ms,
         )
 
+    def has_room(self, key_id: str, limits: RateLimits) -> bool:
+        """Whether `take` and `open_stream` would pass now; nothing is taken or counted."""
+        bucket = self._buckets.get(key_id)
+        if bucket is None:
+            return True
+        rate = limits.rate_per_s
+        if rate is not None:
+            burst = float(limits.burst or max(1.0, rate))
+            tokens = min(burst, bucket.tokens + (time.monotonic() - bucket.last) * rate)
+            if tokens < 1.0:
+                return False
+        return limits.max_streams is None or bucket.streams < limits.max_streams
+
     def open_stream(self, key_id: str, limits: RateLimits) -> bool:
         """Counts a stream of `key_id`; RequestError when it has its limit open. True when counted
         (then `close_stream` must follow)."""

@@ -142,6 +142,41 @@ async def test_a_key_over_its_rates_or_without_a_generating_scope_is_refused_bef
             writer.close()
 
 
+async def test_a_client_waiting_for_100_continue_is_not_asked_for_a_body_refused_unread(
+    tiny: Tiny, engine: Engine, keys: Keys
+) -> None:
+    """A key over its rate, or without a scope to generate with, is refused before its body is
+    read: a client that waits for 100 Continue gets the refusal instead, and sends no body."""
+    slow = keys.add(["team-a"], ["generate"], limits=RateLimits(rate_per_s=0.01, burst=1))
+    admin = keys.add(["team-a"], ["admin"])
+    other = keys.add(["team-a"], ["generate"])
+    async with _keyed_http(tiny, engine, keys) as base, aiohttp.ClientSession() as session:
+        port = int(base.rsplit(":", 1)[1])
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 10\r\n"
+            b"Expect: 100-continue\r\nAuthorization: Bearer "
+        )
+
+        async def status_line(token: str) -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(head + token.encode() + b"\r\n\r\n")
+                await writer.drain()
+                return (await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).rstrip()
+            finally:
+                writer.close()
+
+        async with session.post(
+            f"{base}/v1/chat/completions", json=ask, headers=bearer_header(slow)
+        ) as r:
+            assert r.status == 200, await r.text()  # its burst
+        assert await status_line(slow) == b"HTTP/1.1 429 Too Many Requests"
+        assert await status_line(admin) == b"HTTP/1.1 403 Forbidden"
+        assert await status_line(other) == b"HTTP/1.1 100 Continue"
+
+
 def bearer_header(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
