@@ -48,9 +48,9 @@ class OverBudget(RequestError):
 @dataclass(frozen=True, slots=True)
 class Limit:
     """What bounds a request's time to its first token, as a refusal names it (`name`) with what
-    the client can change (`change`). A deadline's (`deadline`) that passes while the request
-    waits in line is DEADLINE_EXCEEDED, as it is at every other stage; a refusal before the limit
-    passes (its expected wait or prefill would pass it) is RESOURCE_EXHAUSTED with a retry hint."""
+    the client can change (`change`). A deadline (`deadline`) that passes while the request waits
+    in line is DEADLINE_EXCEEDED, as it is at every other stage; a refusal before the limit passes
+    (its expected wait or prefill would pass it) is RESOURCE_EXHAUSTED with a retry hint."""
 
     name: str
     change: str

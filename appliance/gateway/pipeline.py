@@ -138,7 +138,7 @@ CLIENT_DEADLINE = Limit(
 )
 MODEL_DEADLINE = Limit(
     "the model's default deadline (default_deadline_s; the request set none)",
-    "give the request a deadline of its own, or retry later",
+    "give the request a longer deadline of its own, or retry later",
     deadline=True,
 )
 
