@@ -46,10 +46,15 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # After the drain's grace, the time the cancelled streams' final messages get before the front ends
 # cut what is left.
 FINAL_MESSAGE_S = 2.0
-# Calls at once on one gRPC connection; a client's calls past it wait on the client for a stream.
-# Above what the gateway admits at once on its default settings, so `appliance bench` over its one
-# channel sees the gateway's own RESOURCE_EXHAUSTED before this limit.
-MAX_STREAMS_PER_CONNECTION = 1000
+# Calls at once on one gRPC connection; a client's calls past it wait on the client for a stream
+# (a raw client's are reset). Above what one key may run at once by default
+# (`[auth] max_streams` 32) and `appliance bench`'s concurrency 64 over its one channel, so bench
+# sees the gateway's own RESOURCE_EXHAUSTED before this limit. It is also the bound on what one
+# connection makes the gateway hold before any handler (and so authentication) runs: gRPC opens
+# each stream's flow-control window to the whole message its first bytes announce, up to the
+# receive limit, so a client that sends most of a message and never the rest holds that much per
+# stream: at most this × MAX_REQUEST_BYTES (400 MiB) per connection.
+MAX_STREAMS_PER_CONNECTION = 100
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheAdmin"].full_name
 

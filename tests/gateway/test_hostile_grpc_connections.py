@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import struct
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,8 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from appliance.gateway.server import RunningGateway
+from appliance.grpc_limits import MAX_REQUEST_BYTES
 from tests.conftest import Engine, Tiny
-from tests.gateway.hostile_client import HTTP2_PREFACE, _frame
+from tests.gateway.hostile_client import HTTP2_PREFACE, _frame, _literal
 from tests.gateway.test_http_api import _config, _gateway
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,3 +159,66 @@ async def test_a_ping_flood_is_sent_goaway(limited: RunningGateway) -> None:
         assert json.loads(line)["closed"] is True, line
         await flooder.wait()
     assert await _check(limited.port) == health_pb2.HealthCheckResponse.SERVING
+
+
+REFUSED_STREAM = 0x7
+
+
+async def _frames(reader: asyncio.StreamReader) -> AsyncIterator[tuple[int, int, bytes]]:
+    """The server's frames as (type, stream id, payload), until it closes the connection."""
+    while header := await asyncio.wait_for(reader.read(9), 10):
+        header += await asyncio.wait_for(reader.readexactly(9 - len(header)), 10)
+        length, kind = int.from_bytes(header[:3], "big"), header[3]
+        stream = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+        yield kind, stream, await asyncio.wait_for(reader.readexactly(length), 10)
+
+
+async def test_streams_on_one_connection_are_bounded(tiny: Tiny, engine: Engine) -> None:
+    """gRPC opens a stream's window to the whole message its first bytes announce before any
+    handler (and so authentication) runs: the streams one connection may hold open bound what an
+    unauthenticated client makes the gateway buffer, and the bound leaves room for a key's default
+    32 calls at once and `appliance bench` at concurrency 64 over one channel."""
+    running = await _gateway(_config(tiny, engine.address))
+    try:
+        await _bounded_streams(running.port)
+    finally:
+        await running.drain(0.5)
+
+
+async def _bounded_streams(port: int) -> None:
+    reader, writer = await _http2(port)
+    frames = _frames(reader)
+    announced = None
+    async for kind, _, payload in frames:
+        if kind == 0x4 and payload:  # the server's SETTINGS (not the ack of ours)
+            fields = dict(
+                struct.unpack(">HI", payload[i : i + 6]) for i in range(0, len(payload), 6)
+            )
+            announced = fields.get(0x3)  # SETTINGS_MAX_CONCURRENT_STREAMS
+            break
+    assert announced is not None and announced >= 64
+    assert announced * MAX_REQUEST_BYTES <= 512 * 2**20, announced
+    # One stream more than announced, each a call whose message never comes: the one past the
+    # bound is reset, the others stay open.
+    headers = b"".join(
+        [
+            b"\x83\x86",  # :method POST, :scheme http
+            _literal(b":path", b"/appliance.v1.Inference/Complete"),
+            _literal(b":authority", b"localhost"),
+            _literal(b"content-type", b"application/grpc"),
+            _literal(b"te", b"trailers"),
+        ]
+    )
+    last = 1 + 2 * announced
+    writer.write(b"".join(_frame(0x1, 0x4, s, headers) for s in range(1, last + 1, 2)))
+    await writer.drain()
+    refused = []
+    async for kind, stream, payload in frames:
+        if kind == 0x3:  # RST_STREAM
+            refused.append((stream, struct.unpack(">I", payload)[0]))
+            if stream == last:
+                break
+    writer.close()
+    # gRPC 1.85 resets it ENHANCE_YOUR_CALM; REFUSED_STREAM is HTTP/2's own code for it.
+    assert [stream for stream, _ in refused] == [last], refused
+    assert refused[0][1] in (REFUSED_STREAM, ENHANCE_YOUR_CALM), refused
