@@ -176,6 +176,51 @@ def test_gateway_is_notify_with_watchdog() -> None:
     assert re.search(r"^Restart=on-failure$", text, re.M)
 
 
+def _oom_score_adjust(text: str) -> int:
+    found = re.findall(r"^OOMScoreAdjust=(-?\d+)$", text, re.M)
+    return int(found[-1]) if found else 0
+
+
+def test_the_gateway_is_what_the_kernel_kills_when_memory_runs_out() -> None:
+    """An OOM kill costs the gateway seconds (Restart=on-failure), the engine minutes of reloading
+    weights and Redis the shared cache: only the gateway volunteers, and fully (1000 puts its score
+    above any process that does not)."""
+    gateway = (UNITS / "appliance-gateway.service").read_text()
+    assert _oom_score_adjust(gateway) == 1000
+    assert re.search(r"^Restart=on-failure$", gateway, re.M)
+    for name in ("appliance-engine.service", "appliance-triton.service"):
+        assert _oom_score_adjust((UNITS / name).read_text()) <= 0, name
+    for drop_in in (UNITS / "redis-server.service.d").iterdir():
+        assert _oom_score_adjust(drop_in.read_text()) <= 0, drop_in
+
+
+def test_gateway_memory_drop_in_of_the_role_verifies_above_the_gateways_own_bounds(
+    root: Path,
+) -> None:
+    """The role's opt-in cap (appliance_gateway_memory_max_mib) renders a drop-in systemd takes,
+    and its floor holds the caches' default byte bounds with room for the process itself."""
+    from appliance.config import CacheConfig, SemanticConfig
+
+    role = REPO / "ansible/roles/appliance"
+    assert "\nappliance_gateway_memory_max_mib: 0\n" in (role / "defaults/main.yml").read_text()
+    assert "appliance_gateway_memory_max_mib:" in (role / "meta/argument_specs.yml").read_text()
+    tasks = (role / "tasks/main.yml").read_text()
+    (floor,) = re.findall(r"appliance_gateway_memory_max_mib \| int >= (\d+)$", tasks, re.M)
+    caches = (CacheConfig.l1_max_bytes + SemanticConfig.max_bytes) // 2**20
+    assert int(floor) >= caches + 1024, (floor, caches)
+    template = jinja2.Template((role / "templates/gateway-memory.conf.j2").read_text())
+    text = template.render(appliance_gateway_memory_max_mib=int(floor), ansible_managed="test")
+    assert re.search(rf"^MemoryMax={floor}M$", text, re.M), text
+    target = root / "etc/systemd/system/appliance-gateway.service.d"
+    target.mkdir()
+    (target / "memory.conf").write_text(text)
+    try:
+        result = _verify(root, "appliance-gateway.service")
+    finally:
+        shutil.rmtree(target)
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
 def test_triton_unit_gpu_access() -> None:
     text = (UNITS / "appliance-triton.service").read_text()
     assert "\nType=exec\n" in text
