@@ -32,13 +32,23 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 class BackendError(Exception):
     """A failure talking to the inference server; carries the status the gateway's client gets."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        reason: str | None = None,
+        field: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         # What a program can branch on, in OpenAI's words (RequestError.reason), where the
         # engine's words say it: e.g. "context_length_exceeded" for a prompt it refused as too long.
         self.reason = reason
+        # The request's field the engine refused (RequestError.field), where its words say it:
+        # "guide" for a guide its compiler refused.
+        self.field = field
 
 
 @dataclass(frozen=True)

@@ -85,11 +85,16 @@ KEPT_STREAM_IDLE_S = 30.0
 WAIT_NOTE_S = 5.0
 
 
+# Words of an in-band error refusing the request's guide: the engine server's, and xgrammar's own
+# for a grammar or a regular expression that does not parse.
+GUIDE_REFUSED = ("cannot be compiled", "ebnf parser error", "regex parsing error")
 # In-band error texts of Triton and the TensorRT-LLM backend, first match wins.
 _INBAND_CODES = (
     # A guide for a model whose config sets up no guided decoder: the request's fault, not the
     # engine's (the executor reports it as an assertion).
     ("guideddecoder is not setup", grpc.StatusCode.INVALID_ARGUMENT),
+    # A guide its compiler refuses: the request's fault, never a retry.
+    *((words, grpc.StatusCode.INVALID_ARGUMENT) for words in GUIDE_REFUSED),
     # Sent on a stream that was open when the server began to stop.
     ("shutting down", grpc.StatusCode.UNAVAILABLE),
     ("cancel", grpc.StatusCode.CANCELLED),
@@ -117,8 +122,13 @@ _PROMPT_TOO_LONG = "exceeds maximum input length"
 def inband_error(message: str, request_id: str) -> BackendError:
     """The BackendError of an engine's in-band error message to the request with this id."""
     reason = CONTEXT_LENGTH_EXCEEDED if _PROMPT_TOO_LONG in message else None
+    lowered = message.lower()
+    field = "guide" if any(words in lowered for words in GUIDE_REFUSED) else None
     return BackendError(
-        status_for_inband_error(message, request_id), f"inference server: {message}", reason=reason
+        status_for_inband_error(message, request_id),
+        f"inference server: {message}",
+        reason=reason,
+        field=field,
     )
 
 

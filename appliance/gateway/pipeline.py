@@ -155,10 +155,11 @@ def engine_failure(exc: BackendError, input_field: str) -> RequestError:
     failed upstream: a retry may reach a recovered engine or another gateway. Its words are kept.
     An engine that was or became unreachable (UNAVAILABLE: it restarted under the stream) is the
     same to the client, retry hint included.
-    `input_field`: the prompt's field, named where the engine refused the input itself."""
+    `input_field`: the prompt's field, named where the engine refused the input itself (and the
+    guide where it refused the guide)."""
     if exc.code in UPSTREAM_FAILURES or exc.code == grpc.StatusCode.UNAVAILABLE:
         return RequestError(grpc.StatusCode.UNAVAILABLE, exc.message, UNAVAILABLE_RETRY_MS)
-    field = input_field if exc.reason is not None else None
+    field = input_field if exc.reason is not None else exc.field
     return RequestError(exc.code, exc.message, reason=exc.reason, field=field)
 
 

@@ -233,6 +233,30 @@ async def test_a_guide_for_a_model_without_guided_decoding_is_400(
     assert err.value.body["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("guide", "says"),
+    [
+        (
+            {"type": "ebnf_grammar", "guide": "root ::= undefined"},
+            'Rule "undefined" is not defined',
+        ),
+        ({"type": "ebnf_grammar", "guide": 'x ::= "a"'}, 'root rule with name "root"'),
+        ({"type": "json_schema", "guide": '{"type": "foo"}'}, "not valid"),
+    ],
+)
+async def test_a_guide_the_engine_cannot_compile_is_400_saying_why(
+    client: openai.AsyncOpenAI, guide: dict[str, str], says: str
+) -> None:
+    """A grammar only the engine's compiler checks is the client's fault, never a 500."""
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=8, extra_body={"appliance": {"guide": guide}}
+        )
+    assert isinstance(err.value.body, dict)
+    assert says in err.value.body["message"], err.value.body
+    assert err.value.body["param"] == "appliance.guide"
+
+
 async def test_a_guided_answer_is_cached_under_its_guide(client: openai.AsyncOpenAI) -> None:
     replies = [
         await client.chat.completions.create(
