@@ -95,6 +95,9 @@ _INBAND_CODES = (
     ("guideddecoder is not setup", grpc.StatusCode.INVALID_ARGUMENT),
     # A guide its compiler refuses: the request's fault, never a retry.
     *((words, grpc.StatusCode.INVALID_ARGUMENT) for words in GUIDE_REFUSED),
+    # The engine server's words for a guide that waited too long for a compile slot: a retry
+    # later may be served, and the engine is not unwell.
+    ("other guides were being compiled", grpc.StatusCode.RESOURCE_EXHAUSTED),
     # Sent on a stream that was open when the server began to stop.
     ("shutting down", grpc.StatusCode.UNAVAILABLE),
     ("cancel", grpc.StatusCode.CANCELLED),

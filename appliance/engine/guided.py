@@ -9,7 +9,11 @@ backend's C++ runtime takes) and `xgrammar_tokenizer_info_path` (the JSON file T
 
 Guides are compiled the way TensorRT-LLM compiles them (xgrammar's defaults: any whitespace between
 JSON tokens, strict schemas), once per (type, text) into a bounded LRU cache shared by the model's
-requests. Each generation gets its own matcher: at every step the allowed-token bitmask is filled on
+requests. A guide is first compiled in a child process (guide_compile) killed after
+COMPILE_DEADLINE_S or past COMPILE_MEMORY_BYTES, at most COMPILE_SLOTS at once per model, and
+compiled here only once it compiled there: xgrammar's compile time is not bounded by a guide's size
+(seconds per bounded length, minutes for deep nesting), and a thread running it could not be
+stopped. Each generation gets its own matcher: at every step the allowed-token bitmask is filled on
 the CPU, applied to the logits before sampling (greedy or sampled), and the matcher advances with
 the chosen token. The end token is allowed only where the grammar may end; a step where no token
 is allowed ends the generation like the end token does.
@@ -17,7 +21,8 @@ is allowed ends the generation like the end token does.
 Bad guides are refused before a request reaches the compute thread, with what is wrong: an unknown
 guide type (the tensorrtllm backend ignores one silently; here it is an error, so a typo never
 yields unconstrained text), a missing guide text, a guide over MAX_GUIDE_BYTES, and a schema, regex
-or grammar that does not compile.
+or grammar that does not compile, or not within its deadline and memory. A compile that waits
+COMPILE_DEADLINE_S for a free slot is refused as busy.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from appliance.engine import guide_compile
 from engine_build.guides import GUIDE_TYPES
 
 if TYPE_CHECKING:
@@ -53,6 +59,14 @@ __all__ = [
 MAX_GUIDE_BYTES = 64 * 1024
 # Compiled guides kept per model (least recently used first out).
 CACHE_ENTRIES = 256
+# Longest a guide's compile may run (vLLM bounds its regex compiles at 5 s): a real tool or response
+# schema compiles in well under a second.
+COMPILE_DEADLINE_S = 10.0
+# Memory a compile may take beyond its process's own (the largest real schemas take tens of MiB).
+COMPILE_MEMORY_BYTES = 4 << 30
+# Compiles of one model running at once (each holds a core); a compile waits at most
+# COMPILE_DEADLINE_S for one to end.
+COMPILE_SLOTS = 2
 # What the executor answers (through the backend, as an error response) when a request carries a
 # guide and the model was loaded without a guided decoder.
 NOT_SETUP_MESSAGE = (
@@ -69,6 +83,10 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?
 
 class GuideError(ValueError):
     """A guide that cannot be served; the message says what to fix."""
+
+
+class GuideBusy(GuideError):
+    """Every compile slot stayed taken while the guide waited: not the guide's fault."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,10 @@ def parse_guide(kind: str | None, text: str | None) -> Guide | None:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
             raise GuideError(f"the JSON Schema is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise GuideError(
+                "the JSON Schema is nested too deeply to read (about 1,000 levels of JSON)"
+            ) from None
         if not isinstance(schema, (dict, bool)):
             raise GuideError(
                 f"the JSON Schema must be a JSON object or boolean, not {type(schema).__name__}"
@@ -140,10 +162,16 @@ class Grammars:
     vocab_size: int
     stop_token_ids: tuple[int, ...]
     cache_entries: int = CACHE_ENTRIES
+    deadline_s: float = COMPILE_DEADLINE_S
+    memory_bytes: int = COMPILE_MEMORY_BYTES
     stats: GrammarStats = field(default_factory=GrammarStats)
     active: int = 0  # matchers of generations still running
     _cache: OrderedDict[Guide, xgrammar.CompiledGrammar] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    slots: threading.Semaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(COMPILE_SLOTS)
+    )
+    _tokenizer_json: str = ""
 
     @classmethod
     def load(cls, tokenizer_info_path: Path, vocab_size: int) -> Grammars:
@@ -180,18 +208,39 @@ class Grammars:
         metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_str)
         tokenizer = xgr.TokenizerInfo(vocab, vocab_size=vocab_size, stop_token_ids=stop, **metadata)
         compiler = xgr.GrammarCompiler(tokenizer, max_threads=1, cache_enabled=False)
-        return cls(compiler, tokenizer, vocab_size, tuple(stop))
+        guide_compile.start()
+        return cls(
+            compiler, tokenizer, vocab_size, tuple(stop), _tokenizer_json=tokenizer.serialize_json()
+        )
 
-    def compile(self, guide: Guide) -> CompiledGuide:
-        """The compiled guide, from the cache or compiled now; GuideError if it does not compile."""
+    def cached(self, guide: Guide) -> CompiledGuide | None:
+        """The compiled guide if the cache holds it (a lookup: call it on the event loop)."""
         with self._lock:
             grammar = self._cache.get(guide)
-            if grammar is not None:
-                self._cache.move_to_end(guide)
-                self.stats.hits += 1
-                return CompiledGuide(self, grammar)
-        started = time.monotonic_ns()
-        grammar = self._compile(guide)
+            if grammar is None:
+                return None
+            self._cache.move_to_end(guide)
+            self.stats.hits += 1
+            return CompiledGuide(self, grammar)
+
+    def compile(self, guide: Guide) -> CompiledGuide:
+        """The compiled guide, from the cache or compiled now. Blocks while it waits for a slot
+        (up to the deadline), compiles in a child (up to the deadline), then compiles here (about
+        as long again); GuideError if it does not compile, GuideBusy if no slot came free (the
+        gateway reads its words "other guides were being compiled")."""
+        hit = self.cached(guide)
+        if hit is not None:
+            return hit
+        if not self.slots.acquire(timeout=self.deadline_s):
+            raise GuideBusy(
+                f"the guide was not compiled: {COMPILE_SLOTS} other guides were being compiled "
+                f"for {self.deadline_s:g} s; try again later"
+            )
+        try:
+            started = time.monotonic_ns()
+            grammar = self._compile(guide)
+        finally:
+            self.slots.release()
         with self._lock:
             self.stats.compiles += 1
             self.stats.compile_ns += time.monotonic_ns() - started
@@ -202,22 +251,39 @@ class Grammars:
         return CompiledGuide(self, grammar)
 
     def _compile(self, guide: Guide) -> xgrammar.CompiledGrammar:
-        c = self.compiler
+        what = {
+            "json_schema": "the JSON Schema",
+            "regex": "the regular expression",
+            "ebnf_grammar": "the EBNF grammar",
+        }.get(guide.kind, "the guide")
         try:
-            if guide.kind == "json":
-                return c.compile_builtin_json_grammar()
-            if guide.kind == "json_schema":
-                return c.compile_json_schema(guide.text)
-            if guide.kind == "regex":
-                return c.compile_regex(guide.text)
-            return c.compile_grammar(guide.text)
-        except (RuntimeError, ValueError) as exc:
-            what = {
-                "json_schema": "the JSON Schema",
-                "regex": "the regular expression",
-                "ebnf_grammar": "the EBNF grammar",
-            }.get(guide.kind, "the guide")
+            guide_compile.compile_in_child(
+                self._tokenizer_json, guide.kind, guide.text, self.deadline_s, self.memory_bytes
+            )
+        except guide_compile.CompileFailed as exc:
             raise GuideError(f"{what} cannot be compiled: {_reason(exc)}") from None
+        except guide_compile.CompileTimeout:
+            raise GuideError(
+                f"{what} cannot be compiled within {self.deadline_s:g} s: make it smaller (each "
+                "bounded length or repetition count, e.g. maxLength, maxItems or {m,n}, and each "
+                "level of nesting adds compile time)"
+            ) from None
+        except guide_compile.CompileMemory:
+            raise GuideError(
+                f"{what} cannot be compiled within {self.memory_bytes >> 20} MiB of memory: make "
+                "it smaller (less nesting, fewer bounded lengths or repetition counts)"
+            ) from None
+        except guide_compile.CompileCrashed as exc:
+            raise GuideError(
+                f"{what} cannot be compiled: its compiler ended (exit code {exc})"
+            ) from None
+        try:
+            grammar: xgrammar.CompiledGrammar = guide_compile.compile_guide(
+                self.compiler, guide.kind, guide.text
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise GuideError(f"{what} cannot be compiled: {_reason(exc)}") from None
+        return grammar
 
     def snapshot(self) -> tuple[GrammarStats, int]:
         """A consistent copy of the cache's counters, and the matchers still open."""

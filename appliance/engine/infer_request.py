@@ -545,6 +545,9 @@ async def compile_guide(decoded: Decoded, model: ModelSpec, request: ts.ModelInf
     runs."""
     if decoded.guide is None or model.grammars is None:
         return
+    decoded.compiled = model.grammars.cached(decoded.guide)
+    if decoded.compiled is not None:
+        return
     try:
         decoded.compiled = await asyncio.to_thread(model.grammars.compile, decoded.guide)
     except GuideError as exc:

@@ -11,6 +11,8 @@ decoupled, for ModelInfer).
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.process
 import re
 import struct
 from collections.abc import AsyncIterator
@@ -26,7 +28,16 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as ts
 from tritonclient.grpc import service_pb2_grpc as ts_grpc
 
-from appliance.engine.guided import MAX_GUIDE_BYTES
+from appliance.engine import guide_compile
+from appliance.engine.guided import (
+    COMPILE_DEADLINE_S,
+    COMPILE_MEMORY_BYTES,
+    COMPILE_SLOTS,
+    MAX_GUIDE_BYTES,
+    Guide,
+    GuideBusy,
+    GuideError,
+)
 from appliance.engine.metrics import EngineCollector
 from appliance.engine.server import EngineModel, EngineService, load_repository, start_engine
 from engine_build.pbtxt import GUIDED_DECODING_INPUTS
@@ -446,6 +457,7 @@ BAD = [
     ("regex", "a(b", "the regular expression cannot be compiled: Regex parsing error"),
     ("ebnf_grammar", "root ::= undefined", 'Rule "undefined" is not defined'),
     ("ebnf_grammar", "x" * (MAX_GUIDE_BYTES + 1), f"the limit is {MAX_GUIDE_BYTES} bytes"),
+    ("json_schema", "[" * 5000 + "]" * 5000, "the JSON Schema is nested too deeply"),
 ]
 
 
@@ -468,6 +480,68 @@ async def test_a_bad_guide_is_refused_before_anything_runs(
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert says in (err.value.details() or "")
     assert stats.started == started
+
+
+# 450 nested objects: xgrammar's compile time grows with the cube of the depth (13 s at 400).
+SLOW_SCHEMA = '{"type":"object","properties":{"a":' * 450 + '{"type":"integer"}' + "}}" * 450
+
+
+def compile_processes() -> list[multiprocessing.process.BaseProcess]:
+    return [p for p in multiprocessing.active_children() if p.name == guide_compile.PROCESS_NAME]
+
+
+async def test_a_guide_past_its_compile_deadline_is_refused_and_its_compile_killed(
+    stub: ts_grpc.GRPCInferenceServiceStub, served: dict[str, EngineModel]
+) -> None:
+    grammars = served[GUIDED].grammars
+    assert grammars is not None
+    stats = served[GUIDED].runner.stats
+    started = stats.started
+    grammars.deadline_s = 0.5
+    try:
+        message = await refusal(stub, guided("json_schema", SLOW_SCHEMA))
+    finally:
+        grammars.deadline_s = COMPILE_DEADLINE_S
+    assert "the JSON Schema cannot be compiled within 0.5 s: make it smaller" in message
+    assert compile_processes() == [], "the compile's process is killed at the deadline"
+    assert stats.started == started
+    # The server goes on compiling and serving guides.
+    ids, _ = await generated(stub, guided("json_schema", json.dumps({"enum": ["after"]})))
+    assert ids
+
+
+def test_a_compile_past_its_memory_is_refused(served: dict[str, EngineModel]) -> None:
+    grammars = served[GUIDED].grammars
+    assert grammars is not None
+    grammars.memory_bytes = 1 << 20
+    try:
+        with pytest.raises(GuideError, match="cannot be compiled within 1 MiB of memory"):
+            grammars.compile(
+                Guide("json_schema", '{"type": "array", "items": ' * 200 + "{}" + "}" * 200)
+            )
+    finally:
+        grammars.memory_bytes = COMPILE_MEMORY_BYTES
+    assert compile_processes() == []
+
+
+def test_a_compile_waits_for_a_slot_no_longer_than_its_deadline(
+    served: dict[str, EngineModel],
+) -> None:
+    grammars = served[GUIDED].grammars
+    assert grammars is not None
+    taken = 0
+    while grammars.slots.acquire(blocking=False):
+        taken += 1
+    grammars.deadline_s = 0.01
+    try:
+        with pytest.raises(GuideBusy, match="other guides were being compiled"):
+            grammars.compile(Guide("json_schema", '{"enum": ["busy"]}'))
+    finally:
+        grammars.deadline_s = COMPILE_DEADLINE_S
+        for _ in range(taken):
+            grammars.slots.release()
+    assert taken == COMPILE_SLOTS
+    assert grammars.compile(Guide("json_schema", '{"enum": ["busy"]}')) is not None
 
 
 async def test_a_guide_on_a_model_without_guided_decoding_is_refused_as_the_backend_does(

@@ -242,3 +242,15 @@ def test_the_request_id_before_a_triton_core_message_does_not_choose_its_status(
     for request_id in ("cancel-not-found", ""):
         error = inband_error(wire.log_request(request_id) + words, request_id)
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_engine_whose_guide_compiles_are_all_taken_is_a_429_not_an_engine_fault() -> None:
+    """The engine server refuses a guide that waited too long for a compile slot: the client may
+    retry later; the engine is not unwell."""
+    words = (
+        "the guide was not compiled: 2 other guides were being compiled for 10 s; try again later"
+    )
+    error = inband_error(words, "g")
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    refused = inband_error("the EBNF grammar cannot be compiled within 10 s: make it smaller", "g")
+    assert (refused.code, refused.field) == (grpc.StatusCode.INVALID_ARGUMENT, "guide")
