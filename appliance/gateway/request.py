@@ -22,7 +22,7 @@ import math
 import os
 import re
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,10 @@ REGEX_PARSER: Any = importlib.import_module("re._parser")
 # the square of the text, so a regex is kept short; longer structures are JSON Schema or EBNF
 # guides (checked by jsonschema-rs, compiled by the engine).
 MAX_REGEX_GUIDE_BYTES = 2048
+# Levels of JSON (objects and arrays) a JSON Schema may nest: xgrammar's compile time grows with
+# the cube of a schema's nesting (127 nested objects, which the metaschema check takes, compile for
+# seconds); OpenAI's structured outputs take 10 levels of nested objects, 20 levels of JSON.
+MAX_SCHEMA_DEPTH = 64
 GUIDE_KINDS = ("json", "json_schema", "regex", "ebnf_grammar")
 # Below this, logits / temperature overflows float32 for ordinary logits: 0 means greedy instead.
 MIN_TEMPERATURE = 1e-2
@@ -556,6 +560,13 @@ def check_json_schema(text: str) -> None:
         raise _invalid(f"the JSON Schema is not valid JSON: {exc}", field="guide") from None
     if not isinstance(schema, dict):
         raise _invalid("the JSON Schema must be a JSON object", field="guide")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise _invalid(
+            f"the JSON Schema is nested {depth} levels deep (objects and arrays); the limit is "
+            f"{MAX_SCHEMA_DEPTH}: flatten it, or name repeated parts in $defs and $ref them",
+            field="guide",
+        )
     try:
         jsonschema_rs.meta.validate(schema, registry=_KNOWN_DRAFTS_ONLY)
     except jsonschema_rs.ValidationError as exc:
@@ -575,6 +586,25 @@ def check_json_schema(text: str) -> None:
             "the JSON Schema is nested too deeply or holds text that is not valid Unicode",
             field="guide",
         ) from None
+
+
+def _depth(value: object) -> int:
+    """Levels of objects and arrays in a JSON value (1 for an empty object), walked without
+    recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children: Iterable[object]
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 # A registry of no resources: a "$schema" other than a draft's is refused, never fetched (a
