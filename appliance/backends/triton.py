@@ -85,9 +85,15 @@ KEPT_STREAM_IDLE_S = 30.0
 WAIT_NOTE_S = 5.0
 
 
-# Words of an in-band error refusing the request's guide: the engine server's, and xgrammar's own
-# for a grammar or a regular expression that does not parse.
-GUIDE_REFUSED = ("cannot be compiled", "ebnf parser error", "regex parsing error")
+# Words of an in-band error refusing the request's guide: the engine server's (a guide that does
+# not compile, or whose masks overran their time), and xgrammar's own for a grammar or a regular
+# expression that does not parse.
+GUIDE_REFUSED = (
+    "cannot be compiled",
+    "the guide's grammar took",
+    "ebnf parser error",
+    "regex parsing error",
+)
 # In-band error texts of Triton and the TensorRT-LLM backend, first match wins.
 _INBAND_CODES = (
     # A guide for a model whose config sets up no guided decoder: the request's fault, not the

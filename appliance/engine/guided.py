@@ -67,6 +67,10 @@ COMPILE_MEMORY_BYTES = 4 << 30
 # Compiles of one model running at once (each holds a core); a compile waits at most
 # COMPILE_DEADLINE_S for one to end.
 COMPILE_SLOTS = 2
+# Time one generation's masks may take on the compute thread: seconds, plus seconds per token. A
+# JSON Schema's mask fills in well under a millisecond; an ambiguous grammar's costs more at every
+# token (its total grows with the square of the answer's length), holding every queued request.
+MASK_BUDGET = (5.0, 0.005)
 # What the executor answers (through the backend, as an error response) when a request carries a
 # guide and the model was loaded without a guided decoder.
 NOT_SETUP_MESSAGE = (
@@ -87,6 +91,10 @@ class GuideError(ValueError):
 
 class GuideBusy(GuideError):
     """Every compile slot stayed taken while the guide waited: not the guide's fault."""
+
+
+class GuideOverrun(GuideError):
+    """A generation's masks took longer than the budget of its guide (MASK_BUDGET)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,7 @@ class Grammars:
     cache_entries: int = CACHE_ENTRIES
     deadline_s: float = COMPILE_DEADLINE_S
     memory_bytes: int = COMPILE_MEMORY_BYTES
+    mask_budget: tuple[float, float] = MASK_BUDGET
     stats: GrammarStats = field(default_factory=GrammarStats)
     active: int = 0  # matchers of generations still running
     _cache: OrderedDict[Guide, xgrammar.CompiledGrammar] = field(default_factory=OrderedDict)
@@ -333,19 +342,35 @@ class GuidedMatcher:
         self._matcher: Any = xgr.GrammarMatcher(grammar, override_stop_tokens=list(stop) or None)
         self._bitmask = xgr.allocate_token_bitmask(1, grammars.vocab_size)[0]
         self.stop = frozenset(stop)
+        self._budget = grammars.mask_budget
+        self._mask_ns = 0
+        self._masks = 0
         self._filled = False
         self._any_allowed = False
         self._open = True
         grammars._opened(1)
 
     def fill(self) -> None:
-        """Compute the next step's mask (on the CPU; run it while the device computes logits)."""
+        """Compute the next step's mask (on the CPU; run it while the device computes logits);
+        GuideOverrun once the generation's masks have taken more than their budget."""
+        started = time.monotonic_ns()
         if self._matcher.is_terminated():
             self._bitmask.zero_()
         else:
             self._matcher.fill_next_token_bitmask(self._bitmask)
         self._any_allowed = bool(self._bitmask.any())
         self._filled = True
+        self._mask_ns += time.monotonic_ns() - started
+        self._masks += 1
+        base, rate = self._budget
+        if self._mask_ns > (base + rate * self._masks) * 1e9:
+            raise GuideOverrun(
+                f"the guide's grammar took {self._mask_ns / 1e9:.1f} s to compute the token masks "
+                f"of {self._masks} tokens, more than {base:g} s + {rate * 1000:g} ms a token: an "
+                "ambiguous grammar (a repetition inside or beside another that matches the same "
+                "text, e.g. ([a-z]*)* ) costs more at every token; make each choice decidable "
+                "from the next characters"
+            )
 
     def apply(self, logits: torch.Tensor) -> bool:
         """Mask the disallowed tokens of a (vocab,) logits vector in place; False when no token

@@ -29,7 +29,7 @@ import torch
 from appliance.engine import fused
 from appliance.engine.decode import Capture, DecodeStep, EagerDecode, GraphDecode, decode_spans
 from appliance.engine.device import enter_device
-from appliance.engine.guided import CompiledGuide
+from appliance.engine.guided import CompiledGuide, GuideOverrun
 from appliance.engine.llama import LlamaConfig, LlamaModel
 from appliance.engine.prefill import PREFILL_BUCKETS, GraphPrefill
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
@@ -255,6 +255,10 @@ class Runner:
             answered = _watch_final(job)
             try:
                 self._run(job)
+            except GuideOverrun as exc:  # the request's guide, not a fault of this server
+                log.warning("request %s ended: %s", job.request_id, exc)
+                self._count(failed=1)
+                job.emit(Emission(None, final=True, error=str(exc)))
             except Exception as exc:  # a failed request must not take the engine down
                 if answered.is_set():  # its bookkeeping after the final response failed
                     log.exception("request %s: after its final response", job.request_id)

@@ -33,6 +33,7 @@ from appliance.engine.guided import (
     COMPILE_DEADLINE_S,
     COMPILE_MEMORY_BYTES,
     COMPILE_SLOTS,
+    MASK_BUDGET,
     MAX_GUIDE_BYTES,
     Guide,
     GuideBusy,
@@ -542,6 +543,31 @@ def test_a_compile_waits_for_a_slot_no_longer_than_its_deadline(
             grammars.slots.release()
     assert taken == COMPILE_SLOTS
     assert grammars.compile(Guide("json_schema", '{"enum": ["busy"]}')) is not None
+
+
+# Ambiguous: every mask costs more than the one before (on a 49k vocabulary 40 ms at the 200th
+# token, 167 ms at the 800th: minutes of the compute thread for one answer).
+AMBIGUOUS = "root ::= (a | b)*\na ::= [a-z]*\nb ::= [a-z]* [a-z]*"
+
+
+async def test_a_generation_whose_masks_overrun_their_budget_ends_with_the_guides_error(
+    stub: ts_grpc.GRPCInferenceServiceStub, served: dict[str, EngineModel]
+) -> None:
+    grammars = served[GUIDED].grammars
+    assert grammars is not None
+    stats = served[GUIDED].runner.stats
+    failed = stats.failed
+    grammars.mask_budget = (0.0, 0.0)  # any mask overruns it
+    try:
+        message = await refusal(stub, guided("ebnf_grammar", AMBIGUOUS))
+    finally:
+        grammars.mask_budget = MASK_BUDGET
+    assert message.startswith("the guide's grammar took "), message
+    assert "engine failure" not in message
+    assert stats.failed == failed + 1
+    assert grammars.active == 0
+    ids, _ = await generated(stub, guided("ebnf_grammar", AMBIGUOUS, max_tokens=8))
+    assert ids
 
 
 async def test_a_guide_on_a_model_without_guided_decoding_is_refused_as_the_backend_does(
