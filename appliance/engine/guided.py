@@ -367,9 +367,9 @@ class GuidedMatcher:
             raise GuideOverrun(
                 f"the guide's grammar took {self._mask_ns / 1e9:.1f} s to compute the token masks "
                 f"of {self._masks} tokens, more than {base:g} s + {rate * 1000:g} ms a token: an "
-                "ambiguous grammar (a repetition inside or beside another that matches the same "
-                "text, e.g. ([a-z]*)* ) costs more at every token; make each choice decidable "
-                "from the next characters"
+                "ambiguous grammar (alternatives that match the same text under a repetition, "
+                "e.g. (a | b)* with a ::= [a-z]* and b ::= [a-z]* [a-z]*) costs more at every "
+                "token; make each choice decidable from the next characters"
             )
 
     def apply(self, logits: torch.Tensor) -> bool:
