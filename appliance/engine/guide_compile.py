@@ -105,10 +105,14 @@ def _child(
     deadline_s: float,
     memory_bytes: int,
 ) -> None:
-    """The child's work: limits first, then the compile; its answer is one tagged message."""
-    _limit(resource.RLIMIT_AS, _address_space() + memory_bytes)
-    # The parent kills the process at the deadline; the CPU limit ends it if the parent cannot.
-    _limit(resource.RLIMIT_CPU, int(deadline_s) + 5)
+    """The child's work: limits first, then the compile; its answer is one tagged message. A
+    limit the sandbox does not let it set is left (the parent's deadline still holds)."""
+    try:
+        _limit(resource.RLIMIT_AS, _address_space() + memory_bytes)
+        # The parent kills the process at the deadline; the CPU limit ends it if the parent cannot.
+        _limit(resource.RLIMIT_CPU, int(deadline_s) + 5)
+    except (OSError, ValueError):
+        pass
     try:
         import xgrammar as xgr
 
