@@ -284,7 +284,8 @@ class Grammars:
             ) from None
         except guide_compile.CompileCrashed as exc:
             raise GuideError(
-                f"{what} cannot be compiled: its compiler ended (exit code {exc})"
+                f"{what} cannot be compiled: its compiler ended (exit code {exc}); make it "
+                "smaller or less deeply nested"
             ) from None
         try:
             grammar: xgrammar.CompiledGrammar = guide_compile.compile_guide(

@@ -545,6 +545,19 @@ def test_a_compile_waits_for_a_slot_no_longer_than_its_deadline(
     assert grammars.compile(Guide("json_schema", '{"enum": ["busy"]}')) is not None
 
 
+async def test_a_guide_that_crashes_the_compiler_is_refused_and_the_engine_lives_on(
+    stub: ts_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """30,000 nested groups in a schema's pattern (60 KB) overflow xgrammar's stack: a segfault
+    that took the whole engine down when it compiled in the engine's own process."""
+    schema = json.dumps({"type": "string", "pattern": "(" * 30000 + "a" + ")" * 30000})
+    message = await refusal(stub, guided("json_schema", schema))
+    assert message.startswith("the JSON Schema cannot be compiled: its compiler ended"), message
+    assert compile_processes() == []
+    ids, _ = await generated(stub, guided("json_schema", json.dumps({"enum": ["alive"]})))
+    assert ids
+
+
 # Ambiguous: every mask costs more than the one before (on a 49k vocabulary 40 ms at the 200th
 # token, 167 ms at the 800th: minutes of the compute thread for one answer).
 AMBIGUOUS = "root ::= (a | b)*\na ::= [a-z]*\nb ::= [a-z]* [a-z]*"
