@@ -567,6 +567,14 @@ def check_json_schema(text: str) -> None:
             f"{MAX_SCHEMA_DEPTH}: flatten it, or name repeated parts in $defs and $ref them",
             field="guide",
         )
+    long_regex = _long_regex(schema, "")
+    if long_regex is not None:
+        where, size = long_regex
+        raise _invalid(
+            f"the JSON Schema's regular expression at {where} is {size} bytes; the limit is "
+            f"{MAX_REGEX_GUIDE_BYTES}",
+            field="guide",
+        )
     try:
         jsonschema_rs.meta.validate(schema, registry=_KNOWN_DRAFTS_ONLY)
     except jsonschema_rs.ValidationError as exc:
@@ -605,6 +613,42 @@ def _depth(value: object) -> int:
         deepest = max(deepest, level)
         stack.extend((child, level + 1) for child in children)
     return deepest
+
+
+# A schema's keywords whose values are instance data, not schemas: nothing in them is a pattern.
+_INSTANCE_DATA = frozenset({"enum", "const", "default", "examples"})
+
+
+def _long_regex(value: object, path: str) -> tuple[str, int] | None:
+    """Where the first regular expression of a schema (a `pattern`, a `patternProperties` name)
+    longer than MAX_REGEX_GUIDE_BYTES is, and its bytes; None if there is none. Called on a
+    schema nested at most MAX_SCHEMA_DEPTH levels."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _long_regex(item, f"{path}/{i}")
+            if found is not None:
+                return found
+        return None
+    if not isinstance(value, dict):
+        return None
+    for key, item in value.items():
+        where = f"{path}/{key}" if path else str(key)
+        if key == "pattern" and isinstance(item, str):
+            size = len(item.encode(errors="surrogatepass"))
+            if size > MAX_REGEX_GUIDE_BYTES:
+                return where, size
+            continue
+        if key == "patternProperties" and isinstance(item, dict):
+            for name in item:
+                size = len(str(name).encode(errors="surrogatepass"))
+                if size > MAX_REGEX_GUIDE_BYTES:
+                    return where, size
+        if key in _INSTANCE_DATA:
+            continue
+        found = _long_regex(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 # A registry of no resources: a "$schema" other than a draft's is refused, never fetched (a

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from appliance.gateway.errors import RequestError
-from appliance.gateway.request import MAX_SCHEMA_DEPTH, check_json_schema
+from appliance.gateway.request import MAX_REGEX_GUIDE_BYTES, MAX_SCHEMA_DEPTH, check_json_schema
 
 DRAFT_7 = "http://json-schema.org/draft-07/schema#"
 
@@ -94,6 +94,36 @@ def test_a_schema_nested_past_the_limit_is_refused_before_its_compile() -> None:
             f"{MAX_SCHEMA_DEPTH}: flatten it, or name repeated parts in $defs and $ref them"
         )
         assert refused.value.field == "guide"
+
+
+LONG = "a" * (MAX_REGEX_GUIDE_BYTES + 1)
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "string", "pattern": LONG}, "pattern"),
+        ({"properties": {"x": {"items": {"pattern": LONG}}}}, "properties/x/items/pattern"),
+        ({"patternProperties": {LONG: {}}}, "patternProperties"),
+    ],
+)
+def test_a_pattern_longer_than_a_regex_guide_is_refused(schema: object, where: str) -> None:
+    """A schema's regular expressions are bounded as a regex guide is: xgrammar compiles each
+    (60 KB of nested groups overflow its stack)."""
+    with pytest.raises(RequestError) as refused:
+        check_json_schema(json.dumps(schema))
+    assert refused.value.message == (
+        f"the JSON Schema's regular expression at {where} is {len(LONG)} bytes; the limit is "
+        f"{MAX_REGEX_GUIDE_BYTES}"
+    )
+    assert refused.value.field == "guide"
+
+
+def test_a_long_pattern_as_instance_data_or_at_the_limit_is_accepted() -> None:
+    check_json_schema(json.dumps({"pattern": "a" * MAX_REGEX_GUIDE_BYTES}))
+    for data in ("enum", "const", "default", "examples"):
+        value = [{"pattern": LONG}] if data in ("enum", "examples") else {"pattern": LONG}
+        check_json_schema(json.dumps({data: value}))
 
 
 def test_an_unknown_metaschema_is_refused_and_never_fetched(web: tuple[str, list[str]]) -> None:
