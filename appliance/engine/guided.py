@@ -218,9 +218,21 @@ class Grammars:
         tokenizer = xgr.TokenizerInfo(vocab, vocab_size=vocab_size, stop_token_ids=stop, **metadata)
         compiler = xgr.GrammarCompiler(tokenizer, max_threads=1, cache_enabled=False)
         guide_compile.start()
-        return cls(
+        grammars = cls(
             compiler, tokenizer, vocab_size, tuple(stop), _tokenizer_json=tokenizer.serialize_json()
         )
+        # One compile now (not counted in the stats, which are the requests'): it starts the
+        # forkserver (seconds: it imports xgrammar), caches the `json` guide, and finds a child
+        # that cannot run (its main script must import cleanly).
+        try:
+            grammars.compile(Guide("json", ""))
+        except GuideError as exc:
+            raise ValueError(
+                f"guided decoding cannot compile a guide in a child process ({exc}): start the "
+                "engine as the `appliance engine` command or `python -m appliance`"
+            ) from None
+        grammars.stats = GrammarStats()
+        return grammars
 
     def cached(self, guide: Guide) -> CompiledGuide | None:
         """The compiled guide if the cache holds it (a lookup: call it on the event loop)."""

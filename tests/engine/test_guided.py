@@ -659,3 +659,21 @@ def test_a_guided_repository_without_xgrammar_is_refused_at_load_saying_why(
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
     with pytest.raises(ValueError, match=r"needs xgrammar: install the `guided` extra"):
         Grammars.load(info, 2048)
+
+
+def test_a_guided_model_whose_compile_process_cannot_run_is_refused_at_load(
+    tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile's child re-runs the engine's main script (multiprocessing's rule): one it
+    cannot run would refuse every guide; the model load says so instead."""
+    from appliance.engine.guided import Grammars
+
+    info = tmp_path / "info.json"
+    write_tokenizer_info(tiny.tokenizer_dir / "tokenizer.json", [EOS], info)
+
+    def crashed(*_: object) -> None:
+        raise guide_compile.CompileCrashed("1")
+
+    monkeypatch.setattr(guide_compile, "compile_in_child", crashed)
+    with pytest.raises(ValueError, match=r"guided decoding cannot compile a guide in a child"):
+        Grammars.load(info, 2048)
