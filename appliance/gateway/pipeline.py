@@ -13,6 +13,9 @@ the pipeline's replies (generation.Delta, reply.Final) back; nothing here knows 
   are checked here (again).
 - route: the model the request names.
 - check: every field valid and bounded, text NFC-normalized (request.check); no tokenizing yet.
+  A chat with tools is written here (its past calls' arguments parsed and written into its
+  messages, and the whole keyed for the cache), after its size as sent is bounded; one longer
+  than a long input is checked on a worker thread (as tokenize's long inputs are).
 - cache lookup: deterministic requests only, through the tier cascade; a hit is replayed in the shape
   of a generated answer and never needs the engine, so of the stages after this one only read
   call runs for it (and, for a semantic hit, tokenize: its usage counts the request's own prompt). A tier that overlaps the engine (the semantic tier with `overlap_engine` on)
@@ -61,6 +64,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -102,6 +106,8 @@ from appliance.security.auth import (
 from appliance.text.tokenizer import INLINE_CHARS
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # An engine's statuses that are never the client's to get (errors.py): its own failure.
 UPSTREAM_FAILURES = frozenset(
@@ -338,9 +344,10 @@ class Pipeline:
             model = self.route(request.model)
             report.model = routed = model.name
             self.in_flight[routed] += 1
-            checked = self.check(request, model, grant.namespace, report)
+            since = time.monotonic()
+            checked = await self.check(request, model, grant.namespace, report, deadline_s)
             calls = self.call_reader(checked, hold_call_text)
-            budget = self.budget(model, checked, deadline_s)
+            budget = self.budget(model, checked, deadline_s, since)
             query = self.cache_query(model, checked)
             cache_plan = self.cache_plan(checked, query)
             start = functools.partial(self.start, model, checked, cache_plan, budget, query)
@@ -432,13 +439,31 @@ class Pipeline:
             )
         return model
 
-    @staticmethod
-    def check(
-        request: IncomingRequest, model: ServedModel, namespace: str, report: RequestReport
+    async def check(
+        self,
+        request: IncomingRequest,
+        model: ServedModel,
+        namespace: str,
+        report: RequestReport,
+        deadline_s: float | None,
     ) -> CheckedRequest:
         """Every field valid and bounded (request.check), and nothing asked of the model's engine
-        that it cannot do (drafts, alternatives per token, guides, inputs it lacks)."""
-        checked = check(request, model.limits, namespace)
+        that it cannot do (drafts, alternatives per token, guides, inputs it lacks). A chat with
+        tools longer than INLINE_CHARS (as sent) is checked on a worker thread: writing it parses
+        and writes back every past call's arguments and keys the chat, work in proportion to
+        them; its wait for a thread ends at the request's deadline (`deadline_s`, the model's
+        default when None) as the tokenize stage's does."""
+        chat = request.tool_chat
+        if chat is not None and chat.chars() > INLINE_CHARS:
+            expires = time.monotonic() + self.deadline_of(model, deadline_s)
+            checked = await self.on_worker(
+                functools.partial(check, request, model.limits, namespace),
+                model,
+                expires,
+                "the messages were still waiting to be checked",
+            )
+        else:
+            checked = check(request, model.limits, namespace)
         report.request_id = checked.request_id
         check_speculation(checked, model.name, model.backend.speculation)
         check_top_logprobs(checked, model.name, model.backend.max_top_logprobs)
@@ -460,11 +485,22 @@ class Pipeline:
         return (reply,) if calls is None else calls.read(reply)
 
     @staticmethod
-    def budget(model: ServedModel, checked: CheckedRequest, deadline_s: float | None) -> Budget:
+    def deadline_of(model: ServedModel, deadline_s: float | None) -> float:
+        """Seconds a request has: the client's deadline, or the model's default one."""
+        return deadline_s if deadline_s is not None else model.policy.default_deadline_s
+
+    @staticmethod
+    def budget(
+        model: ServedModel,
+        checked: CheckedRequest,
+        deadline_s: float | None,
+        since: float | None = None,
+    ) -> Budget:
         """The client's deadline, or the model's default one: a hung engine never holds a client
-        that set none forever. The TTFT budget is the client's or the model's default."""
-        now = time.monotonic()
-        expires = now + (deadline_s if deadline_s is not None else model.policy.default_deadline_s)
+        that set none forever. The TTFT budget is the client's or the model's default. Both run
+        from `since` (time.monotonic(); now when None): the check stage's start."""
+        now = time.monotonic() if since is None else since
+        expires = now + Pipeline.deadline_of(model, deadline_s)
         ttft_s = (
             checked.ttft_budget_ms / 1000
             if checked.ttft_budget_ms is not None
@@ -693,14 +729,26 @@ class Pipeline:
         engine = model.backend.engine_limits
         if chars <= INLINE_CHARS:
             return tokenize(checked, model.text, model.limits, engine)
+        return await self.on_worker(
+            functools.partial(tokenize, checked, model.text, model.limits, engine),
+            model,
+            expires,
+            "the prompt was still waiting to be tokenized",
+        )
+
+    async def on_worker(
+        self, work_of: Callable[[], T], model: ServedModel, expires: float, waiting: str
+    ) -> T:
+        """`work_of()` run on a tokenizer thread, the event loop free meanwhile. The wait ends
+        at `expires` (time.monotonic(): DEADLINE_EXCEEDED, saying the request was `waiting`)
+        or when the drain's grace is over (refused like every request still waiting then: a
+        retry hint)."""
         if self.draining:
             raise stopping()
         loop = asyncio.get_running_loop()
         if self._grace_over is None:
             self._grace_over = loop.create_future()
-        work = loop.run_in_executor(
-            self._tokenizers, tokenize, checked, model.text, model.limits, engine
-        )
+        work = loop.run_in_executor(self._tokenizers, work_of)
         try:
             async with asyncio.timeout_at(self._loop_time(expires)):
                 await asyncio.wait((work, self._grace_over), return_when=asyncio.FIRST_COMPLETED)
@@ -710,12 +758,12 @@ class Pipeline:
         except TimeoutError:
             raise RequestError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no complete answer from model '{model.name}' within the deadline (the prompt "
-                "was still waiting to be tokenized); give the request a longer deadline",
+                f"no complete answer from model '{model.name}' within the deadline ({waiting}); "
+                "give the request a longer deadline",
             ) from None
         finally:
-            # Not waited for any more: a tokenizing not begun never starts; an error it ended
-            # with meanwhile is not logged as never retrieved.
+            # Not waited for any more: work not begun never starts; an error it ended with
+            # meanwhile is not logged as never retrieved.
             if not work.cancel() and not work.cancelled():
                 work.exception()
 

@@ -4,7 +4,9 @@ both front ends' wire formats."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +17,15 @@ from appliance.gateway import openai_wire as wire
 from appliance.gateway.call_reader import CallReader
 from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from appliance.gateway.generation import Delta
+from appliance.gateway.models import load_models
 from appliance.gateway.reply import Final, Reply
 from appliance.gateway.request import IncomingRequest, Limits, check
+from appliance.gateway.server import start_server
 from appliance.gateway.tool_calls import HeldText, ToolCall, parse_call, plan
+from appliance.text.tokenizer import INLINE_CHARS
 from appliance.v1 import inference_pb2 as pb
+from tests.conftest import Engine, Tiny
+from tests.gateway.test_http_api import _config, _post
 
 WEATHER = {
     "type": "function",
@@ -365,3 +372,67 @@ def test_each_past_call_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
             "\n".join([f'{{"name": "f", "arguments": {ARGUMENTS}}}'] * 3),
         )
         assert counting.parsed == 3 * len(ARGUMENTS)
+
+
+async def test_a_long_tool_chat_is_written_on_a_worker_thread(
+    tiny: Tiny, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing a chat's past calls (parsing their arguments, writing them back, keying the chat)
+    costs in proportion to the arguments: a long tool chat is written on the tokenizer threads,
+    and the event loop answers other requests meanwhile."""
+    rendering, may_finish = threading.Event(), threading.Event()
+    threads: dict[str, str] = {}
+    answered_meanwhile: list[bool] = []
+    fallback, with_text = tool_calls.ToolChat.fallback, tool_calls.ToolChat.with_text
+
+    def held_fallback(chat: tool_calls.ToolChat) -> list[tuple[str, str]]:
+        threads["fallback"] = threading.current_thread().name
+        rendering.set()
+        # Released once another request was answered; a loop held here answers none (the
+        # timeout only ends the test's wait on today's failure).
+        answered_meanwhile.append(may_finish.wait(timeout=10))
+        return fallback(chat)
+
+    def recorded_with_text(
+        chat: tool_calls.ToolChat, normalize: Callable[[str], str]
+    ) -> tool_calls.ToolChat:
+        threads["with_text"] = threading.current_thread().name
+        return with_text(chat, normalize)
+
+    monkeypatch.setattr(tool_calls.ToolChat, "fallback", held_fallback)
+    monkeypatch.setattr(tool_calls.ToolChat, "with_text", recorded_with_text)
+    config = _config(tiny, engine.address)
+    running = await start_server(config, await load_models(config))
+    try:
+        arguments = json.dumps({"text": "word " * 1700})  # fits the tiny model's input
+        assert len(arguments) > INLINE_CHARS
+        body = {
+            "model": "tiny",
+            "messages": [
+                {"role": "user", "content": "Count them"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c0", "function": {"name": "f", "arguments": arguments}}],
+                },
+                {"role": "tool", "tool_call_id": "c0", "content": "done"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "max_tokens": 4,
+        }
+        posting = asyncio.ensure_future(
+            _post(running, "/v1/chat/completions", json.dumps(body).encode())
+        )
+        await asyncio.to_thread(rendering.wait)
+        short = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status, _, reply = await _post(running, "/v1/chat/completions", json.dumps(short).encode())
+        assert status == 200, reply
+        may_finish.set()
+        status, _, reply = await posting
+        assert status == 200, reply
+    finally:
+        may_finish.set()
+        await running.drain(0.5)
+    assert answered_meanwhile == [True]
+    loop_thread = threading.current_thread().name
+    assert threads["fallback"] != loop_thread and threads["fallback"].startswith("tokenize")
+    assert threads["with_text"] == threads["fallback"]
