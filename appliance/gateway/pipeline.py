@@ -453,8 +453,8 @@ class Pipeline:
         and writes back every past call's arguments and keys the chat, work in proportion to
         them; its wait for a thread ends at the request's deadline (`deadline_s`, the model's
         default when None) as the tokenize stage's does. The json module holds the GIL through
-        each parse or write (a call's arguments; the key, all of them): about 50 ms per MB of
-        small values, during which the loop waits; it runs between those steps."""
+        each parse or write (a call's arguments; the key, all of them): the loop waits during
+        each such step and runs between them."""
         chat = request.tool_chat
         if chat is not None and chat.chars() > INLINE_CHARS:
             expires = time.monotonic() + self.deadline_of(model, deadline_s)
