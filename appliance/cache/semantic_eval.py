@@ -21,6 +21,9 @@ from appliance.cache.embedder import Embedder, Vector
 from appliance.cache.paraphrase import Decision, Rule, analyze
 
 COSINE_ANCHORS = (0.80, 0.85, 0.90, 0.95, 0.97)
+# Longest line read (a pair of questions is a few KiB): a file with no line ends (a binary,
+# /dev/zero, a gzip file that inflates to one) is refused after reading this much.
+MAX_LINE_CHARS = 1 << 20
 
 
 class PairsError(Exception):
@@ -40,7 +43,12 @@ def read_pairs(path: Path) -> list[Pair]:
     pairs: list[Pair] = []
     try:
         with opener(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+            for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), 1):
+                if len(line) > MAX_LINE_CHARS:
+                    raise PairsError(
+                        f"{path}:{number}: a line over {MAX_LINE_CHARS:,} characters: "
+                        'expected one {"a": ..., "b": ..., "label": 0|1} a line'
+                    )
                 if not line.strip():
                     continue
                 pairs.append(_pair(line, f"{path}:{number}"))

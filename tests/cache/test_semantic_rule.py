@@ -380,3 +380,18 @@ def test_many_texts_embed_as_each_alone(embedder: Embedder) -> None:
     for text, vector in zip(texts, many, strict=True):
         alone = embedder.embed(text)
         assert alone is not None and np.array_equal(vector, alone)
+
+
+def test_a_pairs_file_without_line_ends_is_refused_after_a_bounded_read(tmp_path: Path) -> None:
+    """A wrong file (one endless line: /dev/zero, a binary) costs one bounded line, and so does
+    a gzip file that inflates to one."""
+    from appliance.cache.semantic_eval import MAX_LINE_CHARS, PairsError
+
+    plain = tmp_path / "one-line.jsonl"
+    plain.write_text('{"a": "' + "x" * (MAX_LINE_CHARS + 10))
+    packed = tmp_path / "one-line.jsonl.gz"
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write("y" * (MAX_LINE_CHARS + 10))
+    for path in (plain, packed):
+        with pytest.raises(PairsError, match=rf"{path.name}:1: a line over {MAX_LINE_CHARS:,}"):
+            read_pairs(path)
