@@ -15,13 +15,14 @@ back in the Final with its id; text that may still be a call is held back (HeldT
 end whose wire format replaces a call's text (OpenAI's), and streams as generated for one that
 sends both (the gRPC API's).
 
-Rendering (at the tokenize stage, with the model that generates): a chat template that takes
-`tools` (its source names them, as Hugging Face templates with tool support do) gets the tools as
-`tools=[{"type": "function", "function": {...}}]` and the history as it came: assistant messages
-with `tool_calls`, `tool` messages with their `tool_call_id`. Any other template gets the fallback:
-a system message of this module's wording that lists the tools and asks for the JSON object above,
-an assistant message's calls written as the objects the model would have produced, and a `tool`
-message as a user message that names the call it answers.
+Rendering: a chat template that takes `tools` (its source names them, as Hugging Face templates
+with tool support do) gets the tools as `tools=[{"type": "function", "function": {...}}]` and the
+history as it came, at the tokenize stage with the model that generates: assistant messages with
+`tool_calls`, `tool` messages with their `tool_call_id`. Any other template gets the fallback,
+written at the check stage (where the cache key is made of it): a system message of this module's
+wording that lists the tools and asks for the JSON object above, an assistant message's calls
+written as the objects the model would have produced, and a `tool` message as a user message that
+names the call it answers.
 """
 
 from __future__ import annotations
@@ -304,8 +305,9 @@ def has_tool_parts(turns: Sequence[Turn]) -> bool:
 
 @dataclass(frozen=True)
 class ToolChat:
-    """A chat request with tools or a history of tool calls: rendered by the tokenize stage, with
-    the model's chat template when it takes tools, else as `fallback()`."""
+    """A chat request with tools or a history of tool calls: rendered with the model's chat
+    template by the tokenize stage when the template takes tools, else as `fallback()` (written
+    by the check stage)."""
 
     plan: ToolPlan | None
     turns: tuple[Turn, ...]
