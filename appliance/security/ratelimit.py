@@ -32,6 +32,16 @@ class _Bucket:
         self.streams = 0
 
 
+def _burst(limits: RateLimits, rate: float) -> float:
+    """Requests a key may make at once above its rate (its own burst, else one second's)."""
+    return float(limits.burst or max(1.0, rate))
+
+
+def _refilled(bucket: _Bucket, rate: float, burst: float, now: float) -> float:
+    """The bucket's tokens at `now` (time.monotonic())."""
+    return min(burst, bucket.tokens + (now - bucket.last) * rate)
+
+
 class RateLimiter:
     """The buckets and stream counts of every key, keyed by key id (the event loop's only)."""
 
@@ -43,12 +53,12 @@ class RateLimiter:
         rate = limits.rate_per_s
         if rate is None:
             return
-        burst = float(limits.burst or max(1.0, rate))
+        burst = _burst(limits, rate)
         bucket = self._buckets.get(key_id)
         if bucket is None:
             bucket = self._buckets[key_id] = _Bucket(burst)
         now = time.monotonic()
-        bucket.tokens = min(burst, bucket.tokens + (now - bucket.last) * rate)
+        bucket.tokens = _refilled(bucket, rate, burst, now)
         bucket.last = now
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
@@ -67,11 +77,8 @@ class RateLimiter:
         if bucket is None:
             return True
         rate = limits.rate_per_s
-        if rate is not None:
-            burst = float(limits.burst or max(1.0, rate))
-            tokens = min(burst, bucket.tokens + (time.monotonic() - bucket.last) * rate)
-            if tokens < 1.0:
-                return False
+        if rate is not None and _refilled(bucket, rate, _burst(limits, rate), time.monotonic()) < 1:
+            return False
         return limits.max_streams is None or bucket.streams < limits.max_streams
 
     def open_stream(self, key_id: str, limits: RateLimits) -> bool:
