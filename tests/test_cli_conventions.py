@@ -107,7 +107,12 @@ def test_engine_refuses_a_device_it_cannot_use(
         (["cache", "invalidate", "--namespace", "\udcff"], "argument --namespace: not UTF-8"),
         (["cache", "invalidate", "--model", "\udcff"], "argument --model: not UTF-8"),
         (["cache", "warm", "--prompts", "p", "--model", "\udcff"], "argument --model: not UTF-8"),
-        (["keys", "add", "--namespace", "n" * 65], "argument --namespace: longer than 64"),
+        (["keys", "add", "--namespace", "n" * 65], "argument --namespace: is longer than 64"),
+        (["keys", "add", "--namespace", "a\nb"], "argument --namespace: holds a control"),
+        (
+            ["keys", "add", "--namespace", "a", "--identity", "c\x1b[2K"],
+            "argument --identity: holds a control",
+        ),
         (["keys", "add", "--namespace", "\udcff"], "argument --namespace: not UTF-8"),
     ],
 )

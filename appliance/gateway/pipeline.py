@@ -81,7 +81,6 @@ from appliance.gateway.models import ServedModel
 from appliance.gateway.reply import Final, Reply, final_of
 from appliance.gateway.report import ReportSink, RequestReport
 from appliance.gateway.request import (
-    MAX_NAMESPACE_LENGTH,
     CheckedRequest,
     IncomingRequest,
     PreparedRequest,
@@ -95,6 +94,7 @@ from appliance.gateway.request import (
     tokenize,
     valid_request_id,
 )
+from appliance.namespace import MAX_LENGTH as MAX_NAMESPACE
 from appliance.security.auth import (
     CACHE_ONLY,
     GENERATE,
@@ -416,7 +416,7 @@ class Pipeline:
         credentials; the scope and namespace the request names are checked on it."""
         scope = scope_of(request.cache_policy)
         report.key_id = credentials.claimed_key_id()
-        report.namespace = request.namespace[:MAX_NAMESPACE_LENGTH]  # refused later when longer
+        report.namespace = request.namespace[:MAX_NAMESPACE]  # refused later when longer
         if admitted is None:
             grant = self.access.authorize(credentials, request.namespace, scope)
         else:
@@ -424,7 +424,7 @@ class Pipeline:
             self.access.permit(admitted, request.namespace, scope)
             grant = admitted
         report.key_id = grant.key_id
-        report.namespace = grant.namespace[:MAX_NAMESPACE_LENGTH]
+        report.namespace = grant.namespace[:MAX_NAMESPACE]
         return grant
 
     def route(self, name: str) -> ServedModel:
@@ -1024,7 +1024,7 @@ class Pipeline:
             front_end=front_end,
             status=status,
             key_id=key_id,
-            namespace=namespace[:MAX_NAMESPACE_LENGTH],
+            namespace=namespace[:MAX_NAMESPACE],
         )
         report.total_us = (time.monotonic_ns() - received_ns) // 1000
         self.sink.report(report)

@@ -30,6 +30,7 @@ import jsonschema_rs
 import numpy as np
 import numpy.typing as npt
 
+from appliance import namespace as namespaces
 from appliance.backends.base import (
     GREEDY,
     NO_ENGINE_LIMITS,
@@ -53,7 +54,6 @@ MAX_REQUEST_ID_LENGTH = 128
 # Messages of one chat request (OpenAI's own limit); each costs work before the count of its tokens
 # is known, so the count is checked before any message is read.
 MAX_MESSAGES = 2048
-MAX_NAMESPACE_LENGTH = 64
 # A model name a cache administration call may name (served or not: a fleet's Redis holds the
 # answers of every gateway's models).
 MAX_MODEL_NAME_LENGTH = 256
@@ -362,10 +362,8 @@ def check(req: IncomingRequest, limits: Limits, namespace: str | None = None) ->
             field="request_id",
         )
     namespace = namespace or req.namespace or "default"
-    if len(namespace) > MAX_NAMESPACE_LENGTH:
-        raise _invalid(
-            f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters", field="namespace"
-        )
+    if (problem := namespaces.problem(namespace)) is not None:
+        raise _invalid(f"namespace {problem}", field="namespace")
     cache_policy = _POLICIES.get(req.cache_policy)
     if cache_policy is None:
         names = ", ".join(f"{p.value} ({p.name})" for p in CachePolicy)

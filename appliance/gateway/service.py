@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from appliance import namespace as namespaces
 from appliance.cache.tiers import TierCascade
 from appliance.gateway import messages, report
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta
 from appliance.gateway.pipeline import Pipeline, scope_of
-from appliance.gateway.request import MAX_MODEL_NAME_LENGTH, MAX_NAMESPACE_LENGTH, IncomingRequest
+from appliance.gateway.request import MAX_MODEL_NAME_LENGTH, IncomingRequest
 from appliance.security.auth import AccessControl, Credentials, Grant, bearer_token
 from appliance.security.tls import grpc_peer_names
 from appliance.v1 import inference_pb2 as pb
@@ -51,11 +52,8 @@ def _set_pushback(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
 def entry_key(request: pb.InvalidateRequest) -> bytes | None:
     """The one cached answer an Invalidate names (None: every answer that matches); a request that
     names it, its namespace or its model wrongly is refused with what to fix."""
-    if len(request.namespace) > MAX_NAMESPACE_LENGTH:
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"namespace is longer than {MAX_NAMESPACE_LENGTH} characters",
-        )
+    if (problem := namespaces.problem(request.namespace)) is not None:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"namespace {problem}")
     if len(request.model) > MAX_MODEL_NAME_LENGTH:
         raise RequestError(
             grpc.StatusCode.INVALID_ARGUMENT,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance import namespace
 from appliance.textfile import TextFileError, read_bytes
 from appliance.wholefile import write_whole
 
@@ -213,12 +214,20 @@ def _check_entry(path: Path, n: int, entry: object) -> dict[str, Any]:
         and all(isinstance(v, str) and v for v in namespaces)
     ):
         raise KeysFileError(f"{where}: 'namespaces' must be a non-empty list of names (or \"*\")")
+    for name in namespaces:
+        if (problem := namespace.problem(name)) is not None:
+            raise KeysFileError(f"{where}: namespace {name!r} {problem}")
     scopes = entry.get("scopes")
     if not (isinstance(scopes, list) and scopes and all(v in SCOPES for v in scopes)):
         raise KeysFileError(f"{where}: 'scopes' must be a non-empty list of {', '.join(SCOPES)}")
     identities = entry.get("identities", [])
-    if not (isinstance(identities, list) and all(isinstance(v, str) and v for v in identities)):
-        raise KeysFileError(f"{where}: 'identities' must be a list of certificate names")
+    if not (
+        isinstance(identities, list)
+        and all(isinstance(v, str) and v and v.isprintable() for v in identities)
+    ):
+        raise KeysFileError(
+            f"{where}: 'identities' must be a list of certificate names (printable characters)"
+        )
     value = entry.get("rate_per_s")
     if value is not None and (
         isinstance(value, bool)

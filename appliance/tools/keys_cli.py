@@ -11,10 +11,11 @@ import contextlib
 import fcntl
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from appliance import namespace
 from appliance.cliargs import positive, utf8_text
 from appliance.logline import escape
 from appliance.security.api_keys import (
@@ -139,24 +140,21 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _name(what: str, at_most: int | None = None) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if not utf8_text(text).strip():
-            raise argparse.ArgumentTypeError(f"an empty {what}; give one")
-        if at_most is not None and len(text) > at_most:
-            raise argparse.ArgumentTypeError(
-                f"longer than {at_most} characters, which no request's {what} may be"
-            )
-        return text
-
-    return parse
+def _identity(text: str) -> str:
+    if not utf8_text(text).strip():
+        raise argparse.ArgumentTypeError("an empty certificate name; give one")
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError("holds a control or other unprintable character")
+    return text
 
 
 def _namespace(text: str) -> str:
-    """A namespace a request can name: the gateway refuses a longer one."""
-    from appliance.gateway.request import MAX_NAMESPACE_LENGTH
-
-    return _name("namespace", MAX_NAMESPACE_LENGTH)(text)
+    """A namespace a request can name: the gateway refuses any other."""
+    if not utf8_text(text).strip():
+        raise argparse.ArgumentTypeError("an empty namespace; give one")
+    if (problem := namespace.problem(text)) is not None:
+        raise argparse.ArgumentTypeError(f"{problem}, which no request's namespace may")
+    return text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -178,7 +176,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a.add_argument(
         "--identity",
         action="append",
-        type=_name("certificate name"),
+        type=_identity,
         help="a client certificate name (mutual TLS) that stands for the key; repeat",
     )
     a.add_argument("--rate-per-s", type=positive(float, LIMIT_MAX), help="requests per second")

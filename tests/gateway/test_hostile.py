@@ -128,7 +128,9 @@ def test_client_values_never_start_a_log_line(gateway: Stack) -> None:
             with contextlib.suppress(grpc.RpcError):
                 stub.Complete(pb.GenerateRequest(**fields), timeout=60)  # type: ignore[arg-type]
         admin = pb_grpc.CacheAdminStub(channel)
-        admin.Invalidate(pb.InvalidateRequest(namespace="n\nFORGED", model=forged), timeout=30)
+        with contextlib.suppress(grpc.RpcError):  # a namespace with a line break is refused
+            admin.Invalidate(pb.InvalidateRequest(namespace="n\nFORGED", model=forged), timeout=30)
+        admin.Invalidate(pb.InvalidateRequest(namespace="n", model=forged), timeout=30)
         last = pb.GenerateRequest(model=MODEL, prompt="p", max_tokens=2, request_id="last")
         stub.Complete(last, timeout=60)
     lines = gateway.log_through("last")
@@ -144,9 +146,16 @@ def test_a_refused_long_name_is_not_written_whole_to_any_log(gateway: Stack) -> 
             stub.Complete(pb.GenerateRequest(model=MODEL, prompt="p", namespace=long), timeout=60)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details() == "namespace is longer than 64 characters"
+        unprintable = "namespace holds a control or other unprintable character"
+        for name in ("tenant\n", "a\x1b[2Kb", "zero\u200bwidth", "\x7f"):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Complete(pb.GenerateRequest(model=MODEL, prompt="p", namespace=name))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == unprintable
         admin = pb_grpc.CacheAdminStub(channel)
         for names, why in (
             (dict(namespace=long), "namespace is longer than 64 characters"),
+            (dict(namespace="tenant\tb"), unprintable),
             (dict(model=long), "model is longer than 256 characters"),
         ):
             with pytest.raises(grpc.RpcError) as refused:

@@ -116,6 +116,28 @@ def test_a_keys_file_with_a_rate_that_is_not_a_number_is_refused(tmp_path: Path)
         assert "'rate_per_s' must be a number greater than 0" in listed.stderr
 
 
+def test_a_keys_file_namespace_no_request_could_name_is_refused(tmp_path: Path) -> None:
+    pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
+    assert keys("secret", str(pepper)).returncode == 0
+    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
+    assert add.returncode == 0, add.stderr
+    data = json.loads(path.read_text())
+    for name, says in (
+        ("n" * 65, "is longer than 64 characters"),
+        ("a\nb", "holds a control or other unprintable character"),
+    ):
+        data["keys"][0]["namespaces"] = [name]
+        path.write_text(json.dumps(data))
+        listed = keys("--keys-file", str(path), "list")
+        assert listed.returncode == 2 and says in listed.stderr, listed.stderr
+        assert len(listed.stderr.splitlines()) == 1
+    data["keys"][0]["namespaces"] = ["a"]
+    data["keys"][0]["identities"] = ["client\x1b[2K"]
+    path.write_text(json.dumps(data))
+    listed = keys("--keys-file", str(path), "list")
+    assert listed.returncode == 2 and "certificate names (printable" in listed.stderr
+
+
 def test_a_keys_file_in_a_missing_folder_is_named_not_its_temporary_file(tmp_path: Path) -> None:
     pepper, path = tmp_path / "pepper", tmp_path / "nowhere" / "keys.json"
     assert keys("secret", str(pepper)).returncode == 0
