@@ -102,39 +102,42 @@ def test_a_key_no_reader_would_take_is_never_written(
     assert not path.exists()
 
 
-def test_a_keys_file_with_a_rate_that_is_not_a_number_is_refused(tmp_path: Path) -> None:
+def _one_key_file(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A keys file `keys add` wrote with one key, and its contents to edit and write back."""
     pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
     assert keys("secret", str(pepper)).returncode == 0
     add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
     assert add.returncode == 0, add.stderr
-    data = json.loads(path.read_text())
+    return path, json.loads(path.read_text())
+
+
+def _listed_after(path: Path, data: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    path.write_text(json.dumps(data))  # Python writes NaN, which its reader takes
+    return keys("--keys-file", str(path), "list")
+
+
+def test_a_keys_file_with_a_rate_that_is_not_a_number_is_refused(tmp_path: Path) -> None:
+    path, data = _one_key_file(tmp_path)
     for value in (float("nan"), 10**400):
         data["keys"][0]["rate_per_s"] = value
-        path.write_text(json.dumps(data))  # Python writes NaN, which its reader takes
-        listed = keys("--keys-file", str(path), "list")
+        listed = _listed_after(path, data)
         assert listed.returncode == 2
         assert "'rate_per_s' must be a number greater than 0" in listed.stderr
 
 
 def test_a_keys_file_namespace_no_request_could_name_is_refused(tmp_path: Path) -> None:
-    pepper, path = tmp_path / "pepper", tmp_path / "keys.json"
-    assert keys("secret", str(pepper)).returncode == 0
-    add = keys("--keys-file", str(path), "add", "--pepper-file", str(pepper), "--namespace", "a")
-    assert add.returncode == 0, add.stderr
-    data = json.loads(path.read_text())
+    path, data = _one_key_file(tmp_path)
     for name, says in (
         ("n" * 65, "is longer than 64 characters"),
         ("a\nb", "holds a control or other unprintable character"),
     ):
         data["keys"][0]["namespaces"] = [name]
-        path.write_text(json.dumps(data))
-        listed = keys("--keys-file", str(path), "list")
+        listed = _listed_after(path, data)
         assert listed.returncode == 2 and says in listed.stderr, listed.stderr
         assert len(listed.stderr.splitlines()) == 1
     data["keys"][0]["namespaces"] = ["a"]
     data["keys"][0]["identities"] = ["client\x1b[2K"]
-    path.write_text(json.dumps(data))
-    listed = keys("--keys-file", str(path), "list")
+    listed = _listed_after(path, data)
     assert listed.returncode == 2 and "certificate names (printable" in listed.stderr
 
 
