@@ -57,9 +57,7 @@ def write_repository(checkpoint: Path, dest: Path) -> Path:
         config = text_format.Parse((source / "config.pbtxt").read_text(), mc.ModelConfig())
         config.name = name
         config.parameters["enable_kv_cache_reuse"].string_value = reuse
-        flag = config.input.add(name="return_perf_metrics", data_type=mc.TYPE_BOOL, dims=[1])
-        flag.optional = True
-        config.output.add(name="kv_cache_reused_blocks", data_type=mc.TYPE_INT32, dims=[1])
+        # engine-build declares return_perf_metrics and kv_cache_reused_blocks on every model.
         (repo / name / "config.pbtxt").write_text(text_format.MessageToString(config))
     shutil.rmtree(source)
     return repo

@@ -62,12 +62,29 @@ GUIDED_DECODING_INPUTS = (GUIDE_TYPE_INPUT, GUIDE_INPUT)
 # The one `guided_decoding_backend` the backend's C++ runtime accepts.
 XGRAMMAR = "xgrammar"
 
-# Speculative decoding's per-request report, as the tensorrtllm backend names it: with the input
-# `return_perf_metrics` true, each response carries the request's RequestPerfMetrics so far, among
-# them the draft tokens proposed (`total_draft_tokens`), those accepted
-# (`total_accepted_draft_tokens`) and their ratio (`acceptance_rate`), shape [1] each. Declared on a
-# model with a speculative mode, so a gateway sees from the config that it may ask for them.
+# The per-request perf metrics of the tensorrtllm backend: with the optional input
+# `return_perf_metrics` (BOOL [1]) true, every response carries the request's RequestPerfMetrics so
+# far, shape [1] each, as the backend's config.pbtxt template declares them on every model. KV-cache
+# blocks (INT32): `kv_cache_reused_blocks` the prompt blocks taken from the reuse pool,
+# `kv_cache_alloc_total_blocks` the prompt blocks allocated instead (not reused),
+# `kv_cache_alloc_new_blocks` those of them that held no reusable K/V before; all three are counted
+# once, when the request's sequence is added to the KV cache, so every response carries the same
+# values. Times (INT64 nanoseconds of the executor's steady clock). Speculative decoding: the draft
+# tokens proposed (`total_draft_tokens`), those accepted (`total_accepted_draft_tokens`) and their
+# ratio (`acceptance_rate`).
 PERF_METRICS_INPUT = "return_perf_metrics"
+KV_CACHE_REUSED_BLOCKS_OUTPUT = "kv_cache_reused_blocks"
+KV_CACHE_OUTPUTS: tuple[tuple[str, int], ...] = (
+    ("kv_cache_alloc_new_blocks", mc.TYPE_INT32),
+    (KV_CACHE_REUSED_BLOCKS_OUTPUT, mc.TYPE_INT32),
+    ("kv_cache_alloc_total_blocks", mc.TYPE_INT32),
+)
+TIMING_OUTPUTS: tuple[tuple[str, int], ...] = (
+    ("arrival_time_ns", mc.TYPE_INT64),
+    ("first_scheduled_time_ns", mc.TYPE_INT64),
+    ("first_token_time_ns", mc.TYPE_INT64),
+    ("last_token_time_ns", mc.TYPE_INT64),
+)
 DRAFT_TOKENS_OUTPUT = "total_draft_tokens"
 ACCEPTED_DRAFT_TOKENS_OUTPUT = "total_accepted_draft_tokens"
 ACCEPTANCE_RATE_OUTPUT = "acceptance_rate"
@@ -76,6 +93,14 @@ SPEC_OUTPUTS: tuple[tuple[str, int], ...] = (
     (ACCEPTED_DRAFT_TOKENS_OUTPUT, mc.TYPE_INT32),
     (DRAFT_TOKENS_OUTPUT, mc.TYPE_INT32),
 )
+PERF_OUTPUTS = KV_CACHE_OUTPUTS + TIMING_OUTPUTS + SPEC_OUTPUTS
+# The KV-cache block size in tokens. Not a backend parameter (TensorRT-LLM reads it from the
+# engine, built with `trtllm-build --tokens_per_block`): `engine-build repo` writes the value it
+# built with, so the engine server and the gateway count blocks of the same size.
+TOKENS_PER_BLOCK_PARAMETER = "tokens_per_block"
+# TensorRT-LLM 1.2's build default (PluginConfig.tokens_per_block): the size where a config.pbtxt
+# does not record one.
+DEFAULT_TOKENS_PER_BLOCK = 32
 # The per-request switch of speculation (BOOL; false: this request decodes without drafts). The
 # tensorrtllm backend has none: a TensorRT-LLM engine speculates on every request of a model whose
 # `decoding_mode` is speculative. The appliance engine server declares it on the models it serves
@@ -212,7 +237,7 @@ def parameters(p: RepoParams) -> dict[str, str]:
         # engine's limits and KV block size.
         "max_input_len": str(p.max_input_len),
         "max_seq_len": str(p.max_seq_len),
-        "tokens_per_block": str(p.tokens_per_block),
+        TOKENS_PER_BLOCK_PARAMETER: str(p.tokens_per_block),
         "hf_model_dir": p.hf_model_dir,
     }
     if p.engine_dir is not None:
@@ -268,22 +293,21 @@ def model_config(p: RepoParams) -> mc.ModelConfig:
         t.reshape.SetInParent()
     for name, dtype, dims in _OUTPUTS:
         cfg.output.add(name=name, data_type=dtype, dims=list(dims))
-    if p.speculative or p.draft_inputs:
-        declare_spec_metrics(cfg)
+    declare_perf_metrics(cfg)
     cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
     for key, value in parameters(p).items():
         cfg.parameters[key].string_value = value
     return cfg
 
 
-def declare_spec_metrics(cfg: mc.ModelConfig) -> None:
-    """Declares PERF_METRICS_INPUT and SPEC_OUTPUTS on `cfg` where it does not yet (as the
+def declare_perf_metrics(cfg: mc.ModelConfig) -> None:
+    """Declares PERF_METRICS_INPUT and PERF_OUTPUTS on `cfg` where it does not yet (as the
     template declares them: [1] each, the input reshaped to [] per request)."""
     if PERF_METRICS_INPUT not in {i.name for i in cfg.input}:
         t = cfg.input.add(name=PERF_METRICS_INPUT, data_type=mc.TYPE_BOOL, dims=[1], optional=True)
         t.reshape.SetInParent()
     outputs = {o.name for o in cfg.output}
-    for name, dtype in SPEC_OUTPUTS:
+    for name, dtype in PERF_OUTPUTS:
         if name not in outputs:
             cfg.output.add(name=name, data_type=dtype, dims=[1])
 

@@ -93,7 +93,7 @@ class BuildSpec:
     multiple_profiles: bool = True
     tp_size: int = 1
     gpu_ids: tuple[int, ...] = (0,)
-    tokens_per_block: int = 32
+    tokens_per_block: int = pbtxt.DEFAULT_TOKENS_PER_BLOCK
     enable_kv_cache_reuse: bool = False
     kv_cache_free_gpu_mem_fraction: float = 0.9
     gemm: str = "gemm_plugin"

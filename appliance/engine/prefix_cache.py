@@ -86,10 +86,11 @@ class KvCacheStats:
 class RequestKvStats:
     """One request's KV blocks, as TensorRT-LLM's `RequestPerfMetrics.kvCacheMetrics` counts them.
 
-    `total_blocks` is the blocks its sequence (prompt + generated so far) occupies, `reused_blocks`
-    those it took from the pool, `new_blocks` the rest; `reused_tokens` the prompt tokens not
-    recomputed. The backend returns the first three as `kv_cache_alloc_total_blocks`,
-    `kv_cache_reused_blocks` and `kv_cache_alloc_new_blocks`.
+    `total_blocks` is the blocks its sequence occupies (the prompt's while it runs, prompt and
+    answer once it is accounted), `reused_blocks` those it took from the pool, `new_blocks` the
+    rest; `reused_tokens` the prompt tokens not recomputed. The backend returns `reused_blocks` as
+    `kv_cache_reused_blocks` and the prompt's `new_blocks` as `kv_cache_alloc_total_blocks` and
+    `kv_cache_alloc_new_blocks`.
     """
 
     total_blocks: int = 0

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from google.protobuf import text_format
 
 from appliance.textfile import TextFileError, read_text
+from engine_build.pbtxt import DEFAULT_TOKENS_PER_BLOCK, TOKENS_PER_BLOCK_PARAMETER
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
@@ -22,9 +23,6 @@ FINGERPRINT_FILE = "engine_fingerprint"
 # Larger is no config.pbtxt (engine_build writes a few KiB) and no fingerprint (a digest).
 MAX_CONFIG_BYTES = 1 << 20
 MAX_FINGERPRINT_BYTES = 64 << 10
-# TensorRT-LLM 1.2's build default (PluginConfig.tokens_per_block); a repository that was built with
-# another value records it in the `tokens_per_block` parameter.
-DEFAULT_TOKENS_PER_BLOCK = 32
 DEFAULT_KV_CACHE_FREE_MEM_FRACTION = 0.9
 
 
@@ -98,7 +96,9 @@ class ModelEntry:
     def kv_cache(self) -> KvCacheParams:
         """The KV-cache parameters; a malformed value is a RepositoryError naming the key."""
         path = self.directory / "config.pbtxt"
-        tokens_per_block = self._positive_int("tokens_per_block") or DEFAULT_TOKENS_PER_BLOCK
+        tokens_per_block = (
+            self._positive_int(TOKENS_PER_BLOCK_PARAMETER) or DEFAULT_TOKENS_PER_BLOCK
+        )
         if tokens_per_block & (tokens_per_block - 1) or tokens_per_block < 2:
             raise RepositoryError(
                 f"{path}: parameter 'tokens_per_block' must be a power of two > 1 (as "

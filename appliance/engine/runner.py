@@ -33,10 +33,11 @@ from appliance.engine.guided import CompiledGuide, GuideOverrun
 from appliance.engine.llama import LlamaConfig, LlamaModel
 from appliance.engine.prefill import PREFILL_BUCKETS, GraphPrefill
 from appliance.engine.prefix_cache import KvCacheStats, PrefixCache, RequestKvStats, pool_blocks
-from appliance.engine.repository import DEFAULT_TOKENS_PER_BLOCK, KvCacheParams
+from appliance.engine.repository import KvCacheParams
 from appliance.engine.sampling import SamplingParams, TopLogprobs, generate
 from appliance.engine.speculative import Drafter, SpecCounts
 from appliance.engine.verify import GraphVerify
+from engine_build.pbtxt import DEFAULT_TOKENS_PER_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -320,9 +321,10 @@ class Runner:
             if not job.return_perf:
                 return None
             now = time.monotonic_ns()
-            length = len(job.prompt_ids) + len(produced)
+            # The KV blocks as counted when the sequence was added to the cache: the same on
+            # every response, as TensorRT-LLM counts them only then.
             return RequestPerf(
-                dataclasses.replace(kv, total_blocks=-(-length // self.tokens_per_block)),
+                kv,
                 job.arrival_ns,
                 scheduled_ns,
                 first_token_ns or now,

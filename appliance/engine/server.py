@@ -81,7 +81,7 @@ from engine_build.pbtxt import (
     TOP_LOGPROB_IDS_OUTPUT,
     TOP_LOGPROBS_INPUT,
     TOP_LOGPROBS_OUTPUT,
-    declare_spec_metrics,
+    declare_perf_metrics,
 )
 
 log = logging.getLogger(__name__)
@@ -154,11 +154,16 @@ class EngineModel(ModelSpec):
 
 
 def _perf_outputs(perf: RequestPerf) -> dict[str, tuple[str, int | float]]:
-    """The backend's `return_perf_metrics` outputs (shape [1, 1] each): name -> (datatype, value)."""
+    """The backend's `return_perf_metrics` outputs (shape [1, 1] each): name -> (datatype, value).
+
+    KV blocks as TensorRT-LLM counts them when it adds the sequence to its cache: reused (taken
+    from the pool) and allocated (the rest of the prompt's blocks, taken from the free list). A
+    block is "new" when it held no reusable K/V before: the working cache this server computes in
+    never does, so every allocated block is new."""
     return {
         "kv_cache_alloc_new_blocks": ("INT32", perf.kv.new_blocks),
         "kv_cache_reused_blocks": ("INT32", perf.kv.reused_blocks),
-        "kv_cache_alloc_total_blocks": ("INT32", perf.kv.total_blocks),
+        "kv_cache_alloc_total_blocks": ("INT32", perf.kv.new_blocks),
         "arrival_time_ns": ("INT64", perf.arrival_ns),
         "first_scheduled_time_ns": ("INT64", perf.first_scheduled_ns),
         "first_token_time_ns": ("INT64", perf.first_token_ns),
@@ -867,8 +872,8 @@ def served_config(config: mc.ModelConfig) -> mc.ModelConfig:
 
 def speculative_config(config: mc.ModelConfig) -> mc.ModelConfig:
     """The config a speculating model is served with: the repository's, plus the per-request
-    switch (SPECULATION_INPUT) and the inputs and outputs that report drafts (PERF_METRICS_INPUT,
-    SPEC_OUTPUTS), so a client sees from ModelConfig that the model drafts and may ask for them."""
+    switch (SPECULATION_INPUT) and the input and outputs that report drafts (PERF_METRICS_INPUT,
+    PERF_OUTPUTS), so a client sees from ModelConfig that the model drafts and may ask for them."""
     served = mc.ModelConfig()
     served.CopyFrom(config)
     if SPECULATION_INPUT not in {i.name for i in served.input}:
@@ -876,7 +881,7 @@ def speculative_config(config: mc.ModelConfig) -> mc.ModelConfig:
             name=SPECULATION_INPUT, data_type=mc.TYPE_BOOL, dims=[1], optional=True
         )
         t.reshape.SetInParent()
-    declare_spec_metrics(served)
+    declare_perf_metrics(served)
     return served
 
 

@@ -16,13 +16,13 @@ from tritonclient.grpc import model_config_pb2
 
 from engine_build import runner
 from engine_build.errors import BuildError
-from engine_build.pbtxt import GUIDED_DECODING_INPUTS
+from engine_build.pbtxt import GUIDED_DECODING_INPUTS, PERF_METRICS_INPUT, PERF_OUTPUTS
 from engine_build.repo import write_hf_repository, write_repository
 from engine_build.spec import BuildSpec, load_spec
 from engine_build.tokenizer_info import TOKENIZER_INFO_FILE
 from engine_build.verify import verify_repository
 
-from .conftest import EOS_ID, EOS_TOKEN, make_checkpoint, spec_sections, write_spec
+from .conftest import EOS_ID, EOS_TOKEN, make_checkpoint, read_calls, spec_sections, write_spec
 
 
 def make_spec(
@@ -100,6 +100,25 @@ def test_kv_reuse_repository_needs_and_gets_a_paged_engine(
     repo = write_repository(spec, tmp_path / "repo")
     assert params(parse_config(repo))["enable_kv_cache_reuse"] == "true"
     assert verify_repository(repo) == []
+
+
+def test_every_model_declares_the_perf_metrics_of_the_backend_template(
+    tmp_path: Path, built: Callable[..., BuildSpec], calls: Path
+) -> None:
+    """As the backend's template declares them on every model (a gateway asks for the KV-cache
+    reuse outputs from what the config declares), with the block size the engine was built with."""
+    spec = built(kv_cache={"enable_reuse": True, "tokens_per_block": 64})
+    cfg = parse_config(write_repository(spec, tmp_path / "repo"))
+    flag = next(i for i in cfg.input if i.name == PERF_METRICS_INPUT)
+    assert flag.data_type == model_config_pb2.TYPE_BOOL and flag.optional
+    assert list(flag.dims) == [1]
+    outputs = {o.name: (o.data_type, list(o.dims)) for o in cfg.output}
+    for name, dtype in PERF_OUTPUTS:
+        assert outputs[name] == (dtype, [1]), name
+    assert outputs["kv_cache_reused_blocks"][0] == model_config_pb2.TYPE_INT32
+    argv = next(c["argv"] for c in read_calls(calls) if "--tokens_per_block" in c["argv"])
+    built_with = argv[argv.index("--tokens_per_block") + 1]
+    assert params(cfg)["tokens_per_block"] == built_with == "64"
 
 
 def test_hf_only_repository_sets_hf_model_dir_for_the_engine_server(

@@ -18,7 +18,7 @@ from appliance.gateway.request import (
     check,
     check_speculation,
 )
-from engine_build.pbtxt import SPECULATION_INPUT, declare_spec_metrics
+from engine_build.pbtxt import SPECULATION_INPUT, declare_perf_metrics
 
 LIMITS = Limits(
     max_input_tokens=100, max_output_tokens=50, default_max_tokens=10, context_length=200
@@ -74,7 +74,7 @@ def config(
     if decoding_mode:
         cfg.parameters["decoding_mode"].string_value = decoding_mode
     if counts:
-        declare_spec_metrics(cfg)
+        declare_perf_metrics(cfg)
     return cfg
 
 
