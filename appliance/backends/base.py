@@ -207,12 +207,15 @@ class Tokens(list[int]):
     `accepted_draft_tokens`: the generation's speculative draft tokens so far, proposed and
     accepted, when the model reports them (else None). A response may carry counts and no ids.
     `top`: for each id, the request's top_logprobs most likely alternatives, most likely first,
-    when it asked for them (else None)."""
+    when it asked for them (else None). `cached_tokens`: the prompt tokens the engine took from
+    its prefix cache instead of computing them, when the model reports them (else None; a
+    backend may report them on one response only)."""
 
     logprobs: list[float] | None = None
     top: list[list[Alternative]] | None = None
     draft_tokens: int | None = None
     accepted_draft_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 class Backend(Protocol):

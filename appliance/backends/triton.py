@@ -45,12 +45,15 @@ from appliance.logline import Throttled
 from appliance.textfile import TextFileError, read_text
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
+    DEFAULT_TOKENS_PER_BLOCK,
     DRAFT_TOKENS_OUTPUT,
     GUIDED_DECODING_INPUTS,
+    KV_CACHE_REUSED_BLOCKS_OUTPUT,
     MAX_TOP_LOGPROBS,
     PERF_METRICS_INPUT,
     SPECULATION_INPUT,
     SPECULATIVE_DECODING_MODES,
+    TOKENS_PER_BLOCK_PARAMETER,
     TOP_LOGPROB_IDS_OUTPUT,
     TOP_LOGPROBS_INPUT,
     TOP_LOGPROBS_OUTPUT,
@@ -229,6 +232,25 @@ def engine_limits(params: Mapping[str, mc.ModelParameter]) -> EngineLimits:
     return EngineLimits(max_input, max_seq)
 
 
+def _tokens_per_block(params: Mapping[str, mc.ModelParameter]) -> int:
+    """The model's KV block size: its tokens_per_block parameter, or TensorRT-LLM's build default
+    where it records none (or none that is a power of two, as TensorRT-LLM's are)."""
+    text = (
+        params[TOKENS_PER_BLOCK_PARAMETER].string_value.strip()
+        if TOKENS_PER_BLOCK_PARAMETER in params
+        else ""
+    )
+    value = int(text) if text.isdigit() and len(text) <= 6 else 0
+    return value if value > 1 and not value & (value - 1) else DEFAULT_TOKENS_PER_BLOCK
+
+
+def cached_tokens(reused_blocks: int, tokens_per_block: int, prompt_tokens: int) -> int:
+    """The prompt tokens a request's reused KV blocks hold: whole blocks, but never the last
+    prompt token, which the engine always computes (its forward pass yields the first logits; a
+    partially reused last block holds the tokens before it)."""
+    return max(0, min(reused_blocks * tokens_per_block, prompt_tokens - 1))
+
+
 REQUIRED_INPUTS = ("input_ids", "input_lengths", "request_output_len")
 LOG_PROBS_INPUT = "return_log_probs"
 # [batch 1, beams, tokens] FP32. Streamed, TensorRT-LLM's executor returns the log-probabilities
@@ -256,6 +278,11 @@ class InputNames:
     # The model reports draft tokens: input return_perf_metrics, outputs total_draft_tokens and
     # total_accepted_draft_tokens.
     draft_counts: bool = False
+    # The model reports the KV blocks a request reused: input return_perf_metrics, output
+    # kv_cache_reused_blocks; its blocks hold `tokens_per_block` tokens (parameter
+    # tokens_per_block, which engine-build writes, else TensorRT-LLM's build default).
+    kv_reuse: bool = False
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
     speculation: Speculation = NO_SPECULATION
     # Most alternatives per token the model returns: MAX_TOP_LOGPROBS with the input
     # TOP_LOGPROBS_INPUT and both outputs declared (the appliance engine server's models), else 0
@@ -284,6 +311,8 @@ class InputNames:
             log_probs=LOG_PROBS_INPUT in present and LOG_PROBS_OUTPUT in outputs,
             draft_counts=PERF_METRICS_INPUT in present
             and {DRAFT_TOKENS_OUTPUT, ACCEPTED_DRAFT_TOKENS_OUTPUT} <= outputs,
+            kv_reuse=PERF_METRICS_INPUT in present and KV_CACHE_REUSED_BLOCKS_OUTPUT in outputs,
+            tokens_per_block=_tokens_per_block(params),
             speculation=Speculation(
                 drafts=switchable or decoding_mode.lower() in SPECULATIVE_DECODING_MODES,
                 switchable=switchable,
@@ -415,7 +444,7 @@ def _output_top(response: ts.ModelInferResponse, count: int, k: int) -> list[lis
 
 
 def _count(response: ts.ModelInferResponse, name: str) -> int | None:
-    """A draft-count output's value (shape [1, 1]); None when the response carries none."""
+    """A count output's value (shape [1, 1]); None when the response carries none."""
     try:
         values = wire.output_values(response, name)
     except wire.TensorError as exc:
@@ -614,8 +643,21 @@ class TritonBackend(Backend):
             if refused is not None:
                 raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, refused)
             t.add(TOP_LOGPROBS_INPUT, "INT32", [g.top_logprobs])
-        if names.draft_counts:
+        if names.draft_counts or names.kv_reuse:
             t.flag(PERF_METRICS_INPUT, True)
+            # With perf metrics on, every response carries ten outputs more, of which the gateway
+            # reads three at most: the request names the outputs it reads.
+            wanted = ["output_ids"]
+            if g.logprobs:
+                wanted.append(LOG_PROBS_OUTPUT)
+            if g.top_logprobs:
+                wanted += [TOP_LOGPROB_IDS_OUTPUT, TOP_LOGPROBS_OUTPUT]
+            if names.draft_counts:
+                wanted += [DRAFT_TOKENS_OUTPUT, ACCEPTED_DRAFT_TOKENS_OUTPUT]
+            if names.kv_reuse:
+                wanted.append(KV_CACHE_REUSED_BLOCKS_OUTPUT)
+            for name in wanted:
+                req.outputs.add(name=name)
         refusal = names.speculation.refusal(self.model, g.speculation)
         if refusal is not None:
             raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, refusal)
@@ -651,7 +693,12 @@ class TritonBackend(Backend):
         if self._shutting_down or self._closed:
             raise BackendError(grpc.StatusCode.CANCELLED, "gateway shutting down")
         request = self._request(g)
-        counts = self._names is not None and self._names.draft_counts
+        names = self._names
+        counts = names is not None and names.draft_counts
+        # The reused blocks, counted once when the engine added the sequence to its cache, are
+        # read from the first response that carries them.
+        reuse = names is not None and names.kv_reuse
+        block = names.tokens_per_block if names is not None else DEFAULT_TOKENS_PER_BLOCK
         deadline = None if g.timeout_s is None else asyncio.get_running_loop().time() + g.timeout_s
         call, kept = self._streams.take()
         self._calls.add(call)
@@ -697,12 +744,18 @@ class TritonBackend(Backend):
                     tokens.draft_tokens = _count(response, DRAFT_TOKENS_OUTPUT)
                     tokens.accepted_draft_tokens = _count(response, ACCEPTED_DRAFT_TOKENS_OUTPUT)
                     counted = tokens.draft_tokens is not None
+                if reuse:
+                    reused = _count(response, KV_CACHE_REUSED_BLOCKS_OUTPUT)
+                    if reused is not None:
+                        reuse = False
+                        tokens.cached_tokens = cached_tokens(reused, block, len(g.prompt_ids))
+                        counted = True
                 if _is_final(response):
                     finished = reusable = True
                     if tokens or counted:
                         yield tokens
                     return
-                if tokens:
+                if tokens or tokens.cached_tokens is not None:
                     yield tokens
                 message = await self._read(call, deadline)
         except grpc.aio.AioRpcError as exc:

@@ -48,7 +48,7 @@ class CallReader:
             self._text.append(d.text)
             return d
         text = self._held.feed(d.text)
-        return d if text == d.text else Delta(text, d.token_ids, d.logprobs)
+        return d if text == d.text else Delta(text, d.token_ids, d.logprobs, d.prompt_tokens)
 
     def final(self, f: Final) -> tuple[Reply, ...]:
         """The Final with the call the whole answer makes, after the held text that is no call."""

@@ -38,12 +38,15 @@ class TokenLogprob(NamedTuple):
 
 @dataclass(slots=True)
 class Delta:
-    """New text and the token ids it came from, with their log-probabilities when asked for.
-    Every client following a generation receives the same Delta: nobody changes one."""
+    """New text and the token ids it came from, with their log-probabilities when asked for, and
+    the prompt's tokens as the answering model counts them (0: not said; a client's usage so far
+    counts them). Every client following a generation receives the same Delta: nobody changes
+    one (the clients of one generation share its prompt)."""
 
     text: str
     token_ids: Sequence[int]
     logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -60,6 +63,9 @@ class Outcome:
     # Speculative decoding: draft tokens proposed to the model's verify steps, and accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Prompt tokens the engine took from its prefix cache instead of computing them (0 when it
+    # reused none or does not say).
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -83,7 +89,8 @@ async def generate(
     matcher = StopMatcher(stops)
     end_id = None if request.ignore_eos else request.end_id
     min_tokens = request.min_tokens
-    completion = drafts = accepted = 0
+    completion = drafts = accepted = cached = 0
+    prompt_tokens = len(request.prompt_ids)
     ended_by_stop = False
     tokens_stream = model.backend.stream(request)
     try:
@@ -93,6 +100,8 @@ async def generate(
             top = step.top
             if step.draft_tokens is not None:  # the generation's counts so far
                 drafts, accepted = step.draft_tokens, step.accepted_draft_tokens or 0
+            if step.cached_tokens is not None:
+                cached = step.cached_tokens
             left = request.max_tokens - completion
             # An engine sending more than it was asked is cut first: an end id past max_tokens
             # did not end the answer.
@@ -126,7 +135,7 @@ async def generate(
                 text = "".join(pieces[:free]) + matcher.feed("".join(pieces[free:]))
             completion += len(tokens)
             if text or tokens:
-                yield Delta(text, tokens, entries)
+                yield Delta(text, tokens, entries, prompt_tokens)
             if matcher.stopped or ended_by_stop:
                 ended_by_stop = True
                 break
@@ -136,20 +145,21 @@ async def generate(
         await tokens_stream.aclose()
     tail = "" if matcher.stopped else matcher.feed(decoder.flush()) + matcher.flush()
     if tail:
-        yield Delta(tail, [])
+        yield Delta(tail, [], None, prompt_tokens)
     # The engine also ends an answer that reaches its max_seq_len, with no end token.
     max_seq_len = model.backend.engine_limits.max_seq_len
     cut = completion >= request.max_tokens or (
-        max_seq_len is not None and len(request.prompt_ids) + completion >= max_seq_len
+        max_seq_len is not None and prompt_tokens + completion >= max_seq_len
     )
     stopped = ended_by_stop or not cut
     yield Outcome(
         "stop" if stopped else "length",
-        len(request.prompt_ids),
+        prompt_tokens,
         completion,
         model.identity,
         drafts,
         min(accepted, drafts),
+        min(cached, max(0, prompt_tokens - 1)),
     )
 
 

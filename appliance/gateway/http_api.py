@@ -1013,10 +1013,11 @@ class HttpApi:
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": answer.request_id})
         await response.prepare(request)
-        out = answer.first_chunk()
+        out = answer.first_chunk(reply)
         try:
             try:
                 while isinstance(reply, Delta):
+                    answer.count(reply)
                     if reply.text or reply.logprobs:
                         out += answer.chunk(reply.text, reply.logprobs or ())
                     if out:

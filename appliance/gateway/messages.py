@@ -178,6 +178,7 @@ def fill_final(out: pb.Final, f: Final) -> None:
     usage = out.usage
     usage.prompt_tokens = f.prompt_tokens
     usage.completion_tokens = f.completion_tokens
+    usage.cached_prompt_tokens = f.cached_tokens
     timings = out.timings
     timings.queue_us = f.queue_us
     timings.ttft_us = f.ttft_us

@@ -177,7 +177,14 @@ class GatewayMetrics:
             "Answers produced by a fallback model.",
             ("model", "answered_by"),
         )
-        # Labelled by the model that generated the answer (a fallback's drafts are its own).
+        # Labelled by the model that generated the answer (a fallback's prefix cache and drafts
+        # are its own).
+        self.cached_prompt_tokens = Counters(
+            "appliance_cached_prompt_tokens",
+            "Prompt tokens of generated answers the engine took from its prefix cache instead of "
+            "computing them (reused KV blocks).",
+            ("model",),
+        )
         self.draft_tokens = Counters(
             "appliance_spec_draft_tokens",
             "Speculative draft tokens proposed to the verify steps of generated answers.",
@@ -215,6 +222,7 @@ class GatewayMetrics:
                     self.prompt_tokens,
                     self.completion_tokens,
                     self.degraded,
+                    self.cached_prompt_tokens,
                     self.draft_tokens,
                     self.accepted_draft_tokens,
                 ),
@@ -344,6 +352,8 @@ class MetricsSink:
         s.completion[0] += r.completion_tokens
         if r.answered_by and r.answered_by != model:
             m.degraded.inc((model, r.answered_by))
+        if r.cached_tokens:
+            m.cached_prompt_tokens.inc((r.answered_by or model,), r.cached_tokens)
         if r.draft_tokens:
             drafter = (r.answered_by or model,)
             m.draft_tokens.inc(drafter, r.draft_tokens)

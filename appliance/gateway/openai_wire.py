@@ -31,7 +31,7 @@ from appliance.backends.base import Guide
 from appliance.cache.policy import CachePolicy
 from appliance.gateway import tool_calls
 from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, MODEL_NOT_FOUND, RequestError
-from appliance.gateway.generation import TokenLogprob
+from appliance.gateway.generation import Delta, TokenLogprob
 from appliance.gateway.reply import Final
 from appliance.gateway.request import (
     ECHO_CHARS,
@@ -60,9 +60,10 @@ IGNORED: dict[str, type] = {
     "store": bool,
     "service_tier": str,
 }
-# stream_options fields: include_usage, and OpenAI's padding of chunks against length side
-# channels (accepted and ignored: no chunk here carries `obfuscation`).
-STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+# stream_options fields: include_usage, vLLM's continuous_usage_stats (every chunk carries the
+# usage so far), and OpenAI's padding of chunks against length side channels (accepted and
+# ignored: no chunk here carries `obfuscation`).
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 # OpenAI fields the appliance does not implement, with the value(s) that mean "off".
 NO_OP: dict[str, tuple[object, ...]] = {
     "n": (1,),
@@ -159,6 +160,8 @@ class HttpRequest:
     guide_field: str | None = None
     # The body's field the answer's length came from: a chat may send `max_completion_tokens`.
     max_tokens_field: str = "max_tokens"
+    # Every chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats).
+    continuous_usage: bool = False
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -265,12 +268,21 @@ def _parse(data: dict[str, Any], chat: bool) -> HttpRequest:
         req.guide = Guide("json_schema", tools.guide_schema() or "")
         guide_field = "tool_choice"
     stream = bool(_field(data, "stream", bool) or False)
-    include_usage = _include_usage(data, stream)
+    include_usage, continuous_usage = _include_usage(data, stream)
     guided = req.guide is not None
     deadline_s = _extension(req, data)
     if not guided and req.guide is not None:
         guide_field = "appliance.guide"
-    return HttpRequest(req, chat, stream, include_usage, deadline_s, guide_field, max_tokens_field)
+    return HttpRequest(
+        req,
+        chat,
+        stream,
+        include_usage,
+        deadline_s,
+        guide_field,
+        max_tokens_field,
+        continuous_usage,
+    )
 
 
 def _no_op(value: object, allowed: tuple[object, ...]) -> bool:
@@ -461,10 +473,14 @@ def _stops(data: dict[str, Any]) -> list[str]:
     raise invalid("stop must be a string or a list of strings", "stop")
 
 
-def _include_usage(data: dict[str, Any], stream: bool) -> bool:
+def _include_usage(data: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of stream_options. As vLLM takes them: per-chunk
+    usage comes only with the usage chunk, and where the options leave include_usage out
+    continuous_usage_stats true turns both on (vLLM's include_usage defaults to true; OpenAI's,
+    without continuous_usage_stats, to false)."""
     options = _field(data, "stream_options", dict)
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     for name in options:
@@ -473,7 +489,13 @@ def _include_usage(data: dict[str, Any], stream: bool) -> bool:
                 f"Unrecognized stream_options argument: {echo_name(name)}", "stream_options"
             )
     _field(options, "include_obfuscation", bool, prefix="stream_options.")
-    return bool(_field(options, "include_usage", bool, prefix="stream_options.") or False)
+    continuous = bool(
+        _field(options, "continuous_usage_stats", bool, prefix="stream_options.") or False
+    )
+    include = _field(options, "include_usage", bool, prefix="stream_options.")
+    if include is None:
+        include = continuous
+    return bool(include), bool(include) and continuous
 
 
 def _extension(req: IncomingRequest, data: dict[str, Any]) -> float | None:
@@ -712,9 +734,17 @@ def extension(request_id: str, final: Final) -> dict[str, Any]:
     return facts
 
 
-def usage(final: Final) -> dict[str, int]:
+def usage(final: Final) -> dict[str, Any]:
+    """OpenAI's usage of an answer: its token counts and, as OpenAI always sends them, the prompt
+    tokens the engine took from its prefix cache (`prompt_tokens_details.cached_tokens`; 0 when
+    it reused none, and for an answer the gateway's own cache served)."""
     p, c = final.prompt_tokens, final.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+    }
 
 
 # The finish reason of an answer the gateway ended early (a drain; the gRPC API's "cancelled").
@@ -744,6 +774,11 @@ class Answer:
     def __init__(self, http: HttpRequest, request_id: str, created: int) -> None:
         self.chat = http.chat
         self.include_usage = http.include_usage
+        # With continuous usage, every chunk's usage so far: the prompt's tokens (from the
+        # replies, once one says) and the completion tokens of the replies counted so far.
+        self.continuous_usage = http.continuous_usage
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
         self.model = http.request.model
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.request_id = request_id
@@ -758,19 +793,40 @@ class Answer:
         self._head = b"data: " + head[:-1] + b',"choices":[{"index":0,'
         self._text: Callable[[str], bytes]
         if self.chat:
-            tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-            self._text = lambda text: self._head + b'"delta":{"content":' + dumps(text) + tail
+            tail = b'},"logprobs":null,"finish_reason":null}]'
+            self._text = lambda text: (
+                self._head + b'"delta":{"content":' + dumps(text) + tail + self._end()
+            )
         else:
-            tail = b',"logprobs":null,"finish_reason":null}]}\n\n'
-            self._text = lambda text: self._head + b'"text":' + dumps(text) + tail
+            tail = b',"logprobs":null,"finish_reason":null}]'
+            self._text = lambda text: self._head + b'"text":' + dumps(text) + tail + self._end()
 
-    def first_chunk(self) -> bytes:
-        """Chat streams open with the assistant's role (what OpenAI's clients expect)."""
+    def count(self, delta: Delta) -> None:
+        """Counts a reply's tokens in the usage so far (whether or not a chunk carries it)."""
+        self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
+        self.completion_tokens += len(delta.token_ids)
+
+    def _end(self) -> bytes:
+        """The end of a chunk after its choices: with continuous usage, the usage so far."""
+        if not self.continuous_usage:
+            return b"}\n\n"
+        p, c = self.prompt_tokens, self.completion_tokens
+        return b',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
+            p,
+            c,
+            p + c,
+        )
+
+    def first_chunk(self, first: Delta | Final) -> bytes:
+        """Chat streams open with the assistant's role (what OpenAI's clients expect); `first`,
+        the first reply, says the prompt's tokens for the usage so far."""
+        self.prompt_tokens = first.prompt_tokens or self.prompt_tokens
         if not self.chat:
             return b""
         return (
             self._head
-            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + self._end()
         )
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> bytes:
@@ -839,12 +895,15 @@ class Answer:
         choice["delta" if self.chat else "text"] = {} if self.chat else ""
         choice["logprobs"] = None
         choice["finish_reason"] = finish_reason(final)
+        # The Final's counts: a tool call's text, held back, was counted by no chunk.
+        self.prompt_tokens, self.completion_tokens = final.prompt_tokens, final.completion_tokens
         out = self._chunk_of([choice], appliance=extension(self.request_id, final))
         if self.include_usage:
-            out += self._chunk_of([], usage=usage(final))
+            out += self._chunk_of([], usage=usage(final), running=False)
         return out + b"data: [DONE]\n\n"
 
-    def _chunk_of(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    def _chunk_of(self, choices: list[dict[str, Any]], running: bool = True, **extra: Any) -> bytes:
+        """A chunk of `choices`; with continuous usage and `running`, it carries the usage so far."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         body = {
             "id": self.id,
@@ -854,6 +913,9 @@ class Answer:
             "choices": choices,
             **extra,
         }
+        if running and self.continuous_usage:
+            p, c = self.prompt_tokens, self.completion_tokens
+            body["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         return b"data: " + dumps(body) + b"\n\n"
 
     def whole(

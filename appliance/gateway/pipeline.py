@@ -636,7 +636,7 @@ class Pipeline:
         report.finish_reason = answer.finish_reason
         report.prompt_tokens = prompt_tokens
         report.completion_tokens = answer.completion_tokens
-        delta = Delta(answer.text, answer.token_ids)
+        delta = Delta(answer.text, answer.token_ids, None, prompt_tokens)
         return delta, final_of(report, received, started, time.monotonic_ns())
 
     def failover(self, model: ServedModel, skip_primary: bool = False) -> ServedModel:
@@ -1013,6 +1013,7 @@ class Pipeline:
         report.answered_by = outcome.produced_by.name
         report.draft_tokens = outcome.draft_tokens
         report.accepted_draft_tokens = outcome.accepted_draft_tokens
+        report.cached_tokens = outcome.cached_tokens
 
     def refused(
         self, front_end: str, status: str, received_ns: int, key_id: str = "", namespace: str = ""

@@ -41,6 +41,11 @@ class Final:
     accepted_draft_tokens: int = 0
     # The request offered tools and the whole answer is one call of them (call_reader.py).
     tool_call: ToolCall | None = None
+    # Prompt tokens of a generated answer the engine took from its prefix cache instead of
+    # computing them (OpenAI's usage.prompt_tokens_details.cached_tokens). 0 for an answer from
+    # the gateway's cache (L1, L2, semantic): no engine read the prompt, and the gateway's cache
+    # is no prefix cache of the model's.
+    cached_tokens: int = 0
 
 
 Reply = Delta | Final
@@ -67,4 +72,5 @@ def final_of(r: RequestReport, received_ns: int, started_ns: int, first_ns: int)
         r.cache_entry,
         r.draft_tokens,
         r.accepted_draft_tokens,
+        cached_tokens=r.cached_tokens,
     )

@@ -53,6 +53,9 @@ class RequestReport:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Prompt tokens of a generated answer the engine took from its prefix cache (0 for a cached
+    # answer: no engine read its prompt).
+    cached_tokens: int = 0
     # Speculative decoding of a generated answer: draft tokens proposed, and accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ppliance/v1/inference.proto\x12\x0c\x61ppliance.v1\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.appliance.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"k\n\x05Tools\x12!\n\x05tools\x18\x01 \x03(\x0b\x32\x12.appliance.v1.Tool\x12(\n\x06\x63hoice\x18\x02 \x01(\x0e\x32\x18.appliance.v1.ToolChoice\x12\x15\n\rfunction_name\x18\x03 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\"=\n\x05Guide\x12%\n\x04type\x18\x01 \x01(\x0e\x32\x17.appliance.v1.GuideType\x12\r\n\x05guide\x18\x02 \x01(\t\"\xc7\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.appliance.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0c\x63\x61\x63he_policy\x18\x0b \x01(\x0e\x32\x19.appliance.v1.CachePolicy\x12\x11\n\tnamespace\x18\x0c \x01(\t\x12\x1b\n\x0ettft_budget_ms\x18\r \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x0esemantic_cache\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\"\n\x05guide\x18\x0f \x01(\x0b\x32\x13.appliance.v1.Guide\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12\x10\n\x08logprobs\x18\x12 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x18\n\x0bspeculation\x18\x16 \x01(\x08H\n\x88\x01\x01\x12\"\n\x05tools\x18\x14 \x01(\x0b\x32\x13.appliance.v1.ToolsB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_ttft_budget_msB\x11\n\x0f_semantic_cacheB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x0e\n\x0c_speculation\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.appliance.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x0f\n\x07ttft_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\xf6\x02\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.appliance.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.appliance.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.appliance.v1.Timings\x12+\n\ncache_tier\x18\x04 \x01(\x0e\x32\x17.appliance.v1.CacheTier\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x12\x12\n\nsimilarity\x18\x07 \x01(\x02\x12\x13\n\x0b\x63\x61\x63he_entry\x18\x08 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_tier_name\x18\t \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\r\x12)\n\ttool_call\x18\x0c \x01(\x0b\x32\x16.appliance.v1.ToolCall\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"\x99\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"Q\n\x11InvalidateRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\r\n\x05\x65ntry\x18\x04 \x01(\t\"\xc6\x01\n\x12InvalidateResponse\x12\x12\n\nl1_removed\x18\x01 \x01(\x04\x12\x12\n\nl2_removed\x18\x02 \x01(\x04\x12\x18\n\x10semantic_removed\x18\x03 \x01(\x04\x12>\n\x07removed\x18\x04 \x03(\x0b\x32-.appliance.v1.InvalidateResponse.RemovedEntry\x1a.\n\x0cRemovedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x87\x01\n\x12\x43\x61\x63heStatsResponse\x12@\n\x08\x63ounters\x18\x01 \x03(\x0b\x32..appliance.v1.CacheStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*q\n\x0b\x43\x61\x63hePolicy\x12\x18\n\x14\x43\x41\x43HE_POLICY_DEFAULT\x10\x00\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x01\x12\x18\n\x14\x43\x41\x43HE_POLICY_REFRESH\x10\x02\x12\x15\n\x11\x43\x41\x43HE_POLICY_ONLY\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x81\x01\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_MISS\x10\x00\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L1\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L2\x10\x02\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x03\x12\x14\n\x10\x43\x41\x43HE_TIER_OTHER\x10\x04*R\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02*\x8b\x01\n\tGuideType\x12\x1a\n\x16GUIDE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fGUIDE_TYPE_JSON\x10\x01\x12\x1a\n\x16GUIDE_TYPE_JSON_SCHEMA\x10\x02\x12\x14\n\x10GUIDE_TYPE_REGEX\x10\x03\x12\x1b\n\x17GUIDE_TYPE_EBNF_GRAMMAR\x10\x04\x32\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.CompleteResponse2\xa9\x01\n\nCacheAdmin\x12O\n\nInvalidate\x12\x1f.appliance.v1.InvalidateRequest\x1a .appliance.v1.InvalidateResponse\x12J\n\x05Stats\x12\x1f.appliance.v1.CacheStatsRequest\x1a .appliance.v1.CacheStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ppliance/v1/inference.proto\x12\x0c\x61ppliance.v1\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.appliance.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"k\n\x05Tools\x12!\n\x05tools\x18\x01 \x03(\x0b\x32\x12.appliance.v1.Tool\x12(\n\x06\x63hoice\x18\x02 \x01(\x0e\x32\x18.appliance.v1.ToolChoice\x12\x15\n\rfunction_name\x18\x03 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\"=\n\x05Guide\x12%\n\x04type\x18\x01 \x01(\x0e\x32\x17.appliance.v1.GuideType\x12\r\n\x05guide\x18\x02 \x01(\t\"\xc7\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.appliance.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0c\x63\x61\x63he_policy\x18\x0b \x01(\x0e\x32\x19.appliance.v1.CachePolicy\x12\x11\n\tnamespace\x18\x0c \x01(\t\x12\x1b\n\x0ettft_budget_ms\x18\r \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x0esemantic_cache\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\"\n\x05guide\x18\x0f \x01(\x0b\x32\x13.appliance.v1.Guide\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x11 \x01(\x08\x12\x10\n\x08logprobs\x18\x12 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x18\n\x0bspeculation\x18\x16 \x01(\x08H\n\x88\x01\x01\x12\"\n\x05tools\x18\x14 \x01(\x0b\x32\x13.appliance.v1.ToolsB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_ttft_budget_msB\x11\n\x0f_semantic_cacheB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x0e\n\x0c_speculation\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.appliance.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x0f\n\x07ttft_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\xf6\x02\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.appliance.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.appliance.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.appliance.v1.Timings\x12+\n\ncache_tier\x18\x04 \x01(\x0e\x32\x17.appliance.v1.CacheTier\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x12\x12\n\nsimilarity\x18\x07 \x01(\x02\x12\x13\n\x0b\x63\x61\x63he_entry\x18\x08 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_tier_name\x18\t \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\r\x12)\n\ttool_call\x18\x0c \x01(\x0b\x32\x16.appliance.v1.ToolCall\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"\x99\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\"\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x13.appliance.v1.Final\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\"Q\n\x11InvalidateRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\r\n\x05\x65ntry\x18\x04 \x01(\t\"\xc6\x01\n\x12InvalidateResponse\x12\x12\n\nl1_removed\x18\x01 \x01(\x04\x12\x12\n\nl2_removed\x18\x02 \x01(\x04\x12\x18\n\x10semantic_removed\x18\x03 \x01(\x04\x12>\n\x07removed\x18\x04 \x03(\x0b\x32-.appliance.v1.InvalidateResponse.RemovedEntry\x1a.\n\x0cRemovedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x87\x01\n\x12\x43\x61\x63heStatsResponse\x12@\n\x08\x63ounters\x18\x01 \x03(\x0b\x32..appliance.v1.CacheStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*q\n\x0b\x43\x61\x63hePolicy\x12\x18\n\x14\x43\x41\x43HE_POLICY_DEFAULT\x10\x00\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x01\x12\x18\n\x14\x43\x41\x43HE_POLICY_REFRESH\x10\x02\x12\x15\n\x11\x43\x41\x43HE_POLICY_ONLY\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x81\x01\n\tCacheTier\x12\x13\n\x0f\x43\x41\x43HE_TIER_MISS\x10\x00\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L1\x10\x01\x12\x17\n\x13\x43\x41\x43HE_TIER_EXACT_L2\x10\x02\x12\x17\n\x13\x43\x41\x43HE_TIER_SEMANTIC\x10\x03\x12\x14\n\x10\x43\x41\x43HE_TIER_OTHER\x10\x04*R\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02*\x8b\x01\n\tGuideType\x12\x1a\n\x16GUIDE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fGUIDE_TYPE_JSON\x10\x01\x12\x1a\n\x16GUIDE_TYPE_JSON_SCHEMA\x10\x02\x12\x14\n\x10GUIDE_TYPE_REGEX\x10\x03\x12\x1b\n\x17GUIDE_TYPE_EBNF_GRAMMAR\x10\x04\x32\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.CompleteResponse2\xa9\x01\n\nCacheAdmin\x12O\n\nInvalidate\x12\x1f.appliance.v1.InvalidateRequest\x1a .appliance.v1.InvalidateResponse\x12J\n\x05Stats\x12\x1f.appliance.v1.CacheStatsRequest\x1a .appliance.v1.CacheStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,16 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_options = b'8\001'
   _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_CACHEPOLICY']._serialized_start=2649
-  _globals['_CACHEPOLICY']._serialized_end=2762
-  _globals['_FINISHREASON']._serialized_start=2764
-  _globals['_FINISHREASON']._serialized_end=2888
-  _globals['_CACHETIER']._serialized_start=2891
-  _globals['_CACHETIER']._serialized_end=3020
-  _globals['_TOOLCHOICE']._serialized_start=3022
-  _globals['_TOOLCHOICE']._serialized_end=3104
-  _globals['_GUIDETYPE']._serialized_start=3107
-  _globals['_GUIDETYPE']._serialized_end=3246
+  _globals['_CACHEPOLICY']._serialized_start=2679
+  _globals['_CACHEPOLICY']._serialized_end=2792
+  _globals['_FINISHREASON']._serialized_start=2794
+  _globals['_FINISHREASON']._serialized_end=2918
+  _globals['_CACHETIER']._serialized_start=2921
+  _globals['_CACHETIER']._serialized_end=3050
+  _globals['_TOOLCHOICE']._serialized_start=3052
+  _globals['_TOOLCHOICE']._serialized_end=3134
+  _globals['_GUIDETYPE']._serialized_start=3137
+  _globals['_GUIDETYPE']._serialized_end=3276
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=156
   _globals['_TOOLCALL']._serialized_start=158
@@ -64,29 +64,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_start=1330
   _globals['_TOPLOGPROB']._serialized_end=1392
   _globals['_USAGE']._serialized_start=1394
-  _globals['_USAGE']._serialized_end=1451
-  _globals['_TIMINGS']._serialized_start=1453
-  _globals['_TIMINGS']._serialized_end=1515
-  _globals['_FINAL']._serialized_start=1518
-  _globals['_FINAL']._serialized_end=1892
-  _globals['_GENERATERESPONSE']._serialized_start=1895
-  _globals['_GENERATERESPONSE']._serialized_end=2048
-  _globals['_COMPLETERESPONSE']._serialized_start=2051
-  _globals['_COMPLETERESPONSE']._serialized_end=2204
-  _globals['_INVALIDATEREQUEST']._serialized_start=2206
-  _globals['_INVALIDATEREQUEST']._serialized_end=2287
-  _globals['_INVALIDATERESPONSE']._serialized_start=2290
-  _globals['_INVALIDATERESPONSE']._serialized_end=2488
-  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_start=2442
-  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_end=2488
-  _globals['_CACHESTATSREQUEST']._serialized_start=2490
-  _globals['_CACHESTATSREQUEST']._serialized_end=2509
-  _globals['_CACHESTATSRESPONSE']._serialized_start=2512
-  _globals['_CACHESTATSRESPONSE']._serialized_end=2647
-  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_start=2600
-  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_end=2647
-  _globals['_INFERENCE']._serialized_start=3249
-  _globals['_INFERENCE']._serialized_end=3412
-  _globals['_CACHEADMIN']._serialized_start=3415
-  _globals['_CACHEADMIN']._serialized_end=3584
+  _globals['_USAGE']._serialized_end=1481
+  _globals['_TIMINGS']._serialized_start=1483
+  _globals['_TIMINGS']._serialized_end=1545
+  _globals['_FINAL']._serialized_start=1548
+  _globals['_FINAL']._serialized_end=1922
+  _globals['_GENERATERESPONSE']._serialized_start=1925
+  _globals['_GENERATERESPONSE']._serialized_end=2078
+  _globals['_COMPLETERESPONSE']._serialized_start=2081
+  _globals['_COMPLETERESPONSE']._serialized_end=2234
+  _globals['_INVALIDATEREQUEST']._serialized_start=2236
+  _globals['_INVALIDATEREQUEST']._serialized_end=2317
+  _globals['_INVALIDATERESPONSE']._serialized_start=2320
+  _globals['_INVALIDATERESPONSE']._serialized_end=2518
+  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_start=2472
+  _globals['_INVALIDATERESPONSE_REMOVEDENTRY']._serialized_end=2518
+  _globals['_CACHESTATSREQUEST']._serialized_start=2520
+  _globals['_CACHESTATSREQUEST']._serialized_end=2539
+  _globals['_CACHESTATSRESPONSE']._serialized_start=2542
+  _globals['_CACHESTATSRESPONSE']._serialized_end=2677
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_start=2630
+  _globals['_CACHESTATSRESPONSE_COUNTERSENTRY']._serialized_end=2677
+  _globals['_INFERENCE']._serialized_start=3279
+  _globals['_INFERENCE']._serialized_end=3442
+  _globals['_CACHEADMIN']._serialized_start=3445
+  _globals['_CACHEADMIN']._serialized_end=3614
 # @@protoc_insertion_point(module_scope)

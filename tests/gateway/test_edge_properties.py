@@ -261,7 +261,11 @@ COMMON: dict[str, st.SearchStrategy[Any]] = {
     "stream_options": either(
         st.fixed_dictionaries(
             {},
-            optional={"include_usage": either(st.booleans()), "include_obfuscation": st.booleans()},
+            optional={
+                "include_usage": either(st.booleans()),
+                "continuous_usage_stats": either(st.booleans()),
+                "include_obfuscation": st.booleans(),
+            },
         )
     ),
     "max_tokens": SMALL,

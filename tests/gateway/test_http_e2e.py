@@ -105,3 +105,61 @@ async def test_sdk_curl_and_grpc_agree(gateway: Gateway) -> None:
     assert text == reply.choices[0].message.content
     assert json.loads(_curl(gateway.http + "/health")) == {"status": "SERVING"}
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def _long(topic: str, question: str) -> str:
+    """A long preamble about `topic` (many KV blocks) before `question`."""
+    preamble = " ".join(f"{topic} fact number {i} is worth remembering." for i in range(40))
+    return f"{preamble}\nQuestion: {question}"
+
+
+def test_sdk_reads_the_prompt_tokens_the_engine_reused(gateway: Gateway) -> None:
+    client = openai.OpenAI(base_url=gateway.http + "/v1", api_key="unused", max_retries=0)
+
+    def ask(question: str) -> openai.types.CompletionUsage:
+        completion = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": _long("Otter", question)}],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+        return completion.usage
+
+    first = ask("where?")
+    assert first.prompt_tokens_details is not None
+    assert first.prompt_tokens_details.cached_tokens == 0
+    second = ask("when?")
+    assert second.prompt_tokens_details is not None
+    cached = second.prompt_tokens_details.cached_tokens or 0
+    # Whole blocks of the shared preamble (the tiny repository's 32 tokens each).
+    assert 0 < cached < second.prompt_tokens and cached % 32 == 0
+
+
+def test_continuous_usage_stats_count_every_chunk(gateway: Gateway) -> None:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Count with me",
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+    )
+    events = _curl(
+        "-N", gateway.http + "/v1/completions", "-H", "Content-Type: application/json", "-d", body
+    ).split("\n\n")
+    assert events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all("usage" in c for c in chunks), chunks
+    so_far = [c["usage"]["completion_tokens"] for c in chunks]
+    prompt = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert so_far == sorted(so_far) and so_far[-1] == 6 and len(prompt) == 1
+    assert all(
+        c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+        for c in chunks
+    )
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

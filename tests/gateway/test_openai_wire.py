@@ -10,6 +10,7 @@ import pytest
 from appliance.cache.policy import CachePolicy
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.errors import RequestError
+from appliance.gateway.generation import Delta
 from appliance.gateway.reply import Final
 from appliance.gateway.request import IncomingRequest
 
@@ -118,7 +119,11 @@ def test_stream_chunks_are_the_openai_shapes(chat: bool) -> None:
     body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True}}
     body.update({"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"})
     answer = wire.Answer(wire.parse_request(body, chat), "abc", 1700000000)
-    data = answer.first_chunk() + answer.chunk('a "quoted"\n\u00e9') + answer.last_chunks(_final())
+    data = (
+        answer.first_chunk(_final())
+        + answer.chunk('a "quoted"\n\u00e9')
+        + answer.last_chunks(_final())
+    )
     events = _events(data)
     assert events[-1] == "[DONE]"
     chunks = [e for e in events if isinstance(e, dict)]
@@ -147,7 +152,102 @@ def test_stream_chunks_are_the_openai_shapes(chat: bool) -> None:
         "timings": {"queue_us": 1, "ttft_us": 2, "total_us": 3},
     }
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("cached", [0, 64])
+@pytest.mark.parametrize("chat", [True, False])
+def test_usage_says_the_cached_prompt_tokens_always(chat: bool, cached: int) -> None:
+    """As OpenAI sends it: `prompt_tokens_details.cached_tokens` in every usage, 0 included."""
+    body: dict[str, object] = {"model": "tiny"}
+    body.update({"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"})
+    final = _final(prompt_tokens=100, cached_tokens=cached)
+    whole = wire.Answer(wire.parse_request(body, chat), "abc", 1).whole("t", final)
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    answer = wire.Answer(wire.parse_request(streamed, chat), "abc", 1)
+    usage = [e for e in _events(answer.last_chunks(final)) if isinstance(e, dict)][-1]
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert usage["usage"]["total_tokens"] == 102
+
+
+def _delta(text: str, tokens: int, prompt_tokens: int = 7) -> Delta:
+    return Delta(text, list(range(tokens)), None, prompt_tokens)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(chat: bool) -> None:
+    body: dict[str, object] = {
+        "model": "tiny",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    body.update({"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"})
+    http = wire.parse_request(body, chat)
+    assert (http.include_usage, http.continuous_usage) == (True, True)
+    answer = wire.Answer(http, "abc", 1)
+    first = _delta("a", 1)
+    data = answer.first_chunk(first)
+    for delta in (first, _delta("", 2), _delta("b", 1)):
+        answer.count(delta)
+        if delta.text:
+            data += answer.chunk(delta.text)
+    data += answer.last_chunks(_final(prompt_tokens=7, completion_tokens=5, cached_tokens=3))
+    chunks = [e for e in _events(data) if isinstance(e, dict)]
+    running = [
+        (c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"], c["usage"]["total_tokens"])
+        for c in chunks
+    ]
+    # The role chunk (chat), each text chunk with the tokens counted so far (a delta without text
+    # sends no chunk but counts), the finish chunk with the answer's counts, the usage chunk.
+    expected = [(7, 0, 7)] if chat else []
+    assert running == [*expected, (7, 1, 8), (7, 4, 11), (7, 5, 12), (7, 5, 12)]
+    assert all(
+        set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+        for c in chunks[:-1]
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 3
+    }
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"continuous_usage_stats": True}, (True, True)),  # vLLM: include_usage defaults to true
+        ({"include_usage": False, "continuous_usage_stats": True}, (False, False)),
+        ({"include_usage": True, "continuous_usage_stats": False}, (True, False)),
+        ({"include_usage": True}, (True, False)),
+        ({}, (False, False)),
+    ],
+)
+def test_continuous_usage_stats_as_vllm_takes_them(
+    options: dict[str, bool], expected: tuple[bool, bool]
+) -> None:
+    body = {"model": "tiny", "prompt": "q", "stream": True, "stream_options": options}
+    http = wire.parse_request(body, chat=False)
+    assert (http.include_usage, http.continuous_usage) == expected
+
+
+def test_continuous_usage_stats_must_be_a_bool_and_streamed() -> None:
+    for body in (
+        {
+            "model": "tiny",
+            "prompt": "q",
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": "yes"},
+        },
+        {"model": "tiny", "prompt": "q", "stream_options": {"continuous_usage_stats": True}},
+    ):
+        with pytest.raises(wire.HttpError) as err:
+            wire.parse_request(body, chat=False)
+        assert err.value.status == 400 and "stream_options" in (err.value.param or "")
 
 
 @pytest.mark.parametrize(
