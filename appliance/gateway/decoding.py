@@ -1,4 +1,6 @@
-"""Request bodies that are not the message a method takes: INVALID_ARGUMENT, not UNKNOWN.
+"""How the gateway's gRPC methods are served: request bodies that are not the message a method
+takes end INVALID_ARGUMENT, not UNKNOWN; a gated method checks the call's credentials before it
+reads its request.
 
 grpc.aio calls a method's request deserializer before the servicer runs; when it raises, the call
 ends UNKNOWN ("Unexpected <class 'DecodeError'>") and grpc logs an ERROR with a traceback, one per
@@ -6,16 +8,33 @@ request, which any client can cause at will. Services registered through `add_se
 deserializer that cannot raise: a body that does not parse becomes an `Undecodable`, and the
 method, before the servicer sees it, ends the call INVALID_ARGUMENT naming the message type it
 expected. Such refusals are logged once per interval with a count.
+
+Gated methods (`add_service(gate=...)`): grpc.aio reads a unary-request method's message before
+its handler runs, and gRPC's core keeps up to 4 MiB (the receive limit) of what a call sent for as
+long as its stream is open; a caller without a key that never finished its message held that for
+as long as it kept the call open. A gated method is registered as a stream-request method instead
+(the wire is the same: generated stubs and grpcurl call it as the unary method it is): the gate
+sees the call's metadata first and ends the call when it refuses it, so a refused call's stream is
+closed before its message is read, and only then is the one message read. A caller without a
+valid key is thus answered UNAUTHENTICATED before anything about its message counts: one whose
+message is over the receive limit gets UNAUTHENTICATED too, not gRPC's RESOURCE_EXHAUSTED. A call
+that ends its requests without a message (grpc.aio's own unary handling answers it nothing until
+its deadline) gets INVALID_ARGUMENT; messages after the first are never read, as grpc.aio's unary
+handling ignores them. `read_s` bounds the wait for the message of a method that is not gated
+(health, which probes without keys): a call whose message has not arrived by then ends
+DEADLINE_EXCEEDED, and what it sent of it is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -56,6 +75,91 @@ async def _refuse(request: Undecodable, context: grpc.aio.ServicerContext, metho
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
+class Held(Protocol):
+    """What a gate let through (the caller's grant); released when the call ends before the
+    method runs, else by the method."""
+
+    def release(self) -> None: ...
+
+
+# Checks the call's metadata for the method named; ends the call (context.abort) when it refuses.
+Gate = Callable[[str, grpc.aio.ServicerContext], Awaitable[Held]]
+
+_held: ContextVar[Held | None] = ContextVar("held", default=None)
+
+
+def held() -> Held | None:
+    """What the gate let through for the call this method serves (None: the method is not
+    gated)."""
+    return _held.get()
+
+
+async def _one_request(
+    context: grpc.aio.ServicerContext,
+    method: str,
+    expected: str,
+    gate: Gate | None,
+    read_s: float | None,
+) -> Any:
+    """The call's one request message, read (context.read: grpc's request iterator, which the
+    handler is also given, stays unused) once the gate let the call through."""
+    let_through = None if gate is None else await gate(method.rpartition("/")[2], context)
+    try:
+        if read_s is None:
+            request = await context.read()
+        else:
+            try:
+                request = await asyncio.wait_for(context.read(), read_s)
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the request message did not arrive within {read_s:g} s of the call",
+                )
+        if request is grpc.aio.EOF:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the call ended without a request message: {method} takes one {expected}",
+            )
+    except BaseException:
+        if let_through is not None:
+            let_through.release()
+        raise
+    _held.set(let_through)
+    return request
+
+
+def _gated_unary(
+    behavior: Callable[..., Any],
+    method: str,
+    expected: str,
+    gate: Gate | None,
+    read_s: float | None,
+) -> Callable[..., Any]:
+    checked = _unary(behavior, method)
+
+    async def unary(_requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        request = await _one_request(context, method, expected, gate, read_s)
+        return await checked(request, context)
+
+    return unary
+
+
+def _gated_stream(
+    behavior: Callable[..., Any],
+    method: str,
+    expected: str,
+    gate: Gate | None,
+    read_s: float | None,
+) -> Callable[..., Any]:
+    checked = _stream(behavior, method)
+
+    async def stream(_requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+        request = await _one_request(context, method, expected, gate, read_s)
+        await checked(request, context)
+
+    return stream
+
+
 def _unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
@@ -81,9 +185,10 @@ def _stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     return stream
 
 
-def _bidi(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _bidi(behavior: Callable[..., Any], method: str, gate: Gate | None) -> Callable[..., Any]:
     """A stream of requests (server reflection's one method): the call ends INVALID_ARGUMENT at
-    the first body that does not decode; the ones before it were answered."""
+    the first body that does not decode; the ones before it were answered. A gate sees the call
+    before its first request is read."""
 
     async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
         async for request in requests:
@@ -92,6 +197,8 @@ def _bidi(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
             yield request
 
     async def bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+        if gate is not None:
+            (await gate(method.rpartition("/")[2], context)).release()
         async with (
             aclosing(checked(requests, context)) as decoded,
             aclosing(behavior(decoded, context)) as messages,
@@ -102,7 +209,9 @@ def _bidi(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     return bidi
 
 
-def _tolerant(service: str, name: str, handler: Any) -> Any:
+def _tolerant(
+    service: str, name: str, handler: Any, gate: Gate | None, read_s: float | None
+) -> Any:
     method = f"/{service}/{name}"
     expected = (
         descriptor_pool.Default()
@@ -115,7 +224,25 @@ def _tolerant(service: str, name: str, handler: Any) -> Any:
         if not handler.response_streaming or not inspect.isasyncgenfunction(handler.stream_stream):
             raise TypeError(f"{method}: only a bidirectional async-generator method is wrapped")
         return handler._replace(
-            request_deserializer=deserialize, stream_stream=_bidi(handler.stream_stream, method)
+            request_deserializer=deserialize,
+            stream_stream=_bidi(handler.stream_stream, method, gate),
+        )
+    if gate is not None or read_s is not None:
+        # Served as a stream-request method, so that nothing of the message is read before the
+        # gate has seen the call.
+        if handler.response_streaming:
+            behavior = _gated_stream(handler.unary_stream, method, expected, gate, read_s)
+            return handler._replace(
+                request_streaming=True,
+                request_deserializer=deserialize,
+                unary_stream=None,
+                stream_stream=behavior,
+            )
+        return handler._replace(
+            request_streaming=True,
+            request_deserializer=deserialize,
+            unary_unary=None,
+            stream_unary=_gated_unary(handler.unary_unary, method, expected, gate, read_s),
         )
     if handler.response_streaming:
         return handler._replace(
@@ -144,15 +271,20 @@ def add_service(
     servicer: object,
     server: grpc.aio.Server,
     also_as: tuple[str, ...] = (),
+    gate: Gate | None = None,
+    read_s: float | None = None,
 ) -> None:
     """Registers `servicer` as its generated `add_*_to_server` would, but tolerant of bodies
     that do not decode; `also_as` names further services whose messages are the same on the
-    wire (a protocol's newer package name) that the same methods answer."""
+    wire (a protocol's newer package name) that the same methods answer. `gate`: checks every
+    call's metadata before its request is read (the module's docstring); `read_s`: how long a
+    unary-request method waits for its message."""
     collected = _Collector()
     add_to_server(servicer, collected)
     service = collected.service
     handlers = {
-        name: _tolerant(service, name, handler) for name, handler in collected.handlers.items()
+        name: _tolerant(service, name, handler, gate, read_s)
+        for name, handler in collected.handlers.items()
     }
     for name in (service, *also_as):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

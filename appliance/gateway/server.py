@@ -1,4 +1,17 @@
-"""The gateway process: composition of its parts, start-up, serving until a signal, draining."""
+"""The gateway process: composition of its parts, start-up, serving until a signal, draining.
+
+What a client without a key can make the gateway hold on the gRPC port: gRPC's core announces a
+stream window of the 4 MiB receive limit, so each open call may hold up to that much of what its
+client sent, read or not, for as long as it stays open. When keys are configured, every call of
+the appliance's own services and of server reflection is gated (decoding.add_service): a call
+without a valid key is answered UNAUTHENTICATED from its metadata alone and its stream closed
+before its message is read, so what it sent is dropped at once. Health stays open to
+probes without a key: a Check or Watch whose message has not arrived within `HEALTH_READ_S` ends
+DEADLINE_EXCEEDED, but a Watch, once its message is read, stays open and its stream still takes up
+to 4 MiB of further messages that nothing reads. Such a client can thus hold up to
+`MAX_STREAMS_PER_CONNECTION` × 4 MiB (400 MiB) per connection in open Watch calls, until it ends
+them or the gateway stops (docs/OPERATIONS.md, "Memory: what a client can make the gateway hold").
+"""
 
 from __future__ import annotations
 
@@ -30,7 +43,7 @@ from appliance.gateway.models import ServedModel, StartupError, load_models
 from appliance.gateway.pipeline import Pipeline
 from appliance.gateway.quiesce import quiesce
 from appliance.gateway.report import AccessLog, ReportSink, Sinks
-from appliance.gateway.service import CacheAdminService, InferenceService
+from appliance.gateway.service import CacheAdminService, InferenceService, key_gate
 from appliance.grpc_limits import RECEIVE_LIMIT
 from appliance.heap import freeze_heap
 from appliance.listen import first_taken, serving_problem
@@ -49,12 +62,13 @@ FINAL_MESSAGE_S = 2.0
 # Calls at once on one gRPC connection; a client's calls past it wait on the client for a stream
 # (a raw client's are reset). Above what one key may run at once by default
 # (`[auth] max_streams` 32) and `appliance bench`'s concurrency 64 over its one channel, so bench
-# sees the gateway's own RESOURCE_EXHAUSTED before this limit. It is also the bound on what one
-# connection makes the gateway hold before any handler (and so authentication) runs: gRPC opens
-# each stream's flow-control window to the whole message its first bytes announce, up to the
-# receive limit, so a client that sends most of a message and never the rest holds that much per
-# stream: at most this × MAX_REQUEST_BYTES (400 MiB) per connection.
+# sees the gateway's own RESOURCE_EXHAUSTED before this limit. It also bounds what one connection
+# makes the gateway hold: each open stream may hold up to MAX_REQUEST_BYTES of what its client
+# sent (the module's docstring says which streams a client without a key keeps open).
 MAX_STREAMS_PER_CONNECTION = 100
+# How long a health Check or Watch waits for its request message (sent with the call's headers
+# by every client; the probes' own timeouts are shorter).
+HEALTH_READ_S = 2.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheAdmin"].full_name
 
@@ -210,7 +224,9 @@ async def serve_health_socket(path: Path, servicer: health.aio.HealthServicer) -
     permission (the process umask; gRPC replaces a dead server's socket and removes its own at
     stop)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), RECEIVE_LIMIT])
-    decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, servicer, server)
+    decoding.add_service(
+        health_pb2_grpc.add_HealthServicer_to_server, servicer, server, read_s=HEALTH_READ_S
+    )
     try:
         server.add_insecure_port(f"unix:{path}")
     except RuntimeError as exc:
@@ -257,12 +273,29 @@ async def start_server(
     pipeline = Pipeline(models, cache, admission, Sinks(*sinks), access)
     metrics.watch(models, admission, cache, pipeline.in_flight)
     service = InferenceService(pipeline, mutual)
-    decoding.add_service(pb_grpc.add_InferenceServicer_to_server, service, server)
+    admin = CacheAdminService(cache, access, mutual)
+    # Without keys every call is anonymous (allowed on loopback only): nothing to check before a
+    # message is read, and the methods keep grpc's unary handling, a few µs a call cheaper.
+    keyed = access.required
     decoding.add_service(
-        pb_grpc.add_CacheAdminServicer_to_server, CacheAdminService(cache, access, mutual), server
+        pb_grpc.add_InferenceServicer_to_server,
+        service,
+        server,
+        gate=service.before_read if keyed else None,
+    )
+    decoding.add_service(
+        pb_grpc.add_CacheAdminServicer_to_server,
+        admin,
+        server,
+        gate=admin.before_read if keyed else None,
     )
     health_servicer = health.aio.HealthServicer()
-    decoding.add_service(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
+    decoding.add_service(
+        health_pb2_grpc.add_HealthServicer_to_server,
+        health_servicer,
+        server,
+        read_s=HEALTH_READ_S,
+    )
     reflected = (
         SERVICE_NAME,
         ADMIN_SERVICE_NAME,
@@ -276,6 +309,10 @@ async def start_server(
         # grpc.reflection.v1 is v1alpha under its stable name, message for message: clients that
         # ask only v1 (newer grpcurl, Postman) get the same answers.
         also_as=(REFLECTION_V1,),
+        # It describes the API, and each of its requests is read as any other call's: with keys
+        # configured, a call without a valid key is refused before its first request is read
+        # (grpcurl's -H sends the key to reflection too).
+        gate=key_gate(access, mutual) if keyed else None,
     )
     port, tls = listen(server, config)
     if cache is not None:

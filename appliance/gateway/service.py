@@ -5,6 +5,13 @@ credentials (the `authorization` metadata, the client certificate's names under 
 pipeline, translates the replies back and turns a RequestError into the call's status; nothing
 about keys, caching, tokenizing, the engine or reading a tool call out of an answer is decided
 here (the pipeline's Final carries the call; the text streams as generated).
+
+With keys configured, every method is gated (decoding.add_service): what access control can
+judge from the call's metadata alone (the key, its rate, that it may call the method at all, a
+key's requests open at once) is checked before the request message is read, so a caller without a
+valid key is refused UNAUTHENTICATED, and its stream closed, before its message is read (even one
+over the receive limit, which a caller with a key gets RESOURCE_EXHAUSTED for); the scope and
+namespace the message names are checked once it is read, before it is translated.
 """
 
 from __future__ import annotations
@@ -18,12 +25,19 @@ import grpc
 
 from appliance import namespace as namespaces
 from appliance.cache.tiers import TierCascade
-from appliance.gateway import messages, report
+from appliance.gateway import decoding, messages, report
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta
 from appliance.gateway.pipeline import Pipeline, scope_of
 from appliance.gateway.request import MAX_MODEL_NAME_LENGTH, IncomingRequest
-from appliance.security.auth import AccessControl, Credentials, Grant, bearer_token
+from appliance.security.auth import (
+    CACHE_ONLY,
+    GENERATE,
+    AccessControl,
+    Credentials,
+    Grant,
+    bearer_token,
+)
 from appliance.security.tls import grpc_peer_names
 from appliance.v1 import inference_pb2 as pb
 from appliance.v1 import inference_pb2_grpc as pb_grpc
@@ -47,6 +61,28 @@ def _set_pushback(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
     if exc.retry_after_ms is not None:
         # gRPC's retry policy reads this trailer (gRFC A6) and waits as long before retrying.
         context.set_trailing_metadata((("grpc-retry-pushback-ms", str(exc.retry_after_ms)),))
+
+
+def _admitted() -> Grant | None:
+    """The grant the method's gate gave the call (None: the servicer was called ungated)."""
+    grant = decoding.held()
+    assert grant is None or isinstance(grant, Grant)
+    return grant
+
+
+def key_gate(access: AccessControl, mutual_tls: bool) -> decoding.Gate:
+    """A gate that lets through a call with a known key (any scope) and takes one request of its
+    rate; with no keys configured, every call."""
+
+    async def gate(method: str, context: grpc.aio.ServicerContext) -> Grant:
+        try:
+            return access.admit_key(credentials(context, mutual_tls))
+        except RequestError as exc:
+            _set_pushback(context, exc)
+            await context.abort(exc.code, exc.message)
+            raise  # abort raises; this line is never reached
+
+    return gate
 
 
 def entry_key(request: pb.InvalidateRequest) -> bytes | None:
@@ -87,14 +123,28 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         self._idle = asyncio.Event()
         self._idle.set()
 
+    async def before_read(self, method: str, context: grpc.aio.ServicerContext) -> Grant:
+        """The gate of Generate and Complete: the key, its rate, a scope to generate with and
+        its requests open at once (this one counted), from the metadata; a refusal ends the call
+        before its message is read (the access log has no namespace for it)."""
+        received = time.monotonic_ns()
+        presented = credentials(context, self.mutual_tls)
+        try:
+            return self.pipeline.access.admit(presented, (GENERATE, CACHE_ONLY))
+        except RequestError as exc:
+            self.pipeline.refused("grpc", exc.code.name, received, presented.claimed_key_id())
+            _set_pushback(context, exc)
+            await context.abort(exc.code, exc.message)
+            raise  # abort raises; this line is never reached
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self._begin()
-        grant: Grant | None = None
+        grant = _admitted()
         try:
             presented = credentials(context, self.mutual_tls)
-            incoming, grant = self._incoming(request, presented)
+            incoming, grant = self._incoming(request, presented, grant)
             replies = self.pipeline.run(
                 incoming, context.time_remaining(), presented, admitted=grant
             )
@@ -119,10 +169,10 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         text: list[str] = []
         reply = pb.CompleteResponse()
         self._begin()
-        grant: Grant | None = None
+        grant = _admitted()
         try:
             presented = credentials(context, self.mutual_tls)
-            incoming, grant = self._incoming(request, presented)
+            incoming, grant = self._incoming(request, presented, grant)
             reply.request_id = incoming.request_id
             deadline_s = context.time_remaining()
             async for part in self.pipeline.run(incoming, deadline_s, presented, admitted=grant):
@@ -144,18 +194,23 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
         return reply
 
     def _incoming(
-        self, request: pb.GenerateRequest, presented: Credentials
+        self, request: pb.GenerateRequest, presented: Credentials, admitted: Grant | None
     ) -> tuple[IncomingRequest, Grant]:
         """The message in the pipeline's terms, and the caller's grant; a refusal here is
-        reported as the pipeline's. All of access control (the key, its rate limits, the scope
-        its cache_policy needs, its namespace: fields read as they are) comes before any of the
+        reported as the pipeline's. All of access control (on the gate's grant: the scope its
+        cache_policy needs, its namespace, fields read as they are) comes before any of the
         message is translated (its tools and chat cost work to read)."""
         received = time.monotonic_ns()
-        grant: Grant | None = None
+        grant = admitted
         try:
-            grant = self.pipeline.access.authorize(
-                presented, request.namespace, scope_of(request.cache_policy)
-            )
+            if grant is None:
+                grant = self.pipeline.access.authorize(
+                    presented, request.namespace, scope_of(request.cache_policy)
+                )
+            else:
+                self.pipeline.access.permit(
+                    grant, request.namespace, scope_of(request.cache_policy)
+                )
             return messages.request_of(request), grant
         except RequestError as exc:
             key_id = presented.claimed_key_id() if grant is None else grant.key_id
@@ -198,16 +253,35 @@ class CacheAdminService(pb_grpc.CacheAdminServicer):  # type: ignore[misc]
         if not work.cancelled():
             work.exception()
 
+    async def before_read(self, method: str, context: grpc.aio.ServicerContext) -> Grant:
+        """The gate of every CacheAdmin call: the key, its rate and the `admin` scope, from the
+        metadata; a refusal ends the call before its message is read."""
+        presented = credentials(context, self._mutual_tls)
+        try:
+            return self._access.admit_admin(presented)
+        except RequestError as exc:
+            report.admin_call(
+                method, presented.claimed_key_id(), "", "", False, exc.code.name, "refused"
+            )
+            _set_pushback(context, exc)
+            await context.abort(exc.code, exc.message)
+            raise  # abort raises; this line is never reached
+
     async def _admit(
         self, method: str, request: pb.InvalidateRequest | None, context: grpc.aio.ServicerContext
     ) -> str:
-        """The caller's key id once the gate lets the call through; else the call ends here."""
+        """The caller's key id once the namespace the message names is allowed too; else the call
+        ends here."""
         presented = credentials(context, self._mutual_tls)
         namespace = request.namespace if request is not None else ""
         model = request.model if request is not None else ""
         everything = request.all if request is not None else False
         try:
-            return self._access.authorize_admin(presented, namespace).key_id
+            grant = _admitted()
+            if grant is None:
+                return self._access.authorize_admin(presented, namespace).key_id
+            self._access.permit_admin(grant, namespace)
+            return grant.key_id
         except RequestError as exc:
             report.admin_call(
                 method,

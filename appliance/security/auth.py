@@ -166,18 +166,40 @@ class AccessControl:
     def authorize_admin(self, credentials: Credentials, namespace: str) -> Grant:
         """A CacheAdmin call: the `admin` scope; a namespace the key holds, or any namespace
         (every namespace's entries or counters) only for a key that holds "*"."""
+        grant = self.admit_admin(credentials)
+        self.permit_admin(grant, namespace)
+        return grant
+
+    def admit_admin(self, credentials: Credentials) -> Grant:
+        """What `authorize_admin` checks before the call's message is read: the key, its rate,
+        the `admin` scope."""
         principal = self.authenticate(credentials)
         if principal is ANONYMOUS:
-            return Grant(principal, namespace, None)
+            return Grant(principal, "", None)
         self.limiter.take(principal.key_id, principal.limits)
         self._scope(principal, ADMIN)
-        if not principal.any_namespace and (not namespace or namespace not in principal.namespaces):
+        return Grant(principal, "", None)
+
+    def permit_admin(self, grant: Grant, namespace: str) -> None:
+        """The rest of `authorize_admin`, once the message names the namespace."""
+        principal = grant.principal
+        grant.namespace = namespace
+        if principal is ANONYMOUS or principal.any_namespace:
+            return
+        if not namespace or namespace not in principal.namespaces:
             raise _denied(
                 f"key '{principal.key_id}' may administer only its own namespaces "
                 f"({', '.join(sorted(principal.namespaces))}): name one of them"
                 + ("" if namespace else '; all namespaces need a key holding "*"')
             )
-        return Grant(principal, namespace, None)
+
+    def admit_key(self, credentials: Credentials) -> Grant:
+        """A call that needs a known key and no scope (server reflection): the key and its rate
+        (one request taken)."""
+        principal = self.authenticate(credentials)
+        if principal is not ANONYMOUS:
+            self.limiter.take(principal.key_id, principal.limits)
+        return Grant(principal, "", None)
 
     @staticmethod
     def _scope(principal: Principal, scope: str) -> None:
