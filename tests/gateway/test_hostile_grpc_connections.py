@@ -174,10 +174,11 @@ async def _frames(reader: asyncio.StreamReader) -> AsyncIterator[tuple[int, int,
 
 
 async def test_streams_on_one_connection_are_bounded(tiny: Tiny, engine: Engine) -> None:
-    """gRPC opens a stream's window to the whole message its first bytes announce before any
-    handler (and so authentication) runs: the streams one connection may hold open bound what an
-    unauthenticated client makes the gateway buffer, and the bound leaves room for a key's default
-    32 calls at once and `appliance bench` at concurrency 64 over one channel."""
+    """Each open stream may hold up to 4 MiB of what its client sent (the stream window gRPC's
+    core announces): the streams one connection may hold open bound what it makes the gateway
+    buffer (without keys, in any call; with keys, a client without one in health Watch calls),
+    and the bound leaves room for a key's default 32 calls at once and `appliance bench` at
+    concurrency 64 over one channel."""
     running = await _gateway(_config(tiny, engine.address))
     try:
         await _bounded_streams(running.port)
