@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING
 
+import grpc
 from grpc_health.v1 import health, health_pb2
 
 from appliance.gateway.breaker import CircuitBreaker
@@ -67,6 +69,45 @@ class ModelHealth:
                 "is probing the engine now"
             )
         return "serving"
+
+
+# Health Watch calls one connection may hold open at once. A Watch stays open after its one
+# message, and gRPC's core lets its stream take up to the receive limit (4 MiB) of further bytes
+# that nothing reads; health answers callers without a key, so without this bound one connection
+# could hold that for each of its streams. gRPC's client-side health checking opens one Watch per
+# connection.
+MAX_WATCHES_PER_CONNECTION = 4
+
+
+class WatchBoundedHealth(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc's health servicer with at most MAX_WATCHES_PER_CONNECTION Watch calls open per TCP
+    connection (a Unix socket's peers carry no address to tell them apart: its file mode guards
+    it); one more is refused RESOURCE_EXHAUSTED as its message is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watches: Counter[str] = Counter()
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        peer = context.peer()
+        counted = not peer.startswith("unix:")
+        if counted and self._watches[peer] >= MAX_WATCHES_PER_CONNECTION:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {MAX_WATCHES_PER_CONNECTION} health Watch calls are open at once on "
+                "one connection: end one first",
+            )
+        if counted:
+            self._watches[peer] += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            if counted:
+                self._watches[peer] -= 1
+                if not self._watches[peer]:
+                    del self._watches[peer]
 
 
 def health_name(service: str, model: str) -> str:

@@ -3,14 +3,15 @@
 What a client without a key can make the gateway hold on the gRPC port: gRPC's core announces a
 stream window of the 4 MiB receive limit, so each open call may hold up to that much of what its
 client sent, read or not, for as long as it stays open. When keys are configured, every call of
-the appliance's own services and of server reflection is gated (decoding.add_service): a call
+the appliance's own services and of server reflection is gated (grpc_methods.add_service): a call
 without a valid key is answered UNAUTHENTICATED from its metadata alone and its stream closed
 before its message is read, so what it sent is dropped at once. Health stays open to
 probes without a key: a Check or Watch whose message has not arrived within `HEALTH_READ_S` ends
-DEADLINE_EXCEEDED, but a Watch, once its message is read, stays open and its stream still takes up
-to 4 MiB of further messages that nothing reads. Such a client can thus hold up to
-`MAX_STREAMS_PER_CONNECTION` × 4 MiB (400 MiB) per connection in open Watch calls, until it ends
-them or the gateway stops (docs/OPERATIONS.md, "Memory: what a client can make the gateway hold").
+DEADLINE_EXCEEDED, and a Watch, once its message is read, stays open and its stream still takes up
+to 4 MiB of further messages that nothing reads: at most health.MAX_WATCHES_PER_CONNECTION of them
+per connection. Such a client thus holds up to 16 MiB per connection for as long as it likes, and
+up to `MAX_STREAMS_PER_CONNECTION` × 4 MiB (400 MiB) per connection only while it keeps sending
+(docs/OPERATIONS.md, "Memory: what a client can make the gateway hold").
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from appliance.cache.metrics import CacheMetrics
 from appliance.cache.semantic import SemanticTier
 from appliance.cache.tiers import CacheTier, L1Tier, TierCascade, TierContext, tier_class
 from appliance.config import CacheConfig, GatewayConfig
-from appliance.gateway import decoding
+from appliance.gateway import grpc_methods
 from appliance.gateway.admission import GatedAdmission, ModelGate
-from appliance.gateway.health import HealthMonitor
+from appliance.gateway.health import HealthMonitor, WatchBoundedHealth
 from appliance.gateway.http_api import HttpApi
 from appliance.gateway.metrics import GatewayMetrics, MetricsSink
 from appliance.gateway.models import ServedModel, StartupError, load_models
@@ -224,7 +225,7 @@ async def serve_health_socket(path: Path, servicer: health.aio.HealthServicer) -
     permission (the process umask; gRPC replaces a dead server's socket and removes its own at
     stop)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), RECEIVE_LIMIT])
-    decoding.add_service(
+    grpc_methods.add_service(
         health_pb2_grpc.add_HealthServicer_to_server, servicer, server, read_s=HEALTH_READ_S
     )
     try:
@@ -277,20 +278,20 @@ async def start_server(
     # Without keys every call is anonymous (allowed on loopback only): nothing to check before a
     # message is read, and the methods keep grpc's unary handling, a few µs a call cheaper.
     keyed = access.required
-    decoding.add_service(
+    grpc_methods.add_service(
         pb_grpc.add_InferenceServicer_to_server,
         service,
         server,
         gate=service.before_read if keyed else None,
     )
-    decoding.add_service(
+    grpc_methods.add_service(
         pb_grpc.add_CacheAdminServicer_to_server,
         admin,
         server,
         gate=admin.before_read if keyed else None,
     )
-    health_servicer = health.aio.HealthServicer()
-    decoding.add_service(
+    health_servicer = WatchBoundedHealth()
+    grpc_methods.add_service(
         health_pb2_grpc.add_HealthServicer_to_server,
         health_servicer,
         server,
@@ -302,7 +303,7 @@ async def start_server(
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )
-    decoding.add_service(
+    grpc_methods.add_service(
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
         reflection.aio.ReflectionServicer(reflected),
         server,

@@ -6,7 +6,7 @@ pipeline, translates the replies back and turns a RequestError into the call's s
 about keys, caching, tokenizing, the engine or reading a tool call out of an answer is decided
 here (the pipeline's Final carries the call; the text streams as generated).
 
-With keys configured, every method is gated (decoding.add_service): what access control can
+With keys configured, every method is gated (grpc_methods.add_service): what access control can
 judge from the call's metadata alone (the key, its rate, that it may call the method at all, a
 key's requests open at once) is checked before the request message is read, so a caller without a
 valid key is refused UNAUTHENTICATED, and its stream closed, before its message is read (even one
@@ -25,7 +25,7 @@ import grpc
 
 from appliance import namespace as namespaces
 from appliance.cache.tiers import TierCascade
-from appliance.gateway import decoding, messages, report
+from appliance.gateway import grpc_methods, messages, report
 from appliance.gateway.errors import RequestError
 from appliance.gateway.generation import Delta
 from appliance.gateway.pipeline import Pipeline, scope_of
@@ -65,12 +65,12 @@ def _set_pushback(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
 
 def _admitted() -> Grant | None:
     """The grant the method's gate gave the call (None: the servicer was called ungated)."""
-    grant = decoding.held()
+    grant = grpc_methods.held()
     assert grant is None or isinstance(grant, Grant)
     return grant
 
 
-def key_gate(access: AccessControl, mutual_tls: bool) -> decoding.Gate:
+def key_gate(access: AccessControl, mutual_tls: bool) -> grpc_methods.Gate:
     """A gate that lets through a call with a known key (any scope) and takes one request of its
     rate; with no keys configured, every call."""
 

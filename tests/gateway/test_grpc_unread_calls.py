@@ -12,9 +12,10 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
+from appliance.gateway import health as gateway_health
 from appliance.gateway import server as gateway_server
 from appliance.gateway.server import MAX_STREAMS_PER_CONNECTION, RunningGateway
 from appliance.grpc_limits import MAX_REQUEST_BYTES
@@ -268,6 +269,52 @@ async def test_health_waits_a_bounded_time_for_its_message(
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED, details
         assert "did not arrive" in details, details
         unblock.set()
+
+
+async def test_one_connection_holds_a_bounded_number_of_health_watches(
+    gateway: RunningGateway,
+) -> None:
+    """An open Watch's stream can take up to the receive limit of bytes nothing reads, and health
+    answers callers without a key: a connection gets MAX_WATCHES_PER_CONNECTION of them at once,
+    another connection its own, and an ended one frees its place."""
+    bound = gateway_health.MAX_WATCHES_PER_CONNECTION
+    watch = health_pb2_grpc.HealthStub
+
+    async def opened(stub: Any) -> Any:
+        call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=ANSWER_S)
+        reply = await asyncio.wait_for(call.read(), ANSWER_S)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        return call
+
+    # A channel of its own subchannel pool: its own connection (channels to one target share one).
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    async with (
+        _channel(gateway) as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}", options=own) as other,
+    ):
+        stub = watch(channel)
+        calls = [await opened(stub) for _ in range(bound)]
+        refused = stub.Watch(health_pb2.HealthCheckRequest(), timeout=ANSWER_S)
+        code, details = await _status(refused)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert f"at most {bound} health Watch calls" in details, details
+        calls.append(await opened(watch(other)))  # another connection: its own count
+        calls.pop(0).cancel()
+        replaced = await until_async(lambda: _watch_opens(stub))
+        calls.append(replaced)
+        for call in calls:
+            call.cancel()
+
+
+async def _watch_opens(stub: Any) -> Any:
+    """A Watch call on `stub`'s connection that got its first answer, else None."""
+    call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=ANSWER_S)
+    try:
+        await asyncio.wait_for(call.read(), ANSWER_S)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        return None
+    return call
 
 
 async def test_a_call_let_through_frees_its_stream_when_no_message_comes(
