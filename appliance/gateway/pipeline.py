@@ -452,9 +452,9 @@ class Pipeline:
         tools longer than INLINE_CHARS (as sent) is checked on a worker thread: writing it parses
         and writes back every past call's arguments and keys the chat, work in proportion to
         them; its wait for a thread ends at the request's deadline (`deadline_s`, the model's
-        default when None) as the tokenize stage's does. The json module holds the GIL through
-        each parse or write (a call's arguments; the key, all of them): the loop waits during
-        each such step and runs between them."""
+        default when None) as the tokenize stage's does. Long arguments are parsed and written
+        in steps (json_steps), and the key a message and a call at a time: one C call holds the
+        GIL from its start to its end, and the loop runs only between them."""
         chat = request.tool_chat
         if chat is not None and chat.chars() > INLINE_CHARS:
             expires = time.monotonic() + self.deadline_of(model, deadline_s)

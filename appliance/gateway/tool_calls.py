@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.gateway import json_steps
 from appliance.gateway.errors import RequestError, invalid
 from appliance.gateway.request import check_json_schema, check_role, echo, echo_value
 
@@ -255,16 +256,48 @@ class PastCall:
     id: str = ""
 
     def parsed_arguments(self) -> Any:
-        """The arguments as a JSON value, or as the text they are where it does not parse."""
-        return self._parsed
+        """The arguments as a JSON value, or as the text they are where it does not parse;
+        parsed anew at each call (the template's rendering is the only reader)."""
+        return self._parse().value
+
+    def _parse(self) -> json_steps.Parsed:
+        """Long arguments are parsed in steps (json_steps), the event loop running between
+        them."""
+        try:
+            return json_steps.loads(self.arguments) if self.arguments else json_steps.Parsed({})
+        except (ValueError, RecursionError):
+            return json_steps.Parsed(self.arguments)
 
     @functools.cached_property
-    def _parsed(self) -> Any:
-        """Parsed once: the chat is written (fallback) and keyed (ToolChat.with_text) from it."""
-        try:
-            return json.loads(self.arguments) if self.arguments else {}
-        except (ValueError, RecursionError):
-            return self.arguments
+    def _texts(self) -> tuple[str, str]:
+        """The arguments as json.dumps writes their value: as parsed, and with sorted keys (the
+        fallback's text and the key's). Parsed once for both, and the value not kept: while a
+        long history's values lived, each full collection of the garbage collector would walk
+        them all, on whichever thread it ran, the event loop's too."""
+        parsed = self._parse()
+        return json_steps.dumps(parsed), json_steps.dumps(parsed, sort_keys=True)
+
+    def written(self) -> str:
+        """The call as the fallback writes it: json.dumps of {"name", "arguments"}."""
+        arguments = self._texts[0]
+        return f'{{"name": {json.dumps(self.name, ensure_ascii=False)}, "arguments": {arguments}}}'
+
+    def key_text(self) -> str:
+        """The call as the chat's key writes it: json.dumps(sort_keys=True) of the call
+        template_messages makes of it."""
+        function = json_steps.sorted_object(
+            {
+                "name": json.dumps(self.name, ensure_ascii=False),
+                "arguments": self._texts[1],
+            }
+        )
+        return json_steps.sorted_object(
+            {
+                "id": json.dumps(self.id, ensure_ascii=False),
+                "type": '"function"',
+                "function": function,
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -330,12 +363,7 @@ class ToolChat:
             if t.role == "tool":
                 pairs.append(("user", f"Result of tool call {t.call_id}:\n{t.content}"))
             elif t.calls:
-                written = [
-                    json.dumps(
-                        {"name": c.name, "arguments": c.parsed_arguments()}, ensure_ascii=False
-                    )
-                    for c in t.calls
-                ]
+                written = [c.written() for c in t.calls]
                 pairs.append((t.role, "\n".join(filter(None, [t.content, *written]))))
             else:
                 pairs.append((t.role, t.content))
@@ -350,7 +378,7 @@ class ToolChat:
         """The chat as Hugging Face chat templates with tool support take it."""
         messages: list[dict[str, Any]] = []
         for t in self.turns:
-            message: dict[str, Any] = {"role": t.role, "content": t.content}
+            message: dict[str, Any] = _message_fields(t)
             if t.calls:
                 message["tool_calls"] = [
                     {
@@ -360,8 +388,6 @@ class ToolChat:
                     }
                     for c in t.calls
                 ]
-            if t.role == "tool":
-                message["tool_call_id"] = t.call_id
             messages.append(message)
         return messages
 
@@ -372,16 +398,33 @@ class ToolChat:
         """The chat with every message's text normalized (the check stage's NFC), and its key."""
         turns = tuple(Turn(t.role, normalize(t.content), t.calls, t.call_id) for t in self.turns)
         chat = ToolChat(self.plan, turns)
-        key = json.dumps(
+        return ToolChat(self.plan, turns, chat._key())
+
+    def _key(self) -> str:
+        """json.dumps(sort_keys=True) of the tools, the choice and template_messages(), written a
+        message and a past call at a time (each call's arguments from their one parse, in steps
+        when long), so that no one call holds the event loop long."""
+        messages = []
+        for t in self.turns:
+            written = {name: json_steps.string(value) for name, value in _message_fields(t).items()}
+            if t.calls:
+                written["tool_calls"] = "[" + ", ".join(c.key_text() for c in t.calls) + "]"
+            messages.append(json_steps.sorted_object(written))
+        return json_steps.sorted_object(
             {
-                "tools": chat.tool_specs(),
-                "choice": self.plan.choice if self.plan else "none",
-                "messages": chat.template_messages(),
-            },
-            ensure_ascii=False,
-            sort_keys=True,
+                "tools": json.dumps(self.tool_specs(), ensure_ascii=False, sort_keys=True),
+                "choice": json.dumps(self.plan.choice if self.plan else "none"),
+                "messages": "[" + ", ".join(messages) + "]",
+            }
         )
-        return ToolChat(self.plan, turns, key)
+
+
+def _message_fields(t: Turn) -> dict[str, str]:
+    """A message's fields as template_messages writes them, but its calls."""
+    fields = {"role": t.role, "content": t.content}
+    if t.role == "tool":
+        fields["tool_call_id"] = t.call_id
+    return fields
 
 
 # -- answer --------------------------------------------------------------------------------------

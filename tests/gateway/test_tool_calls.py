@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from appliance.gateway import messages, tool_calls
+from appliance.gateway import json_steps, messages, tool_calls
 from appliance.gateway import openai_wire as wire
 from appliance.gateway.call_reader import CallReader
 from appliance.gateway.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
@@ -275,7 +275,8 @@ def test_a_refusal_repeats_at_most_a_short_piece_of_what_the_client_sent(
 
 
 class CountingJson:
-    """tool_calls' `json`, counting the characters it is given to parse."""
+    """json_steps' `json` (what parses a past call's arguments), counting the characters it is
+    given to parse."""
 
     def __init__(self) -> None:
         self.parsed = 0
@@ -338,7 +339,7 @@ def test_past_calls_over_the_input_bound_are_refused_before_any_is_parsed(
     """Each past call's arguments are parsed to be written into the chat: a history over what the
     model can take is refused for its size before any of them is parsed, on both front ends."""
     counting = CountingJson()
-    monkeypatch.setattr(tool_calls, "json", counting)
+    monkeypatch.setattr(json_steps, "json", counting)
     limits = Limits(
         max_input_tokens=100,
         max_output_tokens=16,
@@ -356,7 +357,7 @@ def test_past_calls_over_the_input_bound_are_refused_before_any_is_parsed(
 def test_each_past_call_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The chat is written for any template and keyed for the cache from one parse of each."""
     counting = CountingJson()
-    monkeypatch.setattr(tool_calls, "json", counting)
+    monkeypatch.setattr(json_steps, "json", counting)
     limits = Limits(
         max_input_tokens=100_000,
         max_output_tokens=16,
