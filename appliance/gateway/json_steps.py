@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import json.decoder
+import json.encoder
 import json.scanner
 import re
 from collections.abc import Callable, Iterator
@@ -39,6 +40,11 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")
 # they are given for each value).
 _OBJECT = json.decoder.JSONObject  # type: ignore[attr-defined]
 _ARRAY = json.decoder.JSONArray  # type: ignore[attr-defined]
+# What json.dumps(value, ensure_ascii=False, sort_keys=...) builds at each call, built once.
+_PLAIN = json.JSONEncoder(ensure_ascii=False)
+_SORTED = json.JSONEncoder(ensure_ascii=False, sort_keys=True)
+# json.dumps(text, ensure_ascii=False) of a str, in C.
+_STRING = json.encoder.encode_basestring
 
 
 @dataclass(frozen=True)
@@ -115,48 +121,58 @@ def dumps(parsed: Parsed, *, sort_keys: bool = False, step: int = STEP_CHARS) ->
     `loads` walked are written a field or an item at a time, a string longer than `step` in
     slices, every other value in one call."""
     if not parsed.walked and not (isinstance(parsed.value, str) and len(parsed.value) > step):
-        return json.dumps(parsed.value, ensure_ascii=False, sort_keys=sort_keys)
+        return (_SORTED if sort_keys else _PLAIN).encode(parsed.value)
     return "".join(list(_pieces(parsed.value, parsed.walked, sort_keys, step)))
 
 
 def string(text: str, step: int = STEP_CHARS) -> str:
     """`json.dumps(text, ensure_ascii=False)`, in slices of `step` characters."""
     if len(text) <= step:
-        return json.dumps(text, ensure_ascii=False)
+        return _STRING(text)
     return "".join(list(_pieces(text, frozenset(), False, step)))
 
 
+def _small(value: Any, encoder: json.JSONEncoder) -> str:
+    """A value parsed in one call, written in one (its commonest kinds without the encoder's
+    set-up)."""
+    kind = type(value)
+    if kind is str:
+        return _STRING(value)
+    if kind is int:
+        return int.__repr__(value)
+    return encoder.encode(value)
+
+
 def _pieces(value: Any, walked: frozenset[int], sort_keys: bool, step: int) -> Iterator[str]:
+    encoder = _SORTED if sort_keys else _PLAIN
     if type(value) is str and len(value) > step:
         yield '"'
         for at in range(0, len(value), step):
-            yield json.dumps(value[at : at + step], ensure_ascii=False)[1:-1]
+            yield _STRING(value[at : at + step])[1:-1]
         yield '"'
     elif id(value) not in walked:
-        yield json.dumps(value, ensure_ascii=False, sort_keys=sort_keys)
-    elif type(value) is dict:
-        yield "{"
-        items = sorted(value.items()) if sort_keys else value.items()
-        for i, (name, item) in enumerate(items):
-            yield (", " if i else "") + string(name, step) + ": "
-            yield from _pieces(item, walked, sort_keys, step)
-        yield "}"
+        yield _small(value, encoder)
     else:
-        yield "["
-        for i, item in enumerate(value):
-            if i:
-                yield ", "
-            yield from _pieces(item, walked, sort_keys, step)
-        yield "]"
+        is_dict = type(value) is dict
+        yield "{" if is_dict else "["
+        items = (sorted(value.items()) if sort_keys else value.items()) if is_dict else value
+        for i, entry in enumerate(items):
+            if is_dict:
+                name, item = entry
+                head = (", " if i else "") + string(name, step) + ": "
+            else:
+                item, head = entry, ", " if i else ""
+            if id(item) in walked or (type(item) is str and len(item) > step):
+                yield head
+                yield from _pieces(item, walked, sort_keys, step)
+            else:
+                yield head + _small(item, encoder)
+        yield "}" if is_dict else "]"
 
 
 def sorted_object(fields: dict[str, str]) -> str:
     """The text `json.dumps(..., sort_keys=True)` writes for an object whose fields' values are
     written already (`fields`: name -> the value's JSON text)."""
     return (
-        "{"
-        + ", ".join(
-            f"{json.dumps(name, ensure_ascii=False)}: {fields[name]}" for name in sorted(fields)
-        )
-        + "}"
+        "{" + ", ".join(f"{_PLAIN.encode(name)}: {fields[name]}" for name in sorted(fields)) + "}"
     )
