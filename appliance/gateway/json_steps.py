@@ -6,12 +6,13 @@ for all of it. So a text longer than `STEP_CHARS` is parsed here a piece at a ti
 the json module's C scanner: an array or object whose text ends within `STEP_CHARS` of its start
 is one piece (one C call on a copy of at most that window), a longer one is walked by the json
 module's own pure-Python object and array parsers, whose values are pieces again; a string or
-number is one piece. The result is the value `json.loads` makes, and the same errors (ValueError,
-RecursionError) for a text it refuses. The containers walked are remembered (`Parsed.walked`) so
-that `dumps` writes them a field or an item at a time and every other value in one C call, which
-its source's size bounds; a long string is written in slices (JSON escapes a character at a time,
-so the slices' texts join into the whole's). Between the steps the interpreter hands the GIL to
-the event loop at its switch interval. The total work stays close to one C call's.
+number is one piece. `loads` gives the value `json.loads` makes; `rewrite` gives the texts
+`json.dumps` writes of it (as parsed, and with sorted keys), each piece written as soon as it is
+parsed and let go, so that no large value is ever held (a large value alive is walked by every
+full collection of the garbage collector, on whichever thread it runs, the event loop's too);
+a long string is written in slices. Both raise what `json.loads` raises for a text it refuses
+(ValueError, RecursionError). Between the steps the interpreter hands the GIL to the event loop at
+its switch interval.
 
 One difference: a walked container costs the interpreter two frames, so a text longer than
 `STEP_CHARS` whose containers longer than `STEP_CHARS` nest more than about 490 deep raises
@@ -26,8 +27,7 @@ import json.decoder
 import json.encoder
 import json.scanner
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 # Characters of JSON text parsed in one C call, and of a string written in one.
@@ -47,23 +47,31 @@ _SORTED = json.JSONEncoder(ensure_ascii=False, sort_keys=True)
 _STRING = json.encoder.encode_basestring
 
 
-@dataclass(frozen=True)
-class Parsed:
-    """A JSON text's value, and the ids of its arrays and objects that were walked (not parsed
-    in one call): `dumps` writes those a field or an item at a time."""
-
-    value: Any
-    walked: frozenset[int] = field(default=frozenset())
-
-
-def loads(text: str, step: int = STEP_CHARS) -> Parsed:
+def loads(text: str, step: int = STEP_CHARS) -> Any:
     """`json.loads(text)`, in steps of at most `step` characters each when `text` is longer.
     Raises what json.loads raises for a text it refuses (ValueError, RecursionError)."""
     if len(text) <= step:
-        return Parsed(json.loads(text))
+        return json.loads(text)
+    value, _ = _scan_all(text, _Scanner(step, write=False))
+    return value
+
+
+def rewrite(text: str, step: int = STEP_CHARS) -> tuple[str, str]:
+    """`json.dumps(json.loads(text), ensure_ascii=False)` and the same with `sort_keys=True`,
+    in steps when `text` is longer than `step`: each array or object parsed in one call is
+    written at once and let go, so no value larger than a step is ever held (a large value
+    held is walked by every full collection of the garbage collector, on whichever thread it
+    runs). Raises what json.loads raises for a text it refuses."""
+    if len(text) <= step:
+        value = json.loads(text)
+        return _PLAIN.encode(value), _SORTED.encode(value)
+    written, _ = _scan_all(text, _Scanner(step, write=True))
+    return written  # type: ignore[no-any-return]
+
+
+def _scan_all(text: str, scanner: _Scanner) -> tuple[Any, int]:
     if text.startswith("\ufeff"):  # as json.loads refuses a str that starts with one
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    scanner = _Scanner(step)
     start = _WHITESPACE.match(text, 0).end()  # type: ignore[union-attr]
     try:
         value, end = scanner.scan(text, start)
@@ -72,21 +80,22 @@ def loads(text: str, step: int = STEP_CHARS) -> Parsed:
     end = _WHITESPACE.match(text, end).end()  # type: ignore[union-attr]
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
-    return Parsed(value, frozenset(scanner.walked))
+    return value, end
 
 
 class _Scanner:
-    """The scanner the json module's object and array parsers call for each value."""
+    """The scanner the json module's object and array parsers call for each value. With
+    `write`, each value it gives back is its two texts (json.dumps's, then with sorted keys)."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, write: bool) -> None:
         self.step = step
+        self.write = write
         decoder = json.JSONDecoder()
         # The C scanner: one value at an index, whole.
         self.whole: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
             decoder  # type: ignore[arg-type]
         )
         self.memo: dict[str, str] = {}
-        self.walked: set[int] = set()
 
     def scan(self, text: str, at: int) -> tuple[Any, int]:
         try:
@@ -94,11 +103,13 @@ class _Scanner:
         except IndexError:
             raise StopIteration(at) from None
         if first != "{" and first != "[":
-            return self.whole(text, at)
+            value, end = self.whole(text, at)
+            return self._whole(value), end
         window = _FIRST_WINDOW
         while True:
             if len(text) - at <= window:
-                return self.whole(text, at)
+                value, end = self.whole(text, at)
+                return self._whole(value), end
             try:
                 value, end = self.whole(text[at : at + window], 0)
             except (StopIteration, ValueError, RecursionError):
@@ -107,29 +118,51 @@ class _Scanner:
                     break
                 window *= 4
                 continue
-            return value, at + end
+            return self._whole(value), at + end
         if first == "{":
             value, end = _OBJECT((text, at + 1), True, self.scan, None, None, self.memo)
         else:
             value, end = _ARRAY((text, at + 1), self.scan)
-        self.walked.add(id(value))
-        return value, end
+        return self._walked(value), end
 
+    def _whole(self, value: Any) -> Any:
+        """A value parsed in one call: as it is, or written."""
+        if not self.write:
+            return value
+        if type(value) is str and len(value) > self.step:
+            text = string(value, self.step)
+            return text, text
+        return _small(value, _PLAIN), _small(value, _SORTED)
 
-def dumps(parsed: Parsed, *, sort_keys: bool = False, step: int = STEP_CHARS) -> str:
-    """`json.dumps(parsed.value, ensure_ascii=False, sort_keys=sort_keys)`: the containers
-    `loads` walked are written a field or an item at a time, a string longer than `step` in
-    slices, every other value in one call."""
-    if not parsed.walked and not (isinstance(parsed.value, str) and len(parsed.value) > step):
-        return (_SORTED if sort_keys else _PLAIN).encode(parsed.value)
-    return "".join(list(_pieces(parsed.value, parsed.walked, sort_keys, step)))
+    def _walked(self, value: Any) -> Any:
+        """An array or object walked: as it is, or written from its items' texts."""
+        if not self.write:
+            return value
+        if type(value) is dict:
+            names = list(value)
+            texts = list(value.values())
+            fields = [f"{string(name, self.step)}: " for name in names]
+            plain = ", ".join([fields[i] + texts[i][0] for i in range(len(names))])
+            ordered = ", ".join(
+                [fields[i] + texts[i][1] for i in sorted(range(len(names)), key=names.__getitem__)]
+            )
+            return "{" + plain + "}", "{" + ordered + "}"
+        return (
+            "[" + ", ".join([w[0] for w in value]) + "]",
+            "[" + ", ".join([w[1] for w in value]) + "]",
+        )
 
 
 def string(text: str, step: int = STEP_CHARS) -> str:
-    """`json.dumps(text, ensure_ascii=False)`, in slices of `step` characters."""
+    """`json.dumps(text, ensure_ascii=False)`, in slices of `step` characters (JSON escapes a
+    character at a time, so the slices' texts join into the whole's)."""
     if len(text) <= step:
         return _STRING(text)
-    return "".join(list(_pieces(text, frozenset(), False, step)))
+    return (
+        '"'
+        + "".join([_STRING(text[at : at + step])[1:-1] for at in range(0, len(text), step)])
+        + '"'
+    )
 
 
 def _small(value: Any, encoder: json.JSONEncoder) -> str:
@@ -141,33 +174,6 @@ def _small(value: Any, encoder: json.JSONEncoder) -> str:
     if kind is int:
         return int.__repr__(value)
     return encoder.encode(value)
-
-
-def _pieces(value: Any, walked: frozenset[int], sort_keys: bool, step: int) -> Iterator[str]:
-    encoder = _SORTED if sort_keys else _PLAIN
-    if type(value) is str and len(value) > step:
-        yield '"'
-        for at in range(0, len(value), step):
-            yield _STRING(value[at : at + step])[1:-1]
-        yield '"'
-    elif id(value) not in walked:
-        yield _small(value, encoder)
-    else:
-        is_dict = type(value) is dict
-        yield "{" if is_dict else "["
-        items = (sorted(value.items()) if sort_keys else value.items()) if is_dict else value
-        for i, entry in enumerate(items):
-            if is_dict:
-                name, item = entry
-                head = (", " if i else "") + string(name, step) + ": "
-            else:
-                item, head = entry, ", " if i else ""
-            if id(item) in walked or (type(item) is str and len(item) > step):
-                yield head
-                yield from _pieces(item, walked, sort_keys, step)
-            else:
-                yield head + _small(item, encoder)
-        yield "}" if is_dict else "]"
 
 
 def sorted_object(fields: dict[str, str]) -> str:

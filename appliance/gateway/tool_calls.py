@@ -257,25 +257,24 @@ class PastCall:
 
     def parsed_arguments(self) -> Any:
         """The arguments as a JSON value, or as the text they are where it does not parse;
-        parsed anew at each call (the template's rendering is the only reader)."""
-        return self._parse().value
-
-    def _parse(self) -> json_steps.Parsed:
-        """Long arguments are parsed in steps (json_steps), the event loop running between
-        them."""
+        parsed anew at each call (the template's rendering is the only reader), in steps when
+        long (json_steps), the event loop running between them."""
         try:
-            return json_steps.loads(self.arguments) if self.arguments else json_steps.Parsed({})
+            return json_steps.loads(self.arguments) if self.arguments else {}
         except (ValueError, RecursionError):
-            return json_steps.Parsed(self.arguments)
+            return self.arguments
 
     @functools.cached_property
     def _texts(self) -> tuple[str, str]:
         """The arguments as json.dumps writes their value: as parsed, and with sorted keys (the
-        fallback's text and the key's). Parsed once for both, and the value not kept: while a
-        long history's values lived, each full collection of the garbage collector would walk
-        them all, on whichever thread it ran, the event loop's too."""
-        parsed = self._parse()
-        return json_steps.dumps(parsed), json_steps.dumps(parsed, sort_keys=True)
+        fallback's text and the key's), from one parse in steps that holds no large value."""
+        if not self.arguments:
+            return "{}", "{}"
+        try:
+            return json_steps.rewrite(self.arguments)
+        except (ValueError, RecursionError):
+            text = json_steps.string(self.arguments)
+            return text, text
 
     def written(self) -> str:
         """The call as the fallback writes it: json.dumps of {"name", "arguments"}."""
