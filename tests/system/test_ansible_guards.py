@@ -336,3 +336,60 @@ def test_a_sentinel_primary_sentinel_cannot_read_fails_first(tmp_path: Path, pri
     assert result.returncode != 0, out
     assert f'redis_sentinel_primary must be "IP PORT" of the primary, got "{primary}"' in out, out
     assert _tasks(out)[-1] == "redis : Check the Sentinel's primary is given", out
+
+
+TLS = {
+    "redis_tls_port": 6379,
+    "redis_tls_cert_file": "/etc/redis/tls/redis.crt",
+    "redis_tls_key_file": "/etc/redis/tls/redis.key",
+    "redis_tls_ca_file": "/etc/redis/tls/ca.crt",
+}
+
+
+@pytest.mark.parametrize(
+    ("variables", "why"),
+    [
+        (
+            {"redis_tls_key_file": ""},
+            "redis_tls_port (6379) needs redis_tls_cert_file, redis_tls_key_file and",
+        ),
+        (
+            {"redis_tls_port": 6380, "redis_replicaof": "10.0.0.1 6379"},
+            'redis_replicaof ("10.0.0.1 6379") must name the primary\'s TLS port (6380)',
+        ),
+        (
+            {"redis_tls_port": 6380},
+            'redis_sentinel_primary ("10.0.0.1 6379") must name the primary\'s TLS port (6380)',
+        ),
+        (
+            {"appliance_cache_enabled": True, "appliance_redis_url": "redis://10.0.0.1:6379/0"},
+            "appliance_redis_url (redis://10.0.0.1:6379/0) must be rediss://",
+        ),
+    ],
+)
+def test_tls_a_plaintext_address_or_missing_file_fails_first(
+    tmp_path: Path, variables: dict[str, object], why: str
+) -> None:
+    """With TLS on nothing listens in plaintext: a replica, Sentinel or gateway given a
+    plaintext address would never connect, and Redis without its files never starts."""
+    settings = {**SENTINEL, "redis_sentinel_quorum": 1, **TLS, **variables}
+    result = _redis_on_localhost(tmp_path, settings, {})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert why in out, out
+    assert _tasks(out)[-1] == "redis : Check TLS has its files and every address names a TLS port"
+
+
+def test_tls_with_tls_addresses_passes_its_check(tmp_path: Path) -> None:
+    settings = {
+        **SENTINEL,
+        "redis_sentinel_quorum": 1,
+        **TLS,
+        "redis_replicaof": "10.0.0.1 6379",
+        "appliance_cache_enabled": True,
+        "appliance_redis_url": "rediss://_/0",
+    }
+    result = _redis_on_localhost(tmp_path, settings, {})
+    out = result.stdout + result.stderr
+    check = "redis : Check TLS has its files and every address names a TLS port"
+    assert check in _tasks(out)[:-1], out
