@@ -135,7 +135,8 @@ class RedisSettings:
     # the configuration reads it from `mac_key_file`).
     mac_key: bytes | None = field(default=None, repr=False)
     # HOST:PORT of Redis Sentinels; empty: `url` names the one server. With Sentinels, `url` only
-    # gives the database number and TLS (rediss://); its host and port are not used.
+    # gives the database number and TLS (rediss://: to the Sentinels and to the servers they
+    # name, each verified with `tls_ca_file`); its host and port are not used.
     sentinels: tuple[str, ...] = ()
     sentinel_service: str = "appliance"
     # What the gateway presents to the Sentinels (their ACL user and its password: they require
@@ -735,6 +736,12 @@ def _primary_of(
         host, _, port = address.rpartition(":")
         addresses.append((host.strip("[]"), int(port)))
     timeout = kwargs["socket_connect_timeout"]
+    # rediss://: TLS to the Sentinels as to the servers (the Sentinels hear the gateways'
+    # password and name the primary), verified with the same CA.
+    tls = settings.url.startswith("rediss://")
+    sentinel_tls: dict[str, Any] = {"ssl": True} if tls else {}
+    if tls and settings.tls_ca_file:
+        sentinel_tls["ssl_ca_certs"] = settings.tls_ca_file
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         addresses,
         # The Sentinels' own login, apart from the primary's (`kwargs`). Each Sentinel is asked
@@ -746,6 +753,7 @@ def _primary_of(
             "retry": Retry(NoBackoff(), 0),
             "username": settings.sentinel_username,
             "password": settings.sentinel_password,
+            **sentinel_tls,
         },
     )
     url = parse_url(settings.url)  # type: ignore[no-untyped-call]
@@ -753,7 +761,7 @@ def _primary_of(
         settings.sentinel_service,
         connection_pool_class=pool,
         db=url.get("db", 0),
-        ssl=settings.url.startswith("rediss://"),
+        ssl=tls,
         **kwargs,
     )
     return sentinel, client

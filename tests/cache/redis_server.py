@@ -6,14 +6,17 @@ import re
 import shutil
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import jinja2
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from appliance.tools.processes import free_port
+from tests.security.certs import CA
 from tests.support import until
 
 
@@ -30,17 +33,21 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
         # The ACL user and password the test's own clients log in as (none: the default user).
         self.auth: dict[str, str] = {}
+        # With TLS: the server's certificate, key and CA (its port then takes TLS only).
+        self.tls: TlsFiles | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self, extra: list[str] | None = None) -> None:
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port), *self.tls.server_args()]
         self.proc = subprocess.Popen(
             [
                 self.binary,
-                "--port",
-                str(self.port),
+                *ports,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -81,7 +88,10 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(
-            port=self.port, username=self.auth.get("username"), password=self.auth.get("password")
+            port=self.port,
+            username=self.auth.get("username"),
+            password=self.auth.get("password"),
+            **(self.tls.client_kwargs() if self.tls else {}),
         )
 
     def keys(self, pattern: str) -> list[bytes]:
@@ -91,6 +101,49 @@ class RedisServer:
             assert isinstance(key, bytes), key
             found.append(key)
         return found
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA and the certificate (for loopback) every server and Sentinel of a test presents."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    @classmethod
+    def make(cls, directory: Path) -> TlsFiles:
+        directory.mkdir(parents=True, exist_ok=True)
+        ca = CA(directory, "redis-ca")
+        issued = ca.issue("redis", "redis", hosts=("127.0.0.1", "localhost"))
+        return cls(issued.cert, issued.key, ca.path)
+
+    def directives(self) -> dict[str, str]:
+        """The redis role's TLS directives of redis.conf and sentinel.conf besides the ports
+        (replicas and Sentinels connect over TLS too), with these files: as the role writes
+        them (paths quoted)."""
+        block = re.search(
+            r"^__redis_tls_directives:\n((?:  \S.*\n)+)",
+            (ROLE / "vars" / "main.yml").read_text(),
+            re.M,
+        )
+        assert block is not None
+        # Each `key: value`, the value a quoted YAML scalar ('...' or "...").
+        role = dict(line.strip().split(": ", 1) for line in block.group(1).splitlines())
+        role = {k: v[1:-1].replace("''", "'") if v[0] == "'" else v[1:-1] for k, v in role.items()}
+        files = {
+            "redis_tls_cert_file": str(self.cert),
+            "redis_tls_key_file": str(self.key),
+            "redis_tls_ca_file": str(self.ca),
+        }
+        return {k: jinja2.Template(v).render(files) for k, v in role.items()}
+
+    def server_args(self) -> list[str]:
+        # On the command line, as Redis reads each line of its file.
+        return [arg for k, v in self.directives().items() for arg in (f"--{k}", v.strip('"'))]
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return {"ssl": True, "ssl_ca_certs": str(self.ca)}
 
 
 class SentinelGroup:
@@ -106,12 +159,21 @@ class SentinelGroup:
         "admin": "admin-password",
     }
 
-    def __init__(self, workdir: Path, name: str = "appliance", down_after_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str = "appliance",
+        down_after_ms: int = 1000,
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.name = name
         self.primary = RedisServer(workdir / "primary")
         self.replica = RedisServer(workdir / "replica")
+        # With TLS every port (servers' and Sentinels') takes TLS only, and every link is TLS.
+        self.tls = tls
         for server in (self.primary, self.replica):
             server.auth = {"username": "admin", "password": self.PASSWORDS["admin"]}
+            server.tls = tls
         self.workdir = workdir
         self.down_after_ms = down_after_ms
         self.sentinel_ports = [free_port() for _ in range(3)]
@@ -136,6 +198,7 @@ class SentinelGroup:
             retry=Retry(NoBackoff(), 0),
             username=auth.get("username") or None,
             password=auth.get("password") or None,
+            **(self.tls.client_kwargs() if self.tls else {}),
         )
 
     def kill_sentinel(self, port: int) -> None:
@@ -170,9 +233,14 @@ class SentinelGroup:
         self.replica.start([*servers, "--replicaof", "127.0.0.1", str(self.primary.port)])
         for port in self.sentinel_ports:
             conf = self.workdir / f"sentinel-{port}.conf"
+            ports = f"port {port}\n"
+            if self.tls is not None:
+                ports = f"port 0\ntls-port {port}\n" + "".join(
+                    f"{k} {v}\n" for k, v in self.tls.directives().items()
+                )
             # Sentinel rewrites its own file (the replicas and peers it learns): one file each.
             conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndaemonize no\ndir {self.workdir}\n"
+                f"{ports}bind 127.0.0.1\ndaemonize no\ndir {self.workdir}\n"
                 f'protected-mode yes\naclfile "{sentinel_users}"\n'
                 f"sentinel monitor {self.name} 127.0.0.1 {self.primary.port} 2\n"
                 f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"

@@ -24,7 +24,7 @@ from appliance.cache.l2 import RedisSettings, RedisTier
 from appliance.cache.tiers import TierUnavailable
 from appliance.config import CacheConfig
 from appliance.v1 import inference_pb2 as pb
-from tests.cache.redis_server import SentinelGroup
+from tests.cache.redis_server import SentinelGroup, TlsFiles
 from tests.cache.test_cache_e2e import MAC_KEY, Gateway, counters_until, gateway
 from tests.cache.test_l2_faults import ANSWER, KEY
 from tests.cache.test_semantic_e2e import QUESTION, ask, semantic_config
@@ -299,3 +299,57 @@ async def test_a_sentinel_user_without_discovery_says_which_rules_to_give(
     assert "unreachable" in told and "'sentinel|masters'" in told, told
     lines = [r.getMessage() for r in caplog.records if r.name == "appliance.cache.l2"]
     assert any("sentinel_username names lacks this command" in line for line in lines), lines
+
+
+@pytest.fixture
+def tls_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
+    workdir = tmp_path_factory.mktemp("sentinel-tls")
+    g = SentinelGroup(workdir, tls=TlsFiles.make(workdir / "tls"))
+    try:
+        g.start()  # the replica in sync and every Sentinel knowing it: over TLS
+        yield g
+    finally:
+        g.stop()
+
+
+def _plaintext_ping(port: int) -> bytes:
+    """What a port answers a PING sent in the clear (b"": it closed the connection)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"PING\r\n")
+        try:
+            return conn.recv(64)
+        except ConnectionResetError:
+            return b""
+
+
+async def test_with_tls_the_gateway_talks_tls_to_the_sentinels_and_through_a_failover(
+    tls_group: SentinelGroup,
+) -> None:
+    """Servers and Sentinels take TLS only (replication and the Sentinels' links are TLS): a
+    gateway with a rediss:// url asks the Sentinels over TLS too, and follows a failover."""
+    group = tls_group
+    assert group.tls is not None
+    for port in (group.primary.port, group.replica.port, *group.sentinel_ports):
+        assert _plaintext_ping(port) == b"", port
+    tier = RedisTier(_settings(group, url="rediss://127.0.0.1:1/0", tls_ca_file=str(group.tls.ca)))
+    try:
+        assert await tier.check() == ""
+        assert await tier.put("ns", "m", KEY, ANSWER)
+        assert await tier.get("ns", "m", KEY) == ANSWER
+        assert group.primary.client().wait(1, 5000) == 1
+        group.primary.kill()
+        until(
+            lambda: group.primary_port() == group.replica.port,
+            "the Sentinels do not name the replica as primary",
+            30,
+            0.2,
+        )
+        await tier.client.connection_pool.disconnect()
+        # The breaker may be open from the calls that failed meanwhile: until it probes again.
+        deadline = time.monotonic() + 30
+        while not await tier.put("ns", "m", KEY, ANSWER):
+            assert time.monotonic() < deadline, tier.counters()
+            await asyncio.sleep(0.1)
+        assert group.replica.client().get(tier.redis_key("ns", "m", KEY)) is not None
+    finally:
+        await tier.close()
