@@ -75,6 +75,10 @@ GEN_MEMORY = 100_000
 # With Sentinels, how long an invalidation waits for a replica to take its generation (a replica
 # promoted without it would serve what the invalidation removed).
 REPLICA_WAIT_MS = 500
+# The least time a new connection (to Redis or a Sentinel) has to be set up, when it is TLS: TCP,
+# the handshake's round trip and key exchange, on a loaded host. A call's own time budget still
+# bounds it; the start-up check (at least 1 s) is what needs it, or a gateway starts with L2 off.
+TLS_CONNECT_S = 0.25
 
 
 def stamp(known: Sequence[int]) -> bytes:
@@ -225,7 +229,9 @@ class RedisTier(CacheTier):
         kwargs: dict[str, Any] = {
             **_credentials(settings),
             "max_connections": settings.max_connections,
-            "socket_connect_timeout": max(self._budget, 0.05),
+            "socket_connect_timeout": max(
+                self._budget, TLS_CONNECT_S if settings.url.startswith("rediss://") else 0.05
+            ),
             "retry_on_timeout": False,
             # With every connection in use, a call waits for one (within its own time budget)
             # rather than failing at once: a burst of lookups is not a Redis fault and must not

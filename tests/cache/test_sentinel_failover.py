@@ -20,7 +20,7 @@ import grpc
 import pytest
 import redis
 
-from appliance.cache.l2 import RedisSettings, RedisTier
+from appliance.cache.l2 import TLS_CONNECT_S, RedisSettings, RedisTier
 from appliance.cache.tiers import TierUnavailable
 from appliance.config import CacheConfig
 from appliance.v1 import inference_pb2 as pb
@@ -351,5 +351,24 @@ async def test_with_tls_the_gateway_talks_tls_to_the_sentinels_and_through_a_fai
             assert time.monotonic() < deadline, tier.counters()
             await asyncio.sleep(0.1)
         assert group.replica.client().get(tier.redis_key("ns", "m", KEY)) is not None
+    finally:
+        await tier.close()
+
+
+@pytest.mark.parametrize("sentinels", [(), ("10.0.0.2:26379", "10.0.0.3:26379")])
+async def test_a_tls_connection_is_given_time_for_its_handshake(
+    sentinels: tuple[str, ...],
+) -> None:
+    """A new TLS connection (to Redis or a Sentinel) is a handshake more than TCP: with a
+    request's 20 ms as its timeout, the start-up check (1 s) on a loaded host finds no primary
+    and the gateway starts with L2 off. A request's own budget still bounds it."""
+    settings = RedisSettings(url="rediss://10.0.0.2:6379/0", sentinels=sentinels, mac_key=MAC_KEY)
+    tier = RedisTier(settings)
+    try:
+        kwargs = tier.client.connection_pool.connection_kwargs
+        assert kwargs["socket_connect_timeout"] >= TLS_CONNECT_S
+        if tier._sentinel is not None:
+            assert tier._sentinel.sentinel_kwargs["socket_connect_timeout"] >= TLS_CONNECT_S
+            assert tier._sentinel.sentinel_kwargs["ssl"] is True
     finally:
         await tier.close()
