@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.cache.l2 import RedisSettings
 from appliance.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +91,19 @@ def test_a_redis_ca_bundle_reaches_the_gateway(
 
     assert plain.cache.redis is not None and plain.cache.redis.tls_ca_file is None
     assert rediss.cache.redis is not None and rediss.cache.redis.tls_ca_file == str(ca)
+    assert plain.cache.redis.timeout_ms == RedisSettings.timeout_ms
+
+
+def test_the_redis_time_budget_reaches_the_gateway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    (credentials / "redis-password").write_text("p" * 32)
+    (credentials / "cache-mac-key").write_bytes(b"k" * 32)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+    config = load_config(_render(tmp_path, {"appliance_redis_timeout_ms": 150}))
+    assert config.cache.redis is not None and config.cache.redis.timeout_ms == 150.0
 
 
 def test_the_gateway_logs_in_to_the_sentinels(
