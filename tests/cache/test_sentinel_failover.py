@@ -372,3 +372,30 @@ async def test_a_tls_connection_is_given_time_for_its_handshake(
             assert tier._sentinel.sentinel_kwargs["ssl"] is True
     finally:
         await tier.close()
+
+
+async def test_with_tls_the_stream_followers_use_the_primary_the_sentinels_name(
+    tiny: Tiny, engine: Engine, tls_group: SentinelGroup, embedder_dir: Path
+) -> None:
+    """The followers (semantic entries, invalidations) through the primary the Sentinels name,
+    with every link TLS."""
+    assert tls_group.tls is not None
+    settings = _settings(tls_group, url="rediss://127.0.0.1:1/0", tls_ca_file=str(tls_group.tls.ca))
+    config = dataclasses.replace(semantic_config(None, embedder_dir), redis=settings)
+    first = await gateway(tiny, engine, config)
+    other = await gateway(tiny, engine, config)
+    try:
+        for g in (first, other):
+            await counters_until(
+                g, lambda c: c["semantic_in_sync"] == 1 and c["l1_feed_in_step"] == 1
+            )
+        await first.stub.Complete(ask(QUESTION))
+        await counters_until(other, lambda c: c["semantic_entries"] == 1)
+        assert (await other.stub.Complete(ask(QUESTION))).final.cache_tier == L2
+        await first.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
+        await counters_until(
+            other, lambda c: c["semantic_entries"] == 0 and c["l1_peer_invalidations"] == 1
+        )
+    finally:
+        await other.close()
+        await first.close()

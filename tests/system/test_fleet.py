@@ -20,6 +20,10 @@ Steps, in order (they share the two containers):
 Redis runs with ACL users only (the role turns `default` off): the gateways', the replication user
 every server uses with its primary, and the Sentinels'. Their passwords, and the cache MAC key, are
 controller files the test writes once and gives both hosts, as a fleet's inventory must.
+Redis TLS is on (redis_tls_port, the number of redis_port): every Redis-protocol link between the
+hosts is TLS (gateway -> Redis and Sentinels, replication, Sentinel -> Redis and Sentinel ->
+Sentinel), and neither Redis nor a Sentinel answers in plaintext. The certificate (both hosts'
+addresses) and its CA are the test's, bound read-only into each container at TLS_DIR.
 
 Needs root, systemd-nspawn, debootstrap, nsenter, ip and .venv-ansible (tests/prereqs.py stops the run
 naming what is missing); the Debian root and the dependency wheels are the ones test_e2e.py uses
@@ -48,6 +52,7 @@ from typing import Any
 
 import pytest
 
+from tests.security.certs import CA
 from tests.system import containers
 from tests.system.containers import REPO, Machine
 
@@ -67,6 +72,11 @@ SECRETS = {
     "redis-sentinel-password": "redis_sentinel_password_src",
 }
 SENTINEL_PASSWORD = "/etc/appliance/credentials/redis-sentinel-password"
+# The containers' Redis certificate, key and CA (a test's key: world-readable, read-only).
+TLS_DIR = "/srv/redis-tls"
+TLS_CA = f"{TLS_DIR}/ca.pem"
+# What redis-cli in a container needs to talk to Redis or a Sentinel (TLS only).
+TLS_CLI = f"--tls --cacert {TLS_CA}"
 
 
 @dataclass
@@ -93,7 +103,16 @@ class Fleet:
                 # Two Sentinels that see the primary down at the same moment may each vote for
                 # itself; neither wins, and the next election waits twice the failover timeout.
                 redis_sentinel_failover_timeout_ms=10000,
+                redis_tls_port=6379,
+                redis_tls_cert_file=f"{TLS_DIR}/redis.crt",
+                redis_tls_key_file=f"{TLS_DIR}/redis.key",
+                redis_tls_ca_file=TLS_CA,
                 appliance_redis_sentinels=sentinels,
+                appliance_redis_url="rediss://_/0",
+                appliance_redis_tls_ca_file=TLS_CA,
+                # A loaded 2-core CI machine: a call that sets up a TLS connection (a handshake
+                # with the Sentinel and one with the primary) can take more than 20 ms.
+                appliance_redis_timeout_ms=200,
                 appliance_roll_min_ready_s=3,
                 # The hosts' own addresses on the test's private bridge: clients in another
                 # namespace reach the gateways there, in plaintext and without keys.
@@ -159,8 +178,8 @@ def _replication(m: Machine) -> dict[str, str]:
     out = m.sh(
         "sh",
         "-c",
-        f'REDISCLI_AUTH="$(cat {SENTINEL_PASSWORD})" redis-cli --no-auth-warning --user sentinel'
-        " info replication",
+        f'REDISCLI_AUTH="$(cat {SENTINEL_PASSWORD})" redis-cli {TLS_CLI} --no-auth-warning'
+        " --user sentinel info replication",
     ).stdout
     return dict(line.strip().split(":", 1) for line in out.splitlines() if ":" in line)
 
@@ -174,14 +193,21 @@ def _primary_named(m: Machine) -> list[str]:
     return m.sh(
         "sh",
         "-c",
-        f'REDISCLI_AUTH="$(cat {GATEWAY_PASSWORD})" redis-cli --no-auth-warning --user appliance'
-        " -p 26379 sentinel get-master-addr-by-name appliance",
+        f'REDISCLI_AUTH="$(cat {GATEWAY_PASSWORD})" redis-cli {TLS_CLI} --no-auth-warning'
+        " --user appliance -p 26379 sentinel get-master-addr-by-name appliance",
     ).stdout.split()
 
 
 def _sentinel_refuses(m: Machine, *command: str) -> str:
     """What the container's Sentinel answers a client that does not log in."""
-    return m.sh("redis-cli", "-h", HOSTS[m.name], "-p", "26379", *command).stdout.strip()
+    argv = ["redis-cli", *TLS_CLI.split(), "-h", HOSTS[m.name], "-p", "26379", *command]
+    return m.sh(*argv).stdout.strip()
+
+
+def _in_plaintext(client: Machine, server: str, port: int) -> str:
+    """What `server`'s `port` answers a PING without TLS from `client`'s redis-cli."""
+    said = client.sh("redis-cli", "-h", HOSTS[server], "-p", str(port), "ping", timeout=30)
+    return (said.stdout + said.stderr).strip()
 
 
 def _ip(*argv: str) -> None:
@@ -212,6 +238,18 @@ def _network(tag: str) -> tuple[str, list[str]]:
     return client, spaces
 
 
+def _redis_tls(directory: Path) -> Path:
+    """A CA and one certificate for both hosts' Redis and Sentinel (their addresses: the gateways
+    verify the host they connect to), readable by the containers' redis user."""
+    directory.mkdir()
+    ca = CA(directory, "ca")
+    issued = ca.issue("redis", "redis", hosts=(*HOSTS.values(), "127.0.0.1"))
+    for path in (ca.path, issued.cert, issued.key):
+        path.chmod(0o644)
+    directory.chmod(0o755)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def fleet(embedder_dir: Path) -> Iterator[Fleet]:
     started = time.monotonic()
@@ -225,10 +263,11 @@ def fleet(embedder_dir: Path) -> Iterator[Fleet]:
         (workdir / "secrets").mkdir(mode=0o700)
         for name in SECRETS:
             (workdir / "secrets" / name).write_text(secrets.token_hex(32) + "\n")
+        tls = _redis_tls(workdir / "redis-tls")
         client, spaces = _network(tag)
         for (name, _), ns in zip(HOSTS.items(), spaces[1:], strict=True):
             root = containers.copy_root(root_src, workdir / f"root-{name}")
-            binds = [f"{wheels}:/srv/wheelhouse"]
+            binds = [f"{wheels}:/srv/wheelhouse", f"{tls}:{TLS_DIR}"]
             machines[name] = containers.boot(name, workdir, root, ns, binds)
         containers.say(f"two containers booted in {time.monotonic() - started:.0f} s")
         yield Fleet(workdir, wheels, client, machines, embedder_dir)
@@ -262,6 +301,12 @@ def test_provision_two_hosts(fleet: Fleet) -> None:
     for m in fleet.machines.values():
         assert _primary_named(m) == [a_ip, "6379"]
         assert _sentinel_refuses(m, "sentinel", "remove", "appliance").startswith("NOAUTH")
+    # Replication and the Sentinels' links above are TLS: nothing answers in plaintext (a
+    # NOAUTH or PONG would be an answer), from the other host as from the host itself.
+    for client, server in itertools.product(fleet.machines.values(), HOSTS):
+        for port in (6379, 26379):
+            said = _in_plaintext(client, server, port)
+            assert "NOAUTH" not in said and "PONG" not in said, (client.name, server, port, said)
     _warm_up_on_one_host_is_cached_for_the_other(fleet)
     _a_question_on_one_host_answers_its_paraphrase_on_the_other(fleet)
 
@@ -342,6 +387,7 @@ for prompt in open(sys.argv[2]).read().splitlines():
 
 # argv: GATEWAY_A GATEWAY_B; asks a question of A, then polls B with a paraphrase under cache_policy
 # ONLY (never generated) until its semantic tier answers or 60 s pass; prints what answered, as JSON.
+# UNAVAILABLE (a tier over its time budget on this loaded host: "try again later") is polled again.
 _ASK_SEMANTIC = """
 import json, sys, time, grpc
 from appliance.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
@@ -356,7 +402,8 @@ while True:
         second = ask(sys.argv[2], "How can I get rid of acne?", pb.CACHE_POLICY_ONLY)
         break
     except grpc.RpcError as exc:
-        if exc.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+        again = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+        if exc.code() not in again or time.monotonic() > deadline:
             raise
         time.sleep(0.1)
 print(json.dumps({"question": pb.CacheTier.Name(first.final.cache_tier),
