@@ -117,7 +117,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     from appliance.tools.tiny_model import ensure_tiny_model
 
     try:
-        model_dir, repo_dir = ensure_tiny_model(Path(args.dest))
+        model_dir, repo_dir = ensure_tiny_model(Path(args.dest), args.guided_decoding)
     except OSError as exc:
         print(
             logline.escape(f"appliance make-tiny-model: --dest {args.dest}: {exc.strerror or exc}"),
@@ -451,6 +451,12 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny-model", help="write the small random-weight model + repository")
     t.add_argument("--dest", default="var/tiny", help="output directory (default var/tiny)")
+    t.add_argument(
+        "--guided-decoding",
+        action="store_true",
+        help="write the repository with guided decoding on (the engine then needs xgrammar: "
+        "the `guided` extra)",
+    )
     t.set_defaults(func=_make_tiny_model)
 
     m = sub.add_parser(

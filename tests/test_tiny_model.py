@@ -211,6 +211,24 @@ def test_ensure_rewrites_a_repository_whose_guided_decoding_differs(tmp_path: Pa
     assert weights.stat().st_mtime_ns == stamp
 
 
+def test_make_tiny_model_writes_guided_decoding_on_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the ansible role runs on a host whose venv has xgrammar (and, without the option, on
+    one without it): the repository is written again when the option changes."""
+    from appliance.cli import main
+
+    info = tmp_path / "repo" / "tensorrt_llm" / "tokenizer" / TOKENIZER_INFO_FILE
+    assert main(["make-tiny-model", "--dest", str(tmp_path), "--guided-decoding"]) == 0
+    config = (tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").read_text()
+    cfg = text_format.Parse(config, mc.ModelConfig())
+    assert cfg.parameters["guided_decoding_backend"].string_value == "xgrammar"
+    assert info.is_file()
+    assert main(["make-tiny-model", "--dest", str(tmp_path)]) == 0
+    assert not info.exists()
+    assert f"repository: {tmp_path / 'repo'}" in capsys.readouterr().out
+
+
 def test_weights_are_readable_by_other_users(tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path)
     assert (model_dir / "model.safetensors").stat().st_mode & 0o777 == 0o644

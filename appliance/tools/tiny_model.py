@@ -218,16 +218,18 @@ def write_tiny_model(dest: Path, name: str = "model", seed: int = 0) -> Path:
     return model_dir
 
 
-def ensure_tiny_model(root: Path) -> tuple[Path, Path]:
-    """Return (root/model, root/repo), creating them unless a complete pair is already there.
+def ensure_tiny_model(root: Path, guided_decoding: bool = False) -> tuple[Path, Path]:
+    """Return (root/model, root/repo), creating them unless a complete pair is already there (a
+    repository whose guided decoding is not `guided_decoding` is written again).
 
-    The repository has guided decoding off: tests start engine servers on it many times, and a
-    model with guided decoding imports xgrammar at load (seconds). Tests of guided decoding write
-    their own repository of the same checkpoint with it on.
+    By default the repository has guided decoding off: tests start engine servers on it many
+    times, and a model with guided decoding imports xgrammar at load (seconds). Tests of guided
+    decoding write their own repository of the same checkpoint with it on; a host provisioned with
+    the tiny model asks for it on where its venv has xgrammar.
     """
     return ensure_model(
         root,
         lambda d: write_tiny_model(d.parent, d.name),
         CHECKPOINT_FILES,
-        guided_decoding=False,
+        guided_decoding=guided_decoding,
     )

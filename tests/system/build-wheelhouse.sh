@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the wheelhouse the appliance role installs from inside the container (no network there):
-# the runtime dependencies + the engine extra with the CPU torch wheel, cached outside the repository by a
-# hash of pyproject.toml, and a fresh wheel of this package in a per-run directory. Prints the directory.
+# the runtime dependencies + the engine and guided extras with the CPU torch wheel, cached outside the
+# repository by a hash of pyproject.toml, and a fresh wheel of this package in a per-run directory. Prints the directory.
 # usage: build-wheelhouse.sh OUTDIR   (OUTDIR gets the package wheel and hard links/copies of the cached deps)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,7 +11,8 @@ pip=".venv/bin/pip"
 # The container runs Debian's Python 3.11.2, this venv may be newer: requirements with markers for older
 # Pythons (redis needs async-timeout below 3.11.3) are added by hand.
 extra=("async-timeout>=4.0.3")
-key=$( (cat pyproject.toml; echo torch==2.13.0 "${extra[@]}") | sha256sum | cut -c1-12)
+extras="engine,guided"
+key=$( (cat pyproject.toml; echo torch==2.13.0 "$extras" "${extra[@]}") | sha256sum | cut -c1-12)
 deps="$cache/wheelhouse-$key"
 if [ ! -f "$deps/.complete" ]; then
   tmp="$cache/.wheelhouse-$key-$$"
@@ -19,7 +20,7 @@ if [ ! -f "$deps/.complete" ]; then
   mkdir -p "$tmp"
   # CPU torch first (the local wheel), so the engine extra does not pull a CUDA build.
   "$pip" wheel -q -w "$tmp" "torch==2.13.0" >&2
-  "$pip" wheel -q -w "$tmp" --find-links "$tmp" "torch==2.13.0" ".[engine]" "${extra[@]}" >&2
+  "$pip" wheel -q -w "$tmp" --find-links "$tmp" "torch==2.13.0" ".[$extras]" "${extra[@]}" >&2
   rm -f "$tmp"/llm_appliance-*.whl
   touch "$tmp/.complete"
   rm -rf "$deps"

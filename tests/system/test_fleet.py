@@ -123,6 +123,9 @@ class Fleet:
                 # another, so their requests never wait on an embedding.
                 appliance_semantic_embedder_src=str(self.embedder_dir),
                 appliance_semantic_namespaces=["sem"],
+                # Guided decoding under the engine's unit is test_e2e.py's; off here, neither
+                # host installs xgrammar (about 1 GB with its dependencies) nor loads it.
+                appliance_engine_guided_decoding=False,
             )
             for name, m in self.machines.items()
         }
