@@ -5,6 +5,9 @@ Steps, in order (each test is one step; they share one container):
   bad input   -> a missing and a contradictory variable fail in the play's first task, naming the variable
   first run   -> ansible-playbook site.yml succeeds; appliance.target and its services are active
   generate    -> a streamed Generate through the gateway in the container returns tokens
+  guided      -> an answer under a JSON Schema parses and validates; a guide the engine's compile (a
+                 child process under the engine's unit sandbox) refuses is INVALID_ARGUMENT, and the
+                 engine stays up (no restart)
   semantic    -> a question, then its paraphrase answered by the semantic tier (Redis as the role's
                  ACL user, the embedder exported on the controller and copied by the role)
   access log  -> every request's access line reaches the journal past journald's rate limit
@@ -39,6 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from tests.system import containers, gpu_stubs
@@ -126,7 +130,7 @@ def test_first_run_provisions_the_appliance(
     t0 = time.monotonic()
     result = machine.playbook(inventory())
     out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
+    assert result.returncode == 0, out[-4000:] + machine.journal("appliance-engine.service")[-3000:]
     recap = _recap(out)
     assert recap["failed"] == 0 and recap["changed"] > 0
     print(f"\nfirst playbook run: {time.monotonic() - t0:.0f} s, {recap}", file=sys.stderr)
@@ -170,6 +174,76 @@ def test_streamed_generate_returns_tokens(machine: Machine) -> None:
     unix = machine.sh("cat", "/proc/net/unix").stdout.splitlines()
     named = [line for line in unix if line.endswith(" /run/appliance-engine/streams.sock")]
     assert len(named) == 2, unix
+
+
+def test_a_guided_answer_validates_and_a_bad_guide_leaves_the_engine_up(machine: Machine) -> None:
+    """The tiny model's repository has guided decoding on (the role's default): the engine
+    compiles every new guide first in a forkserver child under its unit's sandbox (seccomp
+    filter, private /tmp, read-only system, resource limits), then in itself."""
+    engine = "appliance-engine.service"
+    info = "/var/lib/appliance/models/repo/tensorrt_llm/tokenizer/xgrammar_tokenizer_info.json"
+    assert machine.sh("test", "-f", info).returncode == 0, "the repository has guided decoding off"
+    restarts, pid = machine.show(engine, "NRestarts"), machine.show(engine, "MainPID")
+    answer = _client(machine, "tests.system.guided_generate", "127.0.0.1:50051", timeout=300)
+    assert answer["finish_reason"] == "FINISH_REASON_STOP", answer
+    jsonschema.validate(json.loads(answer["text"]), answer["schema"])
+    refused = answer["refused"]
+    assert refused["code"] == "INVALID_ARGUMENT", refused
+    # The gateway names where the refusal came from.
+    assert refused["details"].startswith("inference server: the EBNF grammar cannot be compiled: ")
+    assert 'Rule "undefined" is not defined' in refused["details"], refused
+    assert machine.is_active(engine) == "active", machine.journal(engine)[-3000:]
+    assert (machine.show(engine, "NRestarts"), machine.show(engine, "MainPID")) == (restarts, pid)
+
+
+# What the probe's unit takes from the engine's: every [Service] setting but how it starts, stops
+# and is supervised, and its runtime directory (removed when the probe stops: the engine's socket).
+NOT_SANDBOX = {
+    "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "WatchdogSec", "Restart", "RestartSec",
+    "TimeoutStartSec", "TimeoutStopSec", "RuntimeDirectory", "RuntimeDirectoryMode",
+}  # fmt: skip
+PROBE = "appliance-guide-probe.service"
+
+
+def _sandbox_of(unit_text: str) -> list[str]:
+    """The [Service] lines of `systemctl cat` output (the unit and its drop-ins) that sandbox it."""
+    kept, section = [], ""
+    for line in unit_text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            kept += [line] if line.split("=", 1)[0] not in NOT_SANDBOX else []
+    return kept
+
+
+def test_the_guide_compile_keeps_its_limits_in_the_engine_units_sandbox(machine: Machine) -> None:
+    """The compile's child lowers its own memory and CPU limits (setrlimit) and is killed at its
+    deadline; a sandbox that refused the limit would leave it unbounded without a word. The
+    installed venv's compile path, run in a unit with the engine unit's sandbox settings."""
+    engine = machine.sh("systemctl", "cat", "appliance-engine.service")
+    assert engine.returncode == 0, engine.stderr
+    sandbox = _sandbox_of(engine.stdout)
+    assert "SystemCallFilter=@system-service" in sandbox and "PrivateTmp=yes" in sandbox, sandbox
+    root = machine.workdir / "root"
+    script = "usr/local/lib/appliance-guide-probe.py"
+    unit = f"etc/systemd/system/{PROBE}"
+    shutil.copyfile(REPO / "tests/system/guide_compile_probe.py", root / script)
+    start = f"ExecStart=/opt/appliance/venv/bin/python /{script} /var/lib/appliance/models"
+    (root / unit).write_text("\n".join(["[Service]", "Type=oneshot", *sandbox, start, ""]))
+    try:
+        assert machine.sh("systemctl", "daemon-reload").returncode == 0
+        ran = machine.sh("systemctl", "start", PROBE, timeout=300)
+        journal = machine.journal(PROBE)
+        assert ran.returncode == 0, journal[-3000:]
+        seen = json.loads([line for line in journal.splitlines() if line.startswith("{")][-1])
+    finally:
+        (root / unit).unlink()
+        (root / script).unlink()
+        machine.sh("systemctl", "daemon-reload")
+    assert seen["memory"].startswith("the JSON Schema cannot be compiled within 1 MiB"), seen
+    assert seen["deadline"].startswith("the JSON Schema cannot be compiled within 0.5 s"), seen
+    assert seen["after"] == "compiled" and seen["children"] == [], seen
 
 
 def test_a_paraphrase_is_answered_by_the_semantic_tier(machine: Machine) -> None:
