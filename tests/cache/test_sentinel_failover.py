@@ -157,7 +157,16 @@ async def test_the_stream_followers_use_the_primary_the_sentinels_name(
 ) -> None:
     """Not the host in `url` (nothing listens there): the semantic tier's entries and every
     invalidation reach the other gateway through the primary the Sentinels name."""
-    settings = _settings(group, url="redis://127.0.0.1:1/0")
+    await _followers_reach_the_other_gateway(
+        tiny, engine, _settings(group, url="redis://127.0.0.1:1/0"), embedder_dir
+    )
+
+
+async def _followers_reach_the_other_gateway(
+    tiny: Tiny, engine: Engine, settings: RedisSettings, embedder_dir: Path
+) -> None:
+    """Two gateways on `settings`: a semantic entry the first writes, and an invalidation it
+    sends, reach the second through the followers."""
     config = dataclasses.replace(semantic_config(None, embedder_dir), redis=settings)
     first = await gateway(tiny, engine, config)
     other = await gateway(tiny, engine, config)
@@ -381,21 +390,4 @@ async def test_with_tls_the_stream_followers_use_the_primary_the_sentinels_name(
     with every link TLS."""
     assert tls_group.tls is not None
     settings = _settings(tls_group, url="rediss://127.0.0.1:1/0", tls_ca_file=str(tls_group.tls.ca))
-    config = dataclasses.replace(semantic_config(None, embedder_dir), redis=settings)
-    first = await gateway(tiny, engine, config)
-    other = await gateway(tiny, engine, config)
-    try:
-        for g in (first, other):
-            await counters_until(
-                g, lambda c: c["semantic_in_sync"] == 1 and c["l1_feed_in_step"] == 1
-            )
-        await first.stub.Complete(ask(QUESTION))
-        await counters_until(other, lambda c: c["semantic_entries"] == 1)
-        assert (await other.stub.Complete(ask(QUESTION))).final.cache_tier == L2
-        await first.admin.Invalidate(pb.InvalidateRequest(namespace="sem"))
-        await counters_until(
-            other, lambda c: c["semantic_entries"] == 0 and c["l1_peer_invalidations"] == 1
-        )
-    finally:
-        await other.close()
-        await first.close()
+    await _followers_reach_the_other_gateway(tiny, engine, settings, embedder_dir)
