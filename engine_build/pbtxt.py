@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from engine_build.kv_blocks import TOKENS_PER_BLOCK_PARAMETER
+
 MODEL_NAME = "tensorrt_llm"
 BACKEND = "tensorrtllm"
 
@@ -94,13 +96,6 @@ SPEC_OUTPUTS: tuple[tuple[str, int], ...] = (
     (DRAFT_TOKENS_OUTPUT, mc.TYPE_INT32),
 )
 PERF_OUTPUTS = KV_CACHE_OUTPUTS + TIMING_OUTPUTS + SPEC_OUTPUTS
-# The KV-cache block size in tokens. Not a backend parameter (TensorRT-LLM reads it from the
-# engine, built with `trtllm-build --tokens_per_block`): `engine-build repo` writes the value it
-# built with, so the engine server and the gateway count blocks of the same size.
-TOKENS_PER_BLOCK_PARAMETER = "tokens_per_block"
-# TensorRT-LLM 1.2's build default (PluginConfig.tokens_per_block): the size where a config.pbtxt
-# does not record one.
-DEFAULT_TOKENS_PER_BLOCK = 32
 # The per-request switch of speculation (BOOL; false: this request decodes without drafts). The
 # tensorrtllm backend has none: a TensorRT-LLM engine speculates on every request of a model whose
 # `decoding_mode` is speculative. The appliance engine server declares it on the models it serves

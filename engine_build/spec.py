@@ -16,7 +16,7 @@ from typing import Any
 
 from appliance import tomlcheck
 from appliance.tomlcheck import Fail, Table
-from engine_build import pbtxt
+from engine_build import kv_blocks, pbtxt
 from engine_build.errors import BuildError, SpecError
 from engine_build.formats import (
     AWQ_BLOCK_SIZES,
@@ -93,7 +93,7 @@ class BuildSpec:
     multiple_profiles: bool = True
     tp_size: int = 1
     gpu_ids: tuple[int, ...] = (0,)
-    tokens_per_block: int = pbtxt.DEFAULT_TOKENS_PER_BLOCK
+    tokens_per_block: int = kv_blocks.DEFAULT_TOKENS_PER_BLOCK
     enable_kv_cache_reuse: bool = False
     kv_cache_free_gpu_mem_fraction: float = 0.9
     gemm: str = "gemm_plugin"

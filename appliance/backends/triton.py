@@ -43,9 +43,9 @@ from appliance.backends.stream_pool import StreamPool
 from appliance.backends.stream_socket import SocketStream
 from appliance.logline import Throttled
 from appliance.textfile import TextFileError, read_text
+from engine_build.kv_blocks import DEFAULT_TOKENS_PER_BLOCK, TOKENS_PER_BLOCK_PARAMETER
 from engine_build.pbtxt import (
     ACCEPTED_DRAFT_TOKENS_OUTPUT,
-    DEFAULT_TOKENS_PER_BLOCK,
     DRAFT_TOKENS_OUTPUT,
     GUIDED_DECODING_INPUTS,
     KV_CACHE_REUSED_BLOCKS_OUTPUT,
@@ -53,7 +53,6 @@ from engine_build.pbtxt import (
     PERF_METRICS_INPUT,
     SPECULATION_INPUT,
     SPECULATIVE_DECODING_MODES,
-    TOKENS_PER_BLOCK_PARAMETER,
     TOP_LOGPROB_IDS_OUTPUT,
     TOP_LOGPROBS_INPUT,
     TOP_LOGPROBS_OUTPUT,

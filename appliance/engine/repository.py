@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from google.protobuf import text_format
 
 from appliance.textfile import TextFileError, read_text
-from engine_build.pbtxt import DEFAULT_TOKENS_PER_BLOCK, TOKENS_PER_BLOCK_PARAMETER
+from engine_build.kv_blocks import DEFAULT_TOKENS_PER_BLOCK, TOKENS_PER_BLOCK_PARAMETER
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc

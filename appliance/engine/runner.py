@@ -37,7 +37,7 @@ from appliance.engine.repository import KvCacheParams
 from appliance.engine.sampling import SamplingParams, TopLogprobs, generate
 from appliance.engine.speculative import Drafter, SpecCounts
 from appliance.engine.verify import GraphVerify
-from engine_build.pbtxt import DEFAULT_TOKENS_PER_BLOCK
+from engine_build.kv_blocks import DEFAULT_TOKENS_PER_BLOCK
 
 log = logging.getLogger(__name__)
 
