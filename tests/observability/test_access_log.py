@@ -63,16 +63,18 @@ async def test_a_hostile_namespace_is_one_line_in_either_format(
     gateway: RunningGateway, access: Records
 ) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        await pb_grpc.InferenceStub(channel).Complete(
-            pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=1, namespace=HOSTILE)
-        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # no namespace may hold them
+            await pb_grpc.InferenceStub(channel).Complete(
+                pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=1, namespace=HOSTILE)
+            )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     (record,) = access.records
     for formatter in (JsonFormatter(), OneLineFormatter(FORMAT)):
         line = formatter.format(record)
         assert line.splitlines() == [line], line
         assert line.isprintable(), ascii(line)
     fields = json.loads(JsonFormatter().format(record))
-    assert fields["namespace"] == HOSTILE and fields["status"] == "OK"
+    assert fields["namespace"] == HOSTILE and fields["status"] == "INVALID_ARGUMENT"
 
 
 async def test_the_json_fields_are_the_ones_the_readme_lists(
