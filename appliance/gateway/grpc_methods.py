@@ -128,36 +128,21 @@ async def _one_request(
     return request
 
 
-def _gated_unary(
-    behavior: Callable[..., Any],
+def _gated(
+    checked: Callable[..., Any],
     method: str,
     expected: str,
     gate: Gate | None,
     read_s: float | None,
 ) -> Callable[..., Any]:
-    checked = _unary(behavior, method)
+    """`checked` (a method as `_unary` or `_stream` wraps it) served as a stream-request method:
+    its one request is read once the gate let the call through."""
 
-    async def unary(_requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+    async def gated(_requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
         request = await _one_request(context, method, expected, gate, read_s)
         return await checked(request, context)
 
-    return unary
-
-
-def _gated_stream(
-    behavior: Callable[..., Any],
-    method: str,
-    expected: str,
-    gate: Gate | None,
-    read_s: float | None,
-) -> Callable[..., Any]:
-    checked = _stream(behavior, method)
-
-    async def stream(_requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
-        request = await _one_request(context, method, expected, gate, read_s)
-        await checked(request, context)
-
-    return stream
+    return gated
 
 
 def _unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
@@ -231,7 +216,7 @@ def _tolerant(
         # Served as a stream-request method, so that nothing of the message is read before the
         # gate has seen the call.
         if handler.response_streaming:
-            behavior = _gated_stream(handler.unary_stream, method, expected, gate, read_s)
+            behavior = _gated(_stream(handler.unary_stream, method), method, expected, gate, read_s)
             return handler._replace(
                 request_streaming=True,
                 request_deserializer=deserialize,
@@ -242,7 +227,9 @@ def _tolerant(
             request_streaming=True,
             request_deserializer=deserialize,
             unary_unary=None,
-            stream_unary=_gated_unary(handler.unary_unary, method, expected, gate, read_s),
+            stream_unary=_gated(
+                _unary(handler.unary_unary, method), method, expected, gate, read_s
+            ),
         )
     if handler.response_streaming:
         return handler._replace(
