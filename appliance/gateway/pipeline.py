@@ -768,6 +768,10 @@ class Pipeline:
             # meanwhile is not logged as never retrieved.
             if not work.cancel() and not work.cancelled():
                 work.exception()
+            # The future holds the error it ended with, whose traceback holds this frame: a
+            # cycle that would keep the work's inputs and outputs (a refused prompt's token ids)
+            # alive until a garbage collection, which then frees them on the event loop.
+            del work
 
     def single_flight(
         self,

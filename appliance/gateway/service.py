@@ -63,6 +63,17 @@ def _set_pushback(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
         context.set_trailing_metadata((("grpc-retry-pushback-ms", str(exc.retry_after_ms)),))
 
 
+def _detached(exc: RequestError) -> RequestError:
+    """The refusal without its traceback and chain, to abort the call with: the error abort
+    raises has the refusal as its context and stays in a reference cycle with grpc's frames, and
+    the refusal's traceback holds the pipeline's frames and what they hold (a refused prompt's
+    token ids, the checked request), which a garbage collection would then free on the event
+    loop, during whatever request triggers it."""
+    exc.__traceback__ = None
+    exc.__cause__ = exc.__context__ = None
+    return exc
+
+
 def _admitted() -> Grant | None:
     """The grant the method's gate gave the call (None: the servicer was called ungated)."""
     grant = grpc_methods.held()
@@ -156,7 +167,7 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
                     yield messages.final(reply)
         except RequestError as exc:
             _set_pushback(context, exc)
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, _detached(exc).message)
         finally:
             if grant is not None:
                 grant.release()  # the pipeline's, done already unless its replies were left
@@ -185,7 +196,7 @@ class InferenceService(pb_grpc.InferenceServicer):  # type: ignore[misc]
                     messages.fill_final(reply.final, part)
         except RequestError as exc:
             _set_pushback(context, exc)
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, _detached(exc).message)
         finally:
             if grant is not None:
                 grant.release()
