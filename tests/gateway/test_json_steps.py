@@ -121,11 +121,18 @@ def test_the_same_texts_parse_to_the_same_values(
             assert rewritten(variant, step) == texts, (variant, step)
 
 
-@pytest.mark.parametrize("text", EDGE_TEXTS)
-@pytest.mark.parametrize("step", [1, 4, STEP_CHARS])
+# Every edge text at every step, but a text walked 600 deep: the one documented difference,
+# test_deep_long_containers_are_text_that_does_not_parse.
+EDGE_CASES = [
+    (text, step)
+    for step in (1, 4, STEP_CHARS)
+    for text in EDGE_TEXTS
+    if not (text.startswith("[" * 600) and step < len(text))
+]
+
+
+@pytest.mark.parametrize(("text", "step"), EDGE_CASES)
 def test_json_s_own_readings_are_kept(text: str, step: int) -> None:
-    if text.startswith("[" * 600) and step < len(text):
-        pytest.skip("walked 600 deep: test_deep_long_containers_are_text_that_does_not_parse")
     assert repr(stepped(text, step)) == repr(stdlib(text))
     assert rewritten(text, step) == stdlib_texts(text)
 
